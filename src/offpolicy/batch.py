@@ -1,0 +1,148 @@
+"""``LogProbBatch``: the per-token tensors every correction, loss and metric consumes, validated once.
+
+Shapes (B = sequences, T = response tokens, K = top-k width):
+
+=====================  ===========  =================================================================
+field                  shape        meaning
+=====================  ===========  =================================================================
+``logp``               [B, T]       log π_θ of the sampled token (may carry grad)
+``old_logp``           [B, T]|None  log π_old, training engine at rollout time (PPO anchor)
+``rollout_logp``       [B, T]|None  log μ, inference engine that actually sampled
+``mask``               [B, T]       1 for response tokens that count, 0 for padding / prompt / tool output
+``advantages``         [B]|[B, T]   per-sequence or per-token advantage
+``token_divergence``   [B, T]|None  exact (or top-k bound) per-token KL(μ‖π), e.g. from ``offpolicy.divergence``
+``token_divergence_kind``   str     what ``token_divergence`` is: ``"exact"`` (full logits) or ``"topk"`` (lower bound)
+=====================  ===========  =================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from offpolicy.ratios import as_mask
+
+
+def _check_tensor(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_same_shape(name: str, x: Tensor, like_name: str, like: Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``x`` does not have ``like``'s shape."""
+    _check_tensor(name, x)
+    if x.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {like_name} has shape {tuple(like.shape)}; they must match")
+
+
+def check_token_tensor(name: str, x: Tensor) -> None:
+    """Raise ``ValueError`` unless ``x`` is a floating [B, T] tensor."""
+    _check_tensor(name, x)
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_mask(mask: Tensor, like: Tensor, like_name: str = "logp", *, require_valid: bool = False) -> None:
+    """Validate a [B, T] mask of 0/1 (bool, int or float). ``require_valid`` also demands ≥ 1 valid token."""
+    check_same_shape("mask", mask, like_name, like)
+    if mask.dtype != torch.bool and not torch.jit.is_tracing():
+        if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+            pass
+        else:
+            raise ValueError(f"mask must be bool, integer or float, got dtype {mask.dtype}")
+    if require_valid and not bool(as_mask(mask).any()):
+        raise ValueError("mask has no valid token (all zeros); at least one response token is required")
+
+
+def check_advantages(advantages: Tensor, like: Tensor) -> None:
+    """Advantages are [B] (per sequence) or [B, T] (per token)."""
+    _check_tensor("advantages", advantages)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != like.shape[0]:
+            raise ValueError(f"advantages has shape {tuple(advantages.shape)} but the batch has {like.shape[0]} sequences")
+    elif advantages.dim() == 2:
+        check_same_shape("advantages", advantages, "logp", like)
+    else:
+        raise ValueError(f"advantages must be [B] or [B, T], got shape {tuple(advantages.shape)}")
+
+
+def token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
+    """Broadcast [B] advantages to [B, T] float32 (per-token advantages pass through, cast to float32)."""
+    a = advantages.float()
+    return a.unsqueeze(-1).expand_as(like) if a.dim() == 1 else a
+
+
+@dataclass(frozen=True)
+class LogProbBatch:
+    """Validated per-token log-probs of the three policies. See the module docstring for shapes.
+
+    >>> b = LogProbBatch(logp=torch.zeros(2, 3), mask=torch.ones(2, 3), advantages=torch.tensor([1.0, -1.0]))
+    >>> b.batch_size, b.seq_len
+    (2, 3)
+    >>> LogProbBatch(logp=torch.zeros(2, 3), mask=torch.ones(2, 4))
+    Traceback (most recent call last):
+    ...
+    ValueError: mask has shape (2, 4) but logp has shape (2, 3); they must match
+    """
+
+    logp: Tensor
+    mask: Tensor
+    old_logp: Tensor | None = None
+    rollout_logp: Tensor | None = None
+    advantages: Tensor | None = None
+    token_divergence: Tensor | None = None
+    token_divergence_kind: str = "exact"
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_token_tensor("logp", self.logp)
+        check_mask(self.mask, self.logp)
+        for name in ("old_logp", "rollout_logp", "token_divergence"):
+            value = getattr(self, name)
+            if value is not None:
+                check_token_tensor(name, value)
+                check_same_shape(name, value, "logp", self.logp)
+        if self.token_divergence_kind not in ("exact", "topk"):
+            raise ValueError(f"token_divergence_kind must be 'exact' or 'topk', got {self.token_divergence_kind!r}")
+        if self.advantages is not None:
+            check_advantages(self.advantages, self.logp)
+
+    @property
+    def batch_size(self) -> int:
+        return self.logp.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.logp.shape[1]
+
+    @property
+    def bool_mask(self) -> Tensor:
+        return as_mask(self.mask)
+
+    @property
+    def behaviour_logp(self) -> Tensor:
+        """log μ if the rollout engine's log-probs exist, else log π_old, else log π_θ detached (on-policy)."""
+        if self.rollout_logp is not None:
+            return self.rollout_logp
+        if self.old_logp is not None:
+            return self.old_logp
+        return self.logp.detach()
+
+    @property
+    def anchor_logp(self) -> Tensor:
+        """log π_old if given, else log π_θ detached (a single update on fresh rollouts has π_old = π_θ)."""
+        return self.old_logp if self.old_logp is not None else self.logp.detach()
+
+    def token_advantages(self) -> Tensor:
+        if self.advantages is None:
+            raise ValueError("advantages is required here but the batch has none")
+        return token_advantages(self.advantages, self.logp)
+
+    def replace(self, **changes: Tensor | None) -> "LogProbBatch":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

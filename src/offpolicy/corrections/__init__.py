@@ -1,0 +1,1 @@
+"""Corrections: importance weights, sequence masks, trust regions, vocabulary pruning; composed with ``chain``."""

@@ -1,0 +1,102 @@
+"""The result every correction returns, the ``Correction`` wrapper, and ``chain``.
+
+A *correction* is a small named function ``LogProbBatch -> CorrectionResult`` (optax style: factories return pure
+functions, variants are wrappers, not mode strings). Its result carries
+
+* ``weights``  [B, T] float32, detached — multiplies each token's loss term (1 = untouched);
+* ``keep``     [B, T] bool — False drops the token (or whole sequence) from the loss numerator;
+* ``metrics``  dict of 0-d tensors, prefixed with the correction's name — never synced here.
+
+Dropped tokens keep their place in the loss *denominator* (the padding mask decides it, not ``keep``): this is the
+Trust-Region-Masking convention (normalise by the total batch, arXiv 2512.23075) and keeps the loss scale stable when
+a correction drops much of a batch.
+
+``chain(a, b, c)`` multiplies weights and ANDs keep masks in order; its result equals applying them one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+
+
+@dataclass(frozen=True)
+class CorrectionResult:
+    """Weights [B, T] (detached float32), keep mask [B, T] (bool) and metric tensors of one correction."""
+
+    weights: Tensor
+    keep: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def coefficient(self) -> Tensor:
+        """weights · keep: the per-token factor the loss multiplies in (0 where dropped)."""
+        return torch.where(self.keep, self.weights, torch.zeros_like(self.weights))
+
+    @staticmethod
+    def identity(batch: LogProbBatch) -> "CorrectionResult":
+        """Weights 1 on valid tokens, keep = mask: what "no correction" means."""
+        m = batch.bool_mask
+        return CorrectionResult(weights=m.float(), keep=m.clone(), metrics={})
+
+    def then(self, other: "CorrectionResult") -> "CorrectionResult":
+        """Compose: weights multiply, masks AND, metrics merge (later names win)."""
+        return CorrectionResult(
+            weights=self.weights * other.weights,
+            keep=self.keep & other.keep,
+            metrics={**self.metrics, **other.metrics},
+        )
+
+
+@dataclass(frozen=True)
+class Correction:
+    """A named correction: ``Correction(name, fn)(batch) -> CorrectionResult``.
+
+    Build them with the presets (:func:`offpolicy.tis`, :func:`offpolicy.mis`, :func:`offpolicy.opsm`, …) or wrap
+    any function of your own. ``fn`` must not mutate the batch, sync to host, or return weights with grad.
+    """
+
+    name: str
+    fn: Callable[[LogProbBatch], CorrectionResult]
+    config: dict[str, object] = field(default_factory=dict)
+    parts: tuple["Correction", ...] = ()  # set by chain(): the corrections it composes
+
+    def __call__(self, batch: LogProbBatch) -> CorrectionResult:
+        result = self.fn(batch)
+        return CorrectionResult(result.weights.detach(), result.keep, result.metrics)
+
+    def __repr__(self) -> str:
+        if self.parts:
+            return f"{self.name}({', '.join(repr(c) for c in self.parts)})"
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"{self.name}({args})"
+
+
+def chain(*corrections: Correction) -> Correction:
+    """Compose corrections: weights multiply, keep masks AND, in order. ``chain()`` is the identity.
+
+    Every correction sees the *original* batch (none reads another's output), so the result equals applying them
+    one by one and combining with :meth:`CorrectionResult.then`.
+
+    >>> from offpolicy.corrections.importance import tis, icepop
+    >>> c = chain(tis(upper=2.0), icepop())
+    >>> c
+    chain(tis(level='token', lower=None, upper=2.0, normalize=False, source='mismatch'), icepop(lower=0.5, upper=5.0, source='mismatch'))
+    """
+    for i, c in enumerate(corrections):
+        if not isinstance(c, Correction):
+            raise ValueError(f"chain argument {i} must be a Correction, got {type(c).__name__}")
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        result = CorrectionResult.identity(batch)
+        for c in corrections:
+            result = result.then(c(batch))
+        kept = result.keep.float().sum() / batch.bool_mask.float().sum().clamp(min=1.0)
+        return CorrectionResult(result.weights, result.keep, {**result.metrics, "chain/kept_token_frac": kept})
+
+    return Correction("chain", apply, {}, parts=tuple(corrections))

@@ -1,0 +1,160 @@
+"""Masked reductions, log-ratios and their aggregation levels.
+
+Everything here works on per-token tensors of shape ``[B, T]`` (batch × response tokens) and a mask of the same
+shape (1 for tokens that count). Three rules from ``REFERENCE.md`` are enforced in one place so no caller has to
+remember them:
+
+* compute in float32 whatever comes in (bf16 log-prob differences are themselves a source of mismatch);
+* a masked position never contributes, even if it holds NaN/±inf (``torch.where`` before any arithmetic, never
+  multiply-after-exp);
+* a log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` before ``exp`` (verl's SAFETY_BOUND).
+
+Levels — one name, one meaning (the frameworks disagree, see README's name table):
+
+* ``token``      ρ_t = exp(log ρ_t)
+* ``sequence``   ρ = exp(Σ_t m_t log ρ_t), the true product ratio, broadcast to tokens
+* ``geometric``  ρ_geo = exp(Σ_t m_t log ρ_t / Σ_t m_t), length-invariant, broadcast to tokens
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0
+Level = Literal["token", "sequence", "geometric"]
+LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+
+
+def as_mask(mask: Tensor) -> Tensor:
+    """Return ``mask`` as a bool tensor (accepts bool, int or float 0/1 masks)."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def masked_fill_invalid(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
+    """float32 copy of ``x`` with masked positions *and* non-finite values replaced by ``value``.
+
+    Non-finite values in valid positions are the caller's to report (see :func:`count_nonfinite`); they never
+    propagate into a sum.
+
+    >>> masked_fill_invalid(torch.tensor([[1.0, float("nan"), 3.0]]), torch.tensor([[1, 1, 0]]))
+    tensor([[1., 0., 0.]])
+    """
+    x = x.float()
+    keep = as_mask(mask) & torch.isfinite(x)
+    return torch.where(keep, x, torch.full_like(x, value))
+
+
+def count_nonfinite(x: Tensor, mask: Tensor) -> Tensor:
+    """Number of valid (mask=1) positions of ``x`` that are NaN or ±inf, as a float32 0-d tensor."""
+    return (as_mask(mask) & ~torch.isfinite(x)).sum().float()
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ m·x over ``dim`` (all dims if None) in float32; masked and non-finite entries count as 0.
+
+    >>> masked_sum(torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]]), dim=-1)
+    tensor([3.])
+    """
+    x = masked_fill_invalid(x, mask)
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_count(mask: Tensor, dim: int | None = None) -> Tensor:
+    """Number of valid tokens (float32), over ``dim`` or in total."""
+    m = as_mask(mask).float()
+    return m.sum() if dim is None else m.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ m·x / Σ m in float32; 0 (not NaN) where no token is valid.
+
+    >>> masked_mean(torch.tensor([[1.0, 3.0, 100.0], [5.0, 0.0, 0.0]]), torch.tensor([[1, 1, 0], [0, 0, 0]]), dim=-1)
+    tensor([2., 0.])
+    """
+    return masked_sum(x, mask, dim) / masked_count(mask, dim).clamp(min=1.0)
+
+
+def masked_max(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Max over valid finite entries; 0 where there are none (so an empty row never reads as -inf)."""
+    valid = as_mask(mask) & torch.isfinite(x)
+    filled = torch.where(valid, x.float(), torch.full_like(x, float("-inf"), dtype=torch.float32))
+    out = filled.amax() if dim is None else filled.amax(dim=dim)
+    return torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+
+
+def masked_min(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Min over valid finite entries; 0 where there are none."""
+    return -masked_max(-x.float(), mask, dim)
+
+
+def log_ratio(numerator_logp: Tensor, denominator_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token log(numerator/denominator), float32, 0 at masked or non-finite positions, clamped to ±20.
+
+    Gradient flows through ``numerator_logp`` (and ``denominator_logp``) unless the caller detaches them.
+
+    >>> log_ratio(torch.tensor([[-1.0, -50.0]]), torch.tensor([[-2.0, -1.0]]), torch.tensor([[1, 1]]))
+    tensor([[  1., -20.]])
+    """
+    diff = numerator_logp.float() - denominator_logp.float()
+    return masked_fill_invalid(diff, mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+
+
+def aggregate_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tensor:
+    """Log-ratio at ``level``, broadcast back to ``[B, T]`` (0 at masked positions).
+
+    ``sequence`` is Σ_t m_t log ρ_t (then clamped to ±20, so exp never overflows); ``geometric`` divides that sum by
+    the number of valid tokens, which makes it invariant to repeating a sequence.
+
+    >>> r = torch.tensor([[0.1, 0.3, 0.0]]); m = torch.tensor([[1, 1, 0]])
+    >>> aggregate_log_ratio(r, m, "sequence")
+    tensor([[0.4000, 0.4000, 0.0000]])
+    >>> aggregate_log_ratio(r, m, "geometric")
+    tensor([[0.2000, 0.2000, 0.0000]])
+    """
+    check_level(level)
+    m = as_mask(mask)
+    r = masked_fill_invalid(log_ratio_, m)
+    if level == "token":
+        out = r
+    elif level == "sequence":
+        out = r.sum(dim=-1, keepdim=True).expand_as(r)
+    else:
+        out = (r.sum(dim=-1, keepdim=True) / m.float().sum(dim=-1, keepdim=True).clamp(min=1.0)).expand_as(r)
+    out = out.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.where(m, out, torch.zeros_like(out))
+
+
+def sequence_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tensor:
+    """Per-sequence log-ratio ``[B]`` at ``sequence`` or ``geometric`` level (``token`` is not a sequence quantity)."""
+    if level == "token":
+        raise ValueError("level='token' has no per-sequence value; use 'sequence' or 'geometric'")
+    check_level(level)
+    s = masked_sum(log_ratio_, mask, dim=-1)
+    if level == "geometric":
+        s = s / masked_count(mask, dim=-1).clamp(min=1.0)
+    return s.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def decompose_log_ratio(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Three-policy decomposition (seed 004): log(π/μ) = log(π_old/μ) + log(π/π_old), per token ``[B, T]``.
+
+    Returns ``{"total", "mismatch", "staleness"}``: ``mismatch`` = log(π_old/μ) is fixed per rollout (training–inference
+    mismatch), ``staleness`` = log(π/π_old) changes every optimiser step. Before clamping, total == mismatch + staleness.
+
+    >>> d = decompose_log_ratio(torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-2.0]]), torch.tensor([[1]]))
+    >>> [round(d[k].item(), 3) for k in ("total", "mismatch", "staleness")]
+    [1.0, 0.5, 0.5]
+    """
+    return {
+        "total": log_ratio(logp, rollout_logp, mask),
+        "mismatch": log_ratio(old_logp, rollout_logp, mask),
+        "staleness": log_ratio(logp, old_logp, mask),
+    }
