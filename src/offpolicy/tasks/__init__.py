@@ -1,1 +1,52 @@
-"""offpolicy.tasks"""
+"""Built-in verifiable tasks (arithmetic, countdown), JSONL tasks and reward validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offpolicy.tasks.arithmetic import ArithmeticTask
+from offpolicy.tasks.base import Example, RewardError, RewardFn, Task, check_rewards, compute_rewards
+from offpolicy.tasks.countdown import CountdownTask, safe_eval
+from offpolicy.tasks.jsonl import JsonlTask, exact_match_reward
+
+BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+
+
+def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None) -> Task:
+    """A built-in task by name ("arithmetic", "countdown") or a :class:`JsonlTask` from a ``.jsonl`` path.
+
+    ``reward_fn`` replaces the JSONL task's default exact match; built-in tasks have their own reward and
+    reject one (ValueError) rather than silently ignoring it.
+
+    >>> get_task("arithmetic").name
+    'arithmetic'
+    >>> get_task("sudoku")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown'] or a path to a .jsonl file
+    """
+    key = str(name_or_path)
+    if key in BUILTIN_TASKS:
+        if reward_fn is not None:
+            raise ValueError(f"reward_fn: built-in task {key!r} has its own reward; use a JSONL task for a custom one")
+        return BUILTIN_TASKS[key]()
+    if key.endswith(".jsonl") or Path(key).is_file():
+        return JsonlTask(key, reward_fn=reward_fn)
+    raise ValueError(f"unknown task {key!r}: use one of {sorted(BUILTIN_TASKS)} or a path to a .jsonl file")
+
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "ArithmeticTask",
+    "CountdownTask",
+    "Example",
+    "JsonlTask",
+    "RewardError",
+    "RewardFn",
+    "Task",
+    "check_rewards",
+    "compute_rewards",
+    "exact_match_reward",
+    "get_task",
+    "safe_eval",
+]

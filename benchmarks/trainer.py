@@ -1,0 +1,145 @@
+"""Throughput of offpolicy's GRPO training step on the tiny model (and, if TRL is installed, the ratio vs TRL).
+
+    python benchmarks/trainer.py [--steps 3] [--batch 32] [--new-tokens 16] [--preset mis]
+
+Prints tokens/s (completion tokens per wall-second) for
+  * the update phase alone (π_old fp32 forward + π_θ forward/backward/AdamW step on a fixed rollout batch), and
+  * a full step (bf16 KV-cache rollout + rewards + advantages + update) through ``offpolicy.train.train``.
+If ``trl`` is importable, TRL's ``GRPOTrainer`` runs the same model, prompts, group size and completion length and
+the ratio offpolicy/TRL is printed; otherwise it says how to install it (``pip install 'offpolicy[trl]'``).
+Short by design (a few steps): it shares two CPU cores with everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+
+import torch
+
+
+def _model():
+    from offpolicy.models.tiny import build_tiny_model
+
+    return build_tiny_model(0)
+
+
+def bench_update(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str) -> float:
+    """Tokens/s of the update phase on a fixed rollout (no generation)."""
+    from offpolicy.batch import LogProbBatch
+    from offpolicy.losses import policy_loss
+    from offpolicy.rollout.hf import HFRolloutEngine
+    from offpolicy.rollout.sampling import SamplingConfig
+    from offpolicy.rollout.scoring import sequence_logprobs
+    from offpolicy.train.config import load_config
+    from offpolicy.train.presets import PRESETS
+
+    cfg = load_config(None, [f"algorithm.preset={preset}", "model.path=tiny-random"])
+    correction = PRESETS[preset].correction(cfg.algorithm)
+    sampling = SamplingConfig(max_new_tokens=new_tokens)
+    prompts = [tok(f"{i}+{i}=")["input_ids"] for i in range(batch)]
+    engine = HFRolloutEngine(model, tokenizer=tok)
+    ro = engine.generate(prompts, sampling, seed=0)
+    adv = torch.randn(batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    n_tokens = int(ro.mask.sum())
+
+    def one() -> None:
+        with torch.no_grad():
+            old, mask = sequence_logprobs(model, prompts, ro.completion_ids, sampling)
+        logp, mask = sequence_logprobs(model, prompts, ro.completion_ids, sampling)
+        b = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=ro.logp, advantages=adv)
+        loss, _ = policy_loss(b, correction=correction, objective=PRESETS[preset].objective)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    one()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    return n_tokens * steps / (time.perf_counter() - t0)
+
+
+def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str) -> float:
+    """Tokens/s of full GRPO steps (rollout + update) through the trainer."""
+    from offpolicy.train.config import load_config
+    from offpolicy.train.loop import train
+
+    group = 4
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(None, [
+            f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // group, 1)}",
+            f"algorithm.group_size={group}", f"rollout.sampling.max_new_tokens={new_tokens}", f"run.steps={steps}",
+            f"run.out_dir={out}", "run.progress=false", "run.tensorboard=false",
+            *(["alp.enabled=true"] if preset == "alp" else []),
+        ])
+        res = train(cfg, model=model, tokenizer=tok)
+    tokens = [h["time/tokens_per_s"] * h["time/step_s"] for h in res.history]
+    return sum(tokens) / sum(h["time/step_s"] for h in res.history)
+
+
+def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> float:
+    """Tokens/s of TRL's GRPOTrainer on the same model and batch shape (only when trl is importable)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from offpolicy.tasks import get_task
+
+    task = get_task("arithmetic")
+    group = 4
+    ex = task.examples(batch * steps, seed=0)
+    data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in ex])
+    seen = {"tokens": 0}
+
+    def reward(completions, answer, **kw):  # noqa: ANN001
+        seen["tokens"] += sum(len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for c in completions)
+        return task.reward(completions, answer=answer)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=group,
+                          max_completion_length=new_tokens, max_steps=steps, logging_steps=1000, report_to=[],
+                          use_cpu=True, save_strategy="no", bf16=False)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
+        t0 = time.perf_counter()
+        trainer.train()
+        dt = time.perf_counter() - t0
+    return seen["tokens"] / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--preset", default="mis")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = _model()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tiny model: {n_params / 1e6:.2f} M parameters, batch {a.batch} × ≤{a.new_tokens} new tokens, "
+          f"preset {a.preset}, {a.threads} threads")
+    upd = bench_update(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
+    print(f"offpolicy update phase (π_old fwd + π_θ fwd/bwd + AdamW): {upd:,.0f} tokens/s")
+    full = bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
+    print(f"offpolicy full GRPO step (bf16 KV-cache rollout + update):  {full:,.0f} tokens/s")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("TRL is not installed, so no TRL comparison; install it with  pip install 'offpolicy[trl]'  "
+              "(or pip install trl) and run this script again.")
+        return
+    try:
+        ref = bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps)
+    except Exception as err:  # TRL's API moves fast; report instead of crashing the benchmark
+        print(f"TRL GRPOTrainer could not run here: {err!r}")
+        return
+    print(f"TRL GRPOTrainer full step:                               {ref:,.0f} tokens/s")
+    print(f"ratio offpolicy / TRL (full step): {full / ref:.2f}×")
+
+
+if __name__ == "__main__":
+    main()

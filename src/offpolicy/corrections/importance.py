@@ -1,0 +1,377 @@
+"""Importance-sampling corrections: truncated (TIS) and masked (MIS) weights at token, sequence or geometric level.
+
+The weight corrects for the rollout engine μ having sampled the data (seed 002, seed 004): w = ρ = π/μ, aggregated at
+one of three levels (``offpolicy.ratios``), then either *truncated* (TIS, w = clamp(ρ, lower, upper)) or *masked*
+(MIS, w = ρ inside [lower, upper], token or sequence dropped outside). Weights are always detached.
+
+Which ratio: ``source="mismatch"`` uses log(π_old/μ), the decoupled-PPO mismatch weight (seed 004) that multiplies the
+PPO term while PPO's own clip handles π/π_old; ``source="total"`` uses log(π_θ/μ) with π_θ detached (verl's bypass
+mode, where there is no separate π_old forward).
+
+Name table — each framework's setting written with ours (their defaults in brackets)::
+
+    ms-swift  --rollout_importance_sampling_mode M, --rollout_importance_sampling_threshold τ  [τ = 2]
+              NB: ms-swift "sequence" is the *geometric* mean (length-normalised), not the product
+        token_truncate                            tis(upper=τ, level="token")
+        token_mask                                mis(upper=τ, level="token")
+        sequence_truncate                         tis(upper=τ, level="geometric")
+        sequence_mask                             mis(upper=τ, level="geometric")
+        --off_policy_sequence_mask_delta δ        opsm(delta=δ)                      (sequence_masks.py)
+
+    verl      algorithm.rollout_correction.*  — verl "sequence" is the product, as ours
+        rollout_is=token, rollout_is_threshold=C [2.0]       tis(upper=C, level="token")
+        rollout_is=sequence                                  tis(upper=C, level="sequence")
+        rollout_is_batch_normalize=true                      tis(..., normalize=True)
+        rollout_rs=token|sequence|geometric,                 mis(level=token|sequence|geometric, lower=L, upper=U)
+          rollout_rs_threshold=U [rollout_is_threshold],
+          rollout_rs_threshold_lower=L [1/U]
+        rollout_rs=token_k1|seq_sum_k1|seq_mean_k1 (newer    the same masks at token|sequence|geometric level; verl's
+          releases), threshold string "L_U"                  k1 statistic is −log ρ, so check which side each bound
+                                                             lands on (REFERENCE.md: asymmetric bounds flip)
+        rollout_token_veto_threshold=τ                       veto(threshold=τ)                 (sequence_masks.py)
+        bypass_mode=true (no π_old forward)                  source="total"
+
+    TRL       GRPOConfig(vllm_importance_sampling_mode=M, vllm_importance_sampling_clip_max=C [3.0],
+              vllm_importance_sampling_clip_min=m [None]); C was vllm_importance_sampling_cap in earlier releases
+              — TRL "sequence" is the product, as ours; TRL's default mode is sequence_mask
+        token_truncate                            tis(upper=C, lower=m, level="token")
+        token_mask                                mis(upper=C, lower=m, level="token")
+        sequence_truncate                         tis(upper=C, lower=m, level="sequence")
+        sequence_mask                             mis(upper=C, lower=m, level="sequence")
+        off_policy_mask_threshold=δ               opsm(delta=δ)
+
+ms-swift and TRL compute their ratio from π_old (``old_per_token_logps``) and μ: that is ``source="mismatch"`` (when
+π_old is not recomputed both fall back to π_θ detached, as we do). A product ratio over thousands of tokens is nearly
+always outside any band (trl issues 4772/5814): prefer ``geometric`` for sequence-level masks.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
+from offpolicy.corrections.base import Correction, CorrectionResult
+from offpolicy.ratios import aggregate_log_ratio, as_mask, check_level, masked_max, masked_mean, masked_min
+
+MODES: tuple[str, ...] = ("truncate", "mask")
+SOURCES: tuple[str, ...] = ("mismatch", "total")
+NORMALIZE_EPS = 1e-8  # verl: skip batch normalisation when the mean weight is this small
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared validation / inputs (also used by sequence_masks.py and trust_region.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_threshold(name: str, value: object, *, allow_zero: bool = False, allow_none: bool = False) -> float | None:
+    """Validate a scalar threshold argument and return it as a Python float.
+
+    Raises ``ValueError`` naming ``name`` unless ``value`` is a finite real number that is > 0 (≥ 0 with
+    ``allow_zero``); ``None`` passes only with ``allow_none``.
+
+    >>> check_threshold("upper", 2)
+    2.0
+    >>> check_threshold("upper", float("inf"))
+    Traceback (most recent call last):
+    ...
+    ValueError: upper must be finite, got inf
+    """
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{name} is required, got None")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if not -math.inf < v < math.inf:  # NaN fails both comparisons (and math.isfinite does not trace under dynamo)
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if v < 0.0 or (v == 0.0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return v
+
+
+def check_source(source: str) -> None:
+    """``source`` picks the ratio's numerator: ``"mismatch"`` (π_old) or ``"total"`` (π_θ detached)."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+
+
+def check_name(name: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+
+
+def behaviour_log_ratio(batch: LogProbBatch, source: str, who: str) -> Tensor:
+    """Raw per-token log(numerator/μ) ``[B, T]`` float32, detached, *not* cleaned (NaN/inf and padding kept as is).
+
+    ``source="mismatch"``: numerator π_old, or π_θ detached when ``old_logp`` is None (a single update on fresh
+    rollouts has π_old = π_θ). ``source="total"``: numerator π_θ detached. μ = ``batch.rollout_logp`` is required.
+
+    >>> b = LogProbBatch(logp=torch.tensor([[-1.0]]), old_logp=torch.tensor([[-1.5]]),
+    ...                  rollout_logp=torch.tensor([[-2.0]]), mask=torch.ones(1, 1))
+    >>> behaviour_log_ratio(b, "mismatch", "tis"), behaviour_log_ratio(b, "total", "tis")
+    (tensor([[0.5000]]), tensor([[1.]]))
+    """
+    check_source(source)
+    if batch.rollout_logp is None:
+        raise ValueError(f"{who} needs rollout_logp (log μ, the rollout engine's log-probs) but the batch has none")
+    numerator = batch.anchor_logp if source == "mismatch" else batch.logp
+    return numerator.detach().float() - batch.rollout_logp.detach().float()
+
+
+def defined_positions(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Valid positions whose aggregated ratio is defined: all of a row's valid log-ratios finite (sequence levels),
+    or the token's own (token level). ``[B, T]`` bool."""
+    m = as_mask(mask)
+    ok = m & torch.isfinite(log_ratio)
+    if level == "token":
+        return ok
+    row_ok = ~(m & ~ok).any(dim=-1, keepdim=True)
+    return ok
+
+
+def _check_weight_args(
+    level: str, mode: str, lower: object, upper: object, normalize: object
+) -> tuple[float | None, float | None]:
+    check_level(level)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    lo = check_threshold("lower", lower, allow_none=True)
+    hi = check_threshold("upper", upper, allow_none=True)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"lower ({lo}) must be <= upper ({hi})")
+    if mode == "mask" and lo is None and hi is None:
+        raise ValueError("mode='mask' needs at least one of lower/upper (a band to mask outside of)")
+    if not isinstance(normalize, bool):
+        raise ValueError(f"normalize must be a bool, got {type(normalize).__name__}")
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The weight function
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def importance_weights(
+    log_ratio: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    lower: float | None = None,
+    upper: float | None = None,
+    normalize: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """TIS / MIS importance weights from per-token log-ratios (seed 002 "Truncate vs. Mask", seed 004 TIS/MIS).
+
+    Args:
+        log_ratio: ``[B, T]`` per-token log ρ_t (e.g. log π_old − log μ), any float dtype (computed in float32).
+        mask: ``[B, T]`` 1 for tokens that count.
+        level: ``token`` ρ_t, ``sequence`` ρ = exp Σ_t log ρ_t, ``geometric`` ρ = exp mean_t log ρ_t.
+        mode: ``truncate`` (TIS): w = clamp(ρ, lower, upper), keep = mask (either bound optional).
+            ``mask`` (MIS / IcePop): keep = mask & (lower ≤ ρ ≤ upper), w = ρ where kept else 0.
+        normalize: verl's batch normalisation: w / mean of w over valid kept tokens (each token counts once), skipped
+            (``torch.where``, no sync) when that mean ≤ 1e-8.
+
+    Returns:
+        ``(weights, keep, raw)``: weights ``[B, T]`` float32 detached (0 where not kept or padding), keep ``[B, T]``
+        bool, raw ``[B, T]`` = exp(aggregated log-ratio) before truncation/masking (the aggregated log-ratio is 0 at
+        padding, so raw is 1 there).
+
+    Non-finite log-ratios in valid positions make the ratio undefined: that token (``token``) or the whole sequence
+    (``sequence`` / ``geometric``) is dropped (keep False, weight 0) in both modes — never a NaN weight, never kept
+    silently. The aggregated log-ratio is clamped to ±20 before ``exp``; the mask test compares log-ratios with
+    log(lower) / log(upper), so ρ exactly on a bound is kept.
+
+    >>> r = torch.tensor([[0.0, 1.0, -1.0]]); m = torch.ones(1, 3)
+    >>> w, keep, raw = importance_weights(r, m, mode="truncate", upper=2.0)
+    >>> w  # exp(0)=1, min(e, 2)=2, exp(-1)=0.3679
+    tensor([[1.0000, 2.0000, 0.3679]])
+    >>> importance_weights(r, m, mode="mask", lower=0.5, upper=2.0)[1]
+    tensor([[ True, False, False]])
+    >>> importance_weights(r, m, level="geometric", mode="mask", upper=2.0)[0]  # geo = exp(0/3) = 1
+    tensor([[1., 1., 1.]])
+    """
+    check_token_tensor("log_ratio", log_ratio)
+    check_mask(mask, log_ratio, "log_ratio")
+    lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
+
+    m = as_mask(mask)
+    lr = log_ratio.detach().float()
+    defined = defined_positions(lr, m, level)
+    agg = aggregate_log_ratio(lr, m, level)  # non-finite → 0, padding → 0, clamped ±20
+    raw = torch.exp(agg)
+
+    if mode == "mask":
+        keep = defined
+        # compare in log space: exp() rounding must not drop a ratio that sits exactly on a bound
+        if lo is not None:
+            keep = keep & (agg >= math.log(lo))
+        if hi is not None:
+            keep = keep & (agg <= math.log(hi))
+        weights = raw
+    else:
+        keep = defined
+        weights = raw if lo is None and hi is None else raw.clamp(min=lo, max=hi)
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+
+    if normalize:
+        kept = keep.float()
+        mean = (weights * kept).sum() / kept.sum().clamp(min=1.0)
+        weights = torch.where(mean > NORMALIZE_EPS, weights / mean.clamp(min=NORMALIZE_EPS), weights)
+    return weights.detach(), keep, raw.detach()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _importance(
+    name: str,
+    config: dict[str, object],
+    *,
+    level: str,
+    mode: str,
+    lower: float | None,
+    upper: float | None,
+    normalize: bool,
+    source: str,
+) -> Correction:
+    check_name(name)
+    check_source(source)
+    lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        lr = behaviour_log_ratio(batch, source, name)
+        weights, keep, raw = importance_weights(
+            lr, batch.mask, level=level, mode=mode, lower=lo, upper=hi, normalize=normalize
+        )
+        valid = batch.bool_mask
+        n = valid.float().sum().clamp(min=1.0)
+        changed = ~keep
+        if lo is not None:
+            changed = changed | (raw < lo)
+        if hi is not None:
+            changed = changed | (raw > hi)
+        metrics = {
+            f"{name}/raw_ratio_mean": masked_mean(raw, valid),
+            f"{name}/raw_ratio_max": masked_max(raw, valid),
+            f"{name}/raw_ratio_min": masked_min(raw, valid),
+            f"{name}/weight_mean": masked_mean(weights, valid),
+            f"{name}/kept_frac": (keep & valid).float().sum() / n,
+            f"{name}/clipped_frac": (changed & valid).float().sum() / n,
+            f"{name}/nonfinite_frac": (valid & ~torch.isfinite(lr)).float().sum() / n,
+        }
+        return CorrectionResult(weights, keep, metrics)
+
+    return Correction(name, apply, config)
+
+
+def importance_correction(
+    level: str,
+    mode: str,
+    lower: float | None = None,
+    upper: float | None = None,
+    normalize: bool = False,
+    source: str = "mismatch",
+    name: str = "importance",
+) -> Correction:
+    """General TIS/MIS correction on log(π_old/μ) (``source="mismatch"``) or log(π_θ/μ) (``"total"``); see
+    :func:`importance_weights` for the formula and the module docstring for each framework's equivalent.
+
+    Metrics (0-d tensors, prefixed ``<name>/``): ``raw_ratio_mean/max/min`` (ratio *before* truncation, over valid
+    tokens), ``weight_mean`` (final weight over valid tokens, 0 where dropped), ``kept_frac``, ``clipped_frac`` (valid
+    tokens whose weight was changed by truncation or that were masked), ``nonfinite_frac``.
+
+    >>> from offpolicy.batch import LogProbBatch
+    >>> b = LogProbBatch(logp=torch.zeros(1, 2), rollout_logp=torch.tensor([[0.0, -2.0]]), mask=torch.ones(1, 2))
+    >>> importance_correction("token", "mask", upper=2.0)(b).keep  # ρ = (1, e²=7.39)
+    tensor([[ True, False]])
+    """
+    config = {"level": level, "mode": mode, "lower": _f(lower), "upper": _f(upper), "normalize": normalize, "source": source}
+    return _importance(
+        name, config, level=level, mode=mode, lower=lower, upper=upper, normalize=normalize, source=source
+    )
+
+
+def tis(
+    upper: float | None = 2.0,
+    level: str = "token",
+    lower: float | None = None,
+    normalize: bool = False,
+    source: str = "mismatch",
+) -> Correction:
+    """Truncated importance sampling: w = clamp(ρ, lower, upper) (Yao et al. "Your efficient RL framework secretly
+    brings you off-policy RL"; seed 002 ``*_truncate``). Default cap 2, as ms-swift and verl.
+
+    >>> tis()
+    tis(level='token', lower=None, upper=2.0, normalize=False, source='mismatch')
+    >>> b = LogProbBatch(logp=torch.zeros(1, 2), rollout_logp=torch.tensor([[0.0, -2.0]]), mask=torch.ones(1, 2))
+    >>> tis(upper=2.0)(b).weights  # ρ = (1, 7.39) → (1, 2)
+    tensor([[1., 2.]])
+    """
+    config = {"level": level, "lower": _f(lower), "upper": _f(upper), "normalize": normalize, "source": source}
+    return _importance(
+        "tis", config, level=level, mode="truncate", lower=lower, upper=upper, normalize=normalize, source=source
+    )
+
+
+def mis(
+    upper: float | None = 2.0,
+    level: str = "token",
+    lower: float | None = None,
+    normalize: bool = False,
+    source: str = "mismatch",
+) -> Correction:
+    """Masked importance sampling: w = ρ if lower ≤ ρ ≤ upper else the token/sequence is dropped (seed 002
+    ``*_mask``, seed 004 MIS).
+
+    >>> mis(upper=2.0, level="sequence")
+    mis(level='sequence', lower=None, upper=2.0, normalize=False, source='mismatch')
+    """
+    config = {"level": level, "lower": _f(lower), "upper": _f(upper), "normalize": normalize, "source": source}
+    return _importance(
+        "mis", config, level=level, mode="mask", lower=lower, upper=upper, normalize=normalize, source=source
+    )
+
+
+def geo_mask(lower: float | None = 0.999, upper: float | None = 1.001, source: str = "mismatch") -> Correction:
+    """Geometric sequence mask (seed 004): keep a sequence iff lower ≤ exp(mean_t log ρ_t) ≤ upper; w = ρ_geo.
+
+    Length-invariant, unlike the product. The per-token geometric mean drifts little, so the default band is tight
+    (±0.1 % per token); widen it if the acceptance rate (``geo_mask/kept_frac``) drops.
+
+    >>> geo_mask(lower=0.5, upper=2.0)
+    geo_mask(lower=0.5, upper=2.0, source='mismatch')
+    """
+    config = {"lower": _f(lower), "upper": _f(upper), "source": source}
+    return _importance(
+        "geo_mask", config, level="geometric", mode="mask", lower=lower, upper=upper, normalize=False, source=source
+    )
+
+
+def icepop(lower: float = 0.5, upper: float = 5.0, source: str = "mismatch") -> Correction:
+    """IcePop (Ring-1T, arXiv 2510.18855): token-level mask with the two-sided band [0.5, 5].
+
+    >>> icepop()
+    icepop(lower=0.5, upper=5.0, source='mismatch')
+    >>> b = LogProbBatch(logp=torch.zeros(1, 3), rollout_logp=torch.tensor([[0.0, 1.0, -2.0]]), mask=torch.ones(1, 3))
+    >>> icepop()(b).keep  # ρ = (1, e⁻¹=0.37, e²=7.39): only the first is inside [0.5, 5]
+    tensor([[ True, False, False]])
+    """
+    config = {"lower": _f(lower), "upper": _f(upper), "source": source}
+    return _importance(
+        "icepop", config, level="token", mode="mask", lower=lower, upper=upper, normalize=False, source=source
+    )
+
+
+def _f(x: object) -> object:
+    """Threshold as float for the repr (2 and 2.0 print the same); bad values are left for validation to reject."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    return x

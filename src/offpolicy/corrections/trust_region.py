@@ -1,0 +1,289 @@
+"""Trust Region Masking (arXiv 2512.23075, seed 003): drop whole sequences that leave the trust region.
+
+* TRM-Max keeps a sequence iff max_t D_t ≤ δ (paper δ = 0.05), TRM-Avg iff mean_t D_t ≤ δ_avg (0.001), combined = both.
+  D_t = KL(π_roll(·|c_t) ‖ π_θ(·|c_t)), rollout first, ideally exact over the vocabulary (``offpolicy.divergence``).
+  Without full logits the paper falls back to sample estimates on r = log(π/μ) of the sampled token: max test on k2,
+  average test on k3 — only the exact KL carries the paper's guarantee (its App. E).
+* Max-TRM rejects long sequences more often: with i.i.d. per-token violation probability p the acceptance rate is
+  (1 − p)^T (0.774 / 0.358 / 0.017 at p = 1e-3, T = 256 / 1024 / 4096). LN-TRM and SER (its App. F) are
+  length-neutral alternatives.
+
+Masked sequences keep their place in the loss denominator (the paper normalises by the total batch size N).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
+from offpolicy.corrections.base import Correction, CorrectionResult
+from offpolicy.corrections.importance import behaviour_log_ratio, check_source, check_threshold
+from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, masked_fill_invalid, masked_max, masked_mean
+
+# ---------------------------------------------------------------------------------------------------------------------
+# k-estimators (Schulman, "Approximating KL divergence"; REFERENCE.md)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def k1(r: Tensor) -> Tensor:
+    """k1 = −r, r = log(π/μ) per token: unbiased for KL(μ‖π) under μ-samples but can be negative. float32.
+
+    >>> k1(torch.tensor([0.5, -0.5]))
+    tensor([-0.5000,  0.5000])
+    """
+    return -r.float()
+
+
+def k2(r: Tensor) -> Tensor:
+    """k2 = ½ r², r = log(π/μ): ≥ 0, low variance, biased; the TRM paper's token-level *max* test. float32.
+
+    >>> k2(torch.tensor([0.5, -0.5]))  # 0.5 * 0.25
+    tensor([0.1250, 0.1250])
+    """
+    r = r.float()
+    return 0.5 * r * r
+
+
+def k3(r: Tensor) -> Tensor:
+    """k3 = e^r − 1 − r, r = log(π/μ): ≥ 0 and unbiased for KL(μ‖π) under μ-samples (E_μ[ρ] = 1); the TRM paper's
+    *average* test. float32; r is clamped to ±20 first (no overflow) and ``expm1`` keeps small r accurate (the result
+    is exactly ≥ 0 in floating point because fl(expm1(r)) ≥ r).
+
+    >>> k3(torch.tensor([0.0, 1.0, -1.0]))  # 0; e - 2 = 0.7183; 1/e = 0.3679
+    tensor([0.0000, 0.7183, 0.3679])
+    """
+    r = r.float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.expm1(r) - r
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _row_keep(m: Tensor, row_ok: Tensor) -> Tensor:
+    return m & row_ok.unsqueeze(-1)
+
+
+def _nonfinite_row(x: Tensor, m: Tensor) -> Tensor:
+    """[B] True where a valid position holds NaN/±inf: such a sequence is dropped, never kept silently."""
+    return (m & ~torch.isfinite(x)).any(dim=-1)
+
+
+def trust_region_mask(
+    token_divergence: Tensor,
+    mask: Tensor,
+    *,
+    max_kl: float | None = None,
+    avg_kl: float | None = None,
+) -> Tensor:
+    """TRM keep mask ``[B, T]`` (arXiv 2512.23075 §4, Eq. TRM-Max / TRM-Avg).
+
+    ``token_divergence`` ``[B, T]``: per-token divergence D_t (exact KL(μ‖π), or a k-estimate). TRM-Max keeps
+    sequence i iff max_t m_t D_t ≤ ``max_kl``; TRM-Avg iff (1/|y_i|) Σ_t m_t D_t ≤ ``avg_kl``; give both for the
+    combined criterion (both must hold); at least one is required. A non-finite D_t in a valid position drops its
+    sequence. Thresholds are finite and ≥ 0.
+
+    >>> d = torch.tensor([[0.01, 0.02, 0.0], [0.001, 0.09, 0.0]]); m = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    >>> trust_region_mask(d, m, max_kl=0.05)  # row maxima 0.02 and 0.09
+    tensor([[ True,  True, False],
+            [False, False, False]])
+    >>> trust_region_mask(d, m, avg_kl=0.02)  # row means 0.015 and 0.0303
+    tensor([[ True,  True, False],
+            [False, False, False]])
+    """
+    check_token_tensor("token_divergence", token_divergence)
+    check_mask(mask, token_divergence, "token_divergence")
+    mx = check_threshold("max_kl", max_kl, allow_zero=True, allow_none=True)
+    av = check_threshold("avg_kl", avg_kl, allow_zero=True, allow_none=True)
+    if mx is None and av is None:
+        raise ValueError("trust_region_mask needs max_kl and/or avg_kl (both are None)")
+    return _trm_keep(token_divergence, token_divergence, as_mask(mask), mx, av)
+
+
+def _trm_keep(max_div: Tensor, avg_div: Tensor, m: Tensor, mx: float | None, av: float | None) -> Tensor:
+    ok = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
+    if mx is not None:
+        ok = ok & (masked_max(max_div, m, dim=-1) <= mx) & ~_nonfinite_row(max_div, m)
+    if av is not None:
+        ok = ok & (masked_mean(avg_div, m, dim=-1) <= av) & ~_nonfinite_row(avg_div, m)
+    return _row_keep(m, ok)
+
+
+def _ln_trm_statistic(log_ratio: Tensor, m: Tensor, eps: float, delta: float) -> Tensor:
+    r = masked_fill_invalid(log_ratio, m)  # padding / non-finite → 0 (non-finite rows are dropped by the caller)
+    dev = (torch.exp(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) - 1.0).abs()
+    mf = m.float()
+    t = mf.cumsum(dim=-1)  # 1-based index among valid tokens
+    T = mf.sum(dim=-1, keepdim=True)
+    ahead = (T - t).clamp(min=0.0)  # T − t: how many later tokens this one's context shift reaches
+    w = torch.minimum(torch.minimum(torch.ones_like(ahead), ahead * eps), torch.sqrt(ahead * (delta / 2.0)))
+    w = torch.where(m, w, torch.zeros_like(w))
+    W = torch.where(m, dev * w, torch.zeros_like(w)).sum(dim=-1)
+    Z = w.sum(dim=-1)
+    # Z = 0 only when T ≤ 1: a single token shifts no later context, the weighted deviation is defined as 0
+    return torch.where(Z > 0, W / Z.clamp(min=1e-30), torch.zeros_like(W))
+
+
+def ln_trm_mask(log_ratio: Tensor, mask: Tensor, *, eps: float, delta: float, threshold: float) -> Tensor:
+    """Length-Neutral TRM keep mask ``[B, T]`` (arXiv 2512.23075 App. F).
+
+    For sequence i let T be its number of valid tokens and t = 1..T the position of a valid token *among the valid
+    tokens* (padding skipped). With ρ_t = exp(log_ratio_t):
+    w_t = min(1, (T − t) ε, √((T − t) δ / 2)), W = Σ_t |ρ_t − 1| w_t, Z = Σ_t w_t, keep iff W / Z ≤ ``threshold``.
+    The last token has w_T = 0 (it shifts no later context); a sequence with T ≤ 1 has Z = 0 and W/Z := 0 (kept).
+    ε (max token TV) and δ (max token KL) shape the weights, as in the Adaptive bound; all three arguments are finite,
+    ε, δ > 0, threshold ≥ 0. A non-finite log-ratio in a valid position drops its sequence.
+
+    >>> r = torch.log(torch.tensor([[1.2, 1.0, 1.0]])); m = torch.ones(1, 3)
+    >>> # T=3: w = min(1, (2, 1, 0)·0.5, √((2, 1, 0)·0.5)) = (1, 0.5, 0); W = 0.2·1 = 0.2; Z = 1.5; W/Z = 0.1333
+    >>> ln_trm_mask(r, m, eps=0.5, delta=1.0, threshold=0.14), ln_trm_mask(r, m, eps=0.5, delta=1.0, threshold=0.13)
+    (tensor([[True, True, True]]), tensor([[False, False, False]]))
+    """
+    check_token_tensor("log_ratio", log_ratio)
+    check_mask(mask, log_ratio, "log_ratio")
+    e = check_threshold("eps", eps)
+    d = check_threshold("delta", delta)
+    th = check_threshold("threshold", threshold, allow_zero=True)
+    assert e is not None and d is not None and th is not None
+    m = as_mask(mask)
+    stat = _ln_trm_statistic(log_ratio, m, e, d)
+    return _row_keep(m, (stat <= th) & ~_nonfinite_row(log_ratio, m))
+
+
+def _ser_statistic(log_ratio: Tensor, m: Tensor) -> Tensor:
+    r = masked_fill_invalid(log_ratio, m)
+    dev = (torch.exp(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) - 1.0).abs()
+    return masked_mean(dev, m, dim=-1)
+
+
+def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
+    """Sequence Error Rate keep mask ``[B, T]`` (arXiv 2512.23075 App. F): keep iff (1/T) Σ_t |ρ_t − 1| ≤ threshold,
+    ρ_t = exp(log_ratio_t), T = valid tokens; recommended threshold ∈ [0.03, 0.10]. A non-finite log-ratio in a valid
+    position drops its sequence.
+
+    >>> r = torch.log(torch.tensor([[1.1, 0.9, 1.0], [1.5, 1.0, 1.0]])); m = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    >>> ser_mask(r, m, threshold=0.1)  # (0.1+0.1+0)/3 = 0.067 kept; (0.5+0)/2 = 0.25 dropped
+    tensor([[ True,  True,  True],
+            [False, False, False]])
+    """
+    check_token_tensor("log_ratio", log_ratio)
+    check_mask(mask, log_ratio, "log_ratio")
+    th = check_threshold("threshold", threshold, allow_zero=True)
+    assert th is not None
+    m = as_mask(mask)
+    return _row_keep(m, (_ser_statistic(log_ratio, m) <= th) & ~_nonfinite_row(log_ratio, m))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _accept_rate(keep: Tensor, m: Tensor) -> Tensor:
+    """Kept fraction of the sequences that have ≥ 1 valid token."""
+    nonempty = m.any(dim=-1)
+    return (keep.any(dim=-1) & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
+
+
+def _row_mean(x: Tensor, m: Tensor) -> Tensor:
+    nonempty = m.any(dim=-1)
+    return torch.where(nonempty, x, torch.zeros_like(x)).sum() / nonempty.float().sum().clamp(min=1.0)
+
+
+def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str = "mismatch") -> Correction:
+    """Trust Region Masking preset (arXiv 2512.23075; paper thresholds δ = 0.05 max, 0.001 avg; None disables one).
+
+    Uses ``batch.token_divergence`` for both tests when given (``batch.token_divergence_kind`` says "exact" or
+    "topk"); otherwise the paper's fallback on r = log(π_old/μ) (``source="mismatch"``) or log(π_θ/μ) (``"total"``):
+    max test on k2(r), average test on k3(r) (needs ``rollout_logp``).
+
+    Metrics: ``trm/accept_rate`` (of sequences with ≥ 1 valid token), ``trm/max_divergence_mean`` (mean over
+    sequences of the max-test divergence), ``trm/avg_divergence_mean`` (of the avg-test divergence), and
+    ``trm/divergence_exact`` / ``trm/divergence_topk`` / ``trm/divergence_k_estimator``: one is 1, the others 0.
+
+    >>> mu = torch.tensor([[0.0, 0.1], [0.0, 0.5]])
+    >>> b = LogProbBatch(logp=torch.zeros(2, 2), rollout_logp=mu, mask=torch.ones(2, 2))
+    >>> r = trm(avg_kl=None)(b)  # k2 maxima: 0.5·0.1² = 0.005 and 0.5·0.5² = 0.125 vs 0.05
+    >>> r.keep, r.metrics["trm/accept_rate"], r.metrics["trm/divergence_k_estimator"]
+    (tensor([[ True,  True],
+            [False, False]]), tensor(0.5000), tensor(1.))
+    """
+    mx = check_threshold("max_kl", max_kl, allow_zero=True, allow_none=True)
+    av = check_threshold("avg_kl", avg_kl, allow_zero=True, allow_none=True)
+    if mx is None and av is None:
+        raise ValueError("trm needs max_kl and/or avg_kl (both are None)")
+    check_source(source)
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        m = batch.bool_mask
+        if batch.token_divergence is not None:
+            max_div = avg_div = batch.token_divergence.detach().float()
+            kind = batch.token_divergence_kind
+        else:
+            r = behaviour_log_ratio(batch, source, "trm")
+            max_div, avg_div, kind = k2(r), k3(r), "k_estimator"
+        keep = _trm_keep(max_div, avg_div, m, mx, av)
+        one = torch.ones((), device=m.device)
+        metrics = {
+            "trm/accept_rate": _accept_rate(keep, m),
+            "trm/max_divergence_mean": _row_mean(masked_max(max_div, m, dim=-1), m),
+            "trm/avg_divergence_mean": _row_mean(masked_mean(avg_div, m, dim=-1), m),
+            "trm/divergence_exact": one * (kind == "exact"),
+            "trm/divergence_topk": one * (kind == "topk"),
+            "trm/divergence_k_estimator": one * (kind == "k_estimator"),
+        }
+        return CorrectionResult(m.float(), keep, metrics)
+
+    return Correction("trm", apply, {"max_kl": mx, "avg_kl": av, "source": source})
+
+
+def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, source: str = "mismatch") -> Correction:
+    """Length-Neutral TRM preset on log(π_old/μ) (or log(π_θ/μ), ``source="total"``); see :func:`ln_trm_mask`.
+
+    The defaults are not the paper's (it gives none): ε, δ from its worked example (ε = 5e-3, δ = 1e-4) and the
+    threshold from SER's recommended range, since W/Z is a weighted mean of the same |ρ_t − 1|.
+    Metrics: ``ln_trm/accept_rate``, ``ln_trm/stat_mean`` (mean W/Z over sequences).
+
+    >>> ln_trm()
+    ln_trm(eps=0.005, delta=0.0001, threshold=0.05, source='mismatch')
+    """
+    e = check_threshold("eps", eps)
+    d = check_threshold("delta", delta)
+    th = check_threshold("threshold", threshold, allow_zero=True)
+    assert e is not None and d is not None and th is not None
+    check_source(source)
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        m = batch.bool_mask
+        r = behaviour_log_ratio(batch, source, "ln_trm")
+        keep = ln_trm_mask(r, m, eps=e, delta=d, threshold=th)
+        metrics = {
+            "ln_trm/accept_rate": _accept_rate(keep, m),
+            "ln_trm/stat_mean": _row_mean(_ln_trm_statistic(r, m, e, d), m),
+        }
+        return CorrectionResult(m.float(), keep, metrics)
+
+    return Correction("ln_trm", apply, {"eps": e, "delta": d, "threshold": th, "source": source})
+
+
+def ser(threshold: float = 0.05, source: str = "mismatch") -> Correction:
+    """Sequence-Error-Rate preset (see :func:`ser_mask`; recommended threshold 0.03–0.10).
+    Metrics: ``ser/accept_rate``, ``ser/stat_mean`` (mean over sequences of mean_t |ρ_t − 1|).
+
+    >>> ser()
+    ser(threshold=0.05, source='mismatch')
+    """
+    th = check_threshold("threshold", threshold, allow_zero=True)
+    assert th is not None
+    check_source(source)
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        m = batch.bool_mask
+        r = behaviour_log_ratio(batch, source, "ser")
+        keep = ser_mask(r, m, threshold=th)
+        metrics = {"ser/accept_rate": _accept_rate(keep, m), "ser/stat_mean": _row_mean(_ser_statistic(r, m), m)}
+        return CorrectionResult(m.float(), keep, metrics)
+
+    return Correction("ser", apply, {"threshold": th, "source": source})

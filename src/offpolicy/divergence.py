@@ -1,0 +1,177 @@
+"""Per-token divergence between the rollout distribution μ and the training distribution π, over the vocabulary.
+
+Trust Region Masking (arXiv 2512.23075, seed 003) needs D_KL(c_t) = KL(μ(·|c_t) ‖ π_θ(·|c_t)) — rollout first —
+*exactly* over the vocabulary. Three situations, three answers (:func:`divergence_kind` picks):
+
+* **full rollout logits stored** → :func:`token_kl` / :func:`token_tv`, exact (row-chunked, no extra ``[N, V]``);
+* **only the rollout's top-k log-probs stored** (what vLLM/SGLang return cheaply) → :func:`topk_kl_lower_bound`:
+  coarse-grain the vocabulary into the k stored tokens plus one "rest" bucket holding the remaining mass,
+  q_rest = 1 − Σ_i q_i and p_rest = 1 − Σ_i p_{id_i}, and take the KL of the two (k+1)-point distributions;
+* **neither** → no per-token divergence; the ``trm`` preset falls back to the k2/k3 estimators of the sampled
+  token's log-ratio.
+
+**What the top-k value guarantees.** Coarse-graining is a channel, so by the data-processing inequality
+KL_topk ≤ KL_exact (and TV_topk ≤ TV_exact), with equality at k = V. The gap is exactly
+q_rest · KL(μ(·|rest) ‖ π(·|rest)): whatever μ does *inside* the tail is invisible. Consequences for TRM:
+
+* TRM-Max with the bound keeps a sequence iff max_t KL_topk(c_t) ≤ δ. Every sequence the exact test keeps is
+  also kept (no false rejections), but a kept sequence may have max_t KL_exact(c_t) > δ — the bound certifies only
+  the coarse-grained trust region, so Theorem 4.2's hypothesis D_tok,max ≤ δ (and with it B* and the monotone
+  improvement guarantee) is **not** certified. A *rejection* is always sound: KL_topk > δ implies KL_exact > δ.
+* The same holds for TRM-Avg (means of lower bounds are lower bounds).
+* The unseen part is at most q_rest · max_{j∈rest} log(1 / π(j)) (all tail mass of μ on π's least likely tail
+  token) — small when q_rest is small, which is why a large k makes the test nearly exact in practice;
+  :func:`topk_kl_lower_bound` does not add it (it stays a lower bound).
+
+Every function works on ``[..., V]`` logits (e.g. [B, T, V]) and returns ``[...]`` float32 (float64 in → float64).
+The training logits carry gradient (∂KL/∂z = π − μ); the rollout's tensors are data.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.kernels.fused import token_stats_from_logits
+from offpolicy.ratios import as_mask
+
+DivergenceKind = Literal["exact", "topk"]
+NONFINITE_DIVERGENCE = 1e6  # stands in for +inf/NaN KL at valid tokens in divergence_fields (fails any δ)
+
+
+def _dummy_targets(logits: Tensor) -> Tensor:
+    # The statistics kernel always computes log π(y); divergences do not need y, so any in-range id will do.
+    return torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+
+
+def _check_logits(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor) or x.dim() < 1 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a float [..., V] tensor, got {getattr(x, 'shape', type(x))}")
+    return x
+
+
+def token_kl(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0, rollout_temperature: float = 1.0,
+             memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """Exact KL(μ ‖ π) per position from two logit tensors ``[..., V]`` → ``[...]`` (TRM's D_KL(c_t), rollout first).
+
+    μ = softmax(rollout_logits / rollout_temperature) (log-probs with −inf entries are fine), π = softmax(logits /
+    temperature). Row-chunked: no ``[..., V]`` temporaries beyond the inputs. Differentiable w.r.t. ``logits``.
+
+    >>> # μ = (1/2, 1/2), π = (3/4, 1/4): KL = ½ log(½/¾) + ½ log(½/¼) = ½ log(4/3) = 0.1438
+    >>> token_kl(torch.tensor([0.0, 0.0]).log_softmax(-1), torch.tensor([0.75, 0.25]).log())
+    tensor(0.1438)
+    """
+    _check_logits("rollout_logits", rollout_logits)
+    _check_logits("logits", logits)
+    if rollout_logits.shape != logits.shape:
+        raise ValueError(f"rollout_logits has shape {tuple(rollout_logits.shape)} but logits has {tuple(logits.shape)}")
+    return token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature, want=("kl",),
+                                   rollout_logits=rollout_logits, rollout_temperature=rollout_temperature,
+                                   memory_budget_bytes=memory_budget_bytes).kl
+
+
+def token_tv(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0, rollout_temperature: float = 1.0,
+             memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """Exact total variation ½ Σ_a |μ(a) − π(a)| per position, ``[..., V]`` → ``[...]`` (TRM's ε, seed 003).
+
+    >>> # μ = (1/2, 1/2), π = (3/4, 1/4): TV = ½ (¼ + ¼) = 0.25
+    >>> token_tv(torch.tensor([0.0, 0.0]), torch.tensor([0.75, 0.25]).log())
+    tensor(0.2500)
+    """
+    _check_logits("rollout_logits", rollout_logits)
+    _check_logits("logits", logits)
+    if rollout_logits.shape != logits.shape:
+        raise ValueError(f"rollout_logits has shape {tuple(rollout_logits.shape)} but logits has {tuple(logits.shape)}")
+    return token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature, want=("tv",),
+                                   rollout_logits=rollout_logits, rollout_temperature=rollout_temperature,
+                                   memory_budget_bytes=memory_budget_bytes).tv
+
+
+def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,
+                        temperature: float = 1.0, with_tv: bool = False,
+                        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor | tuple[Tensor, Tensor]:
+    """Lower bound on KL(μ ‖ π) from the rollout's top-k log-probs only: KL of the (k + 1)-bucket coarse-graining.
+
+    ``rollout_topk_logp`` [..., K] are μ's normalised log-probs of the ids ``rollout_topk_ids`` [..., K] (unique per
+    row; −inf entries allowed as padding); ``logits`` [..., V] are π's. Returns ``[...]``
+    Σ_i q_i log(q_i / p_i) + q_rest log(q_rest / p_rest) ≤ KL_exact (data-processing inequality; equality at k = V).
+    p_rest comes from the logsumexp of the complement, not 1 − Σ p_i, so it stays accurate when top-k covers ~all
+    of π. ``with_tv`` also returns the coarse-grained TV (a lower bound on the exact TV). See the module docstring
+    for what TRM keeps with it.
+
+    >>> # μ = (½, ¼, ¼), π = (¼, ¼, ½); top-1 of μ is token 0, rest bucket {1, 2}: μ_rest = ½, π_rest = ¾
+    >>> # bound = ½ log(½/¼) + ½ log(½/¾) = ½ log 2 + ½ log(2/3) = 0.1438 ≤ exact ½ log 2 + ¼ log ½ = 0.1733
+    >>> q = torch.tensor([0.5, 0.25, 0.25]).log(); z = torch.tensor([0.25, 0.25, 0.5]).log()
+    >>> topk_kl_lower_bound(q[:1], torch.tensor([0]), z), token_kl(q, z)
+    (tensor(0.1438), tensor(0.1733))
+    """
+    _check_logits("logits", logits)
+    if not isinstance(rollout_topk_logp, Tensor) or rollout_topk_logp.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(f"rollout_topk_logp must be [..., K] with leading shape {tuple(logits.shape[:-1])}, got "
+                         f"{getattr(rollout_topk_logp, 'shape', type(rollout_topk_logp))}")
+    s = token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature,
+                                want=("kl", "tv") if with_tv else ("kl",), rollout_topk_logp=rollout_topk_logp,
+                                rollout_topk_ids=rollout_topk_ids, memory_budget_bytes=memory_budget_bytes)
+    return (s.kl, s.tv) if with_tv else s.kl
+
+
+def divergence_kind(*, rollout_logits: Tensor | None = None, rollout_topk_logp: Tensor | None = None,
+                    rollout_topk_ids: Tensor | None = None) -> DivergenceKind | None:
+    """Which TRM divergence the stored rollout data allows: ``"exact"``, ``"topk"`` or None (→ k2/k3 estimators).
+
+    Full logits win over top-k (exact beats a lower bound); with neither the caller leaves
+    ``LogProbBatch.token_divergence`` as None and the ``trm`` preset uses the sampled-token estimators.
+
+    >>> divergence_kind(rollout_topk_logp=torch.zeros(1, 2), rollout_topk_ids=torch.zeros(1, 2, dtype=torch.long))
+    'topk'
+    >>> divergence_kind() is None
+    True
+    """
+    if rollout_logits is not None:
+        return "exact"
+    if (rollout_topk_logp is None) != (rollout_topk_ids is None):
+        raise ValueError("rollout_topk_logp and rollout_topk_ids must be given together")
+    return "topk" if rollout_topk_logp is not None else None
+
+
+def divergence_fields(logits: Tensor, mask: Tensor | None = None, *, rollout_logits: Tensor | None = None,
+                      rollout_topk_logp: Tensor | None = None, rollout_topk_ids: Tensor | None = None,
+                      temperature: float = 1.0, rollout_temperature: float = 1.0,
+                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> dict[str, object]:
+    """``{"token_divergence": [B, T] | None, "token_divergence_kind": "exact" | "topk"}`` for ``LogProbBatch``.
+
+    Picks the source with :func:`divergence_kind` and computes KL(μ ‖ π) per token from ``logits`` [B, T, V]
+    (π_θ, or π_old for a per-rollout test). The result is detached float32 with 0 at masked positions (a mask
+    test, not a loss term) and ``NONFINITE_DIVERGENCE`` where the KL is +inf/NaN at a valid position.
+    Use as ``LogProbBatch(..., **divergence_fields(...))`` or ``batch.replace(**fields)``.
+    Second row: μ = softmax(1, 0, 0) = (0.5761, 0.2119, 0.2119), π uniform:
+    KL = 0.5761 log(3·0.5761) + 2 · 0.2119 log(3·0.2119) = 0.3153 − 0.1920 = 0.1233.
+
+    >>> z = torch.zeros(1, 2, 3); roll = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]])
+    >>> f = divergence_fields(z, torch.tensor([[1, 1]]), rollout_logits=roll)
+    >>> f["token_divergence_kind"], f["token_divergence"]
+    ('exact', tensor([[0.0000, 0.1233]]))
+    """
+    _check_logits("logits", logits)
+    kind = divergence_kind(rollout_logits=rollout_logits, rollout_topk_logp=rollout_topk_logp,
+                           rollout_topk_ids=rollout_topk_ids)
+    if kind is None:
+        return {"token_divergence": None, "token_divergence_kind": "exact"}
+    with torch.no_grad():
+        if kind == "exact":
+            d = token_kl(rollout_logits, logits, temperature=temperature, rollout_temperature=rollout_temperature,
+                         memory_budget_bytes=memory_budget_bytes)
+        else:
+            d = topk_kl_lower_bound(rollout_topk_logp, rollout_topk_ids, logits, temperature=temperature,
+                                    memory_budget_bytes=memory_budget_bytes)
+    # A non-finite divergence at a valid token (π gives 0 mass where μ gives some) must still fail any threshold:
+    # make it large and finite rather than letting a NaN-ignoring reduction read it as 0.
+    d = torch.nan_to_num(d.float(), nan=NONFINITE_DIVERGENCE, posinf=NONFINITE_DIVERGENCE)
+    if mask is not None:
+        if mask.shape != d.shape:
+            raise ValueError(f"mask has shape {tuple(mask.shape)} but logits give {tuple(d.shape)}")
+        d = torch.where(as_mask(mask), d, torch.zeros_like(d))
+    return {"token_divergence": d, "token_divergence_kind": kind}

@@ -1,0 +1,44 @@
+"""How many rows of ``[rows, V]`` float32 scratch fit in a memory budget.
+
+The fused kernels never materialise an ``[N, V]`` logits tensor: they walk over the N token rows in chunks, and
+each chunk holds a few ``[n, V]`` float32 buffers (logits, probabilities, gradient, the rollout's logits …). We chunk
+over *rows*, not over the vocabulary: one full row of a 150k vocabulary is only 600 KB, and a row-complete chunk
+gets the max logit, the logsumexp and the min-p safe set (which needs the max first) in a single pass, so the
+forward costs one matmul and the backward one recomputation.
+"""
+
+from __future__ import annotations
+
+DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
+
+
+def chunk_rows(n_rows: int, vocab_size: int, *, buffers: int, itemsize: int = 4,
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
+    """Rows per chunk so that ``buffers`` live ``[rows, vocab_size]`` tensors fit in ``memory_budget_bytes``.
+
+    Always at least 1 (a single row must fit whatever the budget) and at most ``n_rows`` (≥ 1).
+
+    >>> chunk_rows(2048, 151936, buffers=4)            # 256 MiB / (4 · 151936 · 4 B) = 110.4
+    110
+    >>> chunk_rows(10, 100, buffers=4)
+    10
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be ≥ 1, got {vocab_size}")
+    if buffers < 1:
+        raise ValueError(f"buffers must be ≥ 1, got {buffers}")
+    if memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+    per_row = vocab_size * itemsize * buffers
+    return max(1, min(max(n_rows, 1), memory_budget_bytes // per_row))
+
+
+def row_chunks(n_rows: int, rows_per_chunk: int) -> list[tuple[int, int]]:
+    """``[(start, stop), …]`` covering ``range(n_rows)``; the last chunk may be shorter.
+
+    >>> row_chunks(5, 2)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    if rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be ≥ 1, got {rows_per_chunk}")
+    return [(s, min(s + rows_per_chunk, n_rows)) for s in range(0, n_rows, rows_per_chunk)]

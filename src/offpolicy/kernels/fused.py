@@ -1,0 +1,562 @@
+"""Chunked per-token statistics of a softmax policy without an ``[N, V]`` tensor.
+
+Given hidden states ``h`` [N, H] and an lm_head ``W`` [V, H] (optional bias [V], temperature τ), the policy at
+token n is softmax(z_n) with z_n = (W h_n + b) / τ. This module returns, per token,
+
+===============  ==================================================================================  ======
+name             value                                                                               grad
+===============  ==================================================================================  ======
+``logp``         log π(y_n) = z_y − lse(z)                                                           yes
+``entropy``      H(π) = lse(z) − Σ_a π_a z_a                                                         yes
+``minp_logp``    log π^mp(y_n) = z_y − lse_S(z), S = {a : z_a ≥ z_max + log ρ}  (DVP Defs 5.1–5.2)     yes
+``minp_mass``    Z = Σ_{a∈S} π_a, retained (coverage) mass (DVP Prop 5.5)                            yes
+``minp_inside``  y_n ∈ S (bool); where False the DVP ratio is 0: use it as the keep mask             —
+``kl``           KL(μ ‖ π) to the rollout distribution μ — exact from rollout logits [N, V], or the    yes
+                 top-k coarse-grained lower bound from rollout top-k log-probs [N, K] (see
+                 :mod:`offpolicy.divergence`)
+``tv``           TV(μ, π) (same two sources; top-k gives a lower bound)                              yes
+``max_logit``    z_max (the min-p threshold is z_max + log ρ)                                         —
+``logsumexp``    lse(z)                                                                               —
+===============  ==================================================================================  ======
+
+How: a custom ``torch.autograd.Function`` walks the N rows in chunks sized from ``memory_budget_bytes``
+(:mod:`offpolicy.kernels.chunking`). The forward keeps only per-row statistics (logsumexp, entropy, safe-set
+logsumexp …); the backward recomputes each chunk's logits and forms ∂/∂z of every requested output at once, then
+pushes it through the matmuls into ∂h, ∂W, ∂b. All softmax arithmetic is float32 (float64 if the inputs are float64,
+which is what ``gradcheck`` needs) whatever the input dtype; bf16/fp16 weights are up-cast once. The min-p safe set is
+fixed during backpropagation (DVP §5.5: computed under no-grad). Targets equal to ``ignore_index`` give 0 for every
+output and no gradient. The rollout's tensors are data: they receive no gradient.
+
+Gradients w.r.t. z (p = softmax(z), onehot at y; each is multiplied by its output's incoming gradient):
+logp → onehot − p; entropy → −p ⊙ (z − lse + H); minp_logp → onehot − p ⊙ 1_S / Z (the contrastive form of
+DVP Prop 5.4; for y ∉ S the value z_y − lse_S is a finite stand-in for −∞ and ``minp_inside`` drops the token);
+minp_mass → p ⊙ (1_S − Z); kl → p − q (q = μ, or for top-k the coarse-grained q̃: q_i on the k ids, and
+q_rest · p / p_rest on the rest); tv → ½ p ⊙ (s − Σ s p), s = sign(p − q) per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+
+IGNORE_INDEX = -100
+DIFF_OUTPUTS: tuple[str, ...] = ("logp", "entropy", "minp_logp", "minp_mass", "kl", "tv")
+_AUX_OUTPUTS: tuple[str, ...] = ("minp_inside", "max_logit", "logsumexp")
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """Per-token outputs of :func:`fused_token_stats` / :func:`token_stats_from_logits`; None when not requested.
+
+    Every tensor has the leading shape of the targets ([N], or [B, T] from the logits path). ``kl_kind`` is
+    ``"exact"`` (full rollout logits), ``"topk"`` (coarse-grained lower bound) or None.
+    """
+
+    logp: Tensor | None = None
+    entropy: Tensor | None = None
+    minp_logp: Tensor | None = None
+    minp_mass: Tensor | None = None
+    minp_inside: Tensor | None = None
+    kl: Tensor | None = None
+    tv: Tensor | None = None
+    max_logit: Tensor | None = None
+    logsumexp: Tensor | None = None
+    kl_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class _Config:
+    want: frozenset[str]
+    temperature: float
+    log_rho: float
+    rollout_temperature: float
+    kl_source: str | None  # None | "logits" | "topk"
+    ignore_index: int
+    memory_budget_bytes: int
+
+    def buffers(self) -> int:
+        # Live [n, V] buffers at the peak of a chunk (an estimate that errs high): logits, probabilities, gradient,
+        # plus the min-p/entropy temporaries and the rollout's logits, probabilities and difference.
+        b = 3
+        if self.want & {"entropy", "minp_logp", "minp_mass"}:
+            b += 2
+        if self.kl_source == "logits":
+            b += 4
+        elif self.kl_source == "topk":
+            b += 2
+        return b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-chunk mathematics, shared by the hidden-state path and the logits path.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_v a[n, v] b[n, v] as [n, 1] without allocating a·b (a batched matmul)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).squeeze(2)
+
+
+def _rollout_chunk(r: Tensor, cfg: _Config, dtype: torch.dtype) -> Tensor:
+    r = r.to(dtype)
+    return r / cfg.rollout_temperature if cfg.rollout_temperature != 1.0 else r
+
+
+def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_logp: Tensor | None,
+                   tk_ids: Tensor | None) -> dict[str, Tensor]:
+    """Statistics of one chunk of logits ``z`` [n, V] (owned; may be overwritten). Returns [n, 1] tensors."""
+    want = cfg.want
+    out: dict[str, Tensor] = {}
+    zmax = z.amax(dim=-1, keepdim=True)
+    e = torch.sub(z, zmax).exp_()
+    s = e.sum(dim=-1, keepdim=True)
+    lse = zmax + s.log()
+    out["logsumexp"], out["max_logit"] = lse, zmax
+    zy = z.gather(1, y)
+    out["logp"] = zy - lse
+    if "entropy" in want:
+        out["entropy"] = lse - _rowdot(e, z) / s
+    if "minp_logp" in want or "minp_mass" in want:
+        thr = zmax + cfg.log_rho
+        s_safe = torch.where(z >= thr, e, torch.zeros((), dtype=e.dtype)).sum(dim=-1, keepdim=True)
+        lse_s = zmax + s_safe.log()
+        out["threshold"], out["lse_safe"] = thr, lse_s
+        out["minp_logp"] = zy - lse_s
+        out["minp_mass"] = s_safe / s
+        out["minp_inside"] = zy >= thr
+    if cfg.kl_source == "logits":
+        r = _rollout_chunk(roll, cfg, z.dtype)
+        rmax = r.amax(dim=-1, keepdim=True)
+        er = torch.sub(r, rmax).exp_()
+        sr = er.sum(dim=-1, keepdim=True)
+        lse_r = rmax + sr.log()
+        out["lse_rollout"] = lse_r
+        if "kl" in want:
+            # KL(q‖p) = Σ q (r − z) − lse_r + lse; 0·(−inf) where q = 0 must read 0, not NaN.
+            d = torch.sub(r, z).masked_fill_(er == 0, 0.0)
+            out["kl"] = _rowdot(er, d) / sr - lse_r + lse
+        if "tv" in want:
+            pz = e / s
+            d = torch.sub(pz, er / sr)
+            out["tv"] = 0.5 * d.abs().sum(dim=-1, keepdim=True)
+            out["tv_sbar"] = _rowdot(d.sign_(), pz)  # Σ sign(p − q) p, the TV gradient's per-row baseline
+    elif cfg.kl_source == "topk":
+        lq = tk_logp.to(z.dtype)
+        q = lq.exp()
+        q_rest = (1.0 - q.sum(dim=-1, keepdim=True)).clamp_(min=0.0)
+        logp_ids = z.gather(1, tk_ids) - lse
+        # log p_rest from the complement's own logsumexp, not log(1 − Σ p_ids) (cancellation when top-k ≈ all).
+        lse_rest = torch.logsumexp(z.scatter_(1, tk_ids, float("-inf")), dim=-1, keepdim=True)
+        log_p_rest = lse_rest - lse
+        out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
+        if "kl" in want:
+            head = torch.where(q > 0, q * (lq - logp_ids), torch.zeros((), dtype=q.dtype)).sum(dim=-1, keepdim=True)
+            tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest),
+                               torch.zeros((), dtype=q.dtype))
+            out["kl"] = head + tail
+        if "tv" in want:
+            out["tv"] = 0.5 * ((q - logp_ids.exp()).abs().sum(dim=-1, keepdim=True) + (q_rest - log_p_rest.exp()).abs())
+    return out
+
+
+def _scatter_in_tile(g: Tensor, ids: Tensor, vals: Tensor, c0: int) -> None:
+    """g[:, ids − c0] += vals for the ids that fall inside the tile's columns [c0, c0 + width)."""
+    width = g.shape[1]
+    inside = (ids >= c0) & (ids < c0 + width)
+    g.scatter_add_(1, (ids - c0).clamp(0, width - 1), torch.where(inside, vals, torch.zeros((), dtype=vals.dtype)))
+
+
+def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Tensor], go: dict[str, Tensor],
+                   roll: Tensor | None, tk_logp: Tensor | None, tk_ids: Tensor | None) -> Tensor:
+    """∂(Σ_o go_o · o)/∂z on a tile of logits ``z`` [n, C] = columns [c0, c0 + C) of n rows.
+
+    Only per-row statistics saved by the forward are needed (lse, entropy, threshold, Z, the rollout's lse, Σ s·p
+    for TV, the top-k probabilities), so the tile need not span the vocabulary: the backward is tiled in 2-D, which
+    writes each slice of ∂W once per row block instead of streaming the whole ∂W once per row chunk.
+    ``go`` holds [n, 1] incoming grads (already × valid / τ); ``roll`` is the matching [n, C] tile.
+    """
+    lse = st["logsumexp"]
+    zero = torch.zeros((), dtype=z.dtype)
+    p = torch.sub(z, lse).exp_()
+    coef = torch.zeros_like(lse)  # per-row part of the multiplier of p
+    mult: Tensor | None = None    # per-element part of the multiplier of p
+    onehot = torch.zeros_like(lse)
+    if "logp" in go:
+        coef -= go["logp"]
+        onehot += go["logp"]
+    if "entropy" in go:
+        g_h = go["entropy"]
+        mult = z * (-g_h)
+        coef -= g_h * (st["entropy"] - lse)
+    if "minp_logp" in go or "minp_mass" in go:
+        w = torch.zeros_like(lse)
+        if "minp_logp" in go:
+            w -= go["minp_logp"] / st["minp_mass"]
+            onehot += go["minp_logp"]
+        if "minp_mass" in go:
+            w += go["minp_mass"]
+            coef -= go["minp_mass"] * st["minp_mass"]
+        t = torch.where(z >= st["threshold"], w, zero)
+        mult = t if mult is None else mult.add_(t)
+    q: Tensor | None = None
+    topk_fix: Tensor | None = None
+    if cfg.kl_source == "logits" and ("kl" in go or "tv" in go):
+        q = torch.sub(_rollout_chunk(roll, cfg, z.dtype), st["lse_rollout"]).exp_()
+        if "kl" in go:
+            coef += go["kl"]
+        if "tv" in go:
+            half = 0.5 * go["tv"]
+            coef -= half * st["tv_sbar"]
+            sgn = torch.sub(p, q).sign_().mul_(half)
+            mult = sgn if mult is None else mult.add_(sgn)
+        if "kl" not in go:
+            q = None
+    elif cfg.kl_source == "topk" and ("kl" in go or "tv" in go):
+        qk = tk_logp.to(z.dtype).exp()
+        q_rest, p_ids = st["q_rest"], st["p_ids"]
+        p_rest = torch.exp(st["lse_rest"] - lse)
+        topk_fix = torch.zeros_like(qk)
+        if "kl" in go:
+            # p − q̃ with q̃ = q_i on the ids and q_rest · p / p_rest on the rest.
+            g_k = go["kl"]
+            ratio = torch.where(p_rest > 0, q_rest / p_rest, zero)
+            coef += g_k * (1.0 - ratio)
+            topk_fix += g_k * (ratio * p_ids - qk)
+        if "tv" in go:
+            half = 0.5 * go["tv"]
+            s_ids = torch.sign(p_ids - qk)
+            s_rest = torch.sign(p_rest - q_rest)
+            s_bar = (s_ids * p_ids).sum(dim=-1, keepdim=True) + s_rest * p_rest
+            coef += half * (s_rest - s_bar)
+            topk_fix += half * (s_ids - s_rest) * p_ids
+    g = p.mul_(coef if mult is None else mult.add_(coef))
+    if q is not None:
+        g.sub_(q.mul_(go["kl"]))
+    if topk_fix is not None:
+        _scatter_in_tile(g, tk_ids, topk_fix, c0)
+    _scatter_in_tile(g, y, onehot, c0)
+    return g
+
+
+def _tiles(n: int, vocab: int, cfg: _Config, itemsize: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Row blocks × column slices for the backward: square-ish tiles of ≤ budget / buffers elements."""
+    elems = max(1, cfg.memory_budget_bytes // (itemsize * cfg.buffers()))
+    rows = max(1, min(n, math.isqrt(elems)))
+    cols = max(1, min(vocab, elems // rows))
+    return row_chunks(n, rows), row_chunks(vocab, cols)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver shared by both autograd functions.
+# ---------------------------------------------------------------------------------------------------------------
+
+_SAVED = ("logsumexp", "entropy", "threshold", "minp_mass", "lse_rollout", "tv_sbar", "q_rest", "lse_rest", "p_ids")
+
+
+def _run_forward(get_z, n: int, vocab: int, targets: Tensor, cfg: _Config, roll, tk_logp, tk_ids, dtype):
+    rows = chunk_rows(n, vocab, buffers=cfg.buffers(), itemsize=torch.finfo(dtype).bits // 8,
+                      memory_budget_bytes=cfg.memory_budget_bytes)
+    valid = targets != cfg.ignore_index
+    y = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+    parts: dict[str, list[Tensor]] = {}
+    for a, b in row_chunks(n, rows):
+        st = _forward_chunk(get_z(a, b), y[a:b], cfg, None if roll is None else roll[a:b],
+                            None if tk_logp is None else tk_logp[a:b], None if tk_ids is None else tk_ids[a:b])
+        for k, v in st.items():
+            parts.setdefault(k, []).append(v)
+    stats = {k: torch.cat(v) for k, v in parts.items()}  # [N, 1] per-row statistics ([N, K] for p_ids)
+    return stats, valid, y, rows
+
+
+def _outputs(stats: dict[str, Tensor], valid: Tensor, cfg: _Config, n: int, device, dtype) -> tuple[Tensor, ...]:
+    """Fixed-arity tuple: the six differentiable outputs then the three auxiliaries (zeros when not requested)."""
+    res = []
+    for name in DIFF_OUTPUTS + _AUX_OUTPUTS:
+        v = stats.get(name)
+        if v is None or (name in DIFF_OUTPUTS and name not in cfg.want):
+            res.append(torch.zeros(n, device=device, dtype=torch.bool if name == "minp_inside" else dtype))
+        else:
+            res.append(torch.where(valid, v.squeeze(1), torch.zeros((), dtype=v.dtype, device=v.device)))
+    return tuple(res)
+
+
+def _grad_outputs(grads: tuple[Tensor | None, ...], valid: Tensor, cfg: _Config, dtype) -> dict[str, Tensor]:
+    go = {}
+    for name, g in zip(DIFF_OUTPUTS, grads):
+        if g is not None and name in cfg.want:
+            # Ignored rows get no gradient; 1/τ is folded in here because z = (W h + b) / τ.
+            go[name] = (torch.where(valid, g.to(dtype), torch.zeros((), dtype=dtype)) / cfg.temperature).unsqueeze(1)
+    return go
+
+
+class _FusedLinearStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, roll, tk_logp, tk_ids, cfg):  # type: ignore[override]
+        dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        inv_t = 1.0 / cfg.temperature
+
+        def get_z(a: int, c: int) -> Tensor:
+            h = hidden[a:c].to(dtype)
+            z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+            return z.mul_(inv_t) if inv_t != 1.0 else z
+
+        n, vocab = hidden.shape[0], weight.shape[0]
+        stats, valid, y, rows = _run_forward(get_z, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
+        ctx.set_materialize_grads(False)
+        ctx.cfg, ctx.rows, ctx.dtype = cfg, rows, dtype
+        ctx.keys = [k for k in _SAVED if k in stats]
+        ctx.save_for_backward(hidden, weight, bias, y, valid, roll, tk_logp, tk_ids, *[stats[k] for k in ctx.keys])
+        outs = _outputs(stats, valid, cfg, n, hidden.device, dtype)
+        ctx.mark_non_differentiable(*outs[len(DIFF_OUTPUTS):])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        hidden, weight, bias, y, valid, roll, tk_logp, tk_ids, *saved = ctx.saved_tensors
+        cfg, dtype = ctx.cfg, ctx.dtype
+        go = _grad_outputs(grads[: len(DIFF_OUTPUTS)], valid, cfg, dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not go or not (need_h or need_w or need_b):
+            return (None,) * 8
+        stats = dict(zip(ctx.keys, saved))
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        inv_t = 1.0 / cfg.temperature
+        gh = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        gb = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None else None
+        row_blocks, col_slices = _tiles(hidden.shape[0], weight.shape[0], cfg, torch.finfo(dtype).bits // 8)
+        for a, c in row_blocks:
+            h = hidden[a:c].to(dtype)
+            st = {k: v[a:c] for k, v in stats.items()}
+            gor = {k: v[a:c] for k, v in go.items()}
+            for v0, v1 in col_slices:
+                wv = w[v0:v1]
+                z = torch.mm(h, wv.t()) if b is None else torch.addmm(b[v0:v1], h, wv.t())
+                if inv_t != 1.0:
+                    z.mul_(inv_t)
+                g = _backward_tile(z, v0, y[a:c], cfg, st, gor, None if roll is None else roll[a:c, v0:v1],
+                                   None if tk_logp is None else tk_logp[a:c], None if tk_ids is None else tk_ids[a:c])
+                del z
+                if gh is not None:
+                    gh[a:c].addmm_(g, wv)
+                if gw is not None:
+                    gw[v0:v1].addmm_(g.t(), h)
+                if gb is not None:
+                    gb[v0:v1] += g.sum(dim=0)
+        return (None if gh is None else gh.to(hidden.dtype), None if gw is None else gw.to(weight.dtype),
+                None if gb is None else gb.to(bias.dtype), None, None, None, None, None)
+
+
+class _LogitStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, roll, tk_logp, tk_ids, cfg):  # type: ignore[override]
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        inv_t = 1.0 / cfg.temperature
+
+        def get_z(a: int, c: int) -> Tensor:
+            z = logits[a:c].to(dtype, copy=True)  # owned: the chunk math works in place
+            return z.mul_(inv_t) if inv_t != 1.0 else z
+
+        n, vocab = logits.shape
+        stats, valid, y, rows = _run_forward(get_z, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
+        ctx.set_materialize_grads(False)
+        ctx.cfg, ctx.rows, ctx.dtype = cfg, rows, dtype
+        ctx.keys = [k for k in _SAVED if k in stats]
+        ctx.save_for_backward(logits, y, valid, roll, tk_logp, tk_ids, *[stats[k] for k in ctx.keys])
+        outs = _outputs(stats, valid, cfg, n, logits.device, dtype)
+        ctx.mark_non_differentiable(*outs[len(DIFF_OUTPUTS):])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        logits, y, valid, roll, tk_logp, tk_ids, *saved = ctx.saved_tensors
+        cfg, dtype = ctx.cfg, ctx.dtype
+        go = _grad_outputs(grads[: len(DIFF_OUTPUTS)], valid, cfg, dtype)
+        if not go or not ctx.needs_input_grad[0]:
+            return (None,) * 6
+        stats = dict(zip(ctx.keys, saved))
+        inv_t = 1.0 / cfg.temperature
+        grad = torch.empty_like(logits)
+        row_blocks, col_slices = _tiles(logits.shape[0], logits.shape[1], cfg, torch.finfo(dtype).bits // 8)
+        for a, c in row_blocks:
+            st = {k: v[a:c] for k, v in stats.items()}
+            gor = {k: v[a:c] for k, v in go.items()}
+            for v0, v1 in col_slices:
+                z = logits[a:c, v0:v1].to(dtype, copy=True)
+                if inv_t != 1.0:
+                    z.mul_(inv_t)
+                grad[a:c, v0:v1] = _backward_tile(z, v0, y[a:c], cfg, st, gor,
+                                                  None if roll is None else roll[a:c, v0:v1],
+                                                  None if tk_logp is None else tk_logp[a:c],
+                                                  None if tk_ids is None else tk_ids[a:c])
+        return grad, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+_WANT_ALIASES = {"minp": ("minp_logp", "minp_mass")}
+
+
+def _resolve_want(want: Iterable[str] | None, min_p_rho: float | None, kl_source: str | None) -> frozenset[str]:
+    if want is None:
+        names = {"logp"}
+        if min_p_rho is not None:
+            names |= {"minp_logp", "minp_mass"}
+        if kl_source is not None:
+            names.add("kl")
+    else:
+        if isinstance(want, str):
+            want = (want,)
+        names = set()
+        for w in want:
+            names.update(_WANT_ALIASES.get(w, (w,)))
+    unknown = names - set(DIFF_OUTPUTS)
+    if unknown:
+        raise ValueError(f"want has unknown outputs {sorted(unknown)}; choose from {DIFF_OUTPUTS} (or 'minp')")
+    if names & {"minp_logp", "minp_mass"} and min_p_rho is None:
+        raise ValueError("want asks for minp_logp/minp_mass but min_p_rho is None")
+    if names & {"kl", "tv"} and kl_source is None:
+        raise ValueError("want asks for kl/tv but neither rollout_logits nor rollout_topk_logp/ids is given")
+    return frozenset(names)
+
+
+def _check_common(n: int, vocab: int, targets: Tensor, temperature: float, min_p_rho: float | None,
+                  rollout_logits: Tensor | None, rollout_topk_logp: Tensor | None, rollout_topk_ids: Tensor | None,
+                  rollout_temperature: float, memory_budget_bytes: int) -> str | None:
+    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError("targets must be an integer tensor of token ids")
+    if targets.shape != (n,):
+        raise ValueError(f"targets must have shape ({n},), got {tuple(targets.shape)}")
+    for name, t in (("temperature", temperature), ("rollout_temperature", rollout_temperature)):
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {t!r}")
+    if min_p_rho is not None and not (isinstance(min_p_rho, (int, float)) and 0 < min_p_rho <= 1):
+        raise ValueError(f"min_p_rho must be in (0, 1], got {min_p_rho!r}")
+    if memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+    if rollout_logits is not None and (rollout_topk_logp is not None or rollout_topk_ids is not None):
+        raise ValueError("give either rollout_logits or rollout_topk_logp/rollout_topk_ids, not both")
+    if rollout_logits is not None:
+        if rollout_logits.shape != (n, vocab):
+            raise ValueError(f"rollout_logits must have shape ({n}, {vocab}), got {tuple(rollout_logits.shape)}")
+        return "logits"
+    if (rollout_topk_logp is None) != (rollout_topk_ids is None):
+        raise ValueError("rollout_topk_logp and rollout_topk_ids must be given together")
+    if rollout_topk_logp is not None:
+        if rollout_topk_logp.dim() != 2 or rollout_topk_logp.shape[0] != n or not rollout_topk_logp.is_floating_point():
+            raise ValueError(f"rollout_topk_logp must be a float [{n}, K] tensor, got {tuple(rollout_topk_logp.shape)}")
+        if rollout_topk_ids.shape != rollout_topk_logp.shape or rollout_topk_ids.dtype.is_floating_point:
+            raise ValueError("rollout_topk_ids must be an integer tensor with rollout_topk_logp's shape")
+        if rollout_topk_logp.shape[1] > vocab:
+            raise ValueError(f"rollout_topk_logp has K={rollout_topk_logp.shape[1]} > vocabulary {vocab}")
+        return "topk"
+    return None
+
+
+def _to_stats(outs: tuple[Tensor, ...], cfg: _Config, shape: tuple[int, ...]) -> TokenStats:
+    named = dict(zip(DIFF_OUTPUTS + _AUX_OUTPUTS, outs))
+    keep = set(cfg.want) | {"max_logit", "logsumexp"}
+    if cfg.want & {"minp_logp", "minp_mass"}:
+        keep.add("minp_inside")
+    fields = {k: (v.reshape(shape) if k in keep else None) for k, v in named.items()}
+    return TokenStats(**fields, kl_kind=None if cfg.kl_source is None else ("exact" if cfg.kl_source == "logits" else "topk"))
+
+
+def fused_token_stats(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
+                      temperature: float = 1.0, want: Iterable[str] | None = None, min_p_rho: float | None = None,
+                      rollout_logits: Tensor | None = None, rollout_topk_logp: Tensor | None = None,
+                      rollout_topk_ids: Tensor | None = None, rollout_temperature: float = 1.0,
+                      ignore_index: int = IGNORE_INDEX,
+                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TokenStats:
+    """Per-token log-prob, entropy, DVP min-p statistics and KL/TV to the rollout, from hidden states, chunked.
+
+    Shapes: ``hidden`` [N, H], ``weight`` [V, H] (lm_head), ``targets`` [N] (sampled ids; ``ignore_index`` rows give
+    0 and no gradient), ``bias`` [V]. Rollout μ: ``rollout_logits`` [N, V] (divided by ``rollout_temperature``; pass
+    processed logits/log-probs with the default 1.0), or ``rollout_topk_logp`` [N, K] normalised log-probs with
+    ``rollout_topk_ids`` [N, K] (unique per row). ``want`` picks outputs from ``DIFF_OUTPUTS`` (``"minp"`` = both
+    min-p outputs); default: logp, plus min-p outputs if ``min_p_rho`` is set, plus kl if a rollout is given.
+    Implements: "Dynamic Vocabulary Pruning" (Li et al., seed 000) Defs 5.1–5.2 and Prop 5.6 for the min-p outputs; the exact token KL
+    of Trust Region Masking (arXiv 2512.23075) and its top-k lower bound (:mod:`offpolicy.divergence`) for ``kl``.
+    No ``[N, V]`` tensor is kept; at most ``memory_budget_bytes`` of chunk scratch is alive at once.
+
+    >>> _ = torch.manual_seed(0); h, w = torch.randn(4, 8), torch.randn(11, 8); y = torch.tensor([1, 2, -100, 3])
+    >>> s = fused_token_stats(h, w, y, want=("logp", "entropy"))
+    >>> ref = torch.log_softmax(h @ w.T, -1).gather(1, y.clamp(min=0)[:, None])[:, 0]
+    >>> bool(torch.allclose(s.logp[[0, 1, 3]], ref[[0, 1, 3]], atol=1e-5)), s.logp[2].item()
+    (True, 0.0)
+    """
+    if not isinstance(hidden, Tensor) or hidden.dim() != 2 or not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a float [N, H] tensor, got {getattr(hidden, 'shape', type(hidden))}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[1]}], got {getattr(weight, 'shape', type(weight))}")
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {getattr(bias, 'shape', type(bias))}")
+    n, vocab = hidden.shape[0], weight.shape[0]
+    source = _check_common(n, vocab, targets, temperature, min_p_rho, rollout_logits, rollout_topk_logp,
+                           rollout_topk_ids, rollout_temperature, memory_budget_bytes)
+    cfg = _Config(_resolve_want(want, min_p_rho, source), float(temperature),
+                  math.log(min_p_rho) if min_p_rho is not None else 0.0, float(rollout_temperature), source,
+                  int(ignore_index), int(memory_budget_bytes))
+    detach = (lambda t: None if t is None else t.detach())
+    outs = _FusedLinearStats.apply(hidden, weight, bias, targets, detach(rollout_logits), detach(rollout_topk_logp),
+                                   detach(rollout_topk_ids), cfg)
+    return _to_stats(outs, cfg, (n,))
+
+
+def fused_logp(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
+               temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """log π(y_n) [N] from hidden states [N, H] and lm_head [V, H], chunked (see :func:`fused_token_stats`).
+
+    >>> h, w = torch.zeros(2, 3), torch.zeros(4, 3)           # uniform policy over 4 tokens: log(1/4)
+    >>> fused_logp(h, w, torch.tensor([0, 3]))
+    tensor([-1.3863, -1.3863])
+    """
+    return fused_token_stats(hidden, weight, targets, bias=bias, temperature=temperature, want=("logp",),
+                             ignore_index=ignore_index, memory_budget_bytes=memory_budget_bytes).logp
+
+
+def token_stats_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                            want: Iterable[str] | None = None, min_p_rho: float | None = None,
+                            rollout_logits: Tensor | None = None, rollout_topk_logp: Tensor | None = None,
+                            rollout_topk_ids: Tensor | None = None, rollout_temperature: float = 1.0,
+                            ignore_index: int = IGNORE_INDEX,
+                            memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TokenStats:
+    """Same statistics as :func:`fused_token_stats` from logits that already exist, ``[..., V]`` → ``[...]``.
+
+    Row-chunked, so the only ``[..., V]`` tensors are the inputs (and, in backward, their gradient). Rollout tensors
+    have the logits' leading shape: ``rollout_logits`` [..., V], ``rollout_topk_logp``/``ids`` [..., K].
+
+    >>> z = torch.tensor([[[2.0, 0.0, -30.0]]])                    # [B=1, T=1, V=3]
+    >>> s = token_stats_from_logits(z, torch.tensor([[1]]), min_p_rho=1e-6)
+    >>> round(s.logp.item(), 4), round(s.minp_logp.item(), 4), bool(s.minp_inside)   # token 2 is pruned
+    (-2.1269, -2.1269, True)
+    """
+    if not isinstance(logits, Tensor) or logits.dim() < 1 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [..., V] tensor, got {getattr(logits, 'shape', type(logits))}")
+    lead, vocab = tuple(logits.shape[:-1]), logits.shape[-1]
+    if not isinstance(targets, Tensor) or tuple(targets.shape) != lead:
+        raise ValueError(f"targets must have shape {lead}, got {getattr(targets, 'shape', type(targets))}")
+    n = math.prod(lead)
+    flat = (lambda t: None if t is None else t.detach().reshape(n, t.shape[-1]))
+    roll, tkl, tki = flat(rollout_logits), flat(rollout_topk_logp), flat(rollout_topk_ids)
+    for name, t, orig in (("rollout_logits", roll, rollout_logits), ("rollout_topk_logp", tkl, rollout_topk_logp)):
+        if orig is not None and tuple(orig.shape[:-1]) != lead:
+            raise ValueError(f"{name} must have leading shape {lead}, got {tuple(orig.shape)}")
+    source = _check_common(n, vocab, targets.reshape(n), temperature, min_p_rho, roll, tkl, tki,
+                           rollout_temperature, memory_budget_bytes)
+    cfg = _Config(_resolve_want(want, min_p_rho, source), float(temperature),
+                  math.log(min_p_rho) if min_p_rho is not None else 0.0, float(rollout_temperature), source,
+                  int(ignore_index), int(memory_budget_bytes))
+    outs = _LogitStats.apply(logits.reshape(n, vocab), targets.reshape(n), roll, tkl, tki, cfg)
+    return _to_stats(outs, cfg, lead)

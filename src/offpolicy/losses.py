@@ -1,0 +1,271 @@
+"""Policy-gradient losses: PPO clip (asymmetric, dual-clip), decoupled PPO, bypass, GSPO, REINFORCE; aggregation modes.
+
+One function, :func:`policy_loss`, turns a :class:`~offpolicy.batch.LogProbBatch` (+ an optional correction) into a
+scalar loss to *minimise* and a dict of 0-d metric tensors. Losses only aggregate; corrections only weight: a
+correction's per-token coefficient ``weights · keep`` (detached) multiplies each token's loss term.
+
+Objectives (L_t is the per-token loss, A the advantage, ``sg`` stop-gradient):
+
+* ``ppo``        r = π_θ/π_old;  L_t = −min(r A, clip(r, 1−ε_low, 1+ε_high) A)  (Schulman et al. 2017, eq. 7;
+                 ε_high > ε_low is DAPO's clip-higher, arXiv 2503.14476). ``dual_clip=c`` (Ye et al. 2020,
+                 arXiv 1912.09729, eq. 5) additionally bounds the loss of A<0 tokens: L_t = min(L_t, c·|A|).
+* ``decoupled``  PPO with a leading π_old/μ weight (seed 004; Hilton et al. 2021): J = (π_old/μ) · PPO term. With a
+                 ``correction`` this is exactly ``ppo`` + that correction (you normally want ``tis``/``mis``/``icepop`` on
+                 the mismatch ratio: the untruncated weight has unbounded variance). Without one, the raw detached weight
+                 exp(log π_old − log μ) (clamped log-ratio ±20) is applied.
+* ``bypass``     r = π_θ/μ directly (no π_old; seed 001 §3.1 and ALP's unified ratio), clipped like PPO.
+* ``gspo``       GSPO (arXiv 2507.18071, "GSPO-token" eq.): s_i = exp(mean_t log(π_θ/π_old)) and per token
+                 s_{i,t} = sg[s_i] · π_t / sg[π_t], so the value is the geometric sequence ratio but the gradient flows
+                 per token; clipped like PPO (the paper uses ε ≈ 3e-4 / 4e-4 — pass them as ``clip_low``/``clip_high``).
+* ``reinforce``  L_t = −A · log π_θ (the correction's weight multiplies it, like every objective).
+
+``level`` generalises the ratio of ``ppo``/``bypass``/``decoupled`` the same way GSPO does (``gspo`` ≡ ``ppo`` at
+``level="geometric"``): ``sequence`` uses the product ratio, ``geometric`` the length-normalised one — e.g. ALP's
+sequence-level objective (seed 001, eq. 3) is ``objective="bypass", level="geometric"``.
+
+Aggregations (the denominators use the *padding* mask, never the correction's keep mask, so a dropped token still
+counts — TRM's "normalise by the total batch", arXiv 2512.23075):
+
+* ``token_mean``               Σ m L / Σ m                                   (DAPO)
+* ``seq_mean_token_mean``      mean over sequences with ≥1 valid token of Σ_t m L / Σ_t m   (GRPO)
+* ``seq_mean_token_sum_norm``  Σ m L / (B · T_max), T_max = ``max_tokens`` or T             (Dr.GRPO, arXiv 2503.20783)
+
+Robustness: a token whose log-prob (under any policy given) or advantage is NaN/±inf at a *valid* position contributes
+exactly 0 and is counted in ``loss/nonfinite_tokens``; ``torch.where`` runs before any arithmetic, so the backward pass
+is finite too. Masked positions never matter. A batch without a valid token gives loss 0.0 with an all-zero gradient
+(``loss/empty_batch`` = 1). Everything is computed in float32 and nothing syncs to the host, so the function compiles
+with ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.corrections.base import Correction, CorrectionResult
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level
+
+Objective = Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+OBJECTIVES: tuple[str, ...] = ("ppo", "decoupled", "bypass", "gspo", "reinforce")
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def _check_epsilon(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _validate(
+    batch: LogProbBatch,
+    objective: str,
+    aggregation: str,
+    clip_low: float,
+    clip_high: float | None,
+    dual_clip: float | None,
+    max_tokens: int | None,
+    level: str,
+    has_correction: bool,
+) -> tuple[float, float]:
+    if not isinstance(batch, LogProbBatch):
+        raise ValueError(f"batch must be a LogProbBatch, got {type(batch).__name__}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if objective == "gspo" and level == "sequence":
+        raise ValueError("level='sequence' contradicts objective='gspo' (GSPO is the geometric ratio); use objective='ppo'")
+    if objective == "reinforce" and level != "token":
+        raise ValueError("level only applies to ratio objectives; objective='reinforce' has no ratio")
+    eps_low = _check_epsilon("clip_low", clip_low)
+    eps_high = eps_low if clip_high is None else _check_epsilon("clip_high", clip_high)
+    if dual_clip is not None:
+        if isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not math.isfinite(dual_clip):
+            raise ValueError(f"dual_clip must be a finite number > 1 or None, got {dual_clip!r}")
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (it bounds the loss of negative-advantage tokens at c·|A|), got {dual_clip}")
+        if objective == "reinforce":
+            raise ValueError("dual_clip only applies to clipped objectives, not objective='reinforce'")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+    if batch.advantages is None:
+        raise ValueError("advantages: policy_loss needs batch.advantages ([B] or [B, T]); the batch has none")
+    if objective == "bypass" and batch.rollout_logp is None:
+        raise ValueError("rollout_logp: objective='bypass' uses r = π_θ/μ and needs batch.rollout_logp")
+    if objective == "decoupled" and not has_correction and batch.rollout_logp is None:
+        raise ValueError("rollout_logp: objective='decoupled' without a correction needs batch.rollout_logp for π_old/μ")
+    return eps_low, eps_high
+
+
+def _resolve_correction(batch: LogProbBatch, correction: Correction | CorrectionResult | None) -> CorrectionResult | None:
+    if correction is None:
+        return None
+    if isinstance(correction, Correction):
+        correction = correction(batch)
+    if not isinstance(correction, CorrectionResult):
+        raise ValueError(f"correction must be a Correction, a CorrectionResult or None, got {type(correction).__name__}")
+    if correction.weights.shape != batch.logp.shape or correction.keep.shape != batch.logp.shape:
+        raise ValueError(
+            f"correction weights/keep have shapes {tuple(correction.weights.shape)}/{tuple(correction.keep.shape)}, "
+            f"expected {tuple(batch.logp.shape)}"
+        )
+    return correction
+
+
+def policy_loss(
+    batch: LogProbBatch,
+    *,
+    correction: Correction | CorrectionResult | None = None,
+    objective: Objective = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    aggregation: Aggregation = "token_mean",
+    max_tokens: int | None = None,
+    level: Level = "token",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scalar policy loss (to minimise, float32) and metrics for a ``[B, T]`` batch. See the module docstring.
+
+    Args:
+        batch: ``logp`` [B, T] (carries grad), ``mask`` [B, T], ``advantages`` [B] or [B, T] (required), ``old_logp``
+            (π_old; ``logp.detach()`` when absent, i.e. r = 1 on a single update), ``rollout_logp`` (μ; needed by
+            ``bypass`` and by ``decoupled`` without a correction).
+        correction: a :class:`Correction` (called on ``batch``) or its :class:`CorrectionResult`; its detached
+            ``weights · keep`` multiplies each token's loss and its metrics are merged into the returned dict.
+        objective: ``ppo`` | ``decoupled`` | ``bypass`` | ``gspo`` | ``reinforce``.
+        clip_low, clip_high: ε_low, ε_high ≥ 0 of the clip range [1−ε_low, 1+ε_high]; ``clip_high`` defaults to
+            ``clip_low`` (symmetric PPO).
+        dual_clip: c > 1 — dual-clip PPO bound c·|A| on the loss of negative-advantage tokens (None = off).
+        aggregation: ``token_mean`` | ``seq_mean_token_mean`` | ``seq_mean_token_sum_norm``.
+        max_tokens: T_max for ``seq_mean_token_sum_norm`` (defaults to T; ignored by the other aggregations).
+        level: ratio level of the clipped objectives (``token``; ``geometric`` = GSPO-style; ``sequence`` = product).
+
+    Returns:
+        ``(loss, metrics)``: 0-d float32 loss; metrics ``loss/clipfrac_low``, ``loss/clipfrac_high``,
+        ``loss/dual_clip_frac``, ``loss/ratio_mean``, ``loss/ratio_max``, ``loss/ratio_min``, ``loss/empty_batch``,
+        ``loss/nonfinite_tokens`` (+ the correction's), all 0-d detached tensors.
+
+    >>> logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    >>> b = LogProbBatch(logp=logp, mask=torch.ones(1, 2), old_logp=torch.tensor([[-1.0, -2.0]]), advantages=torch.tensor([1.0]))
+    >>> loss, m = policy_loss(b)   # r = (1, e): the second token is clipped at 1.2 -> L = -(1 + 1.2)/2
+    >>> round(loss.item(), 4), m["loss/clipfrac_high"].item()
+    (-1.1, 0.5)
+    """
+    eps_low, eps_high = _validate(
+        batch, objective, aggregation, clip_low, clip_high, dual_clip, max_tokens, level, correction is not None
+    )
+    result = _resolve_correction(batch, correction)
+    if objective == "gspo":
+        level = "geometric"
+
+    mask = batch.bool_mask
+    logp = batch.logp.float()
+    adv = batch.advantages.float()  # type: ignore[union-attr]
+    adv_t = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # broadcasts against [B, T] without materialising
+    zero = torch.zeros_like(logp)
+    n_all = logp.numel()
+
+    # A token is usable only if every quantity it touches is finite. One isfinite over the sum of all of them (a NaN
+    # or ±inf anywhere propagates; finite log-probs never overflow a float32 sum) instead of one pass per tensor.
+    probe = logp.detach() + adv_t
+    for other in (batch.old_logp, batch.rollout_logp):
+        if other is not None:
+            probe = probe + other.detach().float()
+    valid = mask & torch.isfinite(probe)
+    n_mask = mask.sum()
+    n_valid = valid.sum()
+
+    lp = torch.where(valid, logp, zero)  # where's backward routes 0 (not NaN·0) to invalid positions
+    neg_a = torch.where(valid, -adv_t, zero).detach()  # −A, 0 at invalid positions
+
+    # ---- per-token loss (exactly 0 at invalid positions: lp = neg_a = 0 there) --------------------------------------
+    ratio = None
+    if objective == "reinforce":
+        per_token = neg_a * lp
+    else:
+        denom = batch.rollout_logp if objective == "bypass" else batch.old_logp
+        if denom is None:  # π_old = π_θ detached: r = 1 in value, gradient of log π_θ
+            log_r = lp - lp.detach()
+        else:
+            log_r = lp - torch.where(valid, denom.detach().float(), zero)
+        if level != "token":
+            # Sequence ratio in value, per-token gradient: log s_it = sg[log s_i] + log π_t − sg[log π_t] (GSPO-token).
+            seq = log_r.detach().sum(dim=-1, keepdim=True)
+            if level == "geometric":
+                seq = seq / valid.sum(dim=-1, keepdim=True).clamp(min=1).float()
+            seq = torch.where(valid, seq.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), zero)  # keep log r = 0 at invalid
+            log_r = seq + (lp - lp.detach())
+        log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        ratio = torch.exp(log_r)
+        per_token = torch.maximum(neg_a * ratio, neg_a * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
+        if dual_clip is not None:
+            bound = neg_a * dual_clip  # = c·|A| where A < 0
+            dual_active = (neg_a > 0) & (per_token > bound)
+            per_token = torch.where(neg_a > 0, torch.minimum(per_token, bound), per_token)
+
+    # ---- correction coefficient: detached and finite everywhere (a NaN·0 in backward would poison the gradient) ----
+    coef = None
+    if result is not None:
+        coef = torch.where(result.keep, result.weights.detach().float(), zero).nan_to_num(0.0, 0.0, 0.0)
+    elif objective == "decoupled":
+        w_log = torch.where(valid, batch.anchor_logp.detach().float() - batch.rollout_logp.detach().float(), zero)  # type: ignore[union-attr]
+        coef = torch.exp(w_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    if coef is not None:
+        per_token = per_token * coef
+
+    # ---- aggregation: denominators come from the padding mask ---------------------------------------------------
+    if aggregation == "token_mean":
+        loss = per_token.sum() / n_mask.clamp(min=1).float()
+    elif aggregation == "seq_mean_token_mean":
+        tokens = mask.sum(dim=-1)
+        seq_loss = per_token.sum(dim=-1) / tokens.clamp(min=1).float()
+        loss = seq_loss.sum() / (tokens > 0).sum().clamp(min=1).float()
+    else:
+        t_max = max_tokens if max_tokens is not None else logp.shape[-1]
+        loss = per_token.sum() / float(max(logp.shape[0] * t_max, 1))
+
+    # ---- metrics (detached, no host sync; counts reuse the zeros at invalid positions) -----------------------------
+    nv = n_valid.float()
+    denom_valid = nv.clamp(min=1.0)
+    has_valid = n_valid > 0
+    one = torch.ones((), dtype=torch.float32, device=logp.device)
+    zero0 = torch.zeros((), dtype=torch.float32, device=logp.device)
+    if ratio is None:
+        clip_low_frac = clip_high_frac = zero0
+        if batch.old_logp is None:
+            r_log = zero
+        else:
+            r_log = (lp.detach() - torch.where(valid, batch.old_logp.float(), zero)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        r_sum_all = torch.exp(r_log).sum()
+    else:
+        r = ratio.detach()
+        r_log = log_r.detach()
+        # neg_a > 0 ⇔ A < 0 on a valid token (neg_a is 0 elsewhere), so no extra mask pass is needed
+        clip_low_frac = ((neg_a > 0) & (r < 1.0 - eps_low)).sum().float() / denom_valid
+        clip_high_frac = ((neg_a < 0) & (r > 1.0 + eps_high)).sum().float() / denom_valid
+        r_sum_all = r.sum()
+    dual_frac = dual_active.sum().float() / denom_valid if dual_clip is not None else zero0
+    # invalid positions hold log r = 0, i.e. r = 1: take them back out of the sum
+    r_mean = (r_sum_all - (n_all - nv)) / denom_valid
+    r_max = torch.exp(torch.where(valid, r_log, torch.full_like(r_log, -float("inf"))).amax())
+    r_min = torch.exp(torch.where(valid, r_log, torch.full_like(r_log, float("inf"))).amin())
+    metrics = {
+        "loss/clipfrac_low": clip_low_frac,
+        "loss/clipfrac_high": clip_high_frac,
+        "loss/dual_clip_frac": dual_frac,
+        "loss/ratio_mean": torch.where(has_valid, r_mean, one),
+        "loss/ratio_max": torch.where(has_valid, r_max, one),
+        "loss/ratio_min": torch.where(has_valid, r_min, one),
+        "loss/empty_batch": (n_mask == 0).float(),
+        "loss/nonfinite_tokens": (n_mask - n_valid).float(),
+    }
+    if result is not None:
+        metrics = {**result.metrics, **metrics}
+    return loss, metrics

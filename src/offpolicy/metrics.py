@@ -1,0 +1,187 @@
+"""Training–inference mismatch diagnostics with ms-swift's names (seed 002) plus verl's product χ² and raw ratio stats.
+
+Notation: π = ``train_logp`` (the training engine: π_old or π_θ, whatever you want to compare), μ = ``rollout_logp``
+(the inference engine that sampled), valid tokens V = mask=1 *and* both log-probs finite, per-token log-ratio
+r_t = log π_t − log μ_t, ρ_t = exp(clamp(r_t, ±20)), sequences S = those with ≥ 1 valid token, |y_i| = valid tokens
+of sequence i. ``E_V`` is the mean over valid tokens, ``E_S`` the mean over non-empty sequences.
+
+=========================  ================================================================================================
+name (prefix + …)          definition
+=========================  ================================================================================================
+``kl``                     E_V[log μ − log π]            direct estimator of KL(μ‖π) under μ-samples (can be < 0)
+``k3_kl``                  E_V[ρ − log ρ − 1]            Schulman's k3, ≥ 0 (log ρ clamped ±20)
+``training_ppl``           E_S[exp(−(1/|y_i|) Σ_t log π)]  per-sequence PPL, then averaged (verl / ms-swift)
+``training_log_ppl``       E_S[−(1/|y_i|) Σ_t log π]
+``rollout_ppl``            E_S[exp(−(1/|y_i|) Σ_t log μ)]
+``rollout_log_ppl``        E_S[−(1/|y_i|) Σ_t log μ]
+``log_ppl_diff``           E_S[d_i], d_i = mean_t log μ − mean_t log π = log PPL_π,i − log PPL_μ,i
+                           (positive ⇔ the training policy assigns *lower* probability)
+``log_ppl_abs_diff``       E_S[|d_i|]
+``log_ppl_diff_max/_min``  max_S d_i / min_S d_i
+``ppl_ratio``              E_S[exp(d_i)] = E_S[PPL_π,i / PPL_μ,i]  (per sequence first, then averaged)
+``chi2_token``             E_V[ρ_t²] − 1
+``chi2_seq``               E_S[ρ_geo,i²] − 1, ρ_geo,i = exp(clamp(mean_t r_t, ±20))   (ms-swift: geometric)
+``chi2_seq_product``       E_S[exp(2 · clamp(Σ_t r_t, ±20))] − 1                      (verl's ``chi2_seq``: product)
+``ess``                    1 / E_V[(w/E_V w)²] = (E_V w)² / E_V[w²] ∈ (0, 1]  (normalised effective sample size)
+``is_weight_mean``         E_V[w]
+``clipped_frac``           fraction of valid tokens whose weight differs from the raw ratio at ``level``
+                           (truncated or masked; 0 when ``weights`` is None)
+``raw_ratio_mean/max/min`` mean / max / min over V of the raw token ratio ρ_t, before any truncation (trl 5231)
+``masked_frac``            fraction of valid tokens with w = 0;  ``accepted_frac`` = 1 − masked_frac
+``nonfinite_tokens``       number of mask=1 positions where log π or log μ is NaN/±inf (excluded from everything)
+=========================  ================================================================================================
+
+w is ``weights`` (the correction weights actually applied) or, when None, the raw token ratio ρ_t. Empty input
+(no valid token) gives the on-policy values: kl = k3 = χ² = 0, PPLs and ppl_ratio = 1, log-PPLs = 0, ess = 1,
+is_weight_mean = raw ratio stats = 1, fractions 0 (accepted_frac 1) — finite, never NaN. Sequences without a valid
+token are left out of E_S (verl averages them in as PPL 1).
+
+Nothing here calls ``.item()``: the caller decides when to sync and log.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask
+
+METRIC_NAMES: tuple[str, ...] = (
+    "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+    "chi2_seq_product", "ess", "is_weight_mean", "clipped_frac", "raw_ratio_mean", "raw_ratio_max", "raw_ratio_min",
+    "masked_frac", "accepted_frac", "nonfinite_tokens",
+)  # fmt: skip
+
+
+def offpolicy_metrics(
+    train_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor,
+    weights: Tensor | None = None,
+    *,
+    prefix: str = "rollout_correction/",
+    level: Level = "token",
+) -> dict[str, Tensor]:
+    """Mismatch diagnostics between the training engine and the rollout engine (names: seed 002 / ms-swift).
+
+    Args:
+        train_logp: [B, T] log π of the sampled tokens under the training engine (detached here).
+        rollout_logp: [B, T] log μ under the inference engine.
+        mask: [B, T] 1 for response tokens that count.
+        weights: optional [B, T] correction weights actually applied (e.g. ``CorrectionResult.coefficient``).
+        prefix: prepended to every name (ms-swift logs ``rollout_correction/…``).
+        level: level of ``weights`` (``token``/``sequence``/``geometric``): ``clipped_frac`` compares them with the
+            raw ratio at this level.
+
+    Returns:
+        dict of 0-d float32 tensors, names in the module docstring (:data:`METRIC_NAMES`).
+
+    >>> lp = torch.tensor([[-1.0, -2.0]]); mu = torch.tensor([[-1.0, -1.0]])
+    >>> m = offpolicy_metrics(lp, mu, torch.ones(1, 2), prefix="")
+    >>> round(m["kl"].item(), 4)   # mean(log μ − log π) = (0 + 1) / 2
+    0.5
+    >>> round(m["ess"].item(), 3)  # w = (1, e⁻¹): (mean w)² / mean w² = 0.46778 / 0.56767
+    0.824
+    """
+    check_token_tensor("train_logp", train_logp)
+    check_token_tensor("rollout_logp", rollout_logp)
+    check_same_shape("rollout_logp", rollout_logp, "train_logp", train_logp)
+    check_mask(mask, train_logp, "train_logp")
+    if weights is not None:
+        check_token_tensor("weights", weights)
+        check_same_shape("weights", weights, "train_logp", train_logp)
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+
+    pi = train_logp.detach().float()
+    mu = rollout_logp.detach().float()
+    m = as_mask(mask)
+    finite = torch.isfinite(pi) & torch.isfinite(mu)
+    valid = m & finite
+    zero = torch.zeros_like(pi)
+    vf = valid.float()
+
+    # One masked log-ratio feeds every metric below (computed once: this runs every step on [B, T]).
+    pi_v = torch.where(valid, pi, zero)
+    mu_v = torch.where(valid, mu, zero)
+    r = pi_v - mu_v  # 0 at invalid positions
+    r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    rho = torch.exp(r_safe)  # 1 at invalid positions
+
+    n_tok = vf.sum()
+    has_tok = n_tok > 0
+    n_tok_c = n_tok.clamp(min=1.0)
+    seq_len = vf.sum(dim=-1)  # [B]
+    seq_ok = seq_len > 0
+    n_seq = seq_ok.float().sum().clamp(min=1.0)
+    seq_len_c = seq_len.clamp(min=1.0)
+
+    def tok_mean(x: Tensor) -> Tensor:  # E_V; x is already 0 at invalid positions
+        return x.sum() / n_tok_c
+
+    def seq_mean(x: Tensor) -> Tensor:  # E_S over per-sequence values x [B]
+        return torch.where(seq_ok, x, torch.zeros_like(x)).sum() / n_seq
+
+    one = torch.ones((), dtype=torch.float32, device=pi.device)
+    zero0 = torch.zeros((), dtype=torch.float32, device=pi.device)
+
+    # Per-sequence sums (3 row reductions over [B, T], reused by the PPLs, the log-PPL diffs and both χ²_seq).
+    sum_pi = pi_v.sum(dim=-1)
+    sum_mu = mu_v.sum(dim=-1)
+    sum_r = r.sum(dim=-1)
+    mean_pi = sum_pi / seq_len_c
+    mean_mu = sum_mu / seq_len_c
+    d = mean_mu - mean_pi  # log PPL_π − log PPL_μ per sequence
+
+    out: dict[str, Tensor] = {}
+    out["kl"] = tok_mean(-r)
+    out["k3_kl"] = tok_mean(torch.where(valid, rho - r_safe - 1.0, zero))
+    out["training_ppl"] = torch.where(has_tok, seq_mean(torch.exp(-mean_pi)), one)
+    out["training_log_ppl"] = seq_mean(-mean_pi)
+    out["rollout_ppl"] = torch.where(has_tok, seq_mean(torch.exp(-mean_mu)), one)
+    out["rollout_log_ppl"] = seq_mean(-mean_mu)
+    out["log_ppl_diff"] = seq_mean(d)
+    out["log_ppl_abs_diff"] = seq_mean(d.abs())
+    inf = torch.full_like(d, float("inf"))
+    out["log_ppl_diff_max"] = torch.where(has_tok, torch.where(seq_ok, d, -inf).amax(), zero0)
+    out["log_ppl_diff_min"] = torch.where(has_tok, torch.where(seq_ok, d, inf).amin(), zero0)
+    out["ppl_ratio"] = torch.where(has_tok, seq_mean(torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))), one)
+    rho2 = torch.where(valid, rho * rho, zero)
+    out["chi2_token"] = torch.where(has_tok, tok_mean(rho2) - 1.0, zero0)
+    geo = (sum_r / seq_len_c).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    out["chi2_seq"] = torch.where(has_tok, seq_mean(torch.exp(2.0 * geo)) - 1.0, zero0)
+    prod = sum_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    out["chi2_seq_product"] = torch.where(has_tok, seq_mean(torch.exp(2.0 * prod)) - 1.0, zero0)
+
+    rho_v = torch.where(valid, rho, zero)
+    if weights is None:
+        w = rho_v
+        w_sq_sum = rho2.sum()
+        clipped = zero0
+        masked = zero0
+    else:
+        w = torch.where(valid & torch.isfinite(weights), weights.detach().float(), zero)
+        w_sq_sum = (w * w).sum()
+        if level == "token":
+            raw = rho_v
+        else:
+            raw_log = sum_r if level == "sequence" else sum_r / seq_len_c
+            raw = torch.where(valid, torch.exp(raw_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1), zero)
+        changed = valid & ((w - raw).abs() > 1e-6 * torch.maximum(raw.abs(), torch.ones_like(raw)))
+        clipped = changed.float().sum() / n_tok_c
+        masked = (valid & (w == 0)).float().sum() / n_tok_c
+    w_mean = w.sum() / n_tok_c
+    # ESS = (E w)² / E[w²] — the same as 1/E[(w/E w)²] but finite when every weight is 0 (then ESS = 0).
+    ess = (w_mean * w_mean) / (w_sq_sum / n_tok_c).clamp(min=torch.finfo(torch.float32).tiny)
+    out["ess"] = torch.where(has_tok, ess.clamp(max=1.0), one)
+    out["is_weight_mean"] = torch.where(has_tok, w_mean, one)
+    out["clipped_frac"] = clipped
+    out["raw_ratio_mean"] = torch.where(has_tok, tok_mean(rho_v), one)
+    out["raw_ratio_max"] = torch.where(has_tok, torch.where(valid, rho, -torch.ones_like(rho)).amax(), one)
+    out["raw_ratio_min"] = torch.where(has_tok, torch.where(valid, rho, torch.full_like(rho, float("inf"))).amin(), one)
+    out["masked_frac"] = masked
+    out["accepted_frac"] = 1.0 - masked
+    out["nonfinite_tokens"] = (m & ~finite).float().sum()
+    return {f"{prefix}{k}": v for k, v in out.items()}

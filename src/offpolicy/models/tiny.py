@@ -1,0 +1,70 @@
+"""The embedded tiny causal LM: a Qwen2-architecture transformers model built from a config (no download).
+
+≈1.6 M parameters (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings over the 4 099-entry tokenizer of
+:mod:`offpolicy.models.tokenizer`), so a warm start and a short RL run fit on two CPU cores. It is an ordinary
+``Qwen2ForCausalLM``: everything that works on a real model (``save_pretrained``/``from_pretrained``, KV cache,
+bf16 casting) works on it, which is the point — the demo's training–inference mismatch comes from the same
+numerics as a real one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bump when anything that changes the built weights changes (config, tokenizer corpus, warm-start recipe):
+# the cache directory name is derived from it.
+TINY_MODEL_VERSION = "1"
+
+TINY_CONFIG: dict = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+}
+
+
+def tiny_config(tokenizer, **overrides):  # -> Qwen2Config
+    """``Qwen2Config`` of the tiny model for ``tokenizer`` (vocab size and special ids taken from it).
+
+    >>> from offpolicy.models.tokenizer import build_tokenizer
+    >>> tiny_config(build_tokenizer()).num_hidden_layers
+    4
+    """
+    from transformers import Qwen2Config
+
+    cfg = {**TINY_CONFIG, **overrides}
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        # sdpa on CPU is fine too, but eager keeps fp32 KV-cache decoding and full forwards closest (see rollout/hf.py).
+        attn_implementation="eager",
+        **cfg,
+    )
+
+
+def build_tiny_model(seed: int = 0, **config_overrides):  # -> (Qwen2ForCausalLM, PreTrainedTokenizerFast)
+    """Randomly initialised tiny model + tokenizer, fp32, eval mode; deterministic given ``seed``.
+
+    >>> model, tok = build_tiny_model(seed=0)
+    >>> sum(p.numel() for p in model.parameters()) > 1_000_000, model.dtype
+    (True, torch.float32)
+    """
+    from transformers import Qwen2ForCausalLM
+
+    from offpolicy.models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(tokenizer, **config_overrides)
+    # Seed a private generator for init: fork_rng keeps the caller's global RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.float().eval(), tokenizer

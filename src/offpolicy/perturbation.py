@@ -1,0 +1,333 @@
+"""Adaptive Layerwise Perturbation (ALP, seed 001 §3.2, arXiv 2603.19470).
+
+ALP adds learnable Gaussian noise to the *input* hidden state of each selected decoder layer of the training policy
+during the policy update only:
+
+    h'_l = h_l + σ_l · ε,    ε ~ N(0, I) elementwise, fresh every forward,    σ_l = exp(log σ_l)  (learnable)
+
+and optimises a single unified ratio π_{θ,σ}/μ against the rollout engine's log-probs (no separate π_old/μ factor),
+at token level (eq. 2) or sequence level (eq. 3; geometric mean as in the authors' code), with PPO clipping
+(token 0.2/0.28, sequence 0.5/3.0, dual-clip c = 10; seed 001 App. B).
+
+Why noise helps (seed 001 §3.3): smoothing π_θ with Gaussian noise enlarges the training policy family so it covers
+the inference engine's systematic bias ζ (KL ≤ −ln α + C d E‖ζ‖² / 2σ², eq. 5–6) and flattens sharp optima.
+
+The noise is *off* by default: π_old and reference log-probs must come from the unperturbed model. Turn it on only
+for the π_θ forward of an update::
+
+    alp = LayerwisePerturbation(model)                # hooks every decoder layer
+    opt = torch.optim.AdamW([{"params": model.parameters(), "lr": 1e-6}, alp.param_group(lr=5e-4)])
+    with alp.active():
+        logits = model(input_ids).logits               # perturbed π_{θ,σ}
+    loss, metrics = alp_policy_loss(batch, level="token")
+
+σ lives in this module (not in the model), so ``model.state_dict()`` / ``save_pretrained`` stay clean; save
+``alp.state_dict()`` (just ``log_sigma``) next to it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator, Literal, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from offpolicy.batch import LogProbBatch
+
+Target = Literal["all", "logits"]
+
+# Paper defaults (seed 001 §4 and App. B).
+DEFAULT_INIT_STD = 1e-4
+DEFAULT_LR = 5e-4
+TOKEN_CLIP = (0.2, 0.28)
+SEQUENCE_CLIP = (0.5, 3.0)
+DUAL_CLIP = 10.0
+
+
+def _get_attr_path(root: nn.Module, path: str) -> object:
+    obj: object = root
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"layers_path {path!r} does not exist on {type(root).__name__} (missing {part!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def find_decoder_layers(model: nn.Module, layers_path: str | None = None) -> nn.ModuleList:
+    """The decoder blocks of an HF causal LM (or any ``nn.Module``), found generically.
+
+    Order of preference: ``layers_path`` (e.g. ``"model.layers"``, ``"transformer.h"``) if given; otherwise the
+    largest ``nn.ModuleList`` whose children all share one class (the stack of blocks), first one found on ties.
+
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.heads = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+    ...         self.blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+    >>> len(find_decoder_layers(Net()))
+    3
+    """
+    if layers_path is not None:
+        found = _get_attr_path(model, layers_path)
+        if not isinstance(found, nn.ModuleList):
+            raise ValueError(f"layers_path {layers_path!r} is a {type(found).__name__}, not an nn.ModuleList")
+        return found
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(m) for m in module}) != 1:
+                continue
+            if best is None or len(module) > len(best):
+                best = module
+    if best is None:
+        raise ValueError(f"model {type(model).__name__} has no nn.ModuleList of decoder layers; pass layers_path=")
+    return best
+
+
+def find_output_head(model: nn.Module) -> nn.Module:
+    """The lm_head (``get_output_embeddings()`` for HF models, else an attribute named ``lm_head``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"model {type(model).__name__} has no output head (lm_head); cannot use target='logits'")
+    return head
+
+
+class LayerwisePerturbation(nn.Module):
+    """Learnable per-layer Gaussian noise on decoder-layer inputs (ALP, seed 001 eq. 2–3).
+
+    Args:
+        model: any causal LM; hooks are registered on it at construction.
+        layers: ``"all"`` (default) or a sequence of layer indices (negative allowed) for the layer-subset ablation,
+            or ``"logits"`` for the logits-only ablation (noise on the final hidden state, i.e. the lm_head input).
+        init_std: initial σ for every hooked layer (paper default 1e-4).
+        layers_path: dotted path to the decoder ``nn.ModuleList`` when auto-detection is not wanted.
+        seed: if given, noise comes from a private ``torch.Generator`` seeded with it (reproducible, and it does not
+            consume the global RNG); otherwise from the global RNG.
+
+    ``log_sigma`` is an ``nn.Parameter`` of shape ``[n_hooked]``; σ = exp(log σ) keeps it positive. The noise is
+    computed in float32 and added in the hidden state's dtype; the gradient reaches ``log_sigma`` through σ·ε.
+
+    >>> class Block(nn.Module):
+    ...     def forward(self, h):
+    ...         return h
+    >>> class Tiny(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.layers = nn.ModuleList([Block(), Block()])
+    ...     def forward(self, h):
+    ...         for layer in self.layers:
+    ...             h = layer(h)
+    ...         return h
+    >>> net = Tiny(); alp = LayerwisePerturbation(net, init_std=0.1, seed=0)
+    >>> x = torch.zeros(1, 4)
+    >>> bool((net(x) == 0).all())          # off by default
+    True
+    >>> with alp.active():
+    ...     y = net(x)
+    >>> bool((y != 0).any()), alp.num_layers
+    (True, 2)
+    >>> alp.remove(); bool((net(x) == 0).all())
+    True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Target | Sequence[int] = "all",
+        init_std: float = DEFAULT_INIT_STD,
+        layers_path: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std > 0):
+            raise ValueError(f"init_std must be a finite positive number, got {init_std!r}")
+        if layers == "logits":
+            targets: list[nn.Module] = [find_output_head(model)]
+            self.layer_indices: tuple[int, ...] = ()
+        else:
+            blocks = find_decoder_layers(model, layers_path)
+            n = len(blocks)
+            if layers == "all":
+                idx = list(range(n))
+            elif isinstance(layers, str):
+                raise ValueError(f"layers must be 'all', 'logits' or a sequence of ints, got {layers!r}")
+            else:
+                idx = []
+                for i in layers:
+                    if not isinstance(i, int) or not -n <= i < n:
+                        raise ValueError(f"layers contains {i!r}, outside the model's {n} decoder layers")
+                    idx.append(i % n)
+                if not idx:
+                    raise ValueError("layers is empty; select at least one layer (or use 'all' / 'logits')")
+                if len(set(idx)) != len(idx):
+                    raise ValueError(f"layers has duplicates: {list(layers)!r}")
+            targets = [blocks[i] for i in idx]
+            self.layer_indices = tuple(idx)
+        self.target: str = "logits" if layers == "logits" else "layers"
+        self.log_sigma = nn.Parameter(torch.full((len(targets),), math.log(init_std), dtype=torch.float32))
+        self._enabled = False
+        self._seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+        self._handles = [
+            t.register_forward_pre_hook(self._make_hook(i), with_kwargs=True) for i, t in enumerate(targets)
+        ]
+
+    # -- noise -------------------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """Number of hooked modules (1 for the logits-only ablation)."""
+        return self.log_sigma.numel()
+
+    @property
+    def sigma(self) -> Tensor:
+        """σ = exp(log σ), shape [num_layers], with grad."""
+        return self.log_sigma.exp()
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self._seed is None:
+            return None
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[key]
+
+    def _noisy(self, h: Tensor, i: int) -> Tensor:
+        eps = torch.randn(h.shape, generator=self._generator(h.device), device=h.device, dtype=torch.float32)
+        sigma = self.log_sigma[i].exp()
+        return (h.float() + sigma * eps).to(h.dtype)
+
+    def _make_hook(self, i: int):  # noqa: ANN202 - torch hook signature
+        def hook(module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202
+            if not self._enabled:
+                return None
+            if args and isinstance(args[0], Tensor):
+                return (self._noisy(args[0], i), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), Tensor):
+                return args, {**kwargs, "hidden_states": self._noisy(kwargs["hidden_states"], i)}
+            raise ValueError(f"ALP hook on {type(module).__name__}: no hidden-state tensor in its inputs")
+
+        return hook
+
+    # -- switching -----------------------------------------------------------------------------------------------
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def enabled(self, flag: bool = True) -> "LayerwisePerturbation":
+        """Switch the noise on (``True``) or off. Returns self."""
+        if not self._handles and flag:
+            raise ValueError("this LayerwisePerturbation was removed; its hooks are gone")
+        self._enabled = bool(flag)
+        return self
+
+    @contextmanager
+    def active(self, flag: bool = True) -> Iterator["LayerwisePerturbation"]:
+        """Context manager: noise on inside (``flag=False`` forces it off), previous state restored after."""
+        before = self._enabled
+        self.enabled(flag)
+        try:
+            yield self
+        finally:
+            self._enabled = before
+
+    def remove(self) -> None:
+        """Detach every hook from the model (idempotent). The model behaves exactly as before ALP was attached."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._enabled = False
+
+    # -- optimisation and checkpoints ----------------------------------------------------------------------------
+    def param_group(self, lr: float = DEFAULT_LR, weight_decay: float = 0.0) -> dict:
+        """An optimizer param group for ``log_sigma`` with its own lr (paper 5e-4) and no weight decay."""
+        return {"params": [self.log_sigma], "lr": lr, "weight_decay": weight_decay, "name": "alp"}
+
+    def reseed(self, seed: int) -> None:
+        """Restart the private noise generators from ``seed`` (the trainer reseeds every step from (seed, step), so a
+        resumed run draws the same noise as an uninterrupted one)."""
+        self._seed = int(seed)
+        self._generators = {}
+
+    def generator_states(self) -> dict[str, Tensor]:
+        """RNG states of the private generators (empty without ``seed``), for exact resume."""
+        return {k: g.get_state() for k, g in self._generators.items()}
+
+    def set_generator_states(self, states: dict[str, Tensor]) -> None:
+        """Restore what :meth:`generator_states` returned."""
+        for key, state in states.items():
+            self._generator(torch.device(key))
+            if key in self._generators:
+                self._generators[key].set_state(state)
+
+    def metrics(self, prefix: str = "alp/") -> dict[str, Tensor]:
+        """σ statistics as 0-d detached tensors (mean, min, max and per layer)."""
+        s = self.sigma.detach()
+        out = {f"{prefix}sigma_mean": s.mean(), f"{prefix}sigma_min": s.min(), f"{prefix}sigma_max": s.max()}
+        names = self.layer_indices if self.layer_indices else ("logits",)
+        for j, name in enumerate(names):
+            out[f"{prefix}sigma/{name}"] = s[j]
+        return out
+
+    def extra_repr(self) -> str:
+        where = "logits" if self.target == "logits" else f"layers={list(self.layer_indices)}"
+        return f"{where}, enabled={self._enabled}"
+
+
+def alp_clip_defaults(level: str) -> tuple[float, float]:
+    """Paper clip range (ε_low, ε_high): token (0.2, 0.28); sequence/geometric (0.5, 3.0) (seed 001 App. B).
+
+    >>> alp_clip_defaults("token"), alp_clip_defaults("geometric")
+    ((0.2, 0.28), (0.5, 3.0))
+    """
+    if level == "token":
+        return TOKEN_CLIP
+    if level in ("sequence", "geometric"):
+        return SEQUENCE_CLIP
+    raise ValueError(f"level must be 'token', 'geometric' or 'sequence', got {level!r}")
+
+
+def alp_policy_loss(
+    batch: LogProbBatch,
+    *,
+    level: str = "token",
+    correction: object | None = None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    dual_clip: float | None = DUAL_CLIP,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """ALP's loss: PPO clipping on the single unified ratio π_{θ,σ}/μ (seed 001 eq. 2 token, eq. 3 sequence).
+
+    ``batch.logp`` must come from a forward with the perturbation *on*; ``batch.rollout_logp`` is μ (the inference
+    engine, unperturbed). There is no π_old/μ factor: this is ``policy_loss(objective="bypass")`` at ``level``
+    (``token``; ``geometric``/``sequence`` both mean the paper's sequence-level ratio, computed as the geometric
+    mean like the authors' code; ``sequence`` here is an alias kept for the paper's wording). Clip defaults are the
+    paper's: token (0.2, 0.28), sequence (0.5, 3.0); dual-clip c = 10.
+
+    >>> logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    >>> b = LogProbBatch(logp=logp, mask=torch.ones(1, 2), rollout_logp=torch.tensor([[-1.0, -2.0]]),
+    ...                  advantages=torch.tensor([1.0]))
+    >>> loss, _ = alp_policy_loss(b)   # r = (1, e); e is clipped at 1.28: L = -(1 + 1.28) / 2
+    >>> round(loss.item(), 4)
+    -1.14
+    """
+    from offpolicy.losses import policy_loss  # deferred: perturbation does not otherwise need the loss module
+
+    low, high = alp_clip_defaults(level)
+    if batch.rollout_logp is None:
+        raise ValueError("batch.rollout_logp: ALP's unified ratio π_{θ,σ}/μ needs the rollout engine's log-probs")
+    return policy_loss(
+        batch,
+        correction=correction,  # type: ignore[arg-type]
+        objective="bypass",
+        level="token" if level == "token" else "geometric",
+        clip_low=low if clip_low is None else clip_low,
+        clip_high=high if clip_high is None else clip_high,
+        dual_clip=dual_clip,
+        aggregation=aggregation,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,260 @@
+"""CPU-friendly rollout engine on plain transformers with a *real* training–inference mismatch.
+
+The engine keeps its own copy of the policy in a lower precision (bf16 by default) and generates with its own
+left-padded, KV-cached sampling loop. The log-prob it reports for each sampled token is computed from *its* logits
+(bf16 matmuls, cast to float32 afterwards) — exactly how vLLM/SGLang report μ — while the trainer scores the same
+tokens with an fp32 full forward. Optional knobs add the other mismatch sources seen in production:
+
+* ``kv_cache_bits``: keys/values are fake-quantised (symmetric, per token and head, over head_dim) as they are
+  written to the cache — a :class:`~transformers.DynamicCache` subclass, so attention reads the quantised values,
+  as with vLLM's int8/fp8 KV cache.
+* ``weight_bits``: int-N per-output-channel symmetric fake-quantisation of the decoder's Linear weights (lm_head
+  and embeddings stay in ``dtype``, as in W8A16 serving), re-applied on every ``sync_weights``.
+* ``logit_noise``: additive seeded Gaussian noise on the logits (a stand-in for non-deterministic kernels). μ then
+  includes the noise, so :meth:`HFRolloutEngine.score` cannot reproduce it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+
+from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
+from offpolicy.rollout.sampling import SamplingConfig, process_logits, sample_tokens, topk_logprobs
+from offpolicy.rollout.scoring import score_tokens
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def _check_bits(name: str, bits: int | None) -> None:
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16):
+        raise ValueError(f"{name} must be None or an int in [2, 16], got {bits!r}")
+
+
+def fake_quantize(x: Tensor, bits: int, dim: int = -1) -> Tensor:
+    """Symmetric round-to-nearest int-``bits`` quantise → dequantise, one scale per slice along ``dim``.
+
+    scale = max|x| / (2^(bits−1) − 1) over ``dim``; computed in float32, returned in ``x.dtype``.
+
+    >>> fake_quantize(torch.tensor([[1.0, 0.26, -0.5]]), bits=3)  # scale 1/3: 0.26 → 1/3, -0.5 → -2/3 (half away)
+    tensor([[ 1.0000,  0.3333, -0.6667]])
+    """
+    qmax = 2 ** (bits - 1) - 1
+    xf = x.float()
+    scale = xf.abs().amax(dim=dim, keepdim=True).clamp(min=1e-12) / qmax
+    # torch.round is half-to-even; quantisers round half away from zero.
+    q = torch.sign(xf) * torch.floor(xf.abs() / scale + 0.5)
+    return (q.clamp(-qmax, qmax) * scale).to(x.dtype)
+
+
+def _quantized_cache_class():
+    from transformers import DynamicCache
+
+    class FakeQuantKVCache(DynamicCache):
+        """DynamicCache that stores fake-quantised keys/values (per token & head, over head_dim)."""
+
+        def __init__(self, *args, bits: int = 8, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.bits = bits
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            k = fake_quantize(key_states, self.bits)
+            v = fake_quantize(value_states, self.bits)
+            return super().update(k, v, layer_idx, *args, **kwargs)
+
+    return FakeQuantKVCache
+
+
+class HFRolloutEngine:
+    """Sampling engine on a private low-precision copy of a transformers causal LM.
+
+    Args:
+        model: the trainer's model (any HF causal LM); copied, never modified.
+        dtype: engine precision, "bfloat16" (default), "float16" or "float32". Parameters are cast; buffers
+            (rotary inv_freq) stay float32 as when a real checkpoint is loaded in bf16.
+        kv_cache: generate incrementally with a KV cache (True) or with a full forward per step (False).
+        kv_cache_bits / weight_bits / logit_noise: extra mismatch sources, see the module docstring.
+        tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
+            tokenizer's, then the model config's.
+
+    >>> from offpolicy.models.tiny import build_tiny_model
+    >>> model, tok = build_tiny_model()
+    >>> engine = HFRolloutEngine(model, tokenizer=tok)
+    >>> out = engine.generate([tok("1+2=")["input_ids"]], SamplingConfig(max_new_tokens=3), seed=0)
+    >>> out.logp.shape, out.logp.dtype, bool((out.logp[out.mask] <= 0).all())
+    (torch.Size([1, 3]), torch.float32, True)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        dtype: str | torch.dtype = "bfloat16",
+        kv_cache: bool = True,
+        kv_cache_bits: int | None = None,
+        weight_bits: int | None = None,
+        logit_noise: float = 0.0,
+        tokenizer=None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        self.dtype = _as_dtype(dtype)
+        _check_bits("kv_cache_bits", kv_cache_bits)
+        _check_bits("weight_bits", weight_bits)
+        if not (isinstance(logit_noise, (int, float)) and logit_noise >= 0 and logit_noise == logit_noise):
+            raise ValueError(f"logit_noise must be a float >= 0, got {logit_noise!r}")
+        self.kv_cache = bool(kv_cache)
+        self.kv_cache_bits = kv_cache_bits
+        self.weight_bits = weight_bits
+        self.logit_noise = float(logit_noise)
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.eos_token_id = _first_not_none(eos_token_id, getattr(tokenizer, "eos_token_id", None), cfg.eos_token_id)
+        if isinstance(self.eos_token_id, (list, tuple)):
+            self.eos_token_id = self.eos_token_id[0]
+        self.pad_token_id = _first_not_none(
+            pad_token_id, getattr(tokenizer, "pad_token_id", None), cfg.pad_token_id, self.eos_token_id, 0
+        )
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        for p in self.model.parameters():
+            p.data = p.data.to(self.dtype)
+        self.sync_weights(model)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Copy ``model``'s parameters in (cast to the engine dtype), then re-apply weight quantisation."""
+        src = dict(model.named_parameters())
+        for name, p in self.model.named_parameters():
+            if name not in src:
+                raise ValueError(f"model has no parameter {name!r}: sync_weights needs the same architecture")
+            p.copy_(src[name].detach())
+        if self.weight_bits is not None:
+            for name, module in self.model.named_modules():
+                # Decoder Linear layers only: lm_head / embeddings stay in dtype (W8A16-style serving).
+                if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+                    module.weight.copy_(fake_quantize(module.weight, self.weight_bits, dim=1))
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        if self.kv_cache_bits is None:
+            return DynamicCache(config=self.model.config)
+        return _quantized_cache_class()(config=self.model.config, bits=self.kv_cache_bits)
+
+    def _logits(self, ids: Tensor, attn: Tensor, pos: Tensor, cache) -> Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn.long(),
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()  # the engine-dtype lm_head matmul happened; only now float32
+
+    # -- generation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
+        """Sample up to ``cfg.max_new_tokens`` tokens per prompt; deterministic given ``seed``.
+
+        Left-padded batch with positions cumsum(mask) − 1, so each row sees the same positions as alone.
+        Rows stop at eos (eos included in ``completion_ids`` and ``mask``). Returned ``logp`` is the processed
+        log-prob (cfg's temperature/top-k/top-p/min-p) of each sampled token from the engine's own logits.
+        """
+        if not isinstance(cfg, SamplingConfig):
+            raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
+        check_prompt_ids(prompt_ids, self.model.config.vocab_size)
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(int(seed))
+        noise_gen = torch.Generator(device=device).manual_seed(int(seed) + 7919)  # noise never shifts sampling
+        ids, attn = pad_ids([list(p) for p in prompt_ids], self.pad_token_id, side="left")
+        ids, attn = ids.to(device), attn.to(device)
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        b = ids.shape[0]
+        cache = self._new_cache() if self.kv_cache else None
+        step_ids, step_pos = ids, pos
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        toks, logps, valids, tk_v, tk_i = [], [], [], [], []
+        for _ in range(cfg.max_new_tokens):
+            if self.kv_cache:
+                logits = self._logits(step_ids, attn, step_pos, cache)
+            else:
+                # Full forward every step; a fresh (possibly quantised) cache only replays KV quantisation.
+                fresh = self._new_cache() if self.kv_cache_bits is not None else None
+                logits = self._logits(ids, attn, pos, fresh)
+            if self.logit_noise > 0:
+                logits = logits + self.logit_noise * torch.randn(logits.shape, generator=noise_gen, device=device)
+            lp = process_logits(logits, cfg)
+            nxt = sample_tokens(lp, gen)
+            valid = ~finished
+            nxt = torch.where(valid, nxt, torch.full_like(nxt, self.pad_token_id))
+            toks.append(nxt)
+            logps.append(torch.where(valid, lp.gather(-1, nxt[:, None]).squeeze(-1), torch.zeros(b, device=device)))
+            valids.append(valid)
+            if cfg.logprobs_topk > 0:
+                v, i = topk_logprobs(lp, min(cfg.logprobs_topk, lp.shape[-1]))
+                tk_v.append(torch.where(valid[:, None], v, torch.zeros_like(v)))
+                tk_i.append(torch.where(valid[:, None], i, torch.zeros_like(i)))
+            finished = finished | (nxt == self.eos_token_id)
+            last_pos = pos[:, -1:] + 1
+            step_ids, step_pos = nxt[:, None], last_pos
+            ids = torch.cat([ids, step_ids], dim=1)
+            attn = torch.cat([attn, valid[:, None]], dim=1)
+            pos = torch.cat([pos, last_pos], dim=1)
+            if bool(finished.all()):  # host sync once per step: fine in a generation loop
+                break
+        tok_t = torch.stack(toks, 1)
+        mask = torch.stack(valids, 1)
+        lengths = mask.sum(1).tolist()
+        completion_ids = [tok_t[i, : lengths[i]].tolist() for i in range(b)]
+        texts = None
+        if self.tokenizer is not None:
+            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return RolloutOutput(
+            prompt_ids=[list(p) for p in prompt_ids],
+            completion_ids=completion_ids,
+            logp=torch.stack(logps, 1).float(),
+            mask=mask,
+            topk_logp=torch.stack(tk_v, 1).float() if tk_v else None,
+            topk_ids=torch.stack(tk_i, 1) if tk_i else None,
+            texts=texts,
+        )
+
+    # -- re-scoring ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        cfg: SamplingConfig | None = None,
+        *,
+        return_logits: bool = False,
+    ) -> tuple[Tensor, ...]:
+        """Processed log-probs of given completions under the *engine's* numerics, one full forward (no cache).
+
+        Same dtype, weight quantisation and KV quantisation as :meth:`generate`, without ``logit_noise``; this is
+        the "direct computation" a generated ``logp`` can be checked against. Same returns as
+        :func:`offpolicy.rollout.scoring.sequence_logprobs`.
+        """
+        factory = self._new_cache if self.kv_cache_bits is not None else None
+        return score_tokens(
+            self.model, prompt_ids, completion_ids, cfg, return_logits=return_logits, past_key_values_factory=factory
+        )
+
+
+def _first_not_none(*values):
+    for v in values:
+        if v is not None:
+            return v
+    return None

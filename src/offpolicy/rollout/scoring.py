@@ -1,0 +1,102 @@
+"""Training-side scorer: log-probs of given completions under one full forward (no KV cache).
+
+This is how the trainer gets π_old (and π_θ) for the tokens a rollout engine sampled: right-padded batch,
+positions 0..L−1 per row, logits cast to float32 and processed with the *same* :class:`SamplingConfig` the engine
+used, so that log π_old − log μ measures only the numerical mismatch (REFERENCE.md, three-policy decomposition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from offpolicy.rollout.base import pad_ids
+from offpolicy.rollout.sampling import SamplingConfig, process_logits
+
+
+def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
+    """Run in the model's own dtype, or autocast to a lower precision (bf16/fp16) — never silently upcast."""
+    param_dtype = next(model.parameters()).dtype
+    if dtype == param_dtype:
+        return contextlib.nullcontext()
+    if dtype in (torch.bfloat16, torch.float16):
+        device_type = next(model.parameters()).device.type
+        return torch.autocast(device_type=device_type, dtype=dtype)
+    raise ValueError(f"dtype {dtype} cannot be used with a {param_dtype} model (use the model's dtype, bf16 or fp16)")
+
+
+def score_tokens(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    cfg: SamplingConfig | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    return_logits: bool = False,
+    past_key_values_factory=None,
+) -> tuple[Tensor, ...]:
+    """:func:`sequence_logprobs` with an optional cache factory (the engines use it to replay KV quantisation)."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but completion_ids has {len(completion_ids)}")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompt_ids: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype if dtype is None else dtype
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    ids, attn = pad_ids([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)], pad_id, side="right")
+    ids, attn = ids.to(device), attn.to(device)
+    t_max = max((len(c) for c in completion_ids), default=0)
+    b = len(prompt_ids)
+    # Logit at position p_i − 1 + t predicts completion token t of row i.
+    p_len = torch.tensor([len(p) for p in prompt_ids], device=device)
+    c_len = torch.tensor([len(c) for c in completion_ids], device=device)
+    t_idx = torch.arange(t_max, device=device)
+    mask = t_idx[None, :] < c_len[:, None]
+    src = (p_len[:, None] - 1 + t_idx[None, :]).clamp(max=max(ids.shape[1] - 1, 0))
+    targets = torch.gather(ids, 1, (src + 1).clamp(max=max(ids.shape[1] - 1, 0)))
+    kwargs = {}
+    if past_key_values_factory is not None:
+        kwargs = {"past_key_values": past_key_values_factory(), "use_cache": True}
+    else:
+        kwargs = {"use_cache": False}
+    with _forward_context(model, dtype):
+        out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
+    logits = torch.gather(out.logits, 1, src[..., None].expand(b, t_max, out.logits.shape[-1])).float()
+    logp_all = process_logits(logits, cfg)
+    logp = torch.gather(logp_all, -1, targets[..., None]).squeeze(-1)
+    logp = torch.where(mask, logp, torch.zeros_like(logp))
+    return (logp, mask, logits) if return_logits else (logp, mask)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    cfg: SamplingConfig | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    return_logits: bool = False,
+) -> tuple[Tensor, ...]:
+    """Log-probs ``[B, T]`` of ``completion_ids`` given ``prompt_ids`` under one batched full forward.
+
+    Rows are right-padded (positions 0..L−1, the same positions a left-padded engine assigns with
+    cumsum(attention_mask) − 1). Logits are cast to float32 and processed with ``cfg`` (temperature, top-k/p,
+    min-p — :func:`process_logits`; ``cfg=None``: plain log-softmax). A sampled token that the processing removed
+    gets −inf (the engine could not have sampled it with that config — the caller decides how to treat it).
+
+    ``dtype``: forward precision; the model's own dtype, or bf16/fp16 via autocast (mixed-precision trainer).
+    Gradients flow if the caller did not disable them (π_θ); wrap in ``torch.no_grad()`` for π_old.
+
+    Returns ``(logp [B, T] float32 (0 at padding), mask [B, T] bool)`` and, with ``return_logits=True``, also the
+    *raw* float32 logits ``[B, T, V]`` at the same positions (apply :func:`process_logits` for the processed ones,
+    e.g. for TRM's exact KL). ``T`` = longest completion.
+
+    >>> from offpolicy.models.tiny import build_tiny_model
+    >>> model, tok = build_tiny_model()
+    >>> logp, mask = sequence_logprobs(model, [[1, 19, 13], [1, 20]], [[21, 2], [22]])
+    >>> logp.shape, mask.tolist(), bool((logp[mask] < 0).all())
+    (torch.Size([2, 2]), [[True, True], [True, False]], True)
+    """
+    return score_tokens(model, prompt_ids, completion_ids, cfg, dtype=dtype, return_logits=return_logits)

@@ -1,0 +1,248 @@
+"""One config source for the trainer, the YAML files and the CLI (pydantic v2, unknown keys are errors).
+
+Sections: ``model``, ``task``, ``rollout`` (with ``sampling``), ``algorithm``, ``optim``, ``alp``, ``run``.
+Load with :func:`load_config` (YAML file + ``key.sub=value`` overrides); every check that can fail does so here,
+before a model is loaded or a token generated.
+
+>>> cfg = load_config(None, ["algorithm.preset=mis", "run.steps=3"])
+>>> cfg.algorithm.preset, cfg.run.steps
+('mis', 3)
+>>> load_config(None, ["algorithm.bogus=1"])
+Traceback (most recent call last):
+...
+ValueError: unknown config key 'algorithm.bogus' (valid keys in 'algorithm': ...)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """``path``: a local HF model directory, ``"tiny"`` (embedded model, warm-started and cached) or
+    ``"tiny-random"`` (embedded architecture, random init from ``run.seed``: fast, for tests)."""
+
+    path: str = "tiny"
+    cache_dir: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    layers_path: str | None = None  # decoder ModuleList for ALP when auto-detection picks the wrong one
+    tiny_config: dict[str, int | float] = Field(default_factory=dict)  # size overrides for tiny / tiny-random
+
+    @field_validator("path")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model.path is empty: give a local model directory, 'tiny' or 'tiny-random'")
+        return v
+
+
+class TaskConfig(_Section):
+    name: str = "arithmetic"  # built-in task name or a local JSONL path
+    prompts_per_step: int = Field(4, ge=1)
+    reward_fn: str | None = None  # "module:function" for a custom reward
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, lt=1)
+    max_new_tokens: int = Field(16, ge=1)
+
+
+class RolloutConfig(_Section):
+    """The inference engine whose numerics differ from the trainer's (bf16 + KV cache by default)."""
+
+    engine: Literal["hf"] = "hf"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    kv_cache: bool = True
+    kv_cache_bits: int | None = None
+    weight_bits: int | None = None
+    logit_noise: float = Field(0.0, ge=0)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+
+
+class AlgorithmConfig(_Section):
+    """A preset names a correction chain + objective; the fields below tune it (None = the preset's default)."""
+
+    preset: str = "naive"
+    objective: Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"] | None = None
+    level: Literal["token", "sequence", "geometric"] | None = None
+    clip_low: float | None = Field(None, ge=0, lt=1)
+    clip_high: float | None = Field(None, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    group_size: int = Field(4, ge=1)
+    # correction parameters (used by the presets that need them)
+    is_lower: float | None = Field(None, ge=0)
+    is_upper: float | None = Field(None, gt=0)
+    opsm_delta: float = Field(1e-4, ge=0)
+    trm_max_kl: float | None = Field(0.05, gt=0)
+    trm_avg_kl: float | None = Field(None, gt=0)
+    dvp_rho: float = Field(math.exp(-13), gt=0, lt=1)
+    veto_threshold: float | None = Field(None, gt=0, lt=1)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        from offpolicy.train.presets import PRESETS
+
+        if v not in PRESETS:
+            raise ValueError(f"algorithm.preset {v!r} is unknown; choose one of {sorted(PRESETS)}")
+        return v
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    minibatches: int = Field(1, ge=1)  # optimiser steps per rollout batch (>1 makes π_θ ≠ π_old: staleness)
+    epochs: int = Field(1, ge=1)
+
+
+class ALPConfig(_Section):
+    enabled: bool = False
+    init_std: float = Field(1e-4, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    layers: Literal["all", "logits"] | list[int] = "all"
+    level: Literal["token", "geometric", "sequence"] = "token"
+
+
+class RunConfig(_Section):
+    steps: int = Field(10, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/offpolicy"
+    device: str = "cpu"
+    log_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(0, ge=0)  # 0 = only at the end (and on Ctrl-C)
+    tensorboard: bool = True
+    progress: bool = True
+    threads: int | None = Field(None, ge=1)
+
+
+class TrainConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    alp: ALPConfig = Field(default_factory=ALPConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "TrainConfig":
+        a = self.algorithm
+        if a.preset == "alp" and not self.alp.enabled:
+            raise ValueError("algorithm.preset='alp' needs alp.enabled=true (or use another preset)")
+        if self.alp.enabled and a.preset != "alp":
+            raise ValueError(f"alp.enabled=true only works with algorithm.preset='alp', not {a.preset!r}")
+        if a.advantage == "rloo" and a.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2 for algorithm.advantage='rloo' (leave-one-out)")
+        if a.advantage in ("grpo", "dr_grpo") and a.group_size < 2:
+            raise ValueError(f"algorithm.group_size must be >= 2 for algorithm.advantage={a.advantage!r} (group baseline)")
+        batch = self.task.prompts_per_step * a.group_size
+        if self.optim.minibatches > batch:
+            raise ValueError(f"optim.minibatches={self.optim.minibatches} exceeds the batch of {batch} sequences")
+        if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
+            raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
+        path = self.model.path
+        if path not in ("tiny", "tiny-random") and not Path(path).expanduser().is_dir():
+            raise ValueError(f"model.path {path!r} is not a local directory (and not 'tiny' / 'tiny-random'); "
+                             "offpolicy never downloads weights")
+        return self
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+
+
+def _parse_value(text: str) -> Any:
+    """``key=value`` values are YAML scalars/lists: ``3`` → int, ``1e-4`` → float, ``true`` → bool, ``[0,1]`` → list."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        # YAML reads "1e-4" as a string (no dot); accept it as a float.
+        try:
+            return float(value) if value.lower() not in ("nan", "inf", "-inf") else value
+        except ValueError:
+            return value
+    return value
+
+
+def _section_keys(section: type[BaseModel]) -> list[str]:
+    return sorted(section.model_fields)
+
+
+def _set_override(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    cls: type[BaseModel] = TrainConfig
+    node = tree
+    for depth, part in enumerate(parts):
+        fields = cls.model_fields
+        where = ".".join(parts[:depth]) or "top level"
+        if part not in fields:
+            raise ValueError(f"unknown config key {key!r} (valid keys in {where!r}: {', '.join(_section_keys(cls))})")
+        ann = fields[part].annotation
+        is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+        if depth == len(parts) - 1:
+            if is_section:
+                raise ValueError(f"config key {key!r} is a section; set one of its keys, e.g. {key}.{_section_keys(ann)[0]}=…")
+            node[part] = value
+            return
+        if not is_section:
+            raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: depth + 1])!r} is not a section")
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} must be a mapping")
+        cls = ann
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {key!r}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg}" if key else msg)
+    return "invalid config: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (or the defaults), apply ``key.sub=value`` overrides, validate everything.
+
+    Raises ``ValueError`` naming the offending key for unknown keys, bad values and impossible combinations.
+    """
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(p)!r} must contain a mapping, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        key, text = item.split("=", 1)
+        _set_override(tree, key.strip(), _parse_value(text))
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ValueError(_explain(err)) from None
+
+
+def config_to_yaml(cfg: TrainConfig) -> str:
+    """The config as YAML (what a run writes to ``out_dir/config.yaml``)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

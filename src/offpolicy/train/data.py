@@ -1,0 +1,97 @@
+"""Trainer-side glue to :mod:`offpolicy.tasks` and :mod:`offpolicy.models`: prompts per step, checked rewards.
+
+Prompts are drawn fresh each step from ``task.examples(n, seed)`` with a seed derived from ``(run.seed, step)``, so a
+resumed run needs no data-loader state. Rewards go through :func:`offpolicy.tasks.compute_rewards`, which names the
+sample whose reward raised or was NaN.
+
+>>> from offpolicy.tasks import get_task
+>>> from offpolicy.models.tokenizer import build_tokenizer
+>>> p = step_prompts(get_task("arithmetic"), build_tokenizer(), 2, seed=0)
+>>> len(p), p[0].example.prompt, p[0].ids[0] == build_tokenizer().bos_token_id
+(2, '63-4=', True)
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offpolicy.tasks import Example, RewardError, compute_rewards as _checked_rewards, get_task
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One example and its token ids (as the engine and the scorer receive them)."""
+
+    example: Example
+    ids: list[int]
+
+
+def resolve_reward_fn(spec: str | None):  # -> RewardFn | None
+    """``"package.module:function"`` → the function (a local import; nothing is downloaded)."""
+    if spec is None:
+        return None
+    if ":" not in spec:
+        raise ValueError(f"task.reward_fn {spec!r} must look like 'package.module:function'")
+    mod, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"task.reward_fn {spec!r} cannot be imported: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"task.reward_fn {spec!r} is not callable")
+    return fn
+
+
+def load_task(task_cfg: Any):  # -> Task
+    """The task named by ``task.name`` (built-in or a JSONL path), with ``task.reward_fn`` if given."""
+    return get_task(task_cfg.name, reward_fn=resolve_reward_fn(task_cfg.reward_fn))
+
+
+def step_prompts(task: Any, tokenizer: Any, n: int, seed: int) -> list[Prompt]:
+    """``n`` prompts for one step, tokenised (the tokenizer adds bos when it is configured to)."""
+    out = []
+    for ex in task.examples(n, seed):
+        ids = list(tokenizer(ex.prompt)["input_ids"])
+        if not ids:
+            raise ValueError(f"task {getattr(task, 'name', task)!r}: prompt {ex.prompt!r} tokenises to nothing")
+        out.append(Prompt(ex, ids))
+    return out
+
+
+def compute_rewards(task: Any, prompts: list[Prompt], group_size: int, texts: list[str] | None,
+                    completions: list[list[int]]) -> Tensor:
+    """Rewards ``[B]`` (float32) for ``group_size`` completions per prompt, laid out prompt-major.
+
+    A reward function that raises, or returns NaN / a non-number, raises :class:`RewardError` naming the sample
+    (its index, prompt and completion).
+    """
+    if texts is None:
+        raise ValueError("the rollout engine returned no texts (no tokenizer?): rewards need decoded completions")
+    examples = [p.example for p in prompts for _ in range(group_size)]
+    columns: dict[str, list[Any]] = {"answer": [e.answer for e in examples]}
+    for key in examples[0].meta if examples else ():
+        columns[key] = [e.meta.get(key) for e in examples]
+    try:
+        rewards = _checked_rewards(task.reward, list(texts), **columns)
+    except RewardError as err:
+        raise RewardError(f"task {getattr(task, 'name', '?')!r}: {err} [prompts: "
+                          f"{[p.example.prompt for p in prompts][:8]}]") from err
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def load_tiny(cache_dir: str | None, tiny_config: dict[str, Any]):  # -> (model, tokenizer)
+    """The embedded tiny model, warm-started once and cached (:func:`offpolicy.models.load_tiny_model`)."""
+    import offpolicy.models as models
+
+    if not hasattr(models, "load_tiny_model"):  # the models package is still being written: random init instead
+        from offpolicy.models.tiny import build_tiny_model
+
+        return build_tiny_model(0, **tiny_config)
+    if tiny_config:
+        raise ValueError("model.tiny_config only applies to model.path='tiny-random' (the warm start has a fixed size)")
+    return models.load_tiny_model(cache_dir=cache_dir, warm_start=True)

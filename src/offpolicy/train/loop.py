@@ -1,0 +1,390 @@
+"""The GRPO training loop, top to bottom (nanochat / cleanrl style: one function, no trainer class).
+
+One step:
+
+1. rollout — ``engine.sync_weights(model)``; ``engine.generate`` samples ``group_size`` completions per prompt with
+   the engine's own numerics (bf16 + KV cache by default) and reports μ = ``rollout_logp``;
+2. rewards — the task's verifier, checked (a reward that raises or is NaN stops the run and names the sample);
+3. advantages — GRPO / Dr.GRPO / RLOO over each group;
+4. π_old — one fp32 full forward of the trainer, no grad, ALP noise off (this is what μ is compared with);
+5. updates — per minibatch: π_θ forward (ALP noise on if enabled) → :class:`LogProbBatch` → the preset's
+   correction chain → :func:`policy_loss` → backward → clip → optimiser step;
+6. metrics — mismatch diagnostics (``rollout_correction/*``), correction, loss, reward, σ — synced once, written to
+   JSONL/TensorBoard; checkpoints (atomic safetensors) at the configured cadence, at the end and on Ctrl-C.
+
+What it simplifies: one process, one device, no reference-model KL penalty, no entropy bonus, no
+sequence packing; prompts are drawn fresh each step from a seed (so resuming needs no data-loader state); the
+minibatch schedule is a seeded permutation. Every source of randomness is derived from ``(run.seed, step)`` or saved
+in the checkpoint, so an interrupted and resumed run reproduces the uninterrupted one exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.losses import policy_loss
+from offpolicy.metrics import offpolicy_metrics
+from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss
+from offpolicy.ratios import masked_mean
+from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.scoring import sequence_logprobs
+from offpolicy.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from offpolicy.train.config import TrainConfig, config_to_yaml
+from offpolicy.train.data import Prompt, compute_rewards, load_task, step_prompts
+from offpolicy.train.logging import MetricLogger
+from offpolicy.train.presets import PRESETS
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` hands back: per-step metrics (floats), where things went, and the live objects."""
+
+    steps_done: int
+    history: list[dict[str, float]]
+    out_dir: Path
+    checkpoint: Path | None
+    interrupted: bool
+    model: torch.nn.Module
+    alp: LayerwisePerturbation | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+# -- set-up helpers (each small and replaceable) --------------------------------------------------------------------
+
+
+def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
+    """``tiny`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local HF path.
+
+    A local path is loaded with ``local_files_only=True``: offpolicy never downloads weights.
+    """
+    m = cfg.model
+    if m.path == "tiny-random":
+        from offpolicy.models.tiny import build_tiny_model
+
+        model, tok = build_tiny_model(cfg.run.seed, **m.tiny_config)
+    elif m.path == "tiny":
+        from offpolicy.train.data import load_tiny
+
+        model, tok = load_tiny(m.cache_dir, m.tiny_config)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = str(Path(m.path).expanduser())
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=_DTYPES[m.dtype])
+    model = model.to(device=cfg.run.device, dtype=_DTYPES[m.dtype])
+    model.eval()  # no dropout: the trainer's π must be a deterministic function of θ (and of σ·ε with ALP)
+    return model, tok
+
+
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFRolloutEngine
+    from offpolicy.rollout.hf import HFRolloutEngine
+
+    r = cfg.rollout
+    return HFRolloutEngine(
+        model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
+        logit_noise=r.logit_noise, tokenizer=tokenizer,
+    )
+
+
+def sampling_config(cfg: TrainConfig) -> SamplingConfig:
+    """The engine's sampling config; DVP samples from (and scores with) the min-p safe set (seed 000 §5)."""
+    s = cfg.rollout.sampling
+    min_p = s.min_p if s.min_p > 0 else None
+    if PRESETS[cfg.algorithm.preset].minp:
+        # V_S = {a : π(a) ≥ ρ·max π}: exactly min-p with min_p = ρ, applied by the engine to its logits (μ^mp over
+        # V'_S) and by the trainer to its logits (π^mp over V_S) — both policies constrained, as in the paper.
+        min_p = max(min_p or 0.0, cfg.algorithm.dvp_rho)
+    return SamplingConfig(
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,
+        top_p=s.top_p if s.top_p < 1.0 else None, min_p=min_p,
+    )
+
+
+def advantage_fn(name: str) -> Callable[[Tensor, int], Tensor]:
+    from offpolicy import advantages
+
+    return {"grpo": advantages.grpo_advantages, "dr_grpo": advantages.dr_grpo_advantages,
+            "rloo": advantages.rloo_advantages}[name]
+
+
+def exact_token_kl(rollout_logits: Tensor, train_logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """KL(μ‖π) per token ``[B, T]`` from two raw logit tensors ``[B, T, V]``, both processed by ``sampling``.
+
+    Tokens μ cannot sample contribute 0; a token μ can sample but π cannot makes the KL +inf (TRM then rejects).
+    """
+    lmu = process_logits(rollout_logits, sampling)
+    lpi = process_logits(train_logits, sampling)
+    pmu = lmu.exp()
+    terms = torch.where(pmu > 0, pmu * (lmu - lpi), torch.zeros_like(pmu))
+    return terms.sum(-1).clamp(min=0.0)  # KL ≥ 0; float32 rounding can leave −1e-9
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**62)
+
+
+class _DeferredInterrupt:
+    """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop now (KeyboardInterrupt)."""
+
+    def __init__(self, console: Any | None) -> None:
+        self.requested = False
+        self.console = console
+        self._old: Any = None
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        if self.console is not None:
+            self.console.print("[yellow]Ctrl-C: finishing this step, saving a checkpoint, then stopping "
+                               "(press again to stop at once)[/yellow]")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+# -- the loop --------------------------------------------------------------------------------------------------------
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool | str | Path = False,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    engine: Any = None,
+    task: Any = None,
+    console: Any = None,
+    on_step_end: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainResult:
+    """Run ``cfg.run.steps`` GRPO steps (see the module docstring). ``resume=True`` continues from the latest
+    checkpoint in ``out_dir/checkpoints`` (or from the given file). ``model``/``tokenizer``/``engine``/``task`` replace
+    what the config would build (tests, notebooks). ``on_step_end(step, metrics)`` runs after each completed step; a
+    ``KeyboardInterrupt`` raised there (or a Ctrl-C) checkpoints the completed step and stops cleanly.
+    """
+    a, run = cfg.algorithm, cfg.run
+    preset = PRESETS[a.preset]
+    out_dir = Path(run.out_dir)
+    ckpt_dir = out_dir / "checkpoints"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if run.threads is not None:
+        torch.set_num_threads(run.threads)
+    random.seed(run.seed)
+    torch.manual_seed(run.seed)
+
+    # ---- build everything (before any rollout: errors surface here) ----
+    if model is None:
+        model, tokenizer = load_model(cfg)
+    if tokenizer is None:
+        raise ValueError("tokenizer: pass one together with model=")
+    task = task if task is not None else load_task(cfg.task)
+    sampling = sampling_config(cfg)
+    engine = engine if engine is not None else build_engine(cfg, model, tokenizer)
+    correction = preset.correction(a)
+    adv_fn = advantage_fn(a.advantage)
+    alp = None
+    if cfg.alp.enabled:
+        layers = cfg.alp.layers if isinstance(cfg.alp.layers, str) else list(cfg.alp.layers)
+        alp = LayerwisePerturbation(model, layers=layers, init_std=cfg.alp.init_std, layers_path=cfg.model.layers_path,
+                                    seed=run.seed)
+        alp.to(run.device)
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.optim.lr,
+               "weight_decay": cfg.optim.weight_decay}]
+    if alp is not None:
+        groups.append(alp.param_group(lr=cfg.alp.lr))
+    optimizer = torch.optim.AdamW(groups, betas=cfg.optim.betas)
+    clip_low = a.clip_low if a.clip_low is not None else 0.2
+    clip_high = a.clip_high if a.clip_high is not None else 0.28
+    objective = a.objective or preset.objective
+    dual_clip = a.dual_clip if a.dual_clip is not None else preset.dual_clip
+    train_dtype = _DTYPES[cfg.model.dtype]
+
+    start = 0
+    if resume:
+        path = latest_checkpoint(ckpt_dir) if resume is True else Path(resume)
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint in {str(ckpt_dir)!r}")
+        modules = {"alp": alp} if alp is not None else None
+        start = load_checkpoint(path, model=model, optimizer=optimizer, extra_modules=modules)["step"]
+    (out_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    logger = MetricLogger(out_dir, tensorboard=run.tensorboard)
+    if resume:
+        logger.truncate_after(start)
+
+    def checkpoint(step: int) -> Path:
+        return save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer,
+                               extra_modules={"alp": alp} if alp is not None else None,
+                               metadata={"preset": a.preset, "seed": run.seed}, keep_last=3)
+
+    history: list[dict[str, float]] = []
+    last_ckpt: Path | None = None
+    interrupted = False
+    progress = _progress(console, run.progress)
+    task_id = progress.add_task(f"{a.preset}", total=run.steps, completed=start) if progress else None
+    step = start
+    in_step = False
+    try:
+        with _DeferredInterrupt(console) as stop, (progress or contextlib.nullcontext()):
+            while step < run.steps:
+                in_step = True
+                t0 = time.perf_counter()
+                seed = _step_seed(run.seed, step)
+
+                # 1. rollout with the inference engine's numerics
+                prompts: list[Prompt] = step_prompts(task, tokenizer, cfg.task.prompts_per_step, seed)
+                prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
+                engine.sync_weights(model)
+                ro = engine.generate(prompt_ids, sampling, seed=seed)
+                completions = ro.completion_ids
+                t_rollout = time.perf_counter() - t0
+
+                # 2. rewards (checked: a raising / NaN reward names the sample)
+                rewards = compute_rewards(task, prompts, a.group_size, ro.texts, completions)
+
+                # 3. advantages over each group of group_size completions of one prompt
+                advantages = adv_fn(rewards, a.group_size)
+
+                # 4. π_old: fp32 full forward, no grad, ALP off (μ is compared with this)
+                need_logits = preset.divergence
+                with torch.no_grad():
+                    scored = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=train_dtype,
+                                               return_logits=need_logits)
+                old_logp, mask = scored[0], scored[1]
+                rollout_logp = ro.logp.to(old_logp.device)
+                token_div, div_kind = None, "exact"
+                if need_logits and hasattr(engine, "score"):
+                    # TRM's exact KL(μ‖π_old) needs the rollout engine's full logits: re-score with its numerics.
+                    roll_logits = engine.score(prompt_ids, completions, sampling, return_logits=True)[2]
+                    token_div = exact_token_kl(roll_logits.to(old_logp.device), scored[2], sampling)
+                del scored
+
+                # full-batch diagnostics at π_old (before any update): the mismatch this step starts from
+                full = LogProbBatch(logp=old_logp, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
+                                    advantages=advantages, token_divergence=token_div, token_divergence_kind=div_kind)
+                coef = correction(full).coefficient if correction is not None else None
+                metrics: dict[str, Tensor | float] = dict(offpolicy_metrics(old_logp, rollout_logp, mask, coef))
+
+                # 5. minibatch updates
+                if alp is not None:
+                    alp.reseed(seed)
+                b = len(prompt_ids)
+                gen = torch.Generator().manual_seed(seed)
+                updates: list[dict[str, Tensor]] = []
+                for _epoch in range(cfg.optim.epochs):
+                    order = torch.randperm(b, generator=gen)
+                    for idx in order.tensor_split(cfg.optim.minibatches):
+                        ids = idx.tolist()
+                        mb_prompts = [prompt_ids[i] for i in ids]
+                        mb_comp = [completions[i] for i in ids]
+                        with alp.active() if alp is not None else contextlib.nullcontext():
+                            logp, mb_mask = sequence_logprobs(model, mb_prompts, mb_comp, sampling, dtype=train_dtype)
+                        t = logp.shape[1]
+                        batch = LogProbBatch(
+                            logp=logp, mask=mb_mask, old_logp=old_logp[idx, :t], rollout_logp=rollout_logp[idx, :t],
+                            advantages=advantages[idx],
+                            token_divergence=None if token_div is None else token_div[idx, :t],
+                            token_divergence_kind=div_kind,
+                        )
+                        if alp is not None:
+                            loss, lm = alp_policy_loss(batch, level=cfg.alp.level, correction=correction,
+                                                       clip_low=a.clip_low, clip_high=a.clip_high,
+                                                       dual_clip=dual_clip, aggregation=a.aggregation)
+                        else:
+                            loss, lm = policy_loss(batch, correction=correction, objective=objective,  # type: ignore[arg-type]
+                                                   clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                                                   aggregation=a.aggregation, level=a.level or "token")  # type: ignore[arg-type]
+                        optimizer.zero_grad(set_to_none=True)
+                        loss.backward()
+                        params = [p for g in optimizer.param_groups for p in g["params"]]
+                        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+                        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                        optimizer.step()
+                        updates.append({"loss/loss": loss.detach(), "loss/grad_norm": gnorm.detach(), **lm})
+                for k in updates[0]:
+                    metrics[k] = torch.stack([u[k].float() for u in updates]).mean()
+
+                # 6. metrics (one sync) + logging + checkpoint
+                metrics["reward/mean"] = rewards.mean()
+                metrics["reward/std"] = rewards.std(unbiased=False)
+                metrics["reward/max"] = rewards.max()
+                metrics["response/length_mean"] = mask.float().sum(-1).mean()
+                metrics["mismatch/token_kl_exact_mean"] = (masked_mean(token_div, mask) if token_div is not None
+                                                          else torch.tensor(float("nan")))
+                if coef is not None:
+                    metrics["correction/masked_frac"] = 1.0 - masked_mean((coef != 0).float(), mask)
+                else:
+                    metrics["correction/masked_frac"] = torch.zeros(())
+                if alp is not None:
+                    metrics.update(alp.metrics())
+                metrics["time/step_s"] = time.perf_counter() - t0
+                metrics["time/rollout_s"] = t_rollout
+                metrics["time/tokens_per_s"] = float(mask.sum()) / max(metrics["time/step_s"], 1e-9)  # type: ignore[arg-type]
+                step += 1
+                in_step = False
+                floats = logger.log(step, metrics) if step % run.log_every == 0 or step == run.steps else \
+                    _sync(metrics)
+                floats["step"] = step
+                history.append(floats)
+                if progress is not None:
+                    progress.update(task_id, advance=1, description=(
+                        f"{a.preset} reward {floats['reward/mean']:.3f} kl {floats['rollout_correction/kl']:.2e}"))
+                if run.checkpoint_every and step % run.checkpoint_every == 0:
+                    last_ckpt = checkpoint(step)
+                if on_step_end is not None:
+                    on_step_end(step, floats)
+                if stop.requested:
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        # Only ever raised between steps (the signal handler defers the first Ctrl-C), so `step` is consistent.
+        interrupted = True
+        if in_step:
+            # A second Ctrl-C mid-update: the weights are between two steps, no exact checkpoint exists.
+            if console is not None:
+                console.print(f"[red]stopped inside step {step + 1}; last checkpoint: {last_ckpt}[/red]")
+        else:
+            last_ckpt = checkpoint(step)
+            if console is not None:
+                console.print(f"[yellow]interrupted after step {step}; checkpoint {last_ckpt} (resume with --resume)[/yellow]")
+    finally:
+        logger.close()
+    if not interrupted and step > start and (last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}.safetensors")):
+        last_ckpt = checkpoint(step)
+    return TrainResult(step, history, out_dir, last_ckpt, interrupted, model, alp)
+
+
+def _sync(metrics: dict[str, Any]) -> dict[str, float]:
+    from offpolicy.train.logging import to_floats
+
+    return to_floats(metrics)
+
+
+def _progress(console: Any, enabled: bool):  # -> rich Progress | None
+    if not enabled:
+        return None
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)

@@ -1,0 +1,66 @@
+"""verl adapter: signature, config mapping, verl's metric names, hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+
+from offpolicy.corrections.importance import icepop, tis
+from offpolicy.integrations.verl import rollout_correction, verl_policy_loss_fn
+
+
+def test_ppo_clip_and_dual_clip_hand_computed():
+    # Two tokens, A = -1 on both. old = 0, logp = (log 2, log 0.5).
+    # token 1: r = 2, A<0: PPO term -min(2·-1, clip(2,0.8,1.2)·-1) = -min(-2, -1.2) = 2; dual clip c=3 bounds at 3 -> 2.
+    # token 2: r = 0.5: -min(-0.5, -0.8) = 0.8.
+    # token-mean = (2 + 0.8) / 2 = 1.4
+    fn = verl_policy_loss_fn()
+    logp = torch.tensor([[math.log(2.0), math.log(0.5)]], requires_grad=True)
+    loss, metrics = fn(torch.zeros(1, 2), logp, -torch.ones(1, 2), torch.ones(1, 2), "token-mean",
+                       {"clip_ratio": 0.2, "clip_ratio_c": 3.0})
+    assert loss.item() == pytest.approx(1.4, abs=1e-6)
+    # ppo_kl = mean(old - logp) = (−log 2 + log 2)/2 = 0
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(0.0, abs=1e-6)
+    # token 1 is clipped (r > 1.2 with A<0 is not in the clipped region for PPO-min; token 2 r<0.8, A<0 is clipped low)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_dual_clip_binds():
+    # r = e^2 ≈ 7.389, A = -1: PPO term = 7.389; c = 3 bounds it at 3·|A| = 3.
+    fn = verl_policy_loss_fn()
+    loss, metrics = fn(torch.zeros(1, 1), torch.full((1, 1), 2.0, requires_grad=True), -torch.ones(1, 1),
+                       torch.ones(1, 1), "token-mean", {"clip_ratio": 0.2, "clip_ratio_c": 3.0})
+    assert loss.item() == pytest.approx(3.0, abs=1e-6)
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(1.0)
+
+
+def test_rollout_is_weights_multiply_and_legacy_tuple():
+    # on-policy (r = 1), A = 1, weights (2, 0.5): token-mean of -(w·A) = -(2 + 0.5)/2 = -1.25
+    fn = verl_policy_loss_fn(legacy_tuple=True)
+    out = fn(torch.zeros(1, 2), torch.zeros(1, 2, requires_grad=True), torch.ones(1, 2), torch.ones(1, 2),
+             "token-mean", None, torch.tensor([[2.0, 0.5]]))
+    assert len(out) == 4
+    assert out[0].item() == pytest.approx(-1.25)
+
+
+def test_aggregation_names_and_bad_mode():
+    fn = verl_policy_loss_fn()
+    # seq-mean-token-sum-norm: Σ m L / (B·T) = -(1+1+1)/(2·2) with one padded token
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, _ = fn(torch.zeros(2, 2), torch.zeros(2, 2, requires_grad=True), torch.ones(2, 2), mask, "seq-mean-token-sum-norm")
+    assert loss.item() == pytest.approx(-0.75)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        fn(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), "token_sum")
+
+
+def test_rollout_correction_matches_correction_and_prefixes_metrics():
+    # old = 0, rollout = (0, -2, 1): ρ = π_old/μ = (1, e^2, e^-1); icepop keeps [0.5, 5]: e^2 = 7.39 dropped, e^-1 = 0.37 dropped
+    w, keep, metrics = rollout_correction(torch.zeros(1, 3), torch.tensor([[0.0, -2.0, 1.0]]), torch.ones(1, 3), icepop())
+    assert keep.tolist() == [[True, False, False]]
+    assert w[0, 0].item() == pytest.approx(1.0)
+    assert all(k.startswith("rollout_corr/") for k in metrics)
+    # tis caps e^2 at 2
+    w, keep, _ = rollout_correction(torch.zeros(1, 3), torch.tensor([[0.0, -2.0, 1.0]]), torch.ones(1, 3), tis(upper=2.0))
+    assert w[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-1.0)])
+    with pytest.raises(ValueError, match="correction"):
+        rollout_correction(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "tis")

@@ -1,0 +1,204 @@
+"""offpolicy_metrics: ms-swift names, hand-computed values, on-policy and padding properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offpolicy.metrics import METRIC_NAMES, offpolicy_metrics
+
+E = math.e
+PAD = float("nan")
+
+
+def example():
+    # r = log π − log μ = [[0, -1], [1, pad]]
+    train = torch.tensor([[-1.0, -2.0], [-1.0, PAD]])
+    rollout = torch.tensor([[-1.0, -1.0], [-2.0, 123.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    return train, rollout, mask
+
+
+def test_names_follow_ms_swift_and_prefix():
+    train, rollout, mask = example()
+    m = offpolicy_metrics(train, rollout, mask)
+    ms_swift = {
+        "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+        "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq", "ess",
+        "is_weight_mean", "clipped_frac",
+    }  # fmt: skip
+    assert {f"rollout_correction/{k}" for k in ms_swift} <= set(m)
+    assert set(m) == {f"rollout_correction/{k}" for k in METRIC_NAMES}
+    assert all(v.dim() == 0 and v.dtype == torch.float32 for v in m.values())
+    assert set(offpolicy_metrics(train, rollout, mask, prefix="x/")) == {f"x/{k}" for k in METRIC_NAMES}
+
+
+def test_hand_computed_values():
+    train, rollout, mask = example()
+    m = offpolicy_metrics(train, rollout, mask, prefix="")
+    v = {k: t.item() for k, t in m.items()}
+    approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-6)  # noqa: E731
+    # kl = mean(log μ − log π) = (0 + 1 − 1) / 3 = 0
+    assert v["kl"] == approx(0.0)
+    # k3 = mean(ρ − r − 1): r=0 → 0; r=−1 → e⁻¹ = 0.367879; r=1 → e − 2 = 0.718282; sum 1.086161 / 3
+    assert v["k3_kl"] == approx((math.exp(-1) + E - 2) / 3)
+    # training PPL per sequence: seq0 mean log π = −1.5 → e^1.5 = 4.481689; seq1 −1 → e = 2.718282; mean 3.599986
+    assert v["training_ppl"] == approx((math.exp(1.5) + E) / 2)
+    assert v["training_log_ppl"] == approx(1.25)  # (1.5 + 1) / 2
+    # rollout: seq0 mean −1 → e; seq1 −2 → e² = 7.389056; mean 5.053669, log (1 + 2)/2 = 1.5
+    assert v["rollout_ppl"] == approx((E + math.exp(2)) / 2)
+    assert v["rollout_log_ppl"] == approx(1.5)
+    # d_i = mean log μ − mean log π: seq0 −1 + 1.5 = 0.5, seq1 −2 + 1 = −1
+    assert v["log_ppl_diff"] == approx(-0.25)
+    assert v["log_ppl_abs_diff"] == approx(0.75)
+    assert v["log_ppl_diff_max"] == approx(0.5)
+    assert v["log_ppl_diff_min"] == approx(-1.0)
+    assert v["ppl_ratio"] == approx((math.exp(0.5) + math.exp(-1)) / 2)  # 1.008300
+    # χ²_token = mean ρ² − 1 = (1 + e⁻² + e²)/3 − 1 = 1.841464
+    assert v["chi2_token"] == approx((1 + math.exp(-2) + math.exp(2)) / 3 - 1)
+    # χ²_seq (geometric): seq0 mean r = −0.5 → ρ² = e⁻¹; seq1 1 → e²; (0.367879 + 7.389056)/2 − 1 = 2.878468
+    assert v["chi2_seq"] == approx((math.exp(-1) + math.exp(2)) / 2 - 1)
+    # χ²_seq_product: seq0 Σr = −1 → e⁻²; seq1 → e²; (0.135335 + 7.389056)/2 − 1 = 2.762196
+    assert v["chi2_seq_product"] == approx((math.exp(-2) + math.exp(2)) / 2 - 1)
+    # no weights: w = ρ = (1, e⁻¹, e); mean 1.362054; ESS = mean² / mean ρ² = 1.855190 / 2.841464 = 0.652901
+    w_mean = (1 + math.exp(-1) + E) / 3
+    assert v["is_weight_mean"] == approx(w_mean)
+    assert v["ess"] == approx(w_mean**2 / ((1 + math.exp(-2) + math.exp(2)) / 3))
+    assert v["raw_ratio_mean"] == approx(w_mean)
+    assert v["raw_ratio_max"] == approx(E)
+    assert v["raw_ratio_min"] == approx(math.exp(-1))
+    assert v["clipped_frac"] == 0.0 and v["masked_frac"] == 0.0 and v["accepted_frac"] == 1.0
+    assert v["nonfinite_tokens"] == 0.0  # the NaN sits at a masked position
+
+
+def test_with_weights():
+    train, rollout, mask = example()
+    weights = torch.tensor([[1.0, 0.5], [0.0, PAD]])
+    v = {k: t.item() for k, t in offpolicy_metrics(train, rollout, mask, weights, prefix="").items()}
+    assert v["is_weight_mean"] == pytest.approx(0.5)  # (1 + 0.5 + 0) / 3
+    assert v["masked_frac"] == pytest.approx(1 / 3) and v["accepted_frac"] == pytest.approx(2 / 3)
+    # w vs raw ρ = (1, e⁻¹, e): token 0 unchanged, tokens 1 and 2 changed → 2/3
+    assert v["clipped_frac"] == pytest.approx(2 / 3)
+    # ESS = mean² / mean w² = 0.25 / ((1 + 0.25 + 0)/3) = 0.6
+    assert v["ess"] == pytest.approx(0.6, rel=1e-6)
+    # raw stats ignore the weights
+    assert v["raw_ratio_max"] == pytest.approx(E, rel=1e-6)
+
+
+def test_clipped_frac_at_geometric_level():
+    train, rollout, mask = example()
+    # geometric raw ratio: seq0 e^-0.5 = 0.606531 (both tokens), seq1 e^1 → a truncation at 2 changes only seq1
+    weights = torch.tensor([[math.exp(-0.5), math.exp(-0.5)], [2.0, 0.0]])
+    v = offpolicy_metrics(train, rollout, mask, weights, level="geometric", prefix="")
+    assert v["clipped_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_nonfinite_valid_tokens_counted_and_excluded():
+    train, rollout, mask = example()
+    train2 = torch.cat([train, torch.tensor([[float("inf")], [-1.0]])], dim=1)
+    rollout2 = torch.cat([rollout, torch.tensor([[-1.0], [float("nan")]])], dim=1)
+    mask2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    a = offpolicy_metrics(train, rollout, mask)
+    b = offpolicy_metrics(train2, rollout2, mask2)
+    assert b["rollout_correction/nonfinite_tokens"].item() == 2.0
+    for k in a:
+        if not k.endswith("nonfinite_tokens"):
+            torch.testing.assert_close(a[k], b[k], msg=k)
+
+
+def test_all_masked_is_finite_and_neutral():
+    train = torch.tensor([[PAD, -1.0]])
+    m = offpolicy_metrics(train, torch.tensor([[float("inf"), -3.0]]), torch.zeros(1, 2), torch.tensor([[PAD, 0.0]]), prefix="")
+    assert all(torch.isfinite(v).item() for v in m.values())
+    for k in ("kl", "k3_kl", "chi2_token", "chi2_seq", "chi2_seq_product", "log_ppl_diff", "clipped_frac", "masked_frac"):
+        assert m[k].item() == 0.0, k
+    for k in ("training_ppl", "rollout_ppl", "ppl_ratio", "ess", "is_weight_mean", "accepted_frac", "raw_ratio_max"):
+        assert m[k].item() == 1.0, k
+
+
+def test_all_weights_zero_gives_zero_ess():
+    train, rollout, mask = example()
+    m = offpolicy_metrics(train, rollout, mask, torch.zeros(2, 2))
+    assert m["rollout_correction/ess"].item() == 0.0
+    assert m["rollout_correction/masked_frac"].item() == 1.0
+
+
+def test_grad_inputs_are_detached_and_no_grad_leaks():
+    train = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    m = offpolicy_metrics(train, torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2))
+    assert all(not v.requires_grad for v in m.values())
+
+
+def test_validation():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="rollout_logp"):
+        offpolicy_metrics(x, torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="mask"):
+        offpolicy_metrics(x, x, torch.ones(3, 3))
+    with pytest.raises(ValueError, match="weights"):
+        offpolicy_metrics(x, x, torch.ones(2, 3), torch.ones(2))
+    with pytest.raises(ValueError, match="level"):
+        offpolicy_metrics(x, x, torch.ones(2, 3), level="seq")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Properties
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def pairs(draw):
+    B = draw(st.integers(1, 4))
+    T = draw(st.integers(1, 6))
+    f = st.floats(-10.0, 0.0, allow_nan=False, width=32)
+    train = torch.tensor(draw(st.lists(f, min_size=B * T, max_size=B * T))).view(B, T)
+    rollout = torch.tensor(draw(st.lists(f, min_size=B * T, max_size=B * T))).view(B, T)
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
+    return train, rollout, mask
+
+
+@settings(max_examples=50, deadline=None)
+@given(pairs())
+def test_on_policy_is_neutral(data):
+    train, _, mask = data
+    m = offpolicy_metrics(train, train.clone(), mask, prefix="")
+    for k in ("kl", "k3_kl", "chi2_token", "chi2_seq", "chi2_seq_product", "log_ppl_diff", "log_ppl_abs_diff"):
+        assert m[k].item() == pytest.approx(0.0, abs=1e-6), k
+    for k in ("ess", "ppl_ratio", "is_weight_mean", "raw_ratio_max", "raw_ratio_min"):
+        assert m[k].item() == pytest.approx(1.0, abs=1e-6), k
+    torch.testing.assert_close(m["training_ppl"], m["rollout_ppl"])
+
+
+@settings(max_examples=50, deadline=None)
+@given(pairs(), st.integers(0, 2**31 - 1))
+def test_padding_never_matters_and_ranges(data, seed):
+    train, rollout, mask = data
+    g = torch.Generator().manual_seed(seed)
+    junk = torch.randn(train.shape, generator=g) * 1e3
+    junk[torch.rand(train.shape, generator=g) < 0.4] = float("nan")
+    weights = torch.rand(train.shape, generator=g) * 3
+    weights[torch.rand(train.shape, generator=g) < 0.3] = 0.0
+    a = offpolicy_metrics(train, rollout, mask, weights)
+    b = offpolicy_metrics(torch.where(mask, train, junk), torch.where(mask, rollout, -junk), mask, torch.where(mask, weights, junk))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=k)
+        assert torch.isfinite(b[k]), k
+    assert 0.0 <= a["rollout_correction/ess"].item() <= 1.0
+    assert a["rollout_correction/k3_kl"].item() >= -1e-6  # k3 ≥ 0 token by token
+    frac = a["rollout_correction/masked_frac"] + a["rollout_correction/accepted_frac"]
+    assert frac.item() == pytest.approx(1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(pairs(), st.floats(0.1, 10.0))
+def test_ess_scale_invariant(data, c):
+    """ESS = 1/E[(w/E w)²] does not change when every weight is multiplied by c."""
+    train, rollout, mask = data
+    w = torch.exp((train - rollout).clamp(-5, 5))
+    a = offpolicy_metrics(train, rollout, mask, w)["rollout_correction/ess"]
+    b = offpolicy_metrics(train, rollout, mask, w * c)["rollout_correction/ess"]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

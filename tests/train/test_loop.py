@@ -1,0 +1,117 @@
+"""The training loop: every preset runs, resume reproduces an uninterrupted run exactly, errors name the sample."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from offpolicy.tasks import RewardError
+from offpolicy.train.config import load_config
+from offpolicy.train.logging import read_metrics
+from offpolicy.train.loop import exact_token_kl, train
+from offpolicy.rollout.sampling import SamplingConfig
+
+PRESETS_TO_RUN = ["naive", "tis", "mis", "geo_mask", "icepop", "opsm", "trm", "dvp", "dvp_mis", "alp"]
+
+
+@pytest.mark.parametrize("preset", PRESETS_TO_RUN)
+def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying_task):
+    model, tok = fresh
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = load_config(None, make_overrides(tmp_path, preset))
+    res = train(cfg, model=model, tokenizer=tok, task=varying_task())
+    assert res.steps_done == 2 and not res.interrupted and len(res.history) == 2
+    for h in res.history:
+        assert math.isfinite(h["loss/loss"]) and math.isfinite(h["rollout_correction/kl"])
+        assert math.isfinite(h["reward/mean"]) and h["reward/std"] > 0  # the task gives a learning signal
+    # the weights moved (a gradient step happened with non-zero advantages)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    # JSONL has one line per step with the diagnostics, and the checkpoint exists
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for name in ("rollout_correction/kl", "rollout_correction/log_ppl_diff", "correction/masked_frac", "loss/clipfrac_high"):
+        assert name in rows[0]
+    assert res.checkpoint is not None and res.checkpoint.is_file()
+    if preset == "alp":
+        assert "alp/sigma_mean" in rows[0] and res.alp is not None
+        assert not torch.allclose(res.alp.sigma, torch.full_like(res.alp.sigma, 0.01))  # σ was trained
+    if preset == "trm":
+        assert rows[0]["trm/divergence_exact"] == 1.0 and rows[0]["mismatch/token_kl_exact_mean"] >= 0
+
+
+def test_mismatch_is_visible_bf16_vs_fp32(tmp_path, fresh, make_overrides, varying_task):
+    # The bf16 KV-cache engine and the fp32 trainer disagree: k3 KL > 0 and log-probs differ.
+    model, tok = fresh
+    cfg = load_config(None, make_overrides(tmp_path, "naive", steps=1))
+    res = train(cfg, model=model, tokenizer=tok, task=varying_task())
+    assert res.history[0]["rollout_correction/k3_kl"] > 0
+    # with an fp32 engine and no KV cache the rollout log-probs match the trainer's almost exactly
+    cfg32 = load_config(None, make_overrides(tmp_path / "fp32", "naive", steps=1, rollout__dtype="float32",
+                                             rollout__kv_cache="false"))
+    res32 = train(cfg32, model=copy.deepcopy(model), tokenizer=tok, task=varying_task())
+    assert res32.history[0]["rollout_correction/k3_kl"] < res.history[0]["rollout_correction/k3_kl"]
+    assert res32.history[0]["rollout_correction/k3_kl"] < 1e-9
+
+
+@pytest.mark.parametrize("preset, extra", [("naive", {"optim__minibatches": 2}), ("alp", {})])
+def test_resume_reproduces_uninterrupted_run(preset, extra, tmp_path, tiny_pair, make_overrides, varying_task):
+    model0, tok = tiny_pair
+    straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"
+    straight = train(load_config(None, make_overrides(straight_dir, preset, steps=4, **extra)),
+                     model=copy.deepcopy(model0), tokenizer=tok, task=varying_task())
+
+    def interrupt(step, metrics):  # Ctrl-C after step 2 (as the deferred SIGINT handler would raise it)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    cfg = load_config(None, make_overrides(split_dir, preset, steps=4, **extra))
+    first = train(cfg, model=copy.deepcopy(model0), tokenizer=tok, task=varying_task(), on_step_end=interrupt)
+    assert first.interrupted and first.steps_done == 2 and first.checkpoint.name == "step_00000002.safetensors"
+    # a brand-new process would rebuild everything: fresh model copy with *different* weights, then resume
+    other = copy.deepcopy(model0)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    second = train(cfg, model=other, tokenizer=tok, task=varying_task(), resume=True)
+    assert second.steps_done == 4 and len(second.history) == 2
+    losses_straight = [h["loss/loss"] for h in straight.history]
+    losses_split = [h["loss/loss"] for h in first.history + second.history]
+    assert losses_straight == losses_split and any(v != 0 for v in losses_straight)
+    for (n, a), b in zip(straight.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(a, b), n
+    if preset == "alp":
+        assert torch.equal(straight.alp.log_sigma, second.alp.log_sigma)
+    # the resumed JSONL continues the interrupted one: steps 1..4 exactly once
+    assert [r["step"] for r in read_metrics(split_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_resume_without_checkpoint_fails_before_work(tmp_path, fresh, make_overrides, varying_task):
+    model, tok = fresh
+    with pytest.raises(ValueError, match="resume"):
+        train(load_config(None, make_overrides(tmp_path)), model=model, tokenizer=tok, task=varying_task(), resume=True)
+
+
+@pytest.mark.parametrize("fail, match", [("raise", r"sample \d.*boom"), ("nan", r"sample 1 .* nan")])
+def test_bad_reward_is_reported_with_the_sample(fail, match, tmp_path, fresh, make_overrides, varying_task):
+    model, tok = fresh
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RewardError, match=match):
+        train(load_config(None, make_overrides(tmp_path)), model=model, tokenizer=tok, task=varying_task(fail=fail))
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # no update happened
+
+
+def test_exact_token_kl_hand_computed():
+    # μ = softmax(log(0.5, 0.5)), π = (0.25, 0.75): KL(μ‖π) = 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75)
+    #                                                     = 0.5·0.693147 + 0.5·(−0.405465) = 0.143841
+    mu = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    pi = torch.log(torch.tensor([[[0.25, 0.75]]]))
+    kl = exact_token_kl(mu, pi, SamplingConfig())
+    assert kl.shape == (1, 1) and kl.item() == pytest.approx(0.143841, abs=1e-5)
+    # identical logits → 0; μ-support token missing from π (top_k=1 on π's logits) → +inf
+    assert exact_token_kl(mu, mu, SamplingConfig()).item() == pytest.approx(0.0, abs=1e-7)
+    assert math.isinf(exact_token_kl(torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]]),
+                                     SamplingConfig(top_k=1)).item())
