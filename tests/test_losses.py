@@ -74,6 +74,8 @@ def test_dual_clip_bounds_negative_advantage_loss():
     # mean = (3 + 2 - 1.2) / 3 = 1.266667
     assert loss.item() == pytest.approx(3.8 / 3, abs=1e-5)
     assert m["loss/dual_clip_frac"].item() == pytest.approx(1 / 3)
+    assert m["loss/clipfrac_high"].item() == pytest.approx(1 / 3)  # only t2 (A > 0); t0's dual clip is not counted here
+    assert m["loss/clipfrac_low"].item() == 0.0
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[0.0, 2.0 / 3, 0.0]]))
     no_dual, _ = policy_loss(b, clip_low=0.2)
     assert no_dual.item() == pytest.approx((5 + 2 - 1.2) / 3, abs=1e-5)
@@ -407,3 +409,17 @@ def test_dual_clip_caps_each_negative_token_loss(data, c):
             one = LogProbBatch(logp=logp_v[i : i + 1, t : t + 1], mask=torch.ones(1, 1), old_logp=old[i : i + 1, t : t + 1], advantages=adv[i : i + 1])
             loss, _ = policy_loss(one, dual_clip=c)
             assert loss.item() <= c * abs(adv[i].item()) * (1 + 1e-6)
+
+
+def test_ratio_stats_exact_in_a_mostly_padded_batch():
+    """Padding must not enter the ratio sums: 1 valid token among 400k positions still reports its own ratio."""
+    B, T = 4, 100_000
+    logp = torch.zeros(B, T)
+    old = torch.zeros(B, T)
+    old[2, 7] = -math.log(1.5)  # r = 1.5 on the only valid token
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[2, 7] = True
+    b = LogProbBatch(logp=logp, mask=mask, old_logp=old, advantages=torch.ones(B))
+    _, m = policy_loss(b)
+    for k in ("loss/ratio_mean", "loss/ratio_max", "loss/ratio_min"):
+        assert m[k].item() == pytest.approx(1.5, rel=1e-6), k

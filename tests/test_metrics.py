@@ -202,3 +202,19 @@ def test_ess_scale_invariant(data, c):
     a = offpolicy_metrics(train, rollout, mask, w)["rollout_correction/ess"]
     b = offpolicy_metrics(train, rollout, mask, w * c)["rollout_correction/ess"]
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_mostly_padded_batch_is_exact():
+    B, T = 4, 100_000
+    train = torch.zeros(B, T)
+    rollout = torch.zeros(B, T)
+    rollout[1, 3] = -math.log(1.5)  # ρ = 1.5 on the only valid token
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[1, 3] = True
+    w = torch.zeros(B, T)
+    w[1, 3] = 1.5
+    m = offpolicy_metrics(train, rollout, mask, w, prefix="")
+    assert m["raw_ratio_mean"].item() == pytest.approx(1.5, rel=1e-6)
+    assert m["chi2_token"].item() == pytest.approx(1.25, rel=1e-5)  # 1.5² − 1
+    assert m["clipped_frac"].item() == 0.0 and m["masked_frac"].item() == 0.0
+    assert m["ess"].item() == pytest.approx(1.0)

@@ -193,3 +193,16 @@ def test_every_preset_nonfinite_valid_logprobs_never_nan(seed, b, t):
         r = c(nb)
         assert bool(torch.isfinite(r.weights).all()), c
         assert all(bool(torch.isfinite(v)) for v in r.metrics.values()), c
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(1, 12), st.sampled_from([torch.bfloat16, torch.float16]))
+def test_every_preset_computes_low_precision_inputs_in_float32(seed, b, t, dtype):
+    """bf16/fp16 log-probs give exactly the result of their float32 upcast: differences are taken in float32."""
+    batch = random_batch(seed, b, t, 0.1)
+    low = batch.replace(logp=batch.logp.to(dtype), old_logp=batch.old_logp.to(dtype), rollout_logp=batch.rollout_logp.to(dtype))
+    up = batch.replace(logp=low.logp.float(), old_logp=low.old_logp.float(), rollout_logp=low.rollout_logp.float())
+    for c in DEFAULTS + PRESETS:
+        a, z = c(low), c(up)
+        assert a.weights.dtype == torch.float32
+        assert torch.equal(a.weights, z.weights) and torch.equal(a.keep, z.keep), c

@@ -454,12 +454,15 @@ def test_mis_and_icepop_metrics_by_hand():
 
 
 def test_nonfinite_metric_and_no_nan():
-    logp, mu = torch.tensor([[0.0, NAN, 0.0, 0.0]]), torch.tensor([[0.0, 0.0, -INF, 0.0]])
+    logp, mu = torch.tensor([[0.5, NAN, 0.0, 0.3]]), torch.tensor([[0.0, 0.0, -INF, 0.0]])
     b = LogProbBatch(logp=logp, rollout_logp=mu, mask=torch.ones(1, 4))
-    r = tis()(b)
+    r = tis(upper=10.0)(b)
     m = _metrics(r, "tis")
     # NaN - 0 = NaN and 0 - (-inf) = +inf: 2 of 4 valid tokens non-finite, dropped
     assert m["nonfinite_frac"] == 0.5 and m["kept_frac"] == 0.5
+    # raw statistics only over the defined ratios e^0.5 = 1.6487 and e^0.3 = 1.3499 (not the placeholder 1 of the others)
+    assert m["raw_ratio_min"] == pytest.approx(math.exp(0.3), rel=1e-6)
+    assert m["raw_ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(0.3)) / 2, rel=1e-6)
     assert r.keep.tolist() == [[True, False, False, True]]
     assert all(math.isfinite(v) for v in m.values())
     r = geo_mask(lower=0.5, upper=2.0)(b)

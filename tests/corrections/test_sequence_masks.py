@@ -293,3 +293,34 @@ def test_opsm_preset_matches_function(batch):
     if nonempty.any():
         assert r.metrics["opsm/mismatch_term_mean"].item() == pytest.approx(d["mismatch"][nonempty].mean().item(), abs=1e-6)
         assert r.metrics["opsm/staleness_term_mean"].item() == pytest.approx(d["staleness"][nonempty].mean().item(), abs=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.sampled_from(["logp", "rollout_logp", "mask", "advantages", "log_ratio", "veto_mask"]),
+    st.lists(st.integers(1, 5), max_size=3),
+)
+def test_fuzz_wrong_shapes_name_the_argument(bad, shape):
+    b, t = 2, 3
+    shape = tuple(shape)
+    args = dict(logp=torch.zeros(b, t), rollout_logp=torch.zeros(b, t), mask=torch.ones(b, t), advantages=torch.zeros(b))
+    if bad in ("log_ratio", "veto_mask"):
+        r, m = torch.zeros(b, t), torch.ones(b, t)
+        if bad == "log_ratio":
+            r = torch.zeros(shape)
+        else:
+            m = torch.ones(shape)
+        if r.shape == m.shape and r.dim() == 2:
+            token_veto(r, m)
+        else:
+            with pytest.raises(ValueError, match="^log_ratio" if r.dim() != 2 else "^mask"):
+                token_veto(r, m)
+        return
+    args[bad] = torch.zeros(shape) if bad != "mask" else torch.ones(shape)
+    ok = shape == (b, t) or (bad == "advantages" and shape == (b,))
+    if ok:
+        opsm_mask(**args, delta=0.1)
+    else:
+        # a wrong logp makes the others mismatch too; the complaint must name logp or the first field compared to it
+        with pytest.raises(ValueError, match="^(logp|rollout_logp)" if bad == "logp" else f"^{bad}"):
+            opsm_mask(**args, delta=0.1)

@@ -166,12 +166,13 @@ def test_ln_trm_by_hand_with_padding_inside():
     assert ln_trm_mask(r_last, torch.ones(1, 3), eps=0.5, delta=1.0, threshold=0.0).all()
 
 
-def test_ln_trm_sqrt_branch_by_hand():
-    # ε = 1 (linear branch never binds), δ = 0.02: T = 3 → w = (min(1, 2, √0.02 = 0.1414), min(1, 1, √0.01 = 0.1), 0)
-    # ρ = (1.1, 1.3, 5): W = 0.1·0.1414 + 0.3·0.1 = 0.04414, Z = 0.2414 → W/Z = 0.18284
+def test_ln_trm_sqrt_and_linear_branches_by_hand():
+    # ε = 0.08, δ = 0.02, T = 3: T−t = 2 → min(1, 0.16, √(2·0.02/2) = 0.14142) = 0.14142 (√ branch);
+    # T−t = 1 → min(1, 0.08, √(0.02/2) = 0.1) = 0.08 (linear branch); T−t = 0 → 0
+    # ρ = (1.1, 1.3, 5): W = 0.1·0.14142 + 0.3·0.08 = 0.038142, Z = 0.221421 → W/Z = 0.172260
     r = torch.log(torch.tensor([[1.1, 1.3, 5.0]]))
-    assert ln_trm_mask(r, torch.ones(1, 3), eps=1.0, delta=0.02, threshold=0.1829).all()
-    assert not ln_trm_mask(r, torch.ones(1, 3), eps=1.0, delta=0.02, threshold=0.1828).any()
+    assert ln_trm_mask(r, torch.ones(1, 3), eps=0.08, delta=0.02, threshold=0.17227).all()
+    assert not ln_trm_mask(r, torch.ones(1, 3), eps=0.08, delta=0.02, threshold=0.17225).any()
 
 
 def test_ln_trm_single_token_and_nonfinite():

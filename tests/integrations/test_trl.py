@@ -85,3 +85,30 @@ def test_subclass_refuses_double_correction_and_kl_term():
         cls(args=double, correction=tis())
     with pytest.raises(ValueError, match="beta"):
         cls(args=SimpleNamespace(use_vllm=False, beta=0.04, epsilon=0.2))
+
+
+@pytest.mark.slow
+def test_real_grpo_trainer_two_steps(tmp_path):
+    """The subclass trains inside TRL's real GRPOTrainer (skipped when TRL is not installed)."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import GRPOConfig
+
+    from offpolicy.integrations.trl import OffPolicyGRPOTrainer
+    from offpolicy.models.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model(seed=0)
+    data = datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)])
+
+    def reward(completions, answer, **kwargs):
+        return [float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                      max_steps=2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", beta=0.0)
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                                   processing_class=tokenizer, correction=tis(upper=2.0))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "offpolicy/tis/kept_frac" in h]
+    assert len(logged) == 2
+    # no vLLM: μ = π_old = π_θ, so the correction is the identity
+    assert all(h["offpolicy/tis/kept_frac"] == 1.0 and h["offpolicy/loss/ratio_mean"] == 1.0 for h in logged)

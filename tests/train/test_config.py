@@ -94,3 +94,17 @@ def test_property_override_values_round_trip(steps, lr, temp):
     cfg = load_config(None, [f"run.steps={steps}", f"optim.lr={lr!r}", f"rollout.sampling.temperature={temp!r}"])
     assert cfg.run.steps == steps and cfg.optim.lr == lr and cfg.rollout.sampling.temperature == temp
     assert TrainConfig.model_validate(cfg.model_dump()) == cfg
+
+
+@pytest.mark.parametrize("name", ["tiny_mis", "tiny_alp", "tiny_trm_int8kv", "local_model_dvp_mis"])
+def test_example_configs_validate(name, tmp_path):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.yaml"
+    if name.startswith("local"):
+        with pytest.raises(ValueError, match="model.path"):  # the placeholder path must be replaced
+            load_config(path)
+        cfg = load_config(path, [f"model.path={tmp_path}"])
+    else:
+        cfg = load_config(path)
+    assert cfg.run.steps > 0

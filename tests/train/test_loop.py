@@ -39,6 +39,8 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
     if preset == "alp":
         assert "alp/sigma_mean" in rows[0] and res.alp is not None
         assert not torch.allclose(res.alp.sigma, torch.full_like(res.alp.sigma, 0.01))  # σ was trained
+    if preset.startswith("dvp"):
+        assert 0.9 < rows[0]["dvp/mass_mean"] <= 1.0 and "dvp/outside_frac" in rows[0]
     if preset == "trm":
         assert rows[0]["trm/divergence_exact"] == 1.0 and rows[0]["mismatch/token_kl_exact_mean"] >= 0
 

@@ -95,12 +95,25 @@ def check_threshold(name: str, value: object, *, allow_zero: bool = False, allow
 
 
 def check_source(source: str) -> None:
-    """``source`` picks the ratio's numerator: ``"mismatch"`` (π_old) or ``"total"`` (π_θ detached)."""
+    """``source`` picks the ratio's numerator: ``"mismatch"`` (π_old) or ``"total"`` (π_θ detached).
+
+    >>> check_source("bypass")
+    Traceback (most recent call last):
+    ...
+    ValueError: source must be one of ('mismatch', 'total'), got 'bypass'
+    """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
 
 
 def check_name(name: str) -> None:
+    """A correction's name prefixes its metrics, so it must be a non-empty string.
+
+    >>> check_name("")
+    Traceback (most recent call last):
+    ...
+    ValueError: name must be a non-empty string, got ''
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
 
@@ -125,13 +138,22 @@ def behaviour_log_ratio(batch: LogProbBatch, source: str, who: str) -> Tensor:
 
 def defined_positions(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
     """Valid positions whose aggregated ratio is defined: all of a row's valid log-ratios finite (sequence levels),
-    or the token's own (token level). ``[B, T]`` bool."""
+    or the token's own (token level). ``[B, T]`` bool.
+
+    >>> r = torch.tensor([[0.1, float("nan"), 0.2], [0.0, 0.0, float("inf")]]); m = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    >>> defined_positions(r, m, "token")
+    tensor([[ True, False,  True],
+            [ True,  True, False]])
+    >>> defined_positions(r, m, "geometric")  # row 0's NaN undefines its whole ratio; row 1's inf is padding
+    tensor([[False, False, False],
+            [ True,  True, False]])
+    """
     m = as_mask(mask)
     ok = m & torch.isfinite(log_ratio)
     if level == "token":
         return ok
     row_ok = ~(m & ~ok).any(dim=-1, keepdim=True)
-    return ok
+    return m & row_ok
 
 
 def _check_weight_args(
@@ -180,7 +202,7 @@ def importance_weights(
     Returns:
         ``(weights, keep, raw)``: weights ``[B, T]`` float32 detached (0 where not kept or padding), keep ``[B, T]``
         bool, raw ``[B, T]`` = exp(aggregated log-ratio) before truncation/masking (the aggregated log-ratio is 0 at
-        padding, so raw is 1 there).
+        padding and where undefined, so raw is 1 there).
 
     Non-finite log-ratios in valid positions make the ratio undefined: that token (``token``) or the whole sequence
     (``sequence`` / ``geometric``) is dropped (keep False, weight 0) in both modes — never a NaN weight, never kept
@@ -253,15 +275,17 @@ def _importance(
         )
         valid = batch.bool_mask
         n = valid.float().sum().clamp(min=1.0)
-        changed = ~keep
-        if lo is not None:
-            changed = changed | (raw < lo)
-        if hi is not None:
-            changed = changed | (raw > hi)
+        defined = defined_positions(lr, valid, level)  # raw stats skip ratios that are undefined (non-finite)
+        changed = ~keep  # masked (or undefined) …
+        if mode == "truncate":  # … or moved by the clamp
+            if lo is not None:
+                changed = changed | (raw < lo)
+            if hi is not None:
+                changed = changed | (raw > hi)
         metrics = {
-            f"{name}/raw_ratio_mean": masked_mean(raw, valid),
-            f"{name}/raw_ratio_max": masked_max(raw, valid),
-            f"{name}/raw_ratio_min": masked_min(raw, valid),
+            f"{name}/raw_ratio_mean": masked_mean(raw, defined),
+            f"{name}/raw_ratio_max": masked_max(raw, defined),
+            f"{name}/raw_ratio_min": masked_min(raw, defined),
             f"{name}/weight_mean": masked_mean(weights, valid),
             f"{name}/kept_frac": (keep & valid).float().sum() / n,
             f"{name}/clipped_frac": (changed & valid).float().sum() / n,
@@ -285,8 +309,10 @@ def importance_correction(
     :func:`importance_weights` for the formula and the module docstring for each framework's equivalent.
 
     Metrics (0-d tensors, prefixed ``<name>/``): ``raw_ratio_mean/max/min`` (ratio *before* truncation, over valid
-    tokens), ``weight_mean`` (final weight over valid tokens, 0 where dropped), ``kept_frac``, ``clipped_frac`` (valid
-    tokens whose weight was changed by truncation or that were masked), ``nonfinite_frac``.
+    tokens where it is defined — TRL logs only the truncated one), ``weight_mean`` (final weight over valid tokens, 0
+    where dropped), ``kept_frac``, ``clipped_frac`` (valid tokens whose weight was changed by truncation or that were
+    masked) and ``nonfinite_frac`` (valid tokens with a non-finite log-ratio; they are dropped). The named presets
+    (:func:`tis`, :func:`mis`, :func:`geo_mask`, :func:`icepop`) log the same metrics under their own name.
 
     >>> from offpolicy.batch import LogProbBatch
     >>> b = LogProbBatch(logp=torch.zeros(1, 2), rollout_logp=torch.tensor([[0.0, -2.0]]), mask=torch.ones(1, 2))

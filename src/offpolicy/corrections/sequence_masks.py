@@ -173,7 +173,7 @@ def opsm_mask(
     delta: float,
     old_logp: Tensor | None = None,
 ) -> Tensor:
-    """DeepSeek-V3.2 Off-Policy Sequence Masking keep mask ``[B, T]`` (arXiv 2512.02556 §3.1; seeds 002, 004).
+    """DeepSeek-V3.2 Off-Policy Sequence Masking keep mask ``[B, T]`` (arXiv 2512.02556; seeds 002, 004).
 
     Drop sequence i iff A_i < 0 and (1/|y_i|) Σ_t m_t (log μ − log π_θ) > δ, π_θ detached — equivalently (seed 004)
     iff A_i < 0 and ρ_geo(π_θ/μ) < e^{−δ}. ``advantages`` is ``[B]`` or ``[B, T]`` (then the sign of the mean over

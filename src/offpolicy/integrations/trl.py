@@ -16,7 +16,7 @@ Two levels, pick one:
 
 TRL's names map as follows: ``sampling_per_token_logps`` (vLLM's log-probs) is μ = ``rollout_logp``;
 ``old_per_token_logps`` is π_old (TRL leaves it out when there is a single update per generation — then π_old = π_θ
-detached, as in TRL); without vLLM there is no separate μ and μ = π_old. TRL's own IS correction must be off
+detached, as in TRL); without vLLM there is no separate μ and μ = π_old (every correction is then the identity). TRL's own IS correction must be off
 (``vllm_importance_sampling_correction=False``) when an offpolicy correction is given, or the mismatch would be
 corrected twice; the subclass refuses that combination. What the subclass does not reproduce from TRL's loss: the
 KL-to-reference term (``beta`` must be 0, TRL's default), entropy-quantile masking, and TRL's loss types other than
@@ -40,7 +40,7 @@ def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> Lo
     """Map TRL's ``inputs`` dict and the current per-token log-probs [B, T] to a :class:`LogProbBatch`.
 
     >>> b = batch_from_trl_inputs(torch.zeros(2, 3), {"completion_mask": torch.ones(2, 3), "advantages": torch.ones(2)})
-    >>> b.rollout_logp is None, b.old_logp is None
+    >>> b.old_logp is None, torch.equal(b.rollout_logp, torch.zeros(2, 3))
     (True, True)
     """
     for key in ("completion_mask", "advantages"):
@@ -51,8 +51,9 @@ def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> Lo
         mask = mask * inputs["tool_mask"]
     old = inputs.get("old_per_token_logps")
     rollout = inputs.get("sampling_per_token_logps")
-    if rollout is None and old is not None:
-        rollout = old  # no separate inference engine: μ = π_old
+    if rollout is None:
+        # no separate inference engine: μ = π_old, and π_old = π_θ (detached) when TRL skipped that forward
+        rollout = old if old is not None else per_token_logps.detach()
     return LogProbBatch(logp=per_token_logps, mask=mask, old_logp=old, rollout_logp=rollout, advantages=inputs["advantages"])
 
 

@@ -148,7 +148,11 @@ def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_l
     elif cfg.kl_source == "topk":
         lq = tk_logp.to(z.dtype)
         q = lq.exp()
-        q_rest = (1.0 - q.sum(dim=-1, keepdim=True)).clamp_(min=0.0)
+        q_rest = 1.0 - q.sum(dim=-1, keepdim=True)
+        # 1 − Σ q_i is only known to ~K·eps: below that it is rounding noise (e.g. K = V leaves no rest bucket at
+        # all), and a noise mass against p_rest = 0 would read as an infinite divergence.
+        tol = 4 * lq.shape[-1] * torch.finfo(z.dtype).eps
+        q_rest = torch.where(q_rest > tol, q_rest, torch.zeros((), dtype=q.dtype))
         logp_ids = z.gather(1, tk_ids) - lse
         # log p_rest from the complement's own logsumexp, not log(1 − Σ p_ids) (cancellation when top-k ≈ all).
         lse_rest = torch.logsumexp(z.scatter_(1, tk_ids, float("-inf")), dim=-1, keepdim=True)
@@ -169,6 +173,14 @@ def _scatter_in_tile(g: Tensor, ids: Tensor, vals: Tensor, c0: int) -> None:
     width = g.shape[1]
     inside = (ids >= c0) & (ids < c0 + width)
     g.scatter_add_(1, (ids - c0).clamp(0, width - 1), torch.where(inside, vals, torch.zeros((), dtype=vals.dtype)))
+
+
+def _tile_membership(ids: Tensor, c0: int, width: int) -> Tensor:
+    """Bool [n, width]: column c0 + j is one of the row's ``ids`` (ids outside the tile go to a dropped column)."""
+    inside = (ids >= c0) & (ids < c0 + width)
+    col = torch.where(inside, ids - c0, torch.full((), width, dtype=ids.dtype))
+    hit = torch.zeros(ids.shape[0], width + 1, dtype=torch.bool, device=ids.device)
+    return hit.scatter_(1, col, True)[:, :width]
 
 
 def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Tensor], go: dict[str, Tensor],
@@ -205,6 +217,7 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
         mult = t if mult is None else mult.add_(t)
     q: Tensor | None = None
     topk_fix: Tensor | None = None
+    rest_coef: Tensor | None = None
     if cfg.kl_source == "logits" and ("kl" in go or "tv" in go):
         q = torch.sub(_rollout_chunk(roll, cfg, z.dtype), st["lse_rollout"]).exp_()
         if "kl" in go:
@@ -223,10 +236,12 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
         topk_fix = torch.zeros_like(qk)
         if "kl" in go:
             # p − q̃ with q̃ = q_i on the ids and q_rest · p / p_rest on the rest.
+            # The rest-only factor q_rest / p_rest can be huge (p_rest ≈ 0): it is applied to the rest columns only,
+            # never added on the ids and subtracted back (fp32 cancellation).
             g_k = go["kl"]
-            ratio = torch.where(p_rest > 0, q_rest / p_rest, zero)
-            coef += g_k * (1.0 - ratio)
-            topk_fix += g_k * (ratio * p_ids - qk)
+            coef += g_k
+            rest_coef = -g_k * torch.where(p_rest > 0, q_rest / p_rest, zero)
+            topk_fix -= g_k * qk
         if "tv" in go:
             half = 0.5 * go["tv"]
             s_ids = torch.sign(p_ids - qk)
@@ -234,6 +249,9 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
             s_bar = (s_ids * p_ids).sum(dim=-1, keepdim=True) + s_rest * p_rest
             coef += half * (s_rest - s_bar)
             topk_fix += half * (s_ids - s_rest) * p_ids
+    if rest_coef is not None:
+        rest = torch.where(_tile_membership(tk_ids, c0, z.shape[1]), zero, rest_coef)
+        mult = rest if mult is None else mult.add_(rest)
     g = p.mul_(coef if mult is None else mult.add_(coef))
     if q is not None:
         g.sub_(q.mul_(go["kl"]))

@@ -134,6 +134,31 @@ def exact_token_kl(rollout_logits: Tensor, train_logits: Tensor, sampling: Sampl
     return terms.sum(-1).clamp(min=0.0)  # KL ≥ 0; float32 rounding can leave −1e-9
 
 
+def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
+                 sampling: SamplingConfig, *, dtype: torch.dtype, dvp_rho: float | None = None,
+                 return_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """The trainer's log-probs ``[B, T]`` of the sampled tokens: ``(logp, mask, raw logits | None, extras)``.
+
+    Plain: processed exactly like the engine (temperature, top-k/p, min-p). DVP (``dvp_rho``): min-p constrained
+    log π^mp over the trainer's own safe set V_S (:func:`offpolicy.corrections.vocabulary.dvp_fields`), with
+    ``extras["dvp_keep"]`` (sampled token inside V_S, else ratio 0) and ``extras["dvp_mass"]`` (retained mass Z).
+    """
+    if dvp_rho is None:
+        out = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=dtype, return_logits=return_logits)
+        return out[0], out[1], (out[2] if return_logits else None), {}
+    from dataclasses import replace
+
+    from offpolicy.corrections.vocabulary import dvp_fields
+    from offpolicy.rollout.base import pad_ids
+
+    plain = replace(sampling, min_p=None)  # the safe set replaces min-p; pruned logits get −50, not −inf
+    _, mask, logits = sequence_logprobs(model, prompt_ids, completions, plain, dtype=dtype, return_logits=True)
+    targets = pad_ids(completions, 0, side="right")[0].to(logits.device)[:, : mask.shape[1]]
+    fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
+    extras = {k: v for k, v in fields["extras"].items()}  # type: ignore[union-attr]
+    return fields["logp"], mask, (logits if return_logits else None), extras  # type: ignore[return-value]
+
+
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 17) % (2**62)
 
@@ -202,6 +227,13 @@ def train(
     sampling = sampling_config(cfg)
     engine = engine if engine is not None else build_engine(cfg, model, tokenizer)
     correction = preset.correction(a)
+    dvp_rho = a.dvp_rho if preset.minp else None
+    if preset.minp:
+        from offpolicy.corrections.base import chain
+        from offpolicy.corrections.vocabulary import dvp_keep
+
+        # a sampled token outside the trainer's safe set has DVP ratio 0: dropped from the numerator
+        correction = dvp_keep() if correction is None else chain(dvp_keep(), correction)
     adv_fn = advantage_fn(a.advantage)
     alp = None
     if cfg.alp.enabled:
@@ -268,20 +300,21 @@ def train(
                 # 4. π_old: fp32 full forward, no grad, ALP off (μ is compared with this)
                 need_logits = preset.divergence
                 with torch.no_grad():
-                    scored = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=train_dtype,
-                                               return_logits=need_logits)
-                old_logp, mask = scored[0], scored[1]
+                    old_logp, mask, old_logits, old_extras = score_policy(
+                        model, prompt_ids, completions, sampling, dtype=train_dtype, dvp_rho=dvp_rho,
+                        return_logits=need_logits)
                 rollout_logp = ro.logp.to(old_logp.device)
                 token_div, div_kind = None, "exact"
                 if need_logits and hasattr(engine, "score"):
                     # TRM's exact KL(μ‖π_old) needs the rollout engine's full logits: re-score with its numerics.
                     roll_logits = engine.score(prompt_ids, completions, sampling, return_logits=True)[2]
-                    token_div = exact_token_kl(roll_logits.to(old_logp.device), scored[2], sampling)
-                del scored
+                    token_div = exact_token_kl(roll_logits.to(old_logp.device), old_logits, sampling)
+                del old_logits
 
                 # full-batch diagnostics at π_old (before any update): the mismatch this step starts from
                 full = LogProbBatch(logp=old_logp, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
-                                    advantages=advantages, token_divergence=token_div, token_divergence_kind=div_kind)
+                                    advantages=advantages, token_divergence=token_div, token_divergence_kind=div_kind,
+                                    extras=old_extras)
                 coef = correction(full).coefficient if correction is not None else None
                 metrics: dict[str, Tensor | float] = dict(offpolicy_metrics(old_logp, rollout_logp, mask, coef))
 
@@ -298,13 +331,14 @@ def train(
                         mb_prompts = [prompt_ids[i] for i in ids]
                         mb_comp = [completions[i] for i in ids]
                         with alp.active() if alp is not None else contextlib.nullcontext():
-                            logp, mb_mask = sequence_logprobs(model, mb_prompts, mb_comp, sampling, dtype=train_dtype)
+                            logp, mb_mask, _, extras = score_policy(model, mb_prompts, mb_comp, sampling,
+                                                                    dtype=train_dtype, dvp_rho=dvp_rho)
                         t = logp.shape[1]
                         batch = LogProbBatch(
                             logp=logp, mask=mb_mask, old_logp=old_logp[idx, :t], rollout_logp=rollout_logp[idx, :t],
                             advantages=advantages[idx],
                             token_divergence=None if token_div is None else token_div[idx, :t],
-                            token_divergence_kind=div_kind,
+                            token_divergence_kind=div_kind, extras=extras,
                         )
                         if alp is not None:
                             loss, lm = alp_policy_loss(batch, level=cfg.alp.level, correction=correction,

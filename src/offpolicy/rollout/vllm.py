@@ -1,0 +1,145 @@
+"""vLLM rollout engine (GPU, ``pip install 'offpolicy[vllm]'``) behind the same protocol as the HF engine.
+
+μ is what vLLM reports with ``logprobs_mode="processed_logprobs"``: log-probs after temperature and top-k/top-p/
+min-p, computed from vLLM's own (bf16, fused-kernel, paged-KV) logits — the production source of the mismatch.
+Notes that matter for corrections:
+
+* vLLM applies min-p *before* top-k/top-p; :func:`offpolicy.rollout.sampling.process_logits` (HF order) applies
+  it after. The two agree whenever at most one truncation is active; score with the same single truncation.
+* ``SamplingParams.logprobs = K`` returns the K most likely tokens *plus* the sampled one; K is capped by the
+  engine's ``max_logprobs`` (pass ``max_logprobs`` to the constructor for larger K).
+* Weight sync writes the trainer's tensors through the model's ``load_weights`` inside the (in-process, TP = 1)
+  worker, then resets the prefix cache so no KV computed with old weights is reused.
+
+This module imports without vLLM; constructing the engine without it raises an ``ImportError`` that says how to
+install it. It is not exercised by the CPU test-suite.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
+from offpolicy.rollout.sampling import SamplingConfig
+
+VLLM_MISSING = (
+    "VLLMRolloutEngine needs vLLM (GPU only): pip install 'offpolicy[vllm]'. "
+    "On CPU use offpolicy.rollout.hf.HFRolloutEngine, which has the same interface."
+)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(VLLM_MISSING) from err
+    return vllm
+
+
+class VLLMRolloutEngine:
+    """Rollout engine on ``vllm.LLM`` for a local model directory (``save_pretrained`` output).
+
+    Args:
+        model_path: local directory with config, safetensors weights and tokenizer (no download happens).
+        dtype: vLLM's weight/activation dtype, "bfloat16" by default.
+        max_logprobs: upper bound on ``SamplingConfig.logprobs_topk``.
+        **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``kv_cache_dtype="fp8"``).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        dtype: str = "bfloat16",
+        max_logprobs: int = 20,
+        tokenizer=None,
+        **llm_kwargs: Any,
+    ) -> None:
+        vllm = _import_vllm()
+        # Weight sync reaches into the worker process, which needs the engine core in this process.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._vllm = vllm
+        self.llm = vllm.LLM(
+            model=str(model_path),
+            dtype=dtype,
+            max_logprobs=max_logprobs,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+
+    def _worker_model(self) -> torch.nn.Module:
+        """The nn.Module inside the (single, in-process) worker; the attribute path moved between vLLM versions."""
+        executor = self.llm.llm_engine.model_executor
+        worker = executor.driver_worker
+        worker = getattr(worker, "worker", worker)  # v1 wraps the worker
+        return worker.model_runner.model
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Send ``model``'s parameters to vLLM (cast there to its dtype), then drop cached prefixes."""
+        weights = ((name, p.detach()) for name, p in model.state_dict().items())
+        self._worker_model().load_weights(weights)
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
+        """Sample with vLLM; per-request seeds ``seed + i`` make the batch reproducible."""
+        if not isinstance(cfg, SamplingConfig):
+            raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
+        check_prompt_ids(prompt_ids)
+        sp = self._vllm.SamplingParams
+        params = [
+            sp(
+                n=1,
+                max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k if cfg.top_k is not None else -1,
+                top_p=cfg.top_p if cfg.top_p is not None else 1.0,
+                min_p=cfg.min_p if cfg.min_p is not None else 0.0,
+                logprobs=max(cfg.logprobs_topk, 0),  # 0 still returns the sampled token's log-prob
+                seed=int(seed) + i,
+                detokenize=True,
+                skip_special_tokens=True,
+            )
+            for i in range(len(prompt_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        return _to_output(prompt_ids, results, cfg.logprobs_topk)
+
+
+def _to_output(prompt_ids: list[list[int]], results: list, k: int) -> RolloutOutput:
+    """Convert vLLM ``RequestOutput``s into a padded :class:`RolloutOutput`."""
+    completions = [list(r.outputs[0].token_ids) for r in results]
+    b, t = len(completions), max((len(c) for c in completions), default=0)
+    logp = torch.zeros(b, t)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    topk_logp = torch.zeros(b, t, k) if k > 0 else None
+    topk_ids = torch.zeros(b, t, k, dtype=torch.long) if k > 0 else None
+    for i, r in enumerate(results):
+        steps = r.outputs[0].logprobs or []
+        for j, (tok, step) in enumerate(zip(completions[i], steps)):
+            mask[i, j] = True
+            logp[i, j] = step[tok].logprob  # the sampled token is always included
+            if k > 0:
+                ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]
+                for slot in range(k):
+                    if slot < len(ranked):
+                        topk_ids[i, j, slot] = ranked[slot][0]
+                        topk_logp[i, j, slot] = ranked[slot][1].logprob
+                    else:
+                        topk_logp[i, j, slot] = -math.inf
+    return RolloutOutput(
+        prompt_ids=[list(p) for p in prompt_ids],
+        completion_ids=completions,
+        logp=logp,
+        mask=mask,
+        topk_logp=topk_logp,
+        topk_ids=topk_ids,
+        texts=[r.outputs[0].text for r in results],
+    )

@@ -1,0 +1,27 @@
+"""Shared fixtures for the model tests: a random-init tiny model (built once per module), offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in these tests may touch the network
+
+import pytest
+import torch
+
+from offpolicy.models.tiny import build_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls: one thread is as fast as two, and avoids 10x slow-downs when the 2-core box is shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer): random init, fp32, eval."""
+    return build_tiny_model(seed=0)

@@ -1,0 +1,134 @@
+"""offpolicy.divergence: exact KL/TV, the top-k lower bound, and the TRM field helper."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.divergence import (
+    NONFINITE_DIVERGENCE,
+    divergence_fields,
+    divergence_kind,
+    token_kl,
+    token_tv,
+    topk_kl_lower_bound,
+)
+
+
+def ref_kl(roll, z):
+    lq, lp = torch.log_softmax(roll.double(), -1), torch.log_softmax(z.double(), -1)
+    q = lq.exp()
+    return torch.where(q > 0, q * (lq - lp), torch.zeros((), dtype=torch.float64)).sum(-1)
+
+
+def test_kl_and_tv_hand_values():
+    # μ = (½, ½), π = (¾, ¼): KL = ½ log(½/¾) + ½ log(½/¼) = ½(−0.405465 + 0.693147) = 0.143841
+    # TV = ½(|½ − ¾| + |½ − ¼|) = 0.25
+    roll, z = torch.zeros(2), torch.tensor([0.75, 0.25]).log()
+    assert token_kl(roll, z).item() == pytest.approx(0.143841, abs=1e-6)
+    assert token_tv(roll, z).item() == pytest.approx(0.25, abs=1e-7)
+    # Rollout first: KL(π‖μ) = ¾ log(3/2) + ¼ log(1/2) = 0.304099 − 0.173287 = 0.130812 ≠ 0.143841
+    assert token_kl(z, roll).item() == pytest.approx(0.130812, abs=1e-6)
+
+
+def test_kl_matches_reference_batched_with_temperature_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    roll, z = torch.randn(3, 5, 37, generator=g) * 3, (torch.randn(3, 5, 37, generator=g) * 3).requires_grad_()
+    got = token_kl(roll, z, temperature=0.7, rollout_temperature=1.3, memory_budget_bytes=2000)
+    torch.testing.assert_close(got.double(), ref_kl(roll / 1.3, z.detach() / 0.7), atol=1e-5, rtol=1e-5)
+    (grad,) = torch.autograd.grad(got.sum(), z)
+    # ∂KL/∂z = (π − μ) / τ
+    want = (torch.softmax(z.detach() / 0.7, -1) - torch.softmax(roll / 1.3, -1)) / 0.7
+    torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+
+
+def test_rollout_log_probs_with_minus_inf_give_finite_kl():
+    # A top-k-truncated rollout distribution stored as log-probs with −inf: 0 · log 0 counts as 0, not NaN.
+    roll = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
+    z = torch.zeros(1, 4)
+    # μ = (½, ½, 0, 0), π uniform: KL = log(½ / ¼) = log 2
+    assert token_kl(roll, z).item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(v=st.integers(2, 30), k=st.integers(1, 30), scale=st.floats(0.1, 8.0), seed=st.integers(0, 10_000))
+def test_topk_bound_below_exact_monotone_in_k_and_tight_at_v(v, k, scale, seed):
+    k = min(k, v)
+    g = torch.Generator().manual_seed(seed)
+    roll = torch.randn(4, v, generator=g, dtype=torch.float64) * scale
+    z = torch.randn(4, v, generator=g, dtype=torch.float64) * scale
+    lq = torch.log_softmax(roll, -1)
+    top = lq.topk(v, -1)
+    exact = token_kl(roll, z)
+    tv_exact = token_tv(roll, z)
+    prev = torch.zeros(4, dtype=torch.float64)
+    for kk in sorted({1, k, v}):
+        kl_k, tv_k = topk_kl_lower_bound(top.values[:, :kk], top.indices[:, :kk], z, with_tv=True)
+        assert torch.all(kl_k <= exact + 1e-9)          # data-processing inequality
+        assert torch.all(tv_k <= tv_exact + 1e-9)
+        assert torch.all(kl_k >= prev - 1e-9)           # a finer partition never loses divergence
+        prev = kl_k
+    torch.testing.assert_close(prev, exact)            # k = V: every token is its own bucket
+
+
+def test_topk_bound_hand_value():
+    # μ = (½, ¼, ¼), π = (¼, ¼, ½); top-1 of μ = token 0; rest {1, 2}: μ_rest = ½, π_rest = ¾
+    # bound = ½ log(½/¼) + ½ log(½/¾) = 0.346574 − 0.202733 = 0.143841
+    # exact = ½ log 2 + ¼ log 1 + ¼ log ½ = 0.346574 − 0.173287 = 0.173287
+    lq, z = torch.tensor([0.5, 0.25, 0.25]).log(), torch.tensor([0.25, 0.25, 0.5]).log()
+    assert topk_kl_lower_bound(lq[:1], torch.tensor([0]), z).item() == pytest.approx(0.143841, abs=1e-6)
+    assert token_kl(lq, z).item() == pytest.approx(0.173287, abs=1e-6)
+
+
+def test_topk_rest_mass_is_accurate_when_topk_covers_almost_everything():
+    # π puts 1 − 1e-9 on token 0; the complement's logsumexp keeps p_rest ≈ 1e-9 (1 − Σ p_i in fp32 would be 0,
+    # making the bound +inf whenever μ has any rest mass).
+    z = torch.tensor([[0.0, math.log(1e-9)]])
+    lq = torch.tensor([[math.log(1 - 1e-6)]])     # μ: 1 − 1e-6 on token 0, 1e-6 on the rest
+    b = topk_kl_lower_bound(lq, torch.tensor([[0]]), z)
+    # KL = (1−1e-6) log((1−1e-6)/(1−1e-9)) + 1e-6 log(1e-6/1e-9) ≈ −1e-6 + 1e-6 · 6.9078 = 5.908e-6
+    # (fp32: q_rest = 1 − fl(1 − 1e-6) = 1.013e-6, so 2% tolerance; the point is finiteness and the right order)
+    assert torch.isfinite(b).all() and b.item() == pytest.approx(5.908e-6, rel=3e-2)
+
+
+def test_divergence_kind_and_fields_feed_logprobbatch():
+    z = torch.zeros(2, 3, 4)
+    roll = torch.randn(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert divergence_kind(rollout_logits=roll) == "exact"
+    assert divergence_kind() is None
+    f = divergence_fields(z, mask, rollout_logits=roll)
+    assert f["token_divergence_kind"] == "exact"
+    d = f["token_divergence"]
+    assert d.shape == (2, 3) and not d.requires_grad and d.dtype == torch.float32
+    assert torch.all(d[mask == 0] == 0)
+    torch.testing.assert_close(d[mask == 1].double(), ref_kl(roll, z)[mask == 1], atol=1e-6, rtol=1e-6)
+    top = torch.log_softmax(roll, -1).topk(2, -1)
+    ft = divergence_fields(z, mask, rollout_topk_logp=top.values, rollout_topk_ids=top.indices)
+    assert ft["token_divergence_kind"] == "topk"
+    assert torch.all(ft["token_divergence"] <= d + 1e-6)
+    none = divergence_fields(z, mask)
+    assert none["token_divergence"] is None
+    b = LogProbBatch(logp=torch.zeros(2, 3), mask=mask, **ft)
+    assert b.token_divergence_kind == "topk"
+
+
+def test_infinite_divergence_at_valid_token_fails_any_threshold():
+    # π gives token 1 probability 0 (logit −inf) where μ gives ½: KL = +inf -> a large finite stand-in, not 0/NaN.
+    z = torch.tensor([[[0.0, float("-inf")]]])
+    f = divergence_fields(z, torch.ones(1, 1), rollout_logits=torch.zeros(1, 1, 2))
+    assert f["token_divergence"].item() == NONFINITE_DIVERGENCE
+
+
+def test_validation_names_arguments():
+    with pytest.raises(ValueError, match="rollout_logits"):
+        token_kl(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="rollout_topk"):
+        divergence_kind(rollout_topk_logp=torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="mask"):
+        divergence_fields(torch.zeros(2, 3, 4), torch.ones(3, 2), rollout_logits=torch.zeros(2, 3, 4))
