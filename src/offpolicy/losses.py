@@ -176,15 +176,17 @@ def policy_loss(
 
     # A token is usable only if every quantity it touches is finite. One test on the sum of all of them (a NaN or
     # ±inf anywhere propagates; finite log-probs never overflow a float32 sum): x·0 is 0 if finite, NaN otherwise.
+    # On CPU every fresh [B, T] temporary costs about as much as the arithmetic, so the no-grad parts work in place.
     probe = logp.detach() + adv_t
     for other in (batch.old_logp, batch.rollout_logp):
         if other is not None:
-            probe = probe + other.detach().float()
-    vf = mf * (1.0 - (probe * 0.0).nan_to_num(1.0, 1.0, 1.0))  # 1.0 on valid finite tokens, else 0.0
+            probe.add_(other.detach())
+    bad = probe.mul_(0.0).nan_to_num_(1.0, 1.0, 1.0)  # 0.0 where finite, 1.0 where not
+    vf = bad.mul_(mf).neg_().add_(mf)  # mf · (1 − bad): 1.0 on valid finite tokens, else 0.0
     n_mask = mf.sum()
     n_valid = vf.sum()
 
-    lp = logp.nan_to_num(0.0, 0.0, 0.0) * vf  # 0 at invalid positions, finite gradient everywhere
+    lp = logp.nan_to_num(0.0, 0.0, 0.0).mul_(vf)  # 0 at invalid positions; nan_to_num's backward is grad·isfinite
     neg_a = (-adv_t).nan_to_num(0.0, 0.0, 0.0) * vf  # −A, 0 at invalid positions
 
     # ---- per-token loss (exactly 0 at invalid positions: lp = neg_a = 0 there) --------------------------------------
@@ -196,7 +198,7 @@ def policy_loss(
         if denom is None:  # π_old = π_θ detached: r = 1 in value, gradient of log π_θ
             log_r = lp - lp.detach()
         else:
-            log_r = lp - denom.detach().float().nan_to_num(0.0, 0.0, 0.0) * vf
+            log_r = lp - denom.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf)
         if level != "token":
             # Sequence ratio in value, per-token gradient: log s_it = sg[log s_i] + log π_t − sg[log π_t] (GSPO-token).
             seq = log_r.detach().sum(dim=-1, keepdim=True)
@@ -219,7 +221,7 @@ def policy_loss(
     # ---- correction coefficient: detached and finite everywhere (a NaN·0 in backward would poison the gradient) ----
     coef = None
     if result is not None:
-        coef = result.weights.detach().float().nan_to_num(0.0, 0.0, 0.0) * result.keep
+        coef = result.weights.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(result.keep)
     elif objective == "decoupled":
         w_log = (batch.anchor_logp.detach().float() - batch.rollout_logp.detach().float()).nan_to_num(0.0, 0.0, 0.0)  # type: ignore[union-attr]
         coef = torch.exp((w_log * vf).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
@@ -254,9 +256,9 @@ def policy_loss(
         r_log = log_r.detach()
         # sign(clamped − r): +1 where the clamp moved r up (A < 0, r < 1−ε_low), −1 where it moved it down (A > 0,
         # r > 1+ε_high; or dual clip: A < 0, r > c), 0 elsewhere — invalid positions hold r = 1, inside every band.
-        moved = (clipped_ratio.detach() - r).sign()
-        n_moved = moved.abs().sum()
+        moved = (clipped_ratio.detach() - r).sign_()
         net = moved.sum()
+        n_moved = moved.abs_().sum()
         n_up, n_down = (n_moved + net) / 2.0, (n_moved - net) / 2.0
         if dual_clip is not None:  # neg_a > 0 ⇔ A < 0 on a valid token
             n_dual = (neg_a.sign().clamp(min=0.0) * (r - dual_clip).sign().clamp(min=0.0)).sum()
@@ -268,9 +270,9 @@ def policy_loss(
         r_excess = (r - 1.0).sum()  # Σ (r − 1) is exactly 0 at invalid positions (r = 1): no padding in the sum
     r_mean = 1.0 + r_excess / denom_valid
     # push invalid positions (log r = 0) out of reach of max/min: |log r| ≤ 20 < 1e4
-    push = (vf - 1.0) * 1.0e4
+    push = (vf - 1.0).mul_(1.0e4)
     r_max = torch.exp((r_log + push).amax())
-    r_min = torch.exp((r_log - push).amin())
+    r_min = torch.exp(push.neg_().add_(r_log).amin())
     metrics = {
         "loss/clipfrac_low": clip_low_frac,
         "loss/clipfrac_high": clip_high_frac,

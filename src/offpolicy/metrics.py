@@ -105,9 +105,11 @@ def offpolicy_metrics(
     # torch.where / isfinite: a bool-mask where is ~15× slower than a float multiply on CPU.
     diff = pi - mu
     # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
-    vf = m.float() * (1.0 - (diff * 0.0).nan_to_num(1.0, 1.0, 1.0))  # 1.0 on valid finite tokens
-    r = diff.nan_to_num(0.0, 0.0, 0.0) * vf  # log ρ, exactly 0 at invalid positions
-    pi_v = pi.nan_to_num(0.0, 0.0, 0.0) * vf
+    # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
+    mf = m.float()
+    vf = (diff * 0.0).nan_to_num_(1.0, 1.0, 1.0).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
+    r = diff.nan_to_num_(0.0, 0.0, 0.0).mul_(vf)  # log ρ, exactly 0 at invalid positions
+    pi_v = pi.nan_to_num(0.0, 0.0, 0.0).mul_(vf)
 
     seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
     seq_len_i = seq_len.long()
@@ -136,7 +138,7 @@ def offpolicy_metrics(
     # Token sums from expm1 (accurate for the tiny log-ratios of a well-matched engine, and 0 at invalid positions):
     # Σ_V ρ = Σ em1 + n, Σ_V (ρ² − 1) = Σ em1² + 2 Σ em1, Σ_V k3 = Σ (em1 − r).
     r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    em1 = torch.expm1(r_safe)
+    em1 = torch.expm1(r_safe)  # 0 at invalid positions
     flat = em1.reshape(-1)
     sum_em1 = flat.sum()
     sum_em1_sq = torch.dot(flat, flat)
@@ -145,7 +147,7 @@ def offpolicy_metrics(
 
     out: dict[str, Tensor] = {}
     out["kl"] = -sum_r.sum() / n_tok_c
-    out["k3_kl"] = (em1 - r_safe).sum() / n_tok_c
+    out["k3_kl"] = (em1 - r_safe).sum() / n_tok_c  # Σ (ρ − 1 − log ρ), expm1 keeps small log ρ accurate
     out["training_ppl"] = torch.where(has_tok, seq_mean(torch.exp(-mean_pi)), one)
     out["training_log_ppl"] = seq_mean(-mean_pi)
     out["rollout_ppl"] = torch.where(has_tok, seq_mean(torch.exp(-mean_mu)), one)
@@ -167,7 +169,7 @@ def offpolicy_metrics(
         clipped = zero0
         masked = zero0
     else:
-        w = weights.detach().float().nan_to_num(0.0, 0.0, 0.0) * vf
+        w = weights.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf)
         w_flat = w.reshape(-1)
         w_sum = w_flat.sum()
         w_sq_sum = torch.dot(w_flat, w_flat)
@@ -179,7 +181,7 @@ def offpolicy_metrics(
             raw = torch.exp(raw_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)
         # raw > 0 everywhere and w = 0 at invalid positions, so each invalid position counts as "changed" exactly
         # once: subtract them instead of spending a pass on a mask.
-        changed = torch.count_nonzero((w - raw).abs() > 1e-6 * raw) - n_invalid
+        changed = torch.count_nonzero((w - raw).abs_() > raw * 1e-6) - n_invalid
         clipped = changed.float() / n_tok_c
         masked = (torch.count_nonzero(w == 0) - n_invalid).float() / n_tok_c
     w_mean = w_sum / n_tok_c
@@ -189,9 +191,9 @@ def offpolicy_metrics(
     out["is_weight_mean"] = torch.where(has_tok, w_mean, one)
     out["clipped_frac"] = clipped
     out["raw_ratio_mean"] = torch.where(has_tok, sum_rho / n_tok_c, one)
-    push = (vf - 1.0) * 1.0e4  # moves invalid positions (log ρ = 0) out of reach of max/min: |log ρ| ≤ 20
+    push = (vf - 1.0).mul_(1.0e4)  # moves invalid positions (log ρ = 0) out of reach of max/min: |log ρ| ≤ 20
     r_max = (r_safe + push).amax()
-    r_min = (r_safe - push).amin()
+    r_min = push.neg_().add_(r_safe).amin()
     out["raw_ratio_max"] = torch.where(has_tok, torch.exp(r_max), one)
     out["raw_ratio_min"] = torch.where(has_tok, torch.exp(r_min), one)
     out["masked_frac"] = masked

@@ -3,7 +3,8 @@
 ≈1.6 M parameters (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings over the 4 099-entry tokenizer of
 :mod:`offpolicy.models.tokenizer`), so a warm start and a short RL run fit on two CPU cores. It is an ordinary
 ``Qwen2ForCausalLM``: everything that works on a real model (``save_pretrained``/``from_pretrained``, KV cache,
-bf16 casting) works on it, which is the point — the demo's training–inference mismatch comes from the same
+bf16 casting) works on it — including transformers' default attention kernel (sdpa), the same one
+``from_pretrained`` picks when the cached copy is loaded — which is the point — the demo's training–inference mismatch comes from the same
 numerics as a real one.
 """
 
@@ -43,8 +44,6 @@ def tiny_config(tokenizer, **overrides):  # -> Qwen2Config
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        # sdpa on CPU is fine too, but eager keeps fp32 KV-cache decoding and full forwards closest (see rollout/hf.py).
-        attn_implementation="eager",
         **cfg,
     )
 

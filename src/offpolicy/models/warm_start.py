@@ -15,7 +15,7 @@ import torch
 from offpolicy.rollout.base import pad_ids
 from offpolicy.rollout.sampling import SamplingConfig
 
-WARM_START_STEPS = 300
+WARM_START_STEPS = 500
 WARM_START_BATCH = 64
 WARM_START_LR = 3e-3
 

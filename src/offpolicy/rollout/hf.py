@@ -12,6 +12,11 @@ tokens with an fp32 full forward. Optional knobs add the other mismatch sources 
   and embeddings stay in ``dtype``, as in W8A16 serving), re-applied on every ``sync_weights``.
 * ``logit_noise``: additive seeded Gaussian noise on the logits (a stand-in for non-deterministic kernels). μ then
   includes the noise, so :meth:`HFRolloutEngine.score` cannot reproduce it.
+* ``attn_implementation``: the engine's attention kernel, "eager" by default. With "sdpa" in bf16 on CPU, KV-cache
+  decoding (query length 1) and a full forward take different kernels: measured up to ~0.1 nats between a token's
+  log-prob while generating and the same token re-scored in one forward by the same bf16 model (0 with "eager";
+  ~1e-6 in fp32 either way). That is a real KV-cache mismatch source, opt-in so that by default
+  :meth:`HFRolloutEngine.score` reproduces μ exactly.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class HFRolloutEngine:
             (rotary inv_freq) stay float32 as when a real checkpoint is loaded in bf16.
         kv_cache: generate incrementally with a KV cache (True) or with a full forward per step (False).
         kv_cache_bits / weight_bits / logit_noise: extra mismatch sources, see the module docstring.
+        attn_implementation: attention kernel of the engine's copy ("eager", "sdpa"; None keeps the model's).
         tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
             tokenizer's, then the model config's.
 
@@ -104,6 +110,7 @@ class HFRolloutEngine:
         kv_cache_bits: int | None = None,
         weight_bits: int | None = None,
         logit_noise: float = 0.0,
+        attn_implementation: str | None = "eager",
         tokenizer=None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
@@ -126,6 +133,8 @@ class HFRolloutEngine:
             pad_token_id, getattr(tokenizer, "pad_token_id", None), cfg.pad_token_id, self.eos_token_id, 0
         )
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        if attn_implementation is not None:
+            self.model.set_attn_implementation(attn_implementation)
         for p in self.model.parameters():
             p.data = p.data.to(self.dtype)
         self.sync_weights(model)
