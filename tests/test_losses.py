@@ -256,10 +256,11 @@ def test_nonfinite_valid_tokens_contribute_zero_and_are_counted():
         assert m["loss/nonfinite_tokens"].item() == 4.0
 
 
-def test_bf16_inputs_compute_in_float32():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_compute_in_float32(dtype):
     logp32 = torch.tensor([[-1.0, -2.5, -0.3]])
-    logp = logp32.to(torch.bfloat16).requires_grad_(True)
-    old = (logp32 - 0.1).to(torch.bfloat16)
+    logp = logp32.to(dtype).requires_grad_(True)
+    old = (logp32 - 0.1).to(dtype)
     b = LogProbBatch(logp=logp, mask=torch.ones(1, 3), old_logp=old, advantages=torch.tensor([1.0]))
     loss, m = policy_loss(b, clip_low=0.5)
     assert loss.dtype == torch.float32
@@ -267,7 +268,7 @@ def test_bf16_inputs_compute_in_float32():
     assert loss.item() == pytest.approx(policy_loss(ref, clip_low=0.5)[0].item(), rel=1e-6)
     assert all(v.dtype == torch.float32 for v in m.values())
     g = grad_of(loss, logp)
-    assert g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all()
+    assert g.dtype == dtype and torch.isfinite(g.float()).all()
 
 
 @pytest.mark.parametrize(
@@ -423,3 +424,33 @@ def test_ratio_stats_exact_in_a_mostly_padded_batch():
     _, m = policy_loss(b)
     for k in ("loss/ratio_mean", "loss/ratio_max", "loss/ratio_min"):
         assert m[k].item() == pytest.approx(1.5, rel=1e-6), k
+
+
+def test_inputs_are_not_mutated():
+    logp = torch.tensor([[-1.0, float("nan"), -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.2, -1.0, float("inf")]])
+    rollout = torch.tensor([[-1.1, -0.9, -0.4]])
+    adv = torch.tensor([[1.0, float("nan"), -2.0]])
+    weights = torch.tensor([[2.0, float("nan"), 0.5]])
+    keep = torch.tensor([[True, True, False]])
+    before = [x.detach().clone() for x in (logp, old, rollout, adv, weights)]
+    b = LogProbBatch(logp=logp, mask=torch.ones(1, 3), old_logp=old, rollout_logp=rollout, advantages=adv)
+    for objective in OBJECTIVES:
+        policy_loss(b, objective=objective, correction=CorrectionResult(weights, keep))[0].backward()
+    for x, y in zip((logp, old, rollout, adv, weights), before):
+        torch.testing.assert_close(x.detach(), y, equal_nan=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(batches(), st.sampled_from(["ppo", "gspo", "reinforce"]))
+def test_aggregations_agree_when_every_sequence_is_full(data, objective):
+    """All rows fully valid: seq-mean of token-means = token mean = Dr.GRPO sum / (B·T)."""
+    logp, old, _, mask, adv = data
+    full = torch.ones_like(mask)
+    b = LogProbBatch(logp=logp, mask=full, old_logp=old, advantages=adv)
+    losses = [policy_loss(b, objective=objective, aggregation=a)[0] for a in AGGREGATIONS]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[0], losses[2], rtol=1e-5, atol=1e-5)
+    # and Dr.GRPO with T_max = 2T halves it
+    half = policy_loss(b, objective=objective, aggregation="seq_mean_token_sum_norm", max_tokens=2 * logp.shape[1])[0]
+    torch.testing.assert_close(half * 2, losses[2], rtol=1e-5, atol=1e-5)

@@ -218,3 +218,12 @@ def test_mostly_padded_batch_is_exact():
     assert m["chi2_token"].item() == pytest.approx(1.25, rel=1e-5)  # 1.5² − 1
     assert m["clipped_frac"].item() == 0.0 and m["masked_frac"].item() == 0.0
     assert m["ess"].item() == pytest.approx(1.0)
+
+
+def test_inputs_are_not_mutated():
+    train, rollout, mask = example()
+    weights = torch.tensor([[1.0, float("inf")], [0.0, PAD]])
+    before = [x.clone() for x in (train, rollout, mask, weights)]
+    offpolicy_metrics(train, rollout, mask, weights)
+    for x, y in zip((train, rollout, mask, weights), before):
+        torch.testing.assert_close(x, y, equal_nan=True)

@@ -13,12 +13,22 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 import typer
 from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
-DEMO_PRESETS = ("naive", "mis", "icepop")
+DEMO_PRESETS = ("naive", "mis", "icepop", "alp")
+
+# How the demo's rollout engine differs from the fp32 trainer. "bf16" is what every bf16 inference server does;
+# the others add the harsher mismatch sources of production serving so the corrections have something to mask.
+MISMATCHES = {
+    "bf16": [],
+    "kv4": ["rollout.kv_cache_bits=4"],
+    "int8": ["rollout.kv_cache_bits=8", "rollout.weight_bits=8"],
+    "noise": ["rollout.logit_noise=0.3"],
+}
 
 # The demo's run: a visible mismatch (bf16 engine with KV cache vs fp32 trainer) and enough steps to move reward.
 DEMO_OVERRIDES = [
@@ -33,7 +43,7 @@ DEMO_OVERRIDES = [
     "optim.lr=3e-4",
     "optim.minibatches=2",
     "run.tensorboard=false",
-    "run.threads=2",
+    "run.threads=1",  # tiny matmuls: one thread is fastest (and robust on a shared 2-core box)
 ]
 
 
@@ -94,8 +104,10 @@ def train(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for runs, plots and the summary."),
-    steps: int = typer.Option(25, "--steps", min=1, help="GRPO steps per preset."),
+    steps: int = typer.Option(30, "--steps", min=1, help="GRPO steps per preset."),
     preset: Optional[list[str]] = typer.Option(None, "--preset", "-p", help="Preset(s) to compare (repeatable)."),
+    mismatch: str = typer.Option("bf16", "--mismatch", help=f"Rollout engine numerics: {', '.join(MISMATCHES)} "
+                                 "(all on top of bf16 + KV cache)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value overrides for every run."),
 ) -> None:
     """Train the embedded tiny model with several presets on a real bf16/KV-cache mismatch and compare them."""
@@ -105,15 +117,20 @@ def demo(
     console = _console()
     names = list(preset or DEMO_PRESETS)
     t_start = time.perf_counter()
+    if mismatch not in MISMATCHES:
+        _fail(console, f"--mismatch must be one of {list(MISMATCHES)}, got {mismatch!r}")
     cfgs = {}
     try:
         for name in names:  # validate every run before doing any work
             extra = ["alp.enabled=true"] if name == "alp" else []
-            cfgs[name] = load_config(None, [*DEMO_OVERRIDES, f"algorithm.preset={name}", f"run.steps={steps}",
+            cfgs[name] = load_config(None, [*DEMO_OVERRIDES, *MISMATCHES[mismatch], f"algorithm.preset={name}",
+                                           f"run.steps={steps}",
                                            f"run.out_dir={out / name}", *extra, *(overrides or [])])
     except ValueError as err:
         _fail(console, str(err))
     first = cfgs[names[0]]
+    if first.run.threads is not None:
+        torch.set_num_threads(first.run.threads)  # before the warm start too
     if first.model.path == "tiny":
         console.print("[bold]warm start[/bold] of the embedded tiny model (cached after the first run) …")
         from offpolicy.train.loop import load_model
@@ -121,8 +138,10 @@ def demo(
         t0 = time.perf_counter()
         load_model(first)  # builds and caches once; every preset then loads the same weights
         console.print(f"  ready in {time.perf_counter() - t0:.1f} s")
-    console.print(f"[bold]demo[/bold]: {len(names)} presets × {steps} steps, rollout {first.rollout.dtype} "
-                  f"{'+ KV cache' if first.rollout.kv_cache else ''} vs fp32 trainer → {out}")
+    r = first.rollout
+    extra = ", ".join(x.split(".", 1)[1] for x in MISMATCHES[mismatch])
+    console.print(f"[bold]demo[/bold]: {len(names)} presets × {steps} steps; rollout {r.dtype}"
+                  f"{' + KV cache' if r.kv_cache else ''}{' + ' + extra if extra else ''} vs fp32 trainer → {out}")
     interrupted = False
     for name in names:
         try:

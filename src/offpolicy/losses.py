@@ -30,11 +30,18 @@ counts — TRM's "normalise by the total batch", arXiv 2512.23075):
 * ``seq_mean_token_mean``      mean over sequences with ≥1 valid token of Σ_t m L / Σ_t m   (GRPO)
 * ``seq_mean_token_sum_norm``  Σ m L / (B · T_max), T_max = ``max_tokens`` or T             (Dr.GRPO, arXiv 2503.20783)
 
+Metrics (0-d float32, detached; fractions are over valid tokens): ``loss/clipfrac_low`` — A < 0 and r < 1−ε_low
+(the clip is active: no gradient); ``loss/clipfrac_high`` — A > 0 and r > 1+ε_high; ``loss/dual_clip_frac`` — A < 0
+and r > c; ``loss/ratio_mean|max|min`` — of the objective's r (at its level; π_θ/π_old for ``reinforce``);
+``loss/empty_batch`` — 1.0 iff no token is valid; ``loss/nonfinite_tokens`` — count of mask=1 tokens dropped as
+non-finite.
+
 Robustness: a token whose log-prob (under any policy given) or advantage is NaN/±inf at a *valid* position contributes
-exactly 0 and is counted in ``loss/nonfinite_tokens``; ``torch.where`` runs before any arithmetic, so the backward pass
-is finite too. Masked positions never matter. A batch without a valid token gives loss 0.0 with an all-zero gradient
-(``loss/empty_batch`` = 1). Everything is computed in float32 and nothing syncs to the host, so the function compiles
-with ``torch.compile(fullgraph=True)``.
+exactly 0 (it still counts in the denominator, like any padding-mask token) and is counted in
+``loss/nonfinite_tokens``; values are replaced (``nan_to_num`` · float mask) *before* any arithmetic, so the backward
+pass is finite too. A non-finite correction weight counts as 0. Masked positions never matter. A batch without a valid
+token gives loss 0.0 with an all-zero gradient (``loss/empty_batch`` = 1). Everything is computed in float32 and nothing
+syncs to the host, so the function compiles with ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations

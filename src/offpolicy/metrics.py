@@ -22,10 +22,11 @@ name (prefix + …)          definition
 ``chi2_token``             E_V[ρ_t²] − 1
 ``chi2_seq``               E_S[ρ_geo,i²] − 1, ρ_geo,i = exp(clamp(mean_t r_t, ±20))   (ms-swift: geometric)
 ``chi2_seq_product``       E_S[exp(2 · clamp(Σ_t r_t, ±20))] − 1                      (verl's ``chi2_seq``: product)
-``ess``                    1 / E_V[(w/E_V w)²] = (E_V w)² / E_V[w²] ∈ (0, 1]  (normalised effective sample size)
+``ess``                    1 / E_V[(w/E_V w)²] = (E_V w)² / E_V[w²] ∈ [0, 1]  (normalised effective sample size;
+                           0 when every weight is 0)
 ``is_weight_mean``         E_V[w]
-``clipped_frac``           fraction of valid tokens whose weight differs from the raw ratio at ``level``
-                           (truncated or masked; 0 when ``weights`` is None)
+``clipped_frac``           fraction of valid tokens whose weight differs from the raw ratio at ``level``,
+                           |w − ρ_level| > 1e-6·ρ_level (truncated or masked; 0 when ``weights`` is None)
 ``raw_ratio_mean/max/min`` mean / max / min over V of the raw token ratio ρ_t, before any truncation (trl 5231)
 ``masked_frac``            fraction of valid tokens with w = 0;  ``accepted_frac`` = 1 − masked_frac
 ``nonfinite_tokens``       number of mask=1 positions where log π or log μ is NaN/±inf (excluded from everything)
@@ -35,6 +36,10 @@ w is ``weights`` (the correction weights actually applied) or, when None, the ra
 (no valid token) gives the on-policy values: kl = k3 = χ² = 0, PPLs and ppl_ratio = 1, log-PPLs = 0, ess = 1,
 is_weight_mean = raw ratio stats = 1, fractions 0 (accepted_frac 1) — finite, never NaN. Sequences without a valid
 token are left out of E_S (verl averages them in as PPL 1).
+
+Differences from ms-swift worth knowing: ms-swift's ``ess`` uses the weights clamped to the threshold band *before*
+masking, ours uses the weights you pass (pass the truncated-only weights to reproduce it); its ``clipped_frac`` counts
+ratios above the threshold, which for a truncation is the same set of tokens as "weight ≠ raw ratio".
 
 Nothing here calls ``.item()``: the caller decides when to sync and log.
 """

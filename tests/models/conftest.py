@@ -7,18 +7,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in these tests may touch the network
 
 import pytest
-import torch
 
 from offpolicy.models.tiny import build_tiny_model
+from offpolicy.models.warm_start import torch_threads
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Tiny matmuls: one thread is as fast as two, and avoids 10x slow-downs when the 2-core box is shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -89,16 +89,19 @@ def test_logp_equals_direct_rescore(sharp, prompts, kwargs):
     assert _rescore_diff(engine, out, cfg) <= tol
 
 
-def test_fp32_engine_has_no_mismatch(sharp, prompts):
-    model, tok = sharp
+def test_fp32_engine_has_no_mismatch(tiny, sharp, prompts):
     cfg = SamplingConfig(max_new_tokens=10, top_p=0.95)
-    for kv_cache in (True, False):
-        engine = HFRolloutEngine(model, dtype="float32", kv_cache=kv_cache, tokenizer=tok)
-        out = engine.generate(prompts, cfg, seed=0)
-        with torch.no_grad():
-            trainer, mask = sequence_logprobs(model, out.prompt_ids, out.completion_ids, cfg)
-        # KV-cache decoding and a full forward round differently (measured max ≈ 1e-6 with ×30 logits)
-        assert (trainer - out.logp).abs()[mask].max() <= 1e-5
+    for (model, tok), tol in ((tiny, 1e-5), (sharp, 5e-5)):
+        for kv_cache in (True, False):
+            engine = HFRolloutEngine(model, dtype="float32", kv_cache=kv_cache, tokenizer=tok)
+            out = engine.generate(prompts, cfg, seed=0)
+            with torch.no_grad():
+                trainer, mask = sequence_logprobs(model, out.prompt_ids, out.completion_ids, cfg)
+            diff = (trainer - out.logp).abs()[mask]
+            # Only float32 rounding is left: KV-cache (or left-padded) decoding vs one right-padded forward, eager
+            # engine vs the trainer's sdpa. Measured max ≈ 1e-7 at the random init's small logits and ≈ 1.3e-5
+            # with ×30 logits (relative error ~4e-7); the mean stays ≤ 1e-6.
+            assert diff.max() <= tol and diff.mean() <= 1e-6, (kv_cache, diff.max().item())
 
 
 def test_bf16_engine_has_real_mismatch(sharp, prompts):

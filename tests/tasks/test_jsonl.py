@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from offpolicy.tasks import ArithmeticTask, CountdownTask, JsonlTask, get_task
+from offpolicy.tasks import EXAMPLE_JSONL, ArithmeticTask, CountdownTask, JsonlTask, get_task
 from offpolicy.tasks.base import Task
 
 
@@ -64,3 +64,13 @@ def test_get_task():
         get_task("nope")
     with pytest.raises(ValueError, match="reward_fn"):
         get_task("arithmetic", reward_fn=lambda c, **k: [0.0] * len(c))
+
+
+def test_shipped_example_file():
+    task = get_task(EXAMPLE_JSONL)
+    ex = task.examples(24, seed=0)
+    # times-table lines: the reference answer is the product, and exact match gives it reward 1
+    for e in ex:
+        a, b = e.prompt.rstrip("=").split("*")
+        assert int(e.answer) == int(a) * int(b) and e.meta == {"kind": "times-table"}
+    assert task.reward([e.answer for e in ex], answer=[e.answer for e in ex]) == [1.0] * 24

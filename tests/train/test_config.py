@@ -63,6 +63,11 @@ def test_unknown_key_in_yaml_is_named(tmp_path):
         (["algorithm.is_lower=3", "algorithm.is_upper=2"], "is_lower"),
         (["rollout.sampling.temperature=0"], "temperature"),
         (["alp.layers=middle"], "alp.layers"),
+        (["algorithm.preset=alp", "alp.enabled=true", "algorithm.objective=ppo"], "algorithm.objective"),
+        (["algorithm.preset=alp", "alp.enabled=true", "algorithm.level=token"], "algorithm.level"),
+        (["algorithm.objective=gspo", "algorithm.level=sequence"], "algorithm.level"),
+        (["algorithm.objective=reinforce", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
+        (["algorithm.is_level=seq"], "algorithm.is_level"),
     ],
 )
 def test_impossible_combinations_fail_naming_the_key(overrides, match):

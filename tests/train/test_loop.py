@@ -117,3 +117,30 @@ def test_exact_token_kl_hand_computed():
     assert exact_token_kl(mu, mu, SamplingConfig()).item() == pytest.approx(0.0, abs=1e-7)
     assert math.isinf(exact_token_kl(torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]]),
                                      SamplingConfig(top_k=1)).item())
+
+
+@pytest.mark.parametrize("extra", [
+    {"algorithm__objective": "gspo", "algorithm__advantage": "rloo", "algorithm__aggregation": "seq_mean_token_mean"},
+    {"algorithm__objective": "reinforce", "algorithm__advantage": "dr_grpo",
+     "algorithm__aggregation": "seq_mean_token_sum_norm"},
+    {"algorithm__is_level": "geometric", "algorithm__veto_threshold": "1e-4", "optim__epochs": 2},
+])
+def test_objectives_advantages_aggregations(extra, tmp_path, fresh, make_overrides, varying_task):
+    model, tok = fresh
+    preset = "mis" if "algorithm__is_level" in extra else "naive"
+    before = [p.detach().clone() for p in model.parameters()]
+    res = train(load_config(None, make_overrides(tmp_path, preset, steps=1, **extra)), model=model, tokenizer=tok,
+                task=varying_task())
+    # (GSPO + RLOO at r = 1 has loss exactly 0 — RLOO advantages sum to 0 per group — but a non-zero gradient.)
+    assert math.isfinite(res.history[0]["loss/loss"]) and res.history[0]["loss/grad_norm"] > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_alp_layer_subset_and_logits_only(tmp_path, fresh, make_overrides, varying_task):
+    model, tok = fresh
+    for layers, n in (("[1]", 1), ("logits", 1)):
+        res = train(load_config(None, make_overrides(tmp_path / layers, "alp", steps=1, alp__layers=layers,
+                                                     alp__level="geometric")),
+                    model=model, tokenizer=tok, task=varying_task())
+        assert res.alp.num_layers == n and math.isfinite(res.history[0]["loss/loss"])
+        res.alp.remove()

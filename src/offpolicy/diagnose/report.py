@@ -2,11 +2,11 @@
 
 Used by ``offpolicy demo`` (several presets side by side) and ``offpolicy diagnose metrics.jsonl``.
 
->>> runs = {"naive": [{"step": 1, "reward/mean": 0.2, "rollout_correction/kl": 1e-3},
-...                   {"step": 2, "reward/mean": 0.4, "rollout_correction/kl": 3e-3}]}
->>> row = summary_rows(runs)[0]
+>>> runs = {"naive": [{"step": 1, "reward/mean": 0.25, "rollout_correction/kl": 1e-3},
+...                   {"step": 2, "reward/mean": 0.5, "rollout_correction/kl": 3e-3}]}
+>>> row = summary_rows(runs, window=1)[0]   # reward over the first / last 1 step; KL mean (1e-3 + 3e-3) / 2
 >>> row["run"], row["reward_first"], row["reward_last"], round(row["kl_mean"], 4)
-('naive', 0.2, 0.4, 0.002)
+('naive', 0.25, 0.5, 0.002)
 """
 
 from __future__ import annotations

@@ -102,18 +102,43 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).squeeze(2)
 
 
-def _rollout_chunk(r: Tensor, cfg: _Config, dtype: torch.dtype) -> Tensor:
-    r = r.to(dtype)
-    return r / cfg.rollout_temperature if cfg.rollout_temperature != 1.0 else r
+class _Scratch:
+    """Reusable ``[n, V]``-sized buffers: one allocation per name for the whole call, not one per chunk.
+
+    Allocating and freeing tens of MB per chunk makes the C allocator keep freed blocks (the process RSS grows
+    far beyond the live tensors) and pays a page fault per fresh page; reusing buffers avoids both.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Tensor] = {}
+
+    def get(self, name: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        return self.new(name, tuple(like.shape), dtype or like.dtype, like.device)
+
+    def new(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        numel = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+
+def _rollout_chunk(r: Tensor, cfg: _Config, dtype: torch.dtype, scratch: _Scratch) -> Tensor:
+    if r.dtype == dtype and cfg.rollout_temperature == 1.0:
+        return r  # read-only use: no copy needed
+    out = scratch.get("r", r, dtype).copy_(r)
+    return out.mul_(1.0 / cfg.rollout_temperature) if cfg.rollout_temperature != 1.0 else out
 
 
 def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_logp: Tensor | None,
-                   tk_ids: Tensor | None) -> dict[str, Tensor]:
+                   tk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
     """Statistics of one chunk of logits ``z`` [n, V] (owned; may be overwritten). Returns [n, 1] tensors."""
     want = cfg.want
     out: dict[str, Tensor] = {}
+    zero = torch.zeros((), dtype=z.dtype)
     zmax = z.amax(dim=-1, keepdim=True)
-    e = torch.sub(z, zmax).exp_()
+    e = torch.sub(z, zmax, out=scratch.get("e", z)).exp_()
     s = e.sum(dim=-1, keepdim=True)
     lse = zmax + s.log()
     out["logsumexp"], out["max_logit"] = lse, zmax
@@ -123,28 +148,31 @@ def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_l
         out["entropy"] = lse - _rowdot(e, z) / s
     if "minp_logp" in want or "minp_mass" in want:
         thr = zmax + cfg.log_rho
-        s_safe = torch.where(z >= thr, e, torch.zeros((), dtype=e.dtype)).sum(dim=-1, keepdim=True)
+        safe = torch.ge(z, thr, out=scratch.get("mask", z, torch.bool))
+        s_safe = torch.where(safe, e, zero, out=scratch.get("t", z)).sum(dim=-1, keepdim=True)
         lse_s = zmax + s_safe.log()
         out["threshold"], out["lse_safe"] = thr, lse_s
         out["minp_logp"] = zy - lse_s
         out["minp_mass"] = s_safe / s
         out["minp_inside"] = zy >= thr
     if cfg.kl_source == "logits":
-        r = _rollout_chunk(roll, cfg, z.dtype)
+        r = _rollout_chunk(roll, cfg, z.dtype, scratch)
         rmax = r.amax(dim=-1, keepdim=True)
-        er = torch.sub(r, rmax).exp_()
+        er = torch.sub(r, rmax, out=scratch.get("er", z)).exp_()
         sr = er.sum(dim=-1, keepdim=True)
         lse_r = rmax + sr.log()
         out["lse_rollout"] = lse_r
         if "kl" in want:
             # KL(q‖p) = Σ q (r − z) − lse_r + lse; 0·(−inf) where q = 0 must read 0, not NaN.
-            d = torch.sub(r, z).masked_fill_(er == 0, 0.0)
+            d = torch.sub(r, z, out=scratch.get("t", z))
+            d.masked_fill_(torch.eq(er, 0, out=scratch.get("mask", z, torch.bool)), 0.0)
             out["kl"] = _rowdot(er, d) / sr - lse_r + lse
         if "tv" in want:
-            pz = e / s
-            d = torch.sub(pz, er / sr)
-            out["tv"] = 0.5 * d.abs().sum(dim=-1, keepdim=True)
-            out["tv_sbar"] = _rowdot(d.sign_(), pz)  # Σ sign(p − q) p, the TV gradient's per-row baseline
+            pz = torch.div(e, s, out=scratch.get("t", z))
+            d = torch.div(er, sr, out=er).neg_().add_(pz)          # p − q (er is not needed any more)
+            sgn = torch.sign(d, out=scratch.get("t2", z))
+            out["tv"] = 0.5 * _rowdot(sgn, d)                      # ½ Σ |p − q|
+            out["tv_sbar"] = _rowdot(sgn, pz)                     # Σ sign(p − q) p, the TV gradient's baseline
     elif cfg.kl_source == "topk":
         lq = tk_logp.to(z.dtype)
         q = lq.exp()
@@ -152,16 +180,18 @@ def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_l
         # 1 − Σ q_i is only known to ~K·eps: below that it is rounding noise (e.g. K = V leaves no rest bucket at
         # all), and a noise mass against p_rest = 0 would read as an infinite divergence.
         tol = 4 * lq.shape[-1] * torch.finfo(z.dtype).eps
-        q_rest = torch.where(q_rest > tol, q_rest, torch.zeros((), dtype=q.dtype))
+        q_rest = torch.where(q_rest > tol, q_rest, zero)
         logp_ids = z.gather(1, tk_ids) - lse
         # log p_rest from the complement's own logsumexp, not log(1 − Σ p_ids) (cancellation when top-k ≈ all).
-        lse_rest = torch.logsumexp(z.scatter_(1, tk_ids, float("-inf")), dim=-1, keepdim=True)
+        zr = z.scatter_(1, tk_ids, float("-inf"))
+        m = zr.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, zero)  # empty complement: Σ exp(−inf) = 0 -> lse_rest = −inf
+        lse_rest = m + torch.sub(zr, m, out=e).exp_().sum(dim=-1, keepdim=True).log()
         log_p_rest = lse_rest - lse
         out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
         if "kl" in want:
-            head = torch.where(q > 0, q * (lq - logp_ids), torch.zeros((), dtype=q.dtype)).sum(dim=-1, keepdim=True)
-            tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest),
-                               torch.zeros((), dtype=q.dtype))
+            head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
+            tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest), zero)
             out["kl"] = head + tail
         if "tv" in want:
             out["tv"] = 0.5 * ((q - logp_ids.exp()).abs().sum(dim=-1, keepdim=True) + (q_rest - log_p_rest.exp()).abs())
@@ -184,27 +214,30 @@ def _tile_membership(ids: Tensor, c0: int, width: int) -> Tensor:
 
 
 def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Tensor], go: dict[str, Tensor],
-                   roll: Tensor | None, tk_logp: Tensor | None, tk_ids: Tensor | None) -> Tensor:
+                   roll: Tensor | None, tk_logp: Tensor | None, tk_ids: Tensor | None, scratch: _Scratch) -> Tensor:
     """∂(Σ_o go_o · o)/∂z on a tile of logits ``z`` [n, C] = columns [c0, c0 + C) of n rows.
 
     Only per-row statistics saved by the forward are needed (lse, entropy, threshold, Z, the rollout's lse, Σ s·p
     for TV, the top-k probabilities), so the tile need not span the vocabulary: the backward is tiled in 2-D, which
     writes each slice of ∂W once per row block instead of streaming the whole ∂W once per row chunk.
-    ``go`` holds [n, 1] incoming grads (already × valid / τ); ``roll`` is the matching [n, C] tile.
+    ``go`` holds [n, 1] incoming grads (already × valid / τ); ``roll`` is the matching [n, C] tile. The result
+    lives in a scratch buffer: use it before the next tile.
     """
     lse = st["logsumexp"]
     zero = torch.zeros((), dtype=z.dtype)
-    p = torch.sub(z, lse).exp_()
+    p = torch.sub(z, lse, out=scratch.get("p", z)).exp_()
     coef = torch.zeros_like(lse)  # per-row part of the multiplier of p
-    mult: Tensor | None = None    # per-element part of the multiplier of p
     onehot = torch.zeros_like(lse)
+    mult = scratch.get("m", z)    # per-element multiplier of p, built in place
+    if "entropy" in go:
+        g_h = go["entropy"]
+        torch.mul(z, -g_h, out=mult)
+        coef -= g_h * (st["entropy"] - lse)
+    else:
+        mult.zero_()
     if "logp" in go:
         coef -= go["logp"]
         onehot += go["logp"]
-    if "entropy" in go:
-        g_h = go["entropy"]
-        mult = z * (-g_h)
-        coef -= g_h * (st["entropy"] - lse)
     if "minp_logp" in go or "minp_mass" in go:
         w = torch.zeros_like(lse)
         if "minp_logp" in go:
@@ -213,20 +246,19 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
         if "minp_mass" in go:
             w += go["minp_mass"]
             coef -= go["minp_mass"] * st["minp_mass"]
-        t = torch.where(z >= st["threshold"], w, zero)
-        mult = t if mult is None else mult.add_(t)
+        safe = torch.ge(z, st["threshold"], out=scratch.get("mask", z, torch.bool))
+        mult.add_(torch.where(safe, w, zero, out=scratch.get("t", z)))
     q: Tensor | None = None
     topk_fix: Tensor | None = None
-    rest_coef: Tensor | None = None
     if cfg.kl_source == "logits" and ("kl" in go or "tv" in go):
-        q = torch.sub(_rollout_chunk(roll, cfg, z.dtype), st["lse_rollout"]).exp_()
+        r = _rollout_chunk(roll, cfg, z.dtype, scratch)
+        q = torch.sub(r, st["lse_rollout"], out=scratch.get("q", z)).exp_()
         if "kl" in go:
             coef += go["kl"]
         if "tv" in go:
             half = 0.5 * go["tv"]
             coef -= half * st["tv_sbar"]
-            sgn = torch.sub(p, q).sign_().mul_(half)
-            mult = sgn if mult is None else mult.add_(sgn)
+            mult.add_(torch.sub(p, q, out=scratch.get("t", z)).sign_().mul_(half))
         if "kl" not in go:
             q = None
     elif cfg.kl_source == "topk" and ("kl" in go or "tv" in go):
@@ -235,12 +267,14 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
         p_rest = torch.exp(st["lse_rest"] - lse)
         topk_fix = torch.zeros_like(qk)
         if "kl" in go:
-            # p − q̃ with q̃ = q_i on the ids and q_rest · p / p_rest on the rest.
-            # The rest-only factor q_rest / p_rest can be huge (p_rest ≈ 0): it is applied to the rest columns only,
-            # never added on the ids and subtracted back (fp32 cancellation).
+            # p − q̃ with q̃ = q_i on the ids and q_rest · p / p_rest on the rest. The rest-only factor can be huge
+            # (p_rest ≈ 0): it goes on the rest columns only, never added on the ids and subtracted back (fp32
+            # cancellation).
             g_k = go["kl"]
             coef += g_k
             rest_coef = -g_k * torch.where(p_rest > 0, q_rest / p_rest, zero)
+            in_ids = _tile_membership(tk_ids, c0, z.shape[1])
+            mult.add_(torch.where(in_ids, zero, rest_coef, out=scratch.get("t", z)))
             topk_fix -= g_k * qk
         if "tv" in go:
             half = 0.5 * go["tv"]
@@ -249,12 +283,9 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
             s_bar = (s_ids * p_ids).sum(dim=-1, keepdim=True) + s_rest * p_rest
             coef += half * (s_rest - s_bar)
             topk_fix += half * (s_ids - s_rest) * p_ids
-    if rest_coef is not None:
-        rest = torch.where(_tile_membership(tk_ids, c0, z.shape[1]), zero, rest_coef)
-        mult = rest if mult is None else mult.add_(rest)
-    g = p.mul_(coef if mult is None else mult.add_(coef))
+    g = p.mul_(mult.add_(coef))
     if q is not None:
-        g.sub_(q.mul_(go["kl"]))
+        g.addcmul_(q, -go["kl"])
     if topk_fix is not None:
         _scatter_in_tile(g, tk_ids, topk_fix, c0)
     _scatter_in_tile(g, y, onehot, c0)
@@ -282,9 +313,11 @@ def _run_forward(get_z, n: int, vocab: int, targets: Tensor, cfg: _Config, roll,
     valid = targets != cfg.ignore_index
     y = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
     parts: dict[str, list[Tensor]] = {}
+    scratch = _Scratch()
     for a, b in row_chunks(n, rows):
-        st = _forward_chunk(get_z(a, b), y[a:b], cfg, None if roll is None else roll[a:b],
-                            None if tk_logp is None else tk_logp[a:b], None if tk_ids is None else tk_ids[a:b])
+        st = _forward_chunk(get_z(a, b, scratch), y[a:b], cfg, None if roll is None else roll[a:b],
+                            None if tk_logp is None else tk_logp[a:b], None if tk_ids is None else tk_ids[a:b],
+                            scratch)
         for k, v in st.items():
             parts.setdefault(k, []).append(v)
     stats = {k: torch.cat(v) for k, v in parts.items()}  # [N, 1] per-row statistics ([N, K] for p_ids)
@@ -320,9 +353,10 @@ class _FusedLinearStats(torch.autograd.Function):
         b = None if bias is None else bias.to(dtype)
         inv_t = 1.0 / cfg.temperature
 
-        def get_z(a: int, c: int) -> Tensor:
+        def get_z(a: int, c: int, scratch: _Scratch) -> Tensor:
             h = hidden[a:c].to(dtype)
-            z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+            z = scratch.new("z", (c - a, w.shape[0]), dtype, w.device)
+            z = torch.mm(h, w.t(), out=z) if b is None else torch.addmm(b, h, w.t(), out=z)
             return z.mul_(inv_t) if inv_t != 1.0 else z
 
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -351,18 +385,20 @@ class _FusedLinearStats(torch.autograd.Function):
         gw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None else None
         row_blocks, col_slices = _tiles(hidden.shape[0], weight.shape[0], cfg, torch.finfo(dtype).bits // 8)
+        scratch = _Scratch()
         for a, c in row_blocks:
             h = hidden[a:c].to(dtype)
             st = {k: v[a:c] for k, v in stats.items()}
             gor = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
                 wv = w[v0:v1]
-                z = torch.mm(h, wv.t()) if b is None else torch.addmm(b[v0:v1], h, wv.t())
+                z = scratch.new("z", (c - a, v1 - v0), dtype, hidden.device)
+                z = torch.mm(h, wv.t(), out=z) if b is None else torch.addmm(b[v0:v1], h, wv.t(), out=z)
                 if inv_t != 1.0:
                     z.mul_(inv_t)
                 g = _backward_tile(z, v0, y[a:c], cfg, st, gor, None if roll is None else roll[a:c, v0:v1],
-                                   None if tk_logp is None else tk_logp[a:c], None if tk_ids is None else tk_ids[a:c])
-                del z
+                                   None if tk_logp is None else tk_logp[a:c], None if tk_ids is None else tk_ids[a:c],
+                                   scratch)
                 if gh is not None:
                     gh[a:c].addmm_(g, wv)
                 if gw is not None:
@@ -379,8 +415,9 @@ class _LogitStats(torch.autograd.Function):
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         inv_t = 1.0 / cfg.temperature
 
-        def get_z(a: int, c: int) -> Tensor:
-            z = logits[a:c].to(dtype, copy=True)  # owned: the chunk math works in place
+        def get_z(a: int, c: int, scratch: _Scratch) -> Tensor:
+            # owned copy: the chunk math works in place
+            z = scratch.new("z", (c - a, logits.shape[1]), dtype, logits.device).copy_(logits[a:c])
             return z.mul_(inv_t) if inv_t != 1.0 else z
 
         n, vocab = logits.shape
@@ -404,17 +441,18 @@ class _LogitStats(torch.autograd.Function):
         inv_t = 1.0 / cfg.temperature
         grad = torch.empty_like(logits)
         row_blocks, col_slices = _tiles(logits.shape[0], logits.shape[1], cfg, torch.finfo(dtype).bits // 8)
+        scratch = _Scratch()
         for a, c in row_blocks:
             st = {k: v[a:c] for k, v in stats.items()}
             gor = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
-                z = logits[a:c, v0:v1].to(dtype, copy=True)
+                z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
                 if inv_t != 1.0:
                     z.mul_(inv_t)
                 grad[a:c, v0:v1] = _backward_tile(z, v0, y[a:c], cfg, st, gor,
                                                   None if roll is None else roll[a:c, v0:v1],
                                                   None if tk_logp is None else tk_logp[a:c],
-                                                  None if tk_ids is None else tk_ids[a:c])
+                                                  None if tk_ids is None else tk_ids[a:c], scratch)
         return grad, None, None, None, None, None
 
 

@@ -20,7 +20,14 @@ import torch
 
 from offpolicy.models.tiny import TINY_CONFIG, TINY_MODEL_VERSION, build_tiny_model
 from offpolicy.models.tokenizer import VOCAB_SIZE
-from offpolicy.models.warm_start import WARM_START_BATCH, WARM_START_LR, WARM_START_STEPS, evaluate_reward, warm_start
+from offpolicy.models.warm_start import (
+    WARM_START_BATCH,
+    WARM_START_LR,
+    WARM_START_STEPS,
+    evaluate_reward,
+    torch_threads,
+    warm_start,
+)
 
 CACHE_ENV = "OFFPOLICY_CACHE"
 INFO_FILE = "offpolicy_tiny.json"
@@ -78,12 +85,8 @@ def tiny_model_path(
     try:
         model, tokenizer = build_tiny_model(seed=seed)
         stats = warm_start(model, tokenizer, steps=steps, seed=seed)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # see warm_start: avoid thread oversubscription on small CPUs
-        try:
+        with torch_threads(1):
             stats.update(evaluate_reward(model, tokenizer, n=256))
-        finally:
-            torch.set_num_threads(threads)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / INFO_FILE).write_text(json.dumps({"recipe": _recipe(steps, seed), "stats": stats}, indent=2))

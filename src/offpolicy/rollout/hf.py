@@ -215,7 +215,8 @@ class HFRolloutEngine:
                 v, i = topk_logprobs(lp, min(cfg.logprobs_topk, lp.shape[-1]))
                 tk_v.append(torch.where(valid[:, None], v, torch.zeros_like(v)))
                 tk_i.append(torch.where(valid[:, None], i, torch.zeros_like(i)))
-            finished = finished | (nxt == self.eos_token_id)
+            if self.eos_token_id is not None:  # a model without eos always runs to max_new_tokens
+                finished = finished | (nxt == self.eos_token_id)
             last_pos = pos[:, -1:] + 1
             step_ids, step_pos = nxt[:, None], last_pos
             ids = torch.cat([ids, step_ids], dim=1)

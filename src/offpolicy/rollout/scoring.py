@@ -56,7 +56,7 @@ def score_tokens(
     mask = t_idx[None, :] < c_len[:, None]
     src = (p_len[:, None] - 1 + t_idx[None, :]).clamp(max=max(ids.shape[1] - 1, 0))
     targets = torch.gather(ids, 1, (src + 1).clamp(max=max(ids.shape[1] - 1, 0)))
-    kwargs = {}
+    # A fresh cache per forward only replays the engine's KV quantisation; scoring itself never reuses one.
     if past_key_values_factory is not None:
         kwargs = {"past_key_values": past_key_values_factory(), "use_cache": True}
     else:

@@ -10,6 +10,8 @@ from offpolicy.tasks.countdown import CountdownTask, safe_eval
 from offpolicy.tasks.jsonl import JsonlTask, exact_match_reward
 
 BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+# A small JSONL task shipped as package data: the format example for ``--task path.jsonl``.
+EXAMPLE_JSONL = Path(__file__).parent / "data" / "times_table.jsonl"
 
 
 def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None) -> Task:
@@ -37,6 +39,7 @@ def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None) -> Tas
 
 __all__ = [
     "BUILTIN_TASKS",
+    "EXAMPLE_JSONL",
     "ArithmeticTask",
     "CountdownTask",
     "Example",

@@ -76,7 +76,7 @@ class AlgorithmConfig(_Section):
 
     preset: str = "naive"
     objective: Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"] | None = None
-    level: Literal["token", "sequence", "geometric"] | None = None
+    level: Literal["token", "sequence", "geometric"] | None = None  # ratio level of the objective (GSPO-style)
     clip_low: float | None = Field(None, ge=0, lt=1)
     clip_high: float | None = Field(None, ge=0)
     dual_clip: float | None = Field(None, gt=1)
@@ -84,6 +84,7 @@ class AlgorithmConfig(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     group_size: int = Field(4, ge=1)
     # correction parameters (used by the presets that need them)
+    is_level: Literal["token", "sequence", "geometric"] = "token"  # level of the tis / mis importance ratio
     is_lower: float | None = Field(None, ge=0)
     is_upper: float | None = Field(None, gt=0)
     opsm_delta: float = Field(1e-4, ge=0)
@@ -154,6 +155,15 @@ class TrainConfig(_Section):
         batch = self.task.prompts_per_step * a.group_size
         if self.optim.minibatches > batch:
             raise ValueError(f"optim.minibatches={self.optim.minibatches} exceeds the batch of {batch} sequences")
+        if a.preset == "alp" and a.objective not in (None, "bypass"):
+            raise ValueError(f"algorithm.objective={a.objective!r} contradicts preset 'alp' (its unified ratio "
+                             "π_{θ,σ}/μ is the bypass objective)")
+        if a.preset == "alp" and a.level is not None:
+            raise ValueError("algorithm.level does not apply to preset 'alp': set alp.level (token | geometric)")
+        if a.objective == "gspo" and a.level == "sequence":
+            raise ValueError("algorithm.level='sequence' contradicts algorithm.objective='gspo' (GSPO is geometric)")
+        if a.objective == "reinforce" and (a.level not in (None, "token") or a.dual_clip is not None):
+            raise ValueError("algorithm.level / algorithm.dual_clip do not apply to algorithm.objective='reinforce'")
         if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
             raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
         path = self.model.path

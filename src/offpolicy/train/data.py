@@ -86,12 +86,8 @@ def compute_rewards(task: Any, prompts: list[Prompt], group_size: int, texts: li
 
 def load_tiny(cache_dir: str | None, tiny_config: dict[str, Any]):  # -> (model, tokenizer)
     """The embedded tiny model, warm-started once and cached (:func:`offpolicy.models.load_tiny_model`)."""
-    import offpolicy.models as models
+    from offpolicy.models import load_tiny_model
 
-    if not hasattr(models, "load_tiny_model"):  # the models package is still being written: random init instead
-        from offpolicy.models.tiny import build_tiny_model
-
-        return build_tiny_model(0, **tiny_config)
     if tiny_config:
         raise ValueError("model.tiny_config only applies to model.path='tiny-random' (the warm start has a fixed size)")
-    return models.load_tiny_model(cache_dir=cache_dir, warm_start=True)
+    return load_tiny_model(cache_dir=cache_dir, warm_start=True)

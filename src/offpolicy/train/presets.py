@@ -42,13 +42,13 @@ def _kw(**kwargs: object) -> dict[str, object]:
 def _tis(a: "AlgorithmConfig") -> "Correction":
     from offpolicy.corrections.importance import tis
 
-    return tis(**_kw(level=a.level or "token", lower=a.is_lower, upper=a.is_upper if a.is_upper is not None else 2.0))
+    return tis(**_kw(level=a.is_level, lower=a.is_lower, upper=a.is_upper if a.is_upper is not None else 2.0))
 
 
 def _mis(a: "AlgorithmConfig") -> "Correction":
     from offpolicy.corrections.importance import mis
 
-    return mis(**_kw(level=a.level or "token", lower=a.is_lower, upper=a.is_upper if a.is_upper is not None else 2.0))
+    return mis(**_kw(level=a.is_level, lower=a.is_lower, upper=a.is_upper if a.is_upper is not None else 2.0))
 
 
 def _geo_mask(a: "AlgorithmConfig") -> "Correction":

@@ -1,0 +1,69 @@
+import importlib.util
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from offpolicy.rollout.base import RolloutEngine
+from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed: the missing-dependency message cannot be triggered")
+def test_clear_import_error_without_vllm(tmp_path):
+    with pytest.raises(ImportError, match=r"pip install 'offpolicy\[vllm\]'.*HFRolloutEngine"):
+        VLLMRolloutEngine(tmp_path)
+
+
+def test_follows_the_protocol():
+    assert issubclass(VLLMRolloutEngine, RolloutEngine)
+
+
+def _lp(value):
+    return SimpleNamespace(logprob=value)
+
+
+def test_request_outputs_become_a_padded_rollout():
+    """vLLM returns, per step, a dict id -> Logprob with the top-K *plus* the sampled token."""
+    results = [
+        SimpleNamespace(
+            outputs=[
+                SimpleNamespace(
+                    token_ids=[5, 2],
+                    text="x",
+                    logprobs=[{5: _lp(-0.1), 7: _lp(-2.5)}, {9: _lp(-0.2), 2: _lp(-1.9)}],
+                )
+            ]
+        ),
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=[8], text="y", logprobs=[{8: _lp(-0.05)}])]),
+    ]
+    out = _to_output([[1, 3], [1]], results, k=1)
+    assert out.completion_ids == [[5, 2], [8]] and out.texts == ["x", "y"]
+    assert out.mask.tolist() == [[True, True], [True, False]]
+    torch.testing.assert_close(out.logp, torch.tensor([[-0.1, -1.9], [-0.05, 0.0]]))
+    # top-1: the most likely entry of each step's dict (token 9 at step 2, not the sampled eos)
+    assert out.topk_ids[..., 0].tolist() == [[5, 9], [8, 0]]
+    assert out.topk_logp[0, 1, 0].item() == pytest.approx(-0.2)
+    out3 = _to_output([[1, 3], [1]], results, k=3)
+    assert out3.topk_logp[1, 0, 1].item() == -math.inf  # fewer entries than K
+
+
+@pytest.mark.skipif(not (HAS_VLLM and HAS_GPU), reason="needs vllm and a CUDA GPU (CPU-only test machine)")
+def test_vllm_engine_matches_hf_scoring(tmp_path):
+    from offpolicy.models.tiny import build_tiny_model
+    from offpolicy.rollout.sampling import SamplingConfig
+    from offpolicy.rollout.scoring import sequence_logprobs
+
+    model, tok = build_tiny_model()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = VLLMRolloutEngine(tmp_path, gpu_memory_utilization=0.2)
+    engine.sync_weights(model)
+    cfg = SamplingConfig(max_new_tokens=8, logprobs_topk=4)
+    out = engine.generate([tok("12+34=")["input_ids"]] * 4, cfg, seed=0)
+    with torch.no_grad():
+        lp, mask = sequence_logprobs(model, out.prompt_ids, out.completion_ids, cfg)
+    assert (lp - out.logp).abs()[mask].max() < 0.1
