@@ -4,9 +4,10 @@
     python benchmarks/kernels.py --quick    # N=256, H=128, V=32000
 
 Each variant runs in its own subprocess so that peak memory is honest: after the inputs are built (without
-transient peaks: the stored rollout logits are filled chunk by chunk) the child reads its current RSS as the
-baseline, runs forward + backward, and reports ``ru_maxrss − baseline`` — extra memory beyond the inputs, which
-includes the gradients ∂h, ∂W (the same for every variant). Time: one warm-up, then the best of ``--reps`` runs;
+transient peaks: the stored rollout logits are filled chunk by chunk, and the high-water mark is then reset through
+/proc/self/clear_refs) the child reads its current RSS as the baseline, runs forward + backward, and reports
+``ru_maxrss − baseline`` — extra memory beyond the inputs. That includes the gradients ∂h, ∂W, which every
+variant must produce (``∂W`` alone is V·H·4 bytes); the "beyond grads" column subtracts them. Time: one warm-up, then the best of ``--reps`` runs;
 wall time and process CPU time (user + sys; less sensitive to other jobs on a shared machine) are both shown.
 
 Variants: (a) log-prob only — naive, fused (:func:`offpolicy.kernels.fused_logp`), Liger-Kernel's chunked
@@ -130,7 +131,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N=256, H=128, V=32000")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--topk", type=int, default=20)
-    ap.add_argument("--budget-mib", type=float, default=64.0, help="memory_budget_bytes of the fused kernels (MiB)")
+    ap.add_argument("--budget-mib", type=float, default=32.0, help="memory_budget_bytes of the fused kernels (MiB)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch default)")
     ap.add_argument("--only", nargs="*", default=None, help="subset of variants")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -165,8 +166,9 @@ def main() -> None:
         if ref and ref is not r:
             rel = (f"  mem {r['extra_mb'] / max(ref['extra_mb'], 1e-9):6.1%} of naive   "
                    f"wall {r['wall_s'] / ref['wall_s']:.2f}x   cpu {r['cpu_s'] / ref['cpu_s']:.2f}x")
-        print(f"{variant:15s} extra {r['extra_mb']:8.0f} MiB   wall {r['wall_s']:7.2f} s   cpu {r['cpu_s']:7.2f} s{rel}",
-              flush=True)
+        grads = (v * h + n * h) * 4 / 2**20
+        print(f"{variant:15s} extra {r['extra_mb']:7.0f} MiB (beyond grads {r['extra_mb'] - grads:6.0f})   "
+              f"wall {r['wall_s']:6.2f} s   cpu {r['cpu_s']:6.2f} s{rel}", flush=True)
 
 
 if __name__ == "__main__":

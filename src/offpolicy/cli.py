@@ -19,7 +19,7 @@ from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
-DEMO_PRESETS = ("naive", "mis", "icepop", "alp")
+DEMO_PRESETS = ("naive", "mis", "opsm", "trm", "alp")
 
 # How the demo's rollout engine differs from the fp32 trainer. "bf16" is what every bf16 inference server does;
 # the others add the harsher mismatch sources of production serving so the corrections have something to mask.
@@ -40,7 +40,7 @@ DEMO_OVERRIDES = [
     "rollout.dtype=bfloat16",
     "rollout.kv_cache=true",
     "rollout.sampling.max_new_tokens=5",
-    "optim.lr=3e-4",
+    "optim.lr=1e-4",
     "optim.minibatches=2",
     "run.tensorboard=false",
     "run.threads=1",  # tiny matmuls: one thread is fastest (and robust on a shared 2-core box)
@@ -104,7 +104,7 @@ def train(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for runs, plots and the summary."),
-    steps: int = typer.Option(30, "--steps", min=1, help="GRPO steps per preset."),
+    steps: int = typer.Option(50, "--steps", min=1, help="GRPO steps per preset."),
     preset: Optional[list[str]] = typer.Option(None, "--preset", "-p", help="Preset(s) to compare (repeatable)."),
     mismatch: str = typer.Option("bf16", "--mismatch", help=f"Rollout engine numerics: {', '.join(MISMATCHES)} "
                                  "(all on top of bf16 + KV cache)."),
@@ -112,7 +112,6 @@ def demo(
 ) -> None:
     """Train the embedded tiny model with several presets on a real bf16/KV-cache mismatch and compare them."""
     from offpolicy.train.config import load_config
-    from offpolicy.train.loop import train as run_train
 
     console = _console()
     names = list(preset or DEMO_PRESETS)
@@ -129,8 +128,19 @@ def demo(
     except ValueError as err:
         _fail(console, str(err))
     first = cfgs[names[0]]
+    threads_before = torch.get_num_threads()
     if first.run.threads is not None:
         torch.set_num_threads(first.run.threads)  # before the warm start too
+    try:
+        _demo_runs(console, names, cfgs, first, mismatch, out, steps, t_start)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: str, out: Path,  # noqa: ANN001
+               steps: int, t_start: float) -> None:
+    from offpolicy.train.loop import train as run_train
+
     if first.model.path == "tiny":
         console.print("[bold]warm start[/bold] of the embedded tiny model (cached after the first run) …")
         from offpolicy.train.loop import load_model

@@ -182,7 +182,8 @@ def policy_loss(
     adv_t = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # broadcasts against [B, T] without materialising
 
     # A token is usable only if every quantity it touches is finite. One test on the sum of all of them (a NaN or
-    # ±inf anywhere propagates; finite log-probs never overflow a float32 sum): x·0 is 0 if finite, NaN otherwise.
+    # ±inf anywhere propagates; only magnitudes beyond ~1e37, meaningless as log-probs, could overflow the float32
+    # sum and would then also count as non-finite): x·0 is 0 if x is finite, NaN otherwise.
     # On CPU every fresh [B, T] temporary costs about as much as the arithmetic, so the no-grad parts work in place.
     probe = logp.detach() + adv_t
     for other in (batch.old_logp, batch.rollout_logp):

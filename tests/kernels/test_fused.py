@@ -115,6 +115,28 @@ def test_float32_matches_naive_values_and_grads(n, v, h, k, budget_rows, tempera
         torch.testing.assert_close(g1, g2, atol=1e-4, rtol=1e-4)
 
 
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 17), v=st.integers(2, 37), budget_elems=st.integers(1, 200),
+       source=st.sampled_from([None, "logits", "topk"]), seed=st.integers(0, 10_000))
+def test_online_tiled_forward_matches_naive(n, v, budget_elems, source, seed):
+    # Without min-p and TV the forward streams over vocabulary slices with running max / rescaled sums.
+    hid, w, b, y, roll, tkl, tki = make(n, 3, v, 3, dtype=torch.float64, seed=seed, scale=2.0)
+    roll[:, 0] = float("-inf")  # a rollout that never samples token 0: 0 · log 0 must count as 0
+    kw = {} if source is None else ({"rollout_logits": roll} if source == "logits" else
+                                    {"rollout_topk_logp": tkl, "rollout_topk_ids": tki})
+    want = ("logp", "entropy") + (("kl",) if source else ())
+    s = fused_token_stats(hid, w, y, bias=b, want=want, memory_budget_bytes=budget_elems * 8 * 4, **kw)
+    ref = naive_stats(hid @ w.T + b, y, roll=kw.get("rollout_logits"), tk_logp=kw.get("rollout_topk_logp"),
+                      tk_ids=kw.get("rollout_topk_ids"))
+    for name in want:
+        torch.testing.assert_close(getattr(s, name), ref[name])
+    params = (hid, w, b)
+    got = torch.autograd.grad(sum(getattr(s, k).sum() for k in want), params)
+    exp = torch.autograd.grad(sum(ref[k].sum() for k in want), params)
+    for g1, g2 in zip(got, exp):
+        torch.testing.assert_close(g1, g2)
+
+
 def test_bf16_inputs_accumulate_in_fp32():
     hid, w, b, y, roll, _, _ = make(9, 16, 50, dtype=torch.bfloat16, seed=3)
     s = fused_token_stats(hid, w, y, bias=b, want=ALL, min_p_rho=1e-3, rollout_logits=roll.bfloat16(),

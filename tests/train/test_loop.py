@@ -144,3 +144,20 @@ def test_alp_layer_subset_and_logits_only(tmp_path, fresh, make_overrides, varyi
                     model=model, tokenizer=tok, task=varying_task())
         assert res.alp.num_layers == n and math.isfinite(res.history[0]["loss/loss"])
         res.alp.remove()
+
+
+def test_real_sigint_finishes_the_step_and_checkpoints(tmp_path, fresh, make_overrides, varying_task):
+    import os
+    import signal
+
+    model, tok = fresh
+
+    def ctrl_c(step, metrics):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the deferred handler only sets a flag: the step is complete
+
+    handler_before = signal.getsignal(signal.SIGINT)
+    res = train(load_config(None, make_overrides(tmp_path, steps=3)), model=model, tokenizer=tok,
+                task=varying_task(), on_step_end=ctrl_c)
+    assert res.interrupted and res.steps_done == 1 and res.checkpoint.name == "step_00000001.safetensors"
+    assert signal.getsignal(signal.SIGINT) is handler_before  # handler restored

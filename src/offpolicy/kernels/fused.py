@@ -19,13 +19,16 @@ name             value                                                          
 ``logsumexp``    lse(z)                                                                               —
 ===============  ==================================================================================  ======
 
-How: a custom ``torch.autograd.Function`` walks the N rows in chunks sized from ``memory_budget_bytes``
-(:mod:`offpolicy.kernels.chunking`). The forward keeps only per-row statistics (logsumexp, entropy, safe-set
-logsumexp …); the backward recomputes each chunk's logits and forms ∂/∂z of every requested output at once, then
-pushes it through the matmuls into ∂h, ∂W, ∂b. All softmax arithmetic is float32 (float64 if the inputs are float64,
-which is what ``gradcheck`` needs) whatever the input dtype; bf16/fp16 weights are up-cast once. The min-p safe set is
-fixed during backpropagation (DVP §5.5: computed under no-grad). Targets equal to ``ignore_index`` give 0 for every
-output and no gradient. The rollout's tensors are data: they receive no gradient.
+How: a custom ``torch.autograd.Function`` whose forward keeps only per-row statistics (logsumexp, entropy, the
+safe set's logsumexp, the rollout's logsumexp …) and whose backward recomputes the logits tile by tile and forms
+∂/∂z of every requested output at once, then pushes it through the matmuls into ∂h, ∂W, ∂b. Scratch is bounded by
+``memory_budget_bytes`` (:mod:`offpolicy.kernels.chunking`) and reused across chunks. The forward takes full-row
+chunks when at least ``ROW_PATH_MIN_ROWS`` rows fit (one pass); otherwise it streams over 2-D tiles with running
+max / rescaled sums, plus a second pass for min-p (needs the final max) and exact TV (needs both normalisers). The
+backward is always 2-D tiled, so each slice of ∂W is written once per row block. All softmax arithmetic is float32
+(float64 if the inputs are float64, which is what ``gradcheck`` needs) whatever the input dtype; bf16/fp16 weights
+are up-cast once (a [V, H] float32 copy). The min-p safe set is fixed during backpropagation (DVP §5.5). Targets
+equal to ``ignore_index`` give 0 for every output and no gradient. The rollout's tensors are data: no gradient.
 
 Gradients w.r.t. z (p = softmax(z), onehot at y; each is multiplied by its output's incoming gradient):
 logp → onehot − p; entropy → −p ⊙ (z − lse + H); minp_logp → onehot − p ⊙ 1_S / Z (the contrastive form of
@@ -228,12 +231,14 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
     p = torch.sub(z, lse, out=scratch.get("p", z)).exp_()
     coef = torch.zeros_like(lse)  # per-row part of the multiplier of p
     onehot = torch.zeros_like(lse)
-    mult = scratch.get("m", z)    # per-element multiplier of p, built in place
+    mult = scratch.get("m", z)    # per-element multiplier of p, built in place (only when some output needs one)
+    per_element = bool(go.keys() & {"entropy", "minp_logp", "minp_mass", "tv"}) or (
+        cfg.kl_source == "topk" and "kl" in go)
     if "entropy" in go:
         g_h = go["entropy"]
         torch.mul(z, -g_h, out=mult)
         coef -= g_h * (st["entropy"] - lse)
-    else:
+    elif per_element:
         mult.zero_()
     if "logp" in go:
         coef -= go["logp"]
@@ -283,7 +288,7 @@ def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Te
             s_bar = (s_ids * p_ids).sum(dim=-1, keepdim=True) + s_rest * p_rest
             coef += half * (s_rest - s_bar)
             topk_fix += half * (s_ids - s_rest) * p_ids
-    g = p.mul_(mult.add_(coef))
+    g = p.mul_(mult.add_(coef)) if per_element else p.mul_(coef)
     if q is not None:
         g.addcmul_(q, -go["kl"])
     if topk_fix is not None:
@@ -307,21 +312,147 @@ def _tiles(n: int, vocab: int, cfg: _Config, itemsize: int) -> tuple[list[tuple[
 _SAVED = ("logsumexp", "entropy", "threshold", "minp_mass", "lse_rollout", "tv_sbar", "q_rest", "lse_rest", "p_ids")
 
 
-def _run_forward(get_z, n: int, vocab: int, targets: Tensor, cfg: _Config, roll, tk_logp, tk_ids, dtype):
-    rows = chunk_rows(n, vocab, buffers=cfg.buffers(), itemsize=torch.finfo(dtype).bits // 8,
-                      memory_budget_bytes=cfg.memory_budget_bytes)
+ROW_PATH_MIN_ROWS = 256  # full-row chunks at least this tall keep the matmul efficient; otherwise 2-D tiles
+
+
+def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, roll, tk_logp, tk_ids, dtype):
+    """Per-row statistics of all N rows, chunk by chunk; returns (stats, valid, y)."""
     valid = targets != cfg.ignore_index
     y = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+    itemsize = torch.finfo(dtype).bits // 8
     parts: dict[str, list[Tensor]] = {}
     scratch = _Scratch()
-    for a, b in row_chunks(n, rows):
-        st = _forward_chunk(get_z(a, b, scratch), y[a:b], cfg, None if roll is None else roll[a:b],
-                            None if tk_logp is None else tk_logp[a:b], None if tk_ids is None else tk_ids[a:b],
-                            scratch)
-        for k, v in st.items():
-            parts.setdefault(k, []).append(v)
+    rows = chunk_rows(n, vocab, buffers=cfg.buffers(), itemsize=itemsize, memory_budget_bytes=cfg.memory_budget_bytes)
+    if rows >= min(n, ROW_PATH_MIN_ROWS):
+        # Full rows per chunk: one pass gives the max, then the min-p safe set and TV in the same chunk.
+        for a, b in row_chunks(n, rows):
+            st = _forward_chunk(get_tile(a, b, 0, vocab, scratch), y[a:b], cfg, None if roll is None else roll[a:b],
+                                None if tk_logp is None else tk_logp[a:b], None if tk_ids is None else tk_ids[a:b],
+                                scratch)
+            for k, v in st.items():
+                parts.setdefault(k, []).append(v)
+    else:
+        # A row chunk of a 150k vocabulary within a small budget is a few dozen rows, and re-reading all of W per
+        # chunk costs more than the matmul itself: stream over 2-D tiles with running max / rescaled sums instead.
+        # min-p (needs the final max) and TV (needs both final normalisers) take a second pass over the tiles.
+        row_blocks, col_slices = _tiles(n, vocab, cfg, itemsize)
+        for a, b in row_blocks:
+            tile_fn = (lambda v0, v1, a=a, b=b: get_tile(a, b, v0, v1, scratch))
+            r_ = None if roll is None else roll[a:b]
+            st = _forward_online(tile_fn, col_slices, y[a:b], cfg, r_, None if tk_logp is None else tk_logp[a:b],
+                                 None if tk_ids is None else tk_ids[a:b], scratch)
+            if cfg.want & {"minp_logp", "minp_mass"} or (cfg.kl_source == "logits" and "tv" in cfg.want):
+                st.update(_forward_second_pass(tile_fn, col_slices, y[a:b], cfg, r_, st, scratch))
+            for k, v in st.items():
+                parts.setdefault(k, []).append(v)
     stats = {k: torch.cat(v) for k, v in parts.items()}  # [N, 1] per-row statistics ([N, K] for p_ids)
-    return stats, valid, y, rows
+    return stats, valid, y
+
+
+def _online_update(m: Tensor, s: Tensor, tile: Tensor, e_out: Tensor):
+    """Merge a tile into a running (max m, Σ e^{x − m}) pair; returns (m, s, scale for other sums, e^{tile − m})."""
+    m_new = torch.maximum(m, tile.amax(dim=-1, keepdim=True))
+    m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros((), dtype=m.dtype))  # all −inf so far
+    scale = torch.exp(m - m_safe)
+    e = torch.sub(tile, m_safe, out=e_out).exp_()
+    return m_new, s * scale + e.sum(dim=-1, keepdim=True), scale, e
+
+
+def _forward_online(tile_fn, col_slices, y: Tensor, cfg: _Config, roll: Tensor | None, tk_logp: Tensor | None,
+                    tk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
+    """Same statistics as :func:`_forward_chunk` for logp / entropy / KL, streaming over vocabulary slices."""
+    n = y.shape[0]
+    dtype = None
+    m = s = ez = zy = None
+    mr = sr = qd = None
+    mc = sc = z_ids = None
+    for v0, v1 in col_slices:
+        z = tile_fn(v0, v1)
+        if dtype is None:
+            dtype = z.dtype
+            full = (lambda val: torch.full((n, 1), val, dtype=dtype, device=z.device))
+            m, s, ez, zy = full(float("-inf")), full(0.0), full(0.0), full(0.0)
+            if cfg.kl_source == "logits":
+                mr, sr, qd = full(float("-inf")), full(0.0), full(0.0)
+            elif cfg.kl_source == "topk":
+                mc, sc = full(float("-inf")), full(0.0)
+                z_ids = torch.zeros(tk_ids.shape, dtype=dtype, device=z.device)
+        zero = torch.zeros((), dtype=dtype)
+        width = v1 - v0
+        inside = (y >= v0) & (y < v1)
+        zy = torch.where(inside, z.gather(1, (y - v0).clamp(0, width - 1)), zy)
+        m, s, scale, e = _online_update(m, s, z, scratch.get("e", z))
+        if "entropy" in cfg.want:
+            ez = ez * scale + _rowdot(e, z)
+        if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
+            r = _rollout_chunk(roll[:, v0:v1], cfg, dtype, scratch)
+            mr, sr, scale_r, er = _online_update(mr, sr, r, scratch.get("er", z))
+            d = torch.sub(r, z, out=scratch.get("t", z))
+            d.masked_fill_(torch.eq(er, 0, out=scratch.get("mask", z, torch.bool)), 0.0)
+            qd = qd * scale_r + _rowdot(er, d)
+        elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
+            in_tile = (tk_ids >= v0) & (tk_ids < v1)
+            z_ids = torch.where(in_tile, z.gather(1, (tk_ids - v0).clamp(0, width - 1)), z_ids)
+            zc = torch.where(_tile_membership(tk_ids, v0, width), torch.full((), float("-inf"), dtype=dtype), z,
+                             out=scratch.get("t", z))
+            mc, sc, _, _ = _online_update(mc, sc, zc, e)
+    lse = m + s.log()
+    out = {"logsumexp": lse, "max_logit": m, "logp": zy - lse}
+    if "entropy" in cfg.want:
+        out["entropy"] = lse - ez / s
+    if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
+        lse_r = mr + sr.log()
+        out["lse_rollout"] = lse_r
+        out["kl"] = qd / sr - lse_r + lse
+    elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
+        lq = tk_logp.to(dtype)
+        q = lq.exp()
+        zero = torch.zeros((), dtype=dtype)
+        q_rest = 1.0 - q.sum(dim=-1, keepdim=True)
+        q_rest = torch.where(q_rest > 4 * lq.shape[-1] * torch.finfo(dtype).eps, q_rest, zero)  # see _forward_chunk
+        logp_ids = z_ids - lse
+        lse_rest = mc + sc.log()
+        log_p_rest = lse_rest - lse
+        out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
+        head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
+        tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest), zero)
+        out["kl"] = head + tail
+        out["tv"] = 0.5 * ((q - logp_ids.exp()).abs().sum(dim=-1, keepdim=True) + (q_rest - log_p_rest.exp()).abs())
+    return out
+
+
+def _forward_second_pass(tile_fn, col_slices, y: Tensor, cfg: _Config, roll: Tensor | None, st: dict[str, Tensor],
+                         scratch: _Scratch) -> dict[str, Tensor]:
+    """min-p safe-set sums and exact TV, once the row max, lse and the rollout's lse are known (tiled path)."""
+    m, lse, zy = st["max_logit"], st["logsumexp"], st["logp"] + st["logsumexp"]
+    want_minp = bool(cfg.want & {"minp_logp", "minp_mass"})
+    want_tv = cfg.kl_source == "logits" and "tv" in cfg.want
+    thr = m + cfg.log_rho
+    s_safe = torch.zeros_like(m)
+    tv = torch.zeros_like(m)
+    sbar = torch.zeros_like(m)
+    for v0, v1 in col_slices:
+        z = tile_fn(v0, v1)
+        zero = torch.zeros((), dtype=z.dtype)
+        if want_minp:
+            e = torch.sub(z, m, out=scratch.get("e", z)).exp_()
+            safe = torch.ge(z, thr, out=scratch.get("mask", z, torch.bool))
+            s_safe += torch.where(safe, e, zero, out=scratch.get("t", z)).sum(dim=-1, keepdim=True)
+        if want_tv:
+            pz = torch.sub(z, lse, out=scratch.get("e", z)).exp_()
+            r = _rollout_chunk(roll[:, v0:v1], cfg, z.dtype, scratch)
+            d = torch.sub(r, st["lse_rollout"], out=scratch.get("er", z)).exp_().neg_().add_(pz)  # p − q
+            sgn = torch.sign(d, out=scratch.get("t2", z))
+            tv += 0.5 * _rowdot(sgn, d)
+            sbar += _rowdot(sgn, pz)
+    out: dict[str, Tensor] = {}
+    if want_minp:
+        lse_s = m + s_safe.log()
+        out.update(threshold=thr, lse_safe=lse_s, minp_logp=zy - lse_s, minp_mass=torch.exp(lse_s - lse),
+                   minp_inside=zy >= thr)
+    if want_tv:
+        out.update(tv=tv, tv_sbar=sbar)
+    return out
 
 
 def _outputs(stats: dict[str, Tensor], valid: Tensor, cfg: _Config, n: int, device, dtype) -> tuple[Tensor, ...]:
@@ -353,16 +484,16 @@ class _FusedLinearStats(torch.autograd.Function):
         b = None if bias is None else bias.to(dtype)
         inv_t = 1.0 / cfg.temperature
 
-        def get_z(a: int, c: int, scratch: _Scratch) -> Tensor:
-            h = hidden[a:c].to(dtype)
-            z = scratch.new("z", (c - a, w.shape[0]), dtype, w.device)
-            z = torch.mm(h, w.t(), out=z) if b is None else torch.addmm(b, h, w.t(), out=z)
+        def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
+            h, wv = hidden[a:c].to(dtype), w[v0:v1]
+            z = scratch.new("z", (c - a, v1 - v0), dtype, w.device)
+            z = torch.mm(h, wv.t(), out=z) if b is None else torch.addmm(b[v0:v1], h, wv.t(), out=z)
             return z.mul_(inv_t) if inv_t != 1.0 else z
 
         n, vocab = hidden.shape[0], weight.shape[0]
-        stats, valid, y, rows = _run_forward(get_z, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
+        stats, valid, y = _run_forward(get_tile, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
         ctx.set_materialize_grads(False)
-        ctx.cfg, ctx.rows, ctx.dtype = cfg, rows, dtype
+        ctx.cfg, ctx.dtype = cfg, dtype
         ctx.keys = [k for k in _SAVED if k in stats]
         ctx.save_for_backward(hidden, weight, bias, y, valid, roll, tk_logp, tk_ids, *[stats[k] for k in ctx.keys])
         outs = _outputs(stats, valid, cfg, n, hidden.device, dtype)
@@ -415,15 +546,15 @@ class _LogitStats(torch.autograd.Function):
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         inv_t = 1.0 / cfg.temperature
 
-        def get_z(a: int, c: int, scratch: _Scratch) -> Tensor:
+        def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
             # owned copy: the chunk math works in place
-            z = scratch.new("z", (c - a, logits.shape[1]), dtype, logits.device).copy_(logits[a:c])
+            z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
             return z.mul_(inv_t) if inv_t != 1.0 else z
 
         n, vocab = logits.shape
-        stats, valid, y, rows = _run_forward(get_z, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
+        stats, valid, y = _run_forward(get_tile, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
         ctx.set_materialize_grads(False)
-        ctx.cfg, ctx.rows, ctx.dtype = cfg, rows, dtype
+        ctx.cfg, ctx.dtype = cfg, dtype
         ctx.keys = [k for k in _SAVED if k in stats]
         ctx.save_for_backward(logits, y, valid, roll, tk_logp, tk_ids, *[stats[k] for k in ctx.keys])
         outs = _outputs(stats, valid, cfg, n, logits.device, dtype)

@@ -213,6 +213,7 @@ def train(
     out_dir = Path(run.out_dir)
     ckpt_dir = out_dir / "checkpoints"
     out_dir.mkdir(parents=True, exist_ok=True)
+    threads_before = torch.get_num_threads()
     if run.threads is not None:
         torch.set_num_threads(run.threads)
     random.seed(run.seed)
@@ -402,6 +403,7 @@ def train(
                 console.print(f"[yellow]interrupted after step {step}; checkpoint {last_ckpt} (resume with --resume)[/yellow]")
     finally:
         logger.close()
+        torch.set_num_threads(threads_before)
     if not interrupted and step > start and (last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}.safetensors")):
         last_ckpt = checkpoint(step)
     return TrainResult(step, history, out_dir, last_ckpt, interrupted, model, alp)
