@@ -17,6 +17,7 @@ from offpolicy.divergence import (
     token_kl,
     token_tv,
     topk_kl_lower_bound,
+    topk_kl_upper_bound,
 )
 
 
@@ -73,7 +74,10 @@ def test_topk_bound_below_exact_monotone_in_k_and_tight_at_v(v, k, scale, seed):
         assert torch.all(tv_k <= tv_exact + 1e-9)
         assert torch.all(kl_k >= prev - 1e-9)           # a finer partition never loses divergence
         prev = kl_k
+        upper = topk_kl_upper_bound(top.values[:, :kk], top.indices[:, :kk], z)
+        assert torch.all(upper >= exact - 1e-9)         # all tail mass of μ on π's least likely tail token
     torch.testing.assert_close(prev, exact)            # k = V: every token is its own bucket
+    torch.testing.assert_close(upper, exact)
 
 
 def test_topk_bound_hand_value():
@@ -83,6 +87,8 @@ def test_topk_bound_hand_value():
     lq, z = torch.tensor([0.5, 0.25, 0.25]).log(), torch.tensor([0.25, 0.25, 0.5]).log()
     assert topk_kl_lower_bound(lq[:1], torch.tensor([0]), z).item() == pytest.approx(0.143841, abs=1e-6)
     assert token_kl(lq, z).item() == pytest.approx(0.173287, abs=1e-6)
+    # upper = 0.143841 + ½ log(p_rest / π_min) = 0.143841 + ½ log(¾ / ¼) = 0.143841 + 0.549306 = 0.693147
+    assert topk_kl_upper_bound(lq[:1], torch.tensor([0]), z).item() == pytest.approx(0.693147, abs=1e-6)
 
 
 def test_topk_rest_mass_is_accurate_when_topk_covers_almost_everything():

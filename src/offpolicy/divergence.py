@@ -19,9 +19,10 @@ q_rest · KL(μ(·|rest) ‖ π(·|rest)): whatever μ does *inside* the tail is
   the coarse-grained trust region, so Theorem 4.2's hypothesis D_tok,max ≤ δ (and with it B* and the monotone
   improvement guarantee) is **not** certified. A *rejection* is always sound: KL_topk > δ implies KL_exact > δ.
 * The same holds for TRM-Avg (means of lower bounds are lower bounds).
-* The unseen part is at most q_rest · max_{j∈rest} log(1 / π(j)) (all tail mass of μ on π's least likely tail
-  token) — small when q_rest is small, which is why a large k makes the test nearly exact in practice;
-  :func:`topk_kl_lower_bound` does not add it (it stays a lower bound).
+* The unseen part is at most q_rest · log(p_rest / min_{j∈rest} π(j)) (all of μ's tail mass on π's least likely
+  tail token; KL(a‖b) ≤ max_j log(1/b_j)) — small when q_rest is small, which is why a large k makes the test
+  nearly exact in practice. :func:`topk_kl_upper_bound` adds it: "keep iff upper ≤ δ" is a sound (certified,
+  conservative) TRM-Max test from top-k data alone.
 
 Every function works on ``[..., V]`` logits (e.g. [B, T, V]) and returns ``[...]`` float32 (float64 in → float64).
 The training logits carry gradient (∂KL/∂z = π − μ); the rollout's tensors are data.
@@ -39,7 +40,7 @@ from offpolicy.kernels.fused import token_stats_from_logits
 from offpolicy.ratios import as_mask
 
 DivergenceKind = Literal["exact", "topk"]
-NONFINITE_DIVERGENCE = 1e6  # stands in for +inf/NaN KL at valid tokens in divergence_fields (fails any δ)
+NONFINITE_DIVERGENCE = 1e6  # cap for +inf/NaN/astronomical KL at valid tokens in divergence_fields (fails any δ)
 
 
 def _dummy_targets(logits: Tensor) -> Tensor:
@@ -118,6 +119,43 @@ def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
     return (s.kl, s.tv) if with_tv else s.kl
 
 
+@torch.no_grad()
+def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,
+                        temperature: float = 1.0, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """Upper bound on KL(μ ‖ π) from μ's top-k only: lower bound + q_rest · log(p_rest / min_{j∈rest} π(j)).
+
+    The gap KL_exact − KL_topk = q_rest · KL(μ(·|rest) ‖ π(·|rest)) is largest when μ puts all its tail mass on π's
+    least likely tail token, where it equals q_rest · log(p_rest / π_min). So a TRM test "keep iff upper ≤ δ" is
+    *sound* (every kept sequence satisfies the exact test, up to the rounding of 1 − Σ q_i) with top-k data alone —
+    conservative when π has a long, very unlikely tail. Shapes as :func:`topk_kl_lower_bound`; no gradient.
+
+    >>> # μ = (½, ¼, ¼), π = (¼, ¼, ½), top-1 = token 0: lower 0.1438; rest {1, 2}: p_rest = ¾, π_min = ¼,
+    >>> # upper = 0.1438 + ½ log(¾ / ¼) = 0.1438 + 0.5493 = 0.6931 ≥ exact 0.1733
+    >>> q = torch.tensor([0.5, 0.25, 0.25]).log(); z = torch.tensor([0.25, 0.25, 0.5]).log()
+    >>> topk_kl_upper_bound(q[:1], torch.tensor([0]), z)
+    tensor(0.6931)
+    """
+    lower = topk_kl_lower_bound(rollout_topk_logp, rollout_topk_ids, logits, temperature=temperature,
+                                memory_budget_bytes=memory_budget_bytes)
+    vocab, k = logits.shape[-1], rollout_topk_logp.shape[-1]
+    z_all = logits.reshape(-1, vocab)
+    ids = rollout_topk_ids.reshape(-1, k)
+    lq = rollout_topk_logp.reshape(-1, k)
+    gap = []
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    rows = max(1, memory_budget_bytes // (3 * 4 * vocab))
+    for a in range(0, z_all.shape[0], rows):
+        z = z_all[a:a + rows].to(dtype) / temperature
+        zc = z.scatter(1, ids[a:a + rows], float("-inf"))
+        lse_rest = zc.logsumexp(dim=-1)
+        z_min = z.scatter_(1, ids[a:a + rows], float("inf")).amin(dim=-1)
+        q = lq[a:a + rows].to(dtype).exp()
+        q_rest = 1.0 - q.sum(dim=-1)
+        has_rest = (q_rest > 4 * k * torch.finfo(dtype).eps) & torch.isfinite(lse_rest)
+        gap.append(torch.where(has_rest, q_rest * (lse_rest - z_min), torch.zeros_like(q_rest)))
+    return lower + torch.cat(gap).reshape(lower.shape).to(lower.dtype)
+
+
 def divergence_kind(*, rollout_logits: Tensor | None = None, rollout_topk_logp: Tensor | None = None,
                     rollout_topk_ids: Tensor | None = None) -> DivergenceKind | None:
     """Which TRM divergence the stored rollout data allows: ``"exact"``, ``"topk"`` or None (→ k2/k3 estimators).
@@ -169,7 +207,7 @@ def divergence_fields(logits: Tensor, mask: Tensor | None = None, *, rollout_log
                                     memory_budget_bytes=memory_budget_bytes)
     # A non-finite divergence at a valid token (π gives 0 mass where μ gives some) must still fail any threshold:
     # make it large and finite rather than letting a NaN-ignoring reduction read it as 0.
-    d = torch.nan_to_num(d.float(), nan=NONFINITE_DIVERGENCE, posinf=NONFINITE_DIVERGENCE)
+    d = torch.nan_to_num(d.float(), nan=NONFINITE_DIVERGENCE, posinf=NONFINITE_DIVERGENCE).clamp(max=NONFINITE_DIVERGENCE)
     if mask is not None:
         if mask.shape != d.shape:
             raise ValueError(f"mask has shape {tuple(mask.shape)} but logits give {tuple(d.shape)}")

@@ -166,3 +166,21 @@ def test_validation_names_arguments():
         sampling_support_mask(z, order=("top_k",))
     with pytest.raises(ValueError, match="targets"):
         replay_support_logp(z, torch.zeros(3, dtype=torch.long))
+
+
+def test_hot_path_functions_compile_fullgraph():
+    # No .item(), no Python branch on tensor values: dynamo traces them without a graph break.
+    def compiled(fn):
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, backend="eager")
+
+    g = torch.Generator().manual_seed(0)
+    z, y = torch.randn(2, 3, 10, generator=g), torch.randint(0, 10, (2, 3), generator=g)
+    b = LogProbBatch(logp=torch.zeros(2, 3), mask=torch.ones(2, 3),
+                     extras={"dvp_keep": torch.rand(2, 3, generator=g) > 0.3, "dvp_mass": torch.rand(2, 3, generator=g)})
+    keep = dvp_keep()
+    assert torch.equal(compiled(lambda b: keep(b).keep)(b), keep(b).keep)
+    support = (lambda z: sampling_support_mask(z, top_k=3, top_p=0.9, min_p=0.01))
+    assert torch.equal(compiled(support)(z), support(z))
+    torch.testing.assert_close(compiled(lambda z, y: constrained_logp(z, y, 0.01).logp)(z, y),
+                               constrained_logp(z, y, 0.01).logp)

@@ -247,3 +247,24 @@ def test_outputs_not_requested_are_none_and_validation_names_arguments():
     with pytest.raises(ValueError, match="want"):
         fused_token_stats(hid, w, y, want=("perplexity",))
     assert set(DIFF_OUTPUTS) == set(ALL)
+
+
+def test_logits_path_with_minus_inf_logits_matches_the_pruned_vocabulary():
+    # A masked vocabulary (−inf logits) behaves like the vocabulary without those tokens: finite entropy and grads.
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    roll = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0])
+    zi = torch.cat([z, torch.full((4, 2), float("-inf"), dtype=torch.float64)], -1).requires_grad_()
+    ri = torch.cat([roll, torch.full((4, 2), float("-inf"), dtype=torch.float64)], -1)
+    z = z.requires_grad_()
+    want = ("logp", "entropy", "minp_logp", "kl", "tv")
+    s = token_stats_from_logits(zi, y, want=want, min_p_rho=0.01, rollout_logits=ri)
+    r = token_stats_from_logits(z, y, want=want, min_p_rho=0.01, rollout_logits=roll)
+    for name in want:
+        torch.testing.assert_close(getattr(s, name), getattr(r, name))
+    (gi,) = torch.autograd.grad(sum(getattr(s, k).sum() for k in want), zi)
+    (gr,) = torch.autograd.grad(sum(getattr(r, k).sum() for k in want), z)
+    assert torch.isfinite(gi).all()
+    torch.testing.assert_close(gi[:, :6], gr)
+    assert torch.all(gi[:, 6:] == 0)

@@ -1,10 +1,9 @@
-"""How many rows of ``[rows, V]`` float32 scratch fit in a memory budget.
+"""How much ``[rows, V]`` float32 scratch fits in a memory budget.
 
-The fused kernels never materialise an ``[N, V]`` logits tensor: they walk over the N token rows in chunks, and
-each chunk holds a few ``[n, V]`` float32 buffers (logits, probabilities, gradient, the rollout's logits …). We chunk
-over *rows*, not over the vocabulary: one full row of a 150k vocabulary is only 600 KB, and a row-complete chunk
-gets the max logit, the logsumexp and the min-p safe set (which needs the max first) in a single pass, so the
-forward costs one matmul and the backward one recomputation.
+The fused kernels never materialise an ``[N, V]`` logits tensor. The forward takes full-row chunks when enough rows
+fit (one pass gives the max, the logsumexp and the min-p safe set, which needs the max first); otherwise — and
+always in the backward — it walks 2-D tiles (row block × vocabulary slice) of about ``budget / buffers`` elements,
+so that every matmul sees many rows and ∂W is written once per row block instead of once per row chunk.
 """
 
 from __future__ import annotations

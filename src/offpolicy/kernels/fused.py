@@ -49,6 +49,7 @@ from torch import Tensor
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
 
 IGNORE_INDEX = -100
+_NEG_LOGIT = -1e30  # stands in for −inf logits on the logits path (finite: 0 · z stays 0)
 DIFF_OUTPUTS: tuple[str, ...] = ("logp", "entropy", "minp_logp", "minp_mass", "kl", "tv")
 _AUX_OUTPUTS: tuple[str, ...] = ("minp_inside", "max_logit", "logsumexp")
 
@@ -487,7 +488,10 @@ class _FusedLinearStats(torch.autograd.Function):
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
             h, wv = hidden[a:c].to(dtype), w[v0:v1]
             z = scratch.new("z", (c - a, v1 - v0), dtype, w.device)
-            z = torch.mm(h, wv.t(), out=z) if b is None else torch.addmm(b[v0:v1], h, wv.t(), out=z)
+            if b is None:
+                z = torch.mm(h, wv.t(), out=z)
+            else:  # a −inf bias entry (masked vocabulary) must not turn 0 · z into NaN
+                z = torch.addmm(b[v0:v1], h, wv.t(), out=z).clamp_(min=_NEG_LOGIT)
             return z.mul_(inv_t) if inv_t != 1.0 else z
 
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -524,7 +528,10 @@ class _FusedLinearStats(torch.autograd.Function):
             for v0, v1 in col_slices:
                 wv = w[v0:v1]
                 z = scratch.new("z", (c - a, v1 - v0), dtype, hidden.device)
-                z = torch.mm(h, wv.t(), out=z) if b is None else torch.addmm(b[v0:v1], h, wv.t(), out=z)
+                if b is None:
+                    z = torch.mm(h, wv.t(), out=z)
+                else:
+                    z = torch.addmm(b[v0:v1], h, wv.t(), out=z).clamp_(min=_NEG_LOGIT)
                 if inv_t != 1.0:
                     z.mul_(inv_t)
                 g = _backward_tile(z, v0, y[a:c], cfg, st, gor, None if roll is None else roll[a:c, v0:v1],
@@ -547,8 +554,9 @@ class _LogitStats(torch.autograd.Function):
         inv_t = 1.0 / cfg.temperature
 
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
-            # owned copy: the chunk math works in place
-            z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
+            # owned copy (the chunk math works in place); −inf logits (masked vocabulary) become _NEG_LOGIT so that
+            # 0 · z terms (entropy, gradients) read 0, not NaN.
+            z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1]).clamp_(min=_NEG_LOGIT)
             return z.mul_(inv_t) if inv_t != 1.0 else z
 
         n, vocab = logits.shape
@@ -578,6 +586,7 @@ class _LogitStats(torch.autograd.Function):
             gor = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
                 z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
+                z.clamp_(min=_NEG_LOGIT)
                 if inv_t != 1.0:
                     z.mul_(inv_t)
                 grad[a:c, v0:v1] = _backward_tile(z, v0, y[a:c], cfg, st, gor,
