@@ -1,8 +1,20 @@
-"""offpolicy: stable RL for LLMs when the rollout engine and the training engine disagree."""
+"""offpolicy: stable RL for LLMs when the rollout engine and the training engine disagree.
 
+The public API, grouped by family. ``import offpolicy`` needs torch only; the trainer (``offpolicy.train``), the CLI
+and the integrations (``offpolicy.integrations.trl`` / ``.verl``) live in subpackages that need the ``cli`` extra.
+
+>>> import torch, offpolicy as op
+>>> batch = op.LogProbBatch(logp=torch.zeros(1, 2), rollout_logp=torch.tensor([[0.0, -2.0]]), mask=torch.ones(1, 2),
+...                         advantages=torch.tensor([1.0]))
+>>> op.chain(op.tis(upper=2.0), op.icepop())(batch).keep   # ρ = (1, e² = 7.39): icepop drops the second token
+tensor([[ True, False]])
+"""
+
+# Batch, ratios, composition
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
 from offpolicy.ratios import (
+    LEVELS,
     LOG_RATIO_BOUND,
     aggregate_log_ratio,
     decompose_log_ratio,
@@ -12,18 +24,116 @@ from offpolicy.ratios import (
     sequence_log_ratio,
 )
 
+# Importance-sampling corrections (TIS / MIS / IcePop)
+from offpolicy.corrections.importance import geo_mask, icepop, importance_correction, importance_weights, mis, tis
+
+# Sequence masks (OPSM, token veto)
+from offpolicy.corrections.sequence_masks import opsm, opsm_decomposition, opsm_mask, token_veto, veto
+
+# Trust Region Masking
+from offpolicy.corrections.trust_region import k1, k2, k3, ln_trm, ln_trm_mask, ser, ser_mask, trm, trust_region_mask
+
+# Dynamic Vocabulary Pruning and sampling-support replay
+from offpolicy.corrections.vocabulary import (
+    DEFAULT_RHO,
+    ConstrainedLogProbs,
+    constrained_logp,
+    coverage_metrics,
+    dvp_fields,
+    dvp_keep,
+    minp_mask_logits,
+    minp_safe_set,
+    replay_support_logp,
+    sampling_support_mask,
+)
+
+# Losses, advantages, diagnostics
+from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from offpolicy.losses import AGGREGATIONS, OBJECTIVES, policy_loss
+from offpolicy.metrics import METRIC_NAMES, offpolicy_metrics
+
+# Full-distribution methods: divergences, fused kernels, bounds
+from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
+from offpolicy.divergence import (
+    divergence_fields,
+    divergence_kind,
+    token_kl,
+    token_tv,
+    topk_kl_lower_bound,
+    topk_kl_upper_bound,
+)
+from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_stats_from_logits
+
+# Adaptive Layerwise Perturbation
+from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss, find_decoder_layers
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "LOG_RATIO_BOUND",
+    "AGGREGATIONS",
+    "ConstrainedLogProbs",
     "Correction",
     "CorrectionResult",
+    "DEFAULT_RHO",
+    "LEVELS",
+    "LOG_RATIO_BOUND",
+    "LayerwisePerturbation",
     "LogProbBatch",
+    "METRIC_NAMES",
+    "OBJECTIVES",
+    "TokenStats",
     "aggregate_log_ratio",
+    "alp_policy_loss",
     "chain",
+    "constrained_logp",
+    "coverage_metrics",
     "decompose_log_ratio",
+    "divergence_fields",
+    "divergence_kind",
+    "dr_grpo_advantages",
+    "dvp_bias_bound",
+    "dvp_fields",
+    "dvp_keep",
+    "find_decoder_layers",
+    "fused_logp",
+    "fused_token_stats",
+    "geo_mask",
+    "grpo_advantages",
+    "icepop",
+    "importance_correction",
+    "importance_weights",
+    "k1",
+    "k2",
+    "k3",
+    "ln_trm",
+    "ln_trm_mask",
     "log_ratio",
     "masked_mean",
     "masked_sum",
+    "minp_mask_logits",
+    "minp_safe_set",
+    "mis",
+    "mismatch_envelope",
+    "offpolicy_metrics",
+    "opsm",
+    "opsm_decomposition",
+    "opsm_mask",
+    "policy_loss",
+    "replay_support_logp",
+    "rloo_advantages",
+    "sampling_support_mask",
     "sequence_log_ratio",
+    "ser",
+    "ser_mask",
+    "tis",
+    "token_kl",
+    "token_stats_from_logits",
+    "token_tv",
+    "token_veto",
+    "topk_kl_lower_bound",
+    "topk_kl_upper_bound",
+    "trm",
+    "trm_bounds",
+    "trust_region_mask",
+    "veto",
 ]
