@@ -8,8 +8,14 @@ Baseline: PPO-clip, token mean, written out by hand in eight lines (what a train
 Full path: a chain of every correction (tis, geometric mis, icepop, opsm, veto, trm on k-estimators) + all
 ``offpolicy_metrics`` + ``policy_loss`` forward and backward, on the same tensors (float32 logp with grad).
 
+Also times the same full path with a typical two-correction chain (icepop + opsm), and (eager) each part and each
+correction on its own. Every step builds a fresh ``LogProbBatch``: corrections memoise shared terms on the batch, so
+re-using one batch would time a cache hit.
+
 Prints the median time of each over several repeats after warm-up, and the ratio (target ≤ 1.5×). Timings on a
-shared machine are noisy: compare ratios from one run, not absolute times across runs.
+shared machine are noisy: compare ratios from one run, not absolute times across runs. On CPU a large part of every
+step (the baseline's too) is page-faulting fresh [B, T] buffers; glibc's ``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_`` change that a lot, so compare runs made with the same environment.
 """
 
 from __future__ import annotations
@@ -38,22 +44,32 @@ def plain_ppo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: to
     return (per_token * m).sum() / m.sum()
 
 
-CORRECTION = chain(
-    tis(upper=2.0),
-    mis(level="geometric", lower=0.5, upper=2.0),
-    icepop(),
-    opsm(delta=1e-4),
-    veto(),
-    trm(),
-)
+PARTS = {
+    "tis": tis(upper=2.0),
+    "mis": mis(level="geometric", lower=0.5, upper=2.0),
+    "icepop": icepop(),
+    "opsm": opsm(delta=1e-4),
+    "veto": veto(),
+    "trm": trm(),
+}
+CORRECTION = chain(*PARTS.values())
+TWO = chain(PARTS["icepop"], PARTS["opsm"])  # a typical production chain
 
 
-def full_path(logp: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
+def _full_path(correction, logp, old, rollout, adv, mask):
     batch = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
-    result = CORRECTION(batch)
+    result = correction(batch)
     metrics = offpolicy_metrics(old, rollout, mask, result.coefficient)
     loss, loss_metrics = policy_loss(batch, correction=result)
     return loss, {**metrics, **loss_metrics}
+
+
+def full_path(logp: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
+    return _full_path(CORRECTION, logp, old, rollout, adv, mask)
+
+
+def full_path_two(logp: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
+    return _full_path(TWO, logp, old, rollout, adv, mask)
 
 
 def make_inputs(B: int, T: int, device: str):
@@ -100,6 +116,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile both paths (default backend)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--per-correction", action="store_true", help="also time each correction alone (eager)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,6 +128,7 @@ def main() -> None:
 
     base_fn = torch.compile(plain_ppo) if args.compile else plain_ppo
     full_fn = torch.compile(full_path) if args.compile else full_path
+    two_fn = torch.compile(full_path_two) if args.compile else full_path_two
 
     def base_step():
         logp = logp0.detach().requires_grad_(True)
@@ -121,12 +139,22 @@ def main() -> None:
         loss, _ = full_fn(logp, old, rollout, adv, mask)
         loss.backward()
 
-    # the three parts of the full path, each timed on its own (eager), to show where the time goes
-    fixed = LogProbBatch(logp=logp0.detach().requires_grad_(True), mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
-    fixed_result = CORRECTION(fixed)
+    def two_step():
+        logp = logp0.detach().requires_grad_(True)
+        loss, _ = two_fn(logp, old, rollout, adv, mask)
+        loss.backward()
+
+    # the parts of the full path, each timed on its own (eager), to show where the time goes
+    def fresh_batch() -> LogProbBatch:  # a new batch each call: the corrections' memo must not carry over
+        return LogProbBatch(logp=logp0.detach().requires_grad_(True), mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
+
+    fixed_result = CORRECTION(fresh_batch())
 
     def chain_step():
-        CORRECTION(fixed)
+        CORRECTION(fresh_batch())
+
+    def two_chain_step():
+        TWO(fresh_batch())
 
     def metrics_step():
         offpolicy_metrics(old, rollout, mask, fixed_result.coefficient)
@@ -136,9 +164,12 @@ def main() -> None:
         batch = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
         policy_loss(batch, correction=fixed_result)[0].backward()
 
-    steps = {"plain": base_step, "full": full_step}
+    steps = {"plain": base_step, "full": full_step, "full2": two_step}
     if not args.compile:
-        steps.update({"chain": chain_step, "metrics": metrics_step, "loss": loss_step})
+        steps.update({"chain": chain_step, "metrics": metrics_step, "loss": loss_step, "chain2": two_chain_step})
+        if args.per_correction:
+            for name, c in PARTS.items():
+                steps[name] = lambda c=c: c(fresh_batch())
     t = measure(steps, repeats, warmup=2, device=args.device)
 
     print(f"device={args.device} threads={torch.get_num_threads()} B={B} T={T} compile={args.compile} repeats={repeats}")
@@ -149,12 +180,16 @@ def main() -> None:
         "chain": "  of which: 6-correction chain",
         "metrics": "  of which: offpolicy_metrics",
         "loss": "  of which: policy_loss (fwd+bwd)",
+        "full2": "offpolicy path, icepop+opsm chain (fwd+bwd)",
+        "chain2": "  of which: icepop+opsm chain",
+        **{name: f"  correction alone: {name}" for name in PARTS},
     }
     wb, cb = t["plain"]
     for k, (w, c) in t.items():
         print(f"{labels[k]:44s} {w * 1e3:9.2f} {c * 1e3:9.2f} {w / wb:14.2f}x {c / max(cb, 1e-9):13.2f}x")
     print(
         f"ratio full / plain: {t['full'][0] / wb:.2f}x wall, {t['full'][1] / max(cb, 1e-9):.2f}x cpu (target <= 1.5x); "
+        f"with the icepop+opsm chain: {t['full2'][0] / wb:.2f}x wall, {t['full2'][1] / max(cb, 1e-9):.2f}x cpu; "
         "shared machines are noisy: compare within one run"
     )
 

@@ -11,7 +11,7 @@ from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import chain
 from offpolicy.corrections.importance import icepop, importance_weights, mis, tis
 from offpolicy.corrections.sequence_masks import opsm, opsm_mask, token_veto, veto
-from offpolicy.corrections.trust_region import trm, trust_region_mask
+from offpolicy.corrections.trust_region import ln_trm, ln_trm_mask, ser, ser_mask, trm, trust_region_mask
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import offpolicy_metrics
 from offpolicy.ratios import aggregate_log_ratio
@@ -143,3 +143,29 @@ def test_full_offpolicy_chain_of_every_correction():
         return loss.detach(), metrics, logp.grad
 
     assert_same(fwd_bwd(step), fwd_bwd(compiled(step)))
+
+
+def test_length_neutral_masks():
+    """LN-TRM and SER masks (arXiv 2512.23075 App. F) on a batch with a NaN valid token and junk padding."""
+    _, old, rollout, mask, _ = make_inputs(6)
+
+    def fn(lr, m):
+        return ln_trm_mask(lr, m, eps=5e-3, delta=1e-4, threshold=0.05), ser_mask(lr, m, threshold=0.05)
+
+    lr = old - rollout
+    lr[0, 2] = float("nan")
+    assert_same(fn(lr, mask), compiled(fn)(lr, mask))
+
+
+@pytest.mark.parametrize("source", ["mismatch", "total"])
+def test_length_neutral_presets_in_a_chain(source):
+    """ln_trm / ser presets (which share the batch's memoised log-ratio with the rest of the chain) in one graph."""
+    logp, old, rollout, mask, adv = make_inputs(7)
+    correction = chain(ln_trm(source=source), ser(threshold=0.2, source=source), tis(upper=2.0, source=source))
+
+    def fn(logp, old, rollout, mask, adv):
+        b = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
+        r = correction(b)
+        return r.weights, r.keep, r.metrics
+
+    assert_same(fn(logp, old, rollout, mask, adv), compiled(fn)(logp, old, rollout, mask, adv))

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -111,7 +111,7 @@ def offpolicy_metrics(
     diff = pi - mu
     # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
     # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
-    mf = m.float()
+    mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
     vf = (diff * 0.0).nan_to_num_(1.0, 1.0, 1.0).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
     r = diff.nan_to_num_(0.0, 0.0, 0.0).mul_(vf)  # log ρ, exactly 0 at invalid positions
     pi_v = pi.nan_to_num(0.0, 0.0, 0.0).mul_(vf)

@@ -33,6 +33,32 @@ def as_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def float_mask(mask: Tensor) -> Tensor:
+    """``mask`` as float32 0/1 ``[B, T]``.
+
+    Why not ``.float()``: on CPU a bool→float cast takes a slow generic path (~8× a multiply); reading the bool storage
+    as uint8 first takes the fast one. Same values.
+
+    >>> float_mask(torch.tensor([[True, False]]))
+    tensor([[1., 0.]])
+    """
+    m = as_mask(mask)
+    return m.view(torch.uint8).to(torch.float32)
+
+
+def broadcast_rows(mask: Tensor, row: Tensor) -> Tensor:
+    """``mask & row[:, None]`` ``[B, T]`` bool: a per-sequence decision ``row`` [B] applied to every valid token.
+
+    Why the ``expand().contiguous()``: a broadcasting bool ``&`` takes a slow path on CPU (~10× the contiguous one).
+
+    >>> broadcast_rows(torch.tensor([[True, False], [True, True]]), torch.tensor([False, True]))
+    tensor([[False, False],
+            [ True,  True]])
+    """
+    m = as_mask(mask)
+    return row.unsqueeze(-1).expand_as(m).contiguous().logical_and_(m)  # one fresh buffer, ANDed in place
+
+
 def masked_fill_invalid(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
     """float32 copy of ``x`` with masked positions *and* non-finite values replaced by ``value``.
 

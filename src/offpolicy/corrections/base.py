@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
+from offpolicy.ratios import float_mask
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class CorrectionResult:
     def identity(batch: LogProbBatch) -> "CorrectionResult":
         """Weights 1 on valid tokens, keep = mask: what "no correction" means."""
         m = batch.bool_mask
-        return CorrectionResult(weights=m.float(), keep=m.clone(), metrics={})
+        return CorrectionResult(weights=float_mask(m), keep=m.clone(), metrics={})
 
     def then(self, other: "CorrectionResult") -> "CorrectionResult":
         """Compose: weights multiply, masks AND, metrics merge (later names win)."""
@@ -93,10 +94,26 @@ def chain(*corrections: Correction) -> Correction:
             raise ValueError(f"chain argument {i} must be a Correction, got {type(c).__name__}")
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        result = CorrectionResult.identity(batch)
+        # The parts share terms through the batch's memo (LogProbBatch.memo). A private copy scopes that memo to this
+        # call: the shared [B, T] buffers are freed when the chain returns, so the loss that follows reuses their memory
+        # instead of faulting in fresh pages (a large part of the cost on CPU).
+        scoped = batch.replace() if isinstance(batch, LogProbBatch) else batch
+        # CorrectionResult.then, accumulated in place into the identity's fresh tensors: the same products in the same
+        # order (so the same numbers), without a new [B, T] weight and keep buffer per correction
+        identity = CorrectionResult.identity(scoped)
+        weights, keep, metrics = identity.weights, identity.keep, {}
         for c in corrections:
-            result = result.then(c(batch))
-        kept = result.keep.float().sum() / batch.bool_mask.float().sum().clamp(min=1.0)
+            r = c(scoped)
+            same = (
+                r.weights.dtype == weights.dtype and r.weights.shape == weights.shape
+                and r.keep.dtype == torch.bool and r.keep.shape == keep.shape
+            )
+            weights = weights.mul_(r.weights) if same else weights * r.weights  # a custom fn may return other dtypes
+            keep = keep.logical_and_(r.keep) if same else keep & r.keep
+            metrics = {**metrics, **r.metrics}
+        result = CorrectionResult(weights, keep, metrics)
+        # count_nonzero: a bool→float cast of [B, T] just to sum it costs ~10× as much on CPU
+        kept = torch.count_nonzero(result.keep).float() / torch.count_nonzero(scoped.bool_mask).float().clamp(min=1.0)
         return CorrectionResult(result.weights, result.keep, {**result.metrics, "chain/kept_token_frac": kept})
 
     return Correction("chain", apply, {}, parts=tuple(corrections))

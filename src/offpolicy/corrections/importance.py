@@ -49,13 +49,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import aggregate_log_ratio, as_mask, check_level, masked_max, masked_mean, masked_min
+from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, check_level, float_mask
 
 MODES: tuple[str, ...] = ("truncate", "mask")
 SOURCES: tuple[str, ...] = ("mismatch", "total")
@@ -156,6 +157,121 @@ def defined_positions(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
     return m & row_ok
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared per-batch terms
+#
+# Why: every correction of a chain reads the same log(π_old/μ) (or log(π_θ/μ)), its finiteness and its row sums. On a
+# CPU each fresh [B, T] temporary costs about as much as the arithmetic, and `isfinite`/`where`/bool casts are ~10×
+# a float multiply, so they are computed once per batch (``LogProbBatch.memo``) with float masks and ``nan_to_num``,
+# and sequence-level decisions are taken on [B] row statistics and broadcast once.
+# Semantics are those of ``ratios.masked_fill_invalid`` / ``defined_positions``: the only difference is that a
+# difference of two finite log-probs beyond ±1.7e38 (not a log-probability) overflows to inf and counts as non-finite.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RatioTerms:
+    """A per-token log-ratio ``[B, T]`` with its validity, computed once and shared (see the section comment).
+
+    ``raw``: float32 detached, uncleaned; ``mf``: valid tokens as float 0/1; ``ok``: valid *and* finite (float 0/1);
+    ``clean``: ``raw`` with padding and non-finite entries set to 0 (not clamped); ``n_row`` / ``ok_row`` / ``sum_row``:
+    [B] counts of valid / valid-finite tokens and Σ_t clean; ``n``: number of valid tokens (0-d).
+    """
+
+    raw: Tensor
+    mask: Tensor
+    mf: Tensor
+    ok: Tensor
+    clean: Tensor
+    n_row: Tensor
+    ok_row: Tensor
+    sum_row: Tensor
+    n: Tensor
+
+
+def ratio_terms(log_ratio: Tensor, mask: Tensor, mf: Tensor | None = None) -> RatioTerms:
+    """Build :class:`RatioTerms` from a per-token log-ratio ``[B, T]`` (any float dtype) and a mask ``[B, T]``.
+
+    >>> t = ratio_terms(torch.tensor([[0.5, float("nan"), 9.0]]), torch.tensor([[1, 1, 0]]))
+    >>> t.clean, t.ok, t.n_row, t.ok_row
+    (tensor([[0.5000, 0.0000, 0.0000]]), tensor([[1., 0., 0.]]), tensor([2.]), tensor([1.]))
+    """
+    m = as_mask(mask)
+    mf = float_mask(m) if mf is None else mf  # ``mf`` lets a batch share one float mask across sources
+    raw = log_ratio.detach().float()
+    bad = (raw * 0.0).nan_to_num_(1.0, 1.0, 1.0)  # x·0 is 0 for finite x, NaN otherwise → 1.0 where non-finite
+    ok = bad.neg_().add_(1.0).mul_(mf)
+    clean = raw.nan_to_num(0.0, 0.0, 0.0).mul_(ok)
+    n_row = mf.sum(dim=-1)
+    return RatioTerms(raw, m, mf, ok, clean, n_row, ok.sum(dim=-1), clean.sum(dim=-1), n_row.sum())
+
+
+def source_terms(batch: LogProbBatch, source: str, who: str) -> RatioTerms:
+    """:class:`RatioTerms` of :func:`behaviour_log_ratio` ``(batch, source)``, memoised on the batch (one per source;
+    ``who`` only names the caller in the error when ``rollout_logp`` is missing).
+
+    >>> b = LogProbBatch(logp=torch.zeros(1, 2), rollout_logp=torch.tensor([[0.0, -1.0]]), mask=torch.ones(1, 2))
+    >>> source_terms(b, "mismatch", "tis").sum_row
+    tensor([1.])
+    """
+    check_source(source)
+    if batch.rollout_logp is None:
+        raise ValueError(f"{who} needs rollout_logp (log μ, the rollout engine's log-probs) but the batch has none")
+    # π_old falls back to π_θ: both sources then hold the same numbers (kept under separate keys for simplicity)
+    return batch.memo(
+        ("ratio_terms", source), lambda b: ratio_terms(behaviour_log_ratio(b, source, who), b.mask, batch_float_mask(b))
+    )
+
+
+def batch_float_mask(batch: LogProbBatch) -> Tensor:
+    """``batch.mask`` as float32 0/1 ``[B, T]``, memoised on the batch. Shared: never modify it in place (clone it).
+
+    >>> b = LogProbBatch(logp=torch.zeros(1, 2), mask=torch.tensor([[1, 0]]))
+    >>> batch_float_mask(b)
+    tensor([[1., 0.]])
+    """
+    return batch.memo("float_mask", lambda b: float_mask(b.mask))
+
+
+@dataclass(frozen=True)
+class TokenRatio:
+    """Token-level ratio of one :class:`RatioTerms`: ``agg`` = clean log-ratio clamped ±20 (0 where undefined),
+    ``rho`` = exp(agg) (1 where undefined), ``rho_def`` = ρ on defined tokens and 0 elsewhere, ``defined`` [B, T]
+    bool, ``n_def`` (0-d)."""
+
+    agg: Tensor
+    rho: Tensor
+    rho_def: Tensor
+    defined: Tensor
+    n_def: Tensor
+    raw_stats: tuple[Tensor, Tensor, Tensor]  # mean / max / min of ρ over defined tokens (0 if none)
+
+
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def token_ratio(terms: RatioTerms) -> TokenRatio:
+    """:class:`TokenRatio` of ``terms`` (see there).
+
+    >>> tr = token_ratio(ratio_terms(torch.tensor([[0.0, float("inf"), 1.0]]), torch.tensor([[1, 1, 0]])))
+    >>> tr.rho, tr.rho_def, tr.defined
+    (tensor([[1., 1., 1.]]), tensor([[1., 0., 0.]]), tensor([[ True, False, False]]))
+    """
+    agg = terms.clean.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    rho = torch.exp(agg)
+    rho_def = rho * terms.ok
+    n_def = terms.ok_row.sum()
+    # ρ > 0, so the 0s at undefined positions never win the max; an empty batch gives 0 (as ratios.masked_max).
+    # For the min, undefined positions are pushed to float32-max (ρ ≤ e^20 is far below one ulp of it).
+    rho_min = (1.0 - terms.ok).mul_(_FLOAT_MAX).add_(rho).amin()
+    stats = (rho_def.sum() / n_def.clamp(min=1.0), rho_def.amax(), torch.where(n_def > 0, rho_min, 0.0))
+    return TokenRatio(agg, rho, rho_def, terms.ok.bool(), n_def, stats)
+
+
+def _memo_token_ratio(batch: LogProbBatch, source: str, terms: RatioTerms) -> TokenRatio:
+    return batch.memo(("token_ratio", source), lambda b: token_ratio(terms))
+
+
 def _check_weight_args(
     level: str, mode: str, lower: object, upper: object, normalize: object
 ) -> tuple[float | None, float | None]:
@@ -221,31 +337,100 @@ def importance_weights(
     check_token_tensor("log_ratio", log_ratio)
     check_mask(mask, log_ratio, "log_ratio")
     lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
+    terms = ratio_terms(log_ratio, mask)
+    tr = token_ratio(terms) if level == "token" else None
+    imp = _weights(terms, tr, level, mode, lo, hi, normalize)
+    if tr is not None:
+        raw = tr.rho
+    else:  # the sequence ratio on every valid token, 1 at padding
+        raw = torch.where(terms.mask, imp.row_rho.unsqueeze(-1).expand_as(terms.mask), torch.ones_like(terms.raw))
+    return imp.weights, imp.keep, raw.detach()
 
-    m = as_mask(mask)
-    lr = log_ratio.detach().float()
-    defined = defined_positions(lr, m, level)
-    agg = aggregate_log_ratio(lr, m, level)  # non-finite → 0, padding → 0, clamped ±20
-    raw = torch.exp(agg)
 
+@dataclass(frozen=True)
+class _Importance:
+    """Weights, keep mask and the counts the presets' metrics need (see :func:`_weights`)."""
+
+    weights: Tensor  # [B, T] float32, 0 where not kept
+    keep: Tensor  # [B, T] bool, ⊂ valid
+    raw_stats: tuple[Tensor, Tensor, Tensor]  # mean / max / min of the raw ratio over defined tokens
+    n_keep: Tensor  # kept tokens (0-d float)
+    n_changed: Tensor  # valid tokens dropped (masked or undefined) or moved by the truncation (0-d float)
+    row_rho: Tensor | None  # [B] sequence ratio (sequence levels only)
+
+
+def _weights(
+    terms: RatioTerms, tr: TokenRatio | None, level: str, mode: str, lo: float | None, hi: float | None, normalize: bool
+) -> _Importance:
+    """The formula of :func:`importance_weights` on shared terms: token level on [B, T], sequence levels on [B]."""
+    imp = _token_weights(terms, tr, mode, lo, hi) if tr is not None else _row_weights(terms, level, mode, lo, hi)
+    if not normalize:
+        return imp
+    # verl's batch normalisation; where() on a 0-d divisor instead of on [B, T] (w / 1 is w exactly), no sync
+    mean = imp.weights.sum() / imp.n_keep.clamp(min=1.0)
+    divisor = torch.where(mean > NORMALIZE_EPS, mean.clamp(min=NORMALIZE_EPS), 1.0)
+    return _Importance(imp.weights / divisor, imp.keep, imp.raw_stats, imp.n_keep, imp.n_changed, imp.row_rho)
+
+
+def _token_weights(terms: RatioTerms, tr: TokenRatio, mode: str, lo: float | None, hi: float | None) -> _Importance:
     if mode == "mask":
-        keep = defined
-        # compare in log space: exp() rounding must not drop a ratio that sits exactly on a bound
+        # compare in log space: exp() rounding must not drop a ratio that sits exactly on a bound (in-place ANDs:
+        # every fresh [B, T] buffer costs page faults on CPU)
+        keep = tr.defined.clone()
         if lo is not None:
-            keep = keep & (agg >= math.log(lo))
+            keep &= tr.agg >= math.log(lo)
         if hi is not None:
-            keep = keep & (agg <= math.log(hi))
-        weights = raw
+            keep &= tr.agg <= math.log(hi)
+        weights = float_mask(keep).mul_(tr.rho)
+        n_keep = torch.count_nonzero(keep).float()
+        return _Importance(weights, keep, tr.raw_stats, n_keep, terms.n - n_keep, None)
+    if lo is None and hi is None:
+        weights = tr.rho_def.clone()  # never hand out the memoised tensor itself
     else:
-        keep = defined
-        weights = raw if lo is None and hi is None else raw.clamp(min=lo, max=hi)
-    weights = torch.where(keep, weights, torch.zeros_like(weights))
+        weights = tr.rho.clamp(min=lo, max=hi).mul_(terms.ok)
+    # changed = undefined, or defined and outside [lo, hi]. rho_def is 0 where undefined: never above upper (> 0),
+    # always below lower (> 0), so the undefined positions (all B·T − n_def of them) are taken back out of that count
+    n_changed = terms.n - tr.n_def
+    if lo is not None:
+        n_below = torch.count_nonzero(tr.rho_def < lo).float() - (tr.rho_def.numel() - tr.n_def)
+        n_changed = n_changed + n_below
+    if hi is not None:
+        n_changed = n_changed + torch.count_nonzero(tr.rho_def > hi).float()
+    return _Importance(weights, tr.defined, tr.raw_stats, tr.n_def, n_changed, None)
 
-    if normalize:
-        kept = keep.float()
-        mean = (weights * kept).sum() / kept.sum().clamp(min=1.0)
-        weights = torch.where(mean > NORMALIZE_EPS, weights / mean.clamp(min=NORMALIZE_EPS), weights)
-    return weights.detach(), keep, raw.detach()
+
+def _row_weights(terms: RatioTerms, level: str, mode: str, lo: float | None, hi: float | None) -> _Importance:
+    """Sequence / geometric level: every decision is per sequence, so it is taken on [B] and broadcast once."""
+    n_row = terms.n_row
+    s = terms.sum_row if level == "sequence" else terms.sum_row / n_row.clamp(min=1.0)
+    agg = s.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    rho = torch.exp(agg)
+    defined = (terms.ok_row == n_row) & (n_row > 0)  # no non-finite valid log-ratio in the row
+    keep_row = defined
+    out_of_band = torch.zeros_like(defined)
+    if lo is not None:
+        out_of_band = out_of_band | (agg < math.log(lo) if mode == "mask" else rho < lo)
+    if hi is not None:
+        out_of_band = out_of_band | (agg > math.log(hi) if mode == "mask" else rho > hi)
+    if mode == "mask":
+        keep_row = defined & ~out_of_band
+        w_row = rho
+    else:
+        w_row = rho if lo is None and hi is None else rho.clamp(min=lo, max=hi)
+    w_row = torch.where(keep_row, w_row, torch.zeros_like(w_row))
+    def_f, keep_f = defined.float(), keep_row.float()
+    n_def = (n_row * def_f).sum()
+    n_keep = (n_row * keep_f).sum()
+    raw_stats = (
+        (rho * n_row * def_f).sum() / n_def.clamp(min=1.0),
+        (rho * def_f).amax(),
+        torch.where(n_def > 0, (rho + (1.0 - def_f) * _FLOAT_MAX).amin(), 0.0),
+    )
+    n_changed = terms.n - n_keep
+    if mode == "truncate":
+        n_changed = n_changed + (n_row * (defined & out_of_band).float()).sum()
+    weights = w_row.unsqueeze(-1) * terms.mf
+    return _Importance(weights, broadcast_rows(terms.mask, keep_row), raw_stats, n_keep, n_changed, rho)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -269,29 +454,21 @@ def _importance(
     lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        lr = behaviour_log_ratio(batch, source, name)
-        weights, keep, raw = importance_weights(
-            lr, batch.mask, level=level, mode=mode, lower=lo, upper=hi, normalize=normalize
-        )
-        valid = batch.bool_mask
-        n = valid.float().sum().clamp(min=1.0)
-        defined = defined_positions(lr, valid, level)  # raw stats skip ratios that are undefined (non-finite)
-        changed = ~keep  # masked (or undefined) …
-        if mode == "truncate":  # … or moved by the clamp
-            if lo is not None:
-                changed = changed | (raw < lo)
-            if hi is not None:
-                changed = changed | (raw > hi)
+        terms = source_terms(batch, source, name)
+        tr = _memo_token_ratio(batch, source, terms) if level == "token" else None
+        imp = _weights(terms, tr, level, mode, lo, hi, normalize)
+        n = terms.n.clamp(min=1.0)
+        raw_mean, raw_max, raw_min = imp.raw_stats  # over valid tokens whose ratio is defined (finite)
         metrics = {
-            f"{name}/raw_ratio_mean": masked_mean(raw, defined),
-            f"{name}/raw_ratio_max": masked_max(raw, defined),
-            f"{name}/raw_ratio_min": masked_min(raw, defined),
-            f"{name}/weight_mean": masked_mean(weights, valid),
-            f"{name}/kept_frac": (keep & valid).float().sum() / n,
-            f"{name}/clipped_frac": (changed & valid).float().sum() / n,
-            f"{name}/nonfinite_frac": (valid & ~torch.isfinite(lr)).float().sum() / n,
+            f"{name}/raw_ratio_mean": raw_mean,
+            f"{name}/raw_ratio_max": raw_max,
+            f"{name}/raw_ratio_min": raw_min,
+            f"{name}/weight_mean": imp.weights.sum() / n,  # weights are 0 at padding
+            f"{name}/kept_frac": imp.n_keep / n,
+            f"{name}/clipped_frac": imp.n_changed / n,  # masked, undefined, or moved by the clamp
+            f"{name}/nonfinite_frac": (terms.n - terms.ok_row.sum()) / n,
         }
-        return CorrectionResult(weights, keep, metrics)
+        return CorrectionResult(imp.weights, imp.keep, metrics)
 
     return Correction(name, apply, config)
 

@@ -26,8 +26,15 @@ from offpolicy.batch import (
     token_advantages,
 )
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.corrections.importance import behaviour_log_ratio, check_source, check_threshold
-from offpolicy.ratios import as_mask, masked_mean
+from offpolicy.corrections.importance import (
+    RatioTerms,
+    batch_float_mask,
+    check_source,
+    check_threshold,
+    ratio_terms,
+    source_terms,
+)
+from offpolicy.ratios import as_mask, broadcast_rows, masked_mean
 
 
 def _check_veto_threshold(threshold: object) -> float:
@@ -75,6 +82,16 @@ def token_veto(log_ratio: Tensor, mask: Tensor, *, threshold: float = 1e-4) -> T
     return m & ~bad.any(dim=-1, keepdim=True)
 
 
+_FLOAT_MIN = float(torch.finfo(torch.float32).min)
+
+
+def _vetoed_rows(terms: RatioTerms, threshold: float) -> Tensor:
+    """[B] True where a valid token has ¬(log ρ_t ≥ log threshold) — :func:`token_veto` on a row minimum: NaN and −inf
+    map below any log-threshold, +inf and padding (0 ≥ log threshold, threshold ≤ 1) never veto."""
+    low = terms.raw.nan_to_num(_FLOAT_MIN, 0.0, _FLOAT_MIN).mul_(terms.mf)
+    return low.amin(dim=-1) < math.log(threshold)
+
+
 def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
     """Token-veto preset on log(π_old/μ) (``source="mismatch"``) or log(π_θ/μ) (``"total"``); see :func:`token_veto`.
 
@@ -91,12 +108,11 @@ def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
     t = float(threshold)
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        lr = behaviour_log_ratio(batch, source, "veto")
-        keep = token_veto(lr, batch.mask, threshold=t)
-        valid = batch.bool_mask
-        nonempty = valid.any(dim=-1)
-        vetoed = nonempty & ~keep.any(dim=-1)
-        return CorrectionResult(valid.float(), keep, {"veto/vetoed_seq_frac": _row_frac(vetoed, nonempty)})
+        terms = source_terms(batch, source, "veto")
+        vetoed_row = _vetoed_rows(terms, t)
+        nonempty = terms.n_row > 0
+        keep = broadcast_rows(terms.mask, ~vetoed_row)
+        return CorrectionResult(terms.mf.clone(), keep, {"veto/vetoed_seq_frac": _row_frac(vetoed_row, nonempty)})
 
     return Correction("veto", apply, {"threshold": t, "source": source})
 
@@ -203,6 +219,19 @@ def opsm_mask(
     return _opsm_keep(stat, nonfinite_row, _sequence_advantage_sign_negative(advantages, logp, m), m, d)
 
 
+def _memo_terms(batch: LogProbBatch, numerator: str, denominator: str) -> RatioTerms:
+    """Shared :class:`RatioTerms` of log(numerator) − log(denominator), memoised on the batch. Names resolve as
+    ``batch.logp`` / ``batch.anchor_logp`` / ``batch.behaviour_logp``; a pair that *is* a correction source
+    (π_θ or π_old over μ) reuses that memo."""
+    if batch.rollout_logp is not None and denominator == "behaviour":
+        return source_terms(batch, "total" if numerator == "logp" else "mismatch", "opsm")
+    num = batch.logp if numerator == "logp" else batch.anchor_logp
+    return batch.memo(
+        ("opsm_terms", numerator, denominator),
+        lambda b: ratio_terms(num.detach().float() - b.behaviour_logp.detach().float(), b.mask, batch_float_mask(b)),
+    )
+
+
 def opsm(delta: float = 1e-4) -> Correction:
     """OPSM preset (see :func:`opsm_mask`): μ = ``rollout_logp``, else ``old_logp``; advantages required.
 
@@ -224,19 +253,28 @@ def opsm(delta: float = 1e-4) -> Correction:
             raise ValueError("opsm needs rollout_logp (log μ) or, as a fallback, old_logp; the batch has neither")
         if batch.advantages is None:
             raise ValueError("opsm needs advantages (it only masks negative-advantage sequences); the batch has none")
-        m = batch.bool_mask
-        mu = batch.behaviour_logp
         # the mask reads only π_θ and μ (exactly opsm_mask); the split also reads π_old, for the metrics
-        stat, _, _, nonfinite_row = _decompose(batch.logp, mu, mu, m)
-        keep = _opsm_keep(stat, nonfinite_row, _sequence_advantage_sign_negative(batch.advantages, batch.logp, m), m, d)
-        _, mism, stale, _ = _decompose(batch.logp, batch.anchor_logp, mu, m)
-        nonempty = m.any(dim=-1)
+        stat_t = _memo_terms(batch, "logp", "behaviour")  # log π_θ − log μ
+        mis_t = _memo_terms(batch, "anchor", "behaviour")  # log π_old − log μ
+        n = stat_t.n_row.clamp(min=1.0)
+        stat = -stat_t.sum_row / n  # mean(log μ − log π_θ): negation is exact, so this is _decompose's number
+        nonfinite_row = stat_t.ok_row < stat_t.n_row
+        negative = _sequence_advantage_sign_negative(batch.advantages, batch.logp, stat_t.mask)
+        drop = negative & ((stat > d) | nonfinite_row)
+        keep = broadcast_rows(stat_t.mask, ~drop)
+        # split over the tokens where all three log-probs are finite (as _decompose)
+        ok3 = stat_t.ok * mis_t.ok
+        buf = torch.mul(mis_t.clean, ok3)
+        mism = -buf.sum(dim=-1) / n
+        anchor, lp = batch.anchor_logp.detach().float(), batch.logp.detach().float()
+        stale = torch.sub(anchor, lp, out=buf).mul_(ok3).nan_to_num_(0.0, 0.0, 0.0).sum(dim=-1) / n  # reuses buf
+        nonempty = stat_t.n_row > 0
         metrics = {
-            "opsm/masked_seq_frac": _row_frac(~keep.any(dim=-1), nonempty),
+            "opsm/masked_seq_frac": _row_frac(drop, nonempty),
             "opsm/stat_mean": _row_mean(stat, nonempty),
             "opsm/mismatch_term_mean": _row_mean(mism, nonempty),
             "opsm/staleness_term_mean": _row_mean(stale, nonempty),
         }
-        return CorrectionResult(m.float(), keep, metrics)
+        return CorrectionResult(stat_t.mf.clone(), keep, metrics)
 
     return Correction("opsm", apply, {"delta": d})

@@ -18,8 +18,13 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.corrections.importance import behaviour_log_ratio, check_source, check_threshold
-from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, masked_fill_invalid, masked_max, masked_mean
+from offpolicy.corrections.importance import (
+    RatioTerms,
+    check_source,
+    check_threshold,
+    source_terms,
+)
+from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, masked_fill_invalid, masked_max, masked_mean
 
 # ---------------------------------------------------------------------------------------------------------------------
 # k-estimators (Schulman, "Approximating KL divergence"; REFERENCE.md)
@@ -181,15 +186,50 @@ def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _accept_rate(keep: Tensor, m: Tensor) -> Tensor:
-    """Kept fraction of the sequences that have ≥ 1 valid token."""
-    nonempty = m.any(dim=-1)
-    return (keep.any(dim=-1) & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
+def _mask_weights(m: Tensor) -> Tensor:
+    return m.view(torch.uint8).to(torch.float32)  # = m.float(), via the fast cast (see ratios.float_mask)
 
 
-def _row_mean(x: Tensor, m: Tensor) -> Tensor:
-    nonempty = m.any(dim=-1)
+def _nonempty(m: Tensor) -> Tensor:
+    """[B] sequences with ≥ 1 valid token (a float row sum: a bool ``any`` over [B, T] is ~10× slower on CPU)."""
+    return _mask_weights(m).sum(dim=-1) > 0
+
+
+def _accept_rate(keep: Tensor, nonempty: Tensor) -> Tensor:
+    """Kept fraction of the sequences that have ≥ 1 valid token (``nonempty`` [B])."""
+    kept = _mask_weights(keep).amax(dim=-1) > 0
+    return (kept & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
+
+
+def _row_mean(x: Tensor, nonempty: Tensor) -> Tensor:
+    """Mean of per-sequence ``x`` [B] over the sequences with ≥ 1 valid token (``nonempty`` [B])."""
     return torch.where(nonempty, x, torch.zeros_like(x)).sum() / nonempty.float().sum().clamp(min=1.0)
+
+
+def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_trm_keep` on k2(r) (max test) / k3(r) (avg test) from shared terms, with per-row statistics.
+
+    Returns ``(keep [B], masked_max(k2) [B], masked_mean(k3) [B])`` (``keep`` per sequence): the same numbers as
+    computing k2/k3 on the raw r and masking (a row is dropped by the max test if a valid r is non-finite or k2
+    overflows, by the avg test if a valid r is NaN: k3 clamps ±inf to ±20 first), without [B, T] isfinite/where passes.
+    """
+    # two [B, T] buffers, reused in place (each fresh one costs page faults on CPU)
+    buf = torch.mul(terms.clean, 0.5).mul_(terms.clean)  # k2 = (0.5·r)·r as k2(); 0 at padding / non-finite r
+    k2_max_all = buf.amax(dim=-1)  # inf iff some k2 overflowed (|r| > 1.8e19); k2 ≥ 0, so the 0s never win
+    k2_max = buf.nan_to_num_(0.0, 0.0, 0.0).amax(dim=-1)  # masked_max: overflowed entries are left out
+    # k3 of the raw r: ±inf clamp to ±20, NaN contributes 0 (masked_mean drops non-finite k3), padding 0
+    r3 = torch.nan_to_num(terms.raw, 0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND, out=buf)
+    r3.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(terms.mf)
+    k3_mean = torch.expm1(r3).sub_(r3).sum(dim=-1) / terms.n_row.clamp(min=1.0)
+    ok = torch.ones_like(terms.n_row, dtype=torch.bool)
+    if mx is not None:  # any non-finite r (NaN, ±inf) makes k2 non-finite
+        ok = ok & (k2_max_all <= mx) & (terms.ok_row == terms.n_row)
+    if av is not None:
+        ok = ok & (k3_mean <= av)
+        if mx is None:  # only a NaN r makes k3 non-finite: clamp maps ±inf to ±1, NaN stays, ·0 leaves only NaN
+            nan_row = (terms.raw.clamp(-1.0, 1.0).mul_(0.0).nan_to_num_(1.0, 0.0, 0.0) * terms.mf).sum(dim=-1)
+            ok = ok & (nan_row == 0)
+    return ok, k2_max, k3_mean
 
 
 def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str = "mismatch") -> Correction:
@@ -221,20 +261,29 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
         if batch.token_divergence is not None:
             max_div = avg_div = batch.token_divergence.detach().float()
             kind = batch.token_divergence_kind
+            keep = _trm_keep(max_div, avg_div, m, mx, av)
+            max_row, avg_row = masked_max(max_div, m, dim=-1), masked_mean(avg_div, m, dim=-1)
+            nonempty = _nonempty(m)
+            accept = _accept_rate(keep, nonempty)
+            weights = _mask_weights(m)
         else:
-            r = behaviour_log_ratio(batch, source, "trm")
-            max_div, avg_div, kind = k2(r), k3(r), "k_estimator"
-        keep = _trm_keep(max_div, avg_div, m, mx, av)
+            kind = "k_estimator"
+            terms = source_terms(batch, source, "trm")
+            keep_row, max_row, avg_row = _trm_k_estimator(terms, mx, av)
+            keep = broadcast_rows(terms.mask, keep_row)
+            nonempty = terms.n_row > 0
+            accept = (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
+            weights = terms.mf.clone()
         one = torch.ones((), device=m.device)
         metrics = {
-            "trm/accept_rate": _accept_rate(keep, m),
-            "trm/max_divergence_mean": _row_mean(masked_max(max_div, m, dim=-1), m),
-            "trm/avg_divergence_mean": _row_mean(masked_mean(avg_div, m, dim=-1), m),
+            "trm/accept_rate": accept,
+            "trm/max_divergence_mean": _row_mean(max_row, nonempty),
+            "trm/avg_divergence_mean": _row_mean(avg_row, nonempty),
             "trm/divergence_exact": one * (kind == "exact"),
             "trm/divergence_topk": one * (kind == "topk"),
             "trm/divergence_k_estimator": one * (kind == "k_estimator"),
         }
-        return CorrectionResult(m.float(), keep, metrics)
+        return CorrectionResult(weights, keep, metrics)
 
     return Correction("trm", apply, {"max_kl": mx, "avg_kl": av, "source": source})
 
@@ -256,14 +305,16 @@ def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, sour
     check_source(source)
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        m = batch.bool_mask
-        r = behaviour_log_ratio(batch, source, "ln_trm")
-        keep = ln_trm_mask(r, m, eps=e, delta=d, threshold=th)
+        terms = source_terms(batch, source, "ln_trm")
+        m = terms.mask
+        stat = _ln_trm_statistic(terms.raw, m, e, d)  # once, for the mask (= ln_trm_mask) and the metric
+        keep_row = (stat <= th) & (terms.ok_row == terms.n_row)  # a non-finite valid log-ratio drops its sequence
+        nonempty = terms.n_row > 0
         metrics = {
-            "ln_trm/accept_rate": _accept_rate(keep, m),
-            "ln_trm/stat_mean": _row_mean(_ln_trm_statistic(r, m, e, d), m),
+            "ln_trm/accept_rate": (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0),
+            "ln_trm/stat_mean": _row_mean(stat, nonempty),
         }
-        return CorrectionResult(m.float(), keep, metrics)
+        return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
 
     return Correction("ln_trm", apply, {"eps": e, "delta": d, "threshold": th, "source": source})
 
@@ -280,10 +331,15 @@ def ser(threshold: float = 0.05, source: str = "mismatch") -> Correction:
     check_source(source)
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        m = batch.bool_mask
-        r = behaviour_log_ratio(batch, source, "ser")
-        keep = ser_mask(r, m, threshold=th)
-        metrics = {"ser/accept_rate": _accept_rate(keep, m), "ser/stat_mean": _row_mean(_ser_statistic(r, m), m)}
-        return CorrectionResult(m.float(), keep, metrics)
+        terms = source_terms(batch, source, "ser")
+        m = terms.mask
+        stat = _ser_statistic(terms.raw, m)  # once, for the mask (= ser_mask) and the metric
+        keep_row = (stat <= th) & (terms.ok_row == terms.n_row)  # a non-finite valid log-ratio drops its sequence
+        nonempty = terms.n_row > 0
+        metrics = {
+            "ser/accept_rate": (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0),
+            "ser/stat_mean": _row_mean(stat, nonempty),
+        }
+        return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
 
     return Correction("ser", apply, {"threshold": th, "source": source})
