@@ -65,13 +65,7 @@ def token_kl(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0
     >>> token_kl(torch.tensor([0.0, 0.0]).log_softmax(-1), torch.tensor([0.75, 0.25]).log())
     tensor(0.1438)
     """
-    _check_logits("rollout_logits", rollout_logits)
-    _check_logits("logits", logits)
-    if rollout_logits.shape != logits.shape:
-        raise ValueError(f"rollout_logits has shape {tuple(rollout_logits.shape)} but logits has {tuple(logits.shape)}")
-    return token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature, want=("kl",),
-                                   rollout_logits=rollout_logits, rollout_temperature=rollout_temperature,
-                                   memory_budget_bytes=memory_budget_bytes).kl
+    return _pair_stat("kl", rollout_logits, logits, temperature, rollout_temperature, memory_budget_bytes)
 
 
 def token_tv(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0, rollout_temperature: float = 1.0,
@@ -82,13 +76,20 @@ def token_tv(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0
     >>> token_tv(torch.tensor([0.0, 0.0]), torch.tensor([0.75, 0.25]).log())
     tensor(0.2500)
     """
+    return _pair_stat("tv", rollout_logits, logits, temperature, rollout_temperature, memory_budget_bytes)
+
+
+def _pair_stat(stat: str, rollout_logits: Tensor, logits: Tensor, temperature: float, rollout_temperature: float,
+               memory_budget_bytes: int) -> Tensor:
+    """One full-vocabulary statistic ("kl" or "tv") between two validated logit tensors of the same shape."""
     _check_logits("rollout_logits", rollout_logits)
     _check_logits("logits", logits)
     if rollout_logits.shape != logits.shape:
         raise ValueError(f"rollout_logits has shape {tuple(rollout_logits.shape)} but logits has {tuple(logits.shape)}")
-    return token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature, want=("tv",),
-                                   rollout_logits=rollout_logits, rollout_temperature=rollout_temperature,
-                                   memory_budget_bytes=memory_budget_bytes).tv
+    stats = token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature, want=(stat,),
+                                    rollout_logits=rollout_logits, rollout_temperature=rollout_temperature,
+                                    memory_budget_bytes=memory_budget_bytes)
+    return getattr(stats, stat)
 
 
 def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,

@@ -13,6 +13,9 @@ Masked sequences keep their place in the loss denominator (the paper normalises 
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -304,19 +307,8 @@ def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, sour
     assert e is not None and d is not None and th is not None
     check_source(source)
 
-    def apply(batch: LogProbBatch) -> CorrectionResult:
-        terms = source_terms(batch, source, "ln_trm")
-        m = terms.mask
-        stat = _ln_trm_statistic(terms.raw, m, e, d)  # once, for the mask (= ln_trm_mask) and the metric
-        keep_row = (stat <= th) & (terms.ok_row == terms.n_row)  # a non-finite valid log-ratio drops its sequence
-        nonempty = terms.n_row > 0
-        metrics = {
-            "ln_trm/accept_rate": (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0),
-            "ln_trm/stat_mean": _row_mean(stat, nonempty),
-        }
-        return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
-
-    return Correction("ln_trm", apply, {"eps": e, "delta": d, "threshold": th, "source": source})
+    statistic = partial(_ln_trm_statistic, eps=e, delta=d)
+    return _row_statistic_mask("ln_trm", statistic, th, source, {"eps": e, "delta": d, "threshold": th, "source": source})
 
 
 def ser(threshold: float = 0.05, source: str = "mismatch") -> Correction:
@@ -330,16 +322,27 @@ def ser(threshold: float = 0.05, source: str = "mismatch") -> Correction:
     assert th is not None
     check_source(source)
 
+    return _row_statistic_mask("ser", _ser_statistic, th, source, {"threshold": th, "source": source})
+
+
+def _row_statistic_mask(
+    name: str, statistic: Callable[[Tensor, Tensor], Tensor], threshold: float, source: str, config: dict[str, object]
+) -> Correction:
+    """A sequence mask that keeps a row iff ``statistic(raw log-ratio, mask) [B] <= threshold`` (LN-TRM, SER).
+
+    Metrics ``<name>/accept_rate`` and ``<name>/stat_mean``; a non-finite valid log-ratio drops its sequence.
+    """
+
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        terms = source_terms(batch, source, "ser")
+        terms = source_terms(batch, source, name)
         m = terms.mask
-        stat = _ser_statistic(terms.raw, m)  # once, for the mask (= ser_mask) and the metric
-        keep_row = (stat <= th) & (terms.ok_row == terms.n_row)  # a non-finite valid log-ratio drops its sequence
+        stat = statistic(terms.raw, m)  # once, for the mask (= ln_trm_mask / ser_mask) and the metric
+        keep_row = (stat <= threshold) & (terms.ok_row == terms.n_row)
         nonempty = terms.n_row > 0
         metrics = {
-            "ser/accept_rate": (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0),
-            "ser/stat_mean": _row_mean(stat, nonempty),
+            f"{name}/accept_rate": (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0),
+            f"{name}/stat_mean": _row_mean(stat, nonempty),
         }
         return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
 
-    return Correction("ser", apply, {"threshold": th, "source": source})
+    return Correction(name, apply, config)

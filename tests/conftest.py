@@ -1,4 +1,4 @@
-"""Shared fixtures for the model tests: a random-init tiny model (built once per module), offline."""
+"""Fixtures for the whole suite: offline, one intra-op thread, and a random-init tiny model built once per module."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from offpolicy.models.warm_start import torch_threads
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Tiny matmuls: one thread is as fast as two, and avoids 10x slow-downs when the 2-core box is shared.
+    # Tiny matmuls: one thread is as fast as two, and avoids 10x slow-downs when the 2-core machine is shared.
     with torch_threads(1):
         yield
 
