@@ -47,7 +47,19 @@ DEMO_OVERRIDES = [
 ]
 
 
+def _quiet_transformers() -> None:
+    """No "Loading weights" / "Writing model shards" bars between our own progress lines."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # transformers is a CLI dependency; without it the run fails later with a clear error
+        pass
+
+
 def _console() -> Console:
+    _quiet_transformers()
     console = Console(highlight=False)
     if not console.is_terminal:  # logs / CI: rich would wrap the summary table at 80 columns
         console = Console(highlight=False, width=max(console.width, 120))
