@@ -48,7 +48,16 @@ def assert_same(a, b):
         torch.testing.assert_close(a, b, equal_nan=True)
 
 
+def forward_backward(fn, logp0, old, rollout, mask, adv):
+    """(loss, metrics, ∂loss/∂logp) of ``fn`` on a fresh leaf copy of ``logp0``: the eager/compiled comparison."""
+    logp = logp0.clone().requires_grad_(True)
+    loss, metrics = fn(logp, old, rollout, mask, adv)
+    loss.backward()
+    return loss.detach(), metrics, logp.grad
+
+
 @pytest.mark.parametrize("objective", ["ppo", "gspo", "reinforce"])
+
 def test_policy_loss_with_correction_chain(objective):
     logp0, old, rollout, mask, adv = make_inputs()
     correction = chain(tis(upper=2.0), icepop(), opsm(delta=0.1), trm())
@@ -58,13 +67,8 @@ def test_policy_loss_with_correction_chain(objective):
         loss, metrics = policy_loss(b, correction=correction, objective=objective, clip_high=0.28, aggregation="seq_mean_token_mean")
         return loss, metrics
 
-    def fwd_bwd(fn):
-        logp = logp0.clone().requires_grad_(True)
-        loss, metrics = fn(logp, old, rollout, mask, adv)
-        loss.backward()
-        return loss.detach(), metrics, logp.grad
-
-    assert_same(fwd_bwd(step), fwd_bwd(compiled(step)))
+    args = (logp0, old, rollout, mask, adv)
+    assert_same(forward_backward(step, *args), forward_backward(compiled(step), *args))
 
 
 def test_importance_weights_all_levels_and_modes():
@@ -136,13 +140,8 @@ def test_full_offpolicy_chain_of_every_correction():
         loss, lm = policy_loss(b, correction=result, dual_clip=3.0)
         return loss, {**metrics, **lm}
 
-    def fwd_bwd(fn):
-        logp = logp0.clone().requires_grad_(True)
-        loss, metrics = fn(logp, old, rollout, mask, adv)
-        loss.backward()
-        return loss.detach(), metrics, logp.grad
-
-    assert_same(fwd_bwd(step), fwd_bwd(compiled(step)))
+    args = (logp0, old, rollout, mask, adv)
+    assert_same(forward_backward(step, *args), forward_backward(compiled(step), *args))
 
 
 def test_length_neutral_masks():
