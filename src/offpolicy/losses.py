@@ -171,117 +171,145 @@ def policy_loss(
     result = _resolve_correction(batch, correction)
     if objective == "gspo":
         level = "geometric"
+    with torch.no_grad():
+        loss, grad, metrics = _loss_and_gradient(
+            batch, result, objective, aggregation, eps_low, eps_high, dual_clip, max_tokens, level
+        )
+    if batch.logp.requires_grad:
+        loss = _WithGradient.apply(batch.logp, loss, grad)
+    if result is not None:
+        metrics = {**result.metrics, **metrics}
+    return loss, metrics
 
-    # Float masks and nan_to_num instead of torch.where / isfinite: same NaN-safety (a non-finite value is replaced
-    # *before* any arithmetic, and nan_to_num's backward is grad·isfinite, never NaN·0), several times fewer memory
-    # passes — a bool-mask where is ~15× slower than a float multiply on CPU.
+
+class _WithGradient(torch.autograd.Function):
+    """Attach a precomputed gradient to a loss value: forward returns ``loss``, backward returns g · ``grad`` for
+    ``logp``. Why: the per-token loss is piecewise (clamps, masks), so its derivative is a closed form the forward
+    pass already has every term of; autograd would instead record and replay ~10 [B, T] operations and keep their
+    inputs alive (under ``torch.compile`` dozens of saved buffers). First-order only (no double backward)."""
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, loss: Tensor, grad: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(grad)
+        ctx.logp_dtype = logp.dtype
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return (grad * g).to(ctx.logp_dtype), None, None
+
+
+def _loss_and_gradient(
+    batch: LogProbBatch,
+    result: CorrectionResult | None,
+    objective: str,
+    aggregation: str,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+    max_tokens: int | None,
+    level: str,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Loss value, d loss / d logp ``[B, T]`` float32 and metrics, computed without an autograd graph.
+
+    Per token (invalid positions have lp = A = 0, see below), with c_t the correction coefficient and a_t the
+    aggregation weight (1/Σm, or 1/(|y_i|·#non-empty sequences), or 1/(B·T_max)):
+
+    * ratio objectives: L_t = −A·exp(clamp(log r_t, lo_t, hi_t))·c_t, where the bounds are log(1−ε_low) below for
+      A < 0, log(1+ε_high) above for A > 0, log(dual_clip) above for A < 0, and ±20 everywhere (verl's bound).
+      dL_t/dlp_t = −A·r_t·c_t where the clamp is inactive and 0 where it is active — the clamp's (inclusive)
+      derivative; at ``sequence``/``geometric`` level log r_t = sg[log s_i] + lp_t − sg[lp_t] has the same form.
+    * ``reinforce``: L_t = −A·lp_t·c_t, dL_t/dlp_t = −A·c_t.
+
+    The gradient returned is a_t·dL_t/dlp_t; the loss is Σ_t a_t·L_t.
+    """
+    # Float masks and nan_to_num instead of torch.where / isfinite / comparisons: the same NaN-safety (a non-finite
+    # value is replaced *before* any arithmetic) at a fraction of the memory passes — on CPU a bool-producing
+    # comparison costs ~4× a float multiply and a bool-mask where ~20×. Work is done in place where the buffer is ours.
     mask = batch.bool_mask
     mf = float_mask(mask)  # = mask.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
-    logp = batch.logp.float()
-    adv = batch.advantages.float()  # type: ignore[union-attr]
-    adv_t = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # broadcasts against [B, T] without materialising
+    logp = batch.logp.detach().float()
+    adv = batch.advantages.detach().float()  # type: ignore[union-attr]
+    adv_t = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]: broadcasts without materialising
 
     # A token is usable only if every quantity it touches is finite. One test on the sum of all of them (a NaN or
     # ±inf anywhere propagates; only magnitudes beyond ~1e37, meaningless as log-probs, could overflow the float32
-    # sum and would then also count as non-finite): x·0 is 0 if x is finite, NaN otherwise.
-    # On CPU every fresh [B, T] temporary costs about as much as the arithmetic, so the no-grad parts work in place.
-    probe = logp.detach() + adv_t
+    # sum and would then also count as non-finite): x·0 + m is m if x is finite, NaN otherwise.
+    probe = logp + adv_t
     for other in (batch.old_logp, batch.rollout_logp):
         if other is not None:
             probe.add_(other.detach())
-    bad = probe.mul_(0.0).nan_to_num_(1.0, 1.0, 1.0)  # 0.0 where finite, 1.0 where not
-    vf = bad.mul_(mf).neg_().add_(mf)  # mf · (1 − bad): 1.0 on valid finite tokens, else 0.0
+    vf = probe.mul_(0.0).add_(mf).nan_to_num_(0.0, 0.0, 0.0)  # 1.0 on valid finite tokens, else 0.0
     n_mask = mf.sum()
     n_valid = vf.sum()
 
-    lp = logp.nan_to_num(0.0, 0.0, 0.0).mul_(vf)  # 0 at invalid positions; nan_to_num's backward is grad·isfinite
-    neg_a = (-adv_t).nan_to_num(0.0, 0.0, 0.0) * vf  # −A, 0 at invalid positions
+    lp = logp.nan_to_num(0.0, 0.0, 0.0).mul_(vf)  # log π_θ, 0 at invalid positions
+    neg_a = adv_t.nan_to_num(0.0, 0.0, 0.0).neg() * vf  # −A [B, T], 0 at invalid positions
 
-    # ---- per-token loss (exactly 0 at invalid positions: lp = neg_a = 0 there) --------------------------------------
-    ratio = None
-    if objective == "reinforce":
-        per_token = neg_a * lp
-    else:
-        denom = batch.rollout_logp if objective == "bypass" else batch.old_logp
-        if denom is None:  # π_old = π_θ detached: r = 1 in value, gradient of log π_θ
-            log_r = lp - lp.detach()
-        else:
-            log_r = lp - denom.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf)
-        if level != "token":
-            # Sequence ratio in value, per-token gradient: log s_it = sg[log s_i] + log π_t − sg[log π_t] (GSPO-token).
-            seq = log_r.detach().sum(dim=-1, keepdim=True)
-            if level == "geometric":
-                seq = seq / vf.sum(dim=-1, keepdim=True).clamp(min=1.0)
-            seq = seq.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * vf  # keep log r = 0 at invalid positions
-            log_r = seq + (lp - lp.detach())
-        log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        ratio = torch.exp(log_r)
-        # −min(rA, clip(r)A) is −A·min(r, 1+ε_high) for A > 0 and −A·max(r, 1−ε_low) for A < 0, and dual-clip's
-        # min(L, c|A|) for A < 0 is −A·min(max(r, 1−ε_low), c): one clamp with per-sign bounds (cheaper forward and
-        # backward than max of two products). The bounds are constants picked by where on A, never NaN.
-        big = math.exp(LOG_RATIO_BOUND) * 2.0  # above any ratio: "no bound"
-        upper = big if dual_clip is None else float(dual_clip)
-        lo_b = torch.where(adv_t < 0, 1.0 - eps_low, 0.0)
-        hi_b = torch.where(adv_t > 0, 1.0 + eps_high, torch.where(adv_t < 0, upper, big))
-        clipped_ratio = torch.clamp(ratio, min=lo_b, max=hi_b)
-        per_token = neg_a * clipped_ratio
-
-    # ---- correction coefficient: detached and finite everywhere (a NaN·0 in backward would poison the gradient) ----
+    # ---- correction coefficient c_t: detached and finite everywhere ----------------------------------------------
     coef = None
     if result is not None:
         keep = result.keep.view(torch.uint8) if result.keep.dtype == torch.bool else result.keep  # uint8: fast mul_
         coef = result.weights.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(keep)
     elif objective == "decoupled":
-        w_log = (batch.anchor_logp.detach().float() - batch.rollout_logp.detach().float()).nan_to_num(0.0, 0.0, 0.0)  # type: ignore[union-attr]
-        coef = torch.exp((w_log * vf).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    if coef is not None:
-        per_token = per_token * coef
+        w_log = batch.anchor_logp.detach().float() - batch.rollout_logp.detach().float()  # type: ignore[union-attr]
+        coef = w_log.nan_to_num_(0.0, 0.0, 0.0).mul_(vf).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
 
-    # ---- aggregation: denominators come from the padding mask ---------------------------------------------------
+    # ---- aggregation weight a_t: denominators come from the padding mask -----------------------------------------
     if aggregation == "token_mean":
-        loss = per_token.sum() / n_mask.clamp(min=1.0)
+        agg_w: Tensor = 1.0 / n_mask.clamp(min=1.0)
     elif aggregation == "seq_mean_token_mean":
-        tokens = mf.sum(dim=-1)
-        seq_loss = per_token.sum(dim=-1) / tokens.clamp(min=1.0)
-        loss = seq_loss.sum() / torch.count_nonzero(tokens).clamp(min=1).float()
+        tokens = mf.sum(dim=-1, keepdim=True)
+        agg_w = 1.0 / (tokens.clamp(min=1.0) * torch.count_nonzero(tokens).clamp(min=1).float())  # [B, 1]
     else:
         t_max = max_tokens if max_tokens is not None else logp.shape[-1]
-        loss = per_token.sum() / float(max(logp.shape[0] * t_max, 1))
+        agg_w = torch.full((), 1.0 / float(max(logp.shape[0] * t_max, 1)), device=logp.device)
 
-    # ---- metrics (detached, no host sync; float arithmetic on values that are exactly 0 / 1 at invalid positions) ----
-    denom_valid = n_valid.clamp(min=1.0)
-    has_valid = n_valid > 0
-    one = torch.ones((), dtype=torch.float32, device=logp.device)
     zero0 = torch.zeros((), dtype=torch.float32, device=logp.device)
-    if ratio is None:
-        clip_low_frac = clip_high_frac = dual_frac = zero0
+    if objective == "reinforce":
+        d_token = neg_a if coef is None else neg_a.mul_(coef)  # dL_t/dlp_t = −A·c_t
+        per_token_sum = (d_token * lp).sum(dim=-1, keepdim=True)
+        grad = d_token.mul_(agg_w)
+        loss = (per_token_sum * agg_w).sum() if agg_w.dim() else per_token_sum.sum() * agg_w
         if batch.old_logp is None:
-            r_log = torch.zeros_like(lp)
+            log_r = torch.zeros_like(lp)
         else:
-            r_log = (lp.detach() - batch.old_logp.float().nan_to_num(0.0, 0.0, 0.0) * vf).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        r_excess = torch.expm1(r_log).sum()
+            log_r = batch.old_logp.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
+        log_r = log_r.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        clip_low_frac = clip_high_frac = dual_frac = zero0
     else:
-        r = ratio.detach()
-        r_log = log_r.detach()
-        # sign(clamped − r): +1 where the clamp moved r up (A < 0, r < 1−ε_low), −1 where it moved it down (A > 0,
-        # r > 1+ε_high; or dual clip: A < 0, r > c), 0 elsewhere — invalid positions hold r = 1, inside every band.
-        moved = (clipped_ratio.detach() - r).sign_()
-        net = moved.sum()
-        n_moved = moved.abs_().sum()
-        n_up, n_down = (n_moved + net) / 2.0, (n_moved - net) / 2.0
-        if dual_clip is not None:  # neg_a > 0 ⇔ A < 0 on a valid token
-            n_dual = (neg_a.sign().clamp(min=0.0) * (r - dual_clip).sign().clamp(min=0.0)).sum()
+        denom = batch.rollout_logp if objective == "bypass" else batch.old_logp
+        if denom is None:  # π_old = π_θ detached: log r = 0 in value, gradient of log π_θ
+            log_r = torch.zeros_like(lp)
         else:
-            n_dual = zero0
+            log_r = denom.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
+        if level != "token":
+            # GSPO-token: log s_it = sg[log s_i] + lp_t − sg[lp_t]: the sequence value on every valid token
+            seq = log_r.sum(dim=-1, keepdim=True)
+            if level == "geometric":
+                seq = seq / vf.sum(dim=-1, keepdim=True).clamp(min=1.0)
+            log_r = seq.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * vf
+        log_c, active, n_up, n_down, n_dual = _clamp_ratio(log_r, adv_t, eps_low, eps_high, dual_clip)
+        d_token = log_c.exp_().mul_(neg_a)  # −A·clip(r)
+        if coef is not None:
+            d_token = d_token.mul_(coef)
+        per_token_sum = d_token.sum(dim=-1, keepdim=True)
+        grad = d_token.mul_(active).mul_(agg_w)  # where inactive the clamp's derivative is 0; else dL/dlp = L
+        loss = (per_token_sum * agg_w).sum() if agg_w.dim() else per_token_sum.sum() * agg_w
+        log_r = log_r.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        denom_valid = n_valid.clamp(min=1.0)
         clip_low_frac = n_up / denom_valid
         clip_high_frac = (n_down - n_dual) / denom_valid
         dual_frac = n_dual / denom_valid
-        r_excess = (r - 1.0).sum()  # Σ (r − 1) is exactly 0 at invalid positions (r = 1): no padding in the sum
-    r_mean = 1.0 + r_excess / denom_valid
-    # push invalid positions (log r = 0) out of reach of max/min: |log r| ≤ 20 < 1e4
-    push = (vf - 1.0).mul_(1.0e4)
-    r_max = torch.exp((r_log + push).amax())
-    r_min = torch.exp(push.neg_().add_(r_log).amin())
+
+    # ---- ratio statistics over valid tokens (log r is 0 at invalid positions) -------------------------------------
+    has_valid = n_valid > 0
+    one = torch.ones((), dtype=torch.float32, device=logp.device)
+    r_mean = 1.0 + torch.expm1(log_r).mul_(vf).sum() / n_valid.clamp(min=1.0)
+    push = (vf - 1.0).mul_(1.0e4)  # moves invalid positions out of reach of max/min: |log r| ≤ 20 < 1e4
+    r_max = torch.exp((log_r + push).amax())
+    r_min = torch.exp(push.neg_().add_(log_r).amin())
     metrics = {
         "loss/clipfrac_low": clip_low_frac,
         "loss/clipfrac_high": clip_high_frac,
@@ -292,6 +320,35 @@ def policy_loss(
         "loss/empty_batch": (n_mask == 0).float(),
         "loss/nonfinite_tokens": n_mask - n_valid,
     }
-    if result is not None:
-        metrics = {**result.metrics, **metrics}
-    return loss, metrics
+    return loss, grad, metrics
+
+
+def _clamp_ratio(
+    log_r: Tensor, adv_t: Tensor, eps_low: float, eps_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """log r clamped to its per-sign bounds (see :func:`_loss_and_gradient`), where the clamp is inactive, and the
+    counts of valid tokens clamped up (A < 0, r < 1−ε_low), down (A > 0, r > 1+ε_high, or A < 0, r > c) and down by
+    the dual clip.
+
+    Invalid positions hold log r = 0 and A = 0, inside every band. Returns (log_c [B, T], active [B, T] float 0/1 —
+    1 where log_c == log r, the clamp's inclusive derivative —, n_up, n_down, n_dual).
+    The ±20 bound also applies (so a clamped |log r| > 20 counts as clipped, which it is: no gradient)."""
+    bound = LOG_RATIO_BOUND
+    lo_neg = max(math.log(1.0 - eps_low), -bound) if eps_low < 1.0 else -bound
+    hi_pos = min(math.log1p(eps_high), bound)
+    hi_neg = bound if dual_clip is None else min(math.log(dual_clip), bound)
+    # per-sign bounds as [B, 1] (or [B, T]) constants: where() on the advantages only, never on a [B, T] ratio
+    pos, neg = adv_t > 0, adv_t < 0
+    lo = torch.where(neg, lo_neg, -bound)
+    hi = torch.where(pos, hi_pos, torch.where(neg, hi_neg, bound))
+    log_c = torch.clamp(log_r, min=lo, max=hi)
+    moved = log_c - log_r  # > 0 clamped up, < 0 clamped down
+    active = moved.sign().abs_().neg_().add_(1.0)
+    n_up = torch.count_nonzero(moved.clamp(min=0.0)).float()
+    n_moved = torch.count_nonzero(moved).float()
+    n_down = n_moved - n_up
+    if dual_clip is None:
+        n_dual = torch.zeros((), dtype=torch.float32, device=log_r.device)
+    else:  # clamped down on an A < 0 token: only the dual clip bounds those from above
+        n_dual = torch.count_nonzero(moved.clamp_(max=0.0).mul_(neg)).float()
+    return log_c, active, n_up, n_down, n_dual
