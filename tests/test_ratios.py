@@ -270,3 +270,16 @@ def test_nonfinite_valid_values_never_produce_nan(batch, seed):
 def test_log_ratio_bound_constant():
     # the exp of the bound must be finite in float32 (its square too: chi² metrics square the ratio)
     assert math.isfinite(math.exp(2 * LOG_RATIO_BOUND)) and torch.isfinite(torch.exp(torch.tensor(2 * LOG_RATIO_BOUND)))
+
+
+@pytest.mark.parametrize("values", [(0.0, 0.0, 0.0), (1.0, 1.0, 1.0), (0.0, 20.0, -20.0), (-3.0e38, 0.0, -3.0e38)])
+def test_nan_to_num_helper_matches_torch_eager_and_compiled(values):
+    """The compiled form (where on x − x == 0) must equal torch.nan_to_num for every replacement pattern we use."""
+    from offpolicy.ratios import nan_to_num
+
+    x = torch.tensor([[1.5, float("nan"), float("inf"), -float("inf"), -0.0, 3.0e38, -2.0]])
+    expected = torch.nan_to_num(x, *values)
+    assert torch.equal(nan_to_num(x, *values), expected)
+    assert torch.equal(nan_to_num(x.clone(), *values, inplace=True), expected)
+    compiled = torch.compile(lambda t: nan_to_num(t, *values), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), expected)

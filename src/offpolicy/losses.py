@@ -54,7 +54,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask, nan_to_num
 
 Objective = Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -240,21 +240,21 @@ def _loss_and_gradient(
     for other in (batch.old_logp, batch.rollout_logp):
         if other is not None:
             probe.add_(other.detach())
-    vf = probe.mul_(0.0).add_(mf).nan_to_num_(0.0, 0.0, 0.0)  # 1.0 on valid finite tokens, else 0.0
+    vf = nan_to_num(probe.mul_(0.0).add_(mf), 0.0, 0.0, 0.0, inplace=True)  # 1.0 on valid finite tokens, else 0.0
     n_mask = mf.sum()
     n_valid = vf.sum()
 
-    lp = logp.nan_to_num(0.0, 0.0, 0.0).mul_(vf)  # log π_θ, 0 at invalid positions
-    neg_a = adv_t.nan_to_num(0.0, 0.0, 0.0).neg() * vf  # −A [B, T], 0 at invalid positions
+    lp = nan_to_num(logp, 0.0, 0.0, 0.0).mul_(vf)  # log π_θ, 0 at invalid positions
+    neg_a = nan_to_num(adv_t, 0.0, 0.0, 0.0).neg() * vf  # −A [B, T], 0 at invalid positions
 
     # ---- correction coefficient c_t: detached and finite everywhere ----------------------------------------------
     coef = None
     if result is not None:
-        keep = result.keep.view(torch.uint8) if result.keep.dtype == torch.bool else result.keep  # uint8: fast mul_
-        coef = result.weights.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(keep)
+        keep = result.keep.view(torch.uint8) if result.keep.dtype == torch.bool and not torch.compiler.is_compiling() else result.keep  # uint8: fast mul_
+        coef = nan_to_num(result.weights.detach().float(), 0.0, 0.0, 0.0).mul_(keep)
     elif objective == "decoupled":
         w_log = batch.anchor_logp.detach().float() - batch.rollout_logp.detach().float()  # type: ignore[union-attr]
-        coef = w_log.nan_to_num_(0.0, 0.0, 0.0).mul_(vf).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
+        coef = nan_to_num(w_log, 0.0, 0.0, 0.0, inplace=True).mul_(vf).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
 
     # ---- aggregation weight a_t: denominators come from the padding mask -----------------------------------------
     if aggregation == "token_mean":
@@ -275,7 +275,7 @@ def _loss_and_gradient(
         if batch.old_logp is None:
             log_r = torch.zeros_like(lp)
         else:
-            log_r = batch.old_logp.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
+            log_r = nan_to_num(batch.old_logp.detach().float(), 0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
         log_r = log_r.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         clip_low_frac = clip_high_frac = dual_frac = zero0
     else:
@@ -283,7 +283,7 @@ def _loss_and_gradient(
         if denom is None:  # π_old = π_θ detached: log r = 0 in value, gradient of log π_θ
             log_r = torch.zeros_like(lp)
         else:
-            log_r = denom.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
+            log_r = nan_to_num(denom.detach().float(), 0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
         if level != "token":
             # GSPO-token: log s_it = sg[log s_i] + lp_t − sg[lp_t]: the sequence value on every valid token
             seq = log_r.sum(dim=-1, keepdim=True)

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -112,9 +112,9 @@ def offpolicy_metrics(
     # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
     # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
     mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
-    vf = (diff * 0.0).nan_to_num_(1.0, 1.0, 1.0).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
-    r = diff.nan_to_num_(0.0, 0.0, 0.0).mul_(vf)  # log ρ, exactly 0 at invalid positions
-    pi_v = pi.nan_to_num(0.0, 0.0, 0.0).mul_(vf)
+    vf = nan_to_num(diff * 0.0, 1.0, 1.0, 1.0, inplace=True).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
+    r = nan_to_num(diff, 0.0, 0.0, 0.0, inplace=True).mul_(vf)  # log ρ, exactly 0 at invalid positions
+    pi_v = nan_to_num(pi, 0.0, 0.0, 0.0).mul_(vf)
 
     seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
     seq_len_i = seq_len.long()
@@ -174,7 +174,7 @@ def offpolicy_metrics(
         clipped = zero0
         masked = zero0
     else:
-        w = weights.detach().float().nan_to_num(0.0, 0.0, 0.0).mul_(vf)
+        w = nan_to_num(weights.detach().float(), 0.0, 0.0, 0.0).mul_(vf)
         w_flat = w.reshape(-1)
         w_sum = w_flat.sum()
         w_sq_sum = torch.dot(w_flat, w_flat)

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, check_level, float_mask
+from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, check_level, float_mask, nan_to_num
 
 MODES: tuple[str, ...] = ("truncate", "mask")
 SOURCES: tuple[str, ...] = ("mismatch", "total")
@@ -199,9 +199,9 @@ def ratio_terms(log_ratio: Tensor, mask: Tensor, mf: Tensor | None = None) -> Ra
     m = as_mask(mask)
     mf = float_mask(m) if mf is None else mf  # ``mf`` lets a batch share one float mask across sources
     raw = log_ratio.detach().float()
-    bad = (raw * 0.0).nan_to_num_(1.0, 1.0, 1.0)  # x·0 is 0 for finite x, NaN otherwise → 1.0 where non-finite
+    bad = nan_to_num(raw * 0.0, 1.0, 1.0, 1.0, inplace=True)  # x·0 is 0 for finite x, NaN otherwise → 1.0 where non-finite
     ok = bad.neg_().add_(1.0).mul_(mf)
-    clean = raw.nan_to_num(0.0, 0.0, 0.0).mul_(ok)
+    clean = nan_to_num(raw, 0.0, 0.0, 0.0).mul_(ok)
     n_row = mf.sum(dim=-1)
     return RatioTerms(raw, m, mf, ok, clean, n_row, ok.sum(dim=-1), clean.sum(dim=-1), n_row.sum())
 

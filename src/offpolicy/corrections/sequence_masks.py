@@ -34,7 +34,7 @@ from offpolicy.corrections.importance import (
     ratio_terms,
     source_terms,
 )
-from offpolicy.ratios import as_mask, broadcast_rows, masked_mean
+from offpolicy.ratios import as_mask, broadcast_rows, masked_mean, nan_to_num
 
 
 def _check_veto_threshold(threshold: object) -> float:
@@ -88,7 +88,7 @@ _FLOAT_MIN = float(torch.finfo(torch.float32).min)
 def _vetoed_rows(terms: RatioTerms, threshold: float) -> Tensor:
     """[B] True where a valid token has ¬(log ρ_t ≥ log threshold) — :func:`token_veto` on a row minimum: NaN and −inf
     map below any log-threshold, +inf and padding (0 ≥ log threshold, threshold ≤ 1) never veto."""
-    low = terms.raw.nan_to_num(_FLOAT_MIN, 0.0, _FLOAT_MIN).mul_(terms.mf)
+    low = nan_to_num(terms.raw, _FLOAT_MIN, 0.0, _FLOAT_MIN).mul_(terms.mf)
     return low.amin(dim=-1) < math.log(threshold)
 
 
@@ -267,7 +267,7 @@ def opsm(delta: float = 1e-4) -> Correction:
         buf = torch.mul(mis_t.clean, ok3)
         mism = -buf.sum(dim=-1) / n
         anchor, lp = batch.anchor_logp.detach().float(), batch.logp.detach().float()
-        stale = torch.sub(anchor, lp, out=buf).mul_(ok3).nan_to_num_(0.0, 0.0, 0.0).sum(dim=-1) / n  # reuses buf
+        stale = nan_to_num(torch.sub(anchor, lp, out=buf).mul_(ok3), 0.0, 0.0, 0.0, inplace=True).sum(dim=-1) / n  # reuses buf
         nonempty = stat_t.n_row > 0
         metrics = {
             "opsm/masked_seq_frac": _row_frac(drop, nonempty),

@@ -27,7 +27,7 @@ from offpolicy.corrections.importance import (
     check_threshold,
     source_terms,
 )
-from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, masked_fill_invalid, masked_max, masked_mean
+from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, float_mask, masked_fill_invalid, masked_max, masked_mean, nan_to_num
 
 # ---------------------------------------------------------------------------------------------------------------------
 # k-estimators (Schulman, "Approximating KL divergence"; REFERENCE.md)
@@ -190,7 +190,7 @@ def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
 
 
 def _mask_weights(m: Tensor) -> Tensor:
-    return m.view(torch.uint8).to(torch.float32)  # = m.float(), via the fast cast (see ratios.float_mask)
+    return float_mask(m)
 
 
 def _nonempty(m: Tensor) -> Tensor:
@@ -219,9 +219,10 @@ def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> t
     # two [B, T] buffers, reused in place (each fresh one costs page faults on CPU)
     buf = torch.mul(terms.clean, 0.5).mul_(terms.clean)  # k2 = (0.5·r)·r as k2(); 0 at padding / non-finite r
     k2_max_all = buf.amax(dim=-1)  # inf iff some k2 overflowed (|r| > 1.8e19); k2 ≥ 0, so the 0s never win
-    k2_max = buf.nan_to_num_(0.0, 0.0, 0.0).amax(dim=-1)  # masked_max: overflowed entries are left out
+    k2_max = nan_to_num(buf, 0.0, 0.0, 0.0, inplace=True).amax(dim=-1)  # masked_max: overflowed entries are left out
     # k3 of the raw r: ±inf clamp to ±20, NaN contributes 0 (masked_mean drops non-finite k3), padding 0
-    r3 = torch.nan_to_num(terms.raw, 0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND, out=buf)
+    r3 = buf.copy_(terms.raw)
+    r3 = nan_to_num(r3, 0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND, inplace=True)
     r3.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(terms.mf)
     k3_mean = torch.expm1(r3).sub_(r3).sum(dim=-1) / terms.n_row.clamp(min=1.0)
     ok = torch.ones_like(terms.n_row, dtype=torch.bool)
@@ -230,7 +231,7 @@ def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> t
     if av is not None:
         ok = ok & (k3_mean <= av)
         if mx is None:  # only a NaN r makes k3 non-finite: clamp maps ±inf to ±1, NaN stays, ·0 leaves only NaN
-            nan_row = (terms.raw.clamp(-1.0, 1.0).mul_(0.0).nan_to_num_(1.0, 0.0, 0.0) * terms.mf).sum(dim=-1)
+            nan_row = (nan_to_num(terms.raw.clamp(-1.0, 1.0).mul_(0.0), 1.0, 0.0, 0.0, inplace=True) * terms.mf).sum(dim=-1)
             ok = ok & (nan_row == 0)
     return ok, k2_max, k3_mean
 
