@@ -21,6 +21,8 @@ step (the baseline's too) is page-faulting fresh [B, T] buffers; glibc's ``MALLO
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import time
 
@@ -33,6 +35,28 @@ from offpolicy.corrections.sequence_masks import opsm, veto
 from offpolicy.corrections.trust_region import trm
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import offpolicy_metrics
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS (mallopt; Linux/glibc only).
+
+    Why: with glibc's defaults every fresh 2 MiB [B, T] buffer is page-faulted in again, which costs about as much as
+    the arithmetic and varies run to run by 2–3× on a shared VM — in the baseline and in the full path alike. A
+    caching allocator (PyTorch's CUDA allocator, jemalloc/tcmalloc on CPU) does not pay it; this puts glibc in the
+    same regime so the ratio measures the computation. ``--system-malloc`` measures with glibc's defaults instead.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name)
+    if not hasattr(libc, "mallopt"):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return bool(
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's maximum: [B, T] buffers come from the heap
+        and libc.mallopt(m_trim_threshold, 2**30)  # and freed heap memory is not handed back
+        and libc.mallopt(m_top_pad, 64 * 2**20)
+    )
 
 
 def plain_ppo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -117,7 +141,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile both paths (default backend)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--per-correction", action="store_true", help="also time each correction alone (eager)")
+    p.add_argument("--system-malloc", action="store_true", help="keep glibc's defaults (fresh buffers page-fault)")
     args = p.parse_args()
+    malloc = "glibc defaults" if args.system_malloc else ("caching (mallopt)" if keep_freed_memory() else "system")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -164,18 +190,26 @@ def main() -> None:
         batch = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
         policy_loss(batch, correction=fixed_result)[0].backward()
 
+    def eager_base_step():
+        logp = logp0.detach().requires_grad_(True)
+        plain_ppo(logp, old, adv, mask).backward()
+
     steps = {"plain": base_step, "full": full_step, "full2": two_step}
-    if not args.compile:
+    if args.compile:  # what a user who compiles only the offpolicy part compares against: their eager PPO loss
+        steps["plain_eager"] = eager_base_step
+    else:
         steps.update({"chain": chain_step, "metrics": metrics_step, "loss": loss_step, "chain2": two_chain_step})
         if args.per_correction:
             for name, c in PARTS.items():
                 steps[name] = lambda c=c: c(fresh_batch())
     t = measure(steps, repeats, warmup=2, device=args.device)
 
-    print(f"device={args.device} threads={torch.get_num_threads()} B={B} T={T} compile={args.compile} repeats={repeats}")
+    print(f"device={args.device} threads={torch.get_num_threads()} B={B} T={T} compile={args.compile} repeats={repeats} "
+          f"malloc={malloc}")
     print(f"{'':44s} {'wall ms':>9s} {'cpu ms':>9s} {'x plain (wall)':>15s} {'x plain (cpu)':>14s}")
     labels = {
         "plain": "plain PPO (fwd+bwd, baseline)",
+        "plain_eager": "plain PPO, eager (not compiled)",
         "full": "offpolicy full path (fwd+bwd)",
         "chain": "  of which: 6-correction chain",
         "metrics": "  of which: offpolicy_metrics",
@@ -192,6 +226,9 @@ def main() -> None:
         f"with the icepop+opsm chain: {t['full2'][0] / wb:.2f}x wall, {t['full2'][1] / max(cb, 1e-9):.2f}x cpu; "
         "shared machines are noisy: compare within one run"
     )
+    if "plain_eager" in t:
+        we, ce = t["plain_eager"]
+        print(f"compiled full path / eager plain PPO: {t['full'][0] / we:.2f}x wall, {t['full'][1] / max(ce, 1e-9):.2f}x cpu")
 
 
 if __name__ == "__main__":
