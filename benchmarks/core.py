@@ -13,9 +13,11 @@ correction on its own. Every step builds a fresh ``LogProbBatch``: corrections m
 re-using one batch would time a cache hit.
 
 Prints the median time of each over several repeats after warm-up, and the ratio (target ≤ 1.5×). Timings on a
-shared machine are noisy: compare ratios from one run, not absolute times across runs. On CPU a large part of every
-step (the baseline's too) is page-faulting fresh [B, T] buffers; glibc's ``MALLOC_MMAP_THRESHOLD_`` /
-``MALLOC_TRIM_THRESHOLD_`` change that a lot, so compare runs made with the same environment.
+shared machine are noisy: compare ratios from one run, not absolute times across runs. By default glibc is told to
+keep freed memory (see :func:`keep_freed_memory`): otherwise every fresh [B, T] buffer — the baseline's too — is
+page-faulted in again, which costs about as much as the arithmetic and varies 2–3× run to run on a shared VM.
+``--system-malloc`` measures with glibc's defaults. ``--compile`` compiles both paths and also times the eager
+baseline (what a user who compiles only the offpolicy part compares against).
 """
 
 from __future__ import annotations
