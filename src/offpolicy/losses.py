@@ -60,7 +60,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask, nan_to_num
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask, mask_factor, nan_to_num
 
 Objective = Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -246,7 +246,7 @@ def _loss_and_gradient(
     for other in (batch.old_logp, batch.rollout_logp):
         if other is not None:
             probe.add_(other.detach())
-    vf = nan_to_num(probe.mul_(0.0).add_(mf), 0.0, 0.0, 0.0, inplace=True)  # 1.0 on valid finite tokens, else 0.0
+    vf = nan_to_num(probe.mul_(0.0).add_(mf), 0.0, 0.0, 0.0, out=probe)  # 1.0 on valid finite tokens, else 0.0
     n_mask = mf.sum()
     n_valid = vf.sum()
 
@@ -256,11 +256,10 @@ def _loss_and_gradient(
     # ---- correction coefficient c_t: detached and finite everywhere ----------------------------------------------
     coef = None
     if result is not None:
-        keep = result.keep.view(torch.uint8) if result.keep.dtype == torch.bool and not torch.compiler.is_compiling() else result.keep  # uint8: fast mul_
-        coef = nan_to_num(result.weights.detach().float(), 0.0, 0.0, 0.0).mul_(keep)
+        coef = nan_to_num(result.weights.detach().float(), 0.0, 0.0, 0.0).mul_(mask_factor(result.keep))
     elif objective == "decoupled":
         w_log = batch.anchor_logp.detach().float() - batch.rollout_logp.detach().float()  # type: ignore[union-attr]
-        coef = nan_to_num(w_log, 0.0, 0.0, 0.0, inplace=True).mul_(vf).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
+        coef = nan_to_num(w_log, 0.0, 0.0, 0.0, out=w_log).mul_(vf).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
 
     # ---- aggregation weight a_t: denominators come from the padding mask -----------------------------------------
     if aggregation == "token_mean":
@@ -277,19 +276,10 @@ def _loss_and_gradient(
         d_token = neg_a if coef is None else neg_a.mul_(coef)  # dL_t/dlp_t = −A·c_t
         per_token_sum = (d_token * lp).sum(dim=-1, keepdim=True)
         grad = d_token.mul_(agg_w)
-        loss = (per_token_sum * agg_w).sum() if agg_w.dim() else per_token_sum.sum() * agg_w
-        if batch.old_logp is None:
-            log_r = torch.zeros_like(lp)
-        else:
-            log_r = nan_to_num(batch.old_logp.detach().float(), 0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
-        log_r = log_r.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        log_r = _log_ratio(lp, batch.old_logp, vf)  # π_θ/π_old, for the ratio metrics
         clip_low_frac = clip_high_frac = dual_frac = zero0
     else:
-        denom = batch.rollout_logp if objective == "bypass" else batch.old_logp
-        if denom is None:  # π_old = π_θ detached: log r = 0 in value, gradient of log π_θ
-            log_r = torch.zeros_like(lp)
-        else:
-            log_r = nan_to_num(denom.detach().float(), 0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
+        log_r = _log_ratio(lp, batch.rollout_logp if objective == "bypass" else batch.old_logp, vf)
         if level != "token":
             # GSPO-token: log s_it = sg[log s_i] + lp_t − sg[lp_t]: the sequence value on every valid token
             seq = log_r.sum(dim=-1, keepdim=True)
@@ -302,14 +292,15 @@ def _loss_and_gradient(
             d_token = d_token.mul_(coef)
         per_token_sum = d_token.sum(dim=-1, keepdim=True)
         grad = d_token.mul_(active).mul_(agg_w)  # where inactive the clamp's derivative is 0; else dL/dlp = L
-        loss = (per_token_sum * agg_w).sum() if agg_w.dim() else per_token_sum.sum() * agg_w
-        log_r = log_r.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         denom_valid = n_valid.clamp(min=1.0)
         clip_low_frac = n_up / denom_valid
         clip_high_frac = (n_down - n_dual) / denom_valid
         dual_frac = n_dual / denom_valid
 
+    loss = (per_token_sum * agg_w).sum() if agg_w.dim() else per_token_sum.sum() * agg_w
+
     # ---- ratio statistics over valid tokens (log r is 0 at invalid positions) -------------------------------------
+    log_r = log_r.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     has_valid = n_valid > 0
     one = torch.ones((), dtype=torch.float32, device=logp.device)
     r_mean = 1.0 + torch.expm1(log_r).sum() / n_valid.clamp(min=1.0)  # expm1(0) = 0 at invalid positions
@@ -327,6 +318,14 @@ def _loss_and_gradient(
         "loss/nonfinite_tokens": n_mask - n_valid,
     }
     return loss, grad, metrics
+
+
+def _log_ratio(lp: Tensor, denominator_logp: Tensor | None, vf: Tensor) -> Tensor:
+    """Detached log(π_θ / denominator) ``[B, T]``, 0 at invalid positions (``vf`` = 0); a missing denominator is
+    π_θ itself (π_old = π_θ on a single update), so log r = 0. ``lp`` is log π_θ, already 0 at invalid positions."""
+    if denominator_logp is None:
+        return torch.zeros_like(lp)
+    return nan_to_num(denominator_logp.detach().float(), 0.0, 0.0, 0.0).mul_(vf).neg_().add_(lp)
 
 
 def _clamp_ratio(

@@ -112,8 +112,9 @@ def offpolicy_metrics(
     # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
     # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
     mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
-    vf = nan_to_num(diff * 0.0, 1.0, 1.0, 1.0, inplace=True).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
-    r = nan_to_num(diff, 0.0, 0.0, 0.0, inplace=True).mul_(vf)  # log ρ, exactly 0 at invalid positions
+    bad = diff * 0.0
+    vf = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
+    r = nan_to_num(diff, 0.0, 0.0, 0.0, out=diff).mul_(vf)  # log ρ, exactly 0 at invalid positions
     pi_v = nan_to_num(pi, 0.0, 0.0, 0.0).mul_(vf)
 
     seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)

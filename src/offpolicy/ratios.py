@@ -33,23 +33,32 @@ def as_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def float_mask(mask: Tensor) -> Tensor:
-    """``mask`` as float32 0/1 ``[B, T]``.
+def mask_factor(mask: Tensor) -> Tensor:
+    """A bool mask as a cheap multiplicand (values 0/1): its storage read as uint8 in eager mode, the mask itself
+    under ``torch.compile``.
 
-    Why not ``.float()``: on CPU a bool→float cast takes a slow generic path (~8× a multiply); reading the bool storage
-    as uint8 first takes the fast one. Same values.
+    Why: on CPU a bool→float cast or a float·bool product takes a slow generic path (~8× a multiply); uint8 takes
+    the fast one. Inductor, however, turns a bit-cast ``view(torch.uint8)`` into a scalar loop, and needs no such help.
+
+    >>> torch.ones(1, 2).mul_(mask_factor(torch.tensor([[True, False]])))
+    tensor([[1., 0.]])
+    """
+    m = as_mask(mask)
+    return m if torch.compiler.is_compiling() else m.view(torch.uint8)
+
+
+def float_mask(mask: Tensor) -> Tensor:
+    """``mask`` as float32 0/1 ``[B, T]`` (= ``mask.float()``, via the fast path of :func:`mask_factor`).
 
     >>> float_mask(torch.tensor([[True, False]]))
     tensor([[1., 0.]])
     """
-    m = as_mask(mask)
-    if torch.compiler.is_compiling():
-        return m.to(torch.float32)
-    return m.view(torch.uint8).to(torch.float32)
+    return mask_factor(mask).to(torch.float32)
 
 
-def nan_to_num(x: Tensor, nan: float, posinf: float, neginf: float, *, inplace: bool = False) -> Tensor:
-    """``x.nan_to_num(nan, posinf, neginf)`` (``nan_to_num_`` with ``inplace``), fast in eager *and* compiled code.
+def nan_to_num(x: Tensor, nan: float, posinf: float, neginf: float, *, out: Tensor | None = None) -> Tensor:
+    """``torch.nan_to_num(x, nan, posinf, neginf, out=out)``, fast in eager *and* compiled code. Use the returned
+    tensor: under ``torch.compile`` ``out`` is not written (``out=x`` means "in place" in eager mode).
 
     Why: under ``torch.compile`` inductor's CPU ``nan_to_num`` is a scalar loop (~5× a vectorised pass), so there it is
     written as ``where`` on ``x − x == 0`` (false exactly for NaN and ±inf); in eager mode a bool-mask ``where`` is
@@ -63,7 +72,7 @@ def nan_to_num(x: Tensor, nan: float, posinf: float, neginf: float, *, inplace: 
         if nan == posinf == neginf:
             return torch.where(finite, x, nan)
         return torch.where(finite, x, torch.where(x != x, nan, torch.where(x > 0, posinf, neginf)))
-    return x.nan_to_num_(nan, posinf, neginf) if inplace else x.nan_to_num(nan, posinf, neginf)
+    return torch.nan_to_num(x, nan, posinf, neginf, out=out)
 
 
 def broadcast_rows(mask: Tensor, row: Tensor) -> Tensor:

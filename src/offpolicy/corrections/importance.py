@@ -199,7 +199,8 @@ def ratio_terms(log_ratio: Tensor, mask: Tensor, mf: Tensor | None = None) -> Ra
     m = as_mask(mask)
     mf = float_mask(m) if mf is None else mf  # ``mf`` lets a batch share one float mask across sources
     raw = log_ratio.detach().float()
-    bad = nan_to_num(raw * 0.0, 1.0, 1.0, 1.0, inplace=True)  # x·0 is 0 for finite x, NaN otherwise → 1.0 where non-finite
+    bad = raw * 0.0  # x·0 is 0 for finite x, NaN otherwise → 1.0 where non-finite
+    bad = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad)
     ok = bad.neg_().add_(1.0).mul_(mf)
     clean = nan_to_num(raw, 0.0, 0.0, 0.0).mul_(ok)
     n_row = mf.sum(dim=-1)
@@ -502,6 +503,14 @@ def importance_correction(
     )
 
 
+def _mode_preset(
+    name: str, mode: str, level: str, lower: float | None, upper: float | None, normalize: bool, source: str
+) -> Correction:
+    """:func:`tis` / :func:`mis`: the general correction with ``mode`` fixed by the name (so not in the repr)."""
+    config = {"level": level, "lower": _f(lower), "upper": _f(upper), "normalize": normalize, "source": source}
+    return _importance(name, config, level=level, mode=mode, lower=lower, upper=upper, normalize=normalize, source=source)
+
+
 def tis(
     upper: float | None = 2.0,
     level: str = "token",
@@ -518,10 +527,7 @@ def tis(
     >>> tis(upper=2.0)(b).weights  # ρ = (1, 7.39) → (1, 2)
     tensor([[1., 2.]])
     """
-    config = {"level": level, "lower": _f(lower), "upper": _f(upper), "normalize": normalize, "source": source}
-    return _importance(
-        "tis", config, level=level, mode="truncate", lower=lower, upper=upper, normalize=normalize, source=source
-    )
+    return _mode_preset("tis", "truncate", level, lower, upper, normalize, source)
 
 
 def mis(
@@ -537,10 +543,7 @@ def mis(
     >>> mis(upper=2.0, level="sequence")
     mis(level='sequence', lower=None, upper=2.0, normalize=False, source='mismatch')
     """
-    config = {"level": level, "lower": _f(lower), "upper": _f(upper), "normalize": normalize, "source": source}
-    return _importance(
-        "mis", config, level=level, mode="mask", lower=lower, upper=upper, normalize=normalize, source=source
-    )
+    return _mode_preset("mis", "mask", level, lower, upper, normalize, source)
 
 
 def geo_mask(lower: float | None = 0.999, upper: float | None = 1.001, source: str = "mismatch") -> Correction:

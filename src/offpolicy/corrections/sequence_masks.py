@@ -267,7 +267,8 @@ def opsm(delta: float = 1e-4) -> Correction:
         buf = torch.mul(mis_t.clean, ok3)
         mism = -buf.sum(dim=-1) / n
         anchor, lp = batch.anchor_logp.detach().float(), batch.logp.detach().float()
-        stale = nan_to_num(torch.sub(anchor, lp, out=buf).mul_(ok3), 0.0, 0.0, 0.0, inplace=True).sum(dim=-1) / n  # reuses buf
+        torch.sub(anchor, lp, out=buf).mul_(ok3)  # reuses buf
+        stale = nan_to_num(buf, 0.0, 0.0, 0.0, out=buf).sum(dim=-1) / n
         nonempty = stat_t.n_row > 0
         metrics = {
             "opsm/masked_seq_frac": _row_frac(drop, nonempty),

@@ -189,18 +189,14 @@ def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _mask_weights(m: Tensor) -> Tensor:
-    return float_mask(m)
-
-
 def _nonempty(m: Tensor) -> Tensor:
     """[B] sequences with ≥ 1 valid token (a float row sum: a bool ``any`` over [B, T] is ~10× slower on CPU)."""
-    return _mask_weights(m).sum(dim=-1) > 0
+    return float_mask(m).sum(dim=-1) > 0
 
 
 def _accept_rate(keep: Tensor, nonempty: Tensor) -> Tensor:
     """Kept fraction of the sequences that have ≥ 1 valid token (``nonempty`` [B])."""
-    kept = _mask_weights(keep).amax(dim=-1) > 0
+    kept = float_mask(keep).amax(dim=-1) > 0
     return (kept & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
 
 
@@ -219,10 +215,9 @@ def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> t
     # two [B, T] buffers, reused in place (each fresh one costs page faults on CPU)
     buf = torch.mul(terms.clean, 0.5).mul_(terms.clean)  # k2 = (0.5·r)·r as k2(); 0 at padding / non-finite r
     k2_max_all = buf.amax(dim=-1)  # inf iff some k2 overflowed (|r| > 1.8e19); k2 ≥ 0, so the 0s never win
-    k2_max = nan_to_num(buf, 0.0, 0.0, 0.0, inplace=True).amax(dim=-1)  # masked_max: overflowed entries are left out
+    k2_max = nan_to_num(buf, 0.0, 0.0, 0.0, out=buf).amax(dim=-1)  # masked_max: overflowed entries are left out
     # k3 of the raw r: ±inf clamp to ±20, NaN contributes 0 (masked_mean drops non-finite k3), padding 0
-    r3 = buf.copy_(terms.raw)
-    r3 = nan_to_num(r3, 0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND, inplace=True)
+    r3 = nan_to_num(terms.raw, 0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND, out=buf)
     r3.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(terms.mf)
     k3_mean = torch.expm1(r3).sub_(r3).sum(dim=-1) / terms.n_row.clamp(min=1.0)
     ok = torch.ones_like(terms.n_row, dtype=torch.bool)
@@ -231,7 +226,8 @@ def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> t
     if av is not None:
         ok = ok & (k3_mean <= av)
         if mx is None:  # only a NaN r makes k3 non-finite: clamp maps ±inf to ±1, NaN stays, ·0 leaves only NaN
-            nan_row = (nan_to_num(terms.raw.clamp(-1.0, 1.0).mul_(0.0), 1.0, 0.0, 0.0, inplace=True) * terms.mf).sum(dim=-1)
+            probe = terms.raw.clamp(-1.0, 1.0).mul_(0.0)
+            nan_row = (nan_to_num(probe, 1.0, 0.0, 0.0, out=probe) * terms.mf).sum(dim=-1)
             ok = ok & (nan_row == 0)
     return ok, k2_max, k3_mean
 
@@ -269,7 +265,7 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
             max_row, avg_row = masked_max(max_div, m, dim=-1), masked_mean(avg_div, m, dim=-1)
             nonempty = _nonempty(m)
             accept = _accept_rate(keep, nonempty)
-            weights = _mask_weights(m)
+            weights = float_mask(m)
         else:
             kind = "k_estimator"
             terms = source_terms(batch, source, "trm")
