@@ -85,7 +85,7 @@ TWO = chain(PARTS["icepop"], PARTS["opsm"])  # a typical production chain
 def _full_path(correction, logp, old, rollout, adv, mask):
     batch = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
     result = correction(batch)
-    metrics = offpolicy_metrics(old, rollout, mask, result.coefficient)
+    metrics = offpolicy_metrics(old, rollout, mask, result)
     loss, loss_metrics = policy_loss(batch, correction=result)
     return loss, {**metrics, **loss_metrics}
 
@@ -185,7 +185,7 @@ def main() -> None:
         TWO(fresh_batch())
 
     def metrics_step():
-        offpolicy_metrics(old, rollout, mask, fixed_result.coefficient)
+        offpolicy_metrics(old, rollout, mask, fixed_result)
 
     def loss_step():
         logp = logp0.detach().requires_grad_(True)

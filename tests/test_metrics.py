@@ -227,3 +227,64 @@ def test_inputs_are_not_mutated():
     offpolicy_metrics(train, rollout, mask, weights)
     for x, y in zip((train, rollout, mask, weights), before):
         torch.testing.assert_close(x, y, equal_nan=True)
+
+
+def _messy_batch(data, B: int, T: int):
+    """Random log-probs with NaN/±inf sprinkled in valid and padded positions, random padding, [B] advantages."""
+    special = st.sampled_from([float("nan"), float("inf"), -float("inf")])
+    value = st.one_of(st.floats(-6.0, 0.0, width=32), special) if data.draw(st.booleans()) else st.floats(-6.0, 0.0, width=32)
+    grid = st.lists(st.lists(value, min_size=T, max_size=T), min_size=B, max_size=B)
+    old = torch.tensor(data.draw(grid), dtype=torch.float32)
+    rollout = torch.tensor(data.draw(grid), dtype=torch.float32)
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=T, max_size=T), min_size=B, max_size=B)))
+    from offpolicy.batch import LogProbBatch
+
+    return LogProbBatch(logp=old.clone(), old_logp=old, rollout_logp=rollout, mask=mask, advantages=torch.randn(B))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), B=st.integers(1, 4), T=st.integers(1, 6), which=st.sampled_from(["tis", "icepop", "geo", "chain", "opsm"]))
+def test_passing_the_result_reuses_its_terms_with_the_same_numbers(data, B, T, which):
+    # offpolicy_metrics(old, μ, mask, result) reuses the correction's cleaned log(π_old/μ) (CorrectionResult.shared);
+    # it must give exactly the numbers of offpolicy_metrics(old, μ, mask, result.coefficient), which recomputes them
+    from offpolicy.corrections.base import chain
+    from offpolicy.corrections.importance import find_shared_log_ratio, icepop, mis, tis
+    from offpolicy.corrections.sequence_masks import opsm
+
+    batch = _messy_batch(data, B, T)
+    correction = {
+        "tis": tis(upper=2.0), "icepop": icepop(), "geo": mis(level="geometric", lower=0.5, upper=2.0),
+        "chain": chain(tis(upper=2.0), opsm(delta=1e-4), icepop()), "opsm": opsm(delta=1e-4),
+    }[which]  # fmt: skip
+    result = correction(batch)
+    shared = find_shared_log_ratio(result.shared, batch.old_logp, batch.rollout_logp, batch.mask)
+    assert (shared is None) == (which == "opsm")  # opsm shares nothing: the metrics recompute (and still agree)
+    reused = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result)
+    fresh = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result.coefficient)
+    for k in fresh:
+        assert torch.equal(reused[k], fresh[k]) or (reused[k].isnan() & fresh[k].isnan()), k
+
+
+def test_shared_terms_are_not_reused_for_other_or_modified_tensors():
+    from offpolicy.corrections.importance import find_shared_log_ratio, tis
+
+    batch = _fixed_batch()
+    result = tis(upper=2.0)(batch)
+    assert find_shared_log_ratio(result.shared, batch.old_logp, batch.rollout_logp, batch.mask) is not None
+    # another tensor with equal values is not the same tensor: recomputed (the numbers agree anyway)
+    assert find_shared_log_ratio(result.shared, batch.old_logp.clone(), batch.rollout_logp, batch.mask) is None
+    before = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result, prefix="")
+    # modified in place after the correction ran: the version counter moved, so the stale terms are not used
+    batch.rollout_logp.add_(1.0)
+    assert find_shared_log_ratio(result.shared, batch.old_logp, batch.rollout_logp, batch.mask) is None
+    after = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result, prefix="")
+    # log μ moved up by 1 on every token: kl = E[log μ − log π] grows by exactly 1
+    assert after["kl"].item() == pytest.approx(before["kl"].item() + 1.0, abs=1e-5)
+
+
+def _fixed_batch():
+    from offpolicy.batch import LogProbBatch
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, -4.0]])
+    return LogProbBatch(logp=old.clone(), old_logp=old, rollout_logp=old - 0.1, mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                        advantages=torch.tensor([1.0, -1.0]))

@@ -50,7 +50,9 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num
+from offpolicy.corrections.base import CorrectionResult
+from offpolicy.corrections.importance import find_shared_log_ratio
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, mask_factor, nan_to_num
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -64,7 +66,7 @@ def offpolicy_metrics(
     train_logp: Tensor,
     rollout_logp: Tensor,
     mask: Tensor,
-    weights: Tensor | None = None,
+    weights: Tensor | CorrectionResult | None = None,
     *,
     prefix: str = "rollout_correction/",
     level: Level = "token",
@@ -75,7 +77,10 @@ def offpolicy_metrics(
         train_logp: [B, T] log π of the sampled tokens under the training engine (detached here).
         rollout_logp: [B, T] log μ under the inference engine.
         mask: [B, T] 1 for response tokens that count.
-        weights: optional [B, T] correction weights actually applied (e.g. ``CorrectionResult.coefficient``).
+        weights: optional [B, T] correction weights actually applied, or the :class:`CorrectionResult` itself (its
+            ``coefficient`` = weights · keep is used). Passing the result also lets the metrics reuse the cleaned
+            log-ratio its corrections computed from these very tensors (``CorrectionResult.shared``): same numbers,
+            about half the passes over [B, T].
         prefix: prepended to every name (ms-swift logs ``rollout_correction/…``).
         level: level of ``weights`` (``token``/``sequence``/``geometric``): ``clipped_frac`` compares them with the
             raw ratio at this level.
@@ -94,6 +99,11 @@ def offpolicy_metrics(
     check_token_tensor("rollout_logp", rollout_logp)
     check_same_shape("rollout_logp", rollout_logp, "train_logp", train_logp)
     check_mask(mask, train_logp, "train_logp")
+    result = weights if isinstance(weights, CorrectionResult) else None
+    keep = None
+    if result is not None:
+        weights, keep = result.weights, result.keep
+        check_same_shape("weights.keep", keep, "train_logp", train_logp)
     if weights is not None:
         check_token_tensor("weights", weights)
         check_same_shape("weights", weights, "train_logp", train_logp)
@@ -108,16 +118,23 @@ def offpolicy_metrics(
     # This runs every step on [B, T]: every metric below is built from a handful of full passes (one log-ratio, one
     # expm1, a few row sums), the rest is arithmetic on [B] rows or scalars. Float masks + nan_to_num instead of
     # torch.where / isfinite: a bool-mask where is ~15× slower than a float multiply on CPU.
-    diff = pi - mu
-    # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
-    # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
-    mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
-    bad = diff * 0.0
-    vf = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1.0 on valid finite tokens
-    r = nan_to_num(diff, 0.0, 0.0, 0.0, out=diff).mul_(vf)  # log ρ, exactly 0 at invalid positions
+    shared = None if result is None else find_shared_log_ratio(result.shared, train_logp, rollout_logp, mask)
+    if shared is not None:  # the correction's terms of the same log π − log μ: the same numbers, already computed
+        vf, r, seq_len, sum_r = shared.terms.ok, shared.terms.clean, shared.terms.ok_row, shared.terms.sum_row
+        r_safe = shared.clamped if shared.clamped is not None else r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    else:
+        diff = pi - mu
+        # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
+        # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
+        mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
+        bad = diff * 0.0
+        vf = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1 on valid finite tokens
+        r = nan_to_num(diff, 0.0, 0.0, 0.0, out=diff).mul_(vf)  # log ρ, exactly 0 at invalid positions
+        seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
+        sum_r = r.sum(dim=-1)
+        r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     pi_v = nan_to_num(pi, 0.0, 0.0, 0.0).mul_(vf)
 
-    seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
     seq_len_i = seq_len.long()
     n_tok_i = seq_len_i.sum()
     n_tok = n_tok_i.float()
@@ -135,7 +152,6 @@ def offpolicy_metrics(
 
     # Per-sequence sums, reused by the PPLs, the log-PPL diffs, kl and both χ²_seq.
     sum_pi = pi_v.sum(dim=-1)
-    sum_r = r.sum(dim=-1)
     sum_mu = sum_pi - sum_r
     mean_pi = sum_pi / seq_len_c
     mean_mu = sum_mu / seq_len_c
@@ -143,7 +159,6 @@ def offpolicy_metrics(
 
     # Token sums from expm1 (accurate for the tiny log-ratios of a well-matched engine, and 0 at invalid positions):
     # Σ_V ρ = Σ em1 + n, Σ_V (ρ² − 1) = Σ em1² + 2 Σ em1, Σ_V k3 = Σ (em1 − r).
-    r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     em1 = torch.expm1(r_safe)  # 0 at invalid positions
     flat = em1.reshape(-1)
     sum_em1 = flat.sum()
@@ -176,6 +191,8 @@ def offpolicy_metrics(
         masked = zero0
     else:
         w = nan_to_num(weights.detach().float(), 0.0, 0.0, 0.0).mul_(vf)
+        if keep is not None:  # = nan_to_num(result.coefficient): dropped tokens weigh 0
+            w = w.mul_(mask_factor(keep))
         w_flat = w.reshape(-1)
         w_sum = w_flat.sum()
         w_sq_sum = torch.dot(w_flat, w_flat)

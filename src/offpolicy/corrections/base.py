@@ -5,7 +5,9 @@ functions, variants are wrappers, not mode strings). Its result carries
 
 * ``weights``  [B, T] float32, detached — multiplies each token's loss term (1 = untouched);
 * ``keep``     [B, T] bool — False drops the token (or whole sequence) from the loss numerator;
-* ``metrics``  dict of 0-d tensors, prefixed with the correction's name — never synced here.
+* ``metrics``  dict of 0-d tensors, prefixed with the correction's name — never synced here;
+* ``shared``   per-token terms the correction already computed (e.g. the cleaned log(π_old/μ)), keyed by what they
+  are, for the diagnostics to reuse instead of recomputing (``offpolicy_metrics(..., weights=result)``).
 
 Dropped tokens keep their place in the loss *denominator* (the padding mask decides it, not ``keep``): this is the
 Trust-Region-Masking convention (normalise by the total batch, arXiv 2512.23075) and keeps the loss scale stable when
@@ -33,6 +35,7 @@ class CorrectionResult:
     weights: Tensor
     keep: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def coefficient(self) -> Tensor:
@@ -46,11 +49,12 @@ class CorrectionResult:
         return CorrectionResult(weights=float_mask(m), keep=m.clone(), metrics={})
 
     def then(self, other: "CorrectionResult") -> "CorrectionResult":
-        """Compose: weights multiply, masks AND, metrics merge (later names win)."""
+        """Compose: weights multiply, masks AND, metrics merge (later names win), shared terms merge."""
         return CorrectionResult(
             weights=self.weights * other.weights,
             keep=self.keep & other.keep,
             metrics={**self.metrics, **other.metrics},
+            shared={**self.shared, **other.shared},
         )
 
 
@@ -69,7 +73,7 @@ class Correction:
 
     def __call__(self, batch: LogProbBatch) -> CorrectionResult:
         result = self.fn(batch)
-        return CorrectionResult(result.weights.detach(), result.keep, result.metrics)
+        return CorrectionResult(result.weights.detach(), result.keep, result.metrics, result.shared)
 
     def __repr__(self) -> str:
         if self.parts:
@@ -95,13 +99,14 @@ def chain(*corrections: Correction) -> Correction:
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
         # The parts share terms through the batch's memo (LogProbBatch.memo). A private copy scopes that memo to this
-        # call: the shared [B, T] buffers are freed when the chain returns, so the loss that follows reuses their memory
-        # instead of faulting in fresh pages (a large part of the cost on CPU).
+        # call: the shared [B, T] buffers are freed when the chain returns (except the few the parts hand on in
+        # ``shared`` for the diagnostics), so the loss that follows reuses their memory instead of faulting in fresh
+        # pages (a large part of the cost on CPU).
         scoped = batch.replace() if isinstance(batch, LogProbBatch) else batch
         # CorrectionResult.then, accumulated in place into the identity's fresh tensors: the same products in the same
         # order (so the same numbers), without a new [B, T] weight and keep buffer per correction
         identity = CorrectionResult.identity(scoped)
-        weights, keep, metrics = identity.weights, identity.keep, {}
+        weights, keep, metrics, shared = identity.weights, identity.keep, {}, {}
         for c in corrections:
             r = c(scoped)
             same = (
@@ -111,9 +116,10 @@ def chain(*corrections: Correction) -> Correction:
             weights = weights.mul_(r.weights) if same else weights * r.weights  # a custom fn may return other dtypes
             keep = keep.logical_and_(r.keep) if same else keep & r.keep
             metrics = {**metrics, **r.metrics}
-        result = CorrectionResult(weights, keep, metrics)
+            shared = {**shared, **r.shared}
+        result = CorrectionResult(weights, keep, metrics, shared)
         # count_nonzero: a bool→float cast of [B, T] just to sum it costs ~10× as much on CPU
         kept = torch.count_nonzero(result.keep).float() / torch.count_nonzero(scoped.bool_mask).float().clamp(min=1.0)
-        return CorrectionResult(result.weights, result.keep, {**result.metrics, "chain/kept_token_frac": kept})
+        return CorrectionResult(result.weights, result.keep, {**result.metrics, "chain/kept_token_frac": kept}, shared)
 
     return Correction("chain", apply, {}, parts=tuple(corrections))

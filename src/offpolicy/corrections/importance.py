@@ -224,6 +224,52 @@ def source_terms(batch: LogProbBatch, source: str, who: str) -> RatioTerms:
     )
 
 
+@dataclass(frozen=True)
+class SharedLogRatio:
+    """A correction's cleaned log(numerator/μ) handed on to the diagnostics (``CorrectionResult.shared``).
+
+    ``origin`` is the (numerator, denominator, mask) tensors it was computed from and ``versions`` their in-place
+    version counters at that time: :func:`find_shared_log_ratio` reuses it only for the very same, unmodified tensors.
+    ``clamped`` is the token-level log-ratio clamped ±20 when a token-level correction computed it, else None.
+    """
+
+    origin: tuple[Tensor, Tensor, Tensor]
+    versions: tuple[int, int, int]
+    terms: RatioTerms
+    clamped: Tensor | None
+
+
+def share_log_ratio(batch: LogProbBatch, source: str) -> dict[object, object]:
+    """``{("log_ratio", source): SharedLogRatio}`` for a correction's ``CorrectionResult.shared``, from the batch's
+    memoised terms of ``source`` (empty under ``torch.compile``, where the whole step fuses anyway and version
+    counters are not traced)."""
+    if torch.compiler.is_compiling():
+        return {}
+    terms = source_terms(batch, source, "shared")
+    numerator = batch.anchor_logp if source == "mismatch" else batch.logp
+    origin = (numerator, batch.rollout_logp, batch.mask)
+    token = batch.__dict__.get("_memo", {}).get(("token_ratio", source))
+    clamped = token.agg if isinstance(token, TokenRatio) else None
+    shared = SharedLogRatio(origin, tuple(t._version for t in origin), terms, clamped)  # type: ignore[arg-type]
+    return {("log_ratio", source): shared}
+
+
+def find_shared_log_ratio(
+    shared: dict[object, object], numerator: Tensor, denominator: Tensor, mask: Tensor
+) -> SharedLogRatio | None:
+    """The :class:`SharedLogRatio` in ``shared`` computed from exactly these tensors, unmodified since; else None."""
+    if torch.compiler.is_compiling():
+        return None
+    for source in SOURCES:
+        s = shared.get(("log_ratio", source))
+        if not isinstance(s, SharedLogRatio):
+            continue
+        tensors = (numerator, denominator, mask)
+        if all(a is b for a, b in zip(s.origin, tensors)) and tuple(t._version for t in tensors) == s.versions:
+            return s
+    return None
+
+
 def batch_float_mask(batch: LogProbBatch) -> Tensor:
     """``batch.mask`` as float32 0/1 ``[B, T]``, memoised on the batch. Shared: never modify it in place (clone it).
 
@@ -469,7 +515,7 @@ def _importance(
             f"{name}/clipped_frac": imp.n_changed / n,  # masked, undefined, or moved by the clamp
             f"{name}/nonfinite_frac": (terms.n - terms.ok_row.sum()) / n,
         }
-        return CorrectionResult(imp.weights, imp.keep, metrics)
+        return CorrectionResult(imp.weights, imp.keep, metrics, share_log_ratio(batch, source))
 
     return Correction(name, apply, config)
 

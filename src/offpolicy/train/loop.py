@@ -316,8 +316,9 @@ def train(
                 full = LogProbBatch(logp=old_logp, mask=mask, old_logp=old_logp, rollout_logp=rollout_logp,
                                     advantages=advantages, token_divergence=token_div, token_divergence_kind=div_kind,
                                     extras=old_extras)
-                coef = correction(full).coefficient if correction is not None else None
-                metrics: dict[str, Tensor | float] = dict(offpolicy_metrics(old_logp, rollout_logp, mask, coef))
+                # the result itself, not its coefficient: the metrics reuse the log-ratio its corrections computed
+                corrected = correction(full) if correction is not None else None
+                metrics: dict[str, Tensor | float] = dict(offpolicy_metrics(old_logp, rollout_logp, mask, corrected))
 
                 # 5. minibatch updates
                 if alp is not None:
