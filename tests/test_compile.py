@@ -128,17 +128,20 @@ def test_advantages():
     assert_same(fn(rewards), compiled(fn)(rewards))
 
 
-def test_full_offpolicy_chain_of_every_correction():
-    """The benchmark's path: tis + geometric mis + icepop + opsm + veto + trm, metrics and the loss in one graph."""
+@pytest.mark.parametrize("pass_result", [False, True])
+def test_full_offpolicy_chain_of_every_correction(pass_result):
+    """The benchmark's path: tis + geometric mis + icepop + opsm + veto + trm, metrics and the loss in one graph.
+    Compiled, the chain carries its keep mask as a float factor (``keep_factor``) that the metrics and the loss read;
+    the numbers and the bool ``keep`` must not change."""
     logp0, old, rollout, mask, adv = make_inputs(5)
     correction = chain(tis(upper=2.0), mis(level="geometric", lower=0.5, upper=2.0), icepop(), opsm(delta=0.1), veto(), trm())
 
     def step(logp, old, rollout, mask, adv):
         b = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
         result = correction(b)
-        metrics = offpolicy_metrics(old, rollout, mask, result.coefficient)
+        metrics = offpolicy_metrics(old, rollout, mask, result if pass_result else result.coefficient)
         loss, lm = policy_loss(b, correction=result, dual_clip=3.0)
-        return loss, {**metrics, **lm}
+        return loss, {**metrics, **lm, "keep": result.keep.float().sum()}
 
     args = (logp0, old, rollout, mask, adv)
     assert_same(forward_backward(step, *args), forward_backward(compiled(step), *args))

@@ -52,7 +52,7 @@ from torch import Tensor
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
 from offpolicy.corrections.base import CorrectionResult
 from offpolicy.corrections.importance import find_shared_log_ratio
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, mask_factor, nan_to_num
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -102,8 +102,9 @@ def offpolicy_metrics(
     result = weights if isinstance(weights, CorrectionResult) else None
     keep = None
     if result is not None:
-        weights, keep = result.weights, result.keep
-        check_same_shape("weights.keep", keep, "train_logp", train_logp)
+        weights = result.weights
+        check_same_shape("weights.keep", result.keep, "train_logp", train_logp)
+        keep = result.keep_multiplicand()
     if weights is not None:
         check_token_tensor("weights", weights)
         check_same_shape("weights", weights, "train_logp", train_logp)
@@ -192,7 +193,7 @@ def offpolicy_metrics(
     else:
         w = nan_to_num(weights.detach().float(), 0.0, 0.0, 0.0).mul_(vf)
         if keep is not None:  # = nan_to_num(result.coefficient): dropped tokens weigh 0
-            w = w.mul_(mask_factor(keep))
+            w = w.mul_(keep)
         w_flat = w.reshape(-1)
         w_sum = w_flat.sum()
         w_sq_sum = torch.dot(w_flat, w_flat)
@@ -206,7 +207,7 @@ def offpolicy_metrics(
         # once: subtract them instead of spending a pass on a mask.
         changed = torch.count_nonzero((w - raw).abs_() > raw * 1e-6) - n_invalid
         clipped = changed.float() / n_tok_c
-        masked = (torch.count_nonzero(w == 0) - n_invalid).float() / n_tok_c
+        masked = (n_all - torch.count_nonzero(w) - n_invalid).float() / n_tok_c  # w = 0 at invalid positions
     w_mean = w_sum / n_tok_c
     # ESS = (E w)² / E[w²] — the same as 1/E[(w/E w)²] but finite when every weight is 0 (then ESS = 0).
     ess = (w_mean * w_mean) / (w_sq_sum / n_tok_c).clamp(min=torch.finfo(torch.float32).tiny)

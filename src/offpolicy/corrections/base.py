@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
-from offpolicy.ratios import float_mask
+from offpolicy.ratios import float_mask, mask_factor
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,12 @@ class CorrectionResult:
     keep: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
     shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    keep_factor: Tensor | None = field(default=None, repr=False, compare=False)  # keep as float 0/1, if at hand
+
+    def keep_multiplicand(self) -> Tensor:
+        """``keep`` as a cheap 0/1 multiplicand: ``keep_factor`` when the correction produced one (a chain under
+        ``torch.compile`` does), else :func:`~offpolicy.ratios.mask_factor` of ``keep``."""
+        return self.keep_factor if self.keep_factor is not None else mask_factor(self.keep)
 
     @property
     def coefficient(self) -> Tensor:
@@ -73,7 +79,7 @@ class Correction:
 
     def __call__(self, batch: LogProbBatch) -> CorrectionResult:
         result = self.fn(batch)
-        return CorrectionResult(result.weights.detach(), result.keep, result.metrics, result.shared)
+        return CorrectionResult(result.weights.detach(), result.keep, result.metrics, result.shared, result.keep_factor)
 
     def __repr__(self) -> str:
         if self.parts:
@@ -107,6 +113,12 @@ def chain(*corrections: Correction) -> Correction:
         # order (so the same numbers), without a new [B, T] weight and keep buffer per correction
         identity = CorrectionResult.identity(scoped)
         weights, keep, metrics, shared = identity.weights, identity.keep, {}, {}
+        # Under torch.compile the combined keep mask is carried as float 0/1 (keep_factor) and the bool ``keep`` is
+        # a comparison on it: inductor's CPU code stores a bool [B, T] buffer with a scalar loop (~10× a float pass),
+        # and a mask read by several kernels (the count below, the loss, the metrics) is stored. The consumers read
+        # keep_factor; the bool comparison fuses into whoever still reads ``keep``.
+        compiling = torch.compiler.is_compiling()
+        keep_factor = identity.weights.clone() if compiling else None
         for c in corrections:
             r = c(scoped)
             same = (
@@ -114,12 +126,18 @@ def chain(*corrections: Correction) -> Correction:
                 and r.keep.dtype == torch.bool and r.keep.shape == keep.shape
             )
             weights = weights.mul_(r.weights) if same else weights * r.weights  # a custom fn may return other dtypes
-            keep = keep.logical_and_(r.keep) if same else keep & r.keep
+            if keep_factor is not None:
+                keep_factor = keep_factor * r.keep_multiplicand()
+            else:
+                keep = keep.logical_and_(r.keep) if same else keep & r.keep
             metrics = {**metrics, **r.metrics}
             shared = {**shared, **r.shared}
-        result = CorrectionResult(weights, keep, metrics, shared)
-        # count_nonzero: a bool→float cast of [B, T] just to sum it costs ~10× as much on CPU
-        kept = torch.count_nonzero(result.keep).float() / torch.count_nonzero(scoped.bool_mask).float().clamp(min=1.0)
-        return CorrectionResult(result.weights, result.keep, {**result.metrics, "chain/kept_token_frac": kept}, shared)
+        if keep_factor is not None:
+            keep = keep_factor != 0
+            n_kept = keep_factor.sum()
+        else:  # count_nonzero: a bool→float cast of [B, T] just to sum it costs ~10× as much on CPU
+            n_kept = torch.count_nonzero(keep).float()
+        kept = n_kept / torch.count_nonzero(scoped.bool_mask).float().clamp(min=1.0)
+        return CorrectionResult(weights, keep, {**metrics, "chain/kept_token_frac": kept}, shared, keep_factor)
 
     return Correction("chain", apply, {}, parts=tuple(corrections))
