@@ -246,7 +246,8 @@ def _loss_and_gradient(
     for other in (batch.old_logp, batch.rollout_logp):
         if other is not None:
             probe.add_(other.detach())
-    vf = nan_to_num(probe.mul_(0.0).add_(mf), 0.0, 0.0, 0.0, out=probe)  # 1.0 on valid finite tokens, else 0.0
+    probe = torch.add(mf, probe, alpha=0.0, out=probe)  # m + 0·x, in one pass: m where x is finite, NaN elsewhere
+    vf = nan_to_num(probe, 0.0, 0.0, 0.0, out=probe)  # 1.0 on valid finite tokens, else 0.0
     n_mask = mf.sum()
     n_valid = vf.sum()
 

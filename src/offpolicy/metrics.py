@@ -129,7 +129,8 @@ def offpolicy_metrics(
         # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
         mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
         bad = diff * 0.0
-        vf = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad).mul_(mf).neg_().add_(mf)  # mf·(1 − bad): 1 on valid finite tokens
+        bad = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad)
+        vf = torch.addcmul(mf, mf, bad, value=-1.0, out=bad)  # mf·(1 − bad): 1.0 on valid finite tokens
         r = nan_to_num(diff, 0.0, 0.0, 0.0, out=diff).mul_(vf)  # log ρ, exactly 0 at invalid positions
         seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
         sum_r = r.sum(dim=-1)

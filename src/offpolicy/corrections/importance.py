@@ -201,7 +201,7 @@ def ratio_terms(log_ratio: Tensor, mask: Tensor, mf: Tensor | None = None) -> Ra
     raw = log_ratio.detach().float()
     bad = raw * 0.0  # x·0 is 0 for finite x, NaN otherwise → 1.0 where non-finite
     bad = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad)
-    ok = bad.neg_().add_(1.0).mul_(mf)
+    ok = torch.addcmul(mf, mf, bad, value=-1.0)  # mf − mf·bad = mf·(1 − bad) exactly (0/1 values), in one pass
     clean = nan_to_num(raw, 0.0, 0.0, 0.0).mul_(ok)
     n_row = mf.sum(dim=-1)
     return RatioTerms(raw, m, mf, ok, clean, n_row, ok.sum(dim=-1), clean.sum(dim=-1), n_row.sum())
