@@ -6,7 +6,8 @@
 
 Baseline: PPO-clip, token mean, written out by hand in eight lines (what a training loop does without offpolicy).
 Full path: a chain of every correction (tis, geometric mis, icepop, opsm, veto, trm on k-estimators) + all
-``offpolicy_metrics`` + ``policy_loss`` forward and backward, on the same tensors (float32 logp with grad).
+``offpolicy_metrics`` (given the ``CorrectionResult``, as the README recommends, so they reuse its cleaned
+log-ratio) + ``policy_loss`` forward and backward, on the same tensors (float32 logp with grad).
 
 Also times the same full path with a typical two-correction chain (icepop + opsm), and (eager) each part and each
 correction on its own. Every step builds a fresh ``LogProbBatch``: corrections memoise shared terms on the batch, so
