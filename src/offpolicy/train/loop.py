@@ -367,8 +367,8 @@ def train(
                 metrics["response/length_mean"] = mask.float().sum(-1).mean()
                 metrics["mismatch/token_kl_exact_mean"] = (masked_mean(token_div, mask) if token_div is not None
                                                           else torch.tensor(float("nan")))
-                if coef is not None:
-                    metrics["correction/masked_frac"] = 1.0 - masked_mean((coef != 0).float(), mask)
+                if corrected is not None:
+                    metrics["correction/masked_frac"] = 1.0 - masked_mean((corrected.coefficient != 0).float(), mask)
                 else:
                     metrics["correction/masked_frac"] = torch.zeros(())
                 if alp is not None:
