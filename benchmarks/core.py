@@ -134,6 +134,38 @@ def measure(steps: dict, repeats: int, warmup: int, device: str) -> dict[str, tu
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in steps}
 
 
+_VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "as_strided", "expand", "unsqueeze", "squeeze", "detach", "alias", "t", "select", "slice",
+    "reshape", "_reshape_alias",
+})  # metadata-only: no kernel runs
+
+
+def count_kernels(step) -> tuple[int, int]:
+    """(operations that run a kernel, of which on a full [B, T] tensor) in one eager ``step()``, forward and backward.
+
+    Why: on a GPU, eager PyTorch launches one kernel per operation, and at these sizes a launch (~5 µs) costs more than
+    the arithmetic of a [64, 8192] pass, so the launch count — not the CPU time — is what an eager GPU step pays.
+    This count does not depend on the machine; ``torch.compile`` (CUDA graphs, fused Triton kernels) removes it.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = self.full = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in _VIEW_OPS:
+                self.ops += 1
+                self.full += isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[-1] > 1
+            return out
+
+    with Counter() as counter:
+        step()
+    return counter.ops, counter.full
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (B=8, T=1024)")
@@ -145,6 +177,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--per-correction", action="store_true", help="also time each correction alone (eager)")
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's defaults (fresh buffers page-fault)")
+    p.add_argument("--no-count", action="store_true", help="skip counting the kernels each step launches")
     args = p.parse_args()
     malloc = "glibc defaults" if args.system_malloc else ("caching (mallopt)" if keep_freed_memory() else "system")
     if args.threads:
@@ -232,6 +265,21 @@ def main() -> None:
     if "plain_eager" in t:
         we, ce = t["plain_eager"]
         print(f"compiled full path / eager plain PPO: {t['full'][0] / we:.2f}x wall, {t['full'][1] / max(ce, 1e-9):.2f}x cpu")
+    if not args.no_count:  # eager launches per step: what an eager GPU step pays (see count_kernels)
+
+        def eager_step(fn):
+            def step():
+                logp = logp0.detach().requires_grad_(True)
+                out = fn(logp, old, rollout, adv, mask) if fn is not plain_ppo else fn(logp, old, adv, mask)
+                (out[0] if isinstance(out, tuple) else out).backward()
+
+            return step
+
+        counts = {k: count_kernels(eager_step(fn)) for k, fn in
+                  (("plain", plain_ppo), ("full", full_path), ("full2", full_path_two))}
+        (n0, f0), (n1, f1), (n2, f2) = counts["plain"], counts["full"], counts["full2"]
+        print(f"kernels per eager step (of which on [B, T]): plain {n0} ({f0}), full path {n1} ({f1}) = {n1 / n0:.1f}x, "
+              f"icepop+opsm {n2} ({f2}) = {n2 / n0:.1f}x; an eager GPU step is launch-bound at these sizes")
 
 
 if __name__ == "__main__":
