@@ -262,13 +262,13 @@ def opsm(delta: float = 1e-4) -> Correction:
         negative = _sequence_advantage_sign_negative(batch.advantages, batch.logp, stat_t.mask)
         drop = negative & ((stat > d) | nonfinite_row)
         keep = broadcast_rows(stat_t.mask, ~drop)
-        # split over the tokens where all three log-probs are finite (as _decompose)
-        ok3 = stat_t.ok * mis_t.ok
-        buf = torch.mul(mis_t.clean, ok3)
-        mism = -buf.sum(dim=-1) / n
-        anchor, lp = batch.anchor_logp.detach().float(), batch.logp.detach().float()
-        torch.sub(anchor, lp, out=buf).mul_(ok3)  # reuses buf
-        stale = nan_to_num(buf, 0.0, 0.0, 0.0, out=buf).sum(dim=-1) / n
+        # split over the tokens where all three log-probs are finite (as _decompose). Each cleaned log-ratio is 0
+        # where its own pair is not finite, so multiplying it by the *other* pair's validity restricts it to those
+        # tokens; there log π_old − log π_θ = (log π_old − log μ) − (log π_θ − log μ) (equal up to rounding).
+        buf = torch.mul(mis_t.clean, stat_t.ok)
+        mism_sum = buf.sum(dim=-1)
+        stale_sum = mism_sum - torch.mul(stat_t.clean, mis_t.ok, out=buf).sum(dim=-1)
+        mism, stale = -mism_sum / n, stale_sum / n
         nonempty = stat_t.n_row > 0
         metrics = {
             "opsm/masked_seq_frac": _row_frac(drop, nonempty),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
