@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch  # noqa: F401  (the doctests below use it)
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
