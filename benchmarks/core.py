@@ -140,8 +140,9 @@ _VIEW_OPS = frozenset({
 })  # metadata-only: no kernel runs
 
 
-def count_kernels(step) -> tuple[int, int]:
-    """(operations that run a kernel, of which on a full [B, T] tensor) in one eager ``step()``, forward and backward.
+def count_kernels(step, full_shape: torch.Size) -> tuple[int, int]:
+    """(operations that run a kernel, of which with a ``full_shape`` [B, T] output) in one eager ``step()``, forward
+    and backward.
 
     Why: on a GPU, eager PyTorch launches one kernel per operation, and at these sizes a launch (~5 µs) costs more than
     the arithmetic of a [64, 8192] pass, so the launch count — not the CPU time — is what an eager GPU step pays.
@@ -158,7 +159,7 @@ def count_kernels(step) -> tuple[int, int]:
             out = func(*args, **(kwargs or {}))
             if func.overloadpacket.__name__ not in _VIEW_OPS:
                 self.ops += 1
-                self.full += isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[-1] > 1
+                self.full += isinstance(out, torch.Tensor) and out.shape == full_shape
             return out
 
     with Counter() as counter:
@@ -275,7 +276,7 @@ def main() -> None:
 
             return step
 
-        counts = {k: count_kernels(eager_step(fn)) for k, fn in
+        counts = {k: count_kernels(eager_step(fn), logp0.shape) for k, fn in
                   (("plain", plain_ppo), ("full", full_path), ("full2", full_path_two))}
         (n0, f0), (n1, f1), (n2, f2) = counts["plain"], counts["full"], counts["full2"]
         print(f"kernels per eager step (of which on [B, T]): plain {n0} ({f0}), full path {n1} ({f1}) = {n1 / n0:.1f}x, "

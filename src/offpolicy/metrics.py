@@ -52,7 +52,7 @@ from torch import Tensor
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
 from offpolicy.corrections.base import CorrectionResult
 from offpolicy.corrections.importance import find_shared_log_ratio
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num, sequence_means
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -143,11 +143,7 @@ def offpolicy_metrics(
     has_tok = n_tok > 0
     n_tok_c = n_tok.clamp(min=1.0)
     seq_ok = seq_len > 0
-    n_seq = torch.count_nonzero(seq_ok).float().clamp(min=1.0)
     seq_len_c = seq_len.clamp(min=1.0)
-
-    def seq_mean(x: Tensor) -> Tensor:  # E_S over per-sequence values x [B]
-        return torch.where(seq_ok, x, torch.zeros_like(x)).sum() / n_seq
 
     one = torch.ones((), dtype=torch.float32, device=pi.device)
     zero0 = torch.zeros((), dtype=torch.float32, device=pi.device)
@@ -171,21 +167,27 @@ def offpolicy_metrics(
     out: dict[str, Tensor] = {}
     out["kl"] = -sum_r.sum() / n_tok_c
     out["k3_kl"] = (em1 - r_safe).sum() / n_tok_c  # Σ (ρ − 1 − log ρ), expm1 keeps small log ρ accurate
-    out["training_ppl"] = torch.where(has_tok, seq_mean(torch.exp(-mean_pi)), one)
-    out["training_log_ppl"] = seq_mean(-mean_pi)
-    out["rollout_ppl"] = torch.where(has_tok, seq_mean(torch.exp(-mean_mu)), one)
-    out["rollout_log_ppl"] = seq_mean(-mean_mu)
-    out["log_ppl_diff"] = seq_mean(d)
-    out["log_ppl_abs_diff"] = seq_mean(d.abs())
+    geo = (sum_r / seq_len_c).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    prod = sum_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    train_ppl, train_log_ppl, roll_ppl, roll_log_ppl, diff_mean, abs_diff_mean, ppl_ratio, chi2_seq, chi2_prod = (
+        sequence_means(  # E_S of each, in one stacked reduction
+            seq_ok, torch.exp(-mean_pi), -mean_pi, torch.exp(-mean_mu), -mean_mu, d, d.abs(),
+            torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), torch.expm1(2.0 * geo), torch.expm1(2.0 * prod),
+        )
+    )  # fmt: skip
+    out["training_ppl"] = torch.where(has_tok, train_ppl, one)
+    out["training_log_ppl"] = train_log_ppl
+    out["rollout_ppl"] = torch.where(has_tok, roll_ppl, one)
+    out["rollout_log_ppl"] = roll_log_ppl
+    out["log_ppl_diff"] = diff_mean
+    out["log_ppl_abs_diff"] = abs_diff_mean
     inf = torch.full_like(d, float("inf"))
     out["log_ppl_diff_max"] = torch.where(has_tok, torch.where(seq_ok, d, -inf).amax(), zero0)
     out["log_ppl_diff_min"] = torch.where(has_tok, torch.where(seq_ok, d, inf).amin(), zero0)
-    out["ppl_ratio"] = torch.where(has_tok, seq_mean(torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))), one)
+    out["ppl_ratio"] = torch.where(has_tok, ppl_ratio, one)
     out["chi2_token"] = (sum_em1_sq + 2.0 * sum_em1) / n_tok_c
-    geo = (sum_r / seq_len_c).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    out["chi2_seq"] = seq_mean(torch.expm1(2.0 * geo))
-    prod = sum_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    out["chi2_seq_product"] = seq_mean(torch.expm1(2.0 * prod))
+    out["chi2_seq"] = chi2_seq
+    out["chi2_seq_product"] = chi2_prod
 
     if weights is None:
         w_sum, w_sq_sum = sum_rho, sum_rho_sq

@@ -34,7 +34,7 @@ from offpolicy.corrections.importance import (
     ratio_terms,
     source_terms,
 )
-from offpolicy.ratios import as_mask, broadcast_rows, masked_mean, nan_to_num
+from offpolicy.ratios import as_mask, broadcast_rows, masked_mean, nan_to_num, sequence_means
 
 
 def _check_veto_threshold(threshold: object) -> float:
@@ -43,16 +43,6 @@ def _check_veto_threshold(threshold: object) -> float:
     if t > 1.0:
         raise ValueError(f"threshold must be in (0, 1] (a ratio below which a token is irreparable), got {threshold!r}")
     return t
-
-
-def _row_frac(row: Tensor, nonempty: Tensor) -> Tensor:
-    """Fraction of non-empty sequences for which ``row`` [B] holds (0 if none is non-empty)."""
-    return (row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
-
-
-def _row_mean(x: Tensor, nonempty: Tensor) -> Tensor:
-    """Mean of per-sequence ``x`` [B] over non-empty sequences."""
-    return torch.where(nonempty, x, torch.zeros_like(x)).sum() / nonempty.float().sum().clamp(min=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,7 +102,8 @@ def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
         vetoed_row = _vetoed_rows(terms, t)
         nonempty = terms.n_row > 0
         keep = broadcast_rows(terms.mask, ~vetoed_row)
-        return CorrectionResult(terms.mf.clone(), keep, {"veto/vetoed_seq_frac": _row_frac(vetoed_row, nonempty)})
+        (vetoed_frac,) = sequence_means(nonempty, vetoed_row)
+        return CorrectionResult(terms.mf.clone(), keep, {"veto/vetoed_seq_frac": vetoed_frac})
 
     return Correction("veto", apply, {"threshold": t, "source": source})
 
@@ -270,11 +261,12 @@ def opsm(delta: float = 1e-4) -> Correction:
         stale_sum = mism_sum - torch.mul(stat_t.clean, mis_t.ok, out=buf).sum(dim=-1)
         mism, stale = -mism_sum / n, stale_sum / n
         nonempty = stat_t.n_row > 0
+        masked_frac, stat_mean, mism_mean, stale_mean = sequence_means(nonempty, drop, stat, mism, stale)
         metrics = {
-            "opsm/masked_seq_frac": _row_frac(drop, nonempty),
-            "opsm/stat_mean": _row_mean(stat, nonempty),
-            "opsm/mismatch_term_mean": _row_mean(mism, nonempty),
-            "opsm/staleness_term_mean": _row_mean(stale, nonempty),
+            "opsm/masked_seq_frac": masked_frac,
+            "opsm/stat_mean": stat_mean,
+            "opsm/mismatch_term_mean": mism_mean,
+            "opsm/staleness_term_mean": stale_mean,
         }
         return CorrectionResult(stat_t.mf.clone(), keep, metrics)
 

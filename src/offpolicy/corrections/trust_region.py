@@ -27,7 +27,17 @@ from offpolicy.corrections.importance import (
     check_threshold,
     source_terms,
 )
-from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, float_mask, masked_fill_invalid, masked_max, masked_mean, nan_to_num
+from offpolicy.ratios import (
+    LOG_RATIO_BOUND,
+    as_mask,
+    broadcast_rows,
+    float_mask,
+    masked_fill_invalid,
+    masked_max,
+    masked_mean,
+    nan_to_num,
+    sequence_means,
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # k-estimators (Schulman, "Approximating KL divergence"; REFERENCE.md)
@@ -194,17 +204,6 @@ def _nonempty(m: Tensor) -> Tensor:
     return float_mask(m).sum(dim=-1) > 0
 
 
-def _accept_rate(keep: Tensor, nonempty: Tensor) -> Tensor:
-    """Kept fraction of the sequences that have ≥ 1 valid token (``nonempty`` [B])."""
-    kept = float_mask(keep).amax(dim=-1) > 0
-    return (kept & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
-
-
-def _row_mean(x: Tensor, nonempty: Tensor) -> Tensor:
-    """Mean of per-sequence ``x`` [B] over the sequences with ≥ 1 valid token (``nonempty`` [B])."""
-    return torch.where(nonempty, x, torch.zeros_like(x)).sum() / nonempty.float().sum().clamp(min=1.0)
-
-
 def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_trm_keep` on k2(r) (max test) / k3(r) (avg test) from shared terms, with per-row statistics.
 
@@ -264,7 +263,7 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
             keep = _trm_keep(max_div, avg_div, m, mx, av)
             max_row, avg_row = masked_max(max_div, m, dim=-1), masked_mean(avg_div, m, dim=-1)
             nonempty = _nonempty(m)
-            accept = _accept_rate(keep, nonempty)
+            keep_row = float_mask(keep).amax(dim=-1) > 0  # a kept sequence keeps its valid tokens
             weights = float_mask(m)
         else:
             kind = "k_estimator"
@@ -272,13 +271,13 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
             keep_row, max_row, avg_row = _trm_k_estimator(terms, mx, av)
             keep = broadcast_rows(terms.mask, keep_row)
             nonempty = terms.n_row > 0
-            accept = (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0)
             weights = terms.mf.clone()
+        accept, max_mean, avg_mean = sequence_means(nonempty, keep_row, max_row, avg_row)
         one = torch.ones((), device=m.device)
         metrics = {
             "trm/accept_rate": accept,
-            "trm/max_divergence_mean": _row_mean(max_row, nonempty),
-            "trm/avg_divergence_mean": _row_mean(avg_row, nonempty),
+            "trm/max_divergence_mean": max_mean,
+            "trm/avg_divergence_mean": avg_mean,
             "trm/divergence_exact": one * (kind == "exact"),
             "trm/divergence_topk": one * (kind == "topk"),
             "trm/divergence_k_estimator": one * (kind == "k_estimator"),
@@ -336,10 +335,8 @@ def _row_statistic_mask(
         stat = statistic(terms.raw, m)  # once, for the mask (= ln_trm_mask / ser_mask) and the metric
         keep_row = (stat <= threshold) & (terms.ok_row == terms.n_row)
         nonempty = terms.n_row > 0
-        metrics = {
-            f"{name}/accept_rate": (keep_row & nonempty).float().sum() / nonempty.float().sum().clamp(min=1.0),
-            f"{name}/stat_mean": _row_mean(stat, nonempty),
-        }
+        accept, stat_mean = sequence_means(nonempty, keep_row, stat)
+        metrics = {f"{name}/accept_rate": accept, f"{name}/stat_mean": stat_mean}
         return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
 
     return Correction(name, apply, config)
