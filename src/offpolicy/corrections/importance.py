@@ -239,17 +239,17 @@ class SharedLogRatio:
     clamped: Tensor | None
 
 
-def share_log_ratio(batch: LogProbBatch, source: str) -> dict[object, object]:
-    """``{("log_ratio", source): SharedLogRatio}`` for a correction's ``CorrectionResult.shared``, from the batch's
-    memoised terms of ``source`` (empty under ``torch.compile``, where the whole step fuses anyway and version
-    counters are not traced)."""
+def share_log_ratio(
+    batch: LogProbBatch, source: str, terms: RatioTerms, token: TokenRatio | None
+) -> dict[object, object]:
+    """``{("log_ratio", source): SharedLogRatio}`` for a correction's ``CorrectionResult.shared``: the ``terms`` of
+    :func:`source_terms` ``(batch, source)`` and, for a token-level correction, its ``token`` ratio (empty under
+    ``torch.compile``, where the whole step fuses anyway and version counters are not traced)."""
     if torch.compiler.is_compiling():
         return {}
-    terms = source_terms(batch, source, "shared")
     numerator = batch.anchor_logp if source == "mismatch" else batch.logp
     origin = (numerator, batch.rollout_logp, batch.mask)
-    token = batch.__dict__.get("_memo", {}).get(("token_ratio", source))
-    clamped = token.agg if isinstance(token, TokenRatio) else None
+    clamped = token.agg if token is not None else None
     shared = SharedLogRatio(origin, tuple(t._version for t in origin), terms, clamped)  # type: ignore[arg-type]
     return {("log_ratio", source): shared}
 
@@ -515,7 +515,7 @@ def _importance(
             f"{name}/clipped_frac": imp.n_changed / n,  # masked, undefined, or moved by the clamp
             f"{name}/nonfinite_frac": (terms.n - terms.ok_row.sum()) / n,
         }
-        return CorrectionResult(imp.weights, imp.keep, metrics, share_log_ratio(batch, source))
+        return CorrectionResult(imp.weights, imp.keep, metrics, share_log_ratio(batch, source, terms, tr))
 
     return Correction(name, apply, config)
 
