@@ -193,19 +193,18 @@ def main() -> None:
     full_fn = torch.compile(full_path) if args.compile else full_path
     two_fn = torch.compile(full_path_two) if args.compile else full_path_two
 
-    def base_step():
-        logp = logp0.detach().requires_grad_(True)
-        base_fn(logp, old, adv, mask).backward()
+    def backward_step(fn, *inputs):
+        """A step: ``fn(logp, *inputs)`` on a fresh leaf logp, then backward of its loss (the first item it returns)."""
 
-    def full_step():
-        logp = logp0.detach().requires_grad_(True)
-        loss, _ = full_fn(logp, old, rollout, adv, mask)
-        loss.backward()
+        def step():
+            out = fn(logp0.detach().requires_grad_(True), *inputs)
+            (out[0] if isinstance(out, tuple) else out).backward()
 
-    def two_step():
-        logp = logp0.detach().requires_grad_(True)
-        loss, _ = two_fn(logp, old, rollout, adv, mask)
-        loss.backward()
+        return step
+
+    base_step = backward_step(base_fn, old, adv, mask)
+    full_step = backward_step(full_fn, old, rollout, adv, mask)
+    two_step = backward_step(two_fn, old, rollout, adv, mask)
 
     # the parts of the full path, each timed on its own (eager), to show where the time goes
     def fresh_batch() -> LogProbBatch:  # a new batch each call: the corrections' memo must not carry over
@@ -227,9 +226,7 @@ def main() -> None:
         batch = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
         policy_loss(batch, correction=fixed_result)[0].backward()
 
-    def eager_base_step():
-        logp = logp0.detach().requires_grad_(True)
-        plain_ppo(logp, old, adv, mask).backward()
+    eager_base_step = backward_step(plain_ppo, old, adv, mask)
 
     steps = {"plain": base_step, "full": full_step, "full2": two_step}
     if args.compile:  # what a user who compiles only the offpolicy part compares against: their eager PPO loss
@@ -267,18 +264,13 @@ def main() -> None:
         we, ce = t["plain_eager"]
         print(f"compiled full path / eager plain PPO: {t['full'][0] / we:.2f}x wall, {t['full'][1] / max(ce, 1e-9):.2f}x cpu")
     if not args.no_count:  # eager launches per step: what an eager GPU step pays (see count_kernels)
-
-        def eager_step(fn):
-            def step():
-                logp = logp0.detach().requires_grad_(True)
-                out = fn(logp, old, rollout, adv, mask) if fn is not plain_ppo else fn(logp, old, adv, mask)
-                (out[0] if isinstance(out, tuple) else out).backward()
-
-            return step
-
-        counts = {k: count_kernels(eager_step(fn), logp0.shape) for k, fn in
-                  (("plain", plain_ppo), ("full", full_path), ("full2", full_path_two))}
-        (n0, f0), (n1, f1), (n2, f2) = counts["plain"], counts["full"], counts["full2"]
+        (n0, f0), (n1, f1), (n2, f2) = (
+            count_kernels(step, logp0.shape) for step in (
+                eager_base_step,
+                backward_step(full_path, old, rollout, adv, mask),
+                backward_step(full_path_two, old, rollout, adv, mask),
+            )
+        )
         print(f"kernels per eager step (of which on [B, T]): plain {n0} ({f0}), full path {n1} ({f1}) = {n1 / n0:.1f}x, "
               f"icepop+opsm {n2} ({f2}) = {n2 / n0:.1f}x; an eager GPU step is launch-bound at these sizes")
 
