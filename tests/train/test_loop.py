@@ -44,6 +44,15 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
         assert rows[0]["trm/divergence_exact"] == 1.0 and rows[0]["mismatch/token_kl_exact_mean"] >= 0
 
 
+def test_a_fresh_run_into_an_existing_out_dir_starts_a_new_log(tmp_path, fresh, make_overrides, varying_task):
+    # without --resume, a second run in the same folder replaces metrics.jsonl (it used to append: 4 rows, and the
+    # demo's summary then read the first run's first row and the second run's last)
+    model, tok = fresh
+    for _ in range(2):
+        train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok, task=varying_task())
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
 def test_mismatch_is_visible_bf16_vs_fp32(tmp_path, fresh, make_overrides, varying_task):
     # The bf16 KV-cache engine and the fp32 trainer disagree: k3 KL > 0 and log-probs differ.
     model, tok = fresh

@@ -262,8 +262,9 @@ def train(
         start = load_checkpoint(path, model=model, optimizer=optimizer, extra_modules=modules)["step"]
     (out_dir / "config.yaml").write_text(config_to_yaml(cfg))
     logger = MetricLogger(out_dir, tensorboard=run.tensorboard)
-    if resume:
-        logger.truncate_after(start)
+    # keep only the steps up to the one we start from: a resumed run rewrites those after its checkpoint, a fresh
+    # run (start 0) into an existing out_dir starts a new log instead of appending to the old one
+    logger.truncate_after(start)
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer,
