@@ -157,6 +157,21 @@ def test_sequence_level_ratio_is_product():
     assert geo.item() == gspo.item() == pytest.approx(-math.exp(0.2), rel=1e-6)
 
 
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_ratio_beyond_the_20_bound_is_clipped_at_every_level(level):
+    # A = −1, no dual clip, three tokens with log r = 10 (token level: log r = 25 on each token instead).
+    # sequence: log s = 30 > 20 -> the ±20 bound clamps it: value −A·e^20 per token, clamp active -> gradient 0,
+    # and the token counts in clipfrac_high ("clamped from above other than by the dual clip"), as at token level.
+    per_token = 10.0 if level == "sequence" else 25.0
+    logp = leaf([[per_token - 1.0] * 3])
+    b = LogProbBatch(logp=logp, mask=torch.ones(1, 3), old_logp=torch.full((1, 3), -1.0), advantages=torch.tensor([-1.0]))
+    loss, m = policy_loss(b, level=level)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-6)  # token mean of 3 × e^20
+    assert torch.equal(logp.grad, torch.zeros(1, 3))
+    assert m["loss/clipfrac_high"].item() == 1.0 and m["loss/clipfrac_low"].item() == 0.0
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Aggregation
 # ---------------------------------------------------------------------------------------------------------------------

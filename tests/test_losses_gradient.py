@@ -3,6 +3,9 @@
 The reference is the loss written the obvious way — torch.where for invalid tokens, min of the unclipped and clipped
 products, dual clip as min(L, c·|A|), the ±20 log-ratio clamp — and differentiated by autograd. Both must agree on
 value and gradient for every objective, level, aggregation, dual clip, correction weights and non-finite inputs.
+At ``sequence``/``geometric`` level the textbook form is GSPO-token's, log r_t = sg[log s_i] + lp_t − sg[lp_t]: its
+value is the sequence ratio and its gradient the per-token policy gradient s_i·∇log π_t (a finite difference of the
+value would instead see all of the sequence's tokens move s_i).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def reference_loss(logp, old, rollout, mask, adv, coef, objective, level, eps_lo
             seq = log_r.detach().sum(-1, keepdim=True)
             if level == "geometric":
                 seq = seq / valid.sum(-1, keepdim=True).clamp(min=1)
-            log_r = torch.where(valid, seq.clamp(-BOUND, BOUND) + (lp - lp.detach()), zero)  # value exactly seq
+            # GSPO-token: value exactly seq, gradient per token; the ±20 clamp below then bounds it like a token ratio
+            log_r = torch.where(valid, seq + (lp - lp.detach()), zero)
         r = torch.exp(log_r.clamp(-BOUND, BOUND))
         per_token = -torch.minimum(r * a, r.clamp(1 - eps_low, 1 + eps_high) * a)
         if dual is not None:

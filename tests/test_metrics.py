@@ -97,6 +97,26 @@ def test_clipped_frac_at_geometric_level():
     assert v["clipped_frac"].item() == pytest.approx(1 / 3)
 
 
+
+@pytest.mark.parametrize("pass_result", [False, True])
+def test_untouched_small_ratios_are_not_counted_as_clipped(pass_result):
+    # log ρ from −12 to 0: ρ down to 6e-6, where expm1(r) + 1 is off by ~1e-6 relative in float32. Weights that are
+    # exactly the raw ratios (a tis with no bound that binds: upper = 1e6) must give clipped_frac 0; a truncation at
+    # upper = 0.5 changes exactly the tokens with ρ > 0.5, i.e. log ρ > −0.693: those with r ∈ {−0.5, −0.25, 0} of the
+    # 49 values −12, −11.75, …, 0 → 3/49.
+    from offpolicy.batch import LogProbBatch
+    from offpolicy.corrections.importance import tis
+
+    r = torch.linspace(-12.0, 0.0, 49).reshape(1, 49)
+    rollout = -torch.rand(1, 49, generator=torch.Generator().manual_seed(0)) - 1.0
+    train = rollout + r
+    mask = torch.ones(1, 49)
+    for upper, expected in ((1e6, 0.0), (0.5, 3 / 49)):
+        result = tis(upper=upper)(LogProbBatch(logp=train.clone(), old_logp=train, rollout_logp=rollout, mask=mask))
+        weights = result if pass_result else result.weights
+        v = offpolicy_metrics(train, rollout, mask, weights, prefix="")
+        assert v["clipped_frac"].item() == pytest.approx(expected, abs=1e-7)
+
 def test_nonfinite_valid_tokens_counted_and_excluded():
     train, rollout, mask = example()
     train2 = torch.cat([train, torch.tensor([[float("inf")], [-1.0]])], dim=1)

@@ -30,8 +30,9 @@ counts — TRM's "normalise by the total batch", arXiv 2512.23075):
 * ``seq_mean_token_mean``      mean over sequences with ≥1 valid token of Σ_t m L / Σ_t m   (GRPO)
 * ``seq_mean_token_sum_norm``  Σ m L / (B · T_max), T_max = ``max_tokens`` or T             (Dr.GRPO, arXiv 2503.20783)
 
-Metrics (0-d float32, detached; fractions are over valid tokens): ``loss/clipfrac_low`` — A < 0 and r < 1−ε_low
-(the clip is active: no gradient); ``loss/clipfrac_high`` — A > 0 and r > 1+ε_high; ``loss/dual_clip_frac`` — A < 0
+Metrics (0-d float32, detached; fractions are over valid tokens): ``loss/clipfrac_low`` — clamped from below: A < 0
+and r < 1−ε_low (the clip is active: no gradient), or r < e^−20 (the ±20 bound, any A); ``loss/clipfrac_high`` — clamped
+from above other than by the dual clip: A > 0 and r > 1+ε_high, or r > e^20; ``loss/dual_clip_frac`` — A < 0
 and r > c; ``loss/ratio_mean|max|min`` — of the objective's r (at its level; π_θ/π_old for ``reinforce``);
 ``loss/empty_batch`` — 1.0 iff no token is valid; ``loss/nonfinite_tokens`` — count of mask=1 tokens dropped as
 non-finite.
@@ -48,6 +49,9 @@ that the forward pass computes from terms it already has; the returned loss carr
 function. Autograd therefore records no graph through the loss: one saved [B, T] buffer instead of ~10, and a
 backward of one multiply. First-order only (no double backward through the loss). It is tested against autograd on a
 textbook implementation of every objective, level, aggregation and dual clip (``tests/test_losses_gradient.py``).
+At ``sequence``/``geometric`` level the gradient is GSPO-token's (log r_t = sg[log s_i] + lp_t − sg[lp_t]): each
+token gets −A·s_i·∇log π_t, the sequence-level policy gradient, while the value is the sequence ratio's loss. So a
+finite-difference check of the value (``gradcheck``) does not apply there, as for any stop-gradient objective.
 """
 
 from __future__ import annotations
@@ -286,7 +290,9 @@ def _loss_and_gradient(
             seq = log_r.sum(dim=-1, keepdim=True)
             if level == "geometric":
                 seq = seq / vf.sum(dim=-1, keepdim=True).clamp(min=1.0)
-            log_r = seq.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * vf
+            # bounded at ±2·20, not ±20: beyond ±20 the ±20 bound of _clamp_ratio must see the ratio as clamped (no
+            # gradient, counted as clipped), as at token level; still finite, so · vf cannot make 0·inf = NaN
+            log_r = seq.clamp(-2.0 * LOG_RATIO_BOUND, 2.0 * LOG_RATIO_BOUND) * vf
         log_c, active, n_up, n_down, n_dual = _clamp_ratio(log_r, adv_t, eps_low, eps_high, dual_clip)
         d_token = log_c.exp_().mul_(neg_a)  # −A·clip(r)
         if coef is not None:

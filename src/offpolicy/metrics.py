@@ -123,6 +123,7 @@ def offpolicy_metrics(
     if shared is not None:  # the correction's terms of the same log π − log μ: the same numbers, already computed
         vf, r, seq_len, sum_r = shared.terms.ok, shared.terms.clean, shared.terms.ok_row, shared.terms.sum_row
         r_safe = shared.clamped if shared.clamped is not None else r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        rho_token = shared.rho
     else:
         diff = pi - mu
         # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
@@ -135,6 +136,7 @@ def offpolicy_metrics(
         seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
         sum_r = r.sum(dim=-1)
         r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        rho_token = None
     pi_v = nan_to_num(pi, 0.0, 0.0, 0.0).mul_(vf)
 
     seq_len_i = seq_len.long()
@@ -202,7 +204,9 @@ def offpolicy_metrics(
         w_sq_sum = torch.dot(w_flat, w_flat)
         n_invalid = n_all - n_tok_i  # integer arithmetic: exact at any batch size
         if level == "token":
-            raw = em1 + 1.0
+            # exp, not em1 + 1: em1's absolute rounding (~6e-8) exceeds the 1e-6 relative tolerance below ρ ≈ 0.06,
+            # and would count untouched small weights as clipped
+            raw = rho_token if rho_token is not None else torch.exp(r_safe)
         else:
             raw_log = sum_r if level == "sequence" else sum_r / seq_len_c
             raw = torch.exp(raw_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)

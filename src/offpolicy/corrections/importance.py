@@ -230,13 +230,15 @@ class SharedLogRatio:
 
     ``origin`` is the (numerator, denominator, mask) tensors it was computed from and ``versions`` their in-place
     version counters at that time: :func:`find_shared_log_ratio` reuses it only for the very same, unmodified tensors.
-    ``clamped`` is the token-level log-ratio clamped ±20 when a token-level correction computed it, else None.
+    ``clamped`` is the token-level log-ratio clamped ±20 and ``rho`` its exp (1 where undefined) when a token-level
+    correction computed them, else None.
     """
 
     origin: tuple[Tensor, Tensor, Tensor]
     versions: tuple[int, int, int]
     terms: RatioTerms
     clamped: Tensor | None
+    rho: Tensor | None = None
 
 
 def share_log_ratio(
@@ -249,8 +251,8 @@ def share_log_ratio(
         return {}
     numerator = batch.anchor_logp if source == "mismatch" else batch.logp
     origin = (numerator, batch.rollout_logp, batch.mask)
-    clamped = token.agg if token is not None else None
-    shared = SharedLogRatio(origin, tuple(t._version for t in origin), terms, clamped)  # type: ignore[arg-type]
+    clamped, rho = (token.agg, token.rho) if token is not None else (None, None)
+    shared = SharedLogRatio(origin, tuple(t._version for t in origin), terms, clamped, rho)  # type: ignore[arg-type]
     return {("log_ratio", source): shared}
 
 
