@@ -71,7 +71,13 @@ def test_k2_k3_nonnegative_and_finite(values):
     for f in (k2, k3):
         out = f(r)
         assert bool((out >= 0).all())
-    assert bool(torch.isfinite(k3(r)).all())  # r clamped to ±20 before exp
+    assert bool(torch.isfinite(k3(r)).all())  # r clamped at +20 before exp; below −20 k3 ≈ −1 − r, finite
+
+
+def test_k3_is_not_understated_below_minus_20_and_infinite_at_minus_inf():
+    # k3(−40) = e^−40 − 1 + 40 = 39.0 (a ±20 clamp of the linear term would give 19); k3(−inf) = +inf
+    out = k3(torch.tensor([-40.0, -float("inf")]))
+    assert out[0].item() == pytest.approx(39.0) and out[1].item() == float("inf")
 
 
 def test_k3_tiny_r_accurate():
@@ -296,7 +302,7 @@ def test_trm_preset_k_estimator_fallback_by_hand():
     )
     # max test on k2 = ½r²: row maxima 0.02, 0.005, 0.125; avg test on k3 = e^r − 1 − r:
     # row 0: (0 + 0.021403)/2 = 0.010701; row 1: 0.005171; row 2: 0.148721
-    r = trm(max_kl=0.05, avg_kl=0.008)(b)
+    r = trm(max_kl=0.05, avg_kl=0.008, source="mismatch")(b)
     assert r.keep.any(-1).tolist() == [False, True, False, False]
     m = _m(r)
     assert m["trm/accept_rate"] == pytest.approx(1 / 3)  # of the 3 non-empty sequences
@@ -322,20 +328,40 @@ def test_trm_preset_uses_token_divergence_when_given(kind):
     assert m["trm/avg_divergence_mean"] == pytest.approx((0.035 + 0.005) / 2)
 
 
-def test_trm_source_total():
+def test_trm_measures_the_current_policy_by_default():
+    # μ = π_old, π_θ moved: the paper's D_t is KL(π_roll ‖ π_θ), so the default (source="total") sees the drift
     b = LogProbBatch(logp=torch.tensor([[0.5]]), old_logp=torch.zeros(1, 1), rollout_logp=torch.zeros(1, 1), mask=torch.ones(1, 1))
-    assert trm(max_kl=0.05, avg_kl=None)(b).keep.all()  # π_old/μ = 1
-    assert not trm(max_kl=0.05, avg_kl=None, source="total")(b).keep.any()  # π_θ/μ = e^0.5, k2 = 0.125
+    assert not trm(max_kl=0.05, avg_kl=None)(b).keep.any()  # π_θ/μ = e^0.5, k2 = 0.125 > 0.05
+    assert trm(max_kl=0.05, avg_kl=None, source="mismatch")(b).keep.all()  # π_old/μ = 1
+    # LN-TRM and SER too: |ρ − 1| = e^0.5 − 1 = 0.6487 > 0.05 on π_θ/μ, 0 on π_old/μ
+    assert not ser()(b).keep.any() and ser(source="mismatch")(b).keep.all()
+    b2 = b.replace(logp=torch.tensor([[0.5, 0.0]]), old_logp=torch.zeros(1, 2), rollout_logp=torch.zeros(1, 2), mask=torch.ones(1, 2))
+    assert not ln_trm()(b2).keep.any() and ln_trm(source="mismatch")(b2).keep.all()  # W/Z = 0.6487 (w = (·, 0))
+
+
+def test_trm_avg_test_sees_a_catastrophic_token_and_drops_an_infinite_one():
+    # T = 100, one token with log(π/μ) = −40: k3 = e^−40 − 1 + 40 = 39, mean 39/100 = 0.39 > 0.3 -> dropped
+    # (a k3 clamped at −20 gives 19/100 = 0.19 and keeps it); a −inf log-ratio (KL = ∞) is dropped too
+    rollout = torch.zeros(2, 100)
+    logp = torch.zeros(2, 100)
+    logp[0, 7] = -40.0
+    logp[1, 3] = -float("inf")
+    b = LogProbBatch(logp=logp, rollout_logp=rollout, mask=torch.ones(2, 100))
+    r = trm(max_kl=None, avg_kl=0.3)(b)
+    assert r.keep.any(-1).tolist() == [False, False]
+    assert r.metrics["trm/avg_divergence_mean"].item() == pytest.approx((0.39 + 0.0) / 2, rel=1e-5)  # row 1: finite r only
+    assert trm(max_kl=None, avg_kl=0.4)(b).keep.any(-1).tolist() == [True, False]  # 0.39 ≤ 0.4
 
 
 def test_presets_repr_and_metrics():
-    assert repr(trm()) == "trm(max_kl=0.05, avg_kl=0.001, source='mismatch')"
-    assert repr(ln_trm()) == "ln_trm(eps=0.005, delta=0.0001, threshold=0.05, source='mismatch')"
-    assert repr(ser()) == "ser(threshold=0.05, source='mismatch')"
-    # π_old/μ: row 0 ρ = (1.1, 1.1) → SER 0.1 > 0.05 dropped; row 1 ρ = (1, 1) → kept
+    assert repr(trm()) == "trm(max_kl=0.05, avg_kl=0.001, source='total')"
+    assert repr(ln_trm()) == "ln_trm(eps=0.005, delta=0.0001, threshold=0.05, source='total')"
+    assert repr(ser()) == "ser(threshold=0.05, source='total')"
+    # π_θ/μ (= π_old/μ here): row 0 ρ = (1.1, 1.1) → SER 0.1 > 0.05 dropped; row 1 ρ = (1, 1) → kept
+    old = torch.log(torch.tensor([[1.1, 1.1], [1.0, 1.0]]))
     b = LogProbBatch(
-        logp=torch.zeros(2, 2),
-        old_logp=torch.log(torch.tensor([[1.1, 1.1], [1.0, 1.0]])),
+        logp=old.clone(),
+        old_logp=old,
         rollout_logp=torch.zeros(2, 2),
         mask=torch.ones(2, 2),
     )
@@ -355,8 +381,8 @@ def test_presets_never_nan_with_nonfinite_inputs(batch, seed):
     hit = torch.rand(r.shape, generator=g) < 0.2
     bad = torch.tensor([NAN, INF, -INF])[torch.randint(0, 3, r.shape, generator=g)]
     old = torch.where(hit, bad, r)
-    b = LogProbBatch(logp=torch.zeros_like(r), old_logp=old, rollout_logp=torch.zeros_like(r), mask=m, token_divergence=None)
-    for c in (trm(), ln_trm(), ser()):
+    b = LogProbBatch(logp=old.clone(), old_logp=old, rollout_logp=torch.zeros_like(r), mask=m, token_divergence=None)
+    for c in (trm(), ln_trm(), ser(), trm(source="mismatch"), ln_trm(source="mismatch"), ser(source="mismatch")):
         res = c(b)
         assert all(bool(torch.isfinite(v)) for v in res.metrics.values())
         bad_rows = (hit & m).any(-1)

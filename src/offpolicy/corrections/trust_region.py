@@ -65,13 +65,14 @@ def k2(r: Tensor) -> Tensor:
 
 def k3(r: Tensor) -> Tensor:
     """k3 = e^r − 1 − r, r = log(π/μ): ≥ 0 and unbiased for KL(μ‖π) under μ-samples (E_μ[ρ] = 1); the TRM paper's
-    *average* test. float32; r is clamped to ±20 first (no overflow) and ``expm1`` keeps small r accurate (the result
-    is exactly ≥ 0 in floating point because fl(expm1(r)) ≥ r).
+    *average* test. float32; ``expm1`` keeps small r accurate (the result is exactly ≥ 0 in floating point because
+    fl(expm1(r)) ≥ r). r is clamped at +20 only, against overflow (k3(20) = 4.9e8, beyond any threshold): below −20 the
+    linear term is the whole story (k3(−40) = 39, and −inf gives +inf), so a catastrophic token is never understated.
 
-    >>> k3(torch.tensor([0.0, 1.0, -1.0]))  # 0; e - 2 = 0.7183; 1/e = 0.3679
-    tensor([0.0000, 0.7183, 0.3679])
+    >>> k3(torch.tensor([0.0, 1.0, -1.0, -40.0]))  # 0; e - 2 = 0.7183; 1/e = 0.3679; e^-40 - 1 + 40 = 39
+    tensor([ 0.0000,  0.7183,  0.3679, 39.0000])
     """
-    r = r.float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    r = r.float().clamp(max=LOG_RATIO_BOUND)
     return torch.expm1(r) - r
 
 
@@ -207,36 +208,33 @@ def _nonempty(m: Tensor) -> Tensor:
 def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_trm_keep` on k2(r) (max test) / k3(r) (avg test) from shared terms, with per-row statistics.
 
-    Returns ``(keep [B], masked_max(k2) [B], masked_mean(k3) [B])`` (``keep`` per sequence): the same numbers as
-    computing k2/k3 on the raw r and masking (a row is dropped by the max test if a valid r is non-finite or k2
-    overflows, by the avg test if a valid r is NaN: k3 clamps ±inf to ±20 first), without [B, T] isfinite/where passes.
+    Returns ``(keep [B], masked_max(k2) [B], masked_mean(k3) [B])`` (``keep`` per sequence): the same decisions as
+    computing k2/k3 on the raw r and masking — a row with a non-finite valid r (NaN, or ±inf: an infinite divergence)
+    is dropped by either test, as is one whose k2 overflows — without [B, T] isfinite/where passes. The statistics
+    are over the finite r (non-finite ones count as 0 there).
     """
     # two [B, T] buffers, reused in place (each fresh one costs page faults on CPU)
     buf = torch.mul(terms.clean, 0.5).mul_(terms.clean)  # k2 = (0.5·r)·r as k2(); 0 at padding / non-finite r
     k2_max_all = buf.amax(dim=-1)  # inf iff some k2 overflowed (|r| > 1.8e19); k2 ≥ 0, so the 0s never win
     k2_max = nan_to_num(buf, 0.0, 0.0, 0.0, out=buf).amax(dim=-1)  # masked_max: overflowed entries are left out
-    # k3 of the raw r: ±inf clamp to ±20, NaN contributes 0 (masked_mean drops non-finite k3), padding 0
-    r3 = nan_to_num(terms.raw, 0.0, LOG_RATIO_BOUND, -LOG_RATIO_BOUND, out=buf)
-    r3.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).mul_(terms.mf)
+    # k3 as k3(): of the clean r (0 at padding and at non-finite r), clamped at +20 only
+    r3 = torch.clamp(terms.clean, max=LOG_RATIO_BOUND, out=buf)
     k3_mean = torch.expm1(r3).sub_(r3).sum(dim=-1) / terms.n_row.clamp(min=1.0)
-    ok = torch.ones_like(terms.n_row, dtype=torch.bool)
-    if mx is not None:  # any non-finite r (NaN, ±inf) makes k2 non-finite
-        ok = ok & (k2_max_all <= mx) & (terms.ok_row == terms.n_row)
+    ok = terms.ok_row == terms.n_row  # every valid r finite: NaN or ±inf in a valid position drops the row
+    if mx is not None:
+        ok = ok & (k2_max_all <= mx)
     if av is not None:
         ok = ok & (k3_mean <= av)
-        if mx is None:  # only a NaN r makes k3 non-finite: clamp maps ±inf to ±1, NaN stays, ·0 leaves only NaN
-            probe = terms.raw.clamp(-1.0, 1.0).mul_(0.0)
-            nan_row = (nan_to_num(probe, 1.0, 0.0, 0.0, out=probe) * terms.mf).sum(dim=-1)
-            ok = ok & (nan_row == 0)
     return ok, k2_max, k3_mean
 
 
-def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str = "mismatch") -> Correction:
+def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str = "total") -> Correction:
     """Trust Region Masking preset (arXiv 2512.23075; paper thresholds δ = 0.05 max, 0.001 avg; None disables one).
 
     Uses ``batch.token_divergence`` for both tests when given (``batch.token_divergence_kind`` says "exact" or
-    "topk"); otherwise the paper's fallback on r = log(π_old/μ) (``source="mismatch"``) or log(π_θ/μ) (``"total"``):
-    max test on k2(r), average test on k3(r) (needs ``rollout_logp``).
+    "topk"); otherwise the paper's fallback on r = log(π_θ/μ) (``source="total"``, the default: the paper measures
+    the rollout against the *current* policy, so policy drift over the minibatches counts too) or log(π_old/μ)
+    (``"mismatch"``: the inference error alone): max test on k2(r), average test on k3(r) (needs ``rollout_logp``).
 
     Metrics: ``trm/accept_rate`` (of sequences with ≥ 1 valid token), ``trm/max_divergence_mean`` (mean over
     sequences of the max-test divergence), ``trm/avg_divergence_mean`` (of the avg-test divergence), and
@@ -287,15 +285,15 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
     return Correction("trm", apply, {"max_kl": mx, "avg_kl": av, "source": source})
 
 
-def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, source: str = "mismatch") -> Correction:
-    """Length-Neutral TRM preset on log(π_old/μ) (or log(π_θ/μ), ``source="total"``); see :func:`ln_trm_mask`.
+def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, source: str = "total") -> Correction:
+    """Length-Neutral TRM preset on log(π_θ/μ) (or log(π_old/μ), ``source="mismatch"``); see :func:`ln_trm_mask`.
 
     The defaults are not the paper's (it gives none): ε, δ from its worked example (ε = 5e-3, δ = 1e-4) and the
     threshold from SER's recommended range, since W/Z is a weighted mean of the same |ρ_t − 1|.
     Metrics: ``ln_trm/accept_rate``, ``ln_trm/stat_mean`` (mean W/Z over sequences).
 
     >>> ln_trm()
-    ln_trm(eps=0.005, delta=0.0001, threshold=0.05, source='mismatch')
+    ln_trm(eps=0.005, delta=0.0001, threshold=0.05, source='total')
     """
     e = check_threshold("eps", eps)
     d = check_threshold("delta", delta)
@@ -307,12 +305,13 @@ def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, sour
     return _row_statistic_mask("ln_trm", statistic, th, source, {"eps": e, "delta": d, "threshold": th, "source": source})
 
 
-def ser(threshold: float = 0.05, source: str = "mismatch") -> Correction:
-    """Sequence-Error-Rate preset (see :func:`ser_mask`; recommended threshold 0.03–0.10).
+def ser(threshold: float = 0.05, source: str = "total") -> Correction:
+    """Sequence-Error-Rate preset on log(π_θ/μ) (or log(π_old/μ), ``source="mismatch"``; see :func:`ser_mask`;
+    recommended threshold 0.03–0.10).
     Metrics: ``ser/accept_rate``, ``ser/stat_mean`` (mean over sequences of mean_t |ρ_t − 1|).
 
     >>> ser()
-    ser(threshold=0.05, source='mismatch')
+    ser(threshold=0.05, source='total')
     """
     th = check_threshold("threshold", threshold, allow_zero=True)
     assert th is not None

@@ -9,7 +9,9 @@ mis        token-level masked IS, w = ρ·1[ρ ≤ 2]     (Liu et al. 2025; seed
 geo_mask   geometric-mean sequence mask (ms-swift/verl geo_mask; seed 002)               ppo
 icepop     two-sided token mask [0.5, 5]             (Ring-1T, arXiv 2510.18855)          ppo
 opsm       off-policy sequence mask, δ = opsm_delta  (DeepSeek-V3.2; seed 004)            ppo
-trm        trust-region mask, max_t KL ≤ 0.05        (seed 003); exact KL from logits     ppo
+trm        trust-region mask, max_t KL ≤ 0.05        (seed 003); exact KL(μ‖π_old) from   ppo
+           logits, once per step (= the paper's KL(μ‖π_θ) on the first minibatch; without logits the
+           k-estimators on the current π_θ/μ)
 dvp        min-p constrained log-probs for π_θ, π_old, μ, ρ = e^-13 (seed 000)            ppo
 dvp_mis    dvp + token MIS (the paper's best)                                            ppo
 alp        learnable layerwise noise, unified ratio π_{θ,σ}/μ (seed 001)                  bypass, dual-clip 10
