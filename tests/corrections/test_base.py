@@ -71,6 +71,17 @@ def test_chain_by_hand_and_repr():
     assert repr(c).startswith("chain(tis(level='token'") and c.parts[1].name == "icepop"
 
 
+def test_chain_refuses_two_parts_whose_metrics_collide_and_accepts_renamed_ones():
+    batch = random_batch(0, 2, 3, 0.1)
+    with pytest.raises(ValueError, match=r"tis/raw_ratio_mean.*same name"):
+        chain(tis(), tis(level="geometric"))(batch)
+    r = chain(tis(), importance_correction("geometric", "truncate", upper=2.0, name="tis_geo"))(batch)
+    assert "tis/weight_mean" in r.metrics and "tis_geo/weight_mean" in r.metrics
+    # a nested chain's own summary is superseded by the outer one's, not a clash
+    r = chain(chain(tis(), icepop()), chain(opsm(delta=0.1)))(batch)
+    assert "chain/kept_token_frac" in r.metrics and "opsm/masked_seq_frac" in r.metrics
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # chain == one by one, over random batches and random subsets of presets
 # ---------------------------------------------------------------------------------------------------------------------
@@ -110,6 +121,11 @@ def random_batch(seed: int, b: int, t: int, scale: float) -> LogProbBatch:
 def test_chain_equals_one_by_one(seed, b, t, scale, idx):
     batch = random_batch(seed, b, t, scale)
     parts = [PRESETS[i] for i in idx]
+    names = [k for c in parts for k in c(batch).metrics]
+    if len(set(names)) < len(names):  # two parts of one name: their metrics would overwrite each other
+        with pytest.raises(ValueError, match="same name"):
+            chain(*parts)(batch)
+        return
     chained = chain(*parts)(batch)
     expected = CorrectionResult.identity(batch)
     for c in parts:
@@ -153,7 +169,7 @@ def test_on_policy_every_preset_is_identity(seed, b, t, dtype):
         assert torch.equal(r.weights, batch.bool_mask.float()), c
         assert r.weights.dtype == torch.float32
     # the same with the on-policy fallbacks (no old_logp)
-    r = chain(*DEFAULTS)(batch.replace(old_logp=None))
+    r = chain(*{c.name: c for c in DEFAULTS}.values())(batch.replace(old_logp=None))  # one preset per name
     assert torch.equal(r.coefficient, batch.bool_mask.float())
 
 

@@ -108,12 +108,27 @@ def test_normalize_by_hand():
     # truncated (1, 2, 0.5, 1.5), mean 5/4 = 1.25 → (0.8, 1.6, 0.4, 1.2)
     close(w, [[0.8, 1.6, 0.4, 1.2]])
     w, keep, _ = importance_weights(R, M, mode="mask", lower=0.5, upper=2.0, normalize=True)
-    # kept (1, 1.5): mean over *kept* tokens = 1.25 → (0.8, 0, 0, 1.2)
-    close(w, [[0.8, 0.0, 0.0, 1.2]])
+    # masked (1, 0, 0, 1.5): mean over the 4 *valid* tokens = 2.5/4 = 0.625 → (1.6, 0, 0, 2.4): the kept tokens make
+    # up for the dropped ones (REFERENCE: w / mean_valid(w))
+    close(w, [[1.6, 0.0, 0.0, 2.4]])
     padded = torch.tensor([[1, 1, 1, 0]])
     w, _, _ = importance_weights(R, padded, upper=2.0, normalize=True)
     # valid (1, 2, 0.25), mean 3.25/3 = 1.0833 → (0.9231, 1.8462, 0.2308, 0)
     close(w, [[3 / 3.25, 6 / 3.25, 0.75 / 3.25, 0.0]], atol=1e-5)
+
+
+def test_normalize_at_sequence_level_averages_over_sequences_as_verl():
+    # seq 0: one token, ρ = 2; seq 1: three tokens, ρ = 1 (product = geometric here). verl's sequence-level
+    # normalisation averages one weight per sequence: (2 + 1)/2 = 1.5 → 2/1.5 = 1.3333, 1/1.5 = 0.6667
+    # (a per-token mean would be (2 + 1 + 1 + 1)/4 = 1.25 → 1.6, 0.8)
+    r = torch.tensor([[LN(2.0), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    for level in ("sequence", "geometric"):
+        w, _, _ = importance_weights(r, m, level=level, upper=5.0, normalize=True)
+        close(w, [[2 / 1.5, 0.0, 0.0], [1 / 1.5] * 3], atol=1e-6)
+    # a dropped sequence counts as 0: mask [0.5, 1.5] drops seq 0 → mean (0 + 1)/2 = 0.5 → seq 1 gets 2
+    w, _, _ = importance_weights(r, m, level="sequence", mode="mask", lower=0.5, upper=1.5, normalize=True)
+    close(w, [[0.0, 0.0, 0.0], [2.0] * 3])
 
 
 def test_normalize_skipped_when_mean_tiny():
@@ -150,6 +165,19 @@ def test_huge_log_ratio_is_clamped_before_exp():
     w, keep, raw = importance_weights(torch.tensor([[500.0, -500.0]]), torch.ones(1, 2))
     close(raw, [[math.exp(20.0), math.exp(-20.0)]], atol=0)
     assert bool(torch.isfinite(w).all())
+
+
+def test_mask_bounds_beyond_the_20_clamp_still_apply():
+    # ρ = e^−25 = 1.4e-11 < lower = 1e-10 (log = −23.03): dropped, although the clamped log-ratio −20 is inside;
+    # a sequence product e^(10+15) = e^25 > upper = 1e10 (log = 23.03): dropped, although e^20 (clamped) is inside
+    _, keep, _ = importance_weights(torch.tensor([[-25.0, 0.0]]), torch.ones(1, 2), mode="mask", lower=1e-10)
+    assert keep.tolist() == [[False, True]]
+    _, keep, _ = importance_weights(torch.tensor([[10.0, 15.0]]), torch.ones(1, 2), level="sequence", mode="mask",
+                                    upper=1e10)
+    assert keep.tolist() == [[False, False]]
+    _, keep, _ = importance_weights(torch.tensor([[10.0, 5.0]]), torch.ones(1, 2), level="sequence", mode="mask",
+                                    upper=1e10)  # e^15 = 3.3e6 inside
+    assert keep.tolist() == [[True, True]]
 
 
 def test_weights_are_detached():
@@ -317,12 +345,22 @@ def test_geometric_invariant_to_repeating_a_sequence(batch, mode, band):
 
 @settings(max_examples=50, deadline=None)
 @given(log_ratio_batches(), bands)
-def test_normalized_weights_average_one_over_kept_tokens(batch, band):
+def test_normalized_weights_average_one_over_valid_tokens_or_sequences(batch, band):
     r, m = batch
     lo, hi = band
-    w, keep, _ = importance_weights(r, m, lower=lo, upper=hi, normalize=True)
-    if keep.any():
-        assert w[keep].double().mean().item() == pytest.approx(1.0, rel=1e-5)
+    for level in ("token", "geometric"):
+        for mode in ("truncate", "mask"):
+            if mode == "mask" and lo is None and hi is None:
+                continue
+            w0, _, _ = importance_weights(r, m, level=level, mode=mode, lower=lo, upper=hi)
+            w, _, _ = importance_weights(r, m, level=level, mode=mode, lower=lo, upper=hi, normalize=True)
+            rows = m.any(-1)
+            # one value per valid token, or (sequence levels) the weight of each non-empty sequence
+            values = (lambda x: x[m]) if level == "token" else (lambda x: x.amax(-1)[rows])
+            if values(w0).double().mean() > 1e-8:
+                assert values(w).double().mean().item() == pytest.approx(1.0, rel=1e-5)
+            else:
+                assert torch.equal(w, w0)  # skipped
 
 
 @settings(max_examples=30, deadline=None)

@@ -130,7 +130,16 @@ def chain(*corrections: Correction) -> Correction:
                 keep_factor = keep_factor * r.keep_multiplicand()
             else:
                 keep = keep.logical_and_(r.keep) if same else keep & r.keep
-            metrics = {**metrics, **r.metrics}
+            # a nested chain's own summary is superseded by this one's; any other shared key is two parts of one name
+            part_metrics = {k: v for k, v in r.metrics.items() if not k.startswith("chain/")}
+            clash = metrics.keys() & part_metrics.keys()
+            if clash:
+                raise ValueError(
+                    f"chain: {c!r} reports metrics that an earlier part already reported ({', '.join(sorted(clash))}): "
+                    "two parts of the same name would overwrite each other's metrics; name one differently "
+                    "(importance_correction(..., name=...))"
+                )
+            metrics = {**metrics, **part_metrics}
             shared = {**shared, **r.shared}
         if keep_factor is not None:
             keep = keep_factor != 0

@@ -361,18 +361,20 @@ def importance_weights(
         level: ``token`` ρ_t, ``sequence`` ρ = exp Σ_t log ρ_t, ``geometric`` ρ = exp mean_t log ρ_t.
         mode: ``truncate`` (TIS): w = clamp(ρ, lower, upper), keep = mask (either bound optional).
             ``mask`` (MIS / IcePop): keep = mask & (lower ≤ ρ ≤ upper), w = ρ where kept else 0.
-        normalize: verl's batch normalisation: w / mean of w over valid kept tokens (each token counts once), skipped
-            (``torch.where``, no sync) when that mean ≤ 1e-8.
+        normalize: verl's batch normalisation, w / mean_valid(w): the mean over valid tokens (``token``) or over
+            non-empty sequences, one weight each (``sequence`` / ``geometric``, as verl); a dropped token or sequence
+            counts as 0, so the kept ones make up for it. Skipped (``torch.where``, no sync) when the mean ≤ 1e-8.
 
     Returns:
         ``(weights, keep, raw)``: weights ``[B, T]`` float32 detached (0 where not kept or padding), keep ``[B, T]``
         bool, raw ``[B, T]`` = exp(aggregated log-ratio) before truncation/masking (the aggregated log-ratio is 0 at
-        padding and where undefined, so raw is 1 there).
+        padding, so raw is 1 there; at ``token`` level also where undefined; at sequence levels a row with an
+        undefined token gets exp of the aggregate of its finite log-ratios, for inspection — it is dropped).
 
     Non-finite log-ratios in valid positions make the ratio undefined: that token (``token``) or the whole sequence
     (``sequence`` / ``geometric``) is dropped (keep False, weight 0) in both modes — never a NaN weight, never kept
-    silently. The aggregated log-ratio is clamped to ±20 before ``exp``; the mask test compares log-ratios with
-    log(lower) / log(upper), so ρ exactly on a bound is kept.
+    silently. The aggregated log-ratio is clamped to ±20 before ``exp``; the mask test compares the *unclamped*
+    log-ratio with log(lower) / log(upper), so ρ exactly on a bound is kept and a bound beyond e^±20 still applies.
 
     >>> r = torch.tensor([[0.0, 1.0, -1.0]]); m = torch.ones(1, 3)
     >>> w, keep, raw = importance_weights(r, m, mode="truncate", upper=2.0)
@@ -406,6 +408,7 @@ class _Importance:
     n_keep: Tensor  # kept tokens (0-d float)
     n_changed: Tensor  # valid tokens dropped (masked or undefined) or moved by the truncation (0-d float)
     row_rho: Tensor | None  # [B] sequence ratio (sequence levels only)
+    row_weights: Tensor | None = None  # [B] the weight of each sequence, 0 where dropped (sequence levels only)
 
 
 def _weights(
@@ -415,21 +418,28 @@ def _weights(
     imp = _token_weights(terms, tr, mode, lo, hi) if tr is not None else _row_weights(terms, level, mode, lo, hi)
     if not normalize:
         return imp
-    # verl's batch normalisation; where() on a 0-d divisor instead of on [B, T] (w / 1 is w exactly), no sync
-    mean = imp.weights.sum() / imp.n_keep.clamp(min=1.0)
+    # verl's batch normalisation, w / mean_valid(w): the mean over valid tokens at token level, over non-empty
+    # sequences (one weight each) at sequence levels, as verl does; a dropped token or sequence counts with weight 0,
+    # so the kept ones make up for it. where() on a 0-d divisor instead of on [B, T] (w / 1 is w exactly), no sync
+    if imp.row_weights is None:
+        mean = imp.weights.sum() / terms.n.clamp(min=1.0)
+    else:
+        mean = imp.row_weights.sum() / (terms.n_row > 0).sum().clamp(min=1).float()
     divisor = torch.where(mean > NORMALIZE_EPS, mean.clamp(min=NORMALIZE_EPS), 1.0)
-    return _Importance(imp.weights / divisor, imp.keep, imp.raw_stats, imp.n_keep, imp.n_changed, imp.row_rho)
+    return _Importance(imp.weights / divisor, imp.keep, imp.raw_stats, imp.n_keep, imp.n_changed, imp.row_rho,
+                       None if imp.row_weights is None else imp.row_weights / divisor)
 
 
 def _token_weights(terms: RatioTerms, tr: TokenRatio, mode: str, lo: float | None, hi: float | None) -> _Importance:
     if mode == "mask":
-        # compare in log space: exp() rounding must not drop a ratio that sits exactly on a bound (in-place ANDs:
-        # every fresh [B, T] buffer costs page faults on CPU)
+        # compare in log space: exp() rounding must not drop a ratio that sits exactly on a bound; and on the
+        # unclamped log-ratio, so a bound beyond e^±20 still applies (in-place ANDs: every fresh [B, T] buffer costs
+        # page faults on CPU)
         keep = tr.defined.clone()
         if lo is not None:
-            keep &= tr.agg >= math.log(lo)
+            keep &= terms.clean >= math.log(lo)
         if hi is not None:
-            keep &= tr.agg <= math.log(hi)
+            keep &= terms.clean <= math.log(hi)
         weights = float_mask(keep).mul_(tr.rho)
         n_keep = torch.count_nonzero(keep).float()
         return _Importance(weights, keep, tr.raw_stats, n_keep, terms.n - n_keep, None)
@@ -457,10 +467,10 @@ def _row_weights(terms: RatioTerms, level: str, mode: str, lo: float | None, hi:
     defined = (terms.ok_row == n_row) & (n_row > 0)  # no non-finite valid log-ratio in the row
     keep_row = defined
     out_of_band = torch.zeros_like(defined)
-    if lo is not None:
-        out_of_band = out_of_band | (agg < math.log(lo) if mode == "mask" else rho < lo)
+    if lo is not None:  # a mask compares the unclamped log-ratio: a bound beyond e^±20 still applies
+        out_of_band = out_of_band | (s < math.log(lo) if mode == "mask" else rho < lo)
     if hi is not None:
-        out_of_band = out_of_band | (agg > math.log(hi) if mode == "mask" else rho > hi)
+        out_of_band = out_of_band | (s > math.log(hi) if mode == "mask" else rho > hi)
     if mode == "mask":
         keep_row = defined & ~out_of_band
         w_row = rho
@@ -479,7 +489,7 @@ def _row_weights(terms: RatioTerms, level: str, mode: str, lo: float | None, hi:
     if mode == "truncate":
         n_changed = n_changed + (n_row * (defined & out_of_band).float()).sum()
     weights = w_row.unsqueeze(-1) * terms.mf
-    return _Importance(weights, broadcast_rows(terms.mask, keep_row), raw_stats, n_keep, n_changed, rho)
+    return _Importance(weights, broadcast_rows(terms.mask, keep_row), raw_stats, n_keep, n_changed, rho, w_row)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
