@@ -102,6 +102,31 @@ def test_topk_rest_mass_is_accurate_when_topk_covers_almost_everything():
     assert torch.isfinite(b).all() and b.item() == pytest.approx(5.908e-6, rel=3e-2)
 
 
+@pytest.mark.parametrize("q_rest", [1e-4, 2e-4, 1e-6])
+def test_topk_bounds_hold_with_float32_inputs_and_a_small_real_rest_mass(q_rest):
+    # V = 1000, K = 256: μ spreads 1 − q_rest over the top-k and puts q_rest on token 256, where π has ~4e-12.
+    # The exact KL then has a tail q_rest·log(q_rest/π) ≈ 1e-4·17 = 1.7e-3. A rest mass below the old fixed tolerance
+    # 4·K·eps32 = 1.2e-4 was thrown away, and the "sound" upper bound came out at −1e-4 < exact. Now
+    # lower ≤ exact ≤ upper, with float32 log-probs and logits.
+    V, K = 1000, 256
+    q = torch.zeros(V, dtype=torch.float64)
+    q[:K], q[K] = (1 - q_rest) / K, q_rest
+    p = torch.full((V,), 1e-9 / (V - K), dtype=torch.float64)
+    p[:K] = (1 - 1e-9) / K
+    lq, lp = q.log().float().unsqueeze(0), p.log().float().unsqueeze(0)
+    ids = torch.arange(K).unsqueeze(0)
+    exact = token_kl(lq, lp).item()
+    lower = topk_kl_lower_bound(lq[:, :K], ids, lp).item()
+    upper = topk_kl_upper_bound(lq[:, :K], ids, lp).item()
+    assert lower <= exact * (1 + 1e-5) and exact <= upper * (1 + 1e-5)
+    assert upper > 0.0
+    # and the lower-bound case: the rest spread evenly over both tails, where the tail term is negative
+    q[K:] = q_rest / (V - K)
+    p[:K], p[K:] = 0.5 / K, 0.5 / (V - K)
+    lq, lp = q.log().float().unsqueeze(0), p.log().float().unsqueeze(0)
+    assert topk_kl_lower_bound(lq[:, :K], ids, lp).item() <= token_kl(lq, lp).item() + 1e-6
+
+
 def test_divergence_kind_and_fields_feed_logprobbatch():
     z = torch.zeros(2, 3, 4)
     roll = torch.randn(2, 3, 4)

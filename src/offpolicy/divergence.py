@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.kernels.fused import token_stats_from_logits
+from offpolicy.kernels.fused import rest_mass_bounds, token_stats_from_logits, topk_rest_mass
 from offpolicy.ratios import as_mask
 
 DivergenceKind = Literal["exact", "topk"]
@@ -127,7 +127,8 @@ def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
 
     The gap KL_exact − KL_topk = q_rest · KL(μ(·|rest) ‖ π(·|rest)) is largest when μ puts all its tail mass on π's
     least likely tail token, where it equals q_rest · log(p_rest / π_min). So a TRM test "keep iff upper ≤ δ" is
-    *sound* (every kept sequence satisfies the exact test, up to the rounding of 1 − Σ q_i) with top-k data alone —
+    *sound* (every kept sequence satisfies the exact test; the rest mass 1 − Σ q_i is taken at the worst end of what
+    the rounding of the given log-probs allows, :func:`~offpolicy.kernels.fused.rest_mass_bounds`) with top-k data alone —
     conservative when π has a long, very unlikely tail. Shapes as :func:`topk_kl_lower_bound`; no gradient.
 
     >>> # μ = (½, ¼, ¼), π = (¼, ¼, ½), top-1 = token 0: lower 0.1438; rest {1, 2}: p_rest = ¾, π_min = ¼,
@@ -143,18 +144,26 @@ def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
     ids = rollout_topk_ids.reshape(-1, k)
     lq = rollout_topk_logp.reshape(-1, k)
     gap = []
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    rows = max(1, memory_budget_bytes // (3 * 4 * vocab))
+    rows = max(1, memory_budget_bytes // (3 * 8 * vocab))
     for a in range(0, z_all.shape[0], rows):
-        z = z_all[a:a + rows].to(dtype) / temperature
-        zc = z.scatter(1, ids[a:a + rows], float("-inf"))
-        lse_rest = zc.logsumexp(dim=-1)
-        z_min = z.scatter_(1, ids[a:a + rows], float("inf")).amin(dim=-1)
-        q = lq[a:a + rows].to(dtype).exp()
-        q_rest = 1.0 - q.sum(dim=-1)
-        has_rest = (q_rest > 4 * k * torch.finfo(dtype).eps) & torch.isfinite(lse_rest)
-        gap.append(torch.where(has_rest, q_rest * (lse_rest - z_min), torch.zeros_like(q_rest)))
+        z = z_all[a:a + rows].double() / temperature
+        lse = z.logsumexp(dim=-1, keepdim=True)
+        log_p_rest = z.scatter(1, ids[a:a + rows], float("-inf")).logsumexp(dim=-1, keepdim=True) - lse
+        log_p_min = z.scatter_(1, ids[a:a + rows], float("inf")).amin(dim=-1, keepdim=True) - lse
+        # the lower bound's tail is f(q) = q log(q / p_rest) at its chosen q (fused._topk_rest_mass); the exact tail
+        # is at most g(q) = q log(q / π_min) at the true rest mass q, which lies in [lo, hi] (rest_mass_bounds). g is
+        # convex, so its largest value there is at an end of the interval: upper = lower − f(q_chosen) + max g.
+        lo, hi = rest_mass_bounds(lq[a:a + rows], vocab)
+        chosen = topk_rest_mass(lq[a:a + rows], log_p_rest, vocab, torch.float64)
+        has_rest = torch.isfinite(log_p_rest)  # an empty complement: no tail at all
+        g_max = torch.maximum(_xlog(lo, log_p_min), _xlog(hi, log_p_min))
+        gap.append(torch.where(has_rest, g_max - _xlog(chosen, log_p_rest), torch.zeros_like(lo)).squeeze(-1))
     return lower + torch.cat(gap).reshape(lower.shape).to(lower.dtype)
+
+
+def _xlog(q: Tensor, log_b: Tensor) -> Tensor:
+    """q·(log q − log b), 0 at q = 0 (float64)."""
+    return torch.where(q > 0, q * (q.clamp(min=1e-300).log() - log_b), torch.zeros_like(q))
 
 
 def divergence_kind(*, rollout_logits: Tensor | None = None, rollout_topk_logp: Tensor | None = None,

@@ -106,6 +106,36 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).squeeze(2)
 
 
+def rest_mass_bounds(topk_logp: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """Interval ``(lo, hi)`` [N, 1] float64 holding μ's rest mass 1 − Σ_i q_i, given its top-k log-probs ``topk_logp``
+    [N, K] (−inf entries allowed) over a vocabulary of ``vocab`` tokens.
+
+    Why an interval: the log-probs arrive rounded to their dtype. An absolute error of up to |lq_i|·eps/2 in lq_i (eps of
+    that dtype) is a relative error of the same size in q_i = exp(lq_i). So 1 − Σ q_i, summed in float64, is off by up
+    to tol = eps/2 · Σ_i q_i |lq_i| (about 1e-7 for float32 log-probs). A fixed 4·K·eps would be 1.2e-4 at K = 256, and
+    would discard real tail mass. With K ≥ V there is no rest at all: the interval is [0, 0].
+    """
+    lq = topk_logp.double()
+    q = lq.exp()
+    q_hat = 1.0 - q.sum(dim=-1, keepdim=True)
+    eps_in = torch.finfo(topk_logp.dtype).eps
+    per_id = torch.where(q > 0, q * lq.abs(), torch.zeros((), dtype=torch.float64))
+    tol = 0.5 * eps_in * per_id.sum(dim=-1, keepdim=True) + 4 * lq.shape[-1] * torch.finfo(torch.float64).eps
+    if lq.shape[-1] >= vocab:  # ids are unique per row: the complement is empty
+        zero = torch.zeros_like(q_hat)
+        return zero, zero
+    return (q_hat - tol).clamp(min=0.0), (q_hat + tol).clamp(min=0.0)
+
+
+def topk_rest_mass(topk_logp: Tensor, log_p_rest: Tensor, vocab: int, dtype: torch.dtype) -> Tensor:
+    """The rest mass [N, 1] that the coarse-grained KL lower bound uses. It is the value in :func:`rest_mass_bounds`
+    that minimises the tail term q·log(q / p_rest). That term is convex, with its least value at q = p_rest / e. So the
+    bound stays a lower bound whatever the rounding of the inputs was."""
+    lo, hi = rest_mass_bounds(topk_logp, vocab)
+    target = log_p_rest.double().exp() / math.e
+    return torch.minimum(torch.maximum(target, lo), hi).to(dtype)
+
+
 class _Scratch:
     """Reusable ``[n, V]``-sized buffers: one allocation per name for the whole call, not one per chunk.
 
@@ -180,11 +210,6 @@ def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_l
     elif cfg.kl_source == "topk":
         lq = tk_logp.to(z.dtype)
         q = lq.exp()
-        q_rest = 1.0 - q.sum(dim=-1, keepdim=True)
-        # 1 − Σ q_i is only known to ~K·eps: below that it is rounding noise (e.g. K = V leaves no rest bucket at
-        # all), and a noise mass against p_rest = 0 would read as an infinite divergence.
-        tol = 4 * lq.shape[-1] * torch.finfo(z.dtype).eps
-        q_rest = torch.where(q_rest > tol, q_rest, zero)
         logp_ids = z.gather(1, tk_ids) - lse
         # log p_rest from the complement's own logsumexp, not log(1 − Σ p_ids) (cancellation when top-k ≈ all).
         zr = z.scatter_(1, tk_ids, float("-inf"))
@@ -192,6 +217,7 @@ def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_l
         m = torch.where(torch.isfinite(m), m, zero)  # empty complement: Σ exp(−inf) = 0 -> lse_rest = −inf
         lse_rest = m + torch.sub(zr, m, out=e).exp_().sum(dim=-1, keepdim=True).log()
         log_p_rest = lse_rest - lse
+        q_rest = topk_rest_mass(tk_logp, log_p_rest, z.shape[-1], z.dtype)  # 1 − Σ q_i within the rounding of the inputs
         out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
         if "kl" in want:
             head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
@@ -409,11 +435,10 @@ def _forward_online(tile_fn, col_slices, y: Tensor, cfg: _Config, roll: Tensor |
         lq = tk_logp.to(dtype)
         q = lq.exp()
         zero = torch.zeros((), dtype=dtype)
-        q_rest = 1.0 - q.sum(dim=-1, keepdim=True)
-        q_rest = torch.where(q_rest > 4 * lq.shape[-1] * torch.finfo(dtype).eps, q_rest, zero)  # see _forward_chunk
         logp_ids = z_ids - lse
         lse_rest = mc + sc.log()
         log_p_rest = lse_rest - lse
+        q_rest = topk_rest_mass(tk_logp, log_p_rest, col_slices[-1][1], dtype)  # see _forward_chunk
         out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
         head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
         tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest), zero)
