@@ -173,6 +173,38 @@ def test_layer_subset_and_logits_only(tiny):
     torch.testing.assert_close(out, torch.randn(1, 4, generator=g))
 
 
+def test_logits_only_noise_is_iid_over_the_vocabulary():
+    # seed 001 §6.1: "the output logits only (no hidden-state perturbation)". Noise added before a [H=2 → V=6] head
+    # would move the logits only inside its rank-2 image; on the head's output the 40 draws span all 6 directions.
+    head = nn.Linear(2, 6)
+    net = nn.Sequential()
+    net.lm_head = head
+    alp = LayerwisePerturbation(net, layers="logits", init_std=1.0, seed=0)
+    h = torch.randn(1, 2)
+    with torch.no_grad():
+        clean = net.lm_head(h)
+        with alp.active():
+            diffs = torch.cat([net.lm_head(h) - clean for _ in range(40)])
+    assert torch.linalg.matrix_rank(diffs).item() == 6
+
+
+def test_decoder_layers_are_the_outermost_list_not_the_experts_of_a_moe_layer():
+    class MoELayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(2, 2) for _ in range(8)])  # more experts than layers
+
+    class MoEModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([MoELayer() for _ in range(3)])
+
+    m = MoEModel()
+    assert find_decoder_layers(m) is m.model.layers
+    assert LayerwisePerturbation(m).num_layers == 3
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"layers": [5]}, "layers"), ({"layers": []}, "layers"), ({"layers": [0, 0]}, "duplicates"),
@@ -219,8 +251,11 @@ def test_alp_loss_sequence_level_hand_computed():
     assert loss.item() == pytest.approx(math.exp(0.5), rel=1e-5)
     # Dual clip: μ much smaller → ρ = e^{5} ≈ 148 > 10, A = −1 → loss bounded at c·|A| = 10.
     b2 = b.replace(rollout_logp=torch.tensor([[-6.0, -6.0]]))
-    loss2, m = alp_policy_loss(b2, level="sequence")
+    loss2, m = alp_policy_loss(b2, level="geometric")
     assert loss2.item() == pytest.approx(DUAL_CLIP) and m["loss/dual_clip_frac"].item() == 1.0
+    # level="sequence" is eq. 3's product: ρ = e^{0+1} = e ≈ 2.7183 (geometric would be e^0.5), within [0.5, 4]
+    loss3, _ = alp_policy_loss(b, level="sequence")
+    assert loss3.item() == pytest.approx(math.e, rel=1e-5)
 
 
 def test_alp_loss_needs_rollout_logp():

@@ -6,8 +6,9 @@ during the policy update only:
     h'_l = h_l + σ_l · ε,    ε ~ N(0, I) elementwise, fresh every forward,    σ_l = exp(log σ_l)  (learnable)
 
 and optimises a single unified ratio π_{θ,σ}/μ against the rollout engine's log-probs (no separate π_old/μ factor),
-at token level (eq. 2) or sequence level (eq. 3; geometric mean as in the authors' code), with PPO clipping
-(token 0.2/0.28, sequence 0.5/3.0, dual-clip c = 10; seed 001 App. B).
+at token level (eq. 2) or sequence level — ``sequence`` is eq. 3's product ratio, ``geometric`` the length-normalised
+one of the authors' code (our level names mean the same everywhere) — with PPO clipping (token 0.2/0.28, sequence
+0.5/3.0, dual-clip c = 10; seed 001 App. B).
 
 Why noise helps (seed 001 §3.3): smoothing π_θ with Gaussian noise enlarges the training policy family so it covers
 the inference engine's systematic bias ζ (KL ≤ −ln α + C d E‖ζ‖² / 2σ², eq. 5–6) and flattens sharp optima.
@@ -59,7 +60,9 @@ def find_decoder_layers(model: nn.Module, layers_path: str | None = None) -> nn.
     """The decoder blocks of an HF causal LM (or any ``nn.Module``), found generically.
 
     Order of preference: ``layers_path`` (e.g. ``"model.layers"``, ``"transformer.h"``) if given; otherwise the
-    largest ``nn.ModuleList`` whose children all share one class (the stack of blocks), first one found on ties.
+    *outermost* ``nn.ModuleList`` whose children all share one class (the stack of blocks), the longest on ties.
+    Outermost, not longest: a mixture-of-experts layer holds its experts in such a list too, often with more entries
+    than the model has layers, but always inside a decoder layer.
 
     >>> class Net(nn.Module):
     ...     def __init__(self):
@@ -75,12 +78,12 @@ def find_decoder_layers(model: nn.Module, layers_path: str | None = None) -> nn.
             raise ValueError(f"layers_path {layers_path!r} is a {type(found).__name__}, not an nn.ModuleList")
         return found
     best: nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(m) for m in module}) != 1:
-                continue
-            if best is None or len(module) > len(best):
-                best = module
+    best_depth = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
+            depth = name.count(".")
+            if best is None or depth < best_depth or (depth == best_depth and len(module) > len(best)):
+                best, best_depth = module, depth
     if best is None:
         raise ValueError(f"model {type(model).__name__} has no nn.ModuleList of decoder layers; pass layers_path=")
     return best
@@ -102,7 +105,8 @@ class LayerwisePerturbation(nn.Module):
     Args:
         model: any causal LM; hooks are registered on it at construction.
         layers: ``"all"`` (default) or a sequence of layer indices (negative allowed) for the layer-subset ablation,
-            or ``"logits"`` for the logits-only ablation (noise on the final hidden state, i.e. the lm_head input).
+            or ``"logits"`` for the logits-only ablation (seed 001 §6.1: noise on the output logits, no hidden-state
+            perturbation — added to the lm_head's output, σ·ε i.i.d. over the vocabulary).
         init_std: initial σ for every hooked layer (paper default 1e-4).
         layers_path: dotted path to the decoder ``nn.ModuleList`` when auto-detection is not wanted.
         seed: if given, noise comes from a private ``torch.Generator`` seeded with it (reproducible, and it does not
@@ -173,9 +177,12 @@ class LayerwisePerturbation(nn.Module):
         self._enabled = False
         self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
-        self._handles = [
-            t.register_forward_pre_hook(self._make_hook(i), with_kwargs=True) for i, t in enumerate(targets)
-        ]
+        if self.target == "logits":  # on the head's output: i.i.d. logit noise, not a rank-H image of hidden noise
+            self._handles = [targets[0].register_forward_hook(self._output_hook)]
+        else:
+            self._handles = [
+                t.register_forward_pre_hook(self._make_hook(i), with_kwargs=True) for i, t in enumerate(targets)
+            ]
 
     # -- noise -------------------------------------------------------------------------------------------------
     @property
@@ -212,6 +219,13 @@ class LayerwisePerturbation(nn.Module):
             raise ValueError(f"ALP hook on {type(module).__name__}: no hidden-state tensor in its inputs")
 
         return hook
+
+    def _output_hook(self, module: nn.Module, args: tuple, output: object):  # noqa: ANN202 - torch hook signature
+        if not self._enabled:
+            return None
+        if not isinstance(output, Tensor):
+            raise ValueError(f"ALP logits hook on {type(module).__name__}: its output is not a tensor")
+        return self._noisy(output, 0)
 
     # -- switching -----------------------------------------------------------------------------------------------
     @property
@@ -304,10 +318,10 @@ def alp_policy_loss(
     """ALP's loss: PPO clipping on the single unified ratio π_{θ,σ}/μ (seed 001 eq. 2 token, eq. 3 sequence).
 
     ``batch.logp`` must come from a forward with the perturbation *on*; ``batch.rollout_logp`` is μ (the inference
-    engine, unperturbed). There is no π_old/μ factor: this is ``policy_loss(objective="bypass")`` at ``level``
-    (``token``; ``geometric``/``sequence`` both mean the paper's sequence-level ratio, computed as the geometric
-    mean like the authors' code; ``sequence`` here is an alias kept for the paper's wording). Clip defaults are the
-    paper's: token (0.2, 0.28), sequence (0.5, 3.0); dual-clip c = 10.
+    engine, unperturbed). There is no π_old/μ factor: this is ``policy_loss(objective="bypass")`` at ``level``:
+    ``token`` (eq. 2), ``sequence`` (eq. 3, the product Π_t ρ_t) or ``geometric`` (the length-normalised ratio the
+    authors' code uses for its sequence level). Clip defaults are the paper's: token (0.2, 0.28), sequence and
+    geometric (0.5, 3.0); dual-clip c = 10.
 
     >>> logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     >>> b = LogProbBatch(logp=logp, mask=torch.ones(1, 2), rollout_logp=torch.tensor([[-1.0, -2.0]]),
@@ -325,7 +339,7 @@ def alp_policy_loss(
         batch,
         correction=correction,  # type: ignore[arg-type]
         objective="bypass",
-        level="token" if level == "token" else "geometric",
+        level=level,  # type: ignore[arg-type]
         clip_low=low if clip_low is None else clip_low,
         clip_high=high if clip_high is None else clip_high,
         dual_clip=dual_clip,

@@ -117,7 +117,7 @@ class ALPConfig(_Section):
     init_std: float = Field(1e-4, gt=0)
     lr: float = Field(5e-4, gt=0)
     layers: Literal["all", "logits"] | list[int] = "all"
-    level: Literal["token", "geometric", "sequence"] = "token"
+    level: Literal["token", "geometric", "sequence"] = "token"  # ALP ratio level: sequence = product (eq. 3), geometric = the authors' code
 
 
 class RunConfig(_Section):
@@ -159,7 +159,7 @@ class TrainConfig(_Section):
             raise ValueError(f"algorithm.objective={a.objective!r} contradicts preset 'alp' (its unified ratio "
                              "π_{θ,σ}/μ is the bypass objective)")
         if a.preset == "alp" and a.level is not None:
-            raise ValueError("algorithm.level does not apply to preset 'alp': set alp.level (token | geometric)")
+            raise ValueError("algorithm.level does not apply to preset 'alp': set alp.level (token | geometric | sequence)")
         if a.objective == "gspo" and a.level == "sequence":
             raise ValueError("algorithm.level='sequence' contradicts algorithm.objective='gspo' (GSPO is geometric)")
         if a.objective == "reinforce" and (a.level not in (None, "token") or a.dual_clip is not None):
