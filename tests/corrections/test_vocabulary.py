@@ -31,6 +31,14 @@ def test_safe_set_hand_values_and_default_rho():
     assert DEFAULT_RHO == pytest.approx(2.26e-6, rel=1e-2)
 
 
+def test_safe_set_keeps_float64_and_agrees_with_constrained_logp_at_the_threshold():
+    # token 1 sits 1e-9 below the threshold z_max + log ρ = −13: outside in float64 (float32 would round it onto it)
+    z = torch.tensor([[0.0, -13.0 - 1e-9, -1.0]], dtype=torch.float64)
+    rho = math.exp(-13)
+    assert minp_safe_set(z, rho).tolist() == [[True, False, True]]
+    assert constrained_logp(z, torch.tensor([1]), rho).inside.tolist() == [False]
+
+
 def test_prop_5_6_masked_softmax_is_renormalised_policy_and_gradient_is_contrastive():
     g = torch.Generator().manual_seed(0)
     z = (torch.randn(6, 12, generator=g, dtype=torch.float64) * 3).requires_grad_()

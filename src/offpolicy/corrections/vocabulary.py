@@ -60,7 +60,7 @@ def minp_safe_set(logits: Tensor, rho: float = DEFAULT_RHO) -> Tensor:
     """
     _check_logits(logits)
     _check_rho(rho)
-    z = logits.float()
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64, as constrained_logp's
     return z >= z.amax(dim=-1, keepdim=True) + math.log(rho)
 
 
