@@ -95,6 +95,16 @@ def test_geometric_level_is_the_length_normalised_mean():
     assert not keep.any()
 
 
+def test_a_lower_bound_of_zero_is_no_bound():
+    # ρ ≥ 0, so lower = 0 never binds (TRL writes vllm_importance_sampling_clip_min=0.0 for "none")
+    for mode, upper in (("truncate", 2.0), ("mask", 2.0)):
+        got = importance_weights(R, M, mode=mode, lower=0.0, upper=upper)
+        want = importance_weights(R, M, mode=mode, upper=upper)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="lower"):
+        importance_weights(R, M, lower=-0.1)
+
+
 def test_mask_bounds_are_inclusive():
     r = torch.tensor([[LN(2.0), LN(0.5), 0.0]])
     _, keep, _ = importance_weights(r, torch.ones(1, 3), mode="mask", lower=0.5, upper=2.0)
@@ -203,7 +213,8 @@ def test_weights_are_detached():
         (dict(upper=INF), "upper"),
         (dict(upper=True), "upper"),
         (dict(upper="2"), "upper"),
-        (dict(lower=0.0), "lower"),
+        (dict(lower=-0.5), "lower"),
+        (dict(mode="mask", lower=0.0), "mode='mask'"),  # lower = 0 is no bound: no band left
         (dict(lower=-INF), "lower"),
         (dict(lower=3.0, upper=2.0), "lower"),
         (dict(mode="mask"), "mode='mask'"),

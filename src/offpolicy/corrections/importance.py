@@ -327,7 +327,9 @@ def _check_weight_args(
     check_level(level)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    lo = check_threshold("lower", lower, allow_none=True)
+    lo = check_threshold("lower", lower, allow_none=True, allow_zero=True)
+    if lo == 0.0:  # ρ ≥ 0 always: a lower bound of 0 never binds (TRL's clip_min=0.0 means "none")
+        lo = None
     hi = check_threshold("upper", upper, allow_none=True)
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"lower ({lo}) must be <= upper ({hi})")
