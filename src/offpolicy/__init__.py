@@ -31,7 +31,19 @@ from offpolicy.corrections.importance import geo_mask, icepop, importance_correc
 from offpolicy.corrections.sequence_masks import opsm, opsm_decomposition, opsm_mask, token_veto, veto
 
 # Trust Region Masking
-from offpolicy.corrections.trust_region import k1, k2, k3, ln_trm, ln_trm_mask, ser, ser_mask, trm, trust_region_mask
+from offpolicy.corrections.trust_region import (
+    KL_REJECTION_MODES,
+    k1,
+    k2,
+    k3,
+    kl_rejection,
+    ln_trm,
+    ln_trm_mask,
+    ser,
+    ser_mask,
+    trm,
+    trust_region_mask,
+)
 
 # Dynamic Vocabulary Pruning and sampling-support replay
 from offpolicy.corrections.vocabulary import (
@@ -71,6 +83,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGGREGATIONS",
+    "KL_REJECTION_MODES",
     "ConstrainedLogProbs",
     "Correction",
     "CorrectionResult",
@@ -105,6 +118,7 @@ __all__ = [
     "k1",
     "k2",
     "k3",
+    "kl_rejection",
     "ln_trm",
     "ln_trm_mask",
     "log_ratio",

@@ -28,6 +28,7 @@ Name table — each framework's setting written with ours (their defaults in bra
         rollout_rs=token_k1|seq_sum_k1|seq_mean_k1 (newer    the same masks at token|sequence|geometric level; verl's
           releases), threshold string "L_U"                  k1 statistic is −log ρ, so check which side each bound
                                                              lands on (REFERENCE.md: asymmetric bounds flip)
+        rollout_rs=token_k2 … seq_max_k3, threshold U        kl_rejection(mode, upper=U)        (trust_region.py)
         rollout_token_veto_threshold=τ                       veto(threshold=τ)                 (sequence_masks.py)
         bypass_mode=true (no π_old forward)                  source="total"
 

@@ -339,3 +339,73 @@ def _row_statistic_mask(
         return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
 
     return Correction(name, apply, config)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# verl's divergence rejection modes (rollout_rs = token_k2 … seq_max_k3)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_K_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k2": k2, "k3": k3}
+KL_REJECTION_MODES: tuple[str, ...] = tuple(
+    f"{agg}_{k}" for agg in ("token", "seq_sum", "seq_mean", "seq_max") for k in ("k2", "k3")
+)
+
+
+def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | None = None) -> Correction:
+    """verl's divergence rejection (``rollout_rs=<mode>``, ``rollout_rs_threshold=<upper>``): drop what a per-token
+    k-estimate of KL(μ‖π) on r = log(π/μ) puts above ``upper``.
+
+    ``mode`` is verl's name, ``<aggregate>_<estimator>``: estimator ``k2`` = ½r² or ``k3`` = e^r − 1 − r
+    (:func:`k2`, :func:`k3`); aggregate ``token`` (drop the token iff k_t > upper), ``seq_sum`` (drop the sequence iff
+    Σ_t k_t > upper), ``seq_mean`` (iff the mean over its valid tokens is) or ``seq_max`` (iff its largest k_t is).
+    Kept iff ≤ ``upper`` (> 0, finite). A NaN/±inf log-ratio in a valid position drops its token (``token``) or its
+    sequence. r = log(π_old/μ) (``source="mismatch"``, verl's decoupled mode) or log(π_θ/μ) (``"total"``).
+    verl's ``*_k1`` modes are ratio bands at token / sequence (sum) / geometric (mean) level: use
+    ``mis(level=…, lower=…, upper=…)``, whose bounds act on ρ itself (verl's k1 bounds act on −log ρ).
+
+    Differences from verl worth knowing: verl writes a rejection into ``response_mask`` (its token-mean denominator
+    shrinks), here a dropped token keeps its place in the denominator; verl's k3 clamps log ρ at ±20 on both sides,
+    ours only at +20, so a token below e^−20 is not understated (:func:`k3`).
+
+    Metrics (prefix ``name``, default ``mode``): ``<name>/rejected_frac`` (of valid tokens, or of non-empty sequences)
+    and ``<name>/stat_mean`` (mean of the statistic over the same).
+
+    >>> mu = torch.zeros(2, 2); logp = torch.tensor([[0.1, 0.1], [0.1, 0.5]])
+    >>> b = LogProbBatch(logp=logp, rollout_logp=mu, mask=torch.ones(2, 2))
+    >>> r = kl_rejection("seq_max_k2", upper=0.05)(b)  # row maxima ½·0.1² = 0.005 and ½·0.5² = 0.125
+    >>> r.keep, r.metrics["seq_max_k2/rejected_frac"]
+    (tensor([[ True,  True],
+            [False, False]]), tensor(0.5000))
+    """
+    if mode not in KL_REJECTION_MODES:
+        hint = " (k1 modes are ratio bands: use mis(level=token|sequence|geometric, ...))" if str(mode).endswith("k1") else ""
+        raise ValueError(f"mode must be one of {KL_REJECTION_MODES}, got {mode!r}{hint}")
+    u = check_threshold("upper", upper)
+    assert u is not None
+    check_source(source)
+    label = mode if name is None else name
+    aggregate, estimator = mode.rsplit("_", 1)
+    k_of = _K_ESTIMATORS[estimator]
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        terms = source_terms(batch, source, label)
+        k = k_of(terms.clean).mul_(terms.ok)  # 0 at padding and at non-finite r (those are dropped below)
+        if aggregate == "token":
+            keep = (k <= u).logical_and_(terms.ok.bool())
+            n = terms.n.clamp(min=1.0)
+            rejected = (terms.n - torch.count_nonzero(keep).float()) / n
+            stat_mean = k.sum() / n
+        else:
+            if aggregate == "seq_sum":
+                stat = k.sum(dim=-1)
+            elif aggregate == "seq_mean":
+                stat = k.sum(dim=-1) / terms.n_row.clamp(min=1.0)
+            else:  # k ≥ 0, so the 0s at padding never win the max
+                stat = k.amax(dim=-1)
+            keep_row = (stat <= u) & (terms.ok_row == terms.n_row)
+            keep = broadcast_rows(terms.mask, keep_row)
+            rejected, stat_mean = sequence_means(terms.n_row > 0, ~keep_row, stat)
+        metrics = {f"{label}/rejected_frac": rejected, f"{label}/stat_mean": stat_mean}
+        return CorrectionResult(terms.mf.clone(), keep, metrics)
+
+    return Correction(label, apply, {"mode": mode, "upper": u, "source": source})
