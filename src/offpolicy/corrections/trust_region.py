@@ -5,8 +5,8 @@
   Without full logits the paper falls back to sample estimates on r = log(π/μ) of the sampled token: max test on k2,
   average test on k3 — only the exact KL carries the paper's guarantee (its App. E).
 * Max-TRM rejects long sequences more often: with i.i.d. per-token violation probability p the acceptance rate is
-  (1 − p)^T (0.774 / 0.358 / 0.017 at p = 1e-3, T = 256 / 1024 / 4096). LN-TRM and SER (its App. F) are
-  length-neutral alternatives.
+  (1 − p)^T (0.774 / 0.359 / 0.017 at p = 1e-3, T = 256 / 1024 / 4096; the paper prints 0.358). LN-TRM and SER
+  (its App. F) are length-neutral alternatives.
 
 Masked sequences keep their place in the loss denominator (the paper normalises by the total batch size N).
 """
