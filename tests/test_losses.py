@@ -260,15 +260,20 @@ def test_nonfinite_valid_tokens_contribute_zero_and_are_counted():
     rollout = torch.tensor([[-1.0, -1.0, -1.0, float("-inf"), -1.0]])
     adv = torch.tensor([[1.0, 1.0, 1.0, 1.0, float("nan")]])
     b = LogProbBatch(logp=logp, mask=torch.ones(1, 5), old_logp=old, rollout_logp=rollout, advantages=adv)
+    # what each objective reads besides π_θ and A: π_old (token 2 is inf) and/or μ (token 3 is −inf)
+    reads = {"ppo": "old", "gspo": "old", "decoupled": "both", "bypass": "rollout", "reinforce": ""}
     for objective in OBJECTIVES:
         loss, m = policy_loss(b, objective=objective)
-        # only token 0 is usable: r = 1, A = 1 → L = -1 (reinforce: -A·logp = 1); denominator is the 5 mask tokens
-        expected = 1.0 / 5 if objective == "reinforce" else -1.0 / 5
-        assert loss.item() == pytest.approx(expected, rel=1e-6), objective
+        usable = [0] + ([2] if "old" not in reads[objective] and reads[objective] != "both" else [])
+        usable += [3] if "rollout" not in reads[objective] and reads[objective] != "both" else []
+        # each usable token: r = 1 (π_θ = π_old = μ there), A = 1 → L = −1 (reinforce: −A·logp = +1); denominator 5
+        per_token = 1.0 if objective == "reinforce" else -1.0
+        assert loss.item() == pytest.approx(per_token * len(usable) / 5, rel=1e-6), objective
         g = grad_of(loss, logp)
         assert torch.isfinite(g).all(), objective
-        assert torch.equal(g[0, 1:], torch.zeros(4)), objective
-        assert m["loss/nonfinite_tokens"].item() == 4.0
+        dropped = [t for t in range(1, 5) if t not in usable]
+        assert torch.equal(g[0, dropped], torch.zeros(len(dropped))), objective
+        assert m["loss/nonfinite_tokens"].item() == 5 - len(usable), objective
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -389,8 +394,12 @@ def test_nonfinite_at_valid_positions_never_nan(data, objective, seed):
     loss, m = policy_loss(b, objective=objective)
     assert torch.isfinite(loss)
     assert torch.isfinite(grad_of(loss, lp)).all()
-    bad = ~(torch.isfinite(lp) & torch.isfinite(b.old_logp) & torch.isfinite(b.rollout_logp))
-    assert m["loss/nonfinite_tokens"].item() == (bad & mask).sum().item()
+    finite = torch.isfinite(lp)
+    if objective in ("ppo", "gspo", "decoupled"):  # the ratio objectives read π_old
+        finite &= torch.isfinite(b.old_logp)
+    if objective in ("bypass", "decoupled"):  # bypass's ratio and decoupled's π_old/μ weight read μ
+        finite &= torch.isfinite(b.rollout_logp)
+    assert m["loss/nonfinite_tokens"].item() == (~finite & mask).sum().item()
 
 
 @settings(max_examples=50, deadline=None)

@@ -27,7 +27,11 @@ def reference_loss(logp, old, rollout, mask, adv, coef, objective, level, eps_lo
     """The textbook per-token loss, aggregated; every step differentiable by autograd."""
     adv_t = adv[:, None].expand_as(logp)
     finite = torch.isfinite(logp) & torch.isfinite(adv_t)
-    for x in (old, rollout):
+    # only the log-probs the objective reads: π_old for the ratio objectives, μ for bypass / decoupled without weights
+    used = [old] if objective in ("ppo", "gspo", "decoupled") else []
+    if objective == "bypass" or (objective == "decoupled" and coef is None):
+        used.append(rollout)
+    for x in used:
         if x is not None:
             finite = finite & torch.isfinite(x)
     valid = mask & finite

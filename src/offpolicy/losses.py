@@ -37,7 +37,8 @@ and r > c; ``loss/ratio_mean|max|min`` — of the objective's r (at its level; �
 ``loss/empty_batch`` — 1.0 iff no token is valid; ``loss/nonfinite_tokens`` — count of mask=1 tokens dropped as
 non-finite.
 
-Robustness: a token whose log-prob (under any policy given) or advantage is NaN/±inf at a *valid* position contributes
+Robustness: a token whose log-prob (under a policy the objective reads: π_θ, π_old for the ratio objectives, μ for
+``bypass`` and for ``decoupled`` without a correction) or advantage is NaN/±inf at a *valid* position contributes
 exactly 0 (it still counts in the denominator, like any padding-mask token) and is counted in
 ``loss/nonfinite_tokens``; values are replaced (``nan_to_num`` · float mask) *before* any arithmetic, so the backward
 pass is finite too. A non-finite correction weight counts as 0. Masked positions never matter. A batch without a valid
@@ -246,10 +247,11 @@ def _loss_and_gradient(
     # A token is usable only if every quantity it touches is finite. One test on the sum of all of them (a NaN or
     # ±inf anywhere propagates; only magnitudes beyond ~1e37, meaningless as log-probs, could overflow the float32
     # sum and would then also count as non-finite): x·0 + m is m if x is finite, NaN otherwise.
+    # Only what the objective reads counts: a NaN μ must not drop a token from a ppo loss that never uses μ (TRL stores
+    # missing vLLM log-probs as NaN), nor a NaN π_old from reinforce.
     probe = logp + adv_t
-    for other in (batch.old_logp, batch.rollout_logp):
-        if other is not None:
-            probe.add_(other.detach())
+    for other in _loss_inputs(batch, objective, result is not None):
+        probe.add_(other.detach())
     probe = torch.add(mf, probe, alpha=0.0, out=probe)  # m + 0·x, in one pass: m where x is finite, NaN elsewhere
     vf = nan_to_num(probe, 0.0, 0.0, 0.0, out=probe)  # 1.0 on valid finite tokens, else 0.0
     n_mask = mf.sum()
@@ -325,6 +327,17 @@ def _loss_and_gradient(
         "loss/nonfinite_tokens": n_mask - n_valid,
     }
     return loss, grad, metrics
+
+
+def _loss_inputs(batch: LogProbBatch, objective: str, has_correction: bool) -> list[Tensor]:
+    """The log-prob tensors besides π_θ that ``objective``'s loss value reads (π_old for the ratio objectives, μ for
+    bypass and for decoupled without a correction)."""
+    used = []
+    if objective in ("ppo", "gspo", "decoupled") and batch.old_logp is not None:
+        used.append(batch.old_logp)
+    if (objective == "bypass" or (objective == "decoupled" and not has_correction)) and batch.rollout_logp is not None:
+        used.append(batch.rollout_logp)
+    return used
 
 
 def _log_ratio(lp: Tensor, denominator_logp: Tensor | None, vf: Tensor) -> Tensor:

@@ -52,15 +52,17 @@ def test_loss_equals_policy_loss():
 
 
 class _StandInGRPOTrainer:
-    """The two members of trl.GRPOTrainer the subclass relies on, over a per-token log-prob table."""
+    """The members of trl.GRPOTrainer (1.16) the subclass relies on, over a per-token log-prob table."""
 
-    def __init__(self, *, args=None, table=None):
+    def __init__(self, *, args=None, table=None, accumulation=1):
         self.args = args or SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=False, beta=0.0,
                                             epsilon=0.2, epsilon_high=0.28)
         self.table = table
+        self.current_gradient_accumulation_steps = accumulation
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           compute_entropy=False, compute_aux_loss=False, **model_inputs):
         assert input_ids.shape[1] == attention_mask.shape[1] == 2 + logits_to_keep
         return self.table, None, None
 
@@ -78,13 +80,88 @@ def test_subclass_computes_offpolicy_loss_and_logs_metrics():
     assert lp.grad is not None and torch.isfinite(lp.grad).all()
 
 
-def test_subclass_refuses_double_correction_and_kl_term():
+def _args(**kw):
+    base = dict(use_vllm=True, vllm_importance_sampling_correction=False, beta=0.0, epsilon=0.2, epsilon_high=0.28,
+                loss_type="bnpo", max_completion_length=3, steps_per_generation=4, delta=None,
+                importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+                entropy_coef=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),  # even without a correction
+        (dict(beta=0.04), "beta"),
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(loss_type="sapo"), "loss_type"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+        (dict(entropy_coef=0.1), "entropy_coef"),
+    ],
+)
+def test_subclass_refuses_what_it_does_not_reproduce(kw, name):
     cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
-    double = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True, beta=0.0, epsilon=0.2)
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):
-        cls(args=double, correction=tis())
-    with pytest.raises(ValueError, match="beta"):
-        cls(args=SimpleNamespace(use_vllm=False, beta=0.04, epsilon=0.2))
+    with pytest.raises(ValueError, match=name):
+        cls(args=_args(**kw))
+    # TRL's sequence level is GSPO: accepted with objective="gspo"
+    cls(args=_args(importance_sampling_level="sequence"), objective="gspo")
+
+
+def _batch(inputs, table):
+    return LogProbBatch(logp=table, mask=inputs["completion_mask"], old_logp=inputs["old_per_token_logps"],
+                        rollout_logp=inputs["sampling_per_token_logps"], advantages=inputs["advantages"])
+
+
+@pytest.mark.parametrize(
+    "loss_type, aggregation, max_tokens",
+    [("bnpo", "token_mean", None), ("grpo", "seq_mean_token_mean", None), ("dr_grpo", "seq_mean_token_sum_norm", 3)],
+)
+def test_loss_types_and_gradient_accumulation_scale_as_trl(loss_type, aggregation, max_tokens):
+    # TRL divides the micro-batch loss by the accumulation steps itself (the HF Trainer does not): 4 steps → 1/4
+    lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
+    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    trainer = cls(args=_args(loss_type=loss_type, max_completion_length=3), table=lp, accumulation=4)
+    got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
+    kw = {} if max_tokens is None else {"max_tokens": max_tokens}
+    want, _ = policy_loss(_batch(_inputs(), lp), aggregation=aggregation, clip_low=0.2, clip_high=0.28, **kw)
+    torch.testing.assert_close(got, want / 4)
+    # in eval there is no accumulation
+    got_eval = trainer._compute_loss(torch.nn.Linear(1, 1).eval(), _inputs())
+    torch.testing.assert_close(got_eval, want)
+
+
+def test_dr_grpo_divides_by_max_completion_length_not_the_padded_width():
+    # 3 padded tokens, max_completion_length 6: Σ m·L / (B · 6), half of Σ m·L / (B · 3)
+    lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
+    trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(loss_type="dr_grpo", max_completion_length=6),
+                                                               table=lp)
+    got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
+    padded, _ = policy_loss(_batch(_inputs(), lp), aggregation="seq_mean_token_sum_norm", clip_low=0.2, clip_high=0.28)
+    torch.testing.assert_close(got, padded / 2)
+
+
+def test_dapo_divides_the_sum_by_the_generation_batch_token_count():
+    # TRL: Σ_micro-batch m·L / (num_items_in_batch / processes · accumulation / steps_per_generation)
+    # here: 5 valid tokens; num_items_in_batch = 20, 1 process, accumulation 2, steps_per_generation 4 → divisor 10
+    lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
+    trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(loss_type="dapo"), table=lp, accumulation=2)
+    inputs = {**_inputs(), "num_items_in_batch": torch.tensor(20)}
+    got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), inputs)
+    mean, _ = policy_loss(_batch(_inputs(), lp), clip_low=0.2, clip_high=0.28)  # Σ m·L / 5
+    torch.testing.assert_close(got, mean * 5 / 10)
+
+
+def test_delta_is_the_dual_clip_and_nan_vllm_logprobs_do_not_drop_tokens_without_a_correction():
+    lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
+    trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(delta=3.0), table=lp)
+    assert trainer.offpolicy_loss_kwargs["dual_clip"] == 3.0
+    inputs = _inputs()
+    inputs["sampling_per_token_logps"] = torch.full((2, 3), float("nan"))  # TRL's "missing" vLLM log-probs
+    got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), inputs)
+    want = trainer._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.slow
@@ -112,3 +189,65 @@ def test_real_grpo_trainer_two_steps(tmp_path):
     assert len(logged) == 2
     # no vLLM: μ = π_old = π_θ, so the correction is the identity
     assert all(h["offpolicy/tis/kept_frac"] == 1.0 and h["offpolicy/loss/ratio_mean"] == 1.0 for h in logged)
+
+
+@pytest.mark.slow
+def test_matches_trls_own_loss_and_gradient_for_each_loss_type_with_accumulation(tmp_path):
+    """OffPolicyGRPOTrainer._compute_loss == TRL's own GRPOTrainer._compute_loss (no correction), value and parameter
+    gradient, on the same trainer and inputs: loss types bnpo / grpo / dr_grpo (max_completion_length > the padded
+    width) / dapo, gradient accumulation, delta, clip-higher. TRL's loss is internal API: checked against TRL 1.16."""
+    trl = pytest.importorskip("trl")
+    if not trl.__version__.startswith("1.16"):
+        pytest.skip(f"compares with TRL 1.16's internal _compute_loss; installed {trl.__version__}")
+    datasets = pytest.importorskip("datasets")
+    from trl import GRPOConfig, GRPOTrainer
+
+    from offpolicy.integrations.trl import OffPolicyGRPOTrainer
+    from offpolicy.models.tiny import build_tiny_model
+
+    data = datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)])
+
+    def reward(completions, answer, **kwargs):
+        return [float(len(c)) % 3 + float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
+
+    def make(loss_type, max_completion_length=8, **extra):
+        torch.manual_seed(0)
+        model, tok = build_tiny_model(seed=0)
+        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=max_completion_length, max_steps=1, report_to=[], use_cpu=True,
+                          bf16=False, save_strategy="no", beta=0.0, loss_type=loss_type, **extra)
+        trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                                       processing_class=tok)
+        trainer.model.train()
+        return trainer
+
+    first = make("bnpo")
+    torch.manual_seed(1)
+    inputs = first._generate_and_score_completions([data[i] for i in range(2)] * 4)
+    T = inputs["completion_mask"].shape[1]
+    lengths = torch.tensor([8, 3, 5, 2, 7, 4, 6, 1]).clamp(max=T)  # unequal lengths: the aggregations differ
+    inputs["completion_mask"] = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        current = first._get_per_token_logps_and_entropies(first.model, ids, attention, T)[0]
+    inputs["old_per_token_logps"] = current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
+    inputs["num_items_in_batch"] = 4 * inputs["completion_mask"].sum()  # a generation batch of 4 micro-batches
+
+    def loss_and_grad(trainer, compute):
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        loss = compute(trainer.model, dict(inputs))
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in params if p.grad is not None]).double()
+
+    cases = [("bnpo", 4, 8, {}), ("grpo", 4, 8, {}), ("dr_grpo", 2, 16, {}), ("dapo", 4, 8, {"steps_per_generation": 4}),
+             ("bnpo", 1, 8, {"delta": 1.5, "epsilon_high": 0.28})]
+    for loss_type, accumulation, max_len, extra in cases:
+        trainer = make(loss_type, max_len, **extra)
+        trainer.current_gradient_accumulation_steps = accumulation
+        theirs, g_theirs = loss_and_grad(trainer, lambda m, x: GRPOTrainer._compute_loss(trainer, m, x))
+        ours, g_ours = loss_and_grad(trainer, trainer._compute_loss)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=loss_type)
+        assert ((g_ours - g_theirs).norm() / g_theirs.norm()).item() < 1e-5, (loss_type, accumulation, extra)
