@@ -20,9 +20,9 @@ def test_ppo_clip_and_dual_clip_hand_computed():
                        {"clip_ratio": 0.2, "clip_ratio_c": 3.0})
     assert loss.item() == pytest.approx(1.4, abs=1e-6)
     # ppo_kl = mean(old - logp) = (−log 2 + log 2)/2 = 0
-    assert metrics["actor/ppo_kl"].item() == pytest.approx(0.0, abs=1e-6)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     # token 1 is clipped (r > 1.2 with A<0 is not in the clipped region for PPO-min; token 2 r<0.8, A<0 is clipped low)
-    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
 
 
 def test_dual_clip_binds():
@@ -31,7 +31,8 @@ def test_dual_clip_binds():
     loss, metrics = fn(torch.zeros(1, 1), torch.full((1, 1), 2.0, requires_grad=True), -torch.ones(1, 1),
                        torch.ones(1, 1), "token-mean", {"clip_ratio": 0.2, "clip_ratio_c": 3.0})
     assert loss.item() == pytest.approx(3.0, abs=1e-6)
-    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(1.0)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1.0)
+    assert all(type(v) is float for v in metrics.values())  # as verl's own losses (its driver averages with numpy)
 
 
 def test_rollout_is_weights_multiply_and_legacy_tuple():
@@ -43,12 +44,36 @@ def test_rollout_is_weights_multiply_and_legacy_tuple():
     assert out[0].item() == pytest.approx(-1.25)
 
 
-def test_aggregation_names_and_bad_mode():
+@pytest.mark.parametrize(
+    "mode, info, expected",
+    [
+        # on-policy, A = 1: L_t = −1 on the 3 valid tokens of mask ((1, 1), (1, 0)); T = 2, B = 2.
+        # verl's agg_loss (core_algos.py) with no global_batch_info (its legacy worker path):
+        ("token-mean", {}, -3 / 3),  # Σ / tokens
+        ("seq-mean-token-mean", {}, (-1 - 1) / 2),  # token means (−1, −1) over 2 sequences
+        ("seq-mean-token-sum", {}, (-2 - 1) / 2),  # token sums (−2, −1) over 2 sequences
+        ("seq-mean-token-sum-norm", {}, -3 / 2),  # Σ / T — no B
+        # with the newer worker path's global counts: dp 2, 6 tokens, 4 sequences, loss_scale_factor 10
+        ("token-mean", {"dp_size": 2, "batch_num_tokens": 6}, -3 / 6 * 2),
+        ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 4}, -2 / 4 * 2),
+        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 4}, -3 / 4 * 2),
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": 10}, -3 / 10),
+    ],
+)
+def test_every_loss_agg_mode_is_verls_agg_loss(mode, info, expected):
     fn = verl_policy_loss_fn()
-    # seq-mean-token-sum-norm: Σ m L / (B·T) = -(1+1+1)/(2·2) with one padded token
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    loss, _ = fn(torch.zeros(2, 2), torch.zeros(2, 2, requires_grad=True), torch.ones(2, 2), mask, "seq-mean-token-sum-norm")
-    assert loss.item() == pytest.approx(-0.75)
+    logp = torch.zeros(2, 2, requires_grad=True)
+    loss, _ = fn(torch.zeros(2, 2), logp, torch.ones(2, 2), mask, mode, {"global_batch_info": info})
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    # d/dlogp of the same aggregate of −r: −(aggregation weight) per valid token, so the gradient sums to the loss
+    assert logp.grad.sum().item() == pytest.approx(expected, rel=1e-6)
+    assert logp.grad[1, 1].item() == 0.0
+
+
+def test_bad_loss_agg_mode_is_named():
+    fn = verl_policy_loss_fn()
     with pytest.raises(ValueError, match="loss_agg_mode"):
         fn(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), "token_sum")
 
