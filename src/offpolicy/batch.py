@@ -166,6 +166,23 @@ class LogProbBatch:
             cache[key] = compute(self)
         return cache[key]
 
+    def nonempty(self) -> "LogProbBatch":
+        """This batch, or — when it has no row or no column (B = 0 or T = 0, e.g. after filtering) — a ``[max(B, 1),
+        max(T, 1)]`` copy whose extra positions are masked, so every function sees an all-masked batch (see
+        :func:`offpolicy.ratios.pad_nonempty`). Slice [B, T] results back with ``[:B, :T]``."""
+        if self.logp.numel() > 0:
+            return self
+        from offpolicy.ratios import pad_nonempty  # ratios imports this module
+
+        def pad(x: Tensor | None) -> Tensor | None:
+            return None if x is None else pad_nonempty(x, False if x.dtype == torch.bool else 0)
+
+        extras = {k: pad(v) if isinstance(v, Tensor) and v.shape[:2] == self.logp.shape else v
+                  for k, v in self.extras.items()}
+        return replace(self, logp=pad(self.logp), old_logp=pad(self.old_logp), rollout_logp=pad(self.rollout_logp),
+                       mask=pad(self.mask), advantages=pad(self.advantages), token_divergence=pad(self.token_divergence),
+                       extras=extras)
+
     def replace(self, **changes: Tensor | None) -> "LogProbBatch":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -65,7 +65,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask, mask_factor, nan_to_num
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask, mask_factor, nan_to_num, pad_nonempty
 
 Objective = Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -180,6 +180,10 @@ def policy_loss(
         batch, objective, aggregation, clip_low, clip_high, dual_clip, max_tokens, level, correction is not None
     )
     result = _resolve_correction(batch, correction)
+    if batch.logp.numel() == 0:  # B = 0 or T = 0 (a filtered-out batch): the all-masked result; the padded logp keeps
+        batch = batch.nonempty()  # the graph, so the gradient reaching the empty logp has its (empty) shape
+        if result is not None:
+            result = CorrectionResult(pad_nonempty(result.weights), pad_nonempty(result.keep, False), result.metrics)
     if objective == "gspo":
         level = "geometric"
     with torch.no_grad():

@@ -52,7 +52,7 @@ from torch import Tensor
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
 from offpolicy.corrections.base import CorrectionResult
 from offpolicy.corrections.importance import find_shared_log_ratio
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num, sequence_means
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num, pad_nonempty, sequence_means
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -111,6 +111,11 @@ def offpolicy_metrics(
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
 
+    if train_logp.numel() == 0:  # B = 0 or T = 0: the all-masked batch's metrics (see ratios.pad_nonempty)
+        train_logp, rollout_logp, mask = pad_nonempty(train_logp), pad_nonempty(rollout_logp), pad_nonempty(mask, 0)
+        if weights is not None:
+            weights = pad_nonempty(weights)
+        keep, result = (None if keep is None else pad_nonempty(keep)), None
     pi = train_logp.detach().float()
     mu = rollout_logp.detach().float()
     m = as_mask(mask)

@@ -75,6 +75,25 @@ def nan_to_num(x: Tensor, nan: float, posinf: float, neginf: float, *, out: Tens
     return torch.nan_to_num(x, nan, posinf, neginf, out=out)
 
 
+def pad_nonempty(x: Tensor, value: float | bool = 0) -> Tensor:
+    """``x`` ``[B, T]`` (or ``[B]``) padded to at least one row and one column with ``value`` (differentiable; a
+    non-empty ``x`` is returned as is).
+
+    Why: a batch that filtering emptied out (B = 0 or T = 0) must behave like an all-masked one — loss 0, every
+    metric present and finite — but max/min reductions have no identity on an empty tensor. Padding with a masked
+    position gives exactly the all-masked result; callers slice their [B, T] outputs back.
+
+    >>> pad_nonempty(torch.zeros(0, 3)).shape, pad_nonempty(torch.ones(2, 0), 0).tolist()
+    (torch.Size([1, 3]), [[0.0], [0.0]])
+    """
+    if x.numel() > 0:
+        return x
+    shape = (1,) if x.dim() == 1 else (max(x.shape[0], 1), max(x.shape[-1], 1))
+    out = torch.full(shape, value, dtype=x.dtype, device=x.device)
+    # + x.sum() (= 0) links the result to x, so a gradient flows back to x with x's (empty) shape
+    return out + x.sum() if x.dtype.is_floating_point and x.requires_grad else out
+
+
 def broadcast_rows(mask: Tensor, row: Tensor) -> Tensor:
     """``mask & row[:, None]`` ``[B, T]`` bool: a per-sequence decision ``row`` [B] applied to every valid token.
 

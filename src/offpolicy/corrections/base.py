@@ -78,6 +78,10 @@ class Correction:
     parts: tuple["Correction", ...] = ()  # set by chain(): the corrections it composes
 
     def __call__(self, batch: LogProbBatch) -> CorrectionResult:
+        if isinstance(batch, LogProbBatch) and batch.logp.numel() == 0:  # B = 0 or T = 0: as an all-masked batch
+            r = self.fn(batch.nonempty())
+            rows, cols = batch.logp.shape
+            return CorrectionResult(r.weights.detach()[:rows, :cols], r.keep[:rows, :cols], r.metrics)
         result = self.fn(batch)
         return CorrectionResult(result.weights.detach(), result.keep, result.metrics, result.shared, result.keep_factor)
 

@@ -57,7 +57,15 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, broadcast_rows, check_level, float_mask, nan_to_num
+from offpolicy.ratios import (
+    LOG_RATIO_BOUND,
+    as_mask,
+    broadcast_rows,
+    check_level,
+    float_mask,
+    nan_to_num,
+    pad_nonempty,
+)
 
 MODES: tuple[str, ...] = ("truncate", "mask")
 SOURCES: tuple[str, ...] = ("mismatch", "total")
@@ -391,14 +399,16 @@ def importance_weights(
     check_token_tensor("log_ratio", log_ratio)
     check_mask(mask, log_ratio, "log_ratio")
     lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
-    terms = ratio_terms(log_ratio, mask)
+    rows, cols = log_ratio.shape
+    # B = 0 or T = 0: computed as an all-masked batch and sliced back (ratios.pad_nonempty)
+    terms = ratio_terms(pad_nonempty(log_ratio.detach()), pad_nonempty(mask, 0))
     tr = token_ratio(terms) if level == "token" else None
     imp = _weights(terms, tr, level, mode, lo, hi, normalize)
     if tr is not None:
         raw = tr.rho
     else:  # the sequence ratio on every valid token, 1 at padding
         raw = torch.where(terms.mask, imp.row_rho.unsqueeze(-1).expand_as(terms.mask), torch.ones_like(terms.raw))
-    return imp.weights, imp.keep, raw.detach()
+    return imp.weights[:rows, :cols], imp.keep[:rows, :cols], raw.detach()[:rows, :cols]
 
 
 @dataclass(frozen=True)

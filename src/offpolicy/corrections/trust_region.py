@@ -36,6 +36,7 @@ from offpolicy.ratios import (
     masked_max,
     masked_mean,
     nan_to_num,
+    pad_nonempty,
     sequence_means,
 )
 
@@ -118,7 +119,9 @@ def trust_region_mask(
     av = check_threshold("avg_kl", avg_kl, allow_zero=True, allow_none=True)
     if mx is None and av is None:
         raise ValueError("trust_region_mask needs max_kl and/or avg_kl (both are None)")
-    return _trm_keep(token_divergence, token_divergence, as_mask(mask), mx, av)
+    rows, cols = token_divergence.shape  # B = 0 or T = 0: as an all-masked batch (ratios.pad_nonempty)
+    div, m = pad_nonempty(token_divergence.detach()), as_mask(pad_nonempty(mask, 0))
+    return _trm_keep(div, div, m, mx, av)[:rows, :cols]
 
 
 def _trm_keep(max_div: Tensor, avg_div: Tensor, m: Tensor, mx: float | None, av: float | None) -> Tensor:
