@@ -280,9 +280,40 @@ def test_passing_the_result_reuses_its_terms_with_the_same_numbers(data, B, T, w
     shared = find_shared_log_ratio(result.shared, batch.old_logp, batch.rollout_logp, batch.mask)
     assert (shared is None) == (which == "opsm")  # opsm shares nothing: the metrics recompute (and still agree)
     reused = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result)
-    fresh = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result.coefficient)
+    level = result.weight_level if result.weight_level in ("token", "sequence", "geometric") else "token"
+    fresh = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, result.coefficient, level=level)
     for k in fresh:
+        if k.endswith("clipped_frac") and result.weight_level is None:  # a pure mask: clipped = masked
+            assert torch.equal(reused[k], reused[k.replace("clipped_frac", "masked_frac")])
+            continue
         assert torch.equal(reused[k], fresh[k]) or (reused[k].isnan() & fresh[k].isnan()), k
+
+
+def test_clipped_frac_of_a_result_follows_its_weights():
+    # A pure mask (opsm, trm, …) keeps weight 1 ≠ ρ on every token: "truncated or masked" must be the masked
+    # fraction, not ~1. A geometric mis result is compared with the geometric ratio without passing level=.
+    from offpolicy.batch import LogProbBatch
+    from offpolicy.corrections.base import chain
+    from offpolicy.corrections.importance import mis
+    from offpolicy.corrections.sequence_masks import opsm
+
+    # r = log π_old − log μ: row 0 = (0.5, 0.5) (geometric ρ = e^0.5 = 1.65), row 1 = (−0.1, −0.1) (ρ = 0.905)
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    rollout = torch.tensor([[-1.5, -1.5], [-0.9, -0.9]])
+    b = LogProbBatch(logp=old.clone(), old_logp=old, rollout_logp=rollout, mask=torch.ones(2, 2),
+                     advantages=torch.tensor([-1.0, 1.0]))
+    # opsm (δ = 0.1): row 0 has A < 0 and mean(log μ − log π) = −0.5 ≤ 0.1 → kept; row 1 has A > 0 → kept: 0 masked
+    m = offpolicy_metrics(old, rollout, b.mask, opsm(delta=0.1)(b), prefix="")
+    assert m["clipped_frac"].item() == 0.0 and m["masked_frac"].item() == 0.0
+    # mis geometric [0.5, 1.5]: row 0 (1.65) dropped, row 1 kept with w = ρ_geo: 2 of 4 tokens changed
+    r = mis(level="geometric", lower=0.5, upper=1.5)(b)
+    assert r.weight_level == "geometric"
+    assert offpolicy_metrics(old, rollout, b.mask, r, prefix="")["clipped_frac"].item() == 0.5
+    # a chain keeps the ratio's level; two levels are "mixed" and compared at token level
+    assert chain(opsm(delta=0.1), r_c := mis(level="geometric", upper=1.5))(b).weight_level == "geometric"
+    from offpolicy.corrections.importance import tis
+
+    assert chain(r_c, tis(upper=2.0))(b).weight_level == "mixed"
 
 
 def test_shared_terms_are_not_reused_for_other_or_modified_tensors():

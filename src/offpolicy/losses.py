@@ -183,7 +183,8 @@ def policy_loss(
     if batch.logp.numel() == 0:  # B = 0 or T = 0 (a filtered-out batch): the all-masked result; the padded logp keeps
         batch = batch.nonempty()  # the graph, so the gradient reaching the empty logp has its (empty) shape
         if result is not None:
-            result = CorrectionResult(pad_nonempty(result.weights), pad_nonempty(result.keep, False), result.metrics)
+            result = CorrectionResult(pad_nonempty(result.weights), pad_nonempty(result.keep, False), result.metrics,
+                                      weight_level=result.weight_level)
     if objective == "gspo":
         level = "geometric"
     with torch.no_grad():

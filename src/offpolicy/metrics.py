@@ -69,7 +69,7 @@ def offpolicy_metrics(
     weights: Tensor | CorrectionResult | None = None,
     *,
     prefix: str = "rollout_correction/",
-    level: Level = "token",
+    level: Level | None = None,
 ) -> dict[str, Tensor]:
     """Mismatch diagnostics between the training engine and the rollout engine (names: seed 002 / ms-swift).
 
@@ -83,7 +83,9 @@ def offpolicy_metrics(
             about a third fewer passes over [B, T].
         prefix: prepended to every name (ms-swift logs ``rollout_correction/…``).
         level: level of ``weights`` (``token``/``sequence``/``geometric``): ``clipped_frac`` compares them with the
-            raw ratio at this level.
+            raw ratio at this level. Default: the result's own (:attr:`CorrectionResult.weight_level`; a chain of
+            several levels compares at ``token``), ``token`` for a plain tensor. A result whose weights carry no ratio
+            (only masks: opsm, veto, trm, …) has nothing to truncate: its ``clipped_frac`` is the dropped fraction.
 
     Returns:
         dict of 0-d float32 tensors, names in the module docstring (:data:`METRIC_NAMES`).
@@ -108,8 +110,12 @@ def offpolicy_metrics(
     if weights is not None:
         check_token_tensor("weights", weights)
         check_same_shape("weights", weights, "train_logp", train_logp)
-    if level not in LEVELS:
+    if level is not None and level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    ratio_free = level is None and result is not None and result.weight_level is None  # pure masks: no ratio in w
+    if level is None:
+        from_result = result.weight_level if result is not None else None
+        level = from_result if from_result in LEVELS else "token"
 
     if train_logp.numel() == 0:  # B = 0 or T = 0: the all-masked batch's metrics (see ratios.pad_nonempty)
         train_logp, rollout_logp, mask = pad_nonempty(train_logp), pad_nonempty(rollout_logp), pad_nonempty(mask, 0)
@@ -208,18 +214,21 @@ def offpolicy_metrics(
         w_sum = w_flat.sum()
         w_sq_sum = torch.dot(w_flat, w_flat)
         n_invalid = n_all - n_tok_i  # integer arithmetic: exact at any batch size
-        if level == "token":
-            # exp, not em1 + 1: em1's absolute rounding (~6e-8) exceeds the 1e-6 relative tolerance below ρ ≈ 0.06,
-            # and would count untouched small weights as clipped
-            raw = rho_token if rho_token is not None else torch.exp(r_safe)
-        else:
-            raw_log = sum_r if level == "sequence" else sum_r / seq_len_c
-            raw = torch.exp(raw_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)
-        # raw > 0 everywhere and w = 0 at invalid positions, so each invalid position counts as "changed" exactly
-        # once: subtract them instead of spending a pass on a mask.
-        changed = torch.count_nonzero((w - raw).abs_() > raw * 1e-6) - n_invalid
-        clipped = changed.float() / n_tok_c
         masked = (n_all - torch.count_nonzero(w) - n_invalid).float() / n_tok_c  # w = 0 at invalid positions
+        if ratio_free:  # mask-only weights: "truncated or masked" is just masked
+            clipped = masked
+        else:
+            if level == "token":
+                # exp, not em1 + 1: em1's absolute rounding (~6e-8) exceeds the 1e-6 relative tolerance below
+                # ρ ≈ 0.06, and would count untouched small weights as clipped
+                raw = rho_token if rho_token is not None else torch.exp(r_safe)
+            else:
+                raw_log = sum_r if level == "sequence" else sum_r / seq_len_c
+                raw = torch.exp(raw_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)
+            # raw > 0 everywhere and w = 0 at invalid positions, so each invalid position counts as "changed"
+            # exactly once: subtract them instead of spending a pass on a mask.
+            changed = torch.count_nonzero((w - raw).abs_() > raw * 1e-6) - n_invalid
+            clipped = changed.float() / n_tok_c
     w_mean = w_sum / n_tok_c
     # ESS = (E w)² / E[w²] — the same as 1/E[(w/E w)²] but finite when every weight is 0 (then ESS = 0).
     ess = (w_mean * w_mean) / (w_sq_sum / n_tok_c).clamp(min=torch.finfo(torch.float32).tiny)

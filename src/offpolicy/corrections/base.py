@@ -37,6 +37,10 @@ class CorrectionResult:
     metrics: dict[str, Tensor] = field(default_factory=dict)
     shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
     keep_factor: Tensor | None = field(default=None, repr=False, compare=False)  # keep as float 0/1, if at hand
+    # the level of the importance ratio the weights carry ("token" / "sequence" / "geometric", "mixed" in a chain of
+    # several), or None when the weights are only the padding mask (a pure mask: opsm, veto, trm, …). It tells
+    # offpolicy_metrics what "clipped" means; a custom correction is taken to reweight at token level.
+    weight_level: str | None = field(default="token", repr=False, compare=False)
 
     def keep_multiplicand(self) -> Tensor:
         """``keep`` as a cheap 0/1 multiplicand: ``keep_factor`` when the correction produced one (a chain under
@@ -52,7 +56,7 @@ class CorrectionResult:
     def identity(batch: LogProbBatch) -> "CorrectionResult":
         """Weights 1 on valid tokens, keep = mask: what "no correction" means."""
         m = batch.bool_mask
-        return CorrectionResult(weights=float_mask(m), keep=m.clone(), metrics={})
+        return CorrectionResult(weights=float_mask(m), keep=m.clone(), metrics={}, weight_level=None)
 
     def then(self, other: "CorrectionResult") -> "CorrectionResult":
         """Compose: weights multiply, masks AND, metrics merge (later names win), shared terms merge."""
@@ -61,7 +65,19 @@ class CorrectionResult:
             keep=self.keep & other.keep,
             metrics={**self.metrics, **other.metrics},
             shared={**self.shared, **other.shared},
+            weight_level=combined_weight_level(self.weight_level, other.weight_level),
         )
+
+
+def combined_weight_level(a: str | None, b: str | None) -> str | None:
+    """:attr:`CorrectionResult.weight_level` of two results composed: a pure mask (None) adds no ratio.
+
+    >>> combined_weight_level(None, "token"), combined_weight_level("token", "geometric")
+    ('token', 'mixed')
+    """
+    if a is None or a == b:
+        return b
+    return a if b is None else "mixed"
 
 
 @dataclass(frozen=True)
@@ -81,9 +97,10 @@ class Correction:
         if isinstance(batch, LogProbBatch) and batch.logp.numel() == 0:  # B = 0 or T = 0: as an all-masked batch
             r = self.fn(batch.nonempty())
             rows, cols = batch.logp.shape
-            return CorrectionResult(r.weights.detach()[:rows, :cols], r.keep[:rows, :cols], r.metrics)
-        result = self.fn(batch)
-        return CorrectionResult(result.weights.detach(), result.keep, result.metrics, result.shared, result.keep_factor)
+            return CorrectionResult(r.weights.detach()[:rows, :cols], r.keep[:rows, :cols], r.metrics,
+                                    weight_level=r.weight_level)
+        r = self.fn(batch)
+        return CorrectionResult(r.weights.detach(), r.keep, r.metrics, r.shared, r.keep_factor, r.weight_level)
 
     def __repr__(self) -> str:
         if self.parts:
@@ -116,7 +133,7 @@ def chain(*corrections: Correction) -> Correction:
         # CorrectionResult.then, accumulated in place into the identity's fresh tensors: the same products in the same
         # order (so the same numbers), without a new [B, T] weight and keep buffer per correction
         identity = CorrectionResult.identity(scoped)
-        weights, keep, metrics, shared = identity.weights, identity.keep, {}, {}
+        weights, keep, metrics, shared, level = identity.weights, identity.keep, {}, {}, None
         # Under torch.compile the combined keep mask is carried as float 0/1 (keep_factor) and the bool ``keep`` is
         # a comparison on it: inductor's CPU code stores a bool [B, T] buffer with a scalar loop (~10× a float pass),
         # and a mask read by several kernels (the count below, the loss, the metrics) is stored. The consumers read
@@ -145,12 +162,13 @@ def chain(*corrections: Correction) -> Correction:
                 )
             metrics = {**metrics, **part_metrics}
             shared = {**shared, **r.shared}
+            level = combined_weight_level(level, r.weight_level)
         if keep_factor is not None:
             keep = keep_factor != 0
             n_kept = keep_factor.sum()
         else:  # count_nonzero: a bool→float cast of [B, T] just to sum it costs ~10× as much on CPU
             n_kept = torch.count_nonzero(keep).float()
         kept = n_kept / torch.count_nonzero(scoped.bool_mask).float().clamp(min=1.0)
-        return CorrectionResult(weights, keep, {**metrics, "chain/kept_token_frac": kept}, shared, keep_factor)
+        return CorrectionResult(weights, keep, {**metrics, "chain/kept_token_frac": kept}, shared, keep_factor, level)
 
     return Correction("chain", apply, {}, parts=tuple(corrections))

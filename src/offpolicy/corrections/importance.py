@@ -540,7 +540,8 @@ def _importance(
             f"{name}/clipped_frac": imp.n_changed / n,  # masked, undefined, or moved by the clamp
             f"{name}/nonfinite_frac": (terms.n - terms.ok_row.sum()) / n,
         }
-        return CorrectionResult(imp.weights, imp.keep, metrics, share_log_ratio(batch, source, terms, tr))
+        return CorrectionResult(imp.weights, imp.keep, metrics, share_log_ratio(batch, source, terms, tr),
+                                weight_level=level)
 
     return Correction(name, apply, config)
 

@@ -103,7 +103,7 @@ def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
         nonempty = terms.n_row > 0
         keep = broadcast_rows(terms.mask, ~vetoed_row)
         (vetoed_frac,) = sequence_means(nonempty, vetoed_row)
-        return CorrectionResult(terms.mf.clone(), keep, {"veto/vetoed_seq_frac": vetoed_frac})
+        return CorrectionResult(terms.mf.clone(), keep, {"veto/vetoed_seq_frac": vetoed_frac}, weight_level=None)
 
     return Correction("veto", apply, {"threshold": t, "source": source})
 
@@ -268,6 +268,6 @@ def opsm(delta: float = 1e-4) -> Correction:
             "opsm/mismatch_term_mean": mism_mean,
             "opsm/staleness_term_mean": stale_mean,
         }
-        return CorrectionResult(stat_t.mf.clone(), keep, metrics)
+        return CorrectionResult(stat_t.mf.clone(), keep, metrics, weight_level=None)
 
     return Correction("opsm", apply, {"delta": d})

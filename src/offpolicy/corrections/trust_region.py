@@ -283,7 +283,7 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
             "trm/divergence_topk": one * (kind == "topk"),
             "trm/divergence_k_estimator": one * (kind == "k_estimator"),
         }
-        return CorrectionResult(weights, keep, metrics)
+        return CorrectionResult(weights, keep, metrics, weight_level=None)
 
     return Correction("trm", apply, {"max_kl": mx, "avg_kl": av, "source": source})
 
@@ -339,7 +339,7 @@ def _row_statistic_mask(
         nonempty = terms.n_row > 0
         accept, stat_mean = sequence_means(nonempty, keep_row, stat)
         metrics = {f"{name}/accept_rate": accept, f"{name}/stat_mean": stat_mean}
-        return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics)
+        return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics, weight_level=None)
 
     return Correction(name, apply, config)
 
@@ -409,6 +409,6 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
             keep = broadcast_rows(terms.mask, keep_row)
             rejected, stat_mean = sequence_means(terms.n_row > 0, ~keep_row, stat)
         metrics = {f"{label}/rejected_frac": rejected, f"{label}/stat_mean": stat_mean}
-        return CorrectionResult(terms.mf.clone(), keep, metrics)
+        return CorrectionResult(terms.mf.clone(), keep, metrics, weight_level=None)
 
     return Correction(label, apply, {"mode": mode, "upper": u, "source": source})

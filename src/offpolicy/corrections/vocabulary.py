@@ -174,7 +174,7 @@ def dvp_keep(*, key: str = "dvp_keep") -> Correction:
             metrics = coverage_metrics(batch.extras["dvp_mass"], batch.mask, inside)
         else:
             metrics = {"dvp/outside_frac": masked_mean((~inside).float(), batch.mask)}
-        return CorrectionResult(ident.weights, ident.keep & inside, metrics)
+        return CorrectionResult(ident.weights, ident.keep & inside, metrics, weight_level=None)
 
     return Correction("dvp_keep", apply, {"key": key})
 
