@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -278,3 +279,17 @@ def test_property_noise_scale_and_gradient(std, n, seed):
     (out**2).sum().backward()
     # d/dlogσ_l Σ_i (Σ_k σ ε_k,i)² = 2 Σ_i out_i σ ε_l,i; summed over l this equals 2 Σ out² (exactly).
     torch.testing.assert_close(alp.log_sigma.grad.sum(), 2 * (out.detach() ** 2).sum(), rtol=1e-4, atol=1e-3)
+
+
+def test_a_warning_when_16_bit_hidden_states_round_the_noise_away():
+    # bf16 spacing near 1 is 2^-7 = 7.8e-3: σ = 1e-4 changes almost no element; σ = 0.5 changes nearly all
+    h = torch.ones(1, 64, dtype=torch.bfloat16)
+    net = Stack(1)
+    tiny_noise = LayerwisePerturbation(net, init_std=1e-4, seed=0)
+    with tiny_noise.active(), pytest.warns(UserWarning, match="rounds away"):
+        net(h)
+    tiny_noise.remove()
+    large = LayerwisePerturbation(net, init_std=0.5, seed=0)
+    with large.active(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(h)
