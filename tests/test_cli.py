@@ -67,6 +67,10 @@ def test_train_yaml_overrides_resume_and_diagnose(tmp_path):
         (["train", "algorithm.preset=alp"], "alp.enabled"),
         (["demo", "-p", "bogus"], "algorithm.preset"),
         (["diagnose", "/no/such/metrics.jsonl"], "does not exist"),
+        # were tracebacks (rc 1): yaml.YAMLError is no ValueError; torch raised on the device after loading the model
+        (["train", "run.steps=[1"], "run.steps='[1' is not valid YAML"),
+        (["train", "run.device=banana"], "run.device: 'banana'"),
+        (["train", "optim.lr=inf"], "optim.lr"),
     ],
 )
 def test_errors_name_the_problem_and_exit_2(args, needle, tmp_path):
@@ -74,3 +78,102 @@ def test_errors_name_the_problem_and_exit_2(args, needle, tmp_path):
     assert res.exit_code == 2, res.output
     assert needle in res.output
     assert not (tmp_path / "metrics.jsonl").exists()  # failed before any work
+
+
+def _table_runs(output):
+    """The first column of the summary table's body rows."""
+    return [ln.split("│")[1].strip() for ln in output.splitlines() if ln.startswith("│")]
+
+
+def test_a_yaml_syntax_error_in_the_config_file_exits_2_naming_it(tmp_path):
+    # Expected: one error line naming the file; it was a rich ParserError traceback with exit code 1.
+    cfg = tmp_path / "syntax.yaml"
+    cfg.write_text("run: [1,\n")
+    res = runner.invoke(app, ["train", "--config", str(cfg)])
+    assert res.exit_code == 2 and "syntax.yaml" in res.output and "not valid YAML" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_user_text_is_printed_literally_not_as_rich_markup(tmp_path):
+    # Expected: values appear as typed. rich read them as markup: task.name=a:b:c printed "a🅱c" (an emoji code),
+    # run.out_dir=runs/[exp1] printed "runs/" in the header, task.name=/data/[bold]v2.jsonl lost "[bold]".
+    res = runner.invoke(app, ["train", *SMALL, "task.name=a:b:c", f"run.out_dir={tmp_path}/[exp1]"])
+    assert res.exit_code == 2 and "'a:b:c'" in res.output and f"{tmp_path}/[exp1]" in res.output
+    res = runner.invoke(app, ["train", *SMALL, "task.name=/data/[bold]v2.jsonl", f"run.out_dir={tmp_path}/x"])
+    assert res.exit_code == 2 and "/data/[bold]v2.jsonl" in res.output
+
+
+def test_string_overrides_keep_their_text(tmp_path):
+    # Expected: "run.out_dir=… #1" writes into the folder named with " #1" (YAML cut it at the comment).
+    out = tmp_path / "exp #1"
+    res = runner.invoke(app, ["train", *SMALL, "run.steps=1", "run.tensorboard=false", f"run.out_dir={out}"])
+    assert res.exit_code == 0, res.output
+    assert (out / "metrics.jsonl").is_file() and not (tmp_path / "exp").exists()
+
+
+def test_outputs_that_cannot_be_created_exit_2_naming_the_path(tmp_path):
+    # Expected: one line naming the option and the path; NotADirectoryError tracebacks before.
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    res = runner.invoke(app, ["train", *SMALL, f"run.out_dir={blocker}/run"])
+    assert res.exit_code == 2 and "run.out_dir" in res.output and "a_file/run" in res.output
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    res = runner.invoke(app, ["diagnose", str(run), "--out", f"{blocker}/plots"])
+    assert res.exit_code == 2 and "--out" in res.output and "a_file/plots" in res.output
+
+
+def test_reusing_an_out_dir_warns_and_resume_checks_the_run(tmp_path):
+    # Expected: a fresh run into a used folder prints one warning line naming it; --resume of another preset exits 2
+    # naming algorithm.preset; --resume at run.steps says there is nothing to do.
+    out = tmp_path / "run"
+    args = ["train", *SMALL, "run.tensorboard=false", f"run.out_dir={out}", "run.steps=1"]
+    assert runner.invoke(app, [*args, "algorithm.preset=mis"]).exit_code == 0
+    res = runner.invoke(app, [*args, "algorithm.preset=tis"])
+    assert res.exit_code == 0 and f"warning: run.out_dir '{out}' holds an earlier run" in res.output
+    res = runner.invoke(app, [*args, "algorithm.preset=mis", "run.steps=2", "--resume"])
+    assert res.exit_code == 2 and "algorithm.preset='tis' (now 'mis')" in res.output
+    res = runner.invoke(app, [*args, "algorithm.preset=tis", "--resume"])
+    assert res.exit_code == 0 and "nothing to do" in res.output
+
+
+def test_the_demo_reruns_into_the_same_folder(tmp_path):
+    # Expected: a second demo into the same --out replaces the first with a single warning line, not one per preset.
+    args = ["demo", "--out", str(tmp_path), "--steps", "1", "-p", "naive", "-p", "mis", *SMALL]
+    assert runner.invoke(app, args).exit_code == 0
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert res.output.count("warning:") == 1 and "replacing the earlier demo runs" in res.output
+    assert _table_runs(res.output) == ["naive", "mis"]
+
+
+def test_diagnose_distinct_labels_for_runs_of_the_same_name(tmp_path):
+    # Expected: a/run and b/run are two rows ("a/run", "b/run"); keyed by folder name they collapsed into one row
+    # that held only the second file.
+    for parent, reward in (("a", 0.25), ("b", 0.75)):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": reward}) + "\n")
+    res = runner.invoke(app, ["diagnose", str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run" / "metrics.jsonl"),
+                              "--out", str(tmp_path / "plots")])
+    assert res.exit_code == 0, res.output
+    assert _table_runs(res.output) == ["a/run", "b/run"]
+    assert "0.250→0.250" in res.output and "0.750→0.750" in res.output
+
+
+def test_diagnose_empty_and_half_written_metrics(tmp_path):
+    # Expected: an empty metrics.jsonl gives a warning naming it and no plots (it gave a row of dashes and five
+    # blank PNGs); a half-written last line gives a warning naming the file (it gave a bare JSON error, exit 2).
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    res = runner.invoke(app, ["diagnose", str(empty)])
+    assert res.exit_code == 0 and "has no logged steps" in res.output and str(empty) in res.output
+    assert not (empty / "plots").exists()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.')
+    res = runner.invoke(app, ["diagnose", str(cut), str(empty)])
+    assert res.exit_code == 0, res.output
+    assert f"warning: metrics file '{cut}/metrics.jsonl': ignoring its last line 2" in res.output
+    assert _table_runs(res.output) == ["cut"] and (cut / "plots" / "overview.png").is_file()

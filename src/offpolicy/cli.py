@@ -9,13 +9,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
@@ -60,15 +64,44 @@ def _quiet_transformers() -> None:
 
 def _console() -> Console:
     _quiet_transformers()
-    console = Console(highlight=False)
+    # emoji=False: rich would turn ":b:" in user text (task.name=a:b:c) into an emoji; escape() does not stop that
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:  # logs / CI: rich would wrap the summary table at 80 columns
-        console = Console(highlight=False, width=max(console.width, 120))
+        console = Console(highlight=False, emoji=False, width=max(console.width, 120))
     return console
 
 
 def _fail(console: Console, message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    # escape: messages quote user text (task.name=a:b:c, run.out_dir=runs/[exp1]) that rich would read as markup
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)  # soft_wrap: one line, even in a log
     raise typer.Exit(code=2)
+
+
+def _os_error(err: OSError) -> str:
+    """One line naming the path an OSError is about (its default str() may not, and a traceback is worse)."""
+    where = f" {str(err.filename)!r}" if err.filename is not None else ""
+    return f"cannot write or read{where}: {err.strerror or err}"
+
+
+@contextlib.contextmanager
+def _warnings_on(console: Console) -> Iterator[None]:
+    """Library warnings (a replaced earlier run, a half-written metrics line, …) as one ``warning:`` line each on
+    the console, instead of Python's two-line ``file:line: UserWarning`` format."""
+
+    def show(message, category, filename, lineno, file=None, line=None):  # the warnings.showwarning signature
+        console.print(f"[yellow]warning:[/yellow] {escape(str(message))}", soft_wrap=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _make_dir(console: Console, path: Path, option: str) -> None:
+    """Create an output folder before any work, failing with one line naming the option and the path."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        _fail(console, f"{option} {str(path)!r} cannot be created: {err.strerror or err}")
 
 
 @app.command()
@@ -102,13 +135,16 @@ def train(
         cfg = load_config(config, list(overrides or []))
     except ValueError as err:
         _fail(console, str(err))
-    console.print(f"[bold]offpolicy train[/bold] preset={cfg.algorithm.preset} model={cfg.model.path} "
-                  f"steps={cfg.run.steps} → {cfg.run.out_dir}")
-    try:
-        result = run_train(cfg, resume=resume, console=console)
-    except ValueError as err:
-        _fail(console, str(err))
-    _print_summary(console, {cfg.algorithm.preset: Path(cfg.run.out_dir) / "metrics.jsonl"}, title="run summary")
+    console.print(f"[bold]offpolicy train[/bold] preset={cfg.algorithm.preset} model={escape(cfg.model.path)} "
+                  f"steps={cfg.run.steps} → {escape(cfg.run.out_dir)}", soft_wrap=True)
+    with _warnings_on(console):
+        try:
+            result = run_train(cfg, resume=resume, console=console)
+        except ValueError as err:
+            _fail(console, str(err))
+        except OSError as err:  # a disk that fills up or a folder that turns read-only mid-run
+            _fail(console, _os_error(err))
+        _print_summary(console, {cfg.algorithm.preset: Path(cfg.run.out_dir) / "metrics.jsonl"}, title="run summary")
     if result.interrupted:
         raise typer.Exit(code=130)
 
@@ -140,19 +176,28 @@ def demo(
     except ValueError as err:
         _fail(console, str(err))
     first = cfgs[names[0]]
+    _make_dir(console, out, "--out")
     threads_before = torch.get_num_threads()
     if first.run.threads is not None:
         torch.set_num_threads(first.run.threads)  # before the warm start too
     try:
-        _demo_runs(console, names, cfgs, first, mismatch, out, steps, t_start)
+        with _warnings_on(console):
+            _demo_runs(console, names, cfgs, first, mismatch, out, steps, t_start)
+    except OSError as err:
+        _fail(console, _os_error(err))
     finally:
         torch.set_num_threads(threads_before)
 
 
 def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: str, out: Path,  # noqa: ANN001
                steps: int, t_start: float) -> None:
+    from offpolicy.train.loop import RunReplacedWarning
     from offpolicy.train.loop import train as run_train
 
+    # Re-running the demo into the same --out replaces its earlier runs: say so once, not once per preset.
+    if any(Path(cfgs[n].run.out_dir, "metrics.jsonl").is_file() for n in names):
+        console.print(f"[yellow]warning:[/yellow] replacing the earlier demo runs in {escape(str(out))}")
+    warnings.filterwarnings("ignore", category=RunReplacedWarning)  # inside the caller's catch_warnings
     if first.model.path == "tiny":
         console.print("[bold]warm start[/bold] of the embedded tiny model (cached after the first run) …")
         from offpolicy.train.loop import load_model
@@ -163,7 +208,8 @@ def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: 
     r = first.rollout
     extra = ", ".join(x.split(".", 1)[1] for x in MISMATCHES[mismatch])
     console.print(f"[bold]demo[/bold]: {len(names)} presets × {steps} steps; rollout {r.dtype}"
-                  f"{' + KV cache' if r.kv_cache else ''}{' + ' + extra if extra else ''} vs fp32 trainer → {out}")
+                  f"{' + KV cache' if r.kv_cache else ''}{' + ' + extra if extra else ''} vs fp32 trainer → "
+                  f"{escape(str(out))}")
     interrupted = False
     for name in names:
         try:
@@ -189,12 +235,21 @@ def diagnose(
     console = _console()
     from offpolicy.diagnose.report import load_runs
 
-    try:
-        runs = load_runs(list(metrics))
-    except ValueError as err:
-        _fail(console, str(err))
+    with _warnings_on(console):  # load_runs warns about half-written last lines and runs with no steps
+        try:
+            runs = load_runs(list(metrics))
+        except ValueError as err:
+            _fail(console, str(err))
+    if not runs:  # every file was empty: a table of dashes and blank plots would only hide that
+        console.print("[yellow]warning:[/yellow] no logged steps in the given metrics file(s): no summary, no plots")
+        return
     first = metrics[0] if metrics[0].is_dir() else metrics[0].parent
-    _print_summary(console, None, runs=runs, title="offpolicy diagnose", plots=out or first / "plots")
+    plots = out or first / "plots"
+    _make_dir(console, plots, "--out")
+    try:
+        _print_summary(console, None, runs=runs, title="offpolicy diagnose", plots=plots)
+    except OSError as err:
+        _fail(console, _os_error(err))
 
 
 def _print_summary(console: Console, paths: dict[str, Path] | None, *, runs=None, title: str,  # noqa: ANN001
@@ -202,14 +257,19 @@ def _print_summary(console: Console, paths: dict[str, Path] | None, *, runs=None
     from offpolicy.diagnose.report import plot_runs, read_metrics, summary_rows, summary_table
 
     if runs is None:
-        runs = {name: read_metrics(p) for name, p in (paths or {}).items() if p.is_file()}
+        try:
+            runs = {name: read_metrics(p) for name, p in (paths or {}).items() if p.is_file()}
+        except ValueError as err:  # a damaged metrics file: the run itself finished, so say why there is no table
+            console.print(f"[yellow]warning:[/yellow] no summary: {escape(str(err))}")
+            return
+        runs = {name: rows for name, rows in runs.items() if rows}
     if not runs:
         return
     rows = summary_rows(runs)
     console.print(summary_table(rows, title=title))
     if plots is not None:
         written = plot_runs(runs, plots)
-        console.print(f"plots: {plots}/ ({', '.join(p.name for p in written)})")
+        console.print(f"plots: {escape(str(plots))}/ ({', '.join(p.name for p in written)})")
 
 
 def main() -> None:

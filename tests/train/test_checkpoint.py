@@ -89,3 +89,38 @@ def test_load_errors_name_the_path(tmp_path):
     save_file({"a": torch.zeros(1)}, str(tmp_path / "foreign.safetensors"))
     with pytest.raises(ValueError, match="not an offpolicy checkpoint"):
         load_checkpoint(tmp_path / "foreign.safetensors", model=nn.Linear(2, 2))
+
+
+def test_corrupt_or_truncated_checkpoint_is_a_value_error_naming_the_file(tmp_path):
+    # Expected: ValueError naming the file; safetensors' own SafetensorError ("incomplete metadata, file not fully
+    # covered") named none and reached the CLI user as a traceback.
+    from offpolicy.train.checkpoint import read_checkpoint_info
+
+    m = nn.Linear(2, 2)
+    path = save_checkpoint(tmp_path, step=1, model=m, metadata={"preset": "mis", "seed": 0})
+    assert read_checkpoint_info(path)["user"] == {"preset": "mis", "seed": 0}
+    data = path.read_bytes()
+    for damaged in (data[: len(data) // 2], data[:5], b"\x00" * 64, data[:-8]):
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"step_00000001\.safetensors.*cannot be read"):
+            load_checkpoint(path, model=nn.Linear(2, 2))
+
+
+def test_checkpoint_of_another_model_shape_is_a_value_error(tmp_path):
+    # Expected: a clear ValueError naming the file (torch's RuntimeError listed every key over many lines).
+    path = save_checkpoint(tmp_path, step=1, model=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"step_00000001\.safetensors.*does not fit this model"):
+        load_checkpoint(path, model=nn.Linear(3, 2))
+
+
+def test_checkpoint_and_temp_file_listing(tmp_path):
+    from offpolicy.train.checkpoint import checkpoint_files, temp_files
+
+    m = nn.Linear(2, 2)
+    for step in (10, 2):
+        save_checkpoint(tmp_path, step=step, model=m)
+    (tmp_path / ".tmp_abc123.safetensors").write_bytes(b"half")  # what a kill during a save leaves
+    (tmp_path / "notes.txt").write_text("x")
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["step_00000002.safetensors", "step_00000010.safetensors"]
+    assert [p.name for p in temp_files(tmp_path)] == [".tmp_abc123.safetensors"]
+    assert checkpoint_files(tmp_path / "none") == [] and temp_files(tmp_path / "none") == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,3 +115,80 @@ def test_example_configs_validate(name, tmp_path):
     else:
         cfg = load_config(path)
     assert cfg.run.steps > 0
+
+
+# -- overrides of string fields, YAML errors, run.device, non-finite floats, trm's two tests ---------------------
+
+
+@pytest.mark.parametrize("text", ["exp #1", "2024", "no", "1e3", "a: b", "[x]", "runs/[exp1]"])
+def test_string_field_overrides_keep_the_raw_text(text):
+    # Expected: a str field takes the override text verbatim. YAML used to cut "exp #1" to "exp" (a comment) and to
+    # turn 2024 / no / 1e3 / "a: b" into an int, a bool, a float, a mapping that run.out_dir then rejected.
+    cfg = load_config(None, [f"run.out_dir={text}", f"task.name={text}"])
+    assert cfg.run.out_dir == text and cfg.task.name == text
+
+
+def test_optional_string_fields_keep_text_and_accept_null():
+    # Expected: Optional[str] keeps the raw text too, and YAML's null still resets it to None.
+    cfg = load_config(None, ["model.cache_dir=2024", "task.reward_fn=pkg.mod:fn #2"])
+    assert cfg.model.cache_dir == "2024" and cfg.task.reward_fn == "pkg.mod:fn #2"
+    assert load_config(None, ["model.cache_dir=null"]).model.cache_dir is None
+    # non-string fields are still YAML: ints, floats, bools, lists, mappings
+    cfg = load_config(None, ["run.seed=2024", "optim.lr=1e-3", "run.tensorboard=no", "alp.layers=[0, 1]"])
+    assert (cfg.run.seed, cfg.optim.lr, cfg.run.tensorboard, cfg.alp.layers) == (2024, 1e-3, False, [0, 1])
+
+
+def test_yaml_syntax_errors_are_value_errors_naming_the_file_or_the_override(tmp_path):
+    # Expected: a ValueError (the CLI's clean exit 2) naming the file / the override; yaml.YAMLError used to escape.
+    path = tmp_path / "broken.yaml"
+    path.write_text("run: [1,\n")
+    with pytest.raises(ValueError, match=r"config file .*broken\.yaml.* not valid YAML"):
+        load_config(path)
+    with pytest.raises(ValueError, match=r"override run\.steps='\[1' is not valid YAML"):
+        load_config(None, ["run.steps=[1"])
+    with pytest.raises(ValueError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_run_device_is_checked_when_the_config_is_built(monkeypatch):
+    # Expected: run.device is named at load time; torch used to raise RuntimeError / AssertionError after the model
+    # had loaded ("Expected one of cpu, cuda, …", "Torch not compiled with CUDA enabled").
+    import torch
+
+    assert load_config(None, ["run.device=cpu"]).run.device == "cpu"
+    for bad in ("banana", "meta"):
+        with pytest.raises(ValueError, match=rf"run\.device: '{bad}'"):
+            load_config(None, [f"run.device={bad}"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"run\.device: 'cuda'.*CUDA is not available"):
+        load_config(None, ["run.device=cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"run\.device: 'cuda:3'.*1 CUDA device"):
+        load_config(None, ["run.device=cuda:3"])
+
+
+@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=.inf", "optim.lr=nan", "optim.weight_decay=inf",
+                                      "rollout.sampling.temperature=inf", "algorithm.trm_max_kl=.inf",
+                                      "algorithm.clip_high=inf", "rollout.logit_noise=inf"])
+def test_non_finite_floats_are_rejected_naming_the_key(override):
+    # Expected: every float field must be finite; optim.lr=inf passed `gt=0` and then blew up the model.
+    key = re.escape(override.split("=")[0])
+    with pytest.raises(ValueError, match=rf"{key}: .*finite"):
+        load_config(None, [override])
+
+
+def test_trm_defaults_are_explicit_and_null_turns_a_test_off():
+    # Expected: the config holds the paper's two thresholds (the preset's behaviour is unchanged: both tests on);
+    # null now means "this test off" (it used to fall back to trm()'s own avg_kl=0.001); both off is an error.
+    a = load_config(None, ["algorithm.preset=trm"]).algorithm
+    assert (a.trm_max_kl, a.trm_avg_kl) == (0.05, 0.001)
+    assert PRESETS["trm"].correction(a).config == {"max_kl": 0.05, "avg_kl": 0.001, "source": "total"}
+    off = load_config(None, ["algorithm.preset=trm", "algorithm.trm_avg_kl=null"]).algorithm
+    assert PRESETS["trm"].correction(off).config["avg_kl"] is None
+    off = load_config(None, ["algorithm.preset=trm", "algorithm.trm_max_kl=null"]).algorithm
+    assert PRESETS["trm"].correction(off).config == {"max_kl": None, "avg_kl": 0.001, "source": "total"}
+    with pytest.raises(ValueError, match=r"algorithm\.trm_max_kl and algorithm\.trm_avg_kl are both null"):
+        load_config(None, ["algorithm.preset=trm", "algorithm.trm_max_kl=null", "algorithm.trm_avg_kl=null"])
+    # the description names both tests
+    assert "0.05" in PRESETS["trm"].description and "0.001" in PRESETS["trm"].description

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -47,8 +49,11 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
 def test_a_fresh_run_into_an_existing_out_dir_starts_a_new_log(tmp_path, fresh, make_overrides, varying_task):
     # without --resume, a second run in the same folder replaces metrics.jsonl (it used to append: 4 rows, and the
     # demo's summary then read the first run's first row and the second run's last)
+    from offpolicy.train.loop import RunReplacedWarning
+
     model, tok = fresh
-    for _ in range(2):
+    train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok, task=varying_task())
+    with pytest.warns(RunReplacedWarning):  # the second run replaces the first (see the test below)
         train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok, task=varying_task())
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
@@ -169,3 +174,112 @@ def test_real_sigint_finishes_the_step_and_checkpoints(tmp_path, fresh, make_ove
                 task=varying_task(), on_step_end=ctrl_c)
     assert res.interrupted and res.steps_done == 1 and res.checkpoint.name == "step_00000001.safetensors"
     assert signal.getsignal(signal.SIGINT) is handler_before  # handler restored
+
+
+# -- reusing an out_dir, resume checks, damaged files ----------------------------------------------------------------
+
+
+def _runner(tmp_path, tiny_pair, make_overrides, varying_task):
+    """run(preset, steps, resume=False, **overrides): a short run into tmp_path from the same initial weights."""
+    model0, tok = tiny_pair
+
+    def run(preset="naive", steps=2, resume=False, **extra):
+        cfg = load_config(None, make_overrides(tmp_path, preset, steps=steps, **extra))
+        return train(cfg, model=copy.deepcopy(model0), tokenizer=tok, task=varying_task(), resume=resume)
+
+    return run
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_fresh_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tiny_pair, make_overrides, varying_task):
+    # Expected: a fresh run into a folder holding an earlier run removes that run's checkpoints (and killed-save
+    # leftovers, and TensorBoard event files) with one warning naming the folder. It used to truncate only
+    # metrics.jsonl, so a later --resume continued the *earlier* run's step-4 checkpoint (metrics steps [1, 2, 3, 5]).
+    from offpolicy.train.loop import RunReplacedWarning
+
+    run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunReplacedWarning)  # a new folder: nothing to replace, no warning
+        run("mis", 4, run__checkpoint_every=1)
+    ckpt, tb = tmp_path / "checkpoints", tmp_path / "tensorboard"
+    (ckpt / ".tmp_k1ll3d.safetensors").write_bytes(b"half a save")
+    tb.mkdir()
+    (tb / "events.out.tfevents.123.host.1.0").write_bytes(b"old run")
+    with pytest.warns(RunReplacedWarning, match=re.escape(repr(str(tmp_path)))):
+        run("tis", 2, run__checkpoint_every=1)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000001.safetensors", "step_00000002.safetensors"]
+    assert not any(tb.iterdir())
+    # --resume now continues this run: one more step after its step 2, and the log holds steps 1..3 once
+    res = run("tis", 3, resume=True)
+    assert res.steps_done == 3 and len(res.history) == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"preset": "tis"}, "algorithm.preset='mis' (now 'tis')"),
+    ({"run__seed": 7}, "run.seed=0 (now 7)"),
+])
+def test_resume_refuses_a_checkpoint_of_another_run(extra, named, tmp_path, tiny_pair, make_overrides,
+                                                    varying_task):
+    # Expected: --resume checks the preset and seed stored in the checkpoint against the config and refuses,
+    # naming the keys, before any file is written (it used to continue a mis/seed-0 run as icepop/seed-123 silently).
+    run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
+    run("mis", 2)
+    before = _files(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        run(**{"preset": "mis", "steps": 4, "resume": True, **extra})
+    assert _files(tmp_path) == before
+
+
+def test_resume_when_the_checkpoint_is_at_or_past_run_steps(tmp_path, tiny_pair, make_overrides, varying_task):
+    # Expected: past run.steps → an error naming run.steps; at run.steps → a warning that there is nothing to do.
+    # Both used to do nothing silently (progress "4/2") and overwrite config.yaml with the smaller run.steps.
+    run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
+    run("naive", 3)
+    before = _files(tmp_path)
+    with pytest.raises(ValueError, match=r"step 3, past run\.steps=2"):
+        run("naive", 2, resume=True)
+    with pytest.warns(UserWarning, match=r"already at run\.steps=3; nothing to do"):
+        res = run("naive", 3, resume=True)
+    assert res.steps_done == 3 and res.history == [] and res.checkpoint.name == "step_00000003.safetensors"
+    assert _files(tmp_path) == before
+
+
+def test_resume_after_a_kill_mid_write(tmp_path, tiny_pair, make_overrides, varying_task):
+    # Expected: a half-written last metrics line and a half-written checkpoint temp file (what SIGKILL leaves) do not
+    # block --resume: the line is dropped with a warning naming metrics.jsonl, the temp file is removed. The line
+    # used to stop the run with a bare JSON error naming no file.
+    run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
+    run("naive", 2)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rollout_correction/kl": 0.00')
+    (tmp_path / "checkpoints" / ".tmp_k1ll3d.safetensors").write_bytes(b"half a save")
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl.*last line"):
+        res = run("naive", 3, resume=True)
+    assert res.steps_done == 3
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert not list((tmp_path / "checkpoints").glob(".tmp_*"))
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path, tiny_pair, make_overrides, varying_task):
+    # Expected: ValueError naming the checkpoint, before any file is changed (was a SafetensorError traceback).
+    run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
+    run("naive", 2)
+    ckpt = tmp_path / "checkpoints" / "step_00000002.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    before = _files(tmp_path)
+    with pytest.raises(ValueError, match=r"step_00000002\.safetensors.*cannot be read"):
+        run("naive", 4, resume=True)
+    assert _files(tmp_path) == before
+
+
+def test_an_out_dir_that_cannot_be_created_is_named(tmp_path, fresh, make_overrides, varying_task):
+    # Expected: ValueError naming run.out_dir (NotADirectoryError used to surface as a traceback).
+    model, tok = fresh
+    (tmp_path / "a_file").write_text("x")
+    cfg = load_config(None, make_overrides(tmp_path / "a_file" / "run"))
+    with pytest.raises(ValueError, match=r"run\.out_dir .*a_file/run.* cannot be created"):
+        train(cfg, model=model, tokenizer=tok, task=varying_task())

@@ -12,6 +12,8 @@ Used by ``offpolicy demo`` (several presets side by side) and ``offpolicy diagno
 from __future__ import annotations
 
 import math
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +28,52 @@ PLOTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def run_labels(files: list[Path]) -> list[str]:
+    """A distinct label per metrics file: its run folder (or the file stem), with as many parent folders as it
+    takes to tell runs of the same name apart. Keyed by the folder name alone, ``a/run`` and ``b/run`` used to
+    collapse into one row holding only the last file.
+
+    >>> run_labels([Path("/x/a/run/metrics.jsonl"), Path("/x/b/run/metrics.jsonl"), Path("/x/naive/metrics.jsonl")])
+    ['a/run', 'b/run', 'naive']
+    """
+    tails = []
+    for f in files:
+        run = f.parent if f.name == "metrics.jsonl" else f.with_suffix("")
+        tails.append([part for part in run.resolve().parts if part != run.resolve().anchor] or [str(f)])
+    depth = [1] * len(files)
+    while True:
+        labels = ["/".join(t[-d:]) for t, d in zip(tails, depth)]
+        counts = Counter(labels)
+        clash = [i for i, label in enumerate(labels) if counts[label] > 1 and depth[i] < len(tails[i])]
+        if not clash:
+            break
+        for i in clash:
+            depth[i] += 1
+    seen: Counter[str] = Counter()  # the same file given twice: number the repeats rather than drop one
+    out = []
+    for label in labels:
+        seen[label] += 1
+        out.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return out
+
+
 def load_runs(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """``{run name: rows}``; the name is the parent folder of a ``metrics.jsonl`` (or the file stem)."""
-    runs: dict[str, list[dict[str, Any]]] = {}
+    """``{run label: rows}`` (labels from :func:`run_labels`). A file with no logged step is left out with a
+    warning naming it; a missing or damaged file is a ``ValueError`` naming it."""
+    files = []
     for p in map(Path, paths):
         if p.is_dir():
             p = p / "metrics.jsonl"
         if not p.is_file():
             raise ValueError(f"metrics path {str(p)!r} does not exist")
-        name = p.parent.name if p.name == "metrics.jsonl" else p.stem
-        runs[name] = read_metrics(p)
+        files.append(p)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for label, p in zip(run_labels(files), files):
+        rows = read_metrics(p)
+        if not rows:
+            warnings.warn(f"metrics file {str(p)!r} has no logged steps; leaving it out", stacklevel=2)
+            continue
+        runs[label] = rows
     return runs
 
 
@@ -71,6 +109,7 @@ def summary_rows(runs: dict[str, list[dict[str, Any]]], window: int = 5) -> list
 
 def summary_table(rows: list[dict[str, Any]], title: str = "offpolicy summary"):  # -> rich.table.Table
     """A rich table of :func:`summary_rows`."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
@@ -83,7 +122,7 @@ def summary_table(rows: list[dict[str, Any]], title: str = "offpolicy summary"):
 
     for r in rows:
         table.add_row(
-            str(r["run"]), str(r["steps"]), f"{f(r['reward_first'], '{:.3f}')}→{f(r['reward_last'], '{:.3f}')}",
+            escape(str(r["run"])), str(r["steps"]), f"{f(r['reward_first'], '{:.3f}')}→{f(r['reward_last'], '{:.3f}')}",
             f(r["kl_mean"], "{:.2e}"), f(r["k3_kl_mean"], "{:.2e}"), f(r["ppl_gap_mean"], "{:.2e}"),
             f(r["masked_frac_mean"], "{:.3f}"), f(r["sigma_last"], "{:.1e}"), f(r["step_s"], "{:.2f}"),
         )

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 _NAME = re.compile(r"^step_(\d+)\.safetensors$")
+_TMP = re.compile(r"^\.tmp_.*\.safetensors$")  # what a save killed between mkstemp and os.replace leaves behind
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
@@ -38,11 +39,23 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The highest-step ``step_*.safetensors`` in ``directory`` (None if there is none)."""
+    found = checkpoint_files(directory)
+    return found[-1] if found else None
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """Every complete ``step_*.safetensors`` in ``directory``, lowest step first (empty if there is none)."""
     d = Path(directory)
     if not d.is_dir():
-        return None
+        return []
     found = [(int(m.group(1)), d / f) for f in os.listdir(d) if (m := _NAME.match(f))]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found)]
+
+
+def temp_files(directory: str | Path) -> list[Path]:
+    """Leftover ``.tmp_*.safetensors`` of saves that were killed mid-write (never a usable checkpoint)."""
+    d = Path(directory)
+    return [d / f for f in sorted(os.listdir(d)) if _TMP.match(f)] if d.is_dir() else []
 
 
 def _unique_tensors(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -173,6 +186,37 @@ def save_checkpoint(
     return target
 
 
+def _unreadable(p: Path, err: BaseException) -> ValueError:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return ValueError(f"checkpoint {str(p)!r} cannot be read (corrupt or truncated?): {first}")
+
+
+def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
+    """The JSON header of a checkpoint (``step``, ``user`` metadata, …) without loading any tensor.
+
+    Raises ``ValueError`` naming ``path`` when the file is missing, unreadable (a truncated or corrupt file raises
+    safetensors' own ``SafetensorError``, which names no file) or not an offpolicy checkpoint.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"checkpoint path {str(p)!r} does not exist")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            header = (f.metadata() or {}).get("offpolicy")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise _unreadable(p, err) from None
+    if header is None:
+        raise ValueError(f"checkpoint path {str(p)!r} is not an offpolicy checkpoint (no metadata)")
+    try:
+        meta = json.loads(header)
+        int(meta["step"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise _unreadable(p, err) from None
+    return meta
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -184,28 +228,32 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into the given objects; returns ``{"step", "metadata", "extra"}``.
 
-    Raises ``ValueError`` naming ``path`` when the file is missing or not an offpolicy checkpoint.
+    Raises ``ValueError`` naming ``path`` when the file is missing, corrupt or truncated, not an offpolicy
+    checkpoint, or written for a model of another shape.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"checkpoint path {str(p)!r} does not exist")
-    with safe_open(str(p), framework="pt") as f:
-        header = (f.metadata() or {}).get("offpolicy")
-    if header is None:
-        raise ValueError(f"checkpoint path {str(p)!r} is not an offpolicy checkpoint (no metadata)")
-    meta = json.loads(header)
-    tensors = load_file(str(p))
+    meta = read_checkpoint_info(p)
+    try:
+        tensors = load_file(str(p))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:  # header fine, body truncated
+        raise _unreadable(p, err) from None
     device = next(iter(model.parameters())).device
 
     def sub(prefix: str) -> dict[str, Tensor]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
-    model.load_state_dict({k: v.to(device) for k, v in sub("model.").items()})
-    for name, module in (extra_modules or {}).items():
-        module.load_state_dict({k: v.to(device) for k, v in sub(f"module.{name}.").items()})
+    try:
+        model.load_state_dict({k: v.to(device) for k, v in sub("model.").items()})
+        for name, module in (extra_modules or {}).items():
+            module.load_state_dict({k: v.to(device) for k, v in sub(f"module.{name}.").items()})
+    except RuntimeError as err:  # torch lists every missing / mismatched key: keep the start of it
+        gist = " ".join(str(err).split())
+        gist = gist if len(gist) <= 200 else gist[:200] + " …"
+        raise ValueError(f"checkpoint {str(p)!r} does not fit this model (another model.path or model.tiny_config?): "
+                         f"{gist}") from None
     if optimizer is not None:
         if "optimizer" not in meta:
             raise ValueError(f"checkpoint path {str(p)!r} has no optimizer state")

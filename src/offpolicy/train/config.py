@@ -16,15 +16,17 @@ ValueError: unknown config key 'algorithm.bogus' (valid keys in 'algorithm': ...
 from __future__ import annotations
 
 import math
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field must be finite (optim.lr=inf used to pass `gt=0`, then blew the model up)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -88,8 +90,9 @@ class AlgorithmConfig(_Section):
     is_lower: float | None = Field(None, ge=0)
     is_upper: float | None = Field(None, gt=0)
     opsm_delta: float = Field(1e-4, ge=0)
+    # trm's two tests (the paper's thresholds); null turns that test off (at least one must stay on)
     trm_max_kl: float | None = Field(0.05, gt=0)
-    trm_avg_kl: float | None = Field(None, gt=0)
+    trm_avg_kl: float | None = Field(0.001, gt=0)
     dvp_rho: float = Field(math.exp(-13), gt=0, lt=1)
     veto_threshold: float | None = Field(None, gt=0, lt=1)
 
@@ -131,6 +134,28 @@ class RunConfig(_Section):
     progress: bool = True
     threads: int | None = Field(None, ge=1)
 
+    @field_validator("device")
+    @classmethod
+    def _usable_device(cls, v: str) -> str:
+        # Checked here, not when the model moves: torch raises a RuntimeError / AssertionError deep in .to() after
+        # the model has loaded, and the message does not say which setting was wrong.
+        import torch
+
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"{v!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1', 'mps')") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"{v!r}: CUDA is not available on this machine (use run.device=cpu)")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"{v!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        elif dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"{v!r}: MPS is not available on this machine (use run.device=cpu)")
+        elif dev.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"{v!r}: offpolicy runs on 'cpu', 'cuda' or 'mps'")
+        return v
+
 
 class TrainConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -166,6 +191,9 @@ class TrainConfig(_Section):
             raise ValueError("algorithm.level / algorithm.dual_clip do not apply to algorithm.objective='reinforce'")
         if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
             raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
+        if a.preset == "trm" and a.trm_max_kl is None and a.trm_avg_kl is None:
+            raise ValueError("algorithm.trm_max_kl and algorithm.trm_avg_kl are both null: preset 'trm' needs at "
+                             "least one of its two tests")
         path = self.model.path
         if path not in ("tiny", "tiny-random") and not Path(path).expanduser().is_dir():
             raise ValueError(f"model.path {path!r} is not a local directory (and not 'tiny' / 'tiny-random'); "
@@ -176,8 +204,30 @@ class TrainConfig(_Section):
 # -- loading ---------------------------------------------------------------------------------------------------
 
 
+def _is_text_field(annotation: Any) -> bool:
+    """True for ``str``, ``Path`` and their ``Optional`` forms: fields whose override value is taken verbatim."""
+    if annotation in (str, Path):
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return len(args) == 1 and args[0] in (str, Path)
+    return False
+
+
+def _parse_text(text: str, optional: bool) -> str | None:
+    """A string field's override value: the raw text. YAML would cut ``exp #1`` at the comment and turn ``2024`` /
+    ``no`` into an int / a bool that the field then rejects. An optional field's YAML null (``null``, ``~``, empty)
+    still resets it to None."""
+    if optional and text.strip() in ("", "~", "null", "Null", "NULL"):
+        return None
+    return text
+
+
 def _parse_value(text: str) -> Any:
-    """``key=value`` values are YAML scalars/lists: ``3`` → int, ``1e-4`` → float, ``true`` → bool, ``[0,1]`` → list."""
+    """``key=value`` values are YAML scalars/lists: ``3`` → int, ``1e-4`` → float, ``true`` → bool, ``[0,1]`` → list.
+
+    Raises ``yaml.YAMLError`` for text YAML cannot parse (the caller names the override).
+    """
     value = yaml.safe_load(text)
     if isinstance(value, str):
         # YAML reads "1e-4" as a string (no dot); accept it as a float.
@@ -192,7 +242,8 @@ def _section_keys(section: type[BaseModel]) -> list[str]:
     return sorted(section.model_fields)
 
 
-def _set_override(tree: dict, key: str, value: Any) -> None:
+def _set_override(tree: dict, key: str, text: str) -> None:
+    """Set ``key`` (dotted) in ``tree`` to the value ``text`` stands for: verbatim for string fields, YAML else."""
     parts = key.split(".")
     cls: type[BaseModel] = TrainConfig
     node = tree
@@ -206,7 +257,13 @@ def _set_override(tree: dict, key: str, value: Any) -> None:
         if depth == len(parts) - 1:
             if is_section:
                 raise ValueError(f"config key {key!r} is a section; set one of its keys, e.g. {key}.{_section_keys(ann)[0]}=…")
-            node[part] = value
+            if _is_text_field(ann):
+                node[part] = _parse_text(text, optional=ann not in (str, Path))
+                return
+            try:
+                node[part] = _parse_value(text)
+            except yaml.YAMLError as err:
+                raise ValueError(f"override {key}={text!r} is not valid YAML: {_yaml_problem(err)}") from None
             return
         if not is_section:
             raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: depth + 1])!r} is not a section")
@@ -214,6 +271,13 @@ def _set_override(tree: dict, key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} must be a mapping")
         cls = ann
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The one-line gist of a YAML error (its ``problem`` and position, without the multi-line excerpt)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def _explain(err: ValidationError) -> str:
@@ -231,14 +295,24 @@ def _explain(err: ValidationError) -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config (or the defaults), apply ``key.sub=value`` overrides, validate everything.
 
+    An override's value is YAML (``3``, ``1e-4``, ``true``, ``[0, 1]``, ``null``) except for string fields
+    (``run.out_dir``, ``task.name``, ``model.path`` …), which take the text as written (``run.out_dir=exp #1``).
+
     Raises ``ValueError`` naming the offending key for unknown keys, bad values and impossible combinations.
     """
     tree: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:  # not a ValueError: without this the CLI showed a parser traceback
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"config file {str(p)!r} cannot be read: {err}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must contain a mapping, got {type(loaded).__name__}")
         tree = loaded
@@ -246,7 +320,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.sub=value")
         key, text = item.split("=", 1)
-        _set_override(tree, key.strip(), _parse_value(text))
+        _set_override(tree, key.strip(), text)
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as err:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,19 @@ class MetricLogger:
         return floats
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines with ``step`` > the given one (a resumed run rewrites the steps after its checkpoint)."""
+        """Drop lines with ``step`` > the given one (a resumed run rewrites the steps after its checkpoint).
+
+        A half-written last line (a killed run) is dropped with a warning, see :func:`read_metrics`.
+        """
         self._file.close()
-        lines = [ln for ln in self.path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+        kept = [ln for ln, row in _parse_lines(self.path) if row.get("step", 0) <= step]
         self.path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def reset(self) -> None:
+        """Start an empty log (a fresh run replaces an earlier run's file; its content is not even parsed)."""
+        self._file.close()
+        self.path.write_text("", encoding="utf-8")
         self._file = self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
@@ -85,6 +94,37 @@ class MetricLogger:
             self._tb.close()
 
 
+def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` for each non-blank line of a metrics file.
+
+    A killed run can leave its last line half-written: that one line is skipped with a warning naming the file. An
+    unparsable line anywhere else means the file is damaged: ``ValueError`` naming the file and the line number.
+    """
+    try:  # errors="replace": a cut multi-byte character must not raise a UnicodeDecodeError that names no file
+        lines = [(i, ln) for i, ln in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+                 if ln.strip()]
+    except OSError as err:
+        raise ValueError(f"metrics file {str(path)!r} cannot be read: {err.strerror or err}") from None
+    out = []
+    for k, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            problem = None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
+        except json.JSONDecodeError as err:
+            problem = str(err)
+        if problem is None:
+            out.append((line, record))
+        elif k == len(lines) - 1:
+            warnings.warn(f"metrics file {str(path)!r}: ignoring its last line {number}, which is incomplete "
+                          "(left by a killed run?)", stacklevel=3)
+        else:
+            raise ValueError(f"metrics file {str(path)!r}, line {number}: not a JSON record ({problem})")
+    return out
+
+
 def read_metrics(path: str | Path) -> list[dict[str, float | None]]:
-    """Read a ``metrics.jsonl`` back (one dict per step)."""
-    return [json.loads(ln) for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    """Read a ``metrics.jsonl`` back (one dict per step); a half-written last line is skipped with a warning.
+
+    Raises ``ValueError`` naming the file (and the line) when it cannot be read or a line before the last is damaged.
+    """
+    return [row for _, row in _parse_lines(Path(path))]

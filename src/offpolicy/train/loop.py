@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -40,13 +42,24 @@ from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss
 from offpolicy.ratios import masked_mean
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import sequence_logprobs
-from offpolicy.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from offpolicy.train.checkpoint import (
+    checkpoint_files,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_info,
+    save_checkpoint,
+    temp_files,
+)
 from offpolicy.train.config import TrainConfig, config_to_yaml
 from offpolicy.train.data import Prompt, compute_rewards, load_task, step_prompts
 from offpolicy.train.logging import MetricLogger
 from offpolicy.train.presets import PRESETS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RunReplacedWarning(UserWarning):
+    """A fresh run replaced an earlier run's files in its ``run.out_dir`` (the demo silences it: that is its job)."""
 
 
 @dataclass
@@ -212,7 +225,9 @@ def train(
     preset = PRESETS[a.preset]
     out_dir = Path(run.out_dir)
     ckpt_dir = out_dir / "checkpoints"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # both checked before the model loads: a bad out_dir or a checkpoint of another run fails at once
+    resume_from = _resume_checkpoint(cfg, resume, ckpt_dir) if resume else None
+    _writable_dir(out_dir)
     threads_before = torch.get_num_threads()
     if run.threads is not None:
         torch.set_num_threads(run.threads)
@@ -254,17 +269,26 @@ def train(
     train_dtype = _DTYPES[cfg.model.dtype]
 
     start = 0
-    if resume:
-        path = latest_checkpoint(ckpt_dir) if resume is True else Path(resume)
-        if path is None:
-            raise ValueError(f"--resume: no checkpoint in {str(ckpt_dir)!r}")
+    if resume_from is not None:
         modules = {"alp": alp} if alp is not None else None
-        start = load_checkpoint(path, model=model, optimizer=optimizer, extra_modules=modules)["step"]
+        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, extra_modules=modules)["step"]
+        if start == run.steps:  # a finished run resumed again (e.g. a retry script): leave every file as it is
+            warnings.warn(f"--resume: checkpoint {str(resume_from)!r} is already at run.steps={run.steps}; nothing "
+                          "to do (raise run.steps to train further)", stacklevel=2)
+            torch.set_num_threads(threads_before)
+            return TrainResult(start, [], out_dir, resume_from, False, model, alp)
+        for leftover in temp_files(ckpt_dir):  # half-written saves of the interrupted run: never usable
+            leftover.unlink(missing_ok=True)
+    else:
+        # a fresh run replaces an earlier run in out_dir as a whole; otherwise a later --resume would continue the
+        # earlier run's checkpoint under this run's config and metrics
+        _clear_earlier_run(out_dir, ckpt_dir)
     (out_dir / "config.yaml").write_text(config_to_yaml(cfg))
     logger = MetricLogger(out_dir, tensorboard=run.tensorboard)
-    # keep only the steps up to the one we start from: a resumed run rewrites those after its checkpoint, a fresh
-    # run (start 0) into an existing out_dir starts a new log instead of appending to the old one
-    logger.truncate_after(start)
+    if resume_from is not None:
+        logger.truncate_after(start)  # the steps after the checkpoint are rewritten by this run
+    else:
+        logger.reset()
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer,
@@ -398,11 +422,12 @@ def train(
         if in_step:
             # A second Ctrl-C mid-update: the weights are between two steps, no exact checkpoint exists.
             if console is not None:
-                console.print(f"[red]stopped inside step {step + 1}; last checkpoint: {last_ckpt}[/red]")
+                console.print(f"[red]stopped inside step {step + 1}; last checkpoint: {_plain(last_ckpt)}[/red]")
         else:
             last_ckpt = checkpoint(step)
             if console is not None:
-                console.print(f"[yellow]interrupted after step {step}; checkpoint {last_ckpt} (resume with --resume)[/yellow]")
+                console.print(f"[yellow]interrupted after step {step}; checkpoint {_plain(last_ckpt)} "
+                              "(resume with --resume)[/yellow]")
     finally:
         logger.close()
         torch.set_num_threads(threads_before)
@@ -411,10 +436,64 @@ def train(
     return TrainResult(step, history, out_dir, last_ckpt, interrupted, model, alp)
 
 
+def _writable_dir(out_dir: Path) -> None:
+    """Create ``run.out_dir`` (an OSError there used to surface as a traceback after the model had loaded)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"run.out_dir {str(out_dir)!r} cannot be created: {err.strerror or err}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"run.out_dir {str(out_dir)!r} is not writable")
+
+
+def _resume_checkpoint(cfg: TrainConfig, resume: bool | str | Path, ckpt_dir: Path) -> Path:
+    """The checkpoint to resume from, checked against ``cfg`` before anything is built or written.
+
+    Refuses a checkpoint written by another run (its stored preset / seed differ: continuing it would mix two runs
+    in one folder) and a ``run.steps`` below the checkpoint's step (nothing could run, and the config would lie).
+    """
+    path = latest_checkpoint(ckpt_dir) if resume is True else Path(resume)
+    if path is None:
+        raise ValueError(f"--resume: no checkpoint in {str(ckpt_dir)!r}")
+    info = read_checkpoint_info(path)  # names the file when it is corrupt or truncated
+    stored = info.get("user", {})
+    ours = {"algorithm.preset": cfg.algorithm.preset, "run.seed": cfg.run.seed}
+    theirs = {"algorithm.preset": stored.get("preset"), "run.seed": stored.get("seed")}
+    differ = [f"{k}={theirs[k]!r} (now {ours[k]!r})" for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+    if differ:
+        raise ValueError(f"--resume: checkpoint {str(path)!r} was written with {', '.join(differ)}; resume with the "
+                         "same settings, or start a fresh run without --resume")
+    if info["step"] > cfg.run.steps:
+        raise ValueError(f"--resume: checkpoint {str(path)!r} is at step {info['step']}, past run.steps="
+                         f"{cfg.run.steps}; set run.steps above {info['step']} to train further")
+    return path
+
+
+def _clear_earlier_run(out_dir: Path, ckpt_dir: Path) -> None:
+    """Remove what an earlier run left in ``out_dir`` (its checkpoints, killed-save leftovers, TensorBoard events;
+    its metrics.jsonl is emptied by the logger), with one warning naming the folder when there was anything."""
+    metrics = out_dir / "metrics.jsonl"
+    events = sorted((out_dir / "tensorboard").glob("events.out.tfevents.*"))
+    stale = checkpoint_files(ckpt_dir) + temp_files(ckpt_dir) + events
+    if not stale and not (metrics.is_file() and metrics.stat().st_size > 0):
+        return
+    warnings.warn(f"run.out_dir {str(out_dir)!r} holds an earlier run: replacing its metrics, checkpoints and "
+                  "TensorBoard logs (use --resume to continue it instead)", RunReplacedWarning, stacklevel=3)
+    for p in stale:
+        p.unlink(missing_ok=True)
+
+
 def _sync(metrics: dict[str, Any]) -> dict[str, float]:
     from offpolicy.train.logging import to_floats
 
     return to_floats(metrics)
+
+
+def _plain(value: Any) -> str:
+    """User text (a path may hold ``[…]``) printed literally, not as rich markup."""
+    from rich.markup import escape
+
+    return escape(str(value))
 
 
 def _progress(console: Any, enabled: bool):  # -> rich Progress | None

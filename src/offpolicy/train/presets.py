@@ -9,7 +9,8 @@ mis        token-level masked IS, w = ρ·1[ρ ≤ 2]     (Liu et al. 2025; seed
 geo_mask   geometric-mean sequence mask (ms-swift/verl geo_mask; seed 002)               ppo
 icepop     two-sided token mask [0.5, 5]             (Ring-1T, arXiv 2510.18855)          ppo
 opsm       off-policy sequence mask, δ = opsm_delta  (DeepSeek-V3.2; seed 004)            ppo
-trm        trust-region mask, max_t KL ≤ 0.05        (seed 003); exact KL(μ‖π_old) from   ppo
+trm        trust-region mask (seed 003): drop sequences with max_t KL > 0.05 or           ppo
+           mean_t KL > 0.001 (trm_max_kl / trm_avg_kl; null turns that test off); exact KL(μ‖π_old) from
            logits, once per step (= the paper's KL(μ‖π_θ) on the first minibatch; without logits the
            k-estimators on the current π_θ/μ)
 dvp        min-p constrained log-probs for π_θ, π_old, μ, ρ = e^-13 (seed 000)            ppo
@@ -74,7 +75,9 @@ def _opsm(a: "AlgorithmConfig") -> "Correction":
 def _trm(a: "AlgorithmConfig") -> "Correction":
     from offpolicy.corrections.trust_region import trm
 
-    return trm(**_kw(max_kl=a.trm_max_kl, avg_kl=a.trm_avg_kl))
+    # Passed as they are, not through _kw: None means "this test off" (the config holds the paper's defaults,
+    # 0.05 and 0.001); dropping None let trm()'s own avg_kl=0.001 apply to a config that said null.
+    return trm(max_kl=a.trm_max_kl, avg_kl=a.trm_avg_kl)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ PRESETS: dict[str, Preset] = {
         Preset("geo_mask", "sequence mask on the geometric-mean ratio π_old/μ", build=_geo_mask),
         Preset("icepop", "token mask outside the band [0.5, 5] (IcePop)", build=_icepop),
         Preset("opsm", "off-policy sequence mask: drop A<0 sequences with mean log(μ/π) > δ", build=_opsm),
-        Preset("trm", "trust-region mask: drop sequences with max token KL(μ‖π) > 0.05", build=_trm, divergence=True),
+        Preset("trm", "trust-region mask: drop sequences with max token KL(μ‖π) > 0.05 or mean token KL > 0.001",
+               build=_trm, divergence=True),
         Preset("dvp", "dynamic vocabulary pruning: min-p (ρ=e^-13) constrained log-probs", minp=True),
         Preset("dvp_mis", "DVP + token masked importance sampling", build=_mis, minp=True),
         Preset("alp", "adaptive layerwise perturbation, unified ratio π_{θ,σ}/μ", objective="bypass", alp=True,
