@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from offpolicy.rollout.base import RolloutEngine
-from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output
+from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output, check_vllm_filter_order
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_GPU = torch.cuda.is_available()
@@ -67,3 +68,11 @@ def test_vllm_engine_matches_hf_scoring(tmp_path):
     with torch.no_grad():
         lp, mask = sequence_logprobs(model, out.prompt_ids, out.completion_ids, cfg)
     assert (lp - out.logp).abs()[mask].max() < 0.1
+
+
+def test_min_p_with_top_p_is_refused_because_vllm_orders_them_differently():
+    # vLLM: min-p before top-p; the trainer's scoring (HF order): after. Top-k commutes with min-p, so it is allowed.
+    with pytest.raises(ValueError, match="min_p with top_p"):
+        check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_p=0.9, min_p=0.05))
+    check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_k=20, min_p=0.05))
+    check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_p=0.9))

@@ -70,6 +70,10 @@ def test_unknown_key_in_yaml_is_named(tmp_path):
         (["algorithm.objective=gspo", "algorithm.level=sequence"], "algorithm.level"),
         (["algorithm.objective=reinforce", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
         (["algorithm.is_level=seq"], "algorithm.is_level"),
+        # DVP scores the min-p safe set alone: another truncation would make μ a different distribution
+        (["algorithm.preset=dvp", "rollout.sampling.top_k=20"], "rollout.sampling.top_k"),
+        (["algorithm.preset=dvp_mis", "rollout.sampling.top_p=0.9"], "top_p"),
+        (["algorithm.preset=dvp", "rollout.sampling.min_p=0.05"], "min_p"),
     ],
 )
 def test_impossible_combinations_fail_naming_the_key(overrides, match):

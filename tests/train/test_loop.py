@@ -126,10 +126,16 @@ def test_exact_token_kl_hand_computed():
     pi = torch.log(torch.tensor([[[0.25, 0.75]]]))
     kl = exact_token_kl(mu, pi, SamplingConfig())
     assert kl.shape == (1, 1) and kl.item() == pytest.approx(0.143841, abs=1e-5)
-    # identical logits → 0; μ-support token missing from π (top_k=1 on π's logits) → +inf
+    # identical logits → 0
     assert exact_token_kl(mu, mu, SamplingConfig()).item() == pytest.approx(0.0, abs=1e-7)
-    assert math.isinf(exact_token_kl(torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]]),
-                                     SamplingConfig(top_k=1)).item())
+    # top_k = 1 keeps different tokens of the two (logits (1, 0) vs (0, 1)): truncating each separately would give
+    # +inf and TRM would reject everything; the KL is taken between the full tempered distributions instead:
+    # μ = softmax(1, 0) = (0.731059, 0.268941), π = (0.268941, 0.731059): KL = (0.731059 − 0.268941)·1 = 0.462117
+    kl = exact_token_kl(torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]]), SamplingConfig(top_k=1))
+    assert kl.item() == pytest.approx(0.462117, abs=1e-5)
+    # temperature still applies: at τ = 2 the logits are (0.5, 0) / (0, 0.5): KL = (0.622459 − 0.377541)·0.5 = 0.122459
+    kl = exact_token_kl(torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]]), SamplingConfig(temperature=2.0))
+    assert kl.item() == pytest.approx(0.122459, abs=1e-5)
 
 
 @pytest.mark.parametrize("extra", [

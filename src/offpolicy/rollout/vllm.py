@@ -40,6 +40,18 @@ def _import_vllm():
     return vllm
 
 
+def check_vllm_filter_order(cfg: SamplingConfig) -> None:
+    """Refuse min-p together with top-p: vLLM applies min-p before top-p, the trainer's scoring
+    (:func:`offpolicy.rollout.sampling.process_logits`, HF's order) after it, and the two kept sets then differ (on 68 %
+    of rows in a check with DVP's ρ), so μ and π_old would be two different distributions. Top-k commutes with min-p.
+
+    >>> check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_k=20, min_p=0.05))  # fine
+    """
+    if cfg.min_p and cfg.top_p is not None and cfg.top_p < 1.0:
+        raise ValueError("min_p with top_p: vLLM applies min-p before top-p and the trainer's scoring after it, so "
+                         "the sampled and the scored distributions differ; use one of the two")
+
+
 class VLLMRolloutEngine:
     """Rollout engine on ``vllm.LLM`` for a local model directory (``save_pretrained`` output).
 
@@ -92,6 +104,7 @@ class VLLMRolloutEngine:
         if not isinstance(cfg, SamplingConfig):
             raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
         check_prompt_ids(prompt_ids)
+        check_vllm_filter_order(cfg)
         sp = self._vllm.SamplingParams
         params = [
             sp(

@@ -191,6 +191,14 @@ class TrainConfig(_Section):
             raise ValueError("algorithm.level / algorithm.dual_clip do not apply to algorithm.objective='reinforce'")
         if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
             raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
+        from offpolicy.train.presets import PRESETS  # presets does not import this module at run time
+
+        r = self.rollout.sampling
+        if a.preset in PRESETS and PRESETS[a.preset].minp and (r.top_k or r.top_p < 1.0 or r.min_p > a.dvp_rho):
+            # the trainer scores DVP's min-p safe set only: any other truncation would make μ a different
+            # distribution from the one scored, and every ratio would carry the truncated mass as fake mismatch
+            raise ValueError(f"rollout.sampling.top_k / top_p / min_p > algorithm.dvp_rho do not combine with "
+                             f"preset {a.preset!r}: its policy is the min-p (ρ = dvp_rho) safe set alone")
         if a.preset == "trm" and a.trm_max_kl is None and a.trm_avg_kl is None:
             raise ValueError("algorithm.trm_max_kl and algorithm.trm_avg_kl are both null: preset 'trm' needs at "
                              "least one of its two tests")

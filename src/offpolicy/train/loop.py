@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -136,12 +136,16 @@ def advantage_fn(name: str) -> Callable[[Tensor, int], Tensor]:
 
 
 def exact_token_kl(rollout_logits: Tensor, train_logits: Tensor, sampling: SamplingConfig) -> Tensor:
-    """KL(μ‖π) per token ``[B, T]`` from two raw logit tensors ``[B, T, V]``, both processed by ``sampling``.
+    """KL(μ‖π) per token ``[B, T]`` from two raw logit tensors ``[B, T, V]``, both at ``sampling``'s temperature.
 
-    Tokens μ cannot sample contribute 0; a token μ can sample but π cannot makes the KL +inf (TRM then rejects).
+    Why temperature only, not top-k / top-p / min-p: truncating the two logit sets separately cuts them at different
+    tokens (a bf16 tie at the k-th logit, a shifted top-p crossing), and a token one keeps and the other drops makes
+    the KL +inf — TRM then rejected nearly every sequence as soon as top-k or top-p was set. The KL between the two
+    models' full tempered distributions is finite and is what the TRM paper measures from logits.
     """
-    lmu = process_logits(rollout_logits, sampling)
-    lpi = process_logits(train_logits, sampling)
+    full = replace(sampling, top_k=None, top_p=None, min_p=None)
+    lmu = process_logits(rollout_logits, full)
+    lpi = process_logits(train_logits, full)
     pmu = lmu.exp()
     terms = torch.where(pmu > 0, pmu * (lmu - lpi), torch.zeros_like(pmu))
     return terms.sum(-1).clamp(min=0.0)  # KL ≥ 0; float32 rounding can leave −1e-9
@@ -159,8 +163,6 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
     if dvp_rho is None:
         out = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=dtype, return_logits=return_logits)
         return out[0], out[1], (out[2] if return_logits else None), {}
-    from dataclasses import replace
-
     from offpolicy.corrections.vocabulary import dvp_fields
     from offpolicy.rollout.base import pad_ids
 
