@@ -150,11 +150,11 @@ def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
         lse = z.logsumexp(dim=-1, keepdim=True)
         log_p_rest = z.scatter(1, ids[a:a + rows], float("-inf")).logsumexp(dim=-1, keepdim=True) - lse
         log_p_min = z.scatter_(1, ids[a:a + rows], float("inf")).amin(dim=-1, keepdim=True) - lse
-        # the lower bound's tail is f(q) = q log(q / p_rest) at its chosen q (fused._topk_rest_mass); the exact tail
+        # the lower bound's tail is f(q) = q log(q / p_rest) at its chosen q (fused.topk_rest_mass); the exact tail
         # is at most g(q) = q log(q / π_min) at the true rest mass q, which lies in [lo, hi] (rest_mass_bounds). g is
         # convex, so its largest value there is at an end of the interval: upper = lower − f(q_chosen) + max g.
         lo, hi = rest_mass_bounds(lq[a:a + rows], vocab)
-        chosen = topk_rest_mass(lq[a:a + rows], log_p_rest, vocab, torch.float64)
+        chosen = topk_rest_mass((lo, hi), log_p_rest, torch.float64)
         has_rest = torch.isfinite(log_p_rest)  # an empty complement: no tail at all
         g_max = torch.maximum(_xlog(lo, log_p_min), _xlog(hi, log_p_min))
         gap.append(torch.where(has_rest, g_max - _xlog(chosen, log_p_rest), torch.zeros_like(lo)).squeeze(-1))

@@ -392,7 +392,7 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
         terms = source_terms(batch, source, label)
-        k = k_of(terms.clean).mul_(terms.ok)  # 0 at padding and at non-finite r (those are dropped below)
+        k = k_of(terms.clean)  # clean r is 0 at padding and at non-finite r, so k is 0 there (those are dropped below)
         if aggregate == "token":
             keep = (k <= u).logical_and_(terms.ok.bool())
             n = terms.n.clamp(min=1.0)

@@ -39,6 +39,12 @@ from offpolicy.corrections.base import Correction
 from offpolicy.losses import policy_loss
 
 
+def _loss_mask(inputs: dict[str, Any]) -> Tensor:
+    """TRL's loss mask: ``completion_mask``, without tool-output tokens (``tool_mask``) when there are any."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
 def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> LogProbBatch:
     """Map TRL's ``inputs`` dict and the current per-token log-probs [B, T] to a :class:`LogProbBatch`.
 
@@ -49,9 +55,7 @@ def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> Lo
     for key in ("completion_mask", "advantages"):
         if key not in inputs:
             raise ValueError(f"inputs is missing {key!r}: pass the dict GRPOTrainer gives _compute_loss")
-    mask = inputs["completion_mask"]
-    if "tool_mask" in inputs:  # TRL excludes tool output tokens from the loss the same way
-        mask = mask * inputs["tool_mask"]
+    mask = _loss_mask(inputs)
     old = inputs.get("old_per_token_logps")
     rollout = inputs.get("sampling_per_token_logps")
     if rollout is None:
@@ -196,7 +200,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             to one accumulation window."""
             if not self._offpolicy_dapo or "num_items_in_batch" not in inputs:
                 return loss / self._accumulation(mode)
-            mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+            mask = _loss_mask(inputs)
             processes = getattr(getattr(self, "accelerator", None), "num_processes", 1)
             normaliser = torch.as_tensor(inputs["num_items_in_batch"]).float().clamp(min=1.0) / processes
             if mode == "train":

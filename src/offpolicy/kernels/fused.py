@@ -127,11 +127,11 @@ def rest_mass_bounds(topk_logp: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     return (q_hat - tol).clamp(min=0.0), (q_hat + tol).clamp(min=0.0)
 
 
-def topk_rest_mass(topk_logp: Tensor, log_p_rest: Tensor, vocab: int, dtype: torch.dtype) -> Tensor:
-    """The rest mass [N, 1] that the coarse-grained KL lower bound uses. It is the value in :func:`rest_mass_bounds`
-    that minimises the tail term q·log(q / p_rest). That term is convex, with its least value at q = p_rest / e. So the
-    bound stays a lower bound whatever the rounding of the inputs was."""
-    lo, hi = rest_mass_bounds(topk_logp, vocab)
+def topk_rest_mass(bounds: tuple[Tensor, Tensor], log_p_rest: Tensor, dtype: torch.dtype) -> Tensor:
+    """The rest mass [N, 1] that the coarse-grained KL lower bound uses: the value in ``bounds``
+    (:func:`rest_mass_bounds`) that minimises the tail term q·log(q / p_rest). That term is convex, with its least
+    value at q = p_rest / e. So the bound stays a lower bound whatever the rounding of the inputs was."""
+    lo, hi = bounds
     target = log_p_rest.double().exp() / math.e
     return torch.minimum(torch.maximum(target, lo), hi).to(dtype)
 
@@ -217,7 +217,8 @@ def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_l
         m = torch.where(torch.isfinite(m), m, zero)  # empty complement: Σ exp(−inf) = 0 -> lse_rest = −inf
         lse_rest = m + torch.sub(zr, m, out=e).exp_().sum(dim=-1, keepdim=True).log()
         log_p_rest = lse_rest - lse
-        q_rest = topk_rest_mass(tk_logp, log_p_rest, z.shape[-1], z.dtype)  # 1 − Σ q_i within the rounding of the inputs
+        # 1 − Σ q_i, within the rounding of the given log-probs
+        q_rest = topk_rest_mass(rest_mass_bounds(tk_logp, z.shape[-1]), log_p_rest, z.dtype)
         out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
         if "kl" in want:
             head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
@@ -438,7 +439,7 @@ def _forward_online(tile_fn, col_slices, y: Tensor, cfg: _Config, roll: Tensor |
         logp_ids = z_ids - lse
         lse_rest = mc + sc.log()
         log_p_rest = lse_rest - lse
-        q_rest = topk_rest_mass(tk_logp, log_p_rest, col_slices[-1][1], dtype)  # see _forward_chunk
+        q_rest = topk_rest_mass(rest_mass_bounds(tk_logp, col_slices[-1][1]), log_p_rest, dtype)  # see _forward_chunk
         out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
         head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
         tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest), zero)
