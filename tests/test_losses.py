@@ -191,6 +191,7 @@ def reinforce_batch() -> tuple[LogProbBatch, torch.Tensor]:
         ("seq_mean_token_mean", None, 3.75),  # ((1+2)/2 + 6/1) / 2 non-empty sequences = 3.75 (row2 left out)
         ("seq_mean_token_sum_norm", None, 1.0),  # 9 / (B=3 · T=3) = 1
         ("seq_mean_token_sum_norm", 10, 0.3),  # 9 / (3 · 10) = 0.3
+        ("token_sum", None, 9.0),  # 1 + 2 + 6, no normalisation (verl's token-sum)
     ],
 )
 def test_aggregations_hand_computed(aggregation, max_tokens, expected):
@@ -468,13 +469,15 @@ def test_inputs_are_not_mutated():
 @settings(max_examples=50, deadline=None)
 @given(batches(), st.sampled_from(["ppo", "gspo", "reinforce"]))
 def test_aggregations_agree_when_every_sequence_is_full(data, objective):
-    """All rows fully valid: seq-mean of token-means = token mean = Dr.GRPO sum / (B·T)."""
+    """All rows fully valid: seq-mean of token-means = token mean = Dr.GRPO sum / (B·T) = token sum / (B·T)."""
     logp, old, _, mask, adv = data
     full = torch.ones_like(mask)
     b = LogProbBatch(logp=logp, mask=full, old_logp=old, advantages=adv)
-    losses = [policy_loss(b, objective=objective, aggregation=a)[0] for a in AGGREGATIONS]
+    names = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum")
+    losses = [policy_loss(b, objective=objective, aggregation=a)[0] for a in names]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(losses[0], losses[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[3] / logp.numel(), losses[2], rtol=1e-5, atol=1e-5)
     # and Dr.GRPO with T_max = 2T halves it
     half = policy_loss(b, objective=objective, aggregation="seq_mean_token_sum_norm", max_tokens=2 * logp.shape[1])[0]
     torch.testing.assert_close(half * 2, losses[2], rtol=1e-5, atol=1e-5)

@@ -82,7 +82,7 @@ class AlgorithmConfig(_Section):
     clip_low: float | None = Field(None, ge=0, lt=1)
     clip_high: float | None = Field(None, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum"] = "token_mean"
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     group_size: int = Field(4, ge=1)
     # correction parameters (used by the presets that need them)
