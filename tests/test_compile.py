@@ -64,7 +64,8 @@ def test_policy_loss_with_correction_chain(objective):
 
     def step(logp, old, rollout, mask, adv):
         b = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
-        loss, metrics = policy_loss(b, correction=correction, objective=objective, clip_high=0.28, aggregation="seq_mean_token_mean")
+        clip = {} if objective == "reinforce" else {"clip_high": 0.28}
+        loss, metrics = policy_loss(b, correction=correction, objective=objective, aggregation="seq_mean_token_mean", **clip)
         return loss, metrics
 
     args = (logp0, old, rollout, mask, adv)
@@ -130,9 +131,8 @@ def test_advantages():
 
 @pytest.mark.parametrize("pass_result", [False, True])
 def test_full_offpolicy_chain_of_every_correction(pass_result):
-    """The benchmark's path: tis + geometric mis + icepop + opsm + veto + trm, metrics and the loss in one graph.
-    Compiled, the chain carries its keep mask as a float factor (``keep_factor``) that the metrics and the loss read;
-    the numbers and the bool ``keep`` must not change."""
+    """The benchmark's path: tis + geometric mis + icepop + opsm + veto + trm, metrics and the loss in one graph, with
+    the same numbers and the same bool ``keep`` as eager."""
     logp0, old, rollout, mask, adv = make_inputs(5)
     correction = chain(tis(upper=2.0), mis(level="geometric", lower=0.5, upper=2.0), icepop(), opsm(delta=0.1), veto(), trm())
 
@@ -161,7 +161,7 @@ def test_length_neutral_masks():
 
 @pytest.mark.parametrize("source", ["mismatch", "total"])
 def test_length_neutral_presets_in_a_chain(source):
-    """ln_trm / ser presets (which share the batch's memoised log-ratio with the rest of the chain) in one graph."""
+    """ln_trm / ser presets chained with tis, on either source, in one graph."""
     logp, old, rollout, mask, adv = make_inputs(7)
     correction = chain(ln_trm(source=source), ser(threshold=0.2, source=source), tis(upper=2.0, source=source))
 

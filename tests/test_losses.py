@@ -11,9 +11,28 @@ from hypothesis import strategies as st
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.losses import AGGREGATIONS, OBJECTIVES, policy_loss
+from offpolicy.losses import policy_loss
+from offpolicy.registry import AGGREGATIONS, OBJECTIVES
 
 LN = math.log
+
+# What each built-in objective reads besides π_θ and A (without a correction), and its per-token loss at r = 1,
+# A = 1, log π_θ = −1: the clipped surrogate −r·A = −1; reinforce −A·log π = 1; cispo −sg[r]·A·log π = 1;
+# sapo −(4/τ_pos)·σ(0)·A = −2 (τ_pos = 1); dppo −A·sg[r]·log π·1[inside] = 1 (p = p_old is inside).
+READS = {"ppo": {"old_logp"}, "gspo": {"old_logp"}, "decoupled": {"old_logp", "rollout_logp"}, "bypass": {"rollout_logp"},
+         "reinforce": set(), "cispo": {"old_logp"}, "sapo": {"old_logp"}, "dppo_tv": {"old_logp"}, "dppo_kl": {"old_logp"}}
+AT_RATIO_ONE = {"ppo": -1.0, "gspo": -1.0, "decoupled": -1.0, "bypass": -1.0, "reinforce": 1.0, "cispo": 1.0,
+                "sapo": -2.0, "dppo_tv": 1.0, "dppo_kl": 1.0}
+
+
+def takes(objective: str, parameter: str) -> bool:
+    return parameter in OBJECTIVES[objective].parameters()
+
+
+def test_every_builtin_objective_is_described_here():
+    assert set(READS) <= set(OBJECTIVES.names())
+    for name, reads in READS.items():
+        assert set(OBJECTIVES[name].inputs_read(False)) == reads, name
 
 
 def leaf(values) -> torch.Tensor:
@@ -262,13 +281,12 @@ def test_nonfinite_valid_tokens_contribute_zero_and_are_counted():
     adv = torch.tensor([[1.0, 1.0, 1.0, 1.0, float("nan")]])
     b = LogProbBatch(logp=logp, mask=torch.ones(1, 5), old_logp=old, rollout_logp=rollout, advantages=adv)
     # what each objective reads besides π_θ and A: π_old (token 2 is inf) and/or μ (token 3 is −inf)
-    reads = {"ppo": "old", "gspo": "old", "decoupled": "both", "bypass": "rollout", "reinforce": ""}
-    for objective in OBJECTIVES:
+    for objective in READS:
         loss, m = policy_loss(b, objective=objective)
-        usable = [0] + ([2] if "old" not in reads[objective] and reads[objective] != "both" else [])
-        usable += [3] if "rollout" not in reads[objective] and reads[objective] != "both" else []
-        # each usable token: r = 1 (π_θ = π_old = μ there), A = 1 → L = −1 (reinforce: −A·logp = +1); denominator 5
-        per_token = 1.0 if objective == "reinforce" else -1.0
+        usable = [0] + ([2] if "old_logp" not in READS[objective] else [])
+        usable += [3] if "rollout_logp" not in READS[objective] else []
+        # each usable token: r = 1 (π_θ = π_old = μ there), A = 1, log π = −1 (AT_RATIO_ONE); denominator 5
+        per_token = AT_RATIO_ONE[objective]
         assert loss.item() == pytest.approx(per_token * len(usable) / 5, rel=1e-6), objective
         g = grad_of(loss, logp)
         assert torch.isfinite(g).all(), objective
@@ -338,7 +356,7 @@ def batches(draw, max_b=4, max_t=6):
 
 
 @settings(max_examples=50, deadline=None)
-@given(batches(), st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.sampled_from(AGGREGATIONS))
+@given(batches(), st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.sampled_from(AGGREGATIONS.names()))
 def test_on_policy_ppo_gradient_equals_reinforce_gradient(data, eps_low, eps_high, aggregation):
     logp_v, _, _, mask, adv = data
     logp = logp_v.clone().requires_grad_(True)
@@ -353,7 +371,7 @@ def test_on_policy_ppo_gradient_equals_reinforce_gradient(data, eps_low, eps_hig
 
 
 @settings(max_examples=50, deadline=None)
-@given(batches(), st.sampled_from(OBJECTIVES), st.sampled_from(AGGREGATIONS), st.integers(0, 2**31 - 1))
+@given(batches(), st.sampled_from(OBJECTIVES.names()), st.sampled_from(AGGREGATIONS.names()), st.integers(0, 2**31 - 1))
 def test_padding_never_contributes(data, objective, aggregation, seed):
     logp_v, old, roll, mask, adv = data
     g = torch.Generator().manual_seed(seed)
@@ -367,7 +385,8 @@ def test_padding_never_contributes(data, objective, aggregation, seed):
 
         lp = f(logp_v).clone().requires_grad_(True)
         b = LogProbBatch(logp=lp, mask=mask, old_logp=f(old), rollout_logp=f(roll), advantages=adv)
-        loss, m = policy_loss(b, objective=objective, aggregation=aggregation, dual_clip=None if objective == "reinforce" else 3.0)
+        dual_clip = 3.0 if takes(objective, "dual_clip") else None
+        loss, m = policy_loss(b, objective=objective, aggregation=aggregation, dual_clip=dual_clip)
         return loss, grad_of(loss, lp), m
 
     l0, g0, m0 = run(False)
@@ -380,7 +399,7 @@ def test_padding_never_contributes(data, objective, aggregation, seed):
 
 
 @settings(max_examples=50, deadline=None)
-@given(batches(), st.sampled_from(OBJECTIVES), st.integers(0, 2**31 - 1))
+@given(batches(), st.sampled_from(OBJECTIVES.names()), st.integers(0, 2**31 - 1))
 def test_nonfinite_at_valid_positions_never_nan(data, objective, seed):
     logp_v, old, roll, mask, adv = data
     g = torch.Generator().manual_seed(seed)
@@ -396,10 +415,8 @@ def test_nonfinite_at_valid_positions_never_nan(data, objective, seed):
     assert torch.isfinite(loss)
     assert torch.isfinite(grad_of(loss, lp)).all()
     finite = torch.isfinite(lp)
-    if objective in ("ppo", "gspo", "decoupled"):  # the ratio objectives read π_old
-        finite &= torch.isfinite(b.old_logp)
-    if objective in ("bypass", "decoupled"):  # bypass's ratio and decoupled's π_old/μ weight read μ
-        finite &= torch.isfinite(b.rollout_logp)
+    for name in READS.get(objective, OBJECTIVES[objective].inputs_read(False)):
+        finite &= torch.isfinite(getattr(b, name))
     assert m["loss/nonfinite_tokens"].item() == (~finite & mask).sum().item()
 
 

@@ -1,8 +1,10 @@
-"""policy_loss's closed-form gradient (computed in the forward pass) against autograd on a textbook reference.
+"""policy_loss against a textbook reference written independently here, value and gradient.
 
 The reference is the loss written the obvious way — torch.where for invalid tokens, min of the unclipped and clipped
-products, dual clip as min(L, c·|A|), the ±20 log-ratio clamp — and differentiated by autograd. Both must agree on
-value and gradient for every objective, level, aggregation, dual clip, correction weights and non-finite inputs.
+products, dual clip as min(L, c·|A|), the ±20 log-ratio clamp — and differentiated by autograd. policy_loss (the
+registered objectives, the cleaning of the inputs, the correction coefficient and the aggregations) must agree with it
+on value and gradient for every PPO-family objective, level, aggregation, dual clip, correction weights and
+non-finite inputs.
 At ``sequence``/``geometric`` level the textbook form is GSPO-token's, log r_t = sg[log s_i] + lp_t − sg[lp_t]: its
 value is the sequence ratio and its gradient the per-token policy gradient s_i·∇log π_t (a finite difference of the
 value would instead see all of the sequence's tokens move s_i).
@@ -18,7 +20,8 @@ from hypothesis import strategies as st
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import CorrectionResult
-from offpolicy.losses import AGGREGATIONS, policy_loss
+from offpolicy.losses import policy_loss
+from offpolicy.registry import AGGREGATIONS
 
 BOUND = 20.0
 
@@ -97,7 +100,7 @@ def cases(draw):
         logp=logp, old=None if no_old else old, rollout=rollout, mask=mask, adv=adv, coef=coef, objective=objective,
         level=level, eps_low=draw(st.sampled_from([0.1, 0.2, 0.5])), eps_high=draw(st.sampled_from([0.2, 0.28, 3.0])),
         dual=None if objective == "reinforce" else draw(st.sampled_from([None, 3.0, 10.0])),
-        aggregation=draw(st.sampled_from(AGGREGATIONS)), t_max=T + draw(st.integers(0, 3)),
+        aggregation=draw(st.sampled_from(AGGREGATIONS.names())), t_max=T + draw(st.integers(0, 3)),
     )
 
 
@@ -109,16 +112,17 @@ def run_policy_loss(c):
     correction = None
     if c["coef"] is not None:
         correction = CorrectionResult(c["coef"].float(), c["coef"] > 0)
-    loss, _ = policy_loss(batch, correction=correction, objective=c["objective"], level=c["level"],
-                          clip_low=c["eps_low"], clip_high=c["eps_high"], dual_clip=c["dual"],
-                          aggregation=c["aggregation"], max_tokens=c["t_max"])
+    clipping = {} if c["objective"] == "reinforce" else dict(  # reinforce has no ratio to clip or aggregate
+        level=c["level"], clip_low=c["eps_low"], clip_high=c["eps_high"], dual_clip=c["dual"])
+    loss, _ = policy_loss(batch, correction=correction, objective=c["objective"], aggregation=c["aggregation"],
+                          max_tokens=c["t_max"], **clipping)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss, grad
 
 
 @settings(max_examples=300, deadline=None)
 @given(cases())
-def test_closed_form_gradient_equals_autograd_on_the_textbook_loss(c):
+def test_policy_loss_equals_the_textbook_loss_and_its_gradient(c):
     loss, grad = run_policy_loss(c)
     logp = c["logp"].float().requires_grad_(True)
     f32 = lambda x: None if x is None else x.float()  # noqa: E731

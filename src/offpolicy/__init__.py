@@ -10,9 +10,18 @@ and the integrations (``offpolicy.integrations.trl`` / ``.verl``) live in subpac
 tensor([[ True, False]])
 """
 
-# Batch, ratios, composition
+# Batch, ratios, composition, registries
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
+from offpolicy.registry import (
+    AGGREGATIONS,
+    CORRECTIONS,
+    OBJECTIVES,
+    build_correction,
+    register_aggregation,
+    register_correction,
+    register_objective,
+)
 from offpolicy.ratios import (
     LEVELS,
     LOG_RATIO_BOUND,
@@ -61,8 +70,9 @@ from offpolicy.corrections.vocabulary import (
 
 # Losses, advantages, diagnostics
 from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
-from offpolicy.losses import AGGREGATIONS, OBJECTIVES, policy_loss
-from offpolicy.metrics import METRIC_NAMES, offpolicy_metrics
+from offpolicy.losses import policy_loss
+from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
+from offpolicy.objectives import TokenInputs, TokenLoss
 
 # Full-distribution methods: divergences, fused kernels, bounds
 from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
@@ -83,6 +93,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGGREGATIONS",
+    "CORRECTIONS",
     "KL_REJECTION_MODES",
     "ConstrainedLogProbs",
     "Correction",
@@ -93,10 +104,14 @@ __all__ = [
     "LayerwisePerturbation",
     "LogProbBatch",
     "METRIC_NAMES",
+    "NAMINGS",
     "OBJECTIVES",
+    "TokenInputs",
+    "TokenLoss",
     "TokenStats",
     "aggregate_log_ratio",
     "alp_policy_loss",
+    "build_correction",
     "chain",
     "constrained_logp",
     "coverage_metrics",
@@ -124,6 +139,7 @@ __all__ = [
     "log_ratio",
     "masked_mean",
     "masked_sum",
+    "metric_names",
     "minp_mask_logits",
     "minp_safe_set",
     "mis",
@@ -133,6 +149,9 @@ __all__ = [
     "opsm_decomposition",
     "opsm_mask",
     "policy_loss",
+    "register_aggregation",
+    "register_correction",
+    "register_objective",
     "replay_support_logp",
     "rloo_advantages",
     "sampling_support_mask",

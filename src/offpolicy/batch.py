@@ -18,8 +18,6 @@ field                  shape        meaning
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -143,28 +141,6 @@ class LogProbBatch:
         if self.advantages is None:
             raise ValueError("advantages is required here but the batch has none")
         return token_advantages(self.advantages, self.logp)
-
-    def memo(self, key: object, compute: "Callable[[LogProbBatch], object]") -> object:
-        """``compute(self)``, computed once per batch and ``key`` (e.g. the cleaned mismatch log-ratio that every
-        correction of a chain reads). Why: on CPU each fresh [B, T] temporary costs about as much as the arithmetic,
-        so recomputing shared inputs per correction dominated a chain's cost.
-
-        Values are derived from the batch's tensors, which must therefore not be modified in place after the batch
-        is built (a new batch — e.g. :meth:`replace` — starts with an empty memo; ``chain`` runs its parts on such a
-        copy, so a chain's shared buffers are freed when it returns). Works under
-        ``torch.compile(fullgraph=True)`` (a plain dict; ``functools.cached_property`` takes a lock dynamo rejects).
-
-        >>> b = LogProbBatch(logp=torch.zeros(1, 2), mask=torch.ones(1, 2))
-        >>> b.memo("n", lambda b: b.mask.sum()) is b.memo("n", lambda b: None)
-        True
-        """
-        cache = self.__dict__.get("_memo")
-        if cache is None:
-            cache = {}
-            object.__setattr__(self, "_memo", cache)  # frozen dataclass: the memo is not a field (not in eq/repr)
-        if key not in cache:
-            cache[key] = compute(self)
-        return cache[key]
 
     def nonempty(self) -> "LogProbBatch":
         """This batch, or — when it has no row or no column (B = 0 or T = 0, e.g. after filtering) — a ``[max(B, 1),

@@ -1,4 +1,4 @@
-"""Training–inference mismatch diagnostics with ms-swift's names (seed 002) plus verl's product χ² and raw ratio stats.
+"""Training–inference mismatch diagnostics, under ms-swift's, verl's or TRL's metric names.
 
 Notation: π = ``train_logp`` (the training engine: π_old or π_θ, whatever you want to compare), μ = ``rollout_logp``
 (the inference engine that sampled), valid tokens V = mask=1 *and* both log-probs finite, per-token log-ratio
@@ -22,44 +22,94 @@ name (prefix + …)          definition
 ``chi2_token``             E_V[ρ_t²] − 1
 ``chi2_seq``               E_S[ρ_geo,i²] − 1, ρ_geo,i = exp(clamp(mean_t r_t, ±20))   (ms-swift: geometric)
 ``chi2_seq_product``       E_S[exp(2 · clamp(Σ_t r_t, ±20))] − 1                      (verl's ``chi2_seq``: product)
-``ess``                    1 / E_V[(w/E_V w)²] = (E_V w)² / E_V[w²] ∈ [0, 1]  (normalised effective sample size;
-                           0 when every weight is 0)
-``is_weight_mean``         E_V[w]
+``ess``                    (E_V w)² / E_V[w²] ∈ [0, 1]  (normalised effective sample size; 0 when every weight is 0)
+``is_weight_mean/max/min`` E_V[w], max_V w, min_V w
 ``clipped_frac``           fraction of valid tokens whose weight differs from the raw ratio at ``level``,
                            |w − ρ_level| > 1e-6·ρ_level (truncated or masked; 0 when ``weights`` is None)
-``raw_ratio_mean/max/min`` mean / max / min over V of the raw token ratio ρ_t, before any truncation (trl 5231)
+``raw_ratio_mean/max/min`` mean / max / min over V of the raw token ratio ρ_t, before any truncation
+``logp_abs_diff_mean/max`` E_V|r_t| / max_V |r_t| (TRL's ``sampling_logp_difference``)
 ``masked_frac``            fraction of valid tokens with w = 0;  ``accepted_frac`` = 1 − masked_frac
 ``nonfinite_tokens``       number of mask=1 positions where log π or log μ is NaN/±inf (excluded from everything)
 =========================  ================================================================================================
 
 w is ``weights`` (the correction weights actually applied) or, when None, the raw token ratio ρ_t. Empty input
 (no valid token) gives the on-policy values: kl = k3 = χ² = 0, PPLs and ppl_ratio = 1, log-PPLs = 0, ess = 1,
-is_weight_mean = raw ratio stats = 1, fractions 0 (accepted_frac 1) — finite, never NaN. Sequences without a valid
-token are left out of E_S (verl averages them in as PPL 1).
+weight and raw ratio stats = 1, |r| stats 0, fractions 0 (accepted_frac 1) — finite, never NaN. Sequences without a
+valid token are left out of E_S (verl averages them in as PPL 1).
+
+Names (``naming=``): ``swift`` (the default, ms-swift's ``rollout_correction/<name>``), ``verl`` (verl's
+``rollout_corr/<name>``, with verl's own names where it has the metric: ``chi2_seq`` is the product there and ours
+is ``chi2_seq_geometric``, ``ess`` → ``rollout_is_eff_sample_size``, ``is_weight_*`` → ``rollout_is_*``,
+``masked_frac`` → ``rollout_rs_masked_fraction``) and ``trl`` (``sampling/<name>``, with TRL's
+``sampling_logp_difference/mean|max`` and ``importance_sampling_ratio/mean|min|max``). :data:`NAMINGS` has the tables.
 
 Differences from ms-swift worth knowing: ms-swift's ``ess`` uses the weights clamped to the threshold band *before*
 masking, ours uses the weights you pass (pass the truncated-only weights to reproduce it); its ``clipped_frac`` counts
-ratios above the threshold, which for a truncation is the same set of tokens as "weight ≠ raw ratio".
+ratios above the threshold, which for a truncation is the same set of tokens as "weight ≠ raw ratio". TRL's
+importance-ratio statistics are per sequence at sequence level; ours are per token.
 
 Nothing here calls ``.item()``: the caller decides when to sync and log.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
 from offpolicy.corrections.base import CorrectionResult
-from offpolicy.corrections.importance import find_shared_log_ratio
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, float_mask, nan_to_num, pad_nonempty, sequence_means
+from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, mean_over_sequences, pad_nonempty
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
     "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
-    "chi2_seq_product", "ess", "is_weight_mean", "clipped_frac", "raw_ratio_mean", "raw_ratio_max", "raw_ratio_min",
-    "masked_frac", "accepted_frac", "nonfinite_tokens",
+    "chi2_seq_product", "ess", "is_weight_mean", "is_weight_max", "is_weight_min", "clipped_frac", "raw_ratio_mean",
+    "raw_ratio_max", "raw_ratio_min", "logp_abs_diff_mean", "logp_abs_diff_max", "masked_frac", "accepted_frac",
+    "nonfinite_tokens",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How one framework names the metrics: a ``prefix`` and the metrics it calls something else (``renames``)."""
+
+    prefix: str
+    renames: dict[str, str] = field(default_factory=dict)
+
+    def key(self, name: str, prefix: str | None = None) -> str:
+        return f"{self.prefix if prefix is None else prefix}{self.renames.get(name, name)}"
+
+
+NAMINGS: dict[str, Naming] = {
+    "swift": Naming("rollout_correction/"),
+    "verl": Naming("rollout_corr/", {
+        "chi2_seq_product": "chi2_seq", "chi2_seq": "chi2_seq_geometric", "ess": "rollout_is_eff_sample_size",
+        "is_weight_mean": "rollout_is_mean", "is_weight_max": "rollout_is_max", "is_weight_min": "rollout_is_min",
+        "masked_frac": "rollout_rs_masked_fraction",
+    }),
+    "trl": Naming("sampling/", {
+        "logp_abs_diff_mean": "sampling_logp_difference/mean", "logp_abs_diff_max": "sampling_logp_difference/max",
+        "is_weight_mean": "importance_sampling_ratio/mean", "is_weight_min": "importance_sampling_ratio/min",
+        "is_weight_max": "importance_sampling_ratio/max",
+    }),
+}  # fmt: skip
+
+
+def metric_names(naming: str = "swift", prefix: str | None = None) -> tuple[str, ...]:
+    """The keys :func:`offpolicy_metrics` returns under ``naming`` (and an optional ``prefix`` in place of its own).
+
+    >>> metric_names("verl")[:2], metric_names("trl")[-4]
+    (('rollout_corr/kl', 'rollout_corr/k3_kl'), 'sampling/sampling_logp_difference/max')
+    """
+    return tuple(check_naming(naming).key(name, prefix) for name in METRIC_NAMES)
+
+
+def check_naming(naming: str) -> Naming:
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {tuple(NAMINGS)}, got {naming!r}")
+    return NAMINGS[naming]
 
 
 def offpolicy_metrics(
@@ -68,27 +118,27 @@ def offpolicy_metrics(
     mask: Tensor,
     weights: Tensor | CorrectionResult | None = None,
     *,
-    prefix: str = "rollout_correction/",
+    naming: str = "swift",
+    prefix: str | None = None,
     level: Level | None = None,
 ) -> dict[str, Tensor]:
-    """Mismatch diagnostics between the training engine and the rollout engine (names: seed 002 / ms-swift).
+    """Mismatch diagnostics between the training engine and the rollout engine (see the module docstring).
 
     Args:
         train_logp: [B, T] log π of the sampled tokens under the training engine (detached here).
         rollout_logp: [B, T] log μ under the inference engine.
         mask: [B, T] 1 for response tokens that count.
         weights: optional [B, T] correction weights actually applied, or the :class:`CorrectionResult` itself (its
-            ``coefficient`` = weights · keep is used). Passing the result also lets the metrics reuse the cleaned
-            log-ratio its corrections computed from these very tensors (``CorrectionResult.shared``): same numbers,
-            about a third fewer passes over [B, T].
-        prefix: prepended to every name (ms-swift logs ``rollout_correction/…``).
+            ``coefficient`` = weights · keep is used, and its ``weight_level``).
+        naming: ``swift`` (``rollout_correction/…``), ``verl`` (``rollout_corr/…``) or ``trl`` (``sampling/…``).
+        prefix: replaces the naming's prefix (``""`` gives bare names).
         level: level of ``weights`` (``token``/``sequence``/``geometric``): ``clipped_frac`` compares them with the
-            raw ratio at this level. Default: the result's own (:attr:`CorrectionResult.weight_level`; a chain of
-            several levels compares at ``token``), ``token`` for a plain tensor. A result whose weights carry no ratio
-            (only masks: opsm, veto, trm, …) has nothing to truncate: its ``clipped_frac`` is the dropped fraction.
+            raw ratio at this level. Default: the result's own (a chain of several levels compares at ``token``),
+            ``token`` for a plain tensor. A result whose weights carry no ratio (only masks: opsm, veto, trm, …) has
+            nothing to truncate: its ``clipped_frac`` is the dropped fraction.
 
     Returns:
-        dict of 0-d float32 tensors, names in the module docstring (:data:`METRIC_NAMES`).
+        dict of 0-d float32 tensors (:func:`metric_names`).
 
     >>> lp = torch.tensor([[-1.0, -2.0]]); mu = torch.tensor([[-1.0, -1.0]])
     >>> m = offpolicy_metrics(lp, mu, torch.ones(1, 2), prefix="")
@@ -96,152 +146,119 @@ def offpolicy_metrics(
     0.5
     >>> round(m["ess"].item(), 3)  # w = (1, e⁻¹): (mean w)² / mean w² = 0.46778 / 0.56767
     0.824
+    >>> sorted(offpolicy_metrics(lp, mu, torch.ones(1, 2), naming="verl"))[:2]
+    ['rollout_corr/accepted_frac', 'rollout_corr/chi2_seq']
     """
+    names = check_naming(naming)
     check_token_tensor("train_logp", train_logp)
     check_token_tensor("rollout_logp", rollout_logp)
     check_same_shape("rollout_logp", rollout_logp, "train_logp", train_logp)
     check_mask(mask, train_logp, "train_logp")
-    result = weights if isinstance(weights, CorrectionResult) else None
-    keep = None
-    if result is not None:
-        weights = result.weights
-        check_same_shape("weights.keep", result.keep, "train_logp", train_logp)
-        keep = result.keep_multiplicand()
+    if level is not None and level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    ratio_free = False  # the weights are masks only: "clipped" can only mean "masked"
+    if isinstance(weights, CorrectionResult):
+        check_same_shape("weights.keep", weights.keep, "train_logp", train_logp)
+        if level is None:
+            ratio_free = weights.weight_level is None
+            level = weights.weight_level if weights.weight_level in LEVELS else "token"  # type: ignore[assignment]
+        weights = weights.coefficient
     if weights is not None:
         check_token_tensor("weights", weights)
         check_same_shape("weights", weights, "train_logp", train_logp)
-    if level is not None and level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    ratio_free = level is None and result is not None and result.weight_level is None  # pure masks: no ratio in w
-    if level is None:
-        from_result = result.weight_level if result is not None else None
-        level = from_result if from_result in LEVELS else "token"
-
     if train_logp.numel() == 0:  # B = 0 or T = 0: the all-masked batch's metrics (see ratios.pad_nonempty)
         train_logp, rollout_logp, mask = pad_nonempty(train_logp), pad_nonempty(rollout_logp), pad_nonempty(mask, 0)
-        if weights is not None:
-            weights = pad_nonempty(weights)
-        keep, result = (None if keep is None else pad_nonempty(keep)), None
-    pi = train_logp.detach().float()
-    mu = rollout_logp.detach().float()
+        weights = None if weights is None else pad_nonempty(weights)
+
+    pi, mu = train_logp.detach().float(), rollout_logp.detach().float()
     m = as_mask(mask)
-    n_all = pi.numel()
+    valid = m & torch.isfinite(pi) & torch.isfinite(mu)
+    out = _mismatch(pi, mu, valid)
+    out.update(_weight_stats(weights, out.pop("_log_ratio"), valid, level or "token", ratio_free))
+    out["nonfinite_tokens"] = (m & ~valid).sum().float()
+    return {names.key(name, prefix): out[name] for name in METRIC_NAMES}
 
-    # This runs every step on [B, T]: every metric below is built from a handful of full passes (one log-ratio, one
-    # expm1, a few row sums), the rest is arithmetic on [B] rows or scalars. Float masks + nan_to_num instead of
-    # torch.where / isfinite: a bool-mask where is ~15× slower than a float multiply on CPU.
-    shared = None if result is None else find_shared_log_ratio(result.shared, train_logp, rollout_logp, mask)
-    if shared is not None:  # the correction's terms of the same log π − log μ: the same numbers, already computed
-        vf, r, seq_len, sum_r = shared.terms.ok, shared.terms.clean, shared.terms.ok_row, shared.terms.sum_row
-        r_safe = shared.clamped if shared.clamped is not None else r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        rho_token = shared.rho
-    else:
-        diff = pi - mu
-        # x·0 is 0 for finite x and NaN otherwise: NaN/±inf in either log-prob makes the difference non-finite
-        # (every fresh [B, T] temporary costs about as much as the arithmetic on CPU, so the work is done in place)
-        mf = float_mask(m)  # = m.float(), via the fast uint8 path (a bool→float cast is ~8× slower on CPU)
-        bad = diff * 0.0
-        bad = nan_to_num(bad, 1.0, 1.0, 1.0, out=bad)
-        vf = torch.addcmul(mf, mf, bad, value=-1.0, out=bad)  # mf·(1 − bad): 1.0 on valid finite tokens
-        r = nan_to_num(diff, 0.0, 0.0, 0.0, out=diff).mul_(vf)  # log ρ, exactly 0 at invalid positions
-        seq_len = vf.sum(dim=-1)  # [B], exact integers (≤ T)
-        sum_r = r.sum(dim=-1)
-        r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        rho_token = None
-    pi_v = nan_to_num(pi, 0.0, 0.0, 0.0).mul_(vf)
 
-    seq_len_i = seq_len.long()
-    n_tok_i = seq_len_i.sum()
-    n_tok = n_tok_i.float()
-    has_tok = n_tok > 0
-    n_tok_c = n_tok.clamp(min=1.0)
-    seq_ok = seq_len > 0
-    seq_len_c = seq_len.clamp(min=1.0)
+def _mismatch(pi: Tensor, mu: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The divergence, perplexity and χ² metrics (and the cleaned log-ratio, under ``_log_ratio``)."""
+    r = torch.where(valid, pi - mu, 0.0)  # log ρ, exactly 0 at invalid positions
+    r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    expm1 = torch.expm1(r_safe)  # ρ − 1, accurate for the tiny log-ratios of a well-matched engine; 0 at invalid
+    n = valid.sum().clamp(min=1)
+    any_valid = valid.any()
 
-    one = torch.ones((), dtype=torch.float32, device=pi.device)
-    zero0 = torch.zeros((), dtype=torch.float32, device=pi.device)
-
-    # Per-sequence sums, reused by the PPLs, the log-PPL diffs, kl and both χ²_seq.
-    sum_pi = pi_v.sum(dim=-1)
-    sum_mu = sum_pi - sum_r
-    mean_pi = sum_pi / seq_len_c
-    mean_mu = sum_mu / seq_len_c
+    length = valid.sum(dim=-1)
+    nonempty = length > 0
+    mean_pi = torch.where(valid, pi, 0.0).sum(dim=-1) / length.clamp(min=1)
+    mean_mu = torch.where(valid, mu, 0.0).sum(dim=-1) / length.clamp(min=1)
     d = mean_mu - mean_pi  # log PPL_π − log PPL_μ per sequence
+    geometric = (r.sum(dim=-1) / length.clamp(min=1)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    product = r.sum(dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
-    # Token sums from expm1 (accurate for the tiny log-ratios of a well-matched engine, and 0 at invalid positions):
-    # Σ_V ρ = Σ em1 + n, Σ_V (ρ² − 1) = Σ em1² + 2 Σ em1, Σ_V k3 = Σ (em1 − r).
-    em1 = torch.expm1(r_safe)  # 0 at invalid positions
-    flat = em1.reshape(-1)
-    sum_em1 = flat.sum()
-    sum_em1_sq = torch.dot(flat, flat)
-    sum_rho = sum_em1 + n_tok
-    sum_rho_sq = sum_em1_sq + 2.0 * sum_em1 + n_tok
+    def seq_mean(x: Tensor) -> Tensor:
+        return mean_over_sequences(x, nonempty)
 
-    out: dict[str, Tensor] = {}
-    out["kl"] = -sum_r.sum() / n_tok_c
-    out["k3_kl"] = (em1 - r_safe).sum() / n_tok_c  # Σ (ρ − 1 − log ρ), expm1 keeps small log ρ accurate
-    geo = (sum_r / seq_len_c).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    prod = sum_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    train_ppl, train_log_ppl, roll_ppl, roll_log_ppl, diff_mean, abs_diff_mean, ppl_ratio, chi2_seq, chi2_prod = (
-        sequence_means(  # E_S of each, in one stacked reduction
-            seq_ok, torch.exp(-mean_pi), -mean_pi, torch.exp(-mean_mu), -mean_mu, d, d.abs(),
-            torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), torch.expm1(2.0 * geo), torch.expm1(2.0 * prod),
-        )
-    )  # fmt: skip
-    out["training_ppl"] = torch.where(has_tok, train_ppl, one)
-    out["training_log_ppl"] = train_log_ppl
-    out["rollout_ppl"] = torch.where(has_tok, roll_ppl, one)
-    out["rollout_log_ppl"] = roll_log_ppl
-    out["log_ppl_diff"] = diff_mean
-    out["log_ppl_abs_diff"] = abs_diff_mean
-    inf = torch.full_like(d, float("inf"))
-    out["log_ppl_diff_max"] = torch.where(has_tok, torch.where(seq_ok, d, -inf).amax(), zero0)
-    out["log_ppl_diff_min"] = torch.where(has_tok, torch.where(seq_ok, d, inf).amin(), zero0)
-    out["ppl_ratio"] = torch.where(has_tok, ppl_ratio, one)
-    out["chi2_token"] = (sum_em1_sq + 2.0 * sum_em1) / n_tok_c
-    out["chi2_seq"] = chi2_seq
-    out["chi2_seq_product"] = chi2_prod
+    def max_or_zero(x: Tensor, where: Tensor) -> Tensor:  # 0 when nothing is there (an empty max has no value)
+        return torch.where(where.any(), torch.where(where, x, float("-inf")).amax(), 0.0)
 
+    return {
+        "kl": -r.sum() / n,
+        "k3_kl": (expm1 - r_safe).sum() / n,  # Σ (ρ − 1 − log ρ)
+        "training_ppl": torch.where(any_valid, seq_mean(torch.exp(-mean_pi)), 1.0),
+        "training_log_ppl": seq_mean(-mean_pi),
+        "rollout_ppl": torch.where(any_valid, seq_mean(torch.exp(-mean_mu)), 1.0),
+        "rollout_log_ppl": seq_mean(-mean_mu),
+        "log_ppl_diff": seq_mean(d),
+        "log_ppl_abs_diff": seq_mean(d.abs()),
+        "log_ppl_diff_max": max_or_zero(d, nonempty),
+        "log_ppl_diff_min": -max_or_zero(-d, nonempty),
+        "ppl_ratio": torch.where(any_valid, seq_mean(torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))), 1.0),
+        "chi2_token": (expm1 * expm1 + 2.0 * expm1).sum() / n,  # Σ (ρ² − 1)
+        "chi2_seq": seq_mean(torch.expm1(2.0 * geometric)),
+        "chi2_seq_product": seq_mean(torch.expm1(2.0 * product)),
+        "raw_ratio_mean": torch.where(any_valid, 1.0 + expm1.sum() / n, 1.0),
+        "raw_ratio_max": torch.exp(max_or_zero(r_safe, valid)),
+        "raw_ratio_min": torch.exp(-max_or_zero(-r_safe, valid)),
+        "logp_abs_diff_mean": r.abs().sum() / n,
+        "logp_abs_diff_max": r.abs().amax(),
+        "_log_ratio": r,
+    }
+
+
+def _weight_stats(weights: Tensor | None, r: Tensor, valid: Tensor, level: str, ratio_free: bool) -> dict[str, Tensor]:
+    """ESS, the weight statistics and the clipped / masked fractions of the applied weights (ρ_t when None)."""
+    n = valid.sum().clamp(min=1)
+    any_valid = valid.any()
+    r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if weights is None:
-        w_sum, w_sq_sum = sum_rho, sum_rho_sq
-        clipped = zero0
-        masked = zero0
+        w = torch.where(valid, torch.exp(r_safe), 0.0)
+        clipped = masked = torch.zeros((), device=r.device)
     else:
-        w = nan_to_num(weights.detach().float(), 0.0, 0.0, 0.0).mul_(vf)
-        if keep is not None:  # = nan_to_num(result.coefficient): dropped tokens weigh 0
-            w = w.mul_(keep)
-        w_flat = w.reshape(-1)
-        w_sum = w_flat.sum()
-        w_sq_sum = torch.dot(w_flat, w_flat)
-        n_invalid = n_all - n_tok_i  # integer arithmetic: exact at any batch size
-        masked = (n_all - torch.count_nonzero(w) - n_invalid).float() / n_tok_c  # w = 0 at invalid positions
-        if ratio_free:  # mask-only weights: "truncated or masked" is just masked
+        w = weights.detach().float()
+        w = torch.where(valid & torch.isfinite(w), w, 0.0)
+        masked = (valid & (w == 0)).sum() / n
+        if ratio_free:
             clipped = masked
         else:
             if level == "token":
-                # exp, not em1 + 1: em1's absolute rounding (~6e-8) exceeds the 1e-6 relative tolerance below
-                # ρ ≈ 0.06, and would count untouched small weights as clipped
-                raw = rho_token if rho_token is not None else torch.exp(r_safe)
+                raw = torch.exp(r_safe)
             else:
-                raw_log = sum_r if level == "sequence" else sum_r / seq_len_c
-                raw = torch.exp(raw_log.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)
-            # raw > 0 everywhere and w = 0 at invalid positions, so each invalid position counts as "changed"
-            # exactly once: subtract them instead of spending a pass on a mask.
-            changed = torch.count_nonzero((w - raw).abs_() > raw * 1e-6) - n_invalid
-            clipped = changed.float() / n_tok_c
-    w_mean = w_sum / n_tok_c
-    # ESS = (E w)² / E[w²] — the same as 1/E[(w/E w)²] but finite when every weight is 0 (then ESS = 0).
-    ess = (w_mean * w_mean) / (w_sq_sum / n_tok_c).clamp(min=torch.finfo(torch.float32).tiny)
-    out["ess"] = torch.where(has_tok, ess.clamp(max=1.0), one)
-    out["is_weight_mean"] = torch.where(has_tok, w_mean, one)
-    out["clipped_frac"] = clipped
-    out["raw_ratio_mean"] = torch.where(has_tok, sum_rho / n_tok_c, one)
-    push = (vf - 1.0).mul_(1.0e4)  # moves invalid positions (log ρ = 0) out of reach of max/min: |log ρ| ≤ 20
-    r_max = (r_safe + push).amax()
-    r_min = push.neg_().add_(r_safe).amin()
-    out["raw_ratio_max"] = torch.where(has_tok, torch.exp(r_max), one)
-    out["raw_ratio_min"] = torch.where(has_tok, torch.exp(r_min), one)
-    out["masked_frac"] = masked
-    out["accepted_frac"] = 1.0 - masked
-    out["nonfinite_tokens"] = (torch.count_nonzero(m) - n_tok_i).float()
-    return {f"{prefix}{k}": v for k, v in out.items()}
+                per_sequence = r.sum(dim=-1, keepdim=True)
+                if level == "geometric":
+                    per_sequence = per_sequence / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+                raw = torch.exp(per_sequence.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+            # relative tolerance: a weight that is the ratio itself must not count as changed through rounding
+            clipped = (valid & ((w - raw).abs() > raw * 1e-6)).sum() / n
+    w_mean = w.sum() / n
+    w_sq_mean = (w * w).sum() / n
+    # ESS = (E w)² / E[w²] — the same as 1/E[(w/E w)²] but finite when every weight is 0 (then ESS = 0)
+    ess = (w_mean * w_mean / w_sq_mean.clamp(min=torch.finfo(torch.float32).tiny)).clamp(max=1.0)
+    return {
+        "ess": torch.where(any_valid, ess, 1.0),
+        "is_weight_mean": torch.where(any_valid, w_mean, 1.0),
+        "is_weight_max": torch.where(any_valid, torch.where(valid, w, float("-inf")).amax(), 1.0),
+        "is_weight_min": torch.where(any_valid, torch.where(valid, w, float("inf")).amin(), 1.0),
+        "clipped_frac": clipped.float(),
+        "masked_frac": masked.float(),
+        "accepted_frac": 1.0 - masked.float(),
+    }

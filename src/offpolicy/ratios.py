@@ -1,8 +1,7 @@
 """Masked reductions, log-ratios and their aggregation levels.
 
 Everything here works on per-token tensors of shape ``[B, T]`` (batch × response tokens) and a mask of the same
-shape (1 for tokens that count). Three rules from ``REFERENCE.md`` are enforced in one place so no caller has to
-remember them:
+shape (1 for tokens that count). Three rules are enforced in one place so no caller has to remember them:
 
 * compute in float32 whatever comes in (bf16 log-prob differences are themselves a source of mismatch);
 * a masked position never contributes, even if it holds NaN/±inf (``torch.where`` before any arithmetic, never
@@ -33,48 +32,6 @@ def as_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def mask_factor(mask: Tensor) -> Tensor:
-    """A bool mask as a cheap multiplicand (values 0/1): its storage read as uint8 in eager mode, the mask itself
-    under ``torch.compile``.
-
-    Why: on CPU a bool→float cast or a float·bool product takes a slow generic path (~8× a multiply); uint8 takes
-    the fast one. Inductor, however, turns a bit-cast ``view(torch.uint8)`` into a scalar loop, and needs no such help.
-
-    >>> torch.ones(1, 2).mul_(mask_factor(torch.tensor([[True, False]])))
-    tensor([[1., 0.]])
-    """
-    m = as_mask(mask)
-    return m if torch.compiler.is_compiling() else m.view(torch.uint8)
-
-
-def float_mask(mask: Tensor) -> Tensor:
-    """``mask`` as float32 0/1 ``[B, T]`` (= ``mask.float()``, via the fast path of :func:`mask_factor`).
-
-    >>> float_mask(torch.tensor([[True, False]]))
-    tensor([[1., 0.]])
-    """
-    return mask_factor(mask).to(torch.float32)
-
-
-def nan_to_num(x: Tensor, nan: float, posinf: float, neginf: float, *, out: Tensor | None = None) -> Tensor:
-    """``torch.nan_to_num(x, nan, posinf, neginf, out=out)``, fast in eager *and* compiled code. Use the returned
-    tensor: under ``torch.compile`` ``out`` is not written (``out=x`` means "in place" in eager mode).
-
-    Why: under ``torch.compile`` inductor's CPU ``nan_to_num`` is a scalar loop (~5× a vectorised pass), so there it is
-    written as ``where`` on ``x − x == 0`` (false exactly for NaN and ±inf); in eager mode a bool-mask ``where`` is
-    the slow one (~20× a multiply on CPU), so ``nan_to_num`` stays.
-
-    >>> nan_to_num(torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), 0.0, 5.0, -5.0)
-    tensor([ 1.,  0.,  5., -5.])
-    """
-    if torch.compiler.is_compiling():
-        finite = (x - x) == 0
-        if nan == posinf == neginf:
-            return torch.where(finite, x, nan)
-        return torch.where(finite, x, torch.where(x != x, nan, torch.where(x > 0, posinf, neginf)))
-    return torch.nan_to_num(x, nan, posinf, neginf, out=out)
-
-
 def pad_nonempty(x: Tensor, value: float | bool = 0) -> Tensor:
     """``x`` ``[B, T]`` (or ``[B]``) padded to at least one row and one column with ``value`` (differentiable; a
     non-empty ``x`` is returned as is).
@@ -97,14 +54,11 @@ def pad_nonempty(x: Tensor, value: float | bool = 0) -> Tensor:
 def broadcast_rows(mask: Tensor, row: Tensor) -> Tensor:
     """``mask & row[:, None]`` ``[B, T]`` bool: a per-sequence decision ``row`` [B] applied to every valid token.
 
-    Why the ``expand().contiguous()``: a broadcasting bool ``&`` takes a slow path on CPU (~10× the contiguous one).
-
     >>> broadcast_rows(torch.tensor([[True, False], [True, True]]), torch.tensor([False, True]))
     tensor([[False, False],
             [ True,  True]])
     """
-    m = as_mask(mask)
-    return row.unsqueeze(-1).expand_as(m).contiguous().logical_and_(m)  # one fresh buffer, ANDed in place
+    return as_mask(mask) & row.unsqueeze(-1)
 
 
 def masked_fill_invalid(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
@@ -151,21 +105,19 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / masked_count(mask, dim).clamp(min=1.0)
 
 
-def sequence_means(nonempty: Tensor, *values: Tensor) -> tuple[Tensor, ...]:
-    """Mean of each per-sequence value ``[B]`` over the sequences where ``nonempty`` ``[B]`` (bool) holds, as 0-d
-    float32 tensors; 0 when no sequence is non-empty. A bool value gives the fraction of non-empty sequences where
-    it holds. Values at other sequences never contribute, even NaN/±inf.
-
-    Why one function for all of a correction's per-sequence metrics: they are stacked and reduced together, a few
-    small kernels instead of a handful per metric (an eager GPU step pays per launch, not per byte, at this size).
+def mean_over_sequences(value: Tensor, nonempty: Tensor) -> Tensor:
+    """Mean of a per-sequence ``value`` [B] over the sequences where ``nonempty`` [B] (bool) holds, as a 0-d float32
+    tensor; 0 when no sequence is non-empty. A bool ``value`` gives the fraction of non-empty sequences where it holds.
+    Values at other sequences never contribute, even NaN/±inf.
 
     >>> nonempty = torch.tensor([True, True, False])
-    >>> sequence_means(nonempty, torch.tensor([1.0, 3.0, float("nan")]), torch.tensor([True, False, True]))
-    (tensor(2.), tensor(0.5000))
+    >>> mean_over_sequences(torch.tensor([1.0, 3.0, float("nan")]), nonempty)
+    tensor(2.)
+    >>> mean_over_sequences(torch.tensor([True, False, True]), nonempty)
+    tensor(0.5000)
     """
-    stacked = torch.stack([v.float() for v in values])  # [K, B]
-    kept = torch.where(nonempty, stacked, 0.0)
-    return (kept.sum(dim=-1) / nonempty.sum().clamp(min=1)).unbind()
+    kept = torch.where(nonempty, value.float(), 0.0)
+    return kept.sum() / nonempty.sum().clamp(min=1)
 
 
 def masked_max(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -235,7 +187,8 @@ def sequence_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tensor
 
 
 def decompose_log_ratio(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Three-policy decomposition (seed 004): log(π/μ) = log(π_old/μ) + log(π/π_old), per token ``[B, T]``.
+    """Three-policy decomposition (decoupled PPO, arXiv 2110.00641 eq. 5): log(π/μ) = log(π_old/μ) + log(π/π_old),
+    per token ``[B, T]``.
 
     Returns ``{"total", "mismatch", "staleness"}``: ``mismatch`` = log(π_old/μ) is fixed per rollout (training–inference
     mismatch), ``staleness`` = log(π/π_old) changes every optimiser step. Before clamping, total == mismatch + staleness.

@@ -222,28 +222,3 @@ def test_every_preset_computes_low_precision_inputs_in_float32(seed, b, t, dtype
         a, z = c(low), c(up)
         assert a.weights.dtype == torch.float32
         assert torch.equal(a.weights, z.weights) and torch.equal(a.keep, z.keep), c
-
-
-def test_compiled_chain_carries_its_keep_mask_as_a_float_factor():
-    # Under torch.compile the chain hands out keep_factor (float 0/1) for the loss and the metrics to multiply with, and
-    # keep = keep_factor != 0; in eager mode there is no factor and keep_multiplicand() is the mask's uint8 view.
-    from offpolicy.corrections.importance import icepop, tis
-    from offpolicy.corrections.sequence_masks import veto
-
-    torch.manual_seed(0)
-    old = -torch.rand(3, 5) * 3
-    mu = old + torch.randn(3, 5)
-    mask = torch.rand(3, 5) < 0.8
-    c = chain(tis(upper=2.0), icepop(), veto())
-
-    def run(o, m, mk):
-        r = c(LogProbBatch(logp=o, old_logp=o, rollout_logp=m, mask=mk, advantages=torch.ones(3)))
-        return r.keep, r.keep_factor, r.keep_multiplicand()
-
-    torch._dynamo.reset()
-    keep_c, factor_c, mult_c = torch.compile(run, fullgraph=True, backend="eager")(old, mu, mask)
-    keep_e, factor_e, mult_e = run(old, mu, mask)
-    assert factor_e is None and mult_e.dtype == torch.uint8
-    assert torch.equal(keep_c, keep_e) and keep_c.dtype == torch.bool
-    assert factor_c.dtype == torch.float32 and torch.equal(factor_c, keep_e.float()) and torch.equal(mult_c, factor_c)
-    assert torch.equal(mult_e.bool(), keep_e)

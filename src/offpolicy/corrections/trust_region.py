@@ -1,6 +1,7 @@
-"""Trust Region Masking (arXiv 2512.23075, seed 003): drop whole sequences that leave the trust region.
+"""Trust Region Masking (arXiv 2512.23075): drop whole sequences that leave the trust region.
 
-* TRM-Max keeps a sequence iff max_t D_t ≤ δ (paper δ = 0.05), TRM-Avg iff mean_t D_t ≤ δ_avg (0.001), combined = both.
+* TRM-Max keeps a sequence iff max_t D_t ≤ δ (paper δ = 0.05), TRM-Avg iff mean_t D_t ≤ δ_avg (0.001), combined = both
+  (§4).
   D_t = KL(π_roll(·|c_t) ‖ π_θ(·|c_t)), rollout first, ideally exact over the vocabulary (``offpolicy.divergence``).
   Without full logits the paper falls back to sample estimates on r = log(π/μ) of the sampled token: max test on k2,
   average test on k3 — only the exact KL carries the paper's guarantee (its App. E).
@@ -21,27 +22,21 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.corrections.importance import (
-    RatioTerms,
-    check_source,
-    check_threshold,
-    source_terms,
-)
+from offpolicy.corrections.importance import behaviour_log_ratio, check_source, check_threshold
 from offpolicy.ratios import (
     LOG_RATIO_BOUND,
     as_mask,
     broadcast_rows,
-    float_mask,
     masked_fill_invalid,
     masked_max,
     masked_mean,
-    nan_to_num,
+    mean_over_sequences,
     pad_nonempty,
-    sequence_means,
 )
+from offpolicy.registry import register_correction
 
 # ---------------------------------------------------------------------------------------------------------------------
-# k-estimators (Schulman, "Approximating KL divergence"; REFERENCE.md)
+# k-estimators (Schulman 2020, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -170,8 +165,7 @@ def ln_trm_mask(log_ratio: Tensor, mask: Tensor, *, eps: float, delta: float, th
     th = check_threshold("threshold", threshold, allow_zero=True)
     assert e is not None and d is not None and th is not None
     m = as_mask(mask)
-    stat = _ln_trm_statistic(log_ratio, m, e, d)
-    return _row_keep(m, (stat <= th) & ~_nonfinite_row(log_ratio, m))
+    return _keep_rows_at_most(_ln_trm_statistic(log_ratio, m, e, d), th, log_ratio, m)
 
 
 def _ser_statistic(log_ratio: Tensor, m: Tensor) -> Tensor:
@@ -195,7 +189,12 @@ def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
     th = check_threshold("threshold", threshold, allow_zero=True)
     assert th is not None
     m = as_mask(mask)
-    return _row_keep(m, (_ser_statistic(log_ratio, m) <= th) & ~_nonfinite_row(log_ratio, m))
+    return _keep_rows_at_most(_ser_statistic(log_ratio, m), th, log_ratio, m)
+
+
+def _keep_rows_at_most(statistic: Tensor, threshold: float, log_ratio: Tensor, m: Tensor) -> Tensor:
+    """Keep a sequence iff its ``statistic`` [B] ≤ ``threshold`` and none of its valid log-ratios is non-finite."""
+    return _row_keep(m, (statistic <= threshold) & ~_nonfinite_row(log_ratio, m))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,34 +202,7 @@ def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _nonempty(m: Tensor) -> Tensor:
-    """[B] sequences with ≥ 1 valid token (a float row sum: a bool ``any`` over [B, T] is ~10× slower on CPU)."""
-    return float_mask(m).sum(dim=-1) > 0
-
-
-def _trm_k_estimator(terms: RatioTerms, mx: float | None, av: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_trm_keep` on k2(r) (max test) / k3(r) (avg test) from shared terms, with per-row statistics.
-
-    Returns ``(keep [B], masked_max(k2) [B], masked_mean(k3) [B])`` (``keep`` per sequence): the same decisions as
-    computing k2/k3 on the raw r and masking — a row with a non-finite valid r (NaN, or ±inf: an infinite divergence)
-    is dropped by either test, as is one whose k2 overflows — without [B, T] isfinite/where passes. The statistics
-    are over the finite r (non-finite ones count as 0 there).
-    """
-    # two [B, T] buffers, reused in place (each fresh one costs page faults on CPU)
-    buf = torch.mul(terms.clean, 0.5).mul_(terms.clean)  # k2 = (0.5·r)·r as k2(); 0 at padding / non-finite r
-    k2_max_all = buf.amax(dim=-1)  # inf iff some k2 overflowed (|r| > 1.8e19); k2 ≥ 0, so the 0s never win
-    k2_max = nan_to_num(buf, 0.0, 0.0, 0.0, out=buf).amax(dim=-1)  # masked_max: overflowed entries are left out
-    # k3 as k3(): of the clean r (0 at padding and at non-finite r), clamped at +20 only
-    r3 = torch.clamp(terms.clean, max=LOG_RATIO_BOUND, out=buf)
-    k3_mean = torch.expm1(r3).sub_(r3).sum(dim=-1) / terms.n_row.clamp(min=1.0)
-    ok = terms.ok_row == terms.n_row  # every valid r finite: NaN or ±inf in a valid position drops the row
-    if mx is not None:
-        ok = ok & (k2_max_all <= mx)
-    if av is not None:
-        ok = ok & (k3_mean <= av)
-    return ok, k2_max, k3_mean
-
-
+@register_correction("trm")
 def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str = "total") -> Correction:
     """Trust Region Masking preset (arXiv 2512.23075; paper thresholds δ = 0.05 max, 0.001 avg; None disables one).
 
@@ -259,35 +231,30 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
     def apply(batch: LogProbBatch) -> CorrectionResult:
         m = batch.bool_mask
         if batch.token_divergence is not None:
-            max_div = avg_div = batch.token_divergence.detach().float()
+            max_divergence = avg_divergence = batch.token_divergence.detach().float()
             kind = batch.token_divergence_kind
-            keep = _trm_keep(max_div, avg_div, m, mx, av)
-            max_row, avg_row = masked_max(max_div, m, dim=-1), masked_mean(avg_div, m, dim=-1)
-            nonempty = _nonempty(m)
-            keep_row = float_mask(keep).amax(dim=-1) > 0  # a kept sequence keeps its valid tokens
-            weights = float_mask(m)
-        else:
+        else:  # the paper's fallback: k2 for the max test, k3 for the average test
             kind = "k_estimator"
-            terms = source_terms(batch, source, "trm")
-            keep_row, max_row, avg_row = _trm_k_estimator(terms, mx, av)
-            keep = broadcast_rows(terms.mask, keep_row)
-            nonempty = terms.n_row > 0
-            weights = terms.mf.clone()
-        accept, max_mean, avg_mean = sequence_means(nonempty, keep_row, max_row, avg_row)
-        one = torch.ones((), device=m.device)
+            r = behaviour_log_ratio(batch, source, "trm")
+            finite = torch.isfinite(r)  # a non-finite log-ratio is an infinite divergence: its sequence is dropped
+            max_divergence = torch.where(finite, k2(r), float("inf"))
+            avg_divergence = torch.where(finite, k3(r), float("inf"))
+        keep = _trm_keep(max_divergence, avg_divergence, m, mx, av)
+        nonempty = m.any(dim=-1)
         metrics = {
-            "trm/accept_rate": accept,
-            "trm/max_divergence_mean": max_mean,
-            "trm/avg_divergence_mean": avg_mean,
-            "trm/divergence_exact": one * (kind == "exact"),
-            "trm/divergence_topk": one * (kind == "topk"),
-            "trm/divergence_k_estimator": one * (kind == "k_estimator"),
+            "trm/accept_rate": mean_over_sequences(keep.any(dim=-1), nonempty),
+            # the statistics leave non-finite divergences out (they count as 0 in the mean)
+            "trm/max_divergence_mean": mean_over_sequences(masked_max(max_divergence, m, dim=-1), nonempty),
+            "trm/avg_divergence_mean": mean_over_sequences(masked_mean(avg_divergence, m, dim=-1), nonempty),
         }
-        return CorrectionResult(weights, keep, metrics, weight_level=None)
+        for name in ("exact", "topk", "k_estimator"):
+            metrics[f"trm/divergence_{name}"] = torch.tensor(float(kind == name), device=m.device)
+        return CorrectionResult(m.float(), keep, metrics, weight_level=None)
 
     return Correction("trm", apply, {"max_kl": mx, "avg_kl": av, "source": source})
 
 
+@register_correction("ln_trm")
 def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, source: str = "total") -> Correction:
     """Length-Neutral TRM preset on log(π_θ/μ) (or log(π_old/μ), ``source="mismatch"``); see :func:`ln_trm_mask`.
 
@@ -308,6 +275,7 @@ def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, sour
     return _row_statistic_mask("ln_trm", statistic, th, source, {"eps": e, "delta": d, "threshold": th, "source": source})
 
 
+@register_correction("ser")
 def ser(threshold: float = 0.05, source: str = "total") -> Correction:
     """Sequence-Error-Rate preset on log(π_θ/μ) (or log(π_old/μ), ``source="mismatch"``; see :func:`ser_mask`;
     recommended threshold 0.03–0.10).
@@ -332,14 +300,14 @@ def _row_statistic_mask(
     """
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        terms = source_terms(batch, source, name)
-        m = terms.mask
-        stat = statistic(terms.raw, m)  # once, for the mask (= ln_trm_mask / ser_mask) and the metric
-        keep_row = (stat <= threshold) & (terms.ok_row == terms.n_row)
-        nonempty = terms.n_row > 0
-        accept, stat_mean = sequence_means(nonempty, keep_row, stat)
-        metrics = {f"{name}/accept_rate": accept, f"{name}/stat_mean": stat_mean}
-        return CorrectionResult(terms.mf.clone(), broadcast_rows(m, keep_row), metrics, weight_level=None)
+        r = behaviour_log_ratio(batch, source, name)
+        m = batch.bool_mask
+        stat = statistic(r, m)  # once, for the mask (as ln_trm_mask / ser_mask) and the metric
+        keep = _keep_rows_at_most(stat, threshold, r, m)
+        nonempty = m.any(dim=-1)
+        metrics = {f"{name}/accept_rate": mean_over_sequences(keep.any(dim=-1), nonempty),
+                   f"{name}/stat_mean": mean_over_sequences(stat, nonempty)}
+        return CorrectionResult(m.float(), keep, metrics, weight_level=None)
 
     return Correction(name, apply, config)
 
@@ -354,6 +322,7 @@ KL_REJECTION_MODES: tuple[str, ...] = tuple(
 )
 
 
+@register_correction("kl_rejection")
 def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | None = None) -> Correction:
     """verl's divergence rejection (``rollout_rs=<mode>``, ``rollout_rs_threshold=<upper>``): drop what a per-token
     k-estimate of KL(μ‖π) on r = log(π/μ) puts above ``upper``.
@@ -391,24 +360,26 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
     k_of = _K_ESTIMATORS[estimator]
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        terms = source_terms(batch, source, label)
-        k = k_of(terms.clean)  # clean r is 0 at padding and at non-finite r, so k is 0 there (those are dropped below)
+        r = behaviour_log_ratio(batch, source, label)
+        m = batch.bool_mask
+        defined = m & torch.isfinite(r)
+        k = k_of(torch.where(defined, r, 0.0))  # 0 at padding and at an undefined r (dropped below)
         if aggregate == "token":
-            keep = (k <= u).logical_and_(terms.ok.bool())
-            n = terms.n.clamp(min=1.0)
-            rejected = (terms.n - torch.count_nonzero(keep).float()) / n
-            stat_mean = k.sum() / n
+            keep = defined & (k <= u)
+            n = m.sum().clamp(min=1)
+            rejected, stat_mean = (m & ~keep).sum() / n, k.sum() / n
         else:
             if aggregate == "seq_sum":
                 stat = k.sum(dim=-1)
             elif aggregate == "seq_mean":
-                stat = k.sum(dim=-1) / terms.n_row.clamp(min=1.0)
+                stat = k.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
             else:  # k ≥ 0, so the 0s at padding never win the max
                 stat = k.amax(dim=-1)
-            keep_row = (stat <= u) & (terms.ok_row == terms.n_row)
-            keep = broadcast_rows(terms.mask, keep_row)
-            rejected, stat_mean = sequence_means(terms.n_row > 0, ~keep_row, stat)
+            keep_row = (stat <= u) & ~(m & ~defined).any(dim=-1)
+            keep = broadcast_rows(m, keep_row)
+            nonempty = m.any(dim=-1)
+            rejected, stat_mean = mean_over_sequences(~keep_row, nonempty), mean_over_sequences(stat, nonempty)
         metrics = {f"{label}/rejected_frac": rejected, f"{label}/stat_mean": stat_mean}
-        return CorrectionResult(terms.mf.clone(), keep, metrics, weight_level=None)
+        return CorrectionResult(m.float(), keep, metrics, weight_level=None)
 
     return Correction(label, apply, {"mode": mode, "upper": u, "source": source})

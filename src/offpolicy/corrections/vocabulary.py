@@ -34,6 +34,7 @@ from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.fused import token_stats_from_logits
 from offpolicy.ratios import as_mask, masked_mean, masked_min
+from offpolicy.registry import register_correction
 
 DEFAULT_RHO = math.exp(-13)
 DEFAULT_MASK_VALUE = -50.0
@@ -152,6 +153,7 @@ def dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor, *, rho: float = DE
     return out
 
 
+@register_correction("dvp_keep")
 def dvp_keep(*, key: str = "dvp_keep") -> Correction:
     """Correction that drops tokens outside the DVP safe set (``batch.extras[key]``, from :func:`dvp_fields`).
 

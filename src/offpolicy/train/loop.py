@@ -264,10 +264,14 @@ def train(
     if alp is not None:
         groups.append(alp.param_group(lr=cfg.alp.lr))
     optimizer = torch.optim.AdamW(groups, betas=cfg.optim.betas)
-    clip_low = a.clip_low if a.clip_low is not None else 0.2
-    clip_high = a.clip_high if a.clip_high is not None else 0.28
     objective = a.objective or preset.objective
     dual_clip = a.dual_clip if a.dual_clip is not None else preset.dual_clip
+    from offpolicy.registry import OBJECTIVES
+
+    takes = OBJECTIVES[objective].parameters()
+    defaults = {"clip_low": a.clip_low if a.clip_low is not None else 0.2,
+                "clip_high": a.clip_high if a.clip_high is not None else 0.28, "dual_clip": dual_clip, "level": a.level}
+    objective_kwargs = {k: v for k, v in defaults.items() if k in takes}
     train_dtype = _DTYPES[cfg.model.dtype]
 
     start = 0
@@ -374,9 +378,8 @@ def train(
                                                        clip_low=a.clip_low, clip_high=a.clip_high,
                                                        dual_clip=dual_clip, aggregation=a.aggregation)
                         else:
-                            loss, lm = policy_loss(batch, correction=correction, objective=objective,  # type: ignore[arg-type]
-                                                   clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                                                   aggregation=a.aggregation, level=a.level or "token")  # type: ignore[arg-type]
+                            loss, lm = policy_loss(batch, correction=correction, objective=objective,
+                                                   aggregation=a.aggregation, **objective_kwargs)
                         optimizer.zero_grad(set_to_none=True)
                         loss.backward()
                         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -1,0 +1,24 @@
+"""Token-level objectives, one file per method, each registered by name (:func:`offpolicy.register_objective`).
+
+An objective is a function ``(inputs: TokenInputs, **params) -> TokenLoss`` that reads like its equation;
+:func:`offpolicy.policy_loss` cleans the inputs, applies the correction, aggregates, and differentiates with autograd.
+
+=============  ==========================================================================  =================
+name           per-token loss (A advantage, r ratio, sg stop-gradient)                     file
+=============  ==========================================================================  =================
+``ppo``        −min(r A, clip(r, 1−ε_low, 1+ε_high) A), r = π_θ/π_old, optional dual clip   ``ppo.py``
+``decoupled``  (π_old/μ) · PPO term                                                        ``ppo.py``
+``bypass``     PPO term on r = π_θ/μ                                                       ``ppo.py``
+``gspo``       PPO term on the geometric sequence ratio, per-token gradient               ``ppo.py``
+``reinforce``  −A log π_θ                                                                  ``reinforce.py``
+``cispo``      −sg[clip(r, 1−ε_low, 1+ε_high)] A log π_θ                                  ``cispo.py``
+``sapo``       −(4/τ) σ(τ (r − 1)) A                                                       ``sapo.py``
+``dppo_tv``    −A sg[min(r, C)] log π_θ · 1[binary TV inside the trust region]            ``dppo.py``
+``dppo_kl``    −A sg[min(r, C)] log π_θ · 1[binary KL inside the trust region]            ``dppo.py``
+=============  ==========================================================================  =================
+"""
+
+from offpolicy.objectives import cispo, dppo, ppo, reinforce, sapo  # noqa: F401  (importing registers them)
+from offpolicy.objectives.base import TokenInputs, TokenLoss
+
+__all__ = ["TokenInputs", "TokenLoss"]
