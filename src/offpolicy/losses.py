@@ -40,7 +40,7 @@ import offpolicy.objectives  # noqa: F401  (registers the built-in objectives)
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.objectives.base import TokenInputs
-from offpolicy.ratios import LOG_RATIO_BOUND, Level, as_mask, pad_nonempty
+from offpolicy.ratios import LOG_RATIO_BOUND, Level, as_factor, count, is_finite, max_where, min_where, pad_nonempty, zero_outside
 from offpolicy.registry import AGGREGATIONS, OBJECTIVES, Objective, check_params, register_aggregation, split_spec
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum"]
@@ -53,15 +53,15 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 @register_aggregation("token_mean")
 def token_mean(token_loss: Tensor, mask: Tensor, max_tokens: int | None) -> Tensor:
     """Σ m L / Σ m."""
-    return token_loss.sum() / mask.sum().clamp(min=1)
+    return token_loss.sum() / count(mask).clamp(min=1)
 
 
 @register_aggregation("seq_mean_token_mean")
 def seq_mean_token_mean(token_loss: Tensor, mask: Tensor, max_tokens: int | None) -> Tensor:
     """Mean over non-empty sequences of each sequence's token mean."""
-    tokens = mask.sum(dim=-1)
+    tokens = count(mask, dim=-1)
     per_sequence = token_loss.sum(dim=-1) / tokens.clamp(min=1)
-    return per_sequence.sum() / (tokens > 0).sum().clamp(min=1)
+    return per_sequence.sum() / count(tokens > 0).clamp(min=1)
 
 
 @register_aggregation("seq_mean_token_sum_norm")
@@ -136,8 +136,8 @@ def policy_loss(
 
     inputs = token_inputs(batch, spec.inputs_read(result is not None), corrected=result is not None)
     out = spec.fn(inputs, **params)
-    token_loss = out.loss if result is None else out.loss * correction_coefficient(result)
-    token_loss = torch.where(inputs.valid, token_loss, 0.0)
+    token_loss = out.loss if result is None else out.loss * result.coefficient
+    token_loss = token_loss * as_factor(inputs.valid)  # finite there: the inputs are 0 wherever a token does not count
     loss = aggregate(token_loss, batch.bool_mask, max_tokens)
 
     metrics = _loss_metrics(inputs.valid, batch.bool_mask, out.log_ratio, out.clipped)
@@ -197,7 +197,8 @@ def token_inputs(batch: LogProbBatch, reads: tuple[str, ...], *, corrected: bool
 
     A token counts (``valid``) if its mask is 1 and π_θ, A and every log-prob in ``reads`` are finite there; a NaN in
     a log-prob the objective does not read (TRL stores missing vLLM log-probs as NaN) does not drop it. Values are
-    replaced with ``torch.where`` before any arithmetic, so the gradient at a dropped token is exactly 0.
+    replaced (:func:`~offpolicy.ratios.zero_outside`) before any arithmetic, so the gradient at a dropped token is
+    exactly 0.
 
     >>> b = LogProbBatch(logp=torch.tensor([[-1.0, float("nan")]]), mask=torch.ones(1, 2), advantages=torch.ones(1))
     >>> token_inputs(b, ("old_logp",)).valid
@@ -205,49 +206,42 @@ def token_inputs(batch: LogProbBatch, reads: tuple[str, ...], *, corrected: bool
     """
     logp = batch.logp.float()
     advantages = batch.token_advantages()
-    valid = batch.bool_mask & torch.isfinite(logp) & torch.isfinite(advantages)
+    valid = batch.bool_mask & is_finite(logp) & is_finite(advantages)
     others = {"old_logp": batch.old_logp, "rollout_logp": batch.rollout_logp}
     for name in reads:
         if others[name] is not None:
-            valid = valid & torch.isfinite(others[name])  # type: ignore[arg-type]
+            valid = valid & is_finite(others[name])  # type: ignore[arg-type]
 
-    def clean(x: Tensor) -> Tensor:
-        x = x.detach().float()
-        return torch.where(valid & torch.isfinite(x), x, 0.0)
+    def clean(x: Tensor | None) -> Tensor | None:
+        return None if x is None else zero_outside(x.detach().float(), valid)
 
-    old = clean(batch.old_logp) if batch.old_logp is not None else None
-    clean_logp = torch.where(valid, logp, 0.0)
+    clean_logp = zero_outside(logp, valid)
+    old = clean(batch.old_logp)
     return TokenInputs(
         logp=clean_logp,
         old_logp=old if old is not None else clean_logp.detach(),
-        rollout_logp=clean(batch.rollout_logp) if batch.rollout_logp is not None else None,
-        advantages=clean(advantages),
+        rollout_logp=clean(batch.rollout_logp),
+        advantages=clean(advantages),  # type: ignore[arg-type]
         valid=valid,
         corrected=corrected,
     )
 
 
-def correction_coefficient(result: CorrectionResult) -> Tensor:
-    """weights · keep as float32, detached, with a non-finite weight counting as 0."""
-    weights = result.weights.detach().float()
-    return torch.where(result.keep & torch.isfinite(weights), weights, 0.0)
-
-
 def _loss_metrics(valid: Tensor, mask: Tensor, log_ratio: Tensor, clipped: dict[str, Tensor]) -> dict[str, Tensor]:
     """Clip fractions and ratio statistics over the valid tokens, the empty-batch flag and the non-finite count."""
-    n_mask = mask.sum().float()
-    n_valid = valid.sum().float()
+    n_mask = count(mask).float()
+    n_valid = count(valid).float()
     per_valid = n_valid.clamp(min=1.0)
-    fractions = {name: (held & valid).sum() / per_valid for name, held in clipped.items()}
+    fractions = {name: count(held & valid) / per_valid for name, held in clipped.items()}
     zero = torch.zeros((), device=valid.device)
     metrics = {f"loss/{name}": fractions.get(name, zero) for name in ("clipfrac_low", "clipfrac_high", "dual_clip_frac")}
     metrics.update({f"loss/{name}": value for name, value in fractions.items()})
 
     log_r = log_ratio.detach().float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     any_valid = n_valid > 0
-    ratio_mean = torch.where(valid, torch.exp(log_r), 0.0).sum() / per_valid
-    ratio_max = torch.exp(torch.where(valid, log_r, -LOG_RATIO_BOUND).amax())
-    ratio_min = torch.exp(torch.where(valid, log_r, LOG_RATIO_BOUND).amin())
+    ratio_mean = zero_outside(torch.exp(log_r), valid).sum() / per_valid
+    ratio_max = torch.exp(max_where(log_r, valid))
+    ratio_min = torch.exp(min_where(log_r, valid))
     metrics["loss/ratio_mean"] = torch.where(any_valid, ratio_mean, 1.0)
     metrics["loss/ratio_max"] = torch.where(any_valid, ratio_max, 1.0)
     metrics["loss/ratio_min"] = torch.where(any_valid, ratio_min, 1.0)

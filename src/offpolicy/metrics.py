@@ -60,7 +60,21 @@ from torch import Tensor
 
 from offpolicy.batch import check_mask, check_same_shape, check_token_tensor
 from offpolicy.corrections.base import CorrectionResult
-from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, as_mask, mean_over_sequences, pad_nonempty
+from offpolicy.ratios import (
+    FLOAT32_MAX,
+    LEVELS,
+    LOG_RATIO_BOUND,
+    Level,
+    as_factor,
+    as_mask,
+    count,
+    is_finite,
+    max_where,
+    mean_over_sequences,
+    min_where,
+    pad_nonempty,
+    zero_outside,
+)
 
 METRIC_NAMES: tuple[str, ...] = (
     "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
@@ -172,92 +186,106 @@ def offpolicy_metrics(
 
     pi, mu = train_logp.detach().float(), rollout_logp.detach().float()
     m = as_mask(mask)
-    valid = m & torch.isfinite(pi) & torch.isfinite(mu)
-    out = _mismatch(pi, mu, valid)
-    out.update(_weight_stats(weights, out.pop("_log_ratio"), valid, level or "token", ratio_free))
-    out["nonfinite_tokens"] = (m & ~valid).sum().float()
+    difference = pi - mu
+    valid = m & is_finite(difference)  # finite exactly where both log-probs are
+    tokens = _Tokens(zero_outside(difference, valid), valid)
+    out = _mismatch(zero_outside(pi, valid), tokens)
+    out.update(_weight_stats(weights, tokens, level or "token", ratio_free))
+    out["nonfinite_tokens"] = (count(m) - tokens.n_valid).float()
     return {names.key(name, prefix): out[name] for name in METRIC_NAMES}
 
 
-def _mismatch(pi: Tensor, mu: Tensor, valid: Tensor) -> dict[str, Tensor]:
-    """The divergence, perplexity and χ² metrics (and the cleaned log-ratio, under ``_log_ratio``)."""
-    r = torch.where(valid, pi - mu, 0.0)  # log ρ, exactly 0 at invalid positions
-    r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    expm1 = torch.expm1(r_safe)  # ρ − 1, accurate for the tiny log-ratios of a well-matched engine; 0 at invalid
-    n = valid.sum().clamp(min=1)
-    any_valid = valid.any()
+class _Tokens:
+    """The cleaned log-ratio and what every metric reads of it (computed once per call)."""
 
-    length = valid.sum(dim=-1)
-    nonempty = length > 0
-    mean_pi = torch.where(valid, pi, 0.0).sum(dim=-1) / length.clamp(min=1)
-    mean_mu = torch.where(valid, mu, 0.0).sum(dim=-1) / length.clamp(min=1)
+    def __init__(self, r: Tensor, valid: Tensor) -> None:
+        self.r = r  # log ρ, exactly 0 at invalid positions
+        self.r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        self.valid = valid
+        self.n_valid = count(valid)
+        self.n = self.n_valid.clamp(min=1)
+        self.any_valid = self.n_valid > 0
+        self.length = count(valid, dim=-1)  # valid tokens per sequence
+        self.row_sum = r.sum(dim=-1)  # Σ_t log ρ_t per sequence
+        # added to a value, it puts the invalid positions beyond any min; subtracted, below any max
+        self.out_of_reach = FLOAT32_MAX * as_factor(~valid)
+        self.rho = torch.exp(self.r_safe)  # ρ, 1 at invalid positions
+
+    def max_min(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Max and min of a finite ``x`` over the valid tokens (meaningless when there is none)."""
+        return (x - self.out_of_reach).amax(), (x + self.out_of_reach).amin()
+
+
+def _mismatch(pi: Tensor, t: _Tokens) -> dict[str, Tensor]:
+    """The divergence, perplexity and χ² metrics from log π (0 at invalid positions) and the log-ratio."""
+    expm1 = torch.expm1(t.r_safe)  # ρ − 1, accurate for the tiny log-ratios of a well-matched engine; 0 at invalid
+    nonempty = t.length > 0
+    length = t.length.clamp(min=1)
+    mean_pi = pi.sum(dim=-1) / length
+    mean_mu = mean_pi - t.row_sum / length
     d = mean_mu - mean_pi  # log PPL_π − log PPL_μ per sequence
-    geometric = (r.sum(dim=-1) / length.clamp(min=1)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    product = r.sum(dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    geometric = (t.row_sum / length).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    product = t.row_sum.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    r_max, r_min = t.max_min(t.r_safe)
+    abs_r = t.r.abs()
 
     def seq_mean(x: Tensor) -> Tensor:
         return mean_over_sequences(x, nonempty)
 
-    def max_or_zero(x: Tensor, where: Tensor) -> Tensor:  # 0 when nothing is there (an empty max has no value)
-        return torch.where(where.any(), torch.where(where, x, float("-inf")).amax(), 0.0)
+    def or_one(x: Tensor) -> Tensor:  # the on-policy value when no token is valid
+        return torch.where(t.any_valid, x, 1.0)
 
     return {
-        "kl": -r.sum() / n,
-        "k3_kl": (expm1 - r_safe).sum() / n,  # Σ (ρ − 1 − log ρ)
-        "training_ppl": torch.where(any_valid, seq_mean(torch.exp(-mean_pi)), 1.0),
+        "kl": -t.r.sum() / t.n,
+        "k3_kl": (expm1 - t.r_safe).sum() / t.n,  # Σ (ρ − 1 − log ρ)
+        "training_ppl": or_one(seq_mean(torch.exp(-mean_pi))),
         "training_log_ppl": seq_mean(-mean_pi),
-        "rollout_ppl": torch.where(any_valid, seq_mean(torch.exp(-mean_mu)), 1.0),
+        "rollout_ppl": or_one(seq_mean(torch.exp(-mean_mu))),
         "rollout_log_ppl": seq_mean(-mean_mu),
         "log_ppl_diff": seq_mean(d),
         "log_ppl_abs_diff": seq_mean(d.abs()),
-        "log_ppl_diff_max": max_or_zero(d, nonempty),
-        "log_ppl_diff_min": -max_or_zero(-d, nonempty),
-        "ppl_ratio": torch.where(any_valid, seq_mean(torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))), 1.0),
-        "chi2_token": (expm1 * expm1 + 2.0 * expm1).sum() / n,  # Σ (ρ² − 1)
+        "log_ppl_diff_max": max_where(d, nonempty),
+        "log_ppl_diff_min": min_where(d, nonempty),
+        "ppl_ratio": or_one(seq_mean(torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)))),
+        "chi2_token": (expm1 * (expm1 + 2.0)).sum() / t.n,  # Σ (ρ² − 1)
         "chi2_seq": seq_mean(torch.expm1(2.0 * geometric)),
         "chi2_seq_product": seq_mean(torch.expm1(2.0 * product)),
-        "raw_ratio_mean": torch.where(any_valid, 1.0 + expm1.sum() / n, 1.0),
-        "raw_ratio_max": torch.exp(max_or_zero(r_safe, valid)),
-        "raw_ratio_min": torch.exp(-max_or_zero(-r_safe, valid)),
-        "logp_abs_diff_mean": r.abs().sum() / n,
-        "logp_abs_diff_max": r.abs().amax(),
-        "_log_ratio": r,
+        "raw_ratio_mean": or_one(1.0 + expm1.sum() / t.n),
+        "raw_ratio_max": or_one(torch.exp(r_max)),
+        "raw_ratio_min": or_one(torch.exp(r_min)),
+        "logp_abs_diff_mean": abs_r.sum() / t.n,
+        "logp_abs_diff_max": abs_r.amax(),
     }
 
 
-def _weight_stats(weights: Tensor | None, r: Tensor, valid: Tensor, level: str, ratio_free: bool) -> dict[str, Tensor]:
+def _weight_stats(weights: Tensor | None, t: _Tokens, level: str, ratio_free: bool) -> dict[str, Tensor]:
     """ESS, the weight statistics and the clipped / masked fractions of the applied weights (ρ_t when None)."""
-    n = valid.sum().clamp(min=1)
-    any_valid = valid.any()
-    r_safe = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if weights is None:
-        w = torch.where(valid, torch.exp(r_safe), 0.0)
-        clipped = masked = torch.zeros((), device=r.device)
+        w = zero_outside(t.rho, t.valid)
+        clipped = masked = torch.zeros((), device=t.r.device)
     else:
-        w = weights.detach().float()
-        w = torch.where(valid & torch.isfinite(w), w, 0.0)
-        masked = (valid & (w == 0)).sum() / n
+        w = zero_outside(weights.detach().float(), t.valid)  # a non-finite weight counts as 0
+        masked = count(t.valid & (w == 0)) / t.n
         if ratio_free:
             clipped = masked
         else:
             if level == "token":
-                raw = torch.exp(r_safe)
+                raw = t.rho
             else:
-                per_sequence = r.sum(dim=-1, keepdim=True)
-                if level == "geometric":
-                    per_sequence = per_sequence / valid.sum(dim=-1, keepdim=True).clamp(min=1)
-                raw = torch.exp(per_sequence.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+                per_sequence = t.row_sum if level == "sequence" else t.row_sum / t.length.clamp(min=1)
+                raw = torch.exp(per_sequence.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)
             # relative tolerance: a weight that is the ratio itself must not count as changed through rounding
-            clipped = (valid & ((w - raw).abs() > raw * 1e-6)).sum() / n
-    w_mean = w.sum() / n
-    w_sq_mean = (w * w).sum() / n
+            clipped = count(t.valid & ((w - raw).abs() > raw * 1e-6)) / t.n
+    w_mean = w.sum() / t.n
+    w_sq_mean = (w * w).sum() / t.n
+    w_max, w_min = t.max_min(w)
     # ESS = (E w)² / E[w²] — the same as 1/E[(w/E w)²] but finite when every weight is 0 (then ESS = 0)
     ess = (w_mean * w_mean / w_sq_mean.clamp(min=torch.finfo(torch.float32).tiny)).clamp(max=1.0)
     return {
-        "ess": torch.where(any_valid, ess, 1.0),
-        "is_weight_mean": torch.where(any_valid, w_mean, 1.0),
-        "is_weight_max": torch.where(any_valid, torch.where(valid, w, float("-inf")).amax(), 1.0),
-        "is_weight_min": torch.where(any_valid, torch.where(valid, w, float("inf")).amin(), 1.0),
+        "ess": torch.where(t.any_valid, ess, 1.0),
+        "is_weight_mean": torch.where(t.any_valid, w_mean, 1.0),
+        "is_weight_max": torch.where(t.any_valid, w_max, 1.0),
+        "is_weight_min": torch.where(t.any_valid, w_min, 1.0),
         "clipped_frac": clipped.float(),
         "masked_frac": masked.float(),
         "accepted_frac": 1.0 - masked.float(),

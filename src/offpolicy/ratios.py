@@ -4,7 +4,7 @@ Everything here works on per-token tensors of shape ``[B, T]`` (batch × respons
 shape (1 for tokens that count). Three rules are enforced in one place so no caller has to remember them:
 
 * compute in float32 whatever comes in (bf16 log-prob differences are themselves a source of mismatch);
-* a masked position never contributes, even if it holds NaN/±inf (``torch.where`` before any arithmetic, never
+* a masked position never contributes, even if it holds NaN/±inf (:func:`zero_outside` before any arithmetic, never
   multiply-after-exp);
 * a log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` before ``exp`` (verl's SAFETY_BOUND).
 
@@ -25,11 +25,81 @@ from torch import Tensor
 LOG_RATIO_BOUND = 20.0
 Level = Literal["token", "sequence", "geometric"]
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def as_mask(mask: Tensor) -> Tensor:
     """Return ``mask`` as a bool tensor (accepts bool, int or float 0/1 masks)."""
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The masked elementwise primitives everything else is written with. They run on every [B, T] tensor of every step, so
+# they take the cheap form for each mode, here and nowhere else: in eager mode on CPU, torch.isfinite is four passes
+# over the data, a bool-condition torch.where about thirty times a multiply, and a bool → float cast six times a
+# uint8 → float one; under torch.compile, where fuses into a vectorised loop and nan_to_num does not.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def is_finite(x: Tensor) -> Tensor:
+    """``torch.isfinite(x)`` as |x| < ∞ (NaN compares false): bool, x's shape.
+
+    >>> is_finite(torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]))
+    tensor([ True, False, False, False])
+    """
+    return x.abs() < float("inf")
+
+
+def zero_outside(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` where ``keep`` (bool) holds and 0 elsewhere, whatever ``x`` holds there (NaN and ±inf included); x must be
+    finite where ``keep`` holds. Gradient flows to ``x`` where ``keep`` holds and is exactly 0 elsewhere.
+
+    >>> zero_outside(torch.tensor([1.0, float("nan"), -float("inf"), 4.0]), torch.tensor([True, False, False, True]))
+    tensor([1., 0., 0., 4.])
+    """
+    if torch.compiler.is_compiling():  # inductor vectorises where, but emits nan_to_num as a scalar loop
+        return torch.where(keep, x, 0.0)
+    return torch.nan_to_num(x, 0.0, 0.0, 0.0) * as_factor(keep)  # a NaN would survive a bare product (NaN · 0 = NaN)
+
+
+def as_factor(keep: Tensor) -> Tensor:
+    """A bool mask as a 0/1 multiplicand: its bytes read as uint8 in eager mode, the mask itself under torch.compile
+    (where the bit-cast would become a scalar loop).
+
+    >>> torch.ones(2) * as_factor(torch.tensor([True, False]))
+    tensor([1., 0.])
+    """
+    return keep if torch.compiler.is_compiling() else keep.view(torch.uint8)
+
+
+def float_mask(keep: Tensor) -> Tensor:
+    """A bool mask as float32 0/1 (the identity correction's weights)."""
+    return as_factor(keep).to(torch.float32)
+
+
+def count(keep: Tensor, dim: int | None = None) -> Tensor:
+    """Number of True entries of a bool mask (int32), over ``dim`` or in total.
+
+    >>> count(torch.tensor([[True, False], [True, True]]), dim=-1)
+    tensor([1, 2], dtype=torch.int32)
+    """
+    factor = as_factor(keep)
+    return factor.sum(dtype=torch.int32) if dim is None else factor.sum(dim=dim, dtype=torch.int32)
+
+
+def broadcast_rows(mask: Tensor, row: Tensor) -> Tensor:
+    """``mask & row`` ``[B, T]`` bool: a per-sequence decision ``row`` ([B] or [B, 1]) applied to every valid token
+    (in eager mode expanded to [B, T] first: a broadcasting bool ``&`` is not vectorised on CPU).
+
+    >>> broadcast_rows(torch.tensor([[True, False], [True, True]]), torch.tensor([False, True]))
+    tensor([[False, False],
+            [ True,  True]])
+    """
+    m = as_mask(mask)
+    row = row if row.dim() == m.dim() else row.unsqueeze(-1)
+    if torch.compiler.is_compiling():  # inductor fuses the broadcast; a contiguous copy would be one more pass
+        return row & m
+    return row.expand_as(m).contiguous() & m
 
 
 def pad_nonempty(x: Tensor, value: float | bool = 0) -> Tensor:
@@ -51,16 +121,6 @@ def pad_nonempty(x: Tensor, value: float | bool = 0) -> Tensor:
     return out + x.sum() if x.dtype.is_floating_point and x.requires_grad else out
 
 
-def broadcast_rows(mask: Tensor, row: Tensor) -> Tensor:
-    """``mask & row[:, None]`` ``[B, T]`` bool: a per-sequence decision ``row`` [B] applied to every valid token.
-
-    >>> broadcast_rows(torch.tensor([[True, False], [True, True]]), torch.tensor([False, True]))
-    tensor([[False, False],
-            [ True,  True]])
-    """
-    return as_mask(mask) & row.unsqueeze(-1)
-
-
 def masked_fill_invalid(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
     """float32 copy of ``x`` with masked positions *and* non-finite values replaced by ``value``.
 
@@ -71,13 +131,14 @@ def masked_fill_invalid(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
     tensor([[1., 0., 0.]])
     """
     x = x.float()
-    keep = as_mask(mask) & torch.isfinite(x)
-    return torch.where(keep, x, torch.full_like(x, value))
+    keep = as_mask(mask) & is_finite(x)
+    filled = zero_outside(x, keep)
+    return filled if value == 0.0 else filled + value * as_factor(~keep)
 
 
 def count_nonfinite(x: Tensor, mask: Tensor) -> Tensor:
     """Number of valid (mask=1) positions of ``x`` that are NaN or ±inf, as a float32 0-d tensor."""
-    return (as_mask(mask) & ~torch.isfinite(x)).sum().float()
+    return (as_mask(mask) & ~is_finite(x)).sum().float()
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -92,8 +153,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def masked_count(mask: Tensor, dim: int | None = None) -> Tensor:
     """Number of valid tokens (float32), over ``dim`` or in total."""
-    m = as_mask(mask).float()
-    return m.sum() if dim is None else m.sum(dim=dim)
+    return count(as_mask(mask), dim).float()
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -116,21 +176,38 @@ def mean_over_sequences(value: Tensor, nonempty: Tensor) -> Tensor:
     >>> mean_over_sequences(torch.tensor([True, False, True]), nonempty)
     tensor(0.5000)
     """
-    kept = torch.where(nonempty, value.float(), 0.0)
-    return kept.sum() / nonempty.sum().clamp(min=1)
+    return zero_outside(value.float(), nonempty).sum() / count(nonempty).clamp(min=1)
 
 
 def masked_max(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Max over valid finite entries; 0 where there are none (so an empty row never reads as -inf)."""
-    valid = as_mask(mask) & torch.isfinite(x)
-    filled = torch.where(valid, x.float(), torch.full_like(x, float("-inf"), dtype=torch.float32))
-    out = filled.amax() if dim is None else filled.amax(dim=dim)
-    return torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+    """Max over valid finite entries; 0 where there are none (so an empty row never reads as -inf).
+
+    >>> masked_max(torch.tensor([[-3.0, -1.0, float("nan")], [5.0, 0.0, 0.0]]), torch.tensor([[1, 1, 1], [0, 0, 0]]), dim=-1)
+    tensor([-1.,  0.])
+    """
+    valid = as_mask(mask) & is_finite(x)
+    return max_where(zero_outside(x.float(), valid), valid, dim)
+
+
+def max_where(x: Tensor, keep: Tensor, dim: int | None = None) -> Tensor:
+    """Max of a finite ``x`` over the positions where ``keep`` holds; 0 where there are none.
+
+    >>> max_where(torch.tensor([[-3.0, -1.0, 7.0]]), torch.tensor([[True, True, False]]), dim=-1)
+    tensor([-1.])
+    """
+    below_everything = x - FLOAT32_MAX * as_factor(~keep)  # positions outside keep never win the max
+    out = below_everything.amax() if dim is None else below_everything.amax(dim=dim)
+    return torch.where(count(keep, dim) > 0, out, 0.0)
 
 
 def masked_min(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Min over valid finite entries; 0 where there are none."""
     return -masked_max(-x.float(), mask, dim)
+
+
+def min_where(x: Tensor, keep: Tensor, dim: int | None = None) -> Tensor:
+    """Min of a finite ``x`` over the positions where ``keep`` holds; 0 where there are none."""
+    return -max_where(-x, keep, dim)
 
 
 def log_ratio(numerator_logp: Tensor, denominator_logp: Tensor, mask: Tensor) -> Tensor:
@@ -168,11 +245,10 @@ def aggregate_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tenso
     if level == "token":
         out = r
     elif level == "sequence":
-        out = r.sum(dim=-1, keepdim=True).expand_as(r)
+        out = r.sum(dim=-1, keepdim=True)
     else:
-        out = (r.sum(dim=-1, keepdim=True) / m.float().sum(dim=-1, keepdim=True).clamp(min=1.0)).expand_as(r)
-    out = out.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.where(m, out, torch.zeros_like(out))
+        out = r.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+    return out.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * m  # broadcast back to [B, T]
 
 
 def sequence_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tensor:

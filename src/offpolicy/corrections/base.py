@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
+from offpolicy.ratios import count, float_mask, zero_outside
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,14 @@ class CorrectionResult:
 
     @property
     def coefficient(self) -> Tensor:
-        """weights · keep: the per-token factor the loss multiplies in (0 where dropped)."""
-        return torch.where(self.keep, self.weights, 0.0)
+        """weights · keep: the per-token factor the loss multiplies in (0 where dropped; a non-finite weight is 0)."""
+        return zero_outside(self.weights.float(), self.keep)
 
     @staticmethod
     def identity(batch: LogProbBatch) -> "CorrectionResult":
         """Weights 1 on valid tokens, keep = mask: what "no correction" means."""
         valid = batch.bool_mask
-        return CorrectionResult(weights=valid.float(), keep=valid.clone(), metrics={}, weight_level=None)
+        return CorrectionResult(weights=float_mask(valid), keep=valid.clone(), metrics={}, weight_level=None)
 
     def then(self, other: "CorrectionResult") -> "CorrectionResult":
         """Compose: weights multiply, masks AND, metrics merge (later names win)."""
@@ -131,7 +132,7 @@ def chain(*corrections: Correction) -> Correction:
                     "(importance_correction(..., name=...))"
                 )
             combined = combined.then(CorrectionResult(part.weights, part.keep, part_metrics, part.weight_level))
-        kept = combined.keep.sum() / batch.bool_mask.sum().clamp(min=1)
+        kept = count(combined.keep) / count(batch.bool_mask).clamp(min=1)
         return CorrectionResult(combined.weights, combined.keep, {**combined.metrics, "chain/kept_token_frac": kept},
                                 combined.weight_level)
 

@@ -51,13 +51,24 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.ratios import LOG_RATIO_BOUND, as_mask, check_level, masked_max, masked_mean, masked_min, pad_nonempty
+from offpolicy.ratios import (
+    LOG_RATIO_BOUND,
+    as_mask,
+    broadcast_rows,
+    check_level,
+    count,
+    is_finite,
+    min_where,
+    pad_nonempty,
+    zero_outside,
+)
 from offpolicy.registry import register_correction
 
 MODES: tuple[str, ...] = ("truncate", "mask")
@@ -152,11 +163,10 @@ def defined_positions(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
             [ True,  True, False]])
     """
     m = as_mask(mask)
-    ok = m & torch.isfinite(log_ratio)
+    ok = m & is_finite(log_ratio)
     if level == "token":
         return ok
-    row_ok = ~(m & ~ok).any(dim=-1, keepdim=True)
-    return m & row_ok
+    return broadcast_rows(m, count(ok, dim=-1) == count(m, dim=-1))
 
 
 def _check_weight_args(
@@ -231,28 +241,47 @@ def importance_weights(
     lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
     rows, cols = log_ratio.shape
     # B = 0 or T = 0: computed as an all-masked batch and sliced back (ratios.pad_nonempty)
-    r, m = pad_nonempty(log_ratio.detach()).float(), as_mask(pad_nonempty(mask, 0))
-    defined = defined_positions(r, m, level)
-    clean = torch.where(m & torch.isfinite(r), r, 0.0)
+    out = _weights(pad_nonempty(log_ratio.detach()).float(), as_mask(pad_nonempty(mask, 0)), level, mode, lo, hi,
+                   normalize)
+    return out.weights[:rows, :cols], out.keep[:rows, :cols], out.raw[:rows, :cols]
+
+
+class _Weights(NamedTuple):
+    """:func:`importance_weights`' result with what its presets' metrics also read."""
+
+    weights: Tensor  # [B, T]
+    keep: Tensor  # [B, T] bool
+    raw: Tensor  # [B, T] the ratio on every valid token, 1 at padding
+    defined: Tensor  # [B, T] bool: valid, and the ratio at this level is defined
+    finite: Tensor  # [B, T] bool: valid and the token's own log-ratio finite
+    ratio: Tensor  # the ratio per token [B, T] (token level) or per sequence [B, 1]
+
+
+def _weights(r: Tensor, m: Tensor, level: str, mode: str, lo: float | None, hi: float | None,
+             normalize: bool) -> _Weights:
+    finite = m & is_finite(r)
+    clean = zero_outside(r, finite)
     if level == "token":
-        log_rho = clean
-    else:  # the sequence's log-ratio on every one of its tokens
-        per_sequence = clean.sum(dim=-1, keepdim=True)
+        defined, log_ratio = finite, clean
+    else:  # every decision is per sequence: taken on [B, 1] and broadcast to the sequence's tokens
+        tokens = count(m, dim=-1).unsqueeze(-1)
+        defined = broadcast_rows(m, count(finite, dim=-1).unsqueeze(-1) == tokens)  # no undefined token in it
+        log_ratio = clean.sum(dim=-1, keepdim=True)
         if level == "geometric":
-            per_sequence = per_sequence / m.sum(dim=-1, keepdim=True).clamp(min=1)
-        log_rho = per_sequence.expand_as(clean)
-    raw = torch.where(m, torch.exp(log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), 1.0)
+            log_ratio = log_ratio / tokens.clamp(min=1)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    raw = ratio if level == "token" else 1.0 + zero_outside(ratio - 1.0, m)  # the sequence's ratio, 1 at padding
 
     if mode == "truncate":
         keep = defined
         weights = raw if lo is None and hi is None else raw.clamp(min=lo, max=hi)
     else:  # compared in log space, unclamped: exp rounding must not drop a ratio exactly on a bound
-        keep = defined & _inside(log_rho, lo, hi)
+        keep = broadcast_rows(defined, _inside(log_ratio, lo, hi))
         weights = raw
-    weights = torch.where(keep, weights, 0.0)
+    weights = zero_outside(weights, keep)
     if normalize:
         weights = weights / _batch_mean(weights, m, level)
-    return weights[:rows, :cols], keep[:rows, :cols], raw[:rows, :cols]
+    return _Weights(weights, keep, raw, defined, finite, ratio)
 
 
 def _inside(log_rho: Tensor, lower: float | None, upper: float | None) -> Tensor:
@@ -269,9 +298,9 @@ def _batch_mean(weights: Tensor, m: Tensor, level: str) -> Tensor:
     """verl's normaliser: the mean weight over valid tokens (``token``) or over non-empty sequences (one weight each);
     1 when it is ≤ 1e-8 (then the weights are left as they are)."""
     if level == "token":
-        mean = weights.sum() / m.sum().clamp(min=1)
+        mean = weights.sum() / count(m).clamp(min=1)
     else:
-        tokens = m.sum(dim=-1)
+        tokens = count(m, dim=-1)
         per_sequence = weights.sum(dim=-1) / tokens.clamp(min=1)  # every valid token carries the sequence's weight
         mean = per_sequence.sum() / (tokens > 0).sum().clamp(min=1)
     return torch.where(mean > NORMALIZE_EPS, mean, 1.0)
@@ -298,31 +327,29 @@ def _importance(
     lo, hi = _check_weight_args(level, mode, lower, upper, normalize)
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
-        log_ratio = behaviour_log_ratio(batch, source, name)
-        weights, keep, raw = importance_weights(
-            log_ratio, batch.mask, level=level, mode=mode, lower=lo, upper=hi, normalize=normalize
-        )
         valid = batch.bool_mask
-        n = valid.sum().clamp(min=1)
-        defined = defined_positions(log_ratio, valid, level)
-        changed = valid & ~keep  # dropped (masked, or undefined) …
+        out = _weights(behaviour_log_ratio(batch, source, name), valid, level, mode, lo, hi, normalize)
+        n_valid = count(valid)
+        n = n_valid.clamp(min=1)
+        changed = valid & ~out.keep  # dropped (masked, or undefined) …
         if mode == "truncate":  # … or moved by the clamp
-            outside = torch.zeros_like(changed)
+            outside = torch.zeros_like(out.ratio, dtype=torch.bool)
             if lo is not None:
-                outside = outside | (raw < lo)
+                outside = outside | (out.ratio < lo)
             if hi is not None:
-                outside = outside | (raw > hi)
-            changed = changed | (defined & outside)
+                outside = outside | (out.ratio > hi)
+            changed = changed | broadcast_rows(out.defined, outside)
+        raw_defined = zero_outside(out.raw, out.defined)  # the raw ratio is > 0: a 0 never wins the max
         metrics = {
-            f"{name}/raw_ratio_mean": masked_mean(raw, defined),  # over valid tokens whose ratio is defined
-            f"{name}/raw_ratio_max": masked_max(raw, defined),
-            f"{name}/raw_ratio_min": masked_min(raw, defined),
-            f"{name}/weight_mean": weights.sum() / n,  # weights are 0 at padding
-            f"{name}/kept_frac": keep.sum() / n,
-            f"{name}/clipped_frac": changed.sum() / n,
-            f"{name}/nonfinite_frac": (valid & ~torch.isfinite(log_ratio)).sum() / n,
+            f"{name}/raw_ratio_mean": raw_defined.sum() / count(out.defined).clamp(min=1),  # over defined ratios
+            f"{name}/raw_ratio_max": raw_defined.amax(),
+            f"{name}/raw_ratio_min": min_where(out.raw, out.defined),
+            f"{name}/weight_mean": out.weights.sum() / n,  # weights are 0 at padding
+            f"{name}/kept_frac": count(out.keep) / n,
+            f"{name}/clipped_frac": count(changed) / n,
+            f"{name}/nonfinite_frac": (n_valid - count(out.finite)) / n,
         }
-        return CorrectionResult(weights, keep, metrics, weight_level=level)
+        return CorrectionResult(out.weights, out.keep, metrics, weight_level=level)
 
     return Correction(name, apply, config)
 

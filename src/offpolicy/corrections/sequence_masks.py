@@ -28,7 +28,16 @@ from offpolicy.batch import (
 )
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.corrections.importance import behaviour_log_ratio, check_source, check_threshold
-from offpolicy.ratios import as_mask, masked_mean, mean_over_sequences
+from offpolicy.ratios import (
+    as_mask,
+    broadcast_rows,
+    count,
+    float_mask,
+    is_finite,
+    masked_mean,
+    mean_over_sequences,
+    zero_outside,
+)
 from offpolicy.registry import register_correction
 
 
@@ -64,7 +73,7 @@ def token_veto(log_ratio: Tensor, mask: Tensor, *, threshold: float = 1e-4) -> T
     m = as_mask(mask)
     # `~(r >= log t)` is True for NaN as well as for r < log t: an undefined ratio is never kept silently
     bad = m & ~(log_ratio.detach().float() >= math.log(t))
-    return m & ~bad.any(dim=-1, keepdim=True)
+    return broadcast_rows(m, count(bad, dim=-1) == 0)
 
 
 @register_correction("veto")
@@ -86,10 +95,10 @@ def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
     def apply(batch: LogProbBatch) -> CorrectionResult:
         keep = token_veto(behaviour_log_ratio(batch, source, "veto"), batch.mask, threshold=t)
         valid = batch.bool_mask
-        nonempty = valid.any(dim=-1)
-        vetoed = nonempty & ~keep.any(dim=-1)
+        nonempty = count(valid, dim=-1) > 0
+        vetoed = nonempty & (count(keep, dim=-1) == 0)
         metrics = {"veto/vetoed_seq_frac": mean_over_sequences(vetoed, nonempty)}
-        return CorrectionResult(valid.float(), keep, metrics, weight_level=None)
+        return CorrectionResult(float_mask(valid), keep, metrics, weight_level=None)
 
     return Correction("veto", apply, {"threshold": t, "source": source})
 
@@ -126,11 +135,11 @@ def opsm_decomposition(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, mas
     check_mask(mask, logp)
     m = as_mask(mask)
     pi, old, mu = (x.detach().float() for x in (logp, old_logp, rollout_logp))
-    use = m & torch.isfinite(pi) & torch.isfinite(old) & torch.isfinite(mu)
-    length = m.sum(dim=-1).clamp(min=1)
+    use = m & is_finite(pi) & is_finite(old) & is_finite(mu)
+    length = count(m, dim=-1).clamp(min=1)
 
     def per_sequence_mean(x: Tensor) -> Tensor:
-        return torch.where(use, x, 0.0).sum(dim=-1) / length
+        return zero_outside(x, use).sum(dim=-1) / length
 
     return {"statistic": per_sequence_mean(mu - pi), "mismatch": per_sequence_mean(mu - old),
             "staleness": per_sequence_mean(old - pi)}
@@ -180,10 +189,10 @@ def opsm_mask(
     m = as_mask(mask)
     divergence = behaviour.detach().float() - logp.detach().float()  # log μ − log π_θ per token
     statistic = masked_mean(divergence, m, dim=-1)  # a non-finite token adds 0 to the sum and 1 to the length
-    unknown = (m & ~torch.isfinite(divergence)).any(dim=-1)
+    unknown = count(m & ~is_finite(divergence), dim=-1) > 0
     # A negative sample whose divergence is unknown (non-finite log-probs) is dropped too: never kept silently.
     drop = _sequence_advantage_sign_negative(advantages, logp, m) & ((statistic > d) | unknown)
-    return m & ~drop.unsqueeze(-1)
+    return broadcast_rows(m, ~drop)
 
 
 @register_correction("opsm")
@@ -211,13 +220,13 @@ def opsm(delta: float = 1e-4) -> Correction:
         keep = opsm_mask(batch.logp, batch.rollout_logp, batch.mask, batch.advantages, delta=d, old_logp=batch.old_logp)
         parts = opsm_decomposition(batch.logp, batch.anchor_logp, batch.behaviour_logp, batch.mask)
         valid = batch.bool_mask
-        nonempty = valid.any(dim=-1)
+        nonempty = count(valid, dim=-1) > 0
         metrics = {
-            "opsm/masked_seq_frac": mean_over_sequences(nonempty & ~keep.any(dim=-1), nonempty),
+            "opsm/masked_seq_frac": mean_over_sequences(nonempty & (count(keep, dim=-1) == 0), nonempty),
             "opsm/stat_mean": mean_over_sequences(parts["statistic"], nonempty),
             "opsm/mismatch_term_mean": mean_over_sequences(parts["mismatch"], nonempty),
             "opsm/staleness_term_mean": mean_over_sequences(parts["staleness"], nonempty),
         }
-        return CorrectionResult(valid.float(), keep, metrics, weight_level=None)
+        return CorrectionResult(float_mask(valid), keep, metrics, weight_level=None)
 
     return Correction("opsm", apply, {"delta": d})

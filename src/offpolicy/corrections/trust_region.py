@@ -27,11 +27,15 @@ from offpolicy.ratios import (
     LOG_RATIO_BOUND,
     as_mask,
     broadcast_rows,
+    count,
+    float_mask,
+    is_finite,
     masked_fill_invalid,
     masked_max,
     masked_mean,
     mean_over_sequences,
     pad_nonempty,
+    zero_outside,
 )
 from offpolicy.registry import register_correction
 
@@ -78,12 +82,12 @@ def k3(r: Tensor) -> Tensor:
 
 
 def _row_keep(m: Tensor, row_ok: Tensor) -> Tensor:
-    return m & row_ok.unsqueeze(-1)
+    return broadcast_rows(m, row_ok)
 
 
 def _nonfinite_row(x: Tensor, m: Tensor) -> Tensor:
     """[B] True where a valid position holds NaN/±inf: such a sequence is dropped, never kept silently."""
-    return (m & ~torch.isfinite(x)).any(dim=-1)
+    return count(m & ~is_finite(x), dim=-1) > 0
 
 
 def trust_region_mask(
@@ -131,16 +135,14 @@ def _trm_keep(max_div: Tensor, avg_div: Tensor, m: Tensor, mx: float | None, av:
 def _ln_trm_statistic(log_ratio: Tensor, m: Tensor, eps: float, delta: float) -> Tensor:
     r = masked_fill_invalid(log_ratio, m)  # padding / non-finite → 0 (non-finite rows are dropped by the caller)
     dev = (torch.exp(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) - 1.0).abs()
-    mf = m.float()
-    t = mf.cumsum(dim=-1)  # 1-based index among valid tokens
-    T = mf.sum(dim=-1, keepdim=True)
-    ahead = (T - t).clamp(min=0.0)  # T − t: how many later tokens this one's context shift reaches
-    w = torch.minimum(torch.minimum(torch.ones_like(ahead), ahead * eps), torch.sqrt(ahead * (delta / 2.0)))
-    w = torch.where(m, w, torch.zeros_like(w))
-    W = torch.where(m, dev * w, torch.zeros_like(w)).sum(dim=-1)
+    t = m.cumsum(dim=-1)  # 1-based index among valid tokens
+    T = count(m, dim=-1).unsqueeze(-1)
+    ahead = (T - t).clamp(min=0).float()  # T − t: how many later tokens this one's context shift reaches
+    w = torch.minimum(ahead * eps, torch.sqrt(ahead * (delta / 2.0))).clamp(max=1.0) * m
+    W = (dev * w).sum(dim=-1)
     Z = w.sum(dim=-1)
     # Z = 0 only when T ≤ 1: a single token shifts no later context, the weighted deviation is defined as 0
-    return torch.where(Z > 0, W / Z.clamp(min=1e-30), torch.zeros_like(W))
+    return torch.where(Z > 0, W / Z.clamp(min=1e-30), 0.0)
 
 
 def ln_trm_mask(log_ratio: Tensor, mask: Tensor, *, eps: float, delta: float, threshold: float) -> Tensor:
@@ -236,20 +238,22 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
         else:  # the paper's fallback: k2 for the max test, k3 for the average test
             kind = "k_estimator"
             r = behaviour_log_ratio(batch, source, "trm")
-            finite = torch.isfinite(r)  # a non-finite log-ratio is an infinite divergence: its sequence is dropped
-            max_divergence = torch.where(finite, k2(r), float("inf"))
-            avg_divergence = torch.where(finite, k3(r), float("inf"))
+            finite = m & is_finite(r)
+            clean = zero_outside(r, finite)
+            max_divergence, avg_divergence = k2(clean), k3(clean)  # 0 where r is not finite (in the statistics) …
         keep = _trm_keep(max_divergence, avg_divergence, m, mx, av)
-        nonempty = m.any(dim=-1)
+        if batch.token_divergence is None:  # … but a non-finite r is an unbounded divergence: its sequence is dropped
+            keep = broadcast_rows(keep, count(m & ~finite, dim=-1) == 0)
+        nonempty = count(m, dim=-1) > 0
         metrics = {
-            "trm/accept_rate": mean_over_sequences(keep.any(dim=-1), nonempty),
+            "trm/accept_rate": mean_over_sequences(count(keep, dim=-1) > 0, nonempty),
             # the statistics leave non-finite divergences out (they count as 0 in the mean)
             "trm/max_divergence_mean": mean_over_sequences(masked_max(max_divergence, m, dim=-1), nonempty),
             "trm/avg_divergence_mean": mean_over_sequences(masked_mean(avg_divergence, m, dim=-1), nonempty),
         }
         for name in ("exact", "topk", "k_estimator"):
             metrics[f"trm/divergence_{name}"] = torch.tensor(float(kind == name), device=m.device)
-        return CorrectionResult(m.float(), keep, metrics, weight_level=None)
+        return CorrectionResult(float_mask(m), keep, metrics, weight_level=None)
 
     return Correction("trm", apply, {"max_kl": mx, "avg_kl": av, "source": source})
 
@@ -304,10 +308,10 @@ def _row_statistic_mask(
         m = batch.bool_mask
         stat = statistic(r, m)  # once, for the mask (as ln_trm_mask / ser_mask) and the metric
         keep = _keep_rows_at_most(stat, threshold, r, m)
-        nonempty = m.any(dim=-1)
-        metrics = {f"{name}/accept_rate": mean_over_sequences(keep.any(dim=-1), nonempty),
+        nonempty = count(m, dim=-1) > 0
+        metrics = {f"{name}/accept_rate": mean_over_sequences(count(keep, dim=-1) > 0, nonempty),
                    f"{name}/stat_mean": mean_over_sequences(stat, nonempty)}
-        return CorrectionResult(m.float(), keep, metrics, weight_level=None)
+        return CorrectionResult(float_mask(m), keep, metrics, weight_level=None)
 
     return Correction(name, apply, config)
 
@@ -362,24 +366,24 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
     def apply(batch: LogProbBatch) -> CorrectionResult:
         r = behaviour_log_ratio(batch, source, label)
         m = batch.bool_mask
-        defined = m & torch.isfinite(r)
-        k = k_of(torch.where(defined, r, 0.0))  # 0 at padding and at an undefined r (dropped below)
+        defined = m & is_finite(r)
+        k = k_of(zero_outside(r, defined))  # 0 at padding and at an undefined r (dropped below)
         if aggregate == "token":
             keep = defined & (k <= u)
-            n = m.sum().clamp(min=1)
-            rejected, stat_mean = (m & ~keep).sum() / n, k.sum() / n
+            n = count(m).clamp(min=1)
+            rejected, stat_mean = count(m & ~keep) / n, k.sum() / n
         else:
             if aggregate == "seq_sum":
                 stat = k.sum(dim=-1)
             elif aggregate == "seq_mean":
-                stat = k.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
+                stat = k.sum(dim=-1) / count(m, dim=-1).clamp(min=1)
             else:  # k ≥ 0, so the 0s at padding never win the max
                 stat = k.amax(dim=-1)
-            keep_row = (stat <= u) & ~(m & ~defined).any(dim=-1)
+            keep_row = (stat <= u) & (count(m & ~defined, dim=-1) == 0)
             keep = broadcast_rows(m, keep_row)
-            nonempty = m.any(dim=-1)
+            nonempty = count(m, dim=-1) > 0
             rejected, stat_mean = mean_over_sequences(~keep_row, nonempty), mean_over_sequences(stat, nonempty)
         metrics = {f"{label}/rejected_frac": rejected, f"{label}/stat_mean": stat_mean}
-        return CorrectionResult(m.float(), keep, metrics, weight_level=None)
+        return CorrectionResult(float_mask(m), keep, metrics, weight_level=None)
 
     return Correction(label, apply, {"mode": mode, "upper": u, "source": source})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from offpolicy.ratios import LEVELS
+from offpolicy.ratios import LEVELS, count, zero_outside
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ class TokenInputs:
             return token
         per_sequence = token.detach().sum(dim=-1, keepdim=True)
         if level == "geometric":
-            per_sequence = per_sequence / self.valid.sum(dim=-1, keepdim=True).clamp(min=1)
-        return torch.where(self.valid, per_sequence + (self.logp - self.logp.detach()), 0.0)
+            per_sequence = per_sequence / count(self.valid, dim=-1).unsqueeze(-1).clamp(min=1)
+        return zero_outside(per_sequence + (self.logp - self.logp.detach()), self.valid)
 
 
 @dataclass(frozen=True)
