@@ -1,4 +1,4 @@
-"""Built-in verifiable tasks (arithmetic, countdown), JSONL tasks and reward validation."""
+"""Built-in verifiable tasks (arithmetic, countdown, pattern), JSONL tasks and reward validation."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from offpolicy.tasks.arithmetic import ArithmeticTask
 from offpolicy.tasks.base import Example, RewardError, RewardFn, Task, check_rewards, compute_rewards
 from offpolicy.tasks.countdown import CountdownTask, safe_eval
 from offpolicy.tasks.jsonl import JsonlTask, exact_match_reward
+from offpolicy.tasks.pattern import PatternTask
 
-BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "pattern": PatternTask}
 # A small JSONL task shipped as package data: the format example for ``--task path.jsonl``.
 EXAMPLE_JSONL = Path(__file__).parent / "data" / "times_table.jsonl"
 
 
 def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None) -> Task:
-    """A built-in task by name ("arithmetic", "countdown") or a :class:`JsonlTask` from a ``.jsonl`` path.
+    """A built-in task by name ("arithmetic", "countdown", "pattern") or a :class:`JsonlTask` from a ``.jsonl`` path.
 
     ``reward_fn`` replaces the JSONL task's default exact match; built-in tasks have their own reward and
     reject one (ValueError) rather than silently ignoring it.
@@ -25,7 +26,7 @@ def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None) -> Tas
     >>> get_task("sudoku")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown'] or a path to a .jsonl file
+    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown', 'pattern'] or a path to a .jsonl file
     """
     key = str(name_or_path)
     if key in BUILTIN_TASKS:
@@ -44,6 +45,7 @@ __all__ = [
     "CountdownTask",
     "Example",
     "JsonlTask",
+    "PatternTask",
     "RewardError",
     "RewardFn",
     "Task",
