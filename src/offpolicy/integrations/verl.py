@@ -28,7 +28,9 @@ verl's own extension points:
 2. **Rollout correction.** verl's policy-loss signature does not carry the rollout log-probs μ, so corrections that need
    μ (TIS/MIS/IcePop/OPSM/TRM) run where verl computes its ``rollout_is_weights``: :func:`rollout_correction` takes
    ``old_log_prob``, ``rollout_log_probs`` and ``response_mask`` from the batch and returns weights and a keep mask
-   (fold ``keep`` into ``response_mask``-weighted weights: ``weights * keep``) plus metrics. The name table in
+   plus metrics. Write ``response_mask * keep`` and ``weights`` back to the batch (as ``response_mask`` and
+   ``rollout_is_weights``) to do what verl's ``compute_rollout_correction_and_add_to_batch`` does — a rejected token
+   leaves the loss's denominators; or keep ``response_mask`` and pass ``weights * keep`` to leave it in them. The name table in
    ``offpolicy.corrections.importance`` says which offpolicy correction reproduces each verl ``rollout_is``/``rollout_rs``
    setting — with one difference on purpose: our ``mis(lower=L, upper=U)`` bounds act on ρ itself, never on 1/ρ.
 
