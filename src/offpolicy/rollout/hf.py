@@ -17,16 +17,21 @@ tokens with an fp32 full forward. Optional knobs add the other mismatch sources 
   log-prob while generating and the same token re-scored in one forward by the same bf16 model (0 with "eager";
   ~1e-6 in fp32 either way). That is a real KV-cache mismatch source, opt-in so that by default
   :meth:`HFRolloutEngine.score` reproduces μ exactly.
+* ``record_routes`` (mixture-of-experts models): the experts each router picked for every prompt and completion
+  position are returned in ``RolloutOutput.routed_experts``, for the trainer to replay (R3, see
+  :mod:`offpolicy.rollout.routing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
+from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
 from offpolicy.rollout.sampling import SamplingConfig, process_logits, sample_tokens, topk_logprobs
 from offpolicy.rollout.scoring import score_tokens
 
@@ -90,6 +95,7 @@ class HFRolloutEngine:
         kv_cache: generate incrementally with a KV cache (True) or with a full forward per step (False).
         kv_cache_bits / weight_bits / logit_noise: extra mismatch sources, see the module docstring.
         attn_implementation: attention kernel of the engine's copy ("eager", "sdpa"; None keeps the model's).
+        record_routes: return each token's routed experts (MoE models only; ``ValueError`` otherwise).
         tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
             tokenizer's, then the model config's.
 
@@ -114,6 +120,7 @@ class HFRolloutEngine:
         tokenizer=None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
+        record_routes: bool = False,
     ) -> None:
         self.dtype = _as_dtype(dtype)
         _check_bits("kv_cache_bits", kv_cache_bits)
@@ -137,6 +144,9 @@ class HFRolloutEngine:
             self.model.set_attn_implementation(attn_implementation)
         for p in self.model.parameters():
             p.data = p.data.to(self.dtype)
+        self.record_routes = bool(record_routes)
+        if self.record_routes:
+            find_routers(self.model)  # a dense model has nothing to record: say so now, not after generating
         self.sync_weights(model)
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -195,13 +205,19 @@ class HFRolloutEngine:
         step_ids, step_pos = ids, pos
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         toks, logps, valids, tk_v, tk_i = [], [], [], [], []
+        recorder = RouteRecorder(self.model, batch_size=b) if self.record_routes else contextlib.nullcontext()
+        route_blocks = []  # [B, new columns, L, k] per step: the routes of the positions forwarded for the first time
         for _ in range(cfg.max_new_tokens):
-            if self.kv_cache:
-                logits = self._logits(step_ids, attn, step_pos, cache)
-            else:
-                # Full forward every step; a fresh (possibly quantised) cache only replays KV quantisation.
-                fresh = self._new_cache() if self.kv_cache_bits is not None else None
-                logits = self._logits(ids, attn, pos, fresh)
+            with recorder:
+                if self.kv_cache:
+                    logits = self._logits(step_ids, attn, step_pos, cache)
+                else:
+                    # Full forward every step; a fresh (possibly quantised) cache only replays KV quantisation.
+                    fresh = self._new_cache() if self.kv_cache_bits is not None else None
+                    logits = self._logits(ids, attn, pos, fresh)
+            if self.record_routes:
+                forwarded = sum(block.shape[1] for block in route_blocks)
+                route_blocks.append(recorder.pop()[:, forwarded - ids.shape[1]:])
             if self.logit_noise > 0:
                 logits = logits + self.logit_noise * torch.randn(logits.shape, generator=noise_gen, device=device)
             lp = process_logits(logits, cfg)
@@ -231,6 +247,12 @@ class HFRolloutEngine:
         texts = None
         if self.tokenizer is not None:
             texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        routed_experts = None
+        if self.record_routes:  # every position but the last sampled token (never fed back): P + C − 1 per row
+            routes = torch.cat(route_blocks, dim=1)
+            forwarded_attn = attn[:, : routes.shape[1]]
+            routed_experts = split_routes(routes, forwarded_attn,
+                                          [len(p) + n - 1 for p, n in zip(prompt_ids, lengths)])
         return RolloutOutput(
             prompt_ids=[list(p) for p in prompt_ids],
             completion_ids=completion_ids,
@@ -239,6 +261,7 @@ class HFRolloutEngine:
             topk_logp=torch.stack(tk_v, 1).float() if tk_v else None,
             topk_ids=torch.stack(tk_i, 1) if tk_i else None,
             texts=texts,
+            routed_experts=routed_experts,
         )
 
     # -- re-scoring ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import pad_ids
+from offpolicy.rollout.routing import replay_routes
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 
 
@@ -36,6 +37,7 @@ def score_tokens(
     dtype: torch.dtype | None = None,
     return_logits: bool = False,
     past_key_values_factory=None,
+    routes: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """:func:`sequence_logprobs` with an optional cache factory (the engines use it to replay KV quantisation)."""
     if len(prompt_ids) != len(completion_ids):
@@ -61,7 +63,8 @@ def score_tokens(
         kwargs = {"past_key_values": past_key_values_factory(), "use_cache": True}
     else:
         kwargs = {"use_cache": False}
-    with _forward_context(model, dtype):
+    replay = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
+    with _forward_context(model, dtype), replay:
         out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
     logits = torch.gather(out.logits, 1, src[..., None].expand(b, t_max, out.logits.shape[-1])).float()
     logp_all = process_logits(logits, cfg)
@@ -78,6 +81,7 @@ def sequence_logprobs(
     *,
     dtype: torch.dtype = torch.float32,
     return_logits: bool = False,
+    routes: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """Log-probs ``[B, T]`` of ``completion_ids`` given ``prompt_ids`` under one batched full forward.
 
@@ -89,6 +93,11 @@ def sequence_logprobs(
     ``dtype``: forward precision; the model's own dtype, or bf16/fp16 via autocast (mixed-precision trainer).
     Gradients flow if the caller did not disable them (π_θ); wrap in ``torch.no_grad()`` for π_old.
 
+    ``routes`` (mixture-of-experts models): one ``[P_i + C_i − 1, L, k]`` tensor per row, e.g. the engine's
+    ``RolloutOutput.routed_experts`` — the forward routes each token to the recorded experts, with gate weights from
+    this model's own router logits (routing replay, :func:`offpolicy.rollout.routing.replay_routes`; use that
+    context manager directly for the flip rate).
+
     Returns ``(logp [B, T] float32 (0 at padding), mask [B, T] bool)`` and, with ``return_logits=True``, also the
     *raw* float32 logits ``[B, T, V]`` at the same positions (apply :func:`process_logits` for the processed ones,
     e.g. for TRM's exact KL). ``T`` = longest completion.
@@ -99,4 +108,5 @@ def sequence_logprobs(
     >>> logp.shape, mask.tolist(), bool((logp[mask] < 0).all())
     (torch.Size([2, 2]), [[True, True], [True, False]], True)
     """
-    return score_tokens(model, prompt_ids, completion_ids, cfg, dtype=dtype, return_logits=return_logits)
+    return score_tokens(model, prompt_ids, completion_ids, cfg, dtype=dtype, return_logits=return_logits,
+                        routes=routes)
