@@ -76,3 +76,22 @@ def test_min_p_with_top_p_is_refused_because_vllm_orders_them_differently():
         check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_p=0.9, min_p=0.05))
     check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_k=20, min_p=0.05))
     check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_p=0.9))
+
+
+def test_routed_experts_pass_through_cut_to_the_forwarded_positions():
+    import numpy as np
+
+    # prompt of 2 + completion of 2 tokens: vLLM may return all 4 positions; the trainer replays P + C − 1 = 3
+    routed = np.arange(4 * 3 * 2, dtype=np.int16).reshape(4, 3, 2) % 8
+    results = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 2], text="x", routed_experts=routed,
+                                                        logprobs=[{5: _lp(-0.1)}, {2: _lp(-1.9)}])])]
+    out = _to_output([[1, 3]], results, k=0, routes=True)
+    assert out.routed_experts[0].shape == (3, 3, 2) and out.routed_experts[0].dtype == torch.int16
+    assert out.routed_experts[0].tolist() == routed[:3].tolist()
+    assert _to_output([[1, 3]], results, k=0).routed_experts is None
+    results[0].outputs[0].routed_experts = None
+    with pytest.raises(ValueError, match="no routed_experts"):
+        _to_output([[1, 3]], results, k=0, routes=True)
+    results[0].outputs[0].routed_experts = routed[:2]
+    with pytest.raises(ValueError, match=r"positions >= 3"):
+        _to_output([[1, 3]], results, k=0, routes=True)

@@ -11,8 +11,15 @@ Notes that matter for corrections:
 * Weight sync writes the trainer's tensors through the model's ``load_weights`` inside the (in-process, TP = 1)
   worker, then resets the prefix cache so no KV computed with old weights is reused.
 
+* ``record_routes=True`` (mixture-of-experts models) starts vLLM with ``enable_return_routed_experts`` and passes
+  each request's ``CompletionOutput.routed_experts`` (``[positions, layers, k]``) through as
+  ``RolloutOutput.routed_experts``, cut to the P + C − 1 forwarded positions the trainer replays
+  (:mod:`offpolicy.rollout.routing`). vLLM indexes layers by decoder layer; the replay needs one per MoE router, so
+  a model with dense layers between its MoE layers is refused at replay time (layer count). Written from vLLM's
+  documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path.
+
 This module imports without vLLM; constructing the engine without it raises an ``ImportError`` that says how to
-install it. It is not exercised by the CPU test-suite.
+install it. It is not exercised by the CPU test-suite (the output conversion is).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 import torch
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
+from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 
 VLLM_MISSING = (
@@ -59,6 +67,7 @@ class VLLMRolloutEngine:
         model_path: local directory with config, safetensors weights and tokenizer (no download happens).
         dtype: vLLM's weight/activation dtype, "bfloat16" by default.
         max_logprobs: upper bound on ``SamplingConfig.logprobs_topk``.
+        record_routes: return each token's routed experts (MoE models; vLLM's ``enable_return_routed_experts``).
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``kv_cache_dtype="fp8"``).
     """
 
@@ -69,9 +78,13 @@ class VLLMRolloutEngine:
         dtype: str = "bfloat16",
         max_logprobs: int = 20,
         tokenizer=None,
+        record_routes: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         vllm = _import_vllm()
+        self.record_routes = bool(record_routes)
+        if self.record_routes:
+            llm_kwargs.setdefault("enable_return_routed_experts", True)
         # Weight sync reaches into the worker process, which needs the engine core in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._vllm = vllm
@@ -123,11 +136,25 @@ class VLLMRolloutEngine:
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
-        return _to_output(prompt_ids, results, cfg.logprobs_topk)
+        return _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes)
 
 
-def _to_output(prompt_ids: list[list[int]], results: list, k: int) -> RolloutOutput:
-    """Convert vLLM ``RequestOutput``s into a padded :class:`RolloutOutput`."""
+def _routes(prompt: list[int], completion: list[int], output: Any) -> torch.Tensor:
+    """vLLM's ``routed_experts`` of one request as ``[P + C − 1, L, k]`` (it may also cover the last token)."""
+    routed = getattr(output, "routed_experts", None)
+    if routed is None:
+        raise ValueError("vLLM returned no routed_experts: record_routes needs a mixture-of-experts model and a vLLM "
+                         "with enable_return_routed_experts")
+    routed = torch.as_tensor(routed)
+    forwarded = len(prompt) + len(completion) - 1
+    if routed.dim() != 3 or routed.shape[0] < forwarded:
+        raise ValueError(f"vLLM's routed_experts must be [positions >= {forwarded}, layers, k], got {tuple(routed.shape)}")
+    return routed[:forwarded].to(route_dtype(int(routed.max()) + 1))
+
+
+def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bool = False) -> RolloutOutput:
+    """Convert vLLM ``RequestOutput``s into a padded :class:`RolloutOutput` (with each request's routed experts if
+    ``routes``)."""
     completions = [list(r.outputs[0].token_ids) for r in results]
     b, t = len(completions), max((len(c) for c in completions), default=0)
     logp = torch.zeros(b, t)
@@ -155,4 +182,6 @@ def _to_output(prompt_ids: list[list[int]], results: list, k: int) -> RolloutOut
         topk_logp=topk_logp,
         topk_ids=topk_ids,
         texts=[r.outputs[0].text for r in results],
+        routed_experts=[_routes(p, c, r.outputs[0]) for p, c, r in zip(prompt_ids, completions, results)]
+        if routes else None,
     )
