@@ -33,6 +33,8 @@ class RolloutOutput:
     * ``routed_experts``: for mixture-of-experts models when the engine records routes, one integer tensor
       ``[P_i + C_i − 1, L, k]`` per row — the k experts of each of the L MoE layers at every position the engine
       forwarded (the prompt and the completion but its last token); else None. See :mod:`offpolicy.rollout.routing`.
+    * ``sampling``: the recipe the engine applied (every logits processor, its temperature after any floor); with
+      ``prompt_ids`` and ``completion_ids`` (the token history each step saw) it is what the trainer scores with.
     """
 
     prompt_ids: list[list[int]]
@@ -43,6 +45,7 @@ class RolloutOutput:
     topk_ids: Tensor | None = None
     texts: list[str] | None = None
     routed_experts: list[Tensor] | None = None
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
         b = len(self.prompt_ids)

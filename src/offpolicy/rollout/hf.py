@@ -32,7 +32,7 @@ from torch import Tensor
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
-from offpolicy.rollout.sampling import SamplingConfig, process_logits, sample_tokens, topk_logprobs
+from offpolicy.rollout.sampling import SamplingConfig, TokenHistory, process_logits, sample_tokens, topk_logprobs
 from offpolicy.rollout.scoring import score_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,7 +189,9 @@ class HFRolloutEngine:
 
         Left-padded batch with positions cumsum(mask) − 1, so each row sees the same positions as alone.
         Rows stop at eos (eos included in ``completion_ids`` and ``mask``). Returned ``logp`` is the processed
-        log-prob (cfg's temperature/top-k/top-p/min-p) of each sampled token from the engine's own logits.
+        log-prob of each sampled token from the engine's own logits: every processor of ``cfg`` (bad words, logit
+        bias, repetition / frequency / presence penalties over the prompt and the tokens sampled so far,
+        temperature, top-k/top-p/min-p), reported back as ``RolloutOutput.sampling``.
         """
         if not isinstance(cfg, SamplingConfig):
             raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
@@ -205,6 +207,7 @@ class HFRolloutEngine:
         step_ids, step_pos = ids, pos
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         toks, logps, valids, tk_v, tk_i = [], [], [], [], []
+        history = None  # what the penalties and multi-token bad words see: the prompt, then each sampled token
         recorder = RouteRecorder(self.model, batch_size=b) if self.record_routes else contextlib.nullcontext()
         route_blocks = []  # [B, new columns, L, k] per step: the routes of the positions forwarded for the first time
         for _ in range(cfg.max_new_tokens):
@@ -220,10 +223,14 @@ class HFRolloutEngine:
                 route_blocks.append(recorder.pop()[:, forwarded - ids.shape[1]:])
             if self.logit_noise > 0:
                 logits = logits + self.logit_noise * torch.randn(logits.shape, generator=noise_gen, device=device)
-            lp = process_logits(logits, cfg)
+            if cfg.reads_history and history is None:
+                history = TokenHistory.start(prompt_ids, logits.shape[-1], cfg, device)
+            lp = process_logits(logits, cfg, history)
             nxt = sample_tokens(lp, gen)
             valid = ~finished
             nxt = torch.where(valid, nxt, torch.full_like(nxt, self.pad_token_id))
+            if history is not None:
+                history.advance(nxt, valid)
             toks.append(nxt)
             logps.append(torch.where(valid, lp.gather(-1, nxt[:, None]).squeeze(-1), torch.zeros(b, device=device)))
             valids.append(valid)
@@ -262,6 +269,7 @@ class HFRolloutEngine:
             topk_ids=torch.stack(tk_i, 1) if tk_i else None,
             texts=texts,
             routed_experts=routed_experts,
+            sampling=cfg,
         )
 
     # -- re-scoring ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from offpolicy.rollout.base import pad_ids
 from offpolicy.rollout.routing import replay_routes
-from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.sampling import SamplingConfig, completion_history, process_logits
 
 
 def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
@@ -67,7 +67,10 @@ def score_tokens(
     with _forward_context(model, dtype), replay:
         out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
     logits = torch.gather(out.logits, 1, src[..., None].expand(b, t_max, out.logits.shape[-1])).float()
-    logp_all = process_logits(logits, cfg)
+    history = None
+    if cfg is not None and cfg.reads_history:  # penalties see the prompt and the completion tokens before each one
+        history = completion_history(prompt_ids, completion_ids, logits.shape[-1], cfg, device)
+    logp_all = process_logits(logits, cfg, history)
     logp = torch.gather(logp_all, -1, targets[..., None]).squeeze(-1)
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     return (logp, mask, logits) if return_logits else (logp, mask)
@@ -86,8 +89,9 @@ def sequence_logprobs(
     """Log-probs ``[B, T]`` of ``completion_ids`` given ``prompt_ids`` under one batched full forward.
 
     Rows are right-padded (positions 0..L−1, the same positions a left-padded engine assigns with
-    cumsum(attention_mask) − 1). Logits are cast to float32 and processed with ``cfg`` (temperature, top-k/p,
-    min-p — :func:`process_logits`; ``cfg=None``: plain log-softmax). A sampled token that the processing removed
+    cumsum(attention_mask) − 1). Logits are cast to float32 and processed with ``cfg`` — the engine's whole recipe
+    (bad words, logit bias, penalties over the prompt and the earlier completion tokens, temperature, top-k/p,
+    min-p: :func:`process_logits`; ``cfg=None``: plain log-softmax). A sampled token that the processing removed
     gets −inf (the engine could not have sampled it with that config — the caller decides how to treat it).
 
     ``dtype``: forward precision; the model's own dtype, or bf16/fp16 via autocast (mixed-precision trainer).

@@ -6,6 +6,9 @@ Notes that matter for corrections:
 
 * vLLM applies min-p *before* top-k/top-p; :func:`offpolicy.rollout.sampling.process_logits` (HF order) applies
   it after. The two agree whenever at most one truncation is active; score with the same single truncation.
+* The recipe's penalties and logit bias map onto vLLM's own (same definitions: see
+  :mod:`offpolicy.rollout.sampling`); the reported recipe carries vLLM's temperature floor (0.01). Bad words given
+  as token ids, a logit bias beyond ±100 and greedy temperatures are refused (:func:`vllm_sampling`).
 * ``SamplingParams.logprobs = K`` returns the K most likely tokens *plus* the sampled one; K is capped by the
   engine's ``max_logprobs`` (pass ``max_logprobs`` to the constructor for larger K).
 * Weight sync writes the trainer's tensors through the model's ``load_weights`` inside the (in-process, TP = 1)
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -58,6 +62,45 @@ def check_vllm_filter_order(cfg: SamplingConfig) -> None:
     if cfg.min_p and cfg.top_p is not None and cfg.top_p < 1.0:
         raise ValueError("min_p with top_p: vLLM applies min-p before top-p and the trainer's scoring after it, so "
                          "the sampled and the scored distributions differ; use one of the two")
+
+
+VLLM_MIN_TEMPERATURE = 1e-2  # vLLM raises 0 < T < 0.01 to 0.01 (its sampling_params._MAX_TEMP)
+VLLM_GREEDY_BELOW = 1e-5  # and samples greedily below 1e-5 (_SAMPLING_EPS): no distribution to replay
+VLLM_LOGIT_BIAS_BOUND = 100.0  # vLLM clamps each logit_bias value to [−100, 100] (OpenAI's range)
+
+
+def vllm_sampling(cfg: SamplingConfig) -> tuple[dict[str, Any], SamplingConfig]:
+    """``SamplingParams`` keyword arguments for ``cfg``'s processors, and the recipe vLLM will apply — ``cfg`` with
+    the temperature after vLLM's floor — which the engine reports. A processor vLLM would apply differently from
+    the trainer's replay is refused, naming it.
+
+    >>> kwargs, applied = vllm_sampling(SamplingConfig(temperature=0.005, repetition_penalty=1.1))
+    >>> kwargs["temperature"], applied.temperature, kwargs["repetition_penalty"]
+    (0.01, 0.01, 1.1)
+    """
+    check_vllm_filter_order(cfg)
+    if cfg.bad_words_ids:
+        raise ValueError("bad_words: vLLM takes bad words as strings and bans the tokenisations it makes of them "
+                         "(with and without a leading space), not these token ids; ban single tokens with "
+                         "logit_bias={id: -100.0} or sample with the HF engine")
+    if any(abs(b) > VLLM_LOGIT_BIAS_BOUND for _, b in cfg.logit_bias):
+        raise ValueError(f"logit_bias: vLLM clamps each bias to [-{VLLM_LOGIT_BIAS_BOUND:g}, "
+                         f"{VLLM_LOGIT_BIAS_BOUND:g}], so a larger one would be scored with another value")
+    if cfg.temperature < VLLM_GREEDY_BELOW:
+        raise ValueError(f"temperature: below {VLLM_GREEDY_BELOW:g} vLLM samples greedily (argmax), a distribution "
+                         "the trainer cannot score")
+    applied = replace(cfg, temperature=max(cfg.temperature, VLLM_MIN_TEMPERATURE))
+    kwargs = {
+        "temperature": applied.temperature,
+        "top_k": cfg.top_k if cfg.top_k is not None else -1,
+        "top_p": cfg.top_p if cfg.top_p is not None else 1.0,
+        "min_p": cfg.min_p if cfg.min_p is not None else 0.0,
+        "repetition_penalty": cfg.repetition_penalty,
+        "presence_penalty": cfg.presence_penalty,
+        "frequency_penalty": cfg.frequency_penalty,
+        "logit_bias": dict(cfg.logit_bias) or None,
+    }
+    return kwargs, applied
 
 
 class VLLMRolloutEngine:
@@ -117,16 +160,13 @@ class VLLMRolloutEngine:
         if not isinstance(cfg, SamplingConfig):
             raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
         check_prompt_ids(prompt_ids)
-        check_vllm_filter_order(cfg)
+        processors, applied = vllm_sampling(cfg)
         sp = self._vllm.SamplingParams
         params = [
             sp(
                 n=1,
                 max_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k if cfg.top_k is not None else -1,
-                top_p=cfg.top_p if cfg.top_p is not None else 1.0,
-                min_p=cfg.min_p if cfg.min_p is not None else 0.0,
+                **processors,
                 logprobs=max(cfg.logprobs_topk, 0),  # 0 still returns the sampled token's log-prob
                 seed=int(seed) + i,
                 detokenize=True,
@@ -136,7 +176,7 @@ class VLLMRolloutEngine:
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
-        return _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes)
+        return _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes, sampling=applied)
 
 
 def _routes(prompt: list[int], completion: list[int], output: Any) -> torch.Tensor:
@@ -152,7 +192,8 @@ def _routes(prompt: list[int], completion: list[int], output: Any) -> torch.Tens
     return routed[:forwarded].to(route_dtype(int(routed.max()) + 1))
 
 
-def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bool = False) -> RolloutOutput:
+def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bool = False,
+               sampling: SamplingConfig | None = None) -> RolloutOutput:
     """Convert vLLM ``RequestOutput``s into a padded :class:`RolloutOutput` (with each request's routed experts if
     ``routes``)."""
     completions = [list(r.outputs[0].token_ids) for r in results]
@@ -184,4 +225,5 @@ def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bo
         texts=[r.outputs[0].text for r in results],
         routed_experts=[_routes(p, c, r.outputs[0]) for p, c, r in zip(prompt_ids, completions, results)]
         if routes else None,
+        sampling=sampling,
     )
