@@ -171,15 +171,23 @@ class replay_routes:  # noqa: N801  (a context manager used like a function: ``w
                 raise ValueError(f"routes[{i}] must hold integer expert ids, got {r.dtype}")
         self.routes = list(routes)
         self.mode = mode
-        self.flips = 0
-        self.routed = 0
+        self._counts: list[tuple[Tensor, Tensor]] = []  # (flipped, recorded) per router call, summed when read
         self._renormalises: dict[int, bool] = {}
         self._targets: dict[int, tuple[Tensor, Tensor]] = {}
         self._handles: list = []
 
     @property
+    def flips(self) -> int:
+        return int(sum(int(f) for f, _ in self._counts))
+
+    @property
+    def routed(self) -> int:
+        return int(sum(int(n) for _, n in self._counts))
+
+    @property
     def flip_rate(self) -> float:
-        return self.flips / self.routed if self.routed else 0.0
+        routed = self.routed
+        return self.flips / routed if routed else 0.0
 
     def __enter__(self) -> replay_routes:
         for position, router in enumerate(self.routers):
@@ -217,10 +225,9 @@ class replay_routes:  # noqa: N801  (a context manager used like a function: ``w
             target, has = self._target(position, native.shape[0], native.device)
             if position not in self._renormalises:
                 self._renormalises[position] = _gate_renormalises(module, logits, weights, native)
-            with torch.no_grad():
+            with torch.no_grad():  # counted on the device; read (one sync) only when flip_rate is asked for
                 differs = (native.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1) & has
-                self.flips += int(differs.sum())
-                self.routed += int(has.sum())
+                self._counts.append((differs.sum(), has.sum()))
             if self.mode == "compare":
                 return None
             experts = torch.where(has[:, None], target, native)
