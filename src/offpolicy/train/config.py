@@ -70,6 +70,9 @@ class RolloutConfig(_Section):
     kv_cache_bits: int | None = None
     weight_bits: int | None = None
     logit_noise: float = Field(0.0, ge=0)
+    # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
+    # routes in the π_θ forwards (offpolicy.rollout.routing)
+    routing_replay: Literal["none", "r2", "r3"] = "none"
     sampling: SamplingSection = Field(default_factory=SamplingSection)
 
 
