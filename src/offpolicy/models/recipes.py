@@ -55,8 +55,8 @@ RECIPES: dict[str, ModelRecipe] = {
         config=LAB_CONFIG,
         task_name="pattern",
         task_args={"length": 32, "period": 4},
-        warm=WarmStartRecipe(steps=300, batch_size=64, lr=3e-3, context_noise=0.5, calibration_steps=100,
-                             smoothing=0.9),
+        warm=WarmStartRecipe(steps=200, batch_size=64, lr=3e-3, context_noise=0.5, calibration_steps=80,
+                             smoothing=0.85),
     ),
 }
 

@@ -81,7 +81,8 @@ class TrainResult:
 
 
 def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
-    """``tiny`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local HF path.
+    """``tiny`` / ``lab`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local
+    HF path.
 
     A local path is loaded with ``local_files_only=True``: offpolicy never downloads weights.
     """
@@ -90,10 +91,10 @@ def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
         from offpolicy.models.tiny import build_tiny_model
 
         model, tok = build_tiny_model(cfg.run.seed, **m.tiny_config)
-    elif m.path == "tiny":
-        from offpolicy.train.data import load_tiny
+    elif m.path in ("tiny", "lab"):
+        from offpolicy.models import load_model as load_embedded, get_recipe
 
-        model, tok = load_tiny(m.cache_dir, m.tiny_config)
+        model, tok = load_embedded(get_recipe(m.path).with_overrides(m.tiny_config), m.cache_dir)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
