@@ -289,3 +289,39 @@ def test_an_out_dir_that_cannot_be_created_is_named(tmp_path, fresh, make_overri
     cfg = load_config(None, make_overrides(tmp_path / "a_file" / "run"))
     with pytest.raises(ValueError, match=r"run\.out_dir .*a_file/run.* cannot be created"):
         train(cfg, model=model, tokenizer=tok, task=varying_task())
+
+
+def test_on_step_end_with_the_state_changes_the_corrections_and_the_learning_rate(tmp_path, fresh, make_overrides,
+                                                                                  varying_task):
+    # a per-step controller: after step 1 it rebuilds the chain with new parameters and lowers the learning rate
+    model, tok = fresh
+    seen = []
+
+    def controller(step, metrics, state):
+        seen.append((step, state.lr))
+        if step == 1:
+            state.set_corrections([{"name": "tis", "upper": 1.5}])
+            state.set_lr(1e-6)
+
+    res = train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok,
+                task=varying_task(), on_step_end=controller)
+    assert seen == [(1, 1e-3), (2, 1e-6)]
+    assert "tis/clipped_frac" not in res.history[0] and "tis/clipped_frac" in res.history[1]
+    assert res.state.correction_specs == [{"name": "tis", "upper": 1.5}]
+    with pytest.raises(ValueError, match="unknown correction 'nope'"):
+        res.state.set_corrections(["nope"])
+    assert res.state.correction_specs == [{"name": "tis", "upper": 1.5}]  # a bad spec changes nothing
+    with pytest.raises(ValueError, match="lr"):
+        res.state.set_lr(float("nan"))
+
+
+@pytest.mark.parametrize("naming, key", [("swift", "rollout_correction/kl"), ("verl", "rollout_corr/kl"),
+                                         ("trl", "sampling/kl")])
+def test_the_trainer_writes_the_mismatch_metrics_under_the_chosen_names(naming, key, tmp_path, fresh, make_overrides,
+                                                                        varying_task):
+    model, tok = fresh
+    cfg = load_config(None, make_overrides(tmp_path, "tis", steps=1, run__metric_naming=naming))
+    train(cfg, model=model, tokenizer=tok, task=varying_task())
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert key in row and math.isfinite(row[key])
+    assert "reward/mean" in row and "loss/grad_norm" in row and "correction/masked_frac" in row

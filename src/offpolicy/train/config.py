@@ -15,13 +15,18 @@ ValueError: unknown config key 'algorithm.bogus' (valid keys in 'algorithm': ...
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
+import sys
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from offpolicy.train.presets import PRESET_PARAMETERS, PRESETS
 
 
 EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need no directory
@@ -83,15 +88,21 @@ class RolloutConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """A preset names a correction chain + objective; the fields below tune it (None = the preset's default)."""
+    """A preset names a correction chain + objective; the fields below tune it (None = the preset's default).
+
+    ``corrections`` (registered names, each ``name`` or ``{name: ..., **params}``) replaces the preset's corrections;
+    ``objective`` (a registered name or ``{name: ..., **params}``) its objective. ``clip_low`` / ``clip_high`` /
+    ``dual_clip`` / ``level`` set the objective's parameters of these names (ε_low 0.2 and ε_high 0.28 by default).
+    """
 
     preset: str = "naive"
-    objective: Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"] | None = None
+    corrections: list[Union[str, dict[str, Any]]] | None = None
+    objective: Union[str, dict[str, Any], None] = None
     level: Literal["token", "sequence", "geometric"] | None = None  # ratio level of the objective (GSPO-style)
-    clip_low: float | None = Field(None, ge=0, lt=1)
+    clip_low: float | None = Field(None, ge=0, le=1)  # 1: no lower bound (r ≥ 0), e.g. CISPO as MiniMax ran it
     clip_high: float | None = Field(None, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum"] = "token_mean"
+    aggregation: str = "token_mean"  # a registered aggregation (token_mean, seq_mean_token_mean, … token_sum)
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     group_size: int = Field(4, ge=1)
     # correction parameters (used by the presets that need them)
@@ -108,10 +119,46 @@ class AlgorithmConfig(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        from offpolicy.train.presets import PRESETS
-
         if v not in PRESETS:
             raise ValueError(f"algorithm.preset {v!r} is unknown; choose one of {sorted(PRESETS)}")
+        return v
+
+    @field_validator("corrections")
+    @classmethod
+    def _buildable_corrections(cls, v: list[Any] | None) -> list[Any] | None:
+        """Every spec names a registered correction and parameters it takes (built here, so errors come first)."""
+        from offpolicy.registry import build_correction
+
+        if v is None:
+            return v
+        names: list[str] = []
+        for i, spec in enumerate(v):
+            try:
+                correction = build_correction(spec)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"entry {i}: {err}") from None
+            if correction is not None and correction.name in names:
+                raise ValueError(f"entry {i}: a second {correction.name!r} would overwrite the "
+                                 "first one's metrics (importance(name=...) gives an importance correction its own)")
+            names.append(correction.name if correction is not None else "")
+        return v
+
+    @field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, v: Any) -> Any:
+        from offpolicy.losses import resolve_objective
+
+        if v is not None:
+            resolve_objective(v)
+        return v
+
+    @field_validator("aggregation")
+    @classmethod
+    def _registered_aggregation(cls, v: str) -> str:
+        from offpolicy.registry import AGGREGATIONS
+
+        if v not in AGGREGATIONS:
+            raise ValueError(f"{v!r} is unknown; registered: {', '.join(AGGREGATIONS.names())}")
         return v
 
 
@@ -142,6 +189,7 @@ class RunConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
     threads: int | None = Field(None, ge=1)
+    metric_naming: Literal["swift", "verl", "trl"] = "swift"  # the mismatch diagnostics under whose names
 
     @field_validator("device")
     @classmethod
@@ -167,6 +215,8 @@ class RunConfig(_Section):
 
 
 class TrainConfig(_Section):
+    # modules imported before the rest is read, so that the corrections / objectives they register can be named
+    plugins: list[str] = Field(default_factory=list)
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -174,6 +224,17 @@ class TrainConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     alp: ALPConfig = Field(default_factory=ALPConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            plugins = data.get("plugins") or []
+            if not isinstance(plugins, list):
+                raise ValueError(f"plugins must be a list of modules, got {plugins!r}")
+            for module in plugins:
+                import_plugin(module)
+        return data
 
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
@@ -194,21 +255,22 @@ class TrainConfig(_Section):
                              "π_{θ,σ}/μ is the bypass objective)")
         if a.preset == "alp" and a.level is not None:
             raise ValueError("algorithm.level does not apply to preset 'alp': set alp.level (token | geometric | sequence)")
-        if a.objective == "gspo" and a.level == "sequence":
-            raise ValueError("algorithm.level='sequence' contradicts algorithm.objective='gspo' (GSPO is geometric)")
-        if a.objective == "reinforce" and (a.level not in (None, "token") or a.dual_clip is not None):
-            raise ValueError("algorithm.level / algorithm.dual_clip do not apply to algorithm.objective='reinforce'")
+        objective_call(self)  # the objective takes the clip / level keys that are set
+        if a.corrections is not None:
+            fields = AlgorithmConfig.model_fields
+            tuned = sorted(k for k in PRESET_PARAMETERS if getattr(a, k) != fields[k].default)
+            if tuned:
+                raise ValueError(f"algorithm.{tuned[0]} tunes the preset's own corrections; with algorithm.corrections "
+                                 "set, give the parameter in that correction's entry")
         if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
             raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
-        from offpolicy.train.presets import PRESETS  # presets does not import this module at run time
-
         r = self.rollout.sampling
         if a.preset in PRESETS and PRESETS[a.preset].minp and (r.top_k or r.top_p < 1.0 or r.min_p > a.dvp_rho):
             # the trainer scores DVP's min-p safe set only: any other truncation would make μ a different
             # distribution from the one scored, and every ratio would carry the truncated mass as fake mismatch
             raise ValueError(f"rollout.sampling.top_k / top_p / min_p > algorithm.dvp_rho do not combine with "
                              f"preset {a.preset!r}: its policy is the min-p (ρ = dvp_rho) safe set alone")
-        if a.preset == "trm" and a.trm_max_kl is None and a.trm_avg_kl is None:
+        if a.preset == "trm" and a.corrections is None and a.trm_max_kl is None and a.trm_avg_kl is None:
             raise ValueError("algorithm.trm_max_kl and algorithm.trm_avg_kl are both null: preset 'trm' needs at "
                              "least one of its two tests")
         path = self.model.path
@@ -216,6 +278,66 @@ class TrainConfig(_Section):
             raise ValueError(f"model.path {path!r} is not a local directory (and not one of {list(EMBEDDED_MODELS)}); "
                              "offpolicy never downloads weights")
         return self
+
+
+# The trainer's defaults for the PPO family's clip range (DAPO's clip-higher), used when the objective takes them.
+OBJECTIVE_DEFAULTS: dict[str, float] = {"clip_low": 0.2, "clip_high": 0.28}
+OBJECTIVE_KEYS = ("clip_low", "clip_high", "dual_clip", "level")
+
+
+def objective_call(cfg: "TrainConfig") -> tuple[str, dict[str, Any]]:
+    """The objective the trainer runs and its parameters: ``algorithm.objective`` (or the preset's), its own
+    parameters, the trainer's defaults and the preset's dual clip where the objective takes them, then the
+    ``algorithm.clip_low`` / ``clip_high`` / ``dual_clip`` / ``level`` that are set. One of these keys set for an
+    objective that does not take it is a ``ValueError`` naming the key.
+
+    >>> objective_call(load_config(None, ["algorithm.objective={name: sapo, tau_neg: 2.0}"]))
+    ('sapo', {'tau_neg': 2.0})
+    >>> objective_call(load_config(None, ["algorithm.objective=cispo"]))
+    ('cispo', {'clip_low': 0.2, 'clip_high': 0.28})
+    """
+    from offpolicy.registry import OBJECTIVES, split_spec
+
+    a = cfg.algorithm
+    preset = PRESETS[a.preset]
+    name, own = split_spec(a.objective if a.objective is not None else preset.objective, "objective")
+    takes = OBJECTIVES[name].parameters()
+    params = {k: v for k, v in {**OBJECTIVE_DEFAULTS, "dual_clip": preset.dual_clip}.items()
+              if k in takes and v is not None}
+    params.update(own)
+    for key in OBJECTIVE_KEYS:
+        value = getattr(a, key)
+        if value is None or (key == "level" and value == "token" and key not in takes):
+            continue  # every objective works at token level
+        if key not in takes:
+            raise ValueError(f"algorithm.{key} does not apply to objective {name!r} (it takes: "
+                             f"{', '.join(takes) or 'no parameters'})")
+        if name == "gspo" and key == "level" and value != "geometric":
+            raise ValueError(f"algorithm.level={value!r} contradicts algorithm.objective='gspo' (GSPO is geometric)")
+        params[key] = value
+    return name, params
+
+
+def import_plugin(module: str) -> None:
+    """Import a plug-in: a module name (found on ``sys.path`` or in the current directory) or a ``.py`` file path.
+    Its ``register_correction`` / ``register_objective`` calls make its names usable in the config."""
+    if not isinstance(module, str) or not module:
+        raise ValueError(f"plugins: each entry is a module name or a .py file, got {module!r}")
+    try:
+        if module.endswith(".py"):
+            path = Path(module).expanduser()
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None or not path.is_file():
+                raise FileNotFoundError(f"no such file {str(path)!r}")
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = loaded
+            spec.loader.exec_module(loaded)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:  # a console script's path lacks the cwd
+                sys.path.append(str(Path.cwd()))
+            importlib.import_module(module)
+    except Exception as err:  # an import runs arbitrary code: any failure is reported as the plug-in's
+        raise ValueError(f"plugins: cannot import {module!r}: {type(err).__name__}: {err}") from None
 
 
 # -- loading ---------------------------------------------------------------------------------------------------

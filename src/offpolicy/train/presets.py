@@ -1,88 +1,76 @@
-"""Named presets: each method of the seeds as a correction chain + objective (+ what the trainer must compute).
+"""Named presets, as data: each method is a list of correction specs, an objective and what the trainer must compute.
 
 =========  =============================================================================  ==========================
-preset     correction chain (on the mismatch ratio π_old/μ unless said)                  objective / extras
+preset     corrections (on the mismatch ratio π_old/μ unless said)                        objective / extras
 =========  =============================================================================  ==========================
 naive      none — the mismatch is ignored (GRPO as if μ = π_old)                          ppo
-tis        token-level truncated IS, w = min(ρ, 2)   (Yao et al. 2025; seed 002)          ppo (= decoupled + TIS)
-mis        token-level masked IS, w = ρ·1[ρ ≤ 2]     (Liu et al. 2025; seed 002)          ppo
-geo_mask   geometric-mean sequence mask (ms-swift/verl geo_mask; seed 002)               ppo
-icepop     two-sided token mask [0.5, 5]             (Ring-1T, arXiv 2510.18855)          ppo
-opsm       off-policy sequence mask, δ = opsm_delta  (DeepSeek-V3.2; seed 004)            ppo
-trm        trust-region mask (seed 003): drop sequences with max_t KL > 0.05 or           ppo
-           mean_t KL > 0.001 (trm_max_kl / trm_avg_kl; null turns that test off); exact KL(μ‖π_old) from
+tis        ``tis``: token-level truncated IS, w = min(ρ, 2)   (Yao et al. 2025)            ppo (= decoupled + TIS)
+mis        ``mis``: token-level masked IS, w = ρ·1[ρ ≤ 2]     (Liu et al. 2025)            ppo
+geo_mask   ``geo_mask``: geometric-mean sequence mask (ms-swift / verl)                   ppo
+icepop     ``icepop``: two-sided token mask [0.5, 5]        (arXiv 2510.18855)            ppo
+opsm       ``opsm``: off-policy sequence mask, δ = opsm_delta (arXiv 2512.02556)         ppo
+trm        ``trm``: trust-region mask (arXiv 2512.23075): drop sequences with max_t KL >   ppo
+           0.05 or mean_t KL > 0.001 (trm_max_kl / trm_avg_kl; null turns that test off); exact KL(μ‖π_old) from
            logits, once per step (= the paper's KL(μ‖π_θ) on the first minibatch; without logits the
            k-estimators on the current π_θ/μ)
-dvp        min-p constrained log-probs for π_θ, π_old, μ, ρ = e^-13 (seed 000)            ppo
-dvp_mis    dvp + token MIS (the paper's best)                                            ppo
-alp        learnable layerwise noise, unified ratio π_{θ,σ}/μ (seed 001)                  bypass, dual-clip 10
+dvp        min-p constrained log-probs for π_θ, π_old, μ, ρ = e^-13 (arXiv 2512.23087)   ppo
+dvp_mis    dvp + ``mis`` (the paper's best)                                              ppo
+alp        learnable layerwise noise, unified ratio π_{θ,σ}/μ (arXiv 2603.19470)         bypass, dual-clip 10
 =========  =============================================================================  ==========================
 
-``algorithm.*`` fields override the defaults (``is_upper``, ``opsm_delta``, ``trm_max_kl`` …); ``veto_threshold``
-adds the DVP paper's token veto to any preset.
+``algorithm.corrections: [{name: icepop}, {name: opsm, delta: 0.5}]`` replaces a preset's corrections by any registered
+ones (:func:`offpolicy.register_correction`), ``algorithm.objective`` its objective. The older ``algorithm.*`` keys
+tune a preset's own corrections (:data:`PRESET_PARAMETERS`: ``is_upper`` is the ``upper`` of its ``tis`` / ``mis`` /
+``geo_mask`` / ``icepop`` …); ``veto_threshold`` adds the DVP paper's token veto to any chain. DVP presets also drop
+the sampled tokens outside the trainer's safe set (``dvp_keep``, first in the chain).
 
 >>> sorted(PRESETS)[:4]
 ['alp', 'dvp', 'dvp_mis', 'geo_mask']
 >>> PRESETS["alp"].objective, PRESETS["dvp"].minp
 ('bypass', True)
+>>> PRESETS["tis"].correction_specs(AlgorithmDefaults(is_upper=3.0))
+[{'name': 'tis', 'level': 'token', 'upper': 3.0}]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offpolicy.corrections.base import Correction
-    from offpolicy.train.config import AlgorithmConfig
+
+# algorithm.<key> → (the parameter it sets, the preset corrections it applies to). None leaves the correction's own
+# default, except for the two trm tests, where None turns that test off (the config holds the paper's values).
+PRESET_PARAMETERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "is_level": ("level", ("tis", "mis")),
+    "is_lower": ("lower", ("tis", "mis", "geo_mask", "icepop")),
+    "is_upper": ("upper", ("tis", "mis", "geo_mask", "icepop")),
+    "opsm_delta": ("delta", ("opsm",)),
+    "trm_max_kl": ("max_kl", ("trm",)),
+    "trm_avg_kl": ("avg_kl", ("trm",)),
+}
+NONE_TURNS_OFF = ("trm_max_kl", "trm_avg_kl")
 
 
-def _kw(**kwargs: object) -> dict[str, object]:
-    """Drop None so the correction's own defaults apply."""
-    return {k: v for k, v in kwargs.items() if v is not None}
+@dataclass(frozen=True)
+class AlgorithmDefaults:
+    """The ``algorithm.*`` values a preset reads (the config's defaults; :class:`~offpolicy.train.config.AlgorithmConfig`
+    has the same fields)."""
 
-
-def _tis(a: "AlgorithmConfig") -> "Correction":
-    from offpolicy.corrections.importance import tis
-
-    return tis(**_kw(level=a.is_level, lower=a.is_lower, upper=a.is_upper if a.is_upper is not None else 2.0))
-
-
-def _mis(a: "AlgorithmConfig") -> "Correction":
-    from offpolicy.corrections.importance import mis
-
-    return mis(**_kw(level=a.is_level, lower=a.is_lower, upper=a.is_upper if a.is_upper is not None else 2.0))
-
-
-def _geo_mask(a: "AlgorithmConfig") -> "Correction":
-    from offpolicy.corrections.importance import geo_mask
-
-    return geo_mask(**_kw(lower=a.is_lower, upper=a.is_upper))
-
-
-def _icepop(a: "AlgorithmConfig") -> "Correction":
-    from offpolicy.corrections.importance import icepop
-
-    return icepop(**_kw(lower=a.is_lower, upper=a.is_upper))
-
-
-def _opsm(a: "AlgorithmConfig") -> "Correction":
-    from offpolicy.corrections.sequence_masks import opsm
-
-    return opsm(delta=a.opsm_delta)
-
-
-def _trm(a: "AlgorithmConfig") -> "Correction":
-    from offpolicy.corrections.trust_region import trm
-
-    # Passed as they are, not through _kw: None means "this test off" (the config holds the paper's defaults,
-    # 0.05 and 0.001); dropping None let trm()'s own avg_kl=0.001 apply to a config that said null.
-    return trm(max_kl=a.trm_max_kl, avg_kl=a.trm_avg_kl)
+    is_level: str = "token"
+    is_lower: float | None = None
+    is_upper: float | None = None
+    opsm_delta: float = 1e-4
+    trm_max_kl: float | None = 0.05
+    trm_avg_kl: float | None = 0.001
+    veto_threshold: float | None = None
 
 
 @dataclass(frozen=True)
 class Preset:
-    """What a method needs: its correction (or None), its objective and the trainer-side extras.
+    """What a method needs: its correction specs (registered names + parameters), its objective and the trainer-side
+    extras.
 
     ``minp``: compute min-p constrained log-probs (DVP) for all three policies; ``divergence``: compute the per-token
     KL(μ‖π_old) from logits for the trust region (exact when the rollout's full logits exist, else the correction
@@ -91,42 +79,70 @@ class Preset:
 
     name: str
     description: str
+    corrections: tuple[str, ...] = ()
     objective: str = "ppo"
-    build: Callable[["AlgorithmConfig"], "Correction"] | None = None
     minp: bool = False
     divergence: bool = False
     alp: bool = False
     dual_clip: float | None = None
 
-    def correction(self, algorithm: "AlgorithmConfig") -> "Correction | None":
-        """The preset's correction chain for these settings (None = no correction), plus the optional token veto."""
-        from offpolicy.corrections.base import chain
+    def correction_specs(self, algorithm: Any) -> list[dict[str, Any]]:
+        """The preset's corrections as specs, tuned by the ``algorithm.*`` keys of :data:`PRESET_PARAMETERS`."""
+        specs = []
+        for name in self.corrections:
+            spec: dict[str, Any] = {"name": name}
+            for key, (parameter, applies_to) in PRESET_PARAMETERS.items():
+                value = getattr(algorithm, key)
+                if name in applies_to and (value is not None or key in NONE_TURNS_OFF):
+                    spec[parameter] = value
+            specs.append(spec)
+        return specs
 
-        parts = []
-        if self.build is not None:
-            parts.append(self.build(algorithm))
-        if algorithm.veto_threshold is not None:
-            from offpolicy.corrections.sequence_masks import veto
+    def correction(self, algorithm: Any) -> "Correction | None":
+        """The preset's own correction chain for these settings, plus the optional token veto (None = nothing)."""
+        from offpolicy.registry import build_correction
 
-            parts.append(veto(threshold=algorithm.veto_threshold))
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else chain(*parts)
+        veto = [{"name": "veto", "threshold": algorithm.veto_threshold}] if algorithm.veto_threshold is not None else []
+        return build_correction(self.correction_specs(algorithm) + veto)
+
+
+def chain_specs(preset: Preset, algorithm: Any) -> list[dict[str, Any]]:
+    """Every correction the trainer applies, as specs: DVP's ``dvp_keep`` (min-p presets), then
+    ``algorithm.corrections`` or else the preset's own, then the token veto when ``algorithm.veto_threshold`` is set.
+
+    >>> chain_specs(PRESETS["dvp_mis"], AlgorithmDefaults(veto_threshold=1e-4))
+    [{'name': 'dvp_keep'}, {'name': 'mis', 'level': 'token'}, {'name': 'veto', 'threshold': 0.0001}]
+    """
+    own = getattr(algorithm, "corrections", None)
+    specs = [dict(s) if isinstance(s, dict) else {"name": s} for s in own] if own is not None else \
+        preset.correction_specs(algorithm)
+    if preset.minp:  # a sampled token outside the trainer's safe set has DVP ratio 0: dropped from the numerator
+        specs = [{"name": "dvp_keep"}, *specs]
+    if algorithm.veto_threshold is not None:
+        specs.append({"name": "veto", "threshold": algorithm.veto_threshold})
+    return specs
+
+
+def build_chain(preset: Preset, algorithm: Any) -> "Correction | None":
+    """The trainer's correction (None when there is nothing to correct), from :func:`chain_specs`."""
+    from offpolicy.registry import build_correction
+
+    return build_correction(chain_specs(preset, algorithm))
 
 
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset("naive", "no correction: GRPO/PPO that treats μ as π_old"),
-        Preset("tis", "token truncated importance sampling on π_old/μ (cap 2)", build=_tis),
-        Preset("mis", "token masked importance sampling on π_old/μ (drop ρ > 2)", build=_mis),
-        Preset("geo_mask", "sequence mask on the geometric-mean ratio π_old/μ", build=_geo_mask),
-        Preset("icepop", "token mask outside the band [0.5, 5] (IcePop)", build=_icepop),
-        Preset("opsm", "off-policy sequence mask: drop A<0 sequences with mean log(μ/π) > δ", build=_opsm),
+        Preset("tis", "token truncated importance sampling on π_old/μ (cap 2)", ("tis",)),
+        Preset("mis", "token masked importance sampling on π_old/μ (drop ρ > 2)", ("mis",)),
+        Preset("geo_mask", "sequence mask on the geometric-mean ratio π_old/μ", ("geo_mask",)),
+        Preset("icepop", "token mask outside the band [0.5, 5] (IcePop)", ("icepop",)),
+        Preset("opsm", "off-policy sequence mask: drop A<0 sequences with mean log(μ/π) > δ", ("opsm",)),
         Preset("trm", "trust-region mask: drop sequences with max token KL(μ‖π) > 0.05 or mean token KL > 0.001",
-               build=_trm, divergence=True),
+               ("trm",), divergence=True),
         Preset("dvp", "dynamic vocabulary pruning: min-p (ρ=e^-13) constrained log-probs", minp=True),
-        Preset("dvp_mis", "DVP + token masked importance sampling", build=_mis, minp=True),
+        Preset("dvp_mis", "DVP + token masked importance sampling", ("mis",), minp=True),
         Preset("alp", "adaptive layerwise perturbation, unified ratio π_{θ,σ}/μ", objective="bypass", alp=True,
                dual_clip=10.0),
     )

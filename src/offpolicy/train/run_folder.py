@@ -1,0 +1,258 @@
+"""Everything about the run's folder, in one place: what a fresh run replaces, what ``--resume`` continues, the metrics
+log, checkpoints, the progress bar and the Ctrl-C contract — so that the training loop holds only the algorithm.
+
+* A fresh run into a used ``run.out_dir`` replaces the earlier run there (checkpoints, killed-save leftovers,
+  TensorBoard events, the metrics log), with one :class:`RunReplacedWarning`; otherwise a later ``--resume`` would
+  continue the earlier run's checkpoint under this run's config.
+* ``--resume`` refuses a checkpoint of another preset or seed and one past ``run.steps``, and rewrites the metrics
+  after the checkpoint's step; both checks run before the model loads.
+* Ctrl-C: the first finishes the current step, checkpoints and stops; a second stops at once (no checkpoint: the
+  weights are between two steps). A ``KeyboardInterrupt`` raised between steps (e.g. by ``on_step_end``) checkpoints
+  the completed step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from offpolicy.train.checkpoint import (
+    checkpoint_files,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_info,
+    save_checkpoint,
+    temp_files,
+)
+from offpolicy.train.config import TrainConfig, config_to_yaml
+from offpolicy.train.logging import MetricLogger, to_floats
+
+
+class RunReplacedWarning(UserWarning):
+    """A fresh run replaced an earlier run's files in its ``run.out_dir`` (the demo silences it: that is its job)."""
+
+
+class RunFolder:
+    """``run.out_dir`` of one run. Build it first: a bad folder or a checkpoint of another run fails before any work.
+
+    ``open(state)`` loads the checkpoint into the model / optimizer / ALP (or replaces an earlier run) and returns
+    the first step to run; ``session(...)`` wraps the steps (logging, checkpoints, progress, Ctrl-C).
+    """
+
+    def __init__(self, cfg: TrainConfig, resume: bool | str | Path = False) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(cfg.run.out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.resume_from = self._resume_checkpoint(resume) if resume else None
+        _writable_dir(self.out_dir)
+        self.last_checkpoint: Path | None = self.resume_from
+
+    def open(self, state: Any) -> int:
+        """Restore the checkpoint into ``state`` or replace an earlier run; write ``config.yaml``. Returns the step to
+        start from (``run.steps`` when a finished run is resumed again: then nothing is touched)."""
+        start = 0
+        if self.resume_from is not None:
+            start = load_checkpoint(self.resume_from, model=state.model, optimizer=state.optimizer,
+                                    extra_modules=_extra_modules(state))["step"]
+            if start == self.cfg.run.steps:  # e.g. a retry script: leave every file as it is
+                warnings.warn(f"--resume: checkpoint {str(self.resume_from)!r} is already at run.steps="
+                              f"{self.cfg.run.steps}; nothing to do (raise run.steps to train further)", stacklevel=3)
+                return start
+            for leftover in temp_files(self.ckpt_dir):  # half-written saves of the interrupted run: never usable
+                leftover.unlink(missing_ok=True)
+        else:
+            self._clear_earlier_run()
+        (self.out_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+        return start
+
+    def checkpoint(self, state: Any, step: int) -> Path:
+        self.last_checkpoint = save_checkpoint(
+            self.ckpt_dir, step=step, model=state.model, optimizer=state.optimizer, extra_modules=_extra_modules(state),
+            metadata={"preset": self.cfg.algorithm.preset, "seed": self.cfg.run.seed}, keep_last=3)
+        return self.last_checkpoint
+
+    @contextlib.contextmanager
+    def session(self, state: Any, start: int, console: Any = None) -> Iterator["Session"]:
+        """The steps of this run: the metrics log is opened (emptied, or cut after ``start``), Ctrl-C is deferred,
+        a ``KeyboardInterrupt`` ends the run cleanly, and the last step is checkpointed."""
+        logger = MetricLogger(self.out_dir, tensorboard=self.cfg.run.tensorboard)
+        if self.resume_from is not None:
+            logger.truncate_after(start)  # the steps after the checkpoint are rewritten by this run
+        else:
+            logger.reset()
+        session = Session(self, state, logger, start, console)
+        try:
+            with _DeferredInterrupt(console) as stop, session.progress_bar():
+                session.stop = stop
+                yield session
+        except KeyboardInterrupt:
+            session.interrupted = True
+            if session.in_step:  # a second Ctrl-C mid-update: the weights are between two steps, no exact checkpoint
+                _say(console, f"[red]stopped inside step {session.steps_done + 1}; last checkpoint: "
+                              f"{_plain(self.last_checkpoint)}[/red]")
+            else:
+                self.checkpoint(state, session.steps_done)
+                _say(console, f"[yellow]interrupted after step {session.steps_done}; checkpoint "
+                              f"{_plain(self.last_checkpoint)} (resume with --resume)[/yellow]")
+        finally:
+            logger.close()
+        done = session.steps_done
+        if not session.interrupted and done > start and not _is_checkpoint_of(self.last_checkpoint, done):
+            self.checkpoint(state, done)
+
+    def _resume_checkpoint(self, resume: bool | str | Path) -> Path:
+        """The checkpoint to resume from, checked against the config before anything is built or written.
+
+        Refuses a checkpoint written by another run (its stored preset / seed differ: continuing it would mix two
+        runs in one folder) and a ``run.steps`` below the checkpoint's step (nothing could run, and the config would
+        lie).
+        """
+        cfg = self.cfg
+        path = latest_checkpoint(self.ckpt_dir) if resume is True else Path(resume)
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint in {str(self.ckpt_dir)!r}")
+        info = read_checkpoint_info(path)  # names the file when it is corrupt or truncated
+        stored = info.get("user", {})
+        ours = {"algorithm.preset": cfg.algorithm.preset, "run.seed": cfg.run.seed}
+        theirs = {"algorithm.preset": stored.get("preset"), "run.seed": stored.get("seed")}
+        differ = [f"{k}={theirs[k]!r} (now {ours[k]!r})" for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+        if differ:
+            raise ValueError(f"--resume: checkpoint {str(path)!r} was written with {', '.join(differ)}; resume with "
+                             "the same settings, or start a fresh run without --resume")
+        if info["step"] > cfg.run.steps:
+            raise ValueError(f"--resume: checkpoint {str(path)!r} is at step {info['step']}, past run.steps="
+                             f"{cfg.run.steps}; set run.steps above {info['step']} to train further")
+        return path
+
+    def _clear_earlier_run(self) -> None:
+        """Remove what an earlier run left in ``out_dir`` (its checkpoints, killed-save leftovers, TensorBoard events;
+        its metrics.jsonl is emptied by the logger), with one warning naming the folder when there was anything."""
+        metrics = self.out_dir / "metrics.jsonl"
+        events = sorted((self.out_dir / "tensorboard").glob("events.out.tfevents.*"))
+        stale = checkpoint_files(self.ckpt_dir) + temp_files(self.ckpt_dir) + events
+        if not stale and not (metrics.is_file() and metrics.stat().st_size > 0):
+            return
+        warnings.warn(f"run.out_dir {str(self.out_dir)!r} holds an earlier run: replacing its metrics, checkpoints "
+                      "and TensorBoard logs (use --resume to continue it instead)", RunReplacedWarning, stacklevel=4)
+        for p in stale:
+            p.unlink(missing_ok=True)
+
+
+class Session:
+    """The bookkeeping between steps: ``with session.step():`` around a step's work, ``record`` after it."""
+
+    def __init__(self, folder: RunFolder, state: Any, logger: MetricLogger, start: int, console: Any) -> None:
+        self.folder, self.state, self.logger, self.console = folder, state, logger, console
+        self.steps_done = start
+        self.in_step = False
+        self.interrupted = False
+        self.stop: _DeferredInterrupt | None = None
+        self._progress = _progress(console, folder.cfg.run.progress)
+        self._task_id = None
+
+    @contextlib.contextmanager
+    def progress_bar(self) -> Iterator[None]:
+        if self._progress is None:
+            yield
+            return
+        cfg = self.folder.cfg
+        self._task_id = self._progress.add_task(cfg.algorithm.preset, total=cfg.run.steps, completed=self.steps_done)
+        with self._progress:
+            yield
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One step's work: a second Ctrl-C in here stops without a checkpoint (see :meth:`RunFolder.session`)."""
+        self.in_step = True
+        yield
+        self.in_step = False
+        self.steps_done += 1
+
+    def record(self, metrics: dict[str, Any], kl_key: str) -> dict[str, float]:
+        """Sync the step's metrics to floats (logged at ``run.log_every`` and at the last step), move the progress
+        bar, checkpoint at ``run.checkpoint_every``. Returns the floats, with ``step``."""
+        run, step = self.folder.cfg.run, self.steps_done
+        floats = self.logger.log(step, metrics) if step % run.log_every == 0 or step == run.steps else to_floats(metrics)
+        floats["step"] = step
+        if self._progress is not None:
+            description = f"{self.folder.cfg.algorithm.preset} reward {floats['reward/mean']:.3f} kl {floats[kl_key]:.2e}"
+            self._progress.update(self._task_id, advance=1, description=description)
+        if run.checkpoint_every and step % run.checkpoint_every == 0:
+            self.folder.checkpoint(self.state, step)
+        return floats
+
+    def stop_if_requested(self) -> None:
+        """A first Ctrl-C during the step ends the run here, after the step (checkpointed)."""
+        if self.stop is not None and self.stop.requested:
+            raise KeyboardInterrupt
+
+
+class _DeferredInterrupt:
+    """First Ctrl-C: finish the current step, checkpoint, stop. Second Ctrl-C: stop now (KeyboardInterrupt)."""
+
+    def __init__(self, console: Any | None) -> None:
+        self.requested = False
+        self.console = console
+        self._old: Any = None
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _say(self.console, "[yellow]Ctrl-C: finishing this step, saving a checkpoint, then stopping "
+                           "(press again to stop at once)[/yellow]")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _extra_modules(state: Any) -> dict[str, Any] | None:
+    return {"alp": state.alp} if state.alp is not None else None
+
+
+def _is_checkpoint_of(path: Path | None, step: int) -> bool:
+    return path is not None and path.name.endswith(f"{step:08d}.safetensors")
+
+
+def _writable_dir(out_dir: Path) -> None:
+    """Create ``run.out_dir`` (an OSError there would otherwise surface as a traceback after the model had loaded)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"run.out_dir {str(out_dir)!r} cannot be created: {err.strerror or err}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"run.out_dir {str(out_dir)!r} is not writable")
+
+
+def _say(console: Any, text: str) -> None:
+    if console is not None:
+        console.print(text)
+
+
+def _plain(value: Any) -> str:
+    """User text (a path may hold ``[…]``) printed literally, not as rich markup."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
+def _progress(console: Any, enabled: bool):  # -> rich Progress | None
+    if not enabled:
+        return None
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)

@@ -1,0 +1,384 @@
+"""The trainer's state and its four steps — rollout, scoring, update, metrics — each a function of the state.
+
+:func:`build_state` builds everything from the config (before any rollout, so errors surface first). The steps read
+the state and return plain records; only :func:`update_step` changes it (the weights, the optimizer). Between steps a
+caller — :func:`offpolicy.train.loop.train`'s ``on_step_end``, or a loop of one's own — may change the state:
+:meth:`TrainState.set_corrections` rebuilds the correction chain from specs with new parameters,
+:meth:`TrainState.set_lr` sets the policy's learning rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.corrections.base import Correction
+from offpolicy.losses import policy_loss
+from offpolicy.metrics import NAMINGS, offpolicy_metrics
+from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss
+from offpolicy.ratios import masked_mean
+from offpolicy.registry import build_correction
+from offpolicy.rollout.routing import RouteRecorder, replay_routes
+from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.scoring import sequence_logprobs
+from offpolicy.train.config import TrainConfig, objective_call
+from offpolicy.train.data import Prompt, compute_rewards, load_task, step_prompts
+from offpolicy.train.presets import PRESETS, Preset, chain_specs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -- the state -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """What the steps read and update. ``correction_specs`` is the correction chain as data (registered names and
+    parameters); ``correction`` the chain built from it."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    task: Any
+    engine: Any
+    sampling: SamplingConfig
+    optimizer: torch.optim.Optimizer
+    alp: LayerwisePerturbation | None
+    correction_specs: list[dict[str, Any]]
+    correction: Correction | None
+    objective: str
+    objective_params: dict[str, Any]
+    advantage_fn: Callable[[Tensor, int], Tensor]
+
+    @property
+    def preset(self) -> Preset:
+        return PRESETS[self.cfg.algorithm.preset]
+
+    def set_corrections(self, specs: list[Any]) -> None:
+        """Rebuild the correction chain from specs (``[{"name": "trm", "max_kl": 0.02}, ...]``): the whole chain, as
+        :attr:`correction_specs` holds it. Unknown names or parameters raise before anything changes."""
+        correction = build_correction(list(specs))
+        self.correction_specs = [dict(s) if isinstance(s, dict) else {"name": s} for s in specs]
+        self.correction = correction
+
+    @property
+    def lr(self) -> float:
+        """The policy's learning rate (the first parameter group; ALP's σ has its own)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        self.optimizer.param_groups[0]["lr"] = float(lr)
+
+
+def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None, engine: Any = None,
+                task: Any = None) -> TrainState:
+    """Everything a run needs, from the config; ``model`` / ``tokenizer`` / ``engine`` / ``task`` replace what the
+    config would build (tests, notebooks)."""
+    if model is None:
+        model, tokenizer = load_model(cfg)
+    if tokenizer is None:
+        raise ValueError("tokenizer: pass one together with model=")
+    alp = None
+    if cfg.alp.enabled:
+        layers = cfg.alp.layers if isinstance(cfg.alp.layers, str) else list(cfg.alp.layers)
+        alp = LayerwisePerturbation(model, layers=layers, init_std=cfg.alp.init_std, layers_path=cfg.model.layers_path,
+                                    seed=cfg.run.seed).to(cfg.run.device)
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.optim.lr,
+               "weight_decay": cfg.optim.weight_decay}]
+    if alp is not None:
+        groups.append(alp.param_group(lr=cfg.alp.lr))
+    specs = chain_specs(PRESETS[cfg.algorithm.preset], cfg.algorithm)
+    objective, objective_params = objective_call(cfg)
+    return TrainState(
+        cfg=cfg, model=model, tokenizer=tokenizer, task=task if task is not None else load_task(cfg.task),
+        engine=engine if engine is not None else build_engine(cfg, model, tokenizer), sampling=sampling_config(cfg),
+        optimizer=torch.optim.AdamW(groups, betas=cfg.optim.betas), alp=alp, correction_specs=specs,
+        correction=build_correction(specs), objective=objective, objective_params=objective_params,
+        advantage_fn=advantage_fn(cfg.algorithm.advantage),
+    )
+
+
+def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
+    """``tiny`` / ``lab`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local
+    HF path.
+
+    A local path is loaded with ``local_files_only=True``: offpolicy never downloads weights.
+    """
+    m = cfg.model
+    if m.path == "tiny-random":
+        from offpolicy.models.tiny import build_tiny_model
+
+        model, tok = build_tiny_model(cfg.run.seed, **m.tiny_config)
+    elif m.path in ("tiny", "lab"):
+        from offpolicy.models import get_recipe
+        from offpolicy.models import load_model as load_embedded
+
+        model, tok = load_embedded(get_recipe(m.path).with_overrides(m.tiny_config), m.cache_dir)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = str(Path(m.path).expanduser())
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[m.dtype])
+    model = model.to(device=cfg.run.device, dtype=DTYPES[m.dtype])
+    model.eval()  # no dropout: the trainer's π must be a deterministic function of θ (and of σ·ε with ALP)
+    return model, tok
+
+
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFRolloutEngine
+    from offpolicy.rollout.hf import HFRolloutEngine
+
+    r = cfg.rollout
+    return HFRolloutEngine(
+        model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
+        logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none",
+    )
+
+
+def sampling_config(cfg: TrainConfig) -> SamplingConfig:
+    """The engine's sampling config; DVP samples from (and scores with) the min-p safe set (arXiv 2512.23087 §5)."""
+    s = cfg.rollout.sampling
+    min_p = s.min_p if s.min_p > 0 else None
+    if PRESETS[cfg.algorithm.preset].minp:
+        # V_S = {a : π(a) ≥ ρ·max π}: exactly min-p with min_p = ρ, applied by the engine to its logits (μ^mp over
+        # V'_S) and by the trainer to its logits (π^mp over V_S) — both policies constrained, as in the paper.
+        min_p = max(min_p or 0.0, cfg.algorithm.dvp_rho)
+    return SamplingConfig(
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,
+        top_p=s.top_p if s.top_p < 1.0 else None, min_p=min_p,
+    )
+
+
+def advantage_fn(name: str) -> Callable[[Tensor, int], Tensor]:
+    from offpolicy import advantages
+
+    return {"grpo": advantages.grpo_advantages, "dr_grpo": advantages.dr_grpo_advantages,
+            "rloo": advantages.rloo_advantages}[name]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step`` (0-based) of run ``seed``: prompts, sampling, ALP noise and the minibatch order."""
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**62)
+
+
+# -- 1. rollout --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """One step's samples: ``group_size`` completions per prompt (prompt-major), μ's log-probs, rewards, advantages."""
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    completions: list[list[int]]
+    rollout_logp: Tensor
+    rewards: Tensor
+    advantages: Tensor
+    routed_experts: Any
+    seconds: float
+
+
+def rollout_step(state: TrainState, seed: int) -> Rollout:
+    """Sample with the inference engine's numerics, score with the task's verifier (a reward that raises or is NaN
+    stops the run naming the sample), and turn the rewards into advantages over each group."""
+    t0 = time.perf_counter()
+    a = state.cfg.algorithm
+    prompts = step_prompts(state.task, state.tokenizer, state.cfg.task.prompts_per_step, seed)
+    prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
+    state.engine.sync_weights(state.model)
+    out = state.engine.generate(prompt_ids, state.sampling, seed=seed)
+    seconds = time.perf_counter() - t0
+    rewards = compute_rewards(state.task, prompts, a.group_size, out.texts, out.completion_ids)
+    return Rollout(prompts, prompt_ids, out.completion_ids, out.logp, rewards, state.advantage_fn(rewards, a.group_size),
+                   getattr(out, "routed_experts", None), seconds)
+
+
+# -- 2. scoring --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scored:
+    """π_old's view of the rollout: log-probs ``[B, T]``, the response mask, μ aligned to it, TRM's exact token KL
+    (when the engine can re-score with full logits), DVP's extras, the routes the updates replay (MoE)."""
+
+    old_logp: Tensor
+    mask: Tensor
+    rollout_logp: Tensor
+    token_divergence: Tensor | None
+    extras: dict[str, Tensor]
+    theta_routes: Any
+    flip_rate: Tensor | None
+
+
+def score_step(state: TrainState, rollout: Rollout) -> Scored:
+    """π_old: one full forward of the trainer, no grad, ALP noise off — this is what μ is compared with.
+
+    Routing replay (mixture-of-experts, ``rollout.routing_replay``): ``r3`` routes π_old as the engine did, ``r2``
+    records π_old's own routes for the π_θ forwards.
+    """
+    cfg = state.cfg
+    mode = cfg.rollout.routing_replay
+    routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
+               if mode != "none" else contextlib.nullcontext())
+    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else contextlib.nullcontext()
+    with torch.no_grad(), routing as replayed, recorder as recorded:
+        old_logp, mask, old_logits, extras = score_policy(
+            state.model, rollout.prompt_ids, rollout.completions, state.sampling, dtype=DTYPES[cfg.model.dtype],
+            dvp_rho=cfg.algorithm.dvp_rho if state.preset.minp else None, return_logits=state.preset.divergence)
+    theta_routes = {"none": None, "r3": rollout.routed_experts}.get(mode)
+    if mode == "r2":
+        theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
+    token_divergence = None
+    if state.preset.divergence and hasattr(state.engine, "score"):
+        # TRM's exact KL(μ‖π_old) needs the rollout engine's full logits: re-score with its numerics
+        roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling, return_logits=True)[2]
+        token_divergence = exact_token_kl(roll_logits.to(old_logp.device), old_logits, state.sampling)
+    return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
+                  replayed.flip_rate if mode != "none" else None)
+
+
+def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
+                 sampling: SamplingConfig, *, dtype: torch.dtype, dvp_rho: float | None = None,
+                 return_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """The trainer's log-probs ``[B, T]`` of the sampled tokens: ``(logp, mask, raw logits | None, extras)``.
+
+    Plain: processed exactly like the engine (temperature, top-k/p, min-p). DVP (``dvp_rho``): min-p constrained
+    log π^mp over the trainer's own safe set V_S (:func:`offpolicy.corrections.vocabulary.dvp_fields`), with
+    ``extras["dvp_keep"]`` (sampled token inside V_S, else ratio 0) and ``extras["dvp_mass"]`` (retained mass Z).
+    """
+    if dvp_rho is None:
+        out = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=dtype, return_logits=return_logits)
+        return out[0], out[1], (out[2] if return_logits else None), {}
+    from offpolicy.corrections.vocabulary import dvp_fields
+    from offpolicy.rollout.base import pad_ids
+
+    plain = replace(sampling, min_p=None)  # the safe set replaces min-p; pruned logits get −50, not −inf
+    _, mask, logits = sequence_logprobs(model, prompt_ids, completions, plain, dtype=dtype, return_logits=True)
+    targets = pad_ids(completions, 0, side="right")[0].to(logits.device)[:, : mask.shape[1]]
+    fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
+    extras = {k: v for k, v in fields["extras"].items()}  # type: ignore[union-attr]
+    return fields["logp"], mask, (logits if return_logits else None), extras  # type: ignore[return-value]
+
+
+def exact_token_kl(rollout_logits: Tensor, train_logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """KL(μ‖π) per token ``[B, T]`` from two raw logit tensors ``[B, T, V]``, both at ``sampling``'s temperature.
+
+    Why temperature only, not top-k / top-p / min-p: truncating the two logit sets separately cuts them at different
+    tokens (a bf16 tie at the k-th logit, a shifted top-p crossing), and a token one keeps and the other drops makes
+    the KL +inf. The KL between the two models' full tempered distributions is finite and is what the TRM paper
+    (arXiv 2512.23075 §4) measures from logits.
+    """
+    full = replace(sampling, top_k=None, top_p=None, min_p=None)
+    lmu = process_logits(rollout_logits, full)
+    lpi = process_logits(train_logits, full)
+    pmu = lmu.exp()
+    terms = torch.where(pmu > 0, pmu * (lmu - lpi), torch.zeros_like(pmu))
+    return terms.sum(-1).clamp(min=0.0)  # KL ≥ 0; float32 rounding can leave −1e-9
+
+
+# -- 3. update ---------------------------------------------------------------------------------------------------------
+
+
+def update_step(state: TrainState, rollout: Rollout, scored: Scored, seed: int) -> list[dict[str, Tensor]]:
+    """``optim.epochs`` passes of ``optim.minibatches`` optimiser steps over the batch, in a seeded order: per
+    minibatch a π_θ forward (ALP noise on), the correction chain and the objective, backward, clip, step. Returns
+    each minibatch's loss metrics (tensors)."""
+    cfg = state.cfg
+    if state.alp is not None:
+        state.alp.reseed(seed)
+    order_generator = torch.Generator().manual_seed(seed)
+    updates: list[dict[str, Tensor]] = []
+    for _epoch in range(cfg.optim.epochs):
+        order = torch.randperm(len(rollout.prompt_ids), generator=order_generator)
+        for rows in order.tensor_split(cfg.optim.minibatches):
+            batch = _minibatch(state, rollout, scored, rows)
+            loss, metrics = _loss(state, batch)
+            state.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            params = [p for g in state.optimizer.param_groups for p in g["params"]]
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            state.optimizer.step()
+            updates.append({"loss/loss": loss.detach(), "loss/grad_norm": grad_norm.detach(), **metrics})
+    return updates
+
+
+def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor) -> LogProbBatch:
+    """The :class:`LogProbBatch` of some rows, with π_θ from a forward with the ALP noise on (and routes replayed)."""
+    ids = rows.tolist()
+    routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
+        else contextlib.nullcontext()
+    with state.alp.active() if state.alp is not None else contextlib.nullcontext(), routes:
+        logp, mask, _, extras = score_policy(
+            state.model, [rollout.prompt_ids[i] for i in ids], [rollout.completions[i] for i in ids], state.sampling,
+            dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None)
+    t = logp.shape[1]
+    return LogProbBatch(
+        logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
+        advantages=rollout.advantages[rows],
+        token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows, :t], extras=extras,
+    )
+
+
+def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    a = state.cfg.algorithm
+    if state.alp is not None:  # ALP's unified ratio with the paper's clip range for its level
+        return alp_policy_loss(batch, level=state.cfg.alp.level, correction=state.correction, clip_low=a.clip_low,
+                               clip_high=a.clip_high, dual_clip=state.objective_params.get("dual_clip"),
+                               aggregation=a.aggregation)
+    objective = {"name": state.objective, **state.objective_params}
+    return policy_loss(batch, correction=state.correction, objective=objective, aggregation=a.aggregation)
+
+
+# -- 4. metrics --------------------------------------------------------------------------------------------------------
+
+
+def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: list[dict[str, Tensor]], *,
+                 started: float) -> dict[str, Tensor | float]:
+    """The step's metrics (tensors, synced once by the caller): the mismatch diagnostics between π_old and μ under
+    ``run.metric_naming`` (with the correction chain's result at π_old), the minibatches' mean loss metrics
+    (which include each correction's own), rewards, response length, TRM's exact KL, the masked fraction, ALP's σ,
+    MoE routing flips and timings."""
+    naming = state.cfg.run.metric_naming
+    mask = scored.mask
+    at_old = LogProbBatch(logp=scored.old_logp, mask=mask, old_logp=scored.old_logp, rollout_logp=scored.rollout_logp,
+                          advantages=rollout.advantages, token_divergence=scored.token_divergence,
+                          extras=scored.extras)
+    corrected = state.correction(at_old) if state.correction is not None else None
+    metrics: dict[str, Tensor | float] = dict(
+        offpolicy_metrics(scored.old_logp, scored.rollout_logp, mask, corrected, naming=naming))
+    if scored.flip_rate is not None:  # the engine's routes that π_old's own router would change
+        metrics["routing/flip_rate"] = scored.flip_rate
+    for name in updates[0]:
+        metrics[name] = torch.stack([u[name].float() for u in updates]).mean()
+    metrics["reward/mean"] = rollout.rewards.mean()
+    metrics["reward/std"] = rollout.rewards.std(unbiased=False)
+    metrics["reward/max"] = rollout.rewards.max()
+    metrics["response/length_mean"] = mask.float().sum(-1).mean()
+    metrics["mismatch/token_kl_exact_mean"] = (masked_mean(scored.token_divergence, mask)
+                                              if scored.token_divergence is not None else torch.tensor(float("nan")))
+    metrics["correction/masked_frac"] = (1.0 - masked_mean((corrected.coefficient != 0).float(), mask)
+                                         if corrected is not None else torch.zeros(()))
+    if state.alp is not None:
+        metrics.update(state.alp.metrics())
+    step_seconds = time.perf_counter() - started
+    metrics["time/step_s"] = step_seconds
+    metrics["time/rollout_s"] = rollout.seconds
+    metrics["time/tokens_per_s"] = float(mask.sum()) / max(step_seconds, 1e-9)
+    return metrics
+
+
+def kl_metric_name(naming: str) -> str:
+    """The key of the direct KL estimate under ``naming`` (the progress bar shows it)."""
+    return NAMINGS[naming].key("kl")
+
