@@ -88,13 +88,38 @@ def _args(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
+def test_corrections_and_objectives_by_name_and_the_mismatch_metrics_under_trls_names():
+    # A correction spec by name gives the same loss as the object; TRL's loss_type cispo maps to the cispo objective
+    # with TRL's cap (weight = min(r, epsilon_high)); the mismatch diagnostics use TRL's sampling/… names
+    lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
+    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    by_name = cls(table=lp, correction=[{"name": "tis", "upper": 2.0}])
+    assert torch.equal(by_name._compute_loss(torch.nn.Linear(1, 1).train(), _inputs()),
+                       cls(table=lp, correction=tis(upper=2.0))._compute_loss(torch.nn.Linear(1, 1).train(), _inputs()))
+    logged = by_name._metrics["train"]
+    # |log π_old − log μ| over the 5 valid tokens: (0.5 + 0 + 0 + 0.8 + 0) / 5 = 0.26, max 0.8
+    assert logged["sampling/sampling_logp_difference/mean"] == [pytest.approx(0.26)]
+    assert logged["sampling/sampling_logp_difference/max"] == [pytest.approx(0.8)]
+    assert "sampling/importance_sampling_ratio/mean" in logged and "sampling/kl" in logged
+    verl_names = cls(table=lp, metric_naming="verl")
+    verl_names._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
+    assert "rollout_corr/kl" in verl_names._metrics["train"] and "rollout_corr/chi2_seq" in verl_names._metrics["train"]
+    with pytest.raises(ValueError, match="naming"):
+        cls(table=lp, metric_naming="wandb")
+    cispo = cls(args=_args(loss_type="cispo", epsilon_high=5.0), table=lp)
+    assert cispo.offpolicy_loss_kwargs["objective"] == {"name": "cispo", "clip_low": 1.0, "clip_high": 4.0}
+    sapo = cls(args=_args(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05), table=lp)
+    assert sapo.offpolicy_loss_kwargs == {"objective": {"name": "sapo", "tau_pos": 1.0, "tau_neg": 1.05},
+                                          "aggregation": "seq_mean_token_mean"}
+
+
 @pytest.mark.parametrize(
     "kw, name",
     [
         (dict(vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),  # even without a correction
         (dict(beta=0.04), "beta"),
-        (dict(loss_type="cispo"), "loss_type"),
-        (dict(loss_type="sapo"), "loss_type"),
+        (dict(loss_type="vespo"), "loss_type"),
+        (dict(loss_type="luspo"), "loss_type"),
         (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
         (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
@@ -156,7 +181,7 @@ def test_dapo_divides_the_sum_by_the_generation_batch_token_count():
 def test_delta_is_the_dual_clip_and_nan_vllm_logprobs_do_not_drop_tokens_without_a_correction():
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
     trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(delta=3.0), table=lp)
-    assert trainer.offpolicy_loss_kwargs["dual_clip"] == 3.0
+    assert trainer.offpolicy_loss_kwargs["objective"] == {"name": "ppo", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
     inputs = _inputs()
     inputs["sampling_per_token_logps"] = torch.full((2, 3), float("nan"))  # TRL's "missing" vLLM log-probs
     got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), inputs)
@@ -195,7 +220,8 @@ def test_real_grpo_trainer_two_steps(tmp_path):
 def test_matches_trls_own_loss_and_gradient_for_each_loss_type_with_accumulation(tmp_path):
     """OffPolicyGRPOTrainer._compute_loss == TRL's own GRPOTrainer._compute_loss (no correction), value and parameter
     gradient, on the same trainer and inputs: loss types bnpo / grpo / dr_grpo (max_completion_length > the padded
-    width) / dapo, gradient accumulation, delta, clip-higher. TRL's loss is internal API: checked against TRL 1.16."""
+    width) / dapo / cispo (token and sequence level) / sapo, gradient accumulation, delta, clip-higher. TRL's loss is
+    internal API: checked against TRL 1.16."""
     trl = pytest.importorskip("trl")
     if not trl.__version__.startswith("1.16"):
         pytest.skip(f"compares with TRL 1.16's internal _compute_loss; installed {trl.__version__}")
@@ -243,7 +269,11 @@ def test_matches_trls_own_loss_and_gradient_for_each_loss_type_with_accumulation
         return loss.detach(), torch.cat([p.grad.flatten() for p in params if p.grad is not None]).double()
 
     cases = [("bnpo", 4, 8, {}), ("grpo", 4, 8, {}), ("dr_grpo", 2, 16, {}), ("dapo", 4, 8, {"steps_per_generation": 4}),
-             ("bnpo", 1, 8, {"delta": 1.5, "epsilon_high": 0.28})]
+             ("bnpo", 1, 8, {"delta": 1.5, "epsilon_high": 0.28}),
+             # CISPO: TRL caps the weight at epsilon_high (1.3: binds on part of r = exp(0.3·N(0,1))); SAPO's gates
+             ("cispo", 4, 8, {"steps_per_generation": 4, "epsilon_high": 1.3}),
+             ("cispo", 2, 8, {"steps_per_generation": 4, "epsilon_high": 1.1, "importance_sampling_level": "sequence"}),
+             ("sapo", 4, 8, {}), ("sapo", 1, 8, {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0})]
     for loss_type, accumulation, max_len, extra in cases:
         trainer = make(loss_type, max_len, **extra)
         trainer.current_gradient_accumulation_steps = accumulation

@@ -128,5 +128,11 @@ def test_rollout_correction_matches_correction_and_prefixes_metrics():
     # tis caps e^2 at 2
     w, keep, _ = rollout_correction(torch.zeros(1, 3), torch.tensor([[0.0, -2.0, 1.0]]), torch.ones(1, 3), tis(upper=2.0))
     assert w[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-1.0)])
+    # registered names work as the objects do; an unknown one is named with the registered ones
+    by_name = rollout_correction(torch.zeros(1, 3), torch.tensor([[0.0, -2.0, 1.0]]), torch.ones(1, 3),
+                                 [{"name": "tis", "upper": 2.0}])
+    assert torch.equal(by_name[0], w)
+    with pytest.raises(ValueError, match="unknown correction 'tiss'"):
+        rollout_correction(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "tiss")
     with pytest.raises(ValueError, match="correction"):
-        rollout_correction(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "tis")
+        rollout_correction(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 3.0)

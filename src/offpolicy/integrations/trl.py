@@ -6,13 +6,13 @@ Two levels, pick one:
   ``old_per_token_logps``, ``sampling_per_token_logps``) and the current per-token log-probs to ``(loss, metrics)``.
   Use it from your own ``GRPOTrainer._compute_loss`` override.
 * ``OffPolicyGRPOTrainer`` — a drop-in subclass of ``trl.GRPOTrainer`` (built on first access, so importing this module
-  never imports TRL) that takes ``correction=``, ``objective=``, ``aggregation=`` and everything ``GRPOTrainer`` takes::
+  never imports TRL) that takes ``correction=``, ``objective=``, ``aggregation=``, ``metric_naming=`` and everything
+  ``GRPOTrainer`` takes; corrections and objectives are registered names (a plug-in's too) or objects::
 
-      from offpolicy import chain, icepop, opsm
       from offpolicy.integrations.trl import OffPolicyGRPOTrainer
       trainer = OffPolicyGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(..., use_vllm=True,
                                      vllm_importance_sampling_correction=False),
-                                     correction=chain(icepop(), opsm(delta=1e-4)))
+                                     correction=[{"name": "icepop"}, {"name": "opsm", "delta": 1e-4}])
 
 TRL's names map as follows: ``sampling_per_token_logps`` (vLLM's log-probs) is μ = ``rollout_logp``;
 ``old_per_token_logps`` is π_old (TRL leaves it out when there is a single update per generation — then π_old = π_θ
@@ -21,10 +21,13 @@ detached, as in TRL); without vLLM there is no separate μ and μ = π_old (ever
 corrected twice; the subclass refuses it (TRL's default ``sequence_mask`` at 3.0 is ``mis(level="sequence",
 upper=3.0)``). Reproduced from TRL's loss: ``loss_type`` grpo / bnpo / dr_grpo / dapo with TRL's own normalisers
 (gradient accumulation, dapo's generation-batch token count, dr_grpo's ``max_completion_length``), ``epsilon`` /
-``epsilon_high``, ``delta`` (= ``dual_clip``), the MoE router loss and vision inputs. Refused, because silently
+``epsilon_high``, ``delta`` (= ``dual_clip``), ``loss_type`` cispo (the ``cispo`` objective, ``epsilon_high`` TRL's
+absolute cap) and sapo (``sapo``, TRL's two temperatures), the MoE router loss and vision inputs. When TRL hands over
+the vLLM log-probs, the mismatch diagnostics are logged too, under TRL's ``sampling/…`` names by default
+(``metric_naming``). Refused, because silently
 ignoring them would train something else: ``beta`` ≠ 0 (no KL-to-reference term), other loss types, entropy-quantile
 masking, the entropy bonus, ``off_policy_mask_threshold`` (use ``opsm``) and ``importance_sampling_level="sequence"``
-without ``objective="gspo"`` (TRL's sequence level is the length-normalised ratio, our ``geometric``).
+except with ``objective="gspo"`` or CISPO (TRL's sequence level is the length-normalised ratio, our ``geometric``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from torch import Tensor
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction
 from offpolicy.losses import policy_loss
+from offpolicy.metrics import check_naming, offpolicy_metrics
+from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
 
 
 def _loss_mask(inputs: dict[str, Any]) -> Tensor:
@@ -68,16 +73,18 @@ def trl_policy_loss(
     per_token_logps: Tensor,
     inputs: dict[str, Any],
     *,
-    correction: Correction | None = None,
+    correction: Correction | CorrectionSpec | list[CorrectionSpec] | None = None,
     **loss_kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`offpolicy.policy_loss` on TRL's inputs; ``loss_kwargs`` are policy_loss's (objective, clip_low, …).
+    """:func:`offpolicy.policy_loss` on TRL's inputs; ``loss_kwargs`` are policy_loss's (objective, clip_low, …);
+    ``correction`` may be given by name (:func:`offpolicy.build_correction`).
 
     >>> lp = torch.zeros(1, 2, requires_grad=True)
     >>> loss, m = trl_policy_loss(lp, {"completion_mask": torch.ones(1, 2), "advantages": torch.tensor([2.0])})
     >>> loss.item()
     -2.0
     """
+    correction = build_correction(correction) if not isinstance(correction, Correction) else correction
     return policy_loss(batch_from_trl_inputs(per_token_logps, inputs), correction=correction, **loss_kwargs)
 
 
@@ -87,7 +94,39 @@ TRL_LOSS_TYPES: dict[str, str] = {
     "bnpo": "token_mean",
     "dr_grpo": "seq_mean_token_sum_norm",
     "dapo": "token_mean",
+    "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
 }
+# TRL loss_type → its objective (the others are PPO-clip); TRL divides these two by the generation batch's tokens
+TRL_OBJECTIVES: dict[str, str] = {"cispo": "cispo", "sapo": "sapo"}
+TOKEN_COUNT_NORMALISED = ("dapo", "cispo")
+
+
+def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The objective and parameters that reproduce ``args`` (a ``GRPOConfig``): ``objective`` if given, else the one
+    of ``args.loss_type``; TRL's clip settings mapped onto the parameters the objective takes.
+
+    >>> from types import SimpleNamespace as Args
+    >>> trl_objective(Args(loss_type="cispo", epsilon=0.2, epsilon_high=5.0), None)
+    ('cispo', {'clip_low': 1.0, 'clip_high': 4.0})
+    >>> trl_objective(Args(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, delta=None), None)
+    ('ppo', {'clip_low': 0.2, 'clip_high': 0.28})
+    """
+    loss_type = getattr(args, "loss_type", None)
+    name, params = split_spec(objective if objective is not None else TRL_OBJECTIVES.get(loss_type, "ppo"), "objective")
+    takes = OBJECTIVES[name].parameters()
+    eps = getattr(args, "epsilon", 0.2)
+    eps_high = getattr(args, "epsilon_high", None)
+    eps_high = eps if eps_high is None else eps_high
+    if name == "cispo" and loss_type == "cispo":  # TRL: w = min(r, epsilon_high), no lower bound
+        trl = {"clip_low": 1.0, "clip_high": eps_high - 1.0}
+    else:
+        trl = {"clip_low": eps, "clip_high": eps_high, "dual_clip": getattr(args, "delta", None),  # TRL clamps r at δ
+               "tau_pos": getattr(args, "sapo_temperature_pos", None),
+               "tau_neg": getattr(args, "sapo_temperature_neg", None)}
+    if getattr(args, "importance_sampling_level", "token") == "sequence":
+        trl["level"] = "geometric"
+    return name, {**{k: v for k, v in trl.items() if k in takes and v is not None}, **params}
 # inputs TRL hands the model forward for vision-language models (passed through like TRL's own _compute_loss)
 _MODEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -104,7 +143,7 @@ def _refuse_unreproduced(args: Any, objective: str) -> None:
         )
     if float(getattr(args, "beta", 0.0) or 0.0) != 0.0:
         raise ValueError("beta: OffPolicyGRPOTrainer has no KL-to-reference term; use beta=0.0")
-    if getattr(args, "importance_sampling_level", "token") != "token" and objective != "gspo":
+    if getattr(args, "importance_sampling_level", "token") != "token" and objective not in ("gspo", "cispo"):
         raise ValueError("importance_sampling_level: TRL's 'sequence' level is GSPO's length-normalised ratio; pass "
                          "objective='gspo' (or objective='ppo', level='geometric' via trl_policy_loss)")
     if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
@@ -142,32 +181,31 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
         def __init__(
             self,
             *args: Any,
-            correction: Correction | None = None,
-            objective: str = "ppo",
+            correction: Correction | CorrectionSpec | list[CorrectionSpec] | None = None,
+            objective: str | dict[str, Any] | None = None,
             aggregation: str | None = None,
             clip_low: float | None = None,
             clip_high: float | None = None,
             dual_clip: float | None = None,
+            metric_naming: str = "trl",
             **kwargs: Any,
         ) -> None:
+            check_naming(metric_naming)
+            correction = correction if isinstance(correction, Correction) else build_correction(correction)
             super().__init__(*args, **kwargs)
             train_args = getattr(self, "args", None)
-            _refuse_unreproduced(train_args, objective)
+            name, params = trl_objective(train_args, objective)
+            _refuse_unreproduced(train_args, name)
             self.offpolicy_correction = correction
+            self.offpolicy_metric_naming = metric_naming
             loss_type = getattr(train_args, "loss_type", None)
-            # dapo's global token normaliser applies only when the aggregation is dapo's own
-            self._offpolicy_dapo = aggregation is None and loss_type == "dapo"
+            # the generation batch's token normaliser applies only when the aggregation is TRL's own
+            self._offpolicy_token_count = aggregation is None and loss_type in TOKEN_COUNT_NORMALISED
             if aggregation is None:
                 aggregation = TRL_LOSS_TYPES.get(loss_type, "token_mean")
-            eps = getattr(train_args, "epsilon", 0.2)
-            delta = getattr(train_args, "delta", None)
-            self.offpolicy_loss_kwargs = {
-                "objective": objective,
-                "aggregation": aggregation,
-                "clip_low": eps if clip_low is None else clip_low,
-                "clip_high": getattr(train_args, "epsilon_high", eps) if clip_high is None else clip_high,
-                "dual_clip": delta if dual_clip is None else dual_clip,  # TRL clamps r at δ: the loss of A<0 ≤ δ|A|
-            }
+            explicit = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+            params.update({k: v for k, v in explicit.items() if v is not None})
+            self.offpolicy_loss_kwargs = {"objective": {"name": name, **params}, "aggregation": aggregation}
             if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo: B · max_completion_length
                 self.offpolicy_loss_kwargs["max_tokens"] = getattr(train_args, "max_completion_length", None)
 
@@ -189,6 +227,11 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
                 self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))
+            if inputs.get("sampling_per_token_logps") is not None and inputs.get("old_per_token_logps") is not None:
+                mismatch = offpolicy_metrics(inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
+                                             _loss_mask(inputs), naming=self.offpolicy_metric_naming)
+                for name, value in mismatch.items():
+                    self._metrics[mode][name].append(float(value))
             return loss
 
         def _accumulation(self, mode: str) -> float:
@@ -198,7 +241,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             """TRL's own loss scaling (HF auto-scaling is off for GRPOTrainer): a per-micro-batch mean divided by the
             accumulation steps; dapo's Σ over the micro-batch divided by the generation batch's token count, rescaled
             to one accumulation window."""
-            if not self._offpolicy_dapo or "num_items_in_batch" not in inputs:
+            if not self._offpolicy_token_count or "num_items_in_batch" not in inputs:
                 return loss / self._accumulation(mode)
             mask = _loss_mask(inputs)
             processes = getattr(getattr(self, "accelerator", None), "num_processes", 1)

@@ -49,7 +49,9 @@ from torch import Tensor
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.losses import policy_loss
+from offpolicy.metrics import check_naming, offpolicy_metrics
 from offpolicy.ratios import masked_mean
+from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
 
 # verl loss_agg_mode → the offpolicy aggregation computed before :func:`_verl_scale` rescales it to verl's agg_loss
 VERL_AGGREGATIONS: dict[str, str] = {
@@ -125,10 +127,47 @@ def _config_value(config: Any, key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+# an objective's parameter → the verl actor-config keys that set it, first found wins (verl reuses clip_ratio as DPPO's
+# divergence threshold and clip_ratio_c as its ratio cap, as its own dppo_tv / dppo_kl do)
+VERL_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "clip_low": ("clip_ratio_low", "clip_ratio"),
+    "clip_high": ("clip_ratio_high", "clip_ratio"),
+    "dual_clip": ("clip_ratio_c",),
+    "delta_low": ("clip_ratio_low", "clip_ratio"),
+    "delta_high": ("clip_ratio_high", "clip_ratio"),
+    "ratio_cap": ("clip_ratio_c",),
+    "tau_pos": ("tau_pos",),
+    "tau_neg": ("tau_neg",),
+}
+
+
+def verl_objective(objective: str | dict[str, Any], config: Any) -> dict[str, Any]:
+    """The objective spec for :func:`~offpolicy.policy_loss`: its own parameters, then the ones verl's actor config
+    sets among those the objective takes (:data:`VERL_PARAMETERS`); ``clip_ratio`` 0.2 when the config has none.
+
+    >>> verl_objective("sapo", {"tau_pos": 1.0, "tau_neg": 1.05, "clip_ratio": 0.2})
+    {'name': 'sapo', 'tau_pos': 1.0, 'tau_neg': 1.05}
+    >>> verl_objective("ppo", None)
+    {'name': 'ppo', 'clip_low': 0.2, 'clip_high': 0.2}
+    """
+    name, params = split_spec(objective, "objective")
+    takes = OBJECTIVES[name].parameters()
+    spec: dict[str, Any] = {"name": name}
+    for parameter, keys in VERL_PARAMETERS.items():
+        if parameter not in takes or parameter in params:
+            continue
+        default = 0.2 if keys[-1] == "clip_ratio" else None
+        values = [_config_value(config, key, None) for key in keys]
+        value = next((v for v in values if v is not None), default)
+        if value is not None:
+            spec[parameter] = float(value)
+    return {**spec, **params}
+
+
 def verl_policy_loss_fn(
     *,
-    correction: Correction | None = None,
-    objective: str = "ppo",
+    correction: Correction | CorrectionSpec | list[CorrectionSpec] | None = None,
+    objective: str | dict[str, Any] = "ppo",
     legacy_tuple: bool = False,
     verl_version: str | None = None,
 ) -> Callable[..., Any]:
@@ -140,7 +179,9 @@ def verl_policy_loss_fn(
     4-tuple ``(loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` instead.
 
     ``correction`` runs on (π_θ, π_old) only — verl gives the loss no μ — so use it for staleness-side corrections; put
-    μ-side corrections in :func:`rollout_correction`.
+    μ-side corrections in :func:`rollout_correction`. ``objective`` is a registered name (``ppo``, ``cispo``,
+    ``dppo_tv``, ``sapo``, a plug-in's …) or ``{"name": ..., **params}``; verl's actor config sets the parameters it
+    takes (:func:`verl_objective`). Corrections may be given by name too (:func:`offpolicy.build_correction`).
 
     ``verl_version`` picks the ``agg_loss`` rules to match (they changed: ``seq-mean-token-sum-norm`` divides by the
     sequence count since verl 0.7.1, ``token-sum`` exists since 0.9); default: the installed verl's version, or the
@@ -157,6 +198,8 @@ def verl_policy_loss_fn(
         rules = _version_tuple(verl_version)
     else:
         rules = _installed_verl_version() or NEWEST_VERL_RULES
+    correction = correction if isinstance(correction, Correction) else build_correction(correction)
+    verl_objective(objective, None)  # an unknown objective or parameter fails here, not in the first step
 
     def compute_policy_loss(
         old_log_prob: Tensor,
@@ -169,24 +212,13 @@ def verl_policy_loss_fn(
     ) -> Any:
         if loss_agg_mode not in VERL_AGGREGATIONS:
             raise ValueError(f"loss_agg_mode must be one of {tuple(VERL_AGGREGATIONS)}, got {loss_agg_mode!r}")
-        clip_ratio = float(_config_value(config, "clip_ratio", 0.2))
-        clip_low = float(_config_value(config, "clip_ratio_low", clip_ratio))
-        clip_high = float(_config_value(config, "clip_ratio_high", clip_ratio))
-        dual_clip = _config_value(config, "clip_ratio_c", None)
         batch = LogProbBatch(logp=log_prob, old_logp=old_log_prob, mask=response_mask, advantages=advantages)
         result = correction(batch) if correction is not None else None
         if rollout_is_weights is not None:
             external = CorrectionResult(rollout_is_weights.detach().float(), batch.bool_mask, {})
             result = external if result is None else result.then(external)
-        loss, metrics = policy_loss(
-            batch,
-            correction=result,
-            objective=objective,  # type: ignore[arg-type]
-            clip_low=clip_low,
-            clip_high=clip_high,
-            dual_clip=None if dual_clip is None or objective == "reinforce" else float(dual_clip),
-            aggregation=VERL_AGGREGATIONS[loss_agg_mode],  # type: ignore[arg-type]
-        )
+        loss, metrics = policy_loss(batch, correction=result, objective=verl_objective(objective, config),
+                                    aggregation=VERL_AGGREGATIONS[loss_agg_mode])
         info = _config_value(config, "global_batch_info", None) or {}
         loss = loss * _verl_scale(loss_agg_mode, response_mask, dict(info), rules)
         ppo_kl = masked_mean(old_log_prob.float() - log_prob.detach().float(), response_mask)
@@ -218,23 +250,34 @@ def rollout_correction(
     old_log_prob: Tensor,
     rollout_log_probs: Tensor,
     response_mask: Tensor,
-    correction: Correction,
+    correction: Correction | CorrectionSpec | list[CorrectionSpec],
     *,
     advantages: Tensor | None = None,
-    prefix: str = "rollout_corr/",
+    naming: str = "verl",
+    prefix: str | None = None,
+    diagnostics: bool = True,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Apply an offpolicy correction to verl's batch tensors: ``(weights [B,T], keep [B,T] bool, metrics)``.
 
     π_θ is π_old here (the correction runs once per rollout, before the updates), so ``source="mismatch"`` and
-    ``source="total"`` agree. ``advantages`` ([B] or [B,T]) is needed by OPSM.
+    ``source="total"`` agree. ``advantages`` ([B] or [B,T]) is needed by OPSM. ``correction`` is a Correction or
+    registered names (:func:`offpolicy.build_correction`). The metrics are the correction's, under the naming's prefix
+    (``prefix`` replaces it), and — ``diagnostics`` — the mismatch diagnostics of :func:`offpolicy.offpolicy_metrics`
+    under ``naming`` (verl's ``rollout_corr/…`` names by default), as verl's own helper returns both.
 
     >>> from offpolicy.corrections.importance import tis
     >>> w, keep, m = rollout_correction(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -2.0]]), torch.ones(1, 2), tis(upper=2.0))
     >>> w
     tensor([[1., 2.]])
     """
+    names = check_naming(naming)
     if not isinstance(correction, Correction):
-        raise ValueError(f"correction must be an offpolicy Correction, got {type(correction).__name__}")
+        if not isinstance(correction, (str, dict, list, tuple)):
+            raise ValueError(f"correction must be an offpolicy Correction or registered names, got "
+                             f"{type(correction).__name__}")
+        correction = build_correction(correction)  # type: ignore[assignment]
+        if correction is None:
+            raise ValueError("correction is an empty list: give at least one correction")
     batch = LogProbBatch(
         logp=old_log_prob.detach(),
         old_logp=old_log_prob,
@@ -242,5 +285,9 @@ def rollout_correction(
         mask=response_mask,
         advantages=advantages,
     )
-    result = correction(batch)
-    return result.weights, result.keep, {prefix + k: v for k, v in result.metrics.items()}
+    result = correction(batch)  # type: ignore[operator]
+    prefix = names.prefix if prefix is None else prefix
+    metrics = {prefix + k: v for k, v in result.metrics.items()}
+    if diagnostics:
+        metrics.update(offpolicy_metrics(old_log_prob, rollout_log_probs, response_mask, result, naming=naming))
+    return result.weights, result.keep, metrics
