@@ -15,6 +15,7 @@ from offpolicy.corrections.trust_region import ln_trm, ln_trm_mask, ser, ser_mas
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import offpolicy_metrics
 from offpolicy.ratios import aggregate_log_ratio
+from offpolicy.registry import OBJECTIVES
 
 
 def compiled(fn):
@@ -56,15 +57,14 @@ def forward_backward(fn, logp0, old, rollout, mask, adv):
     return loss.detach(), metrics, logp.grad
 
 
-@pytest.mark.parametrize("objective", ["ppo", "gspo", "reinforce"])
-
+@pytest.mark.parametrize("objective", OBJECTIVES.names())
 def test_policy_loss_with_correction_chain(objective):
     logp0, old, rollout, mask, adv = make_inputs()
     correction = chain(tis(upper=2.0), icepop(), opsm(delta=0.1), trm())
 
     def step(logp, old, rollout, mask, adv):
         b = LogProbBatch(logp=logp, mask=mask, old_logp=old, rollout_logp=rollout, advantages=adv)
-        clip = {} if objective == "reinforce" else {"clip_high": 0.28}
+        clip = {"clip_high": 0.28} if "clip_high" in OBJECTIVES[objective].parameters() else {}
         loss, metrics = policy_loss(b, correction=correction, objective=objective, aggregation="seq_mean_token_mean", **clip)
         return loss, metrics
 

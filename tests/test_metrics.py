@@ -312,3 +312,60 @@ def test_clipped_frac_of_a_result_follows_its_weights():
     from offpolicy.corrections.importance import tis
 
     assert chain(r_c, tis(upper=2.0))(b).weight_level == "mixed"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Framework names and the statistics they need
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_same_numbers_under_each_frameworks_names():
+    from offpolicy.metrics import NAMINGS, metric_names
+
+    train, rollout, mask = example()
+    weights = torch.tensor([[1.0, 0.5], [0.0, PAD]])
+    swift = offpolicy_metrics(train, rollout, mask, weights, prefix="")
+    verl = offpolicy_metrics(train, rollout, mask, weights, naming="verl")
+    trl = offpolicy_metrics(train, rollout, mask, weights, naming="trl")
+    assert list(verl) == list(metric_names("verl")) and list(trl) == list(metric_names("trl"))
+    assert len(set(verl)) == len(set(trl)) == len(swift)  # renames never collide
+    for name in swift:
+        assert torch.equal(verl[NAMINGS["verl"].key(name)], swift[name])
+        assert torch.equal(trl[NAMINGS["trl"].key(name)], swift[name])
+    # verl's chi2_seq is the product ratio's; ms-swift's (ours) the geometric one
+    assert torch.equal(verl["rollout_corr/chi2_seq"], swift["chi2_seq_product"])
+    assert torch.equal(verl["rollout_corr/chi2_seq_geometric"], swift["chi2_seq"])
+    assert torch.equal(verl["rollout_corr/rollout_is_eff_sample_size"], swift["ess"])
+    assert torch.equal(trl["sampling/importance_sampling_ratio/min"], swift["is_weight_min"])
+    with pytest.raises(ValueError, match="naming"):
+        offpolicy_metrics(train, rollout, mask, naming="wandb")
+
+
+def test_weight_extremes_and_log_prob_differences_by_hand():
+    train, rollout, mask = example()
+    m = offpolicy_metrics(train, rollout, mask, torch.tensor([[1.0, 0.5], [0.25, PAD]]), prefix="")
+    # weights over the 3 valid tokens: 1, 0.5, 0.25 (the NaN is padding)
+    assert m["is_weight_max"].item() == 1.0 and m["is_weight_min"].item() == 0.25
+    # |log π − log μ| = (0, 1, 1): mean 2/3, max 1
+    assert m["logp_abs_diff_mean"].item() == pytest.approx(2 / 3) and m["logp_abs_diff_max"].item() == 1.0
+    # without weights the raw ratio ρ = (1, e⁻¹, e) is the weight
+    m = offpolicy_metrics(train, rollout, mask, prefix="")
+    assert m["is_weight_max"].item() == pytest.approx(E) and m["is_weight_min"].item() == pytest.approx(math.exp(-1))
+
+
+def test_verl_names_equal_verls_own_offpolicy_metrics():
+    """Under verl's names, the metrics verl computes too equal verl 0.9's ``compute_offpolicy_metrics`` (on a batch
+    whose every sequence has a valid token: verl counts an empty one as PPL 1, we leave it out)."""
+    pytest.importorskip("verl")
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+
+    g = torch.Generator().manual_seed(0)
+    train = -3 * torch.rand(6, 11, generator=g)
+    rollout = train + 0.3 * torch.randn(6, 11, generator=g)
+    mask = torch.rand(6, 11, generator=g) < 0.7
+    mask[:, 0] = True
+    ours = offpolicy_metrics(train, rollout, mask, naming="verl")
+    theirs = compute_offpolicy_metrics(train, rollout, mask.float())
+    assert set(theirs) <= {k.removeprefix("rollout_corr/") for k in ours}
+    for name, value in theirs.items():
+        assert ours[f"rollout_corr/{name}"].item() == pytest.approx(value, rel=1e-5, abs=1e-6), name
