@@ -158,74 +158,77 @@ class _Scratch:
         return buf[:numel].view(shape)
 
 
-def _rollout_chunk(r: Tensor, cfg: _Config, dtype: torch.dtype, scratch: _Scratch) -> Tensor:
-    if r.dtype == dtype and cfg.rollout_temperature == 1.0:
-        return r  # read-only use: no copy needed
-    out = scratch.get("r", r, dtype).copy_(r)
+def _rollout_chunk(rollout: Tensor, cfg: _Config, dtype: torch.dtype, scratch: _Scratch) -> Tensor:
+    if rollout.dtype == dtype and cfg.rollout_temperature == 1.0:
+        return rollout  # read-only use: no copy needed
+    out = scratch.get("rollout", rollout, dtype).copy_(rollout)
     return out.mul_(1.0 / cfg.rollout_temperature) if cfg.rollout_temperature != 1.0 else out
 
 
-def _forward_chunk(z: Tensor, y: Tensor, cfg: _Config, roll: Tensor | None, tk_logp: Tensor | None,
-                   tk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
+def _forward_chunk(logits: Tensor, targets: Tensor, cfg: _Config, rollout: Tensor | None, topk_logp: Tensor | None,
+                   topk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
     """Statistics of one chunk of logits ``z`` [n, V] (owned; may be overwritten). Returns [n, 1] tensors."""
     want = cfg.want
     out: dict[str, Tensor] = {}
-    zero = torch.zeros((), dtype=z.dtype)
-    zmax = z.amax(dim=-1, keepdim=True)
-    e = torch.sub(z, zmax, out=scratch.get("e", z)).exp_()
-    s = e.sum(dim=-1, keepdim=True)
-    lse = zmax + s.log()
-    out["logsumexp"], out["max_logit"] = lse, zmax
-    zy = z.gather(1, y)
-    out["logp"] = zy - lse
+    zero = torch.zeros((), dtype=logits.dtype)
+    max_logit = logits.amax(dim=-1, keepdim=True)
+    exp_shifted = torch.sub(logits, max_logit, out=scratch.get("exp", logits)).exp_()  # e^{z − max}
+    sum_exp = exp_shifted.sum(dim=-1, keepdim=True)
+    log_z = max_logit + sum_exp.log()
+    out["logsumexp"], out["max_logit"] = log_z, max_logit
+    target_logit = logits.gather(1, targets)
+    out["logp"] = target_logit - log_z
     if "entropy" in want:
-        out["entropy"] = lse - _rowdot(e, z) / s
+        out["entropy"] = log_z - _rowdot(exp_shifted, logits) / sum_exp
     if "minp_logp" in want or "minp_mass" in want:
-        thr = zmax + cfg.log_rho
-        safe = torch.ge(z, thr, out=scratch.get("mask", z, torch.bool))
-        s_safe = torch.where(safe, e, zero, out=scratch.get("t", z)).sum(dim=-1, keepdim=True)
-        lse_s = zmax + s_safe.log()
-        out["threshold"], out["lse_safe"] = thr, lse_s
-        out["minp_logp"] = zy - lse_s
-        out["minp_mass"] = s_safe / s
-        out["minp_inside"] = zy >= thr
+        threshold = max_logit + cfg.log_rho
+        in_safe_set = torch.ge(logits, threshold, out=scratch.get("mask", logits, torch.bool))
+        safe_sum_exp = torch.where(in_safe_set, exp_shifted, zero, out=scratch.get("tmp", logits)).sum(dim=-1,
+                                                                                                        keepdim=True)
+        safe_log_z = max_logit + safe_sum_exp.log()
+        out["threshold"], out["lse_safe"] = threshold, safe_log_z
+        out["minp_logp"] = target_logit - safe_log_z
+        out["minp_mass"] = safe_sum_exp / sum_exp
+        out["minp_inside"] = target_logit >= threshold
     if cfg.kl_source == "logits":
-        r = _rollout_chunk(roll, cfg, z.dtype, scratch)
-        rmax = r.amax(dim=-1, keepdim=True)
-        er = torch.sub(r, rmax, out=scratch.get("er", z)).exp_()
-        sr = er.sum(dim=-1, keepdim=True)
-        lse_r = rmax + sr.log()
-        out["lse_rollout"] = lse_r
+        rollout_logits = _rollout_chunk(rollout, cfg, logits.dtype, scratch)
+        rollout_max = rollout_logits.amax(dim=-1, keepdim=True)
+        rollout_exp = torch.sub(rollout_logits, rollout_max, out=scratch.get("rollout_exp", logits)).exp_()
+        rollout_sum_exp = rollout_exp.sum(dim=-1, keepdim=True)
+        rollout_log_z = rollout_max + rollout_sum_exp.log()
+        out["lse_rollout"] = rollout_log_z
         if "kl" in want:
             # KL(q‖p) = Σ q (r − z) − lse_r + lse; 0·(−inf) where q = 0 must read 0, not NaN.
-            d = torch.sub(r, z, out=scratch.get("t", z))
-            d.masked_fill_(torch.eq(er, 0, out=scratch.get("mask", z, torch.bool)), 0.0)
-            out["kl"] = _rowdot(er, d) / sr - lse_r + lse
+            diff = torch.sub(rollout_logits, logits, out=scratch.get("tmp", logits))
+            diff.masked_fill_(torch.eq(rollout_exp, 0, out=scratch.get("mask", logits, torch.bool)), 0.0)
+            out["kl"] = _rowdot(rollout_exp, diff) / rollout_sum_exp - rollout_log_z + log_z
         if "tv" in want:
-            pz = torch.div(e, s, out=scratch.get("t", z))
-            d = torch.div(er, sr, out=er).neg_().add_(pz)          # p − q (er is not needed any more)
-            sgn = torch.sign(d, out=scratch.get("t2", z))
-            out["tv"] = 0.5 * _rowdot(sgn, d)                      # ½ Σ |p − q|
-            out["tv_sbar"] = _rowdot(sgn, pz)                     # Σ sign(p − q) p, the TV gradient's baseline
+            probs = torch.div(exp_shifted, sum_exp, out=scratch.get("tmp", logits))
+            diff = torch.div(rollout_exp, rollout_sum_exp, out=rollout_exp).neg_().add_(probs)  # p − q (q is done)
+            sign = torch.sign(diff, out=scratch.get("tmp2", logits))
+            out["tv"] = 0.5 * _rowdot(sign, diff)                   # ½ Σ |p − q|
+            out["tv_sbar"] = _rowdot(sign, probs)                   # Σ sign(p − q) p, the TV gradient's baseline
     elif cfg.kl_source == "topk":
-        lq = tk_logp.to(z.dtype)
-        q = lq.exp()
-        logp_ids = z.gather(1, tk_ids) - lse
+        topk_logq = topk_logp.to(logits.dtype)
+        topk_q = topk_logq.exp()
+        topk_logp_train = logits.gather(1, topk_ids) - log_z
         # log p_rest from the complement's own logsumexp, not log(1 − Σ p_ids) (cancellation when top-k ≈ all).
-        zr = z.scatter_(1, tk_ids, float("-inf"))
-        m = zr.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, zero)  # empty complement: Σ exp(−inf) = 0 -> lse_rest = −inf
-        lse_rest = m + torch.sub(zr, m, out=e).exp_().sum(dim=-1, keepdim=True).log()
-        log_p_rest = lse_rest - lse
+        rest_logits = logits.scatter_(1, topk_ids, float("-inf"))
+        rest_max = rest_logits.amax(dim=-1, keepdim=True)
+        rest_max = torch.where(torch.isfinite(rest_max), rest_max, zero)  # empty complement: lse_rest = −inf
+        rest_log_z = rest_max + torch.sub(rest_logits, rest_max, out=exp_shifted).exp_().sum(dim=-1,
+                                                                                             keepdim=True).log()
+        log_p_rest = rest_log_z - log_z
         # 1 − Σ q_i, within the rounding of the given log-probs
-        q_rest = topk_rest_mass(rest_mass_bounds(tk_logp, z.shape[-1]), log_p_rest, z.dtype)
-        out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
+        q_rest = topk_rest_mass(rest_mass_bounds(topk_logp, logits.shape[-1]), log_p_rest, logits.dtype)
+        out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, rest_log_z, topk_logp_train.exp()
         if "kl" in want:
-            head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
+            head = torch.where(topk_q > 0, topk_q * (topk_logq - topk_logp_train), zero).sum(dim=-1, keepdim=True)
             tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest), zero)
             out["kl"] = head + tail
         if "tv" in want:
-            out["tv"] = 0.5 * ((q - logp_ids.exp()).abs().sum(dim=-1, keepdim=True) + (q_rest - log_p_rest.exp()).abs())
+            out["tv"] = 0.5 * ((topk_q - topk_logp_train.exp()).abs().sum(dim=-1, keepdim=True)
+                               + (q_rest - log_p_rest.exp()).abs())
     return out
 
 
@@ -244,85 +247,88 @@ def _tile_membership(ids: Tensor, c0: int, width: int) -> Tensor:
     return hit.scatter_(1, col, True)[:, :width]
 
 
-def _backward_tile(z: Tensor, c0: int, y: Tensor, cfg: _Config, st: dict[str, Tensor], go: dict[str, Tensor],
-                   roll: Tensor | None, tk_logp: Tensor | None, tk_ids: Tensor | None, scratch: _Scratch) -> Tensor:
-    """∂(Σ_o go_o · o)/∂z on a tile of logits ``z`` [n, C] = columns [c0, c0 + C) of n rows.
+def _backward_tile(logits: Tensor, c0: int, targets: Tensor, cfg: _Config, stats: dict[str, Tensor],
+                   grads: dict[str, Tensor], rollout: Tensor | None, topk_logp: Tensor | None, topk_ids: Tensor | None,
+                   scratch: _Scratch) -> Tensor:
+    """∂(Σ_o grad_o · o)/∂z on a tile of logits ``z`` [n, C] = columns [c0, c0 + C) of n rows.
 
     Only per-row statistics saved by the forward are needed (lse, entropy, threshold, Z, the rollout's lse, Σ s·p
     for TV, the top-k probabilities), so the tile need not span the vocabulary: the backward is tiled in 2-D, which
     writes each slice of ∂W once per row block instead of streaming the whole ∂W once per row chunk.
-    ``go`` holds [n, 1] incoming grads (already × valid / τ); ``roll`` is the matching [n, C] tile. The result
+    ``grads`` holds [n, 1] incoming grads (already × valid / τ); ``rollout`` is the matching [n, C] tile. The result
     lives in a scratch buffer: use it before the next tile.
+
+    The gradient is p ⊙ (element_coef + row_coef), plus target_coef at the target and the top-k corrections.
     """
-    lse = st["logsumexp"]
-    zero = torch.zeros((), dtype=z.dtype)
-    p = torch.sub(z, lse, out=scratch.get("p", z)).exp_()
-    coef = torch.zeros_like(lse)  # per-row part of the multiplier of p
-    onehot = torch.zeros_like(lse)
-    mult = scratch.get("m", z)    # per-element multiplier of p, built in place (only when some output needs one)
-    per_element = bool(go.keys() & {"entropy", "minp_logp", "minp_mass", "tv"}) or (
-        cfg.kl_source == "topk" and "kl" in go)
-    if "entropy" in go:
-        g_h = go["entropy"]
-        torch.mul(z, -g_h, out=mult)
-        coef -= g_h * (st["entropy"] - lse)
+    log_z = stats["logsumexp"]
+    zero = torch.zeros((), dtype=logits.dtype)
+    probs = torch.sub(logits, log_z, out=scratch.get("probs", logits)).exp_()
+    row_coef = torch.zeros_like(log_z)     # per-row part of the multiplier of p
+    target_coef = torch.zeros_like(log_z)  # added at the target's column
+    element_coef = scratch.get("coef", logits)  # per-element multiplier of p, built in place when an output needs one
+    per_element = bool(grads.keys() & {"entropy", "minp_logp", "minp_mass", "tv"}) or (
+        cfg.kl_source == "topk" and "kl" in grads)
+    if "entropy" in grads:
+        grad_entropy = grads["entropy"]
+        torch.mul(logits, -grad_entropy, out=element_coef)
+        row_coef -= grad_entropy * (stats["entropy"] - log_z)
     elif per_element:
-        mult.zero_()
-    if "logp" in go:
-        coef -= go["logp"]
-        onehot += go["logp"]
-    if "minp_logp" in go or "minp_mass" in go:
-        w = torch.zeros_like(lse)
-        if "minp_logp" in go:
-            w -= go["minp_logp"] / st["minp_mass"]
-            onehot += go["minp_logp"]
-        if "minp_mass" in go:
-            w += go["minp_mass"]
-            coef -= go["minp_mass"] * st["minp_mass"]
-        safe = torch.ge(z, st["threshold"], out=scratch.get("mask", z, torch.bool))
-        mult.add_(torch.where(safe, w, zero, out=scratch.get("t", z)))
-    q: Tensor | None = None
-    topk_fix: Tensor | None = None
-    if cfg.kl_source == "logits" and ("kl" in go or "tv" in go):
-        r = _rollout_chunk(roll, cfg, z.dtype, scratch)
-        q = torch.sub(r, st["lse_rollout"], out=scratch.get("q", z)).exp_()
-        if "kl" in go:
-            coef += go["kl"]
-        if "tv" in go:
-            half = 0.5 * go["tv"]
-            coef -= half * st["tv_sbar"]
-            mult.add_(torch.sub(p, q, out=scratch.get("t", z)).sign_().mul_(half))
-        if "kl" not in go:
-            q = None
-    elif cfg.kl_source == "topk" and ("kl" in go or "tv" in go):
-        qk = tk_logp.to(z.dtype).exp()
-        q_rest, p_ids = st["q_rest"], st["p_ids"]
-        p_rest = torch.exp(st["lse_rest"] - lse)
-        topk_fix = torch.zeros_like(qk)
-        if "kl" in go:
+        element_coef.zero_()
+    if "logp" in grads:
+        row_coef -= grads["logp"]
+        target_coef += grads["logp"]
+    if "minp_logp" in grads or "minp_mass" in grads:
+        safe_coef = torch.zeros_like(log_z)
+        if "minp_logp" in grads:
+            safe_coef -= grads["minp_logp"] / stats["minp_mass"]
+            target_coef += grads["minp_logp"]
+        if "minp_mass" in grads:
+            safe_coef += grads["minp_mass"]
+            row_coef -= grads["minp_mass"] * stats["minp_mass"]
+        in_safe_set = torch.ge(logits, stats["threshold"], out=scratch.get("mask", logits, torch.bool))
+        element_coef.add_(torch.where(in_safe_set, safe_coef, zero, out=scratch.get("tmp", logits)))
+    rollout_probs: Tensor | None = None
+    topk_coef: Tensor | None = None
+    if cfg.kl_source == "logits" and ("kl" in grads or "tv" in grads):
+        rollout_logits = _rollout_chunk(rollout, cfg, logits.dtype, scratch)
+        rollout_probs = torch.sub(rollout_logits, stats["lse_rollout"], out=scratch.get("rollout_probs", logits)).exp_()
+        if "kl" in grads:
+            row_coef += grads["kl"]
+        if "tv" in grads:
+            half_grad_tv = 0.5 * grads["tv"]
+            row_coef -= half_grad_tv * stats["tv_sbar"]
+            element_coef.add_(torch.sub(probs, rollout_probs, out=scratch.get("tmp", logits)).sign_().mul_(half_grad_tv))
+        if "kl" not in grads:
+            rollout_probs = None
+    elif cfg.kl_source == "topk" and ("kl" in grads or "tv" in grads):
+        topk_q = topk_logp.to(logits.dtype).exp()
+        q_rest, topk_p = stats["q_rest"], stats["p_ids"]
+        p_rest = torch.exp(stats["lse_rest"] - log_z)
+        topk_coef = torch.zeros_like(topk_q)
+        if "kl" in grads:
             # p − q̃ with q̃ = q_i on the ids and q_rest · p / p_rest on the rest. The rest-only factor can be huge
             # (p_rest ≈ 0): it goes on the rest columns only, never added on the ids and subtracted back (fp32
             # cancellation).
-            g_k = go["kl"]
-            coef += g_k
-            rest_coef = -g_k * torch.where(p_rest > 0, q_rest / p_rest, zero)
-            in_ids = _tile_membership(tk_ids, c0, z.shape[1])
-            mult.add_(torch.where(in_ids, zero, rest_coef, out=scratch.get("t", z)))
-            topk_fix -= g_k * qk
-        if "tv" in go:
-            half = 0.5 * go["tv"]
-            s_ids = torch.sign(p_ids - qk)
-            s_rest = torch.sign(p_rest - q_rest)
-            s_bar = (s_ids * p_ids).sum(dim=-1, keepdim=True) + s_rest * p_rest
-            coef += half * (s_rest - s_bar)
-            topk_fix += half * (s_ids - s_rest) * p_ids
-    g = p.mul_(mult.add_(coef)) if per_element else p.mul_(coef)
-    if q is not None:
-        g.addcmul_(q, -go["kl"])
-    if topk_fix is not None:
-        _scatter_in_tile(g, tk_ids, topk_fix, c0)
-    _scatter_in_tile(g, y, onehot, c0)
-    return g
+            grad_kl = grads["kl"]
+            row_coef += grad_kl
+            rest_coef = -grad_kl * torch.where(p_rest > 0, q_rest / p_rest, zero)
+            in_topk = _tile_membership(topk_ids, c0, logits.shape[1])
+            element_coef.add_(torch.where(in_topk, zero, rest_coef, out=scratch.get("tmp", logits)))
+            topk_coef -= grad_kl * topk_q
+        if "tv" in grads:
+            half_grad_tv = 0.5 * grads["tv"]
+            topk_sign = torch.sign(topk_p - topk_q)
+            rest_sign = torch.sign(p_rest - q_rest)
+            mean_sign = (topk_sign * topk_p).sum(dim=-1, keepdim=True) + rest_sign * p_rest
+            row_coef += half_grad_tv * (rest_sign - mean_sign)
+            topk_coef += half_grad_tv * (topk_sign - rest_sign) * topk_p
+    grad = probs.mul_(element_coef.add_(row_coef)) if per_element else probs.mul_(row_coef)
+    if rollout_probs is not None:
+        grad.addcmul_(rollout_probs, -grads["kl"])
+    if topk_coef is not None:
+        _scatter_in_tile(grad, topk_ids, topk_coef, c0)
+    _scatter_in_tile(grad, targets, target_coef, c0)
+    return grad
 
 
 def _tiles(n: int, vocab: int, cfg: _Config, itemsize: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -343,10 +349,14 @@ _SAVED = ("logsumexp", "entropy", "threshold", "minp_mass", "lse_rollout", "tv_s
 ROW_PATH_MIN_ROWS = 256  # full-row chunks at least this tall keep the matmul efficient; otherwise 2-D tiles
 
 
-def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, roll, tk_logp, tk_ids, dtype):
-    """Per-row statistics of all N rows, chunk by chunk; returns (stats, valid, y)."""
+def _rows(x: Tensor | None, a: int, b: int) -> Tensor | None:
+    return None if x is None else x[a:b]
+
+
+def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, rollout, topk_logp, topk_ids, dtype):
+    """Per-row statistics of all N rows, chunk by chunk; returns (stats, valid, target_ids)."""
     valid = targets != cfg.ignore_index
-    y = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+    target_ids = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
     itemsize = torch.finfo(dtype).bits // 8
     parts: dict[str, list[Tensor]] = {}
     scratch = _Scratch()
@@ -354,10 +364,9 @@ def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, ro
     if rows >= min(n, ROW_PATH_MIN_ROWS):
         # Full rows per chunk: one pass gives the max, then the min-p safe set and TV in the same chunk.
         for a, b in row_chunks(n, rows):
-            st = _forward_chunk(get_tile(a, b, 0, vocab, scratch), y[a:b], cfg, None if roll is None else roll[a:b],
-                                None if tk_logp is None else tk_logp[a:b], None if tk_ids is None else tk_ids[a:b],
-                                scratch)
-            for k, v in st.items():
+            stats_rows = _forward_chunk(get_tile(a, b, 0, vocab, scratch), target_ids[a:b], cfg, _rows(rollout, a, b),
+                                        _rows(topk_logp, a, b), _rows(topk_ids, a, b), scratch)
+            for k, v in stats_rows.items():
                 parts.setdefault(k, []).append(v)
     else:
         # A row chunk of a 150k vocabulary within a small budget is a few dozen rows, and re-reading all of W per
@@ -366,119 +375,126 @@ def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, ro
         row_blocks, col_slices = _tiles(n, vocab, cfg, itemsize)
         for a, b in row_blocks:
             tile_fn = (lambda v0, v1, a=a, b=b: get_tile(a, b, v0, v1, scratch))
-            r_ = None if roll is None else roll[a:b]
-            st = _forward_online(tile_fn, col_slices, y[a:b], cfg, r_, None if tk_logp is None else tk_logp[a:b],
-                                 None if tk_ids is None else tk_ids[a:b], scratch)
+            rollout_rows = _rows(rollout, a, b)
+            stats_rows = _forward_online(tile_fn, col_slices, target_ids[a:b], cfg, rollout_rows, _rows(topk_logp, a, b),
+                                         _rows(topk_ids, a, b), scratch)
             if cfg.want & {"minp_logp", "minp_mass"} or (cfg.kl_source == "logits" and "tv" in cfg.want):
-                st.update(_forward_second_pass(tile_fn, col_slices, y[a:b], cfg, r_, st, scratch))
-            for k, v in st.items():
+                stats_rows.update(_forward_second_pass(tile_fn, col_slices, target_ids[a:b], cfg, rollout_rows,
+                                                       stats_rows, scratch))
+            for k, v in stats_rows.items():
                 parts.setdefault(k, []).append(v)
     stats = {k: torch.cat(v) for k, v in parts.items()}  # [N, 1] per-row statistics ([N, K] for p_ids)
-    return stats, valid, y
+    return stats, valid, target_ids
 
 
-def _online_update(m: Tensor, s: Tensor, tile: Tensor, e_out: Tensor):
-    """Merge a tile into a running (max m, Σ e^{x − m}) pair; returns (m, s, scale for other sums, e^{tile − m})."""
-    m_new = torch.maximum(m, tile.amax(dim=-1, keepdim=True))
-    m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros((), dtype=m.dtype))  # all −inf so far
-    scale = torch.exp(m - m_safe)
-    e = torch.sub(tile, m_safe, out=e_out).exp_()
-    return m_new, s * scale + e.sum(dim=-1, keepdim=True), scale, e
+def _online_update(running_max: Tensor, running_sum: Tensor, tile: Tensor, exp_out: Tensor):
+    """Merge a tile into a running (max, Σ e^{x − max}) pair; returns (max, sum, the factor rescaling other running
+    sums to the new max, e^{tile − max})."""
+    new_max = torch.maximum(running_max, tile.amax(dim=-1, keepdim=True))
+    safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros((), dtype=running_max.dtype))  # all −inf yet
+    rescale = torch.exp(running_max - safe_max)
+    tile_exp = torch.sub(tile, safe_max, out=exp_out).exp_()
+    return new_max, running_sum * rescale + tile_exp.sum(dim=-1, keepdim=True), rescale, tile_exp
 
 
-def _forward_online(tile_fn, col_slices, y: Tensor, cfg: _Config, roll: Tensor | None, tk_logp: Tensor | None,
-                    tk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
-    """Same statistics as :func:`_forward_chunk` for logp / entropy / KL, streaming over vocabulary slices."""
-    n = y.shape[0]
+def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout: Tensor | None,
+                    topk_logp: Tensor | None, topk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
+    """Same statistics as :func:`_forward_chunk` for logp / entropy / KL, streaming over vocabulary slices with
+    running maxima and rescaled sums (the online softmax)."""
+    n = targets.shape[0]
     dtype = None
-    m = s = ez = zy = None
-    mr = sr = qd = None
-    mc = sc = z_ids = None
+    max_logit = sum_exp = sum_exp_logit = target_logit = None  # Σ e^{z − max}·z is the entropy's
+    rollout_max = rollout_sum_exp = rollout_weighted_diff = None  # Σ e^{r − max_r}·(r − z) is the KL's
+    rest_max = rest_sum_exp = topk_logits = None  # the logits outside the rollout's top-k, and those inside
     for v0, v1 in col_slices:
-        z = tile_fn(v0, v1)
+        logits = tile_fn(v0, v1)
         if dtype is None:
-            dtype = z.dtype
-            full = (lambda val: torch.full((n, 1), val, dtype=dtype, device=z.device))
-            m, s, ez, zy = full(float("-inf")), full(0.0), full(0.0), full(0.0)
+            dtype = logits.dtype
+            full = (lambda val: torch.full((n, 1), val, dtype=dtype, device=logits.device))
+            max_logit, sum_exp, sum_exp_logit, target_logit = full(float("-inf")), full(0.0), full(0.0), full(0.0)
             if cfg.kl_source == "logits":
-                mr, sr, qd = full(float("-inf")), full(0.0), full(0.0)
+                rollout_max, rollout_sum_exp, rollout_weighted_diff = full(float("-inf")), full(0.0), full(0.0)
             elif cfg.kl_source == "topk":
-                mc, sc = full(float("-inf")), full(0.0)
-                z_ids = torch.zeros(tk_ids.shape, dtype=dtype, device=z.device)
-        zero = torch.zeros((), dtype=dtype)
+                rest_max, rest_sum_exp = full(float("-inf")), full(0.0)
+                topk_logits = torch.zeros(topk_ids.shape, dtype=dtype, device=logits.device)
         width = v1 - v0
-        inside = (y >= v0) & (y < v1)
-        zy = torch.where(inside, z.gather(1, (y - v0).clamp(0, width - 1)), zy)
-        m, s, scale, e = _online_update(m, s, z, scratch.get("e", z))
+        in_tile = (targets >= v0) & (targets < v1)
+        target_logit = torch.where(in_tile, logits.gather(1, (targets - v0).clamp(0, width - 1)), target_logit)
+        max_logit, sum_exp, rescale, tile_exp = _online_update(max_logit, sum_exp, logits, scratch.get("exp", logits))
         if "entropy" in cfg.want:
-            ez = ez * scale + _rowdot(e, z)
+            sum_exp_logit = sum_exp_logit * rescale + _rowdot(tile_exp, logits)
         if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
-            r = _rollout_chunk(roll[:, v0:v1], cfg, dtype, scratch)
-            mr, sr, scale_r, er = _online_update(mr, sr, r, scratch.get("er", z))
-            d = torch.sub(r, z, out=scratch.get("t", z))
-            d.masked_fill_(torch.eq(er, 0, out=scratch.get("mask", z, torch.bool)), 0.0)
-            qd = qd * scale_r + _rowdot(er, d)
+            rollout_logits = _rollout_chunk(rollout[:, v0:v1], cfg, dtype, scratch)
+            rollout_max, rollout_sum_exp, rescale_rollout, rollout_exp = _online_update(
+                rollout_max, rollout_sum_exp, rollout_logits, scratch.get("rollout_exp", logits))
+            diff = torch.sub(rollout_logits, logits, out=scratch.get("tmp", logits))
+            diff.masked_fill_(torch.eq(rollout_exp, 0, out=scratch.get("mask", logits, torch.bool)), 0.0)
+            rollout_weighted_diff = rollout_weighted_diff * rescale_rollout + _rowdot(rollout_exp, diff)
         elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
-            in_tile = (tk_ids >= v0) & (tk_ids < v1)
-            z_ids = torch.where(in_tile, z.gather(1, (tk_ids - v0).clamp(0, width - 1)), z_ids)
-            zc = torch.where(_tile_membership(tk_ids, v0, width), torch.full((), float("-inf"), dtype=dtype), z,
-                             out=scratch.get("t", z))
-            mc, sc, _, _ = _online_update(mc, sc, zc, e)
-    lse = m + s.log()
-    out = {"logsumexp": lse, "max_logit": m, "logp": zy - lse}
+            in_tile_ids = (topk_ids >= v0) & (topk_ids < v1)
+            topk_logits = torch.where(in_tile_ids, logits.gather(1, (topk_ids - v0).clamp(0, width - 1)), topk_logits)
+            rest_logits = torch.where(_tile_membership(topk_ids, v0, width),
+                                      torch.full((), float("-inf"), dtype=dtype), logits, out=scratch.get("tmp", logits))
+            rest_max, rest_sum_exp, _, _ = _online_update(rest_max, rest_sum_exp, rest_logits, tile_exp)
+    log_z = max_logit + sum_exp.log()
+    out = {"logsumexp": log_z, "max_logit": max_logit, "logp": target_logit - log_z}
     if "entropy" in cfg.want:
-        out["entropy"] = lse - ez / s
+        out["entropy"] = log_z - sum_exp_logit / sum_exp
     if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
-        lse_r = mr + sr.log()
-        out["lse_rollout"] = lse_r
-        out["kl"] = qd / sr - lse_r + lse
+        rollout_log_z = rollout_max + rollout_sum_exp.log()
+        out["lse_rollout"] = rollout_log_z
+        out["kl"] = rollout_weighted_diff / rollout_sum_exp - rollout_log_z + log_z
     elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
-        lq = tk_logp.to(dtype)
-        q = lq.exp()
+        topk_logq = topk_logp.to(dtype)
+        topk_q = topk_logq.exp()
         zero = torch.zeros((), dtype=dtype)
-        logp_ids = z_ids - lse
-        lse_rest = mc + sc.log()
-        log_p_rest = lse_rest - lse
-        q_rest = topk_rest_mass(rest_mass_bounds(tk_logp, col_slices[-1][1]), log_p_rest, dtype)  # see _forward_chunk
-        out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, lse_rest, logp_ids.exp()
-        head = torch.where(q > 0, q * (lq - logp_ids), zero).sum(dim=-1, keepdim=True)
+        topk_logp_train = topk_logits - log_z
+        rest_log_z = rest_max + rest_sum_exp.log()
+        log_p_rest = rest_log_z - log_z
+        q_rest = topk_rest_mass(rest_mass_bounds(topk_logp, col_slices[-1][1]), log_p_rest, dtype)  # as _forward_chunk
+        out["q_rest"], out["lse_rest"], out["p_ids"] = q_rest, rest_log_z, topk_logp_train.exp()
+        head = torch.where(topk_q > 0, topk_q * (topk_logq - topk_logp_train), zero).sum(dim=-1, keepdim=True)
         tail = torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-45).log() - log_p_rest), zero)
         out["kl"] = head + tail
-        out["tv"] = 0.5 * ((q - logp_ids.exp()).abs().sum(dim=-1, keepdim=True) + (q_rest - log_p_rest.exp()).abs())
+        out["tv"] = 0.5 * ((topk_q - topk_logp_train.exp()).abs().sum(dim=-1, keepdim=True)
+                           + (q_rest - log_p_rest.exp()).abs())
     return out
 
 
-def _forward_second_pass(tile_fn, col_slices, y: Tensor, cfg: _Config, roll: Tensor | None, st: dict[str, Tensor],
-                         scratch: _Scratch) -> dict[str, Tensor]:
+def _forward_second_pass(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout: Tensor | None,
+                         stats: dict[str, Tensor], scratch: _Scratch) -> dict[str, Tensor]:
     """min-p safe-set sums and exact TV, once the row max, lse and the rollout's lse are known (tiled path)."""
-    m, lse, zy = st["max_logit"], st["logsumexp"], st["logp"] + st["logsumexp"]
+    max_logit, log_z = stats["max_logit"], stats["logsumexp"]
+    target_logit = stats["logp"] + log_z
     want_minp = bool(cfg.want & {"minp_logp", "minp_mass"})
     want_tv = cfg.kl_source == "logits" and "tv" in cfg.want
-    thr = m + cfg.log_rho
-    s_safe = torch.zeros_like(m)
-    tv = torch.zeros_like(m)
-    sbar = torch.zeros_like(m)
+    threshold = max_logit + cfg.log_rho
+    safe_sum_exp = torch.zeros_like(max_logit)
+    tv = torch.zeros_like(max_logit)
+    mean_sign = torch.zeros_like(max_logit)
     for v0, v1 in col_slices:
-        z = tile_fn(v0, v1)
-        zero = torch.zeros((), dtype=z.dtype)
+        logits = tile_fn(v0, v1)
+        zero = torch.zeros((), dtype=logits.dtype)
         if want_minp:
-            e = torch.sub(z, m, out=scratch.get("e", z)).exp_()
-            safe = torch.ge(z, thr, out=scratch.get("mask", z, torch.bool))
-            s_safe += torch.where(safe, e, zero, out=scratch.get("t", z)).sum(dim=-1, keepdim=True)
+            exp_shifted = torch.sub(logits, max_logit, out=scratch.get("exp", logits)).exp_()
+            in_safe_set = torch.ge(logits, threshold, out=scratch.get("mask", logits, torch.bool))
+            safe_sum_exp += torch.where(in_safe_set, exp_shifted, zero, out=scratch.get("tmp", logits)).sum(
+                dim=-1, keepdim=True)
         if want_tv:
-            pz = torch.sub(z, lse, out=scratch.get("e", z)).exp_()
-            r = _rollout_chunk(roll[:, v0:v1], cfg, z.dtype, scratch)
-            d = torch.sub(r, st["lse_rollout"], out=scratch.get("er", z)).exp_().neg_().add_(pz)  # p − q
-            sgn = torch.sign(d, out=scratch.get("t2", z))
-            tv += 0.5 * _rowdot(sgn, d)
-            sbar += _rowdot(sgn, pz)
+            probs = torch.sub(logits, log_z, out=scratch.get("exp", logits)).exp_()
+            rollout_logits = _rollout_chunk(rollout[:, v0:v1], cfg, logits.dtype, scratch)
+            diff = torch.sub(rollout_logits, stats["lse_rollout"],
+                             out=scratch.get("rollout_exp", logits)).exp_().neg_().add_(probs)  # p − q
+            sign = torch.sign(diff, out=scratch.get("tmp2", logits))
+            tv += 0.5 * _rowdot(sign, diff)
+            mean_sign += _rowdot(sign, probs)
     out: dict[str, Tensor] = {}
     if want_minp:
-        lse_s = m + s_safe.log()
-        out.update(threshold=thr, lse_safe=lse_s, minp_logp=zy - lse_s, minp_mass=torch.exp(lse_s - lse),
-                   minp_inside=zy >= thr)
+        safe_log_z = max_logit + safe_sum_exp.log()
+        out.update(threshold=threshold, lse_safe=safe_log_z, minp_logp=target_logit - safe_log_z,
+                   minp_mass=torch.exp(safe_log_z - log_z), minp_inside=target_logit >= threshold)
     if want_tv:
-        out.update(tv=tv, tv_sbar=sbar)
+        out.update(tv=tv, tv_sbar=mean_sign)
     return out
 
 
@@ -496,43 +512,44 @@ def _outputs(stats: dict[str, Tensor], valid: Tensor, cfg: _Config, n: int, devi
 
 def _grad_outputs(grads: tuple[Tensor | None, ...], valid: Tensor, cfg: _Config, dtype) -> dict[str, Tensor]:
     go = {}
-    for name, g in zip(DIFF_OUTPUTS, grads):
-        if g is not None and name in cfg.want:
+    for name, grad in zip(DIFF_OUTPUTS, grads):
+        if grad is not None and name in cfg.want:
             # Ignored rows get no gradient; 1/τ is folded in here because z = (W h + b) / τ.
-            go[name] = (torch.where(valid, g.to(dtype), torch.zeros((), dtype=dtype)) / cfg.temperature).unsqueeze(1)
+            go[name] = (torch.where(valid, grad.to(dtype), torch.zeros((), dtype=dtype)) / cfg.temperature).unsqueeze(1)
     return go
 
 
 class _FusedLinearStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, roll, tk_logp, tk_ids, cfg):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, rollout, topk_logp, topk_ids, cfg):  # type: ignore[override]
         dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         inv_t = 1.0 / cfg.temperature
 
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
-            h, wv = hidden[a:c].to(dtype), w[v0:v1]
-            z = scratch.new("z", (c - a, v1 - v0), dtype, w.device)
+            h, weight_slice = hidden[a:c].to(dtype), w[v0:v1]
+            logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, w.device)
             if b is None:
-                z = torch.mm(h, wv.t(), out=z)
+                logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)
             else:  # a −inf bias entry (masked vocabulary) must not turn 0 · z into NaN
-                z = torch.addmm(b[v0:v1], h, wv.t(), out=z).clamp_(min=_NEG_LOGIT)
-            return z.mul_(inv_t) if inv_t != 1.0 else z
+                logits_tile = torch.addmm(b[v0:v1], h, weight_slice.t(), out=logits_tile).clamp_(min=_NEG_LOGIT)
+            return logits_tile.mul_(inv_t) if inv_t != 1.0 else logits_tile
 
         n, vocab = hidden.shape[0], weight.shape[0]
-        stats, valid, y = _run_forward(get_tile, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
+        stats, valid, target_ids = _run_forward(get_tile, n, vocab, targets, cfg, rollout, topk_logp, topk_ids, dtype)
         ctx.set_materialize_grads(False)
         ctx.cfg, ctx.dtype = cfg, dtype
         ctx.keys = [k for k in _SAVED if k in stats]
-        ctx.save_for_backward(hidden, weight, bias, y, valid, roll, tk_logp, tk_ids, *[stats[k] for k in ctx.keys])
+        ctx.save_for_backward(hidden, weight, bias, target_ids, valid, rollout, topk_logp, topk_ids,
+                              *[stats[k] for k in ctx.keys])
         outs = _outputs(stats, valid, cfg, n, hidden.device, dtype)
         ctx.mark_non_differentiable(*outs[len(DIFF_OUTPUTS):])
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        hidden, weight, bias, y, valid, roll, tk_logp, tk_ids, *saved = ctx.saved_tensors
+        hidden, weight, bias, target_ids, valid, rollout, topk_logp, topk_ids, *saved = ctx.saved_tensors
         cfg, dtype = ctx.cfg, ctx.dtype
         go = _grad_outputs(grads[: len(DIFF_OUTPUTS)], valid, cfg, dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -542,62 +559,65 @@ class _FusedLinearStats(torch.autograd.Function):
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         inv_t = 1.0 / cfg.temperature
-        gh = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        gb = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None else None
+        grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_bias = (torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b and bias is not None
+                     else None)
         row_blocks, col_slices = _tiles(hidden.shape[0], weight.shape[0], cfg, torch.finfo(dtype).bits // 8)
         scratch = _Scratch()
         for a, c in row_blocks:
             h = hidden[a:c].to(dtype)
-            st = {k: v[a:c] for k, v in stats.items()}
-            gor = {k: v[a:c] for k, v in go.items()}
+            stats_rows = {k: v[a:c] for k, v in stats.items()}
+            grads_rows = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
-                wv = w[v0:v1]
-                z = scratch.new("z", (c - a, v1 - v0), dtype, hidden.device)
+                weight_slice = w[v0:v1]
+                logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, hidden.device)
                 if b is None:
-                    z = torch.mm(h, wv.t(), out=z)
+                    logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)
                 else:
-                    z = torch.addmm(b[v0:v1], h, wv.t(), out=z).clamp_(min=_NEG_LOGIT)
+                    logits_tile = torch.addmm(b[v0:v1], h, weight_slice.t(), out=logits_tile).clamp_(min=_NEG_LOGIT)
                 if inv_t != 1.0:
-                    z.mul_(inv_t)
-                g = _backward_tile(z, v0, y[a:c], cfg, st, gor, None if roll is None else roll[a:c, v0:v1],
-                                   None if tk_logp is None else tk_logp[a:c], None if tk_ids is None else tk_ids[a:c],
-                                   scratch)
-                if gh is not None:
-                    gh[a:c].addmm_(g, wv)
-                if gw is not None:
-                    gw[v0:v1].addmm_(g.t(), h)
-                if gb is not None:
-                    gb[v0:v1] += g.sum(dim=0)
-        return (None if gh is None else gh.to(hidden.dtype), None if gw is None else gw.to(weight.dtype),
-                None if gb is None else gb.to(bias.dtype), None, None, None, None, None)
+                    logits_tile.mul_(inv_t)
+                grad_logits = _backward_tile(logits_tile, v0, target_ids[a:c], cfg, stats_rows, grads_rows,
+                                             None if rollout is None else rollout[a:c, v0:v1], _rows(topk_logp, a, c),
+                                             _rows(topk_ids, a, c), scratch)
+                if grad_hidden is not None:
+                    grad_hidden[a:c].addmm_(grad_logits, weight_slice)
+                if grad_weight is not None:
+                    grad_weight[v0:v1].addmm_(grad_logits.t(), h)
+                if grad_bias is not None:
+                    grad_bias[v0:v1] += grad_logits.sum(dim=0)
+        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+                None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
 
 
 class _LogitStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, roll, tk_logp, tk_ids, cfg):  # type: ignore[override]
+    def forward(ctx, logits, targets, rollout, topk_logp, topk_ids, cfg):  # type: ignore[override]
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         inv_t = 1.0 / cfg.temperature
 
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
             # owned copy (the chunk math works in place); −inf logits (masked vocabulary) become _NEG_LOGIT so that
             # 0 · z terms (entropy, gradients) read 0, not NaN.
-            z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1]).clamp_(min=_NEG_LOGIT)
-            return z.mul_(inv_t) if inv_t != 1.0 else z
+            logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
+            logits_tile.clamp_(min=_NEG_LOGIT)
+            return logits_tile.mul_(inv_t) if inv_t != 1.0 else logits_tile
 
         n, vocab = logits.shape
-        stats, valid, y = _run_forward(get_tile, n, vocab, targets, cfg, roll, tk_logp, tk_ids, dtype)
+        stats, valid, target_ids = _run_forward(get_tile, n, vocab, targets, cfg, rollout, topk_logp, topk_ids, dtype)
         ctx.set_materialize_grads(False)
         ctx.cfg, ctx.dtype = cfg, dtype
         ctx.keys = [k for k in _SAVED if k in stats]
-        ctx.save_for_backward(logits, y, valid, roll, tk_logp, tk_ids, *[stats[k] for k in ctx.keys])
+        ctx.save_for_backward(logits, target_ids, valid, rollout, topk_logp, topk_ids, *[stats[k] for k in ctx.keys])
         outs = _outputs(stats, valid, cfg, n, logits.device, dtype)
         ctx.mark_non_differentiable(*outs[len(DIFF_OUTPUTS):])
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        logits, y, valid, roll, tk_logp, tk_ids, *saved = ctx.saved_tensors
+        logits, target_ids, valid, rollout, topk_logp, topk_ids, *saved = ctx.saved_tensors
         cfg, dtype = ctx.cfg, ctx.dtype
         go = _grad_outputs(grads[: len(DIFF_OUTPUTS)], valid, cfg, dtype)
         if not go or not ctx.needs_input_grad[0]:
@@ -608,17 +628,17 @@ class _LogitStats(torch.autograd.Function):
         row_blocks, col_slices = _tiles(logits.shape[0], logits.shape[1], cfg, torch.finfo(dtype).bits // 8)
         scratch = _Scratch()
         for a, c in row_blocks:
-            st = {k: v[a:c] for k, v in stats.items()}
-            gor = {k: v[a:c] for k, v in go.items()}
+            stats_rows = {k: v[a:c] for k, v in stats.items()}
+            grads_rows = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
-                z = scratch.new("z", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
-                z.clamp_(min=_NEG_LOGIT)
+                logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
+                logits_tile.clamp_(min=_NEG_LOGIT)
                 if inv_t != 1.0:
-                    z.mul_(inv_t)
-                grad[a:c, v0:v1] = _backward_tile(z, v0, y[a:c], cfg, st, gor,
-                                                  None if roll is None else roll[a:c, v0:v1],
-                                                  None if tk_logp is None else tk_logp[a:c],
-                                                  None if tk_ids is None else tk_ids[a:c], scratch)
+                    logits_tile.mul_(inv_t)
+                grad[a:c, v0:v1] = _backward_tile(logits_tile, v0, target_ids[a:c], cfg, stats_rows, grads_rows,
+                                                  None if rollout is None else rollout[a:c, v0:v1],
+                                                  None if topk_logp is None else topk_logp[a:c],
+                                                  None if topk_ids is None else topk_ids[a:c], scratch)
         return grad, None, None, None, None, None
 
 
