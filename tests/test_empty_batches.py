@@ -1,6 +1,6 @@
 """A batch with no row or no column (B = 0 or T = 0, e.g. after DAPO-style filtering) behaves like an all-masked one:
 loss 0 with an empty gradient, ``loss/empty_batch = 1``, every metric present and equal to the all-masked batch's.
-(max/min reductions have no identity on an empty tensor; these used to raise.)"""
+(max/min reductions have no identity on an empty tensor: without the padding they would raise.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Adaptive Layerwise Perturbation (seed 001 §3.2): hooks, σ learning, on/off switching, ablations, the ALP loss."""
+"""Adaptive Layerwise Perturbation (arXiv 2603.19470 §3.2): hooks, σ learning, on/off switching, ablations, the ALP loss."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def test_layer_subset_and_logits_only(tiny):
 
 
 def test_logits_only_noise_is_iid_over_the_vocabulary():
-    # seed 001 §6.1: "the output logits only (no hidden-state perturbation)". Noise added before a [H=2 → V=6] head
+    # arXiv 2603.19470 §6.1: "the output logits only (no hidden-state perturbation)". Noise added before a [H=2 → V=6] head
     # would move the logits only inside its rank-2 image; on the head's output the 40 draws span all 6 directions.
     head = nn.Linear(2, 6)
     net = nn.Sequential()

@@ -3,7 +3,7 @@
 These are scalar formulas for reports and threshold choice, not hot-path code: they take Python numbers (or, for
 the adaptive bound and the envelope, tensors) and return Python floats / tensors.
 
-Trust Region Masking (arXiv 2512.23075, seed 003). Bounds on |J(π_θ) − J(π_roll) − L(π_θ)| for rewards in [0, 1],
+Trust Region Masking (arXiv 2512.23075). Bounds on |J(π_θ) − J(π_roll) − L(π_θ)| for rewards in [0, 1],
 with T the horizon, δ = max token KL, ε = max token TV, sums over t = 1..T:
 
 ==========================  ====================================================================

@@ -1,6 +1,6 @@
 """Per-token divergence between the rollout distribution μ and the training distribution π, over the vocabulary.
 
-Trust Region Masking (arXiv 2512.23075, seed 003) needs D_KL(c_t) = KL(μ(·|c_t) ‖ π_θ(·|c_t)) — rollout first —
+Trust Region Masking (arXiv 2512.23075) needs D_KL(c_t) = KL(μ(·|c_t) ‖ π_θ(·|c_t)) — rollout first —
 *exactly* over the vocabulary. Three situations, three answers (:func:`divergence_kind` picks):
 
 * **full rollout logits stored** → :func:`token_kl` / :func:`token_tv`, exact (row-chunked, no extra ``[N, V]``);
@@ -70,7 +70,7 @@ def token_kl(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0
 
 def token_tv(rollout_logits: Tensor, logits: Tensor, *, temperature: float = 1.0, rollout_temperature: float = 1.0,
              memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
-    """Exact total variation ½ Σ_a |μ(a) − π(a)| per position, ``[..., V]`` → ``[...]`` (TRM's ε, seed 003).
+    """Exact total variation ½ Σ_a |μ(a) − π(a)| per position, ``[..., V]`` → ``[...]`` (TRM's ε, arXiv 2512.23075 §4).
 
     >>> # μ = (1/2, 1/2), π = (3/4, 1/4): TV = ½ (¼ + ¼) = 0.25
     >>> token_tv(torch.tensor([0.0, 0.0]), torch.tensor([0.75, 0.25]).log())

@@ -1,4 +1,4 @@
-"""Adaptive Layerwise Perturbation (ALP, seed 001 §3.2, arXiv 2603.19470).
+"""Adaptive Layerwise Perturbation (ALP, arXiv 2603.19470 §3.2).
 
 ALP adds learnable Gaussian noise to the *input* hidden state of each selected decoder layer of the training policy
 during the policy update only:
@@ -8,9 +8,9 @@ during the policy update only:
 and optimises a single unified ratio π_{θ,σ}/μ against the rollout engine's log-probs (no separate π_old/μ factor),
 at token level (eq. 2) or sequence level — ``sequence`` is eq. 3's product ratio, ``geometric`` the length-normalised
 one of the authors' code (our level names mean the same everywhere) — with PPO clipping (token 0.2/0.28, sequence
-0.5/3.0, dual-clip c = 10; seed 001 App. B).
+0.5/3.0, dual-clip c = 10; arXiv 2603.19470 App. B).
 
-Why noise helps (seed 001 §3.3): smoothing π_θ with Gaussian noise enlarges the training policy family so it covers
+Why noise helps (arXiv 2603.19470 §3.3): smoothing π_θ with Gaussian noise enlarges the training policy family so it covers
 the inference engine's systematic bias ζ (KL ≤ −ln α + C d E‖ζ‖² / 2σ², eq. 5–6) and flattens sharp optima.
 
 The noise is *off* by default: π_old and reference log-probs must come from the unperturbed model. Turn it on only
@@ -40,7 +40,7 @@ from offpolicy.batch import LogProbBatch
 
 Target = Literal["all", "logits"]
 
-# Paper defaults (seed 001 §4 and App. B).
+# Paper defaults (arXiv 2603.19470 §4 and App. B).
 DEFAULT_INIT_STD = 1e-4
 DEFAULT_LR = 5e-4
 TOKEN_CLIP = (0.2, 0.28)
@@ -101,12 +101,12 @@ def find_output_head(model: nn.Module) -> nn.Module:
 
 
 class LayerwisePerturbation(nn.Module):
-    """Learnable per-layer Gaussian noise on decoder-layer inputs (ALP, seed 001 eq. 2–3).
+    """Learnable per-layer Gaussian noise on decoder-layer inputs (ALP, arXiv 2603.19470 eqs. 2–3).
 
     Args:
         model: any causal LM; hooks are registered on it at construction.
         layers: ``"all"`` (default) or a sequence of layer indices (negative allowed) for the layer-subset ablation,
-            or ``"logits"`` for the logits-only ablation (seed 001 §6.1: noise on the output logits, no hidden-state
+            or ``"logits"`` for the logits-only ablation (arXiv 2603.19470 §6.1: noise on the output logits, no hidden-state
             perturbation — added to the lm_head's output, σ·ε i.i.d. over the vocabulary).
         init_std: initial σ for every hooked layer (paper default 1e-4).
         layers_path: dotted path to the decoder ``nn.ModuleList`` when auto-detection is not wanted.
@@ -313,7 +313,7 @@ class LayerwisePerturbation(nn.Module):
 
 
 def alp_clip_defaults(level: str) -> tuple[float, float]:
-    """Paper clip range (ε_low, ε_high): token (0.2, 0.28); sequence/geometric (0.5, 3.0) (seed 001 App. B).
+    """Paper clip range (ε_low, ε_high): token (0.2, 0.28); sequence/geometric (0.5, 3.0) (arXiv 2603.19470 App. B).
 
     >>> alp_clip_defaults("token"), alp_clip_defaults("geometric")
     ((0.2, 0.28), (0.5, 3.0))
@@ -335,7 +335,7 @@ def alp_policy_loss(
     dual_clip: float | None = DUAL_CLIP,
     aggregation: str = "token_mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """ALP's loss: PPO clipping on the single unified ratio π_{θ,σ}/μ (seed 001 eq. 2 token, eq. 3 sequence).
+    """ALP's loss: PPO clipping on the single unified ratio π_{θ,σ}/μ (arXiv 2603.19470 eq. 2 token, eq. 3 sequence).
 
     ``batch.logp`` must come from a forward with the perturbation *on*; ``batch.rollout_logp`` is μ (the inference
     engine, unperturbed). There is no π_old/μ factor: this is ``policy_loss(objective="bypass")`` at ``level``:

@@ -119,7 +119,7 @@ def test_normalize_by_hand():
     close(w, [[0.8, 1.6, 0.4, 1.2]])
     w, keep, _ = importance_weights(R, M, mode="mask", lower=0.5, upper=2.0, normalize=True)
     # masked (1, 0, 0, 1.5): mean over the 4 *valid* tokens = 2.5/4 = 0.625 → (1.6, 0, 0, 2.4): the kept tokens make
-    # up for the dropped ones (REFERENCE: w / mean_valid(w))
+    # up for the dropped ones (verl's rollout_is_batch_normalize: w / mean_valid(w))
     close(w, [[1.6, 0.0, 0.0, 2.4]])
     padded = torch.tensor([[1, 1, 1, 0]])
     w, _, _ = importance_weights(R, padded, upper=2.0, normalize=True)

@@ -126,8 +126,8 @@ def test_example_configs_validate(name, tmp_path):
 
 @pytest.mark.parametrize("text", ["exp #1", "2024", "no", "1e3", "a: b", "[x]", "runs/[exp1]"])
 def test_string_field_overrides_keep_the_raw_text(text):
-    # Expected: a str field takes the override text verbatim. YAML used to cut "exp #1" to "exp" (a comment) and to
-    # turn 2024 / no / 1e3 / "a: b" into an int, a bool, a float, a mapping that run.out_dir then rejected.
+    # Expected: a str field takes the override text verbatim. YAML would cut "exp #1" to "exp" (a comment) and turn
+    # 2024 / no / 1e3 / "a: b" into an int, a bool, a float, a mapping that run.out_dir then rejects.
     cfg = load_config(None, [f"run.out_dir={text}", f"task.name={text}"])
     assert cfg.run.out_dir == text and cfg.task.name == text
 
@@ -143,7 +143,7 @@ def test_optional_string_fields_keep_text_and_accept_null():
 
 
 def test_yaml_syntax_errors_are_value_errors_naming_the_file_or_the_override(tmp_path):
-    # Expected: a ValueError (the CLI's clean exit 2) naming the file / the override; yaml.YAMLError used to escape.
+    # Expected: a ValueError (the CLI's clean exit 2) naming the file / the override, not a yaml.YAMLError.
     path = tmp_path / "broken.yaml"
     path.write_text("run: [1,\n")
     with pytest.raises(ValueError, match=r"config file .*broken\.yaml.* not valid YAML"):
@@ -155,8 +155,8 @@ def test_yaml_syntax_errors_are_value_errors_naming_the_file_or_the_override(tmp
 
 
 def test_run_device_is_checked_when_the_config_is_built(monkeypatch):
-    # Expected: run.device is named at load time; torch used to raise RuntimeError / AssertionError after the model
-    # had loaded ("Expected one of cpu, cuda, …", "Torch not compiled with CUDA enabled").
+    # Expected: run.device is named at load time, not by torch's RuntimeError / AssertionError after the model has
+    # loaded ("Expected one of cpu, cuda, …", "Torch not compiled with CUDA enabled").
     import torch
 
     assert load_config(None, ["run.device=cpu"]).run.device == "cpu"
@@ -183,8 +183,8 @@ def test_non_finite_floats_are_rejected_naming_the_key(override):
 
 
 def test_trm_defaults_are_explicit_and_null_turns_a_test_off():
-    # Expected: the config holds the paper's two thresholds (the preset's behaviour is unchanged: both tests on);
-    # null now means "this test off" (it used to fall back to trm()'s own avg_kl=0.001); both off is an error.
+    # Expected: the config holds the paper's two thresholds (both tests on); null means "this test off" (not trm()'s
+    # own avg_kl=0.001); both off is an error.
     a = load_config(None, ["algorithm.preset=trm"]).algorithm
     assert (a.trm_max_kl, a.trm_avg_kl) == (0.05, 0.001)
     assert PRESETS["trm"].correction(a).config == {"max_kl": 0.05, "avg_kl": 0.001, "source": "total"}

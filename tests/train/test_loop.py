@@ -47,8 +47,8 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
 
 
 def test_a_fresh_run_into_an_existing_out_dir_starts_a_new_log(tmp_path, fresh, make_overrides, varying_task):
-    # without --resume, a second run in the same folder replaces metrics.jsonl (it used to append: 4 rows, and the
-    # demo's summary then read the first run's first row and the second run's last)
+    # without --resume, a second run in the same folder replaces metrics.jsonl (appending would give 4 rows, and the
+    # demo's summary would read the first run's first row and the second run's last)
     from offpolicy.train.loop import RunReplacedWarning
 
     model, tok = fresh
@@ -202,8 +202,8 @@ def _files(folder):
 
 def test_a_fresh_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tiny_pair, make_overrides, varying_task):
     # Expected: a fresh run into a folder holding an earlier run removes that run's checkpoints (and killed-save
-    # leftovers, and TensorBoard event files) with one warning naming the folder. It used to truncate only
-    # metrics.jsonl, so a later --resume continued the *earlier* run's step-4 checkpoint (metrics steps [1, 2, 3, 5]).
+    # leftovers, and TensorBoard event files) with one warning naming the folder: with only metrics.jsonl emptied, a
+    # later --resume would continue the *earlier* run's step-4 checkpoint (metrics steps [1, 2, 3, 5]).
     from offpolicy.train.loop import RunReplacedWarning
 
     run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
@@ -231,7 +231,7 @@ def test_a_fresh_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tiny_pair,
 def test_resume_refuses_a_checkpoint_of_another_run(extra, named, tmp_path, tiny_pair, make_overrides,
                                                     varying_task):
     # Expected: --resume checks the preset and seed stored in the checkpoint against the config and refuses,
-    # naming the keys, before any file is written (it used to continue a mis/seed-0 run as icepop/seed-123 silently).
+    # naming the keys, before any file is written (never continuing a mis/seed-0 run as icepop/seed-123 silently).
     run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
     run("mis", 2)
     before = _files(tmp_path)
@@ -242,7 +242,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(extra, named, tmp_path, tiny
 
 def test_resume_when_the_checkpoint_is_at_or_past_run_steps(tmp_path, tiny_pair, make_overrides, varying_task):
     # Expected: past run.steps → an error naming run.steps; at run.steps → a warning that there is nothing to do.
-    # Both used to do nothing silently (progress "4/2") and overwrite config.yaml with the smaller run.steps.
+    # Neither may silently do nothing (progress "4/2") and overwrite config.yaml with the smaller run.steps.
     run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
     run("naive", 3)
     before = _files(tmp_path)
@@ -256,8 +256,8 @@ def test_resume_when_the_checkpoint_is_at_or_past_run_steps(tmp_path, tiny_pair,
 
 def test_resume_after_a_kill_mid_write(tmp_path, tiny_pair, make_overrides, varying_task):
     # Expected: a half-written last metrics line and a half-written checkpoint temp file (what SIGKILL leaves) do not
-    # block --resume: the line is dropped with a warning naming metrics.jsonl, the temp file is removed. The line
-    # used to stop the run with a bare JSON error naming no file.
+    # block --resume: the line is dropped with a warning naming metrics.jsonl, the temp file is removed (not a bare
+    # JSON error naming no file).
     run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
     run("naive", 2)
     with (tmp_path / "metrics.jsonl").open("a") as f:
@@ -283,7 +283,7 @@ def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path, tiny_pair, ma
 
 
 def test_an_out_dir_that_cannot_be_created_is_named(tmp_path, fresh, make_overrides, varying_task):
-    # Expected: ValueError naming run.out_dir (NotADirectoryError used to surface as a traceback).
+    # Expected: ValueError naming run.out_dir, not a NotADirectoryError traceback.
     model, tok = fresh
     (tmp_path / "a_file").write_text("x")
     cfg = load_config(None, make_overrides(tmp_path / "a_file" / "run"))

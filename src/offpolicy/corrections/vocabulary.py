@@ -1,4 +1,4 @@
-"""Dynamic Vocabulary Pruning (DVP, Li et al., seed 000) and sampling-support replay.
+"""Dynamic Vocabulary Pruning (DVP, arXiv 2512.23087) and sampling-support replay.
 
 DVP replaces both policies by their min-p constrained versions (Defs 5.1–5.2):
 

@@ -727,7 +727,7 @@ def fused_token_stats(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: 
     processed logits/log-probs with the default 1.0), or ``rollout_topk_logp`` [N, K] normalised log-probs with
     ``rollout_topk_ids`` [N, K] (unique per row). ``want`` picks outputs from ``DIFF_OUTPUTS`` (``"minp"`` = both
     min-p outputs); default: logp, plus min-p outputs if ``min_p_rho`` is set, plus kl if a rollout is given.
-    Implements: "Dynamic Vocabulary Pruning" (Li et al., seed 000) Defs 5.1–5.2 and Prop 5.6 for the min-p outputs; the exact token KL
+    Implements: "Dynamic Vocabulary Pruning" (arXiv 2512.23087) Defs 5.1–5.2 and Prop 5.6 for the min-p outputs; the exact token KL
     of Trust Region Masking (arXiv 2512.23075) and its top-k lower bound (:mod:`offpolicy.divergence`) for ``kl``.
     No ``[N, V]`` tensor is kept; at most ``memory_budget_bytes`` of chunk scratch is alive at once.
 

@@ -5,7 +5,7 @@ decoded completions agree. Digits are always split one per token (``Digits(indiv
 arithmetic task is compositional for a tiny model. The vocabulary is padded to ≥ 4096 entries with merges of
 generated pseudo-words: the trained policy puts almost all of its mass on a few dozen tokens and leaves a real
 long tail of thousands of tokens with tiny probability — the regime where bf16 rollouts disagree most with an
-fp32 trainer (DVP, arXiv 2512.23075 / seed 000, Prop. 4.2).
+fp32 trainer (DVP, arXiv 2512.23087, Prop. 4.2).
 """
 
 from __future__ import annotations

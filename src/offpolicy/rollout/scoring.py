@@ -2,7 +2,7 @@
 
 This is how the trainer gets π_old (and π_θ) for the tokens a rollout engine sampled: right-padded batch,
 positions 0..L−1 per row, logits cast to float32 and processed with the *same* :class:`SamplingConfig` the engine
-used, so that log π_old − log μ measures only the numerical mismatch (REFERENCE.md, three-policy decomposition).
+used, so that log π_old − log μ measures only the numerical mismatch (the three-policy decomposition of decoupled PPO, arXiv 2110.00641).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need 
 
 
 class _Section(BaseModel):
-    # allow_inf_nan=False: every float field must be finite (optim.lr=inf used to pass `gt=0`, then blew the model up)
+    # allow_inf_nan=False: every float field must be finite (optim.lr=inf would pass `gt=0` and blow the model up)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
