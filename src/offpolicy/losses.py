@@ -40,7 +40,18 @@ import offpolicy.objectives  # noqa: F401  (registers the built-in objectives)
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.objectives.base import TokenInputs
-from offpolicy.ratios import LOG_RATIO_BOUND, Level, as_factor, count, is_finite, max_where, min_where, pad_nonempty, zero_outside
+from offpolicy.ratios import (
+    LOG_RATIO_BOUND,
+    Level,
+    as_factor,
+    count,
+    is_finite,
+    keep_only,
+    max_where,
+    min_where,
+    pad_nonempty,
+    zero_outside,
+)
 from offpolicy.registry import AGGREGATIONS, OBJECTIVES, Objective, check_params, register_aggregation, split_spec
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum"]
@@ -239,7 +250,7 @@ def _loss_metrics(valid: Tensor, mask: Tensor, log_ratio: Tensor, clipped: dict[
 
     log_r = log_ratio.detach().float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     any_valid = n_valid > 0
-    ratio_mean = zero_outside(torch.exp(log_r), valid).sum() / per_valid
+    ratio_mean = keep_only(torch.exp(log_r), valid).sum() / per_valid
     ratio_max = torch.exp(max_where(log_r, valid))
     ratio_min = torch.exp(min_where(log_r, valid))
     metrics["loss/ratio_mean"] = torch.where(any_valid, ratio_mean, 1.0)

@@ -69,6 +69,7 @@ from offpolicy.ratios import (
     as_mask,
     count,
     is_finite,
+    keep_only,
     max_where,
     mean_over_sequences,
     min_where,
@@ -261,7 +262,7 @@ def _mismatch(pi: Tensor, t: _Tokens) -> dict[str, Tensor]:
 def _weight_stats(weights: Tensor | None, t: _Tokens, level: str, ratio_free: bool) -> dict[str, Tensor]:
     """ESS, the weight statistics and the clipped / masked fractions of the applied weights (ρ_t when None)."""
     if weights is None:
-        w = zero_outside(t.rho, t.valid)
+        w = keep_only(t.rho, t.valid)
         clipped = masked = torch.zeros((), device=t.r.device)
     else:
         w = zero_outside(weights.detach().float(), t.valid)  # a non-finite weight counts as 0

@@ -37,7 +37,8 @@ def as_mask(mask: Tensor) -> Tensor:
 # The masked elementwise primitives everything else is written with. They run on every [B, T] tensor of every step, so
 # they take the cheap form for each mode, here and nowhere else: in eager mode on CPU, torch.isfinite is four passes
 # over the data, a bool-condition torch.where about thirty times a multiply, and a bool → float cast six times a
-# uint8 → float one; under torch.compile, where fuses into a vectorised loop and nan_to_num does not.
+# uint8 → float one; under torch.compile, where fuses into a vectorised loop, nan_to_num does not, and a bool buffer
+# is stored element by element.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -57,19 +58,41 @@ def zero_outside(x: Tensor, keep: Tensor) -> Tensor:
     >>> zero_outside(torch.tensor([1.0, float("nan"), -float("inf"), 4.0]), torch.tensor([True, False, False, True]))
     tensor([1., 0., 0., 4.])
     """
-    if torch.compiler.is_compiling():  # inductor vectorises where, but emits nan_to_num as a scalar loop
-        return torch.where(keep, x, 0.0)
-    return torch.nan_to_num(x, 0.0, 0.0, 0.0) * as_factor(keep)  # a NaN would survive a bare product (NaN · 0 = NaN)
+    return finite_or_zero(x) * as_factor(keep)  # a NaN would survive a bare product (NaN · 0 = NaN)
+
+
+def keep_only(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` where ``keep`` holds, 0 elsewhere, for an ``x`` finite everywhere (a ratio, a weight): the product alone.
+
+    >>> keep_only(torch.tensor([2.0, 3.0]), torch.tensor([True, False]))
+    tensor([2., 0.])
+    """
+    return x * as_factor(keep)
+
+
+def finite_or_zero(x: Tensor) -> Tensor:
+    """``x`` with NaN and ±inf replaced by 0 (gradient 1 where ``x`` is finite, 0 elsewhere).
+
+    Written as nan_to_num in eager mode and as a ``where`` on x's own finiteness under torch.compile, where
+    nan_to_num is a scalar loop; either way the backward needs no mask but x itself.
+
+    >>> finite_or_zero(torch.tensor([1.0, float("nan"), float("inf")]))
+    tensor([1., 0., 0.])
+    """
+    if torch.compiler.is_compiling():
+        return torch.where(is_finite(x), x, 0.0)
+    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
 def as_factor(keep: Tensor) -> Tensor:
-    """A bool mask as a 0/1 multiplicand: its bytes read as uint8 in eager mode, the mask itself under torch.compile
-    (where the bit-cast would become a scalar loop).
+    """A bool mask as a 0/1 multiplicand: its bytes read as uint8 in eager mode (a uint8 → float promotion is six
+    times faster than a bool → float one on CPU), float32 under torch.compile (inductor stores a bool buffer — one
+    saved for the backward, or read by several loops — with a scalar loop; a float one it vectorises).
 
     >>> torch.ones(2) * as_factor(torch.tensor([True, False]))
     tensor([1., 0.])
     """
-    return keep if torch.compiler.is_compiling() else keep.view(torch.uint8)
+    return keep.to(torch.float32) if torch.compiler.is_compiling() else keep.view(torch.uint8)
 
 
 def float_mask(keep: Tensor) -> Tensor:
@@ -195,7 +218,7 @@ def max_where(x: Tensor, keep: Tensor, dim: int | None = None) -> Tensor:
     >>> max_where(torch.tensor([[-3.0, -1.0, 7.0]]), torch.tensor([[True, True, False]]), dim=-1)
     tensor([-1.])
     """
-    below_everything = x - FLOAT32_MAX * as_factor(~keep)  # positions outside keep never win the max
+    below_everything = x - FLOAT32_MAX * (1 - as_factor(keep))  # the positions outside keep never win the max
     out = below_everything.amax() if dim is None else below_everything.amax(dim=dim)
     return torch.where(count(keep, dim) > 0, out, 0.0)
 

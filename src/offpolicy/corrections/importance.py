@@ -65,6 +65,7 @@ from offpolicy.ratios import (
     check_level,
     count,
     is_finite,
+    keep_only,
     min_where,
     pad_nonempty,
     zero_outside,
@@ -252,36 +253,51 @@ class _Weights(NamedTuple):
     weights: Tensor  # [B, T]
     keep: Tensor  # [B, T] bool
     raw: Tensor  # [B, T] the ratio on every valid token, 1 at padding
-    defined: Tensor  # [B, T] bool: valid, and the ratio at this level is defined
     finite: Tensor  # [B, T] bool: valid and the token's own log-ratio finite
     ratio: Tensor  # the ratio per token [B, T] (token level) or per sequence [B, 1]
+    outside: Tensor  # the ratio outside [lower, upper], same shape as ratio
+    rows: "_Rows | None"  # the per-sequence decisions (sequence levels)
+
+
+class _Rows(NamedTuple):
+    """A sequence level's decisions, per sequence [B, 1]: valid tokens, defined (no undefined token), kept, weight."""
+
+    tokens: Tensor
+    defined: Tensor
+    keep: Tensor
+    weight: Tensor
 
 
 def _weights(r: Tensor, m: Tensor, level: str, mode: str, lo: float | None, hi: float | None,
              normalize: bool) -> _Weights:
     finite = m & is_finite(r)
     clean = zero_outside(r, finite)
+    rows = None
     if level == "token":
-        defined, log_ratio = finite, clean
+        log_ratio = clean
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # 1 at padding and where undefined
+        keep = finite if mode == "truncate" else finite & _inside(log_ratio, lo, hi)
+        weights = ratio if mode == "mask" or (lo is None and hi is None) else ratio.clamp(min=lo, max=hi)
+        weights, raw = keep_only(weights, keep), ratio
     else:  # every decision is per sequence: taken on [B, 1] and broadcast to the sequence's tokens
         tokens = count(m, dim=-1).unsqueeze(-1)
-        defined = broadcast_rows(m, count(finite, dim=-1).unsqueeze(-1) == tokens)  # no undefined token in it
+        defined = (count(finite, dim=-1).unsqueeze(-1) == tokens) & (tokens > 0)  # not empty, nothing undefined
         log_ratio = clean.sum(dim=-1, keepdim=True)
         if level == "geometric":
             log_ratio = log_ratio / tokens.clamp(min=1)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    raw = ratio if level == "token" else 1.0 + zero_outside(ratio - 1.0, m)  # the sequence's ratio, 1 at padding
-
-    if mode == "truncate":
-        keep = defined
-        weights = raw if lo is None and hi is None else raw.clamp(min=lo, max=hi)
-    else:  # compared in log space, unclamped: exp rounding must not drop a ratio exactly on a bound
-        keep = broadcast_rows(defined, _inside(log_ratio, lo, hi))
-        weights = raw
-    weights = zero_outside(weights, keep)
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        # a mask compares the unclamped log-ratio: exp rounding must not drop a ratio exactly on a bound
+        row_keep = defined if mode == "truncate" else defined & _inside(log_ratio, lo, hi)
+        row_weight = ratio if mode == "mask" or (lo is None and hi is None) else ratio.clamp(min=lo, max=hi)
+        row_weight = keep_only(row_weight, row_keep)
+        rows = _Rows(tokens, defined, row_keep, row_weight)
+        keep = broadcast_rows(m, row_keep)
+        weights = keep_only(row_weight.expand_as(clean), m)
+        raw = 1.0 + keep_only(ratio - 1.0, m)  # the sequence's ratio on its tokens, 1 at padding
     if normalize:
-        weights = weights / _batch_mean(weights, m, level)
-    return _Weights(weights, keep, raw, defined, finite, ratio)
+        weights = weights / _batch_mean(weights, m, rows)
+    outside = ~_inside(ratio.log(), lo, hi) if mode == "truncate" else torch.zeros_like(ratio, dtype=torch.bool)
+    return _Weights(weights, keep, raw, finite, ratio, outside, rows)
 
 
 def _inside(log_rho: Tensor, lower: float | None, upper: float | None) -> Tensor:
@@ -294,15 +310,13 @@ def _inside(log_rho: Tensor, lower: float | None, upper: float | None) -> Tensor
     return inside
 
 
-def _batch_mean(weights: Tensor, m: Tensor, level: str) -> Tensor:
-    """verl's normaliser: the mean weight over valid tokens (``token``) or over non-empty sequences (one weight each);
-    1 when it is ≤ 1e-8 (then the weights are left as they are)."""
-    if level == "token":
+def _batch_mean(weights: Tensor, m: Tensor, rows: "_Rows | None") -> Tensor:
+    """verl's normaliser: the mean weight over valid tokens (token level) or over non-empty sequences, one weight each
+    (sequence levels); 1 when it is ≤ 1e-8 (then the weights are left as they are)."""
+    if rows is None:
         mean = weights.sum() / count(m).clamp(min=1)
     else:
-        tokens = count(m, dim=-1)
-        per_sequence = weights.sum(dim=-1) / tokens.clamp(min=1)  # every valid token carries the sequence's weight
-        mean = per_sequence.sum() / (tokens > 0).sum().clamp(min=1)
+        mean = rows.weight.sum() / count(rows.tokens > 0).clamp(min=1)
     return torch.where(mean > NORMALIZE_EPS, mean, 1.0)
 
 
@@ -331,22 +345,21 @@ def _importance(
         out = _weights(behaviour_log_ratio(batch, source, name), valid, level, mode, lo, hi, normalize)
         n_valid = count(valid)
         n = n_valid.clamp(min=1)
-        changed = valid & ~out.keep  # dropped (masked, or undefined) …
-        if mode == "truncate":  # … or moved by the clamp
-            outside = torch.zeros_like(out.ratio, dtype=torch.bool)
-            if lo is not None:
-                outside = outside | (out.ratio < lo)
-            if hi is not None:
-                outside = outside | (out.ratio > hi)
-            changed = changed | broadcast_rows(out.defined, outside)
-        raw_defined = zero_outside(out.raw, out.defined)  # the raw ratio is > 0: a 0 never wins the max
+        if out.rows is None:  # token level: the raw ratio over the tokens where it is defined (finite)
+            defined, tokens, n_kept = out.finite, 1, count(out.keep)
+        else:  # sequence levels: each defined sequence's ratio, once per valid token
+            defined, tokens, n_kept = out.rows.defined, out.rows.tokens, (out.rows.tokens * out.rows.keep).sum()
+        n_defined = (tokens * keep_only(torch.ones_like(out.ratio), defined)).sum()
+        ratio_defined = keep_only(out.ratio, defined)  # > 0 where defined: a 0 never wins the max
+        # changed: dropped (masked, or undefined), or — truncation — moved by the clamp
+        n_moved = (tokens * keep_only(torch.ones_like(out.ratio), out.outside & defined)).sum()
         metrics = {
-            f"{name}/raw_ratio_mean": raw_defined.sum() / count(out.defined).clamp(min=1),  # over defined ratios
-            f"{name}/raw_ratio_max": raw_defined.amax(),
-            f"{name}/raw_ratio_min": min_where(out.raw, out.defined),
+            f"{name}/raw_ratio_mean": (tokens * ratio_defined).sum() / n_defined.clamp(min=1),
+            f"{name}/raw_ratio_max": ratio_defined.amax(),
+            f"{name}/raw_ratio_min": min_where(out.ratio, defined),
             f"{name}/weight_mean": out.weights.sum() / n,  # weights are 0 at padding
-            f"{name}/kept_frac": count(out.keep) / n,
-            f"{name}/clipped_frac": count(changed) / n,
+            f"{name}/kept_frac": n_kept / n,
+            f"{name}/clipped_frac": (n_valid - n_kept + (n_moved if mode == "truncate" else 0)) / n,
             f"{name}/nonfinite_frac": (n_valid - count(out.finite)) / n,
         }
         return CorrectionResult(out.weights, out.keep, metrics, weight_level=level)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from offpolicy.ratios import LEVELS, count, zero_outside
+from offpolicy.ratios import LEVELS, count, keep_only
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class TokenInputs:
         per_sequence = token.detach().sum(dim=-1, keepdim=True)
         if level == "geometric":
             per_sequence = per_sequence / count(self.valid, dim=-1).unsqueeze(-1).clamp(min=1)
-        return zero_outside(per_sequence + (self.logp - self.logp.detach()), self.valid)
+        return keep_only(per_sequence + (self.logp - self.logp.detach()), self.valid)
 
 
 @dataclass(frozen=True)
