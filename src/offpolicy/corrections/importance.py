@@ -60,6 +60,7 @@ from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.ratios import (
     LOG_RATIO_BOUND,
+    as_factor,
     as_mask,
     broadcast_rows,
     check_level,
@@ -293,7 +294,7 @@ def _weights(r: Tensor, m: Tensor, level: str, mode: str, lo: float | None, hi: 
         rows = _Rows(tokens, defined, row_keep, row_weight)
         keep = broadcast_rows(m, row_keep)
         weights = keep_only(row_weight.expand_as(clean), m)
-        raw = 1.0 + keep_only(ratio - 1.0, m)  # the sequence's ratio on its tokens, 1 at padding
+        raw = keep_only(ratio.expand_as(clean), m) + (1 - as_factor(m))  # the sequence's ratio, 1 at padding
     if normalize:
         weights = weights / _batch_mean(weights, m, rows)
     outside = ~_inside(ratio.log(), lo, hi) if mode == "truncate" else torch.zeros_like(ratio, dtype=torch.bool)
