@@ -2,9 +2,10 @@
 
 One step (:mod:`offpolicy.train.steps`):
 
-1. rollout — ``engine.sync_weights(model)``; the engine samples ``group_size`` completions per prompt with its own
-   numerics (bf16 + KV cache by default) and reports μ = ``rollout_logp``; the task's verifier gives rewards (a
-   reward that raises or is NaN stops the run and names the sample); GRPO / Dr.GRPO / RLOO advantages per group;
+1. rollout — ``engine.sync_weights(model)`` (every ``rollout.sync_every`` steps: an asynchronous engine lags); the
+   engine samples ``group_size`` completions per prompt with its own numerics (bf16 + KV cache by default) and
+   reports μ = ``rollout_logp``; the task's verifier gives rewards (a reward that raises or is NaN stops the run and
+   names the sample); GRPO / Dr.GRPO / RLOO advantages per group;
 2. scoring — π_old: one full forward of the trainer, no grad, ALP noise off (this is what μ is compared with);
 3. update — per minibatch: π_θ forward (ALP noise on if enabled) → :class:`~offpolicy.LogProbBatch` → the
    correction chain → :func:`~offpolicy.policy_loss` → backward → clip → optimiser step;
@@ -105,7 +106,7 @@ def train(
                 with session.step():
                     started = time.perf_counter()
                     seed = step_seed(cfg.run.seed, step)
-                    rollout = rollout_step(state, seed)
+                    rollout = rollout_step(state, seed, sync_weights=step % cfg.rollout.sync_every == 0)
                     scored = score_step(state, rollout)
                     updates = update_step(state, rollout, scored, seed)
                     metrics = metrics_step(state, rollout, scored, updates, started=started)

@@ -218,7 +218,12 @@ class _DeferredInterrupt:
 
 
 def _extra_modules(state: Any) -> dict[str, Any] | None:
-    return {"alp": state.alp} if state.alp is not None else None
+    """What a checkpoint holds besides the model and optimizer: ALP's σ, and the engine's own (lagging) weights when
+    ``rollout.sync_every > 1``, so that a resumed run samples from the same stale policy as the uninterrupted one."""
+    modules = {"alp": state.alp} if state.alp is not None else {}
+    if state.cfg.rollout.sync_every > 1:
+        modules["engine"] = state.engine.model
+    return modules or None
 
 
 def _is_checkpoint_of(path: Path | None, step: int) -> bool:

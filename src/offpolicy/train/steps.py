@@ -88,6 +88,10 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
         model, tokenizer = load_model(cfg)
     if tokenizer is None:
         raise ValueError("tokenizer: pass one together with model=")
+    engine = engine if engine is not None else build_engine(cfg, model, tokenizer)
+    if cfg.rollout.sync_every > 1 and not isinstance(getattr(engine, "model", None), torch.nn.Module):
+        raise ValueError("rollout.sync_every > 1 needs an engine whose weights are a module at engine.model "
+                         "(they are saved in checkpoints)")
     alp = None
     if cfg.alp.enabled:
         layers = cfg.alp.layers if isinstance(cfg.alp.layers, str) else list(cfg.alp.layers)
@@ -101,7 +105,7 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
     objective, objective_params = objective_call(cfg)
     return TrainState(
         cfg=cfg, model=model, tokenizer=tokenizer, task=task if task is not None else load_task(cfg.task),
-        engine=engine if engine is not None else build_engine(cfg, model, tokenizer), sampling=sampling_config(cfg),
+        engine=engine, sampling=sampling_config(cfg),
         optimizer=torch.optim.AdamW(groups, betas=cfg.optim.betas), alp=alp, correction_specs=specs,
         correction=build_correction(specs), objective=objective, objective_params=objective_params,
         advantage_fn=advantage_fn(cfg.algorithm.advantage),
@@ -188,14 +192,17 @@ class Rollout:
     seconds: float
 
 
-def rollout_step(state: TrainState, seed: int) -> Rollout:
+def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True) -> Rollout:
     """Sample with the inference engine's numerics, score with the task's verifier (a reward that raises or is NaN
-    stops the run naming the sample), and turn the rewards into advantages over each group."""
+    stops the run naming the sample), and turn the rewards into advantages over each group. ``sync_weights=False``:
+    the engine keeps the weights of its last sync (``rollout.sync_every > 1``, as an asynchronous rollout pipeline
+    samples with a policy some updates old — off-policy data the corrections see)."""
     t0 = time.perf_counter()
     a = state.cfg.algorithm
     prompts = step_prompts(state.task, state.tokenizer, state.cfg.task.prompts_per_step, seed)
     prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
-    state.engine.sync_weights(state.model)
+    if sync_weights:
+        state.engine.sync_weights(state.model)
     out = state.engine.generate(prompt_ids, state.sampling, seed=seed)
     seconds = time.perf_counter() - t0
     rewards = compute_rewards(state.task, prompts, a.group_size, out.texts, out.completion_ids)
