@@ -313,6 +313,9 @@ def test_on_step_end_with_the_state_changes_the_corrections_and_the_learning_rat
 
     def controller(step, metrics, state):
         seen.append((step, state.lr))
+        # the step's tensors are there for a controller that fits thresholds to them (e.g. a ratio band)
+        assert state.last_scored.old_logp.shape == state.last_scored.mask.shape == state.last_scored.rollout_logp.shape
+        assert state.last_rollout.rewards.numel() == state.last_scored.mask.shape[0]
         if step == 1:
             state.set_corrections([{"name": "tis", "upper": 1.5}])
             state.set_lr(1e-6)

@@ -110,6 +110,7 @@ def train(
                     scored = score_step(state, rollout)
                     updates = update_step(state, rollout, scored, seed)
                     metrics = metrics_step(state, rollout, scored, updates, started=started)
+                state.last_rollout, state.last_scored = rollout, scored
                 floats = session.record(metrics, kl_key=kl_metric_name(cfg.run.metric_naming))
                 history.append(floats)
                 hook(step + 1, floats, state)

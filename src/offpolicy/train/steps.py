@@ -42,7 +42,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class TrainState:
     """What the steps read and update. ``correction_specs`` is the correction chain as data (registered names and
-    parameters); ``correction`` the chain built from it."""
+    parameters); ``correction`` the chain built from it. ``last_rollout`` / ``last_scored`` are the last completed
+    step's tensors (μ, π_old, the mask, rewards) for a per-step controller that needs more than the metrics."""
 
     cfg: TrainConfig
     model: torch.nn.Module
@@ -57,6 +58,8 @@ class TrainState:
     objective: str
     objective_params: dict[str, Any]
     advantage_fn: Callable[[Tensor, int], Tensor]
+    last_rollout: Rollout | None = None
+    last_scored: Scored | None = None
 
     @property
     def preset(self) -> Preset:
