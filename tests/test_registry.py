@@ -113,3 +113,45 @@ def test_every_registered_objective_gives_a_finite_loss_and_gradient_zero_on_pad
     assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
     assert torch.equal(grad[~b.bool_mask], torch.zeros_like(grad[~b.bool_mask])), name
     assert metrics["loss/nonfinite_tokens"].item() == 0.0 and all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
+@pytest.mark.parametrize("name", OBJECTIVES.names())
+def test_the_kept_gradient_is_autograds(name, aggregation, random_batch, monkeypatch):
+    # under torch.compile policy_loss takes the gradient in its forward (losses.with_gradient_kept; forced here in
+    # eager mode): it must be the one loss.backward() gives on the same composition, with a correction's coefficient,
+    # a NaN at padding and a dropped token
+    import offpolicy.losses
+    from offpolicy.losses import token_inputs
+
+    monkeypatch.setattr(offpolicy.losses, "_keeps_gradient", lambda logp: logp.requires_grad)
+
+    b = random_batch(seed=9, b=3, t=6, scale=0.3)
+    logp0 = torch.where(b.bool_mask, b.logp, torch.tensor(float("nan")))
+    rollout = b.rollout_logp.clone()
+    rollout[0, 1] = float("inf")  # a token dropped as non-finite
+    b = b.replace(rollout_logp=rollout)
+    result = op.tis(upper=1.2)(b)
+    logp = logp0.clone().requires_grad_(True)
+    loss, metrics = op.policy_loss(b.replace(logp=logp), correction=result, objective=name, aggregation=aggregation)
+    (kept,) = torch.autograd.grad(loss, logp)
+
+    spec = OBJECTIVES[name]
+    reference = logp0.clone().requires_grad_(True)
+    inputs = token_inputs(b.replace(logp=reference), spec.inputs_read(True), corrected=True)
+    token_loss = spec.fn(inputs).loss * result.coefficient * inputs.valid.float()
+    expected_loss = AGGREGATIONS[aggregation](token_loss, b.bool_mask, None)
+    (expected,) = torch.autograd.grad(expected_loss, reference)
+    assert torch.equal(loss.detach(), expected_loss.detach()), (name, aggregation)
+    torch.testing.assert_close(kept, expected, rtol=0, atol=0, msg=f"{name} / {aggregation}")
+
+
+def test_without_a_gradient_the_loss_is_computed_once(random_batch):
+    # no requires_grad (or no_grad): the plain forward, same numbers
+    b = random_batch(seed=10, b=2, t=5)
+    with_grad, _ = op.policy_loss(b.replace(logp=b.logp.clone().requires_grad_(True)))
+    plain, _ = op.policy_loss(b)
+    with torch.no_grad():
+        no_grad, _ = op.policy_loss(b.replace(logp=b.logp.clone().requires_grad_(True)))
+    assert with_grad.requires_grad and not plain.requires_grad and not no_grad.requires_grad
+    assert torch.equal(with_grad.detach(), plain) and torch.equal(plain, no_grad)

@@ -1,4 +1,5 @@
-"""The policy loss: a registered token-level objective, a correction's coefficient, one aggregation; autograd does the rest.
+"""The policy loss: a registered token-level objective, a correction's coefficient, one aggregation; autograd does
+the rest.
 
 :func:`policy_loss` turns a :class:`~offpolicy.batch.LogProbBatch` (+ an optional correction) into a scalar loss to
 *minimise* and a dict of 0-d metric tensors:
@@ -27,11 +28,14 @@ A batch without a valid token gives loss 0.0 with an all-zero gradient; so does 
 syncs to the host, so the function compiles with ``torch.compile(fullgraph=True)``. At ``sequence``/``geometric``
 level the gradient is GSPO-token's: each token gets −A·s_i·∇log π_t while the value is the sequence ratio's loss, so a
 finite-difference check of the value does not apply there, as for any stop-gradient objective.
+
+Under torch.compile the gradient is autograd's taken during the forward (:func:`with_gradient_kept`), so the backward
+keeps one float tensor instead of every mask and clip condition (what makes the compiled loss fast on CPU).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from torch import Tensor
@@ -145,16 +149,56 @@ def policy_loss(
             result = CorrectionResult(pad_nonempty(result.weights), pad_nonempty(result.keep, False), result.metrics,
                                       weight_level=result.weight_level)
 
-    inputs = token_inputs(batch, spec.inputs_read(result is not None), corrected=result is not None)
-    out = spec.fn(inputs, **params)
-    token_loss = out.loss if result is None else out.loss * result.coefficient
-    token_loss = token_loss * as_factor(inputs.valid)  # finite there: the inputs are 0 wherever a token does not count
-    loss = aggregate(token_loss, batch.bool_mask, max_tokens)
+    reads = spec.inputs_read(result is not None)
 
-    metrics = _loss_metrics(inputs.valid, batch.bool_mask, out.log_ratio, out.clipped)
+    def loss_of(logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        inputs = token_inputs(batch, reads, corrected=result is not None, logp=logp)
+        out = spec.fn(inputs, **params)
+        token_loss = out.loss if result is None else out.loss * result.coefficient
+        token_loss = token_loss * as_factor(inputs.valid)  # finite: the inputs are 0 wherever a token does not count
+        loss = aggregate(token_loss, batch.bool_mask, max_tokens)
+        return loss, _loss_metrics(inputs.valid, batch.bool_mask, out.log_ratio, out.clipped)
+
+    loss, metrics = with_gradient_kept(loss_of, batch.logp) if _keeps_gradient(batch.logp) else loss_of(batch.logp)
     if result is not None:
         metrics = {**result.metrics, **metrics}
     return loss, metrics
+
+
+def with_gradient_kept(
+    loss_of: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], logp: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``loss_of(logp)`` whose gradient autograd takes now (``torch.func.grad_and_value``), keeping one float tensor
+    ∂loss/∂logp for the backward. :func:`policy_loss` takes this form under torch.compile.
+
+    Why: a loss's backward goes through its masks and clips (``where``, ``minimum``, ``clamp``), and autograd keeps
+    their conditions — under torch.compile the partitioner saves them as bool buffers (the smallest cut), which
+    inductor on CPU writes element by element: the compiled benchmark path (``benchmarks/core.py``) takes 1.4× as
+    long, a clipped PPO loss alone 2.6×. In eager mode the plain backward is the faster one (no transform overhead).
+    A scalar loss's backward is grad_output · ∂loss/∂logp, so the numbers are the same (tests/test_registry.py checks
+    them against ``loss.backward()`` for every registered objective and aggregation, tests/test_compile.py the
+    compiled loss against the eager one). Not twice differentiable: ``create_graph`` sees a constant gradient.
+    """
+    gradient, (loss, metrics) = torch.func.grad_and_value(loss_of, has_aux=True)(logp.detach())
+    return _KeptGradient.apply(logp, loss, gradient), metrics
+
+
+def _keeps_gradient(logp: Tensor) -> bool:
+    return torch.compiler.is_compiling() and logp.requires_grad and torch.is_grad_enabled()
+
+
+class _KeptGradient(torch.autograd.Function):
+    """The loss value, with backward grad_output · (the gradient :func:`with_gradient_kept` took)."""
+
+    @staticmethod
+    def forward(ctx: Any, logp: Tensor, loss: Tensor, gradient: Tensor) -> Tensor:
+        ctx.save_for_backward(gradient)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
+        (gradient,) = ctx.saved_tensors
+        return grad_output * gradient, None, None
 
 
 def resolve_objective(objective: str | Mapping[str, Any], **shortcuts: Any) -> tuple[Objective, dict[str, Any]]:
@@ -188,13 +232,16 @@ def _check_batch(batch: LogProbBatch, spec: Objective, corrected: bool, max_toke
                          "the batch has no rollout_logp")
 
 
-def _resolve_correction(batch: LogProbBatch, correction: Correction | CorrectionResult | None) -> CorrectionResult | None:
+def _resolve_correction(
+    batch: LogProbBatch, correction: Correction | CorrectionResult | None
+) -> CorrectionResult | None:
     if correction is None:
         return None
     if isinstance(correction, Correction):
         correction = correction(batch)
     if not isinstance(correction, CorrectionResult):
-        raise ValueError(f"correction must be a Correction, a CorrectionResult or None, got {type(correction).__name__}")
+        raise ValueError(
+            f"correction must be a Correction, a CorrectionResult or None, got {type(correction).__name__}")
     if correction.weights.shape != batch.logp.shape or correction.keep.shape != batch.logp.shape:
         raise ValueError(
             f"correction weights/keep have shapes {tuple(correction.weights.shape)}/{tuple(correction.keep.shape)}, "
@@ -203,19 +250,20 @@ def _resolve_correction(batch: LogProbBatch, correction: Correction | Correction
     return correction
 
 
-def token_inputs(batch: LogProbBatch, reads: tuple[str, ...], *, corrected: bool = False) -> TokenInputs:
+def token_inputs(batch: LogProbBatch, reads: tuple[str, ...], *, corrected: bool = False,
+                 logp: Tensor | None = None) -> TokenInputs:
     """The batch as an objective's :class:`TokenInputs`: float32, and 0 wherever a token does not count.
 
     A token counts (``valid``) if its mask is 1 and π_θ, A and every log-prob in ``reads`` are finite there; a NaN in
     a log-prob the objective does not read (TRL stores missing vLLM log-probs as NaN) does not drop it. Values are
     replaced (:func:`~offpolicy.ratios.zero_outside`) before any arithmetic, so the gradient at a dropped token is
-    exactly 0.
+    exactly 0. ``logp`` stands in for ``batch.logp`` (the tensor the gradient is taken with respect to).
 
     >>> b = LogProbBatch(logp=torch.tensor([[-1.0, float("nan")]]), mask=torch.ones(1, 2), advantages=torch.ones(1))
     >>> token_inputs(b, ("old_logp",)).valid
     tensor([[ True, False]])
     """
-    logp = batch.logp.float()
+    logp = (batch.logp if logp is None else logp).float()
     advantages = batch.token_advantages()
     valid = batch.bool_mask & is_finite(logp) & is_finite(advantages)
     others = {"old_logp": batch.old_logp, "rollout_logp": batch.rollout_logp}
@@ -245,7 +293,8 @@ def _loss_metrics(valid: Tensor, mask: Tensor, log_ratio: Tensor, clipped: dict[
     per_valid = n_valid.clamp(min=1.0)
     fractions = {name: count(held & valid) / per_valid for name, held in clipped.items()}
     zero = torch.zeros((), device=valid.device)
-    metrics = {f"loss/{name}": fractions.get(name, zero) for name in ("clipfrac_low", "clipfrac_high", "dual_clip_frac")}
+    bounds = ("clipfrac_low", "clipfrac_high", "dual_clip_frac")
+    metrics = {f"loss/{name}": fractions.get(name, zero) for name in bounds}
     metrics.update({f"loss/{name}": value for name, value in fractions.items()})
 
     log_r = log_ratio.detach().float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
