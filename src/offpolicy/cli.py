@@ -1,8 +1,10 @@
-"""``offpolicy`` command line: demo, train, presets, diagnose.
+"""``offpolicy`` command line: demo, train, lab, presets, diagnose.
 
 * ``offpolicy demo``      a short GRPO run of the embedded tiny model per preset, on a rollout engine whose
                           numerics really differ (bf16 + KV cache vs the fp32 trainer); summary table + PNG plots.
 * ``offpolicy train``     a real run from a YAML config plus ``key.sub=value`` overrides (local model paths only).
+* ``offpolicy lab``       presets × mismatch sources × seeds, one trainer process per run (resumable), and the
+                          lab report (report.html, plots, lab_table.md, lab_stats.json).
 * ``offpolicy presets``   the available presets (correction chain + objective).
 * ``offpolicy diagnose``  summary table + plots from one or more ``metrics.jsonl`` files.
 """
@@ -224,6 +226,63 @@ def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: 
     console.print(f"total wall time {time.perf_counter() - t_start:.1f} s")
     if interrupted:
         raise typer.Exit(code=130)
+
+
+@app.command()
+def lab(
+    setting: str = typer.Option("quick", "--setting", help="Named setting: quick (the demo) or full."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: the setting's)."),
+    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources, e.g. "
+                                           "none,bf16,int8+kv4 (the 'none' control is always added)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (seeds 0 … n−1)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default: the setting's)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
+    out: Path = typer.Option(Path("offpolicy-lab"), "--out", help="Sweep folder (runs, summary, report)."),
+    report_only: bool = typer.Option(False, "--report-only", help="Only re-render the report of the sweep in --out."),
+    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
+                                          help="Keep every checkpoint of a finished run (default: the final one)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
+) -> None:
+    """Sweep presets × mismatch sources × seeds (one trainer process per run, resumable) and write the lab report."""
+    from offpolicy.lab.report import rich_table, write_report
+    from offpolicy.lab.sweep import plan_sweep, run_sweep
+
+    console = _console()
+    result = None
+    if not report_only:
+        try:
+            plan = plan_sweep(out, setting, presets=presets_, mismatches=mismatch, seeds=seeds, steps=steps,
+                              overrides=list(overrides or []))
+            t0 = time.perf_counter()
+            result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints)
+        except ValueError as err:
+            _fail(console, str(err))
+        except OSError as err:
+            _fail(console, _os_error(err))
+        console.print(f"sweep wall time {time.perf_counter() - t0:.0f} s")
+        for f in result.failed:
+            console.print(f"[red]failed:[/red] {escape(str(out / f.run.dir))}: {escape(f.error)}", soft_wrap=True)
+        if not result.done:
+            console.print("[yellow]warning:[/yellow] no finished run yet: no report")
+            raise typer.Exit(code=130 if result.interrupted else 1)
+    with _warnings_on(console):
+        try:
+            report = write_report(out)
+        except ValueError as err:
+            _fail(console, str(err))
+        except OSError as err:
+            _fail(console, _os_error(err))
+    console.print(rich_table(report.stats, title=f"offpolicy lab {report.stats.get('setting')!s}"))
+    if report.stats["missing"]:
+        console.print(f"[yellow]warning:[/yellow] {len(report.stats['missing'])} planned runs missing "
+                      "(failed or not run yet); the table uses the finished runs")
+    console.print(f"report: {escape(str(report.html))}", soft_wrap=True)
+    console.print(f"plots: {escape(str(out / 'plots'))}/ ({', '.join(p.name for p in report.plots)})", soft_wrap=True)
+    console.print(f"table: {escape(str(report.table))}   numbers: {escape(str(report.stats_path))}", soft_wrap=True)
+    if result is not None and result.interrupted:
+        raise typer.Exit(code=130)
+    if result is not None and result.failed:
+        raise typer.Exit(code=1)
 
 
 @app.command()
