@@ -270,3 +270,34 @@ def test_real_runs_resume_a_half_finished_sweep(tmp_path, tiny_run):
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
     assert numbers(resumed) == numbers(original)  # resuming reproduces the uninterrupted run exactly
+
+
+def test_a_forked_run_dies_with_the_runner():
+    """die_with(pid): the forked runs' guard (their parent is the forkserver, which outlives a killed runner)."""
+    runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom offpolicy.lab.launch import die_with\n"
+         "die_with(int(sys.argv[1])); print('watching', flush=True); time.sleep(60)", str(runner.pid)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "watching"
+        assert child.poll() is None
+        runner.kill()
+        runner.wait()
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in (runner, child):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_heartbeat_names_the_running_runs_and_their_step(tmp_path, tiny_run, fake, monkeypatch):
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    buf = io.StringIO()
+    run_sweep(_plan(tmp_path / "out", tiny_run, presets="naive", mismatches="none", seeds=1, steps=5), jobs=1,
+              command=fake.command, prepare=_no_prepare, console=Console(file=buf, width=300), heartbeat_s=0.2,
+              poll_s=0.01)
+    beats = [ln for ln in buf.getvalue().splitlines() if ln.startswith("  running: ")]
+    assert beats and all(ln.startswith("  running: naive__none__s0 step ") and ln.endswith("/5; 0/1 done, 0 waiting")
+                         for ln in beats)

@@ -9,15 +9,19 @@
 * without a forkserver (not POSIX), or for a given command line (tests run a fake trainer): a subprocess.
 
 Either way the child runs in its own session (a terminal's Ctrl-C reaches it only through the runner, exactly once),
-is killed by Linux if the runner dies (``PR_SET_PDEATHSIG``), runs one thread, and appends its output to the log.
+is killed when the runner dies (a subprocess: ``PR_SET_PDEATHSIG``; a forked run: :func:`die_with`), runs one
+torch thread, and appends its output to the log.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,42 @@ def _die_with_parent() -> Callable[[], None] | None:
         prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
     return preexec
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process ``pid`` (the runner) has exited (a watcher thread).
+
+    A forked run's parent is the forkserver, which outlives the runner while runs hold its "alive" pipe, so the
+    parent-death signal alone would leave orphans writing into their run folders. Linux: waits on a pidfd (no pid
+    reuse race once opened); elsewhere: checks once a second.
+    """
+
+    def kill_self() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        kill_self()
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux ≥ 5.3): poll
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:  # alive, owned by someone else
+                    pass
+        kill_self()
+
+    threading.Thread(target=watch, name="die-with-runner", daemon=True).start()
 
 
 class ForkedRun:
@@ -98,13 +138,14 @@ def start_run(argv: list[str], log_path: Path, *, command: bool) -> Any:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **child_env()}, start_new_session=True,
                                     preexec_fn=_die_with_parent())
-    proc = ctx.Process(target=_run_in_child, args=(argv, str(log_path), child_env()), daemon=False)
+    proc = ctx.Process(target=_run_in_child, args=(argv, str(log_path), child_env(), os.getpid()), daemon=False)
     proc.start()
     return ForkedRun(proc)
 
 
-def _run_in_child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+def _run_in_child(argv: list[str], log_path: str, env: dict[str, str], runner: int) -> None:
     # the forked child's entry: offpolicy.lab.worker is already imported there (preloaded); the runner never imports it
+    die_with(runner)
     from offpolicy.lab.worker import run_train_cli
 
     run_train_cli(argv, log_path, env)

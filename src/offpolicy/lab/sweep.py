@@ -433,14 +433,15 @@ def default_jobs() -> int:
 def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
               command: Callable[[Sequence[str], bool], list[str]] | None = None,
               prepare: Callable[[SweepPlan], Any] = prepare_models, keep_checkpoints: bool = False,
-              poll_s: float = 0.1) -> SweepResult:
+              poll_s: float = 0.1, heartbeat_s: float = 60.0) -> SweepResult:
     """Run (or resume) the sweep ``plan`` into ``plan.out`` with at most ``jobs`` runs at a time (default: the cores).
 
     Each run is ``offpolicy train <overrides> [--resume]`` forked from a forkserver that has the trainer imported
     (:mod:`offpolicy.lab.worker`; a fresh interpreter where there is no forkserver); ``command(overrides, resume)``
     replaces that by a command line run as a subprocess (tests pass a fake trainer). ``prepare(plan)`` runs once before
     any run (default: build the embedded model). A finished run keeps only its final checkpoint unless
-    ``keep_checkpoints``. ``console`` (rich) gets one line per start / finish / failure.
+    ``keep_checkpoints``. ``console`` (rich) gets one line per start / finish / failure, and every ``heartbeat_s``
+    the step each running run has reached.
 
     Raises ``ValueError`` before any work when the folder holds runs of another config or another sweep is running.
     """
@@ -469,24 +470,26 @@ def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
                 todo.append((run, step if state == "partial" else 0))
         write_summary(result)
         n_resume = sum(1 for _, s in todo if s > 0)
-        say(f"[bold]offpolicy lab[/bold] {plan.setting!r}: {len(plan.presets)} presets × {len(plan.mismatches)} "
-            f"mismatches × {len(plan.seeds)} seeds = {len(plan.runs)} runs of {plan.steps} steps, {jobs} at a time "
+        say(f"[bold]offpolicy lab[/bold] {plan.setting!r}: {_n(len(plan.presets), 'preset')} × "
+            f"{_n(len(plan.mismatches), 'mismatch source')} × {_n(len(plan.seeds), 'seed')} = "
+            f"{_n(len(plan.runs), 'run')} of {plan.steps} steps, {jobs} at a time "
             f"→ {_esc(out)}  ({len(result.skipped)} finished, {n_resume} to resume, {len(todo) - n_resume} to start)")
         if todo:
             t0 = time.perf_counter()
             prepare(plan)
             if time.perf_counter() - t0 > 1.0:
                 say(f"  embedded model ready in {time.perf_counter() - t0:.0f} s (cached for later runs)")
-        _run_all(result, todo, jobs, command, keep_checkpoints, poll_s, say)
+        _run_all(result, todo, jobs, command, keep_checkpoints, poll_s, say, heartbeat_s)
         write_summary(result)
     return result
 
 
 def _run_all(result: SweepResult, todo: deque, jobs: int, command: Callable | None, keep_checkpoints: bool,
-             poll_s: float, say: Callable[[str], None]) -> None:
+             poll_s: float, say: Callable[[str], None], heartbeat_s: float = 60.0) -> None:
     out, total = result.plan.out, len(result.plan.runs)
     running: list[_Running] = []
     forwarded = 0
+    last_beat = time.perf_counter()
     with _Interrupts() as interrupts:
         while running or (todo and not interrupts.count):
             while todo and len(running) < jobs and not interrupts.count:
@@ -509,6 +512,11 @@ def _run_all(result: SweepResult, todo: deque, jobs: int, command: Callable | No
             for r in [r for r in running if r.proc.poll() is not None]:
                 running.remove(r)
                 _finish(result, r, keep_checkpoints, total, say)
+            if running and time.perf_counter() - last_beat >= heartbeat_s:
+                last_beat = time.perf_counter()
+                say("  running: " + ", ".join(f"{r.run.name} step {_metrics_last_step(out / r.run.dir) or 0}/"
+                                              f"{r.run.steps}" for r in running)
+                    + f"; {len(result.done)}/{total} done, {len(todo)} waiting")
             if running:
                 time.sleep(poll_s)
     if todo and result.interrupted:
@@ -525,8 +533,11 @@ def _finish(result: SweepResult, r: _Running, keep_checkpoints: bool, total: int
             _prune_checkpoints(out / run.dir, run.steps)
         write_summary(result)
         say(f"  [green]done[/green]  {run.name} in {wall:.0f} s  ({len(result.done)}/{total})")
-    elif result.interrupted and rc in (130, -signal.SIGINT):
-        say(f"  [yellow]stopped[/yellow] {run.name} at its checkpoint of step {step}")
+    elif result.interrupted and rc != 0:
+        # stopped by the forwarded Ctrl-C: exit 130 after a checkpoint, or an earlier exit if it came while the run
+        # was still loading; either way it resumes (or restarts) with the next sweep, it did not fail
+        where = f"at its checkpoint of step {step}" if state == "partial" else "before its first checkpoint"
+        say(f"  [yellow]stopped[/yellow] {run.name} {where}")
     else:
         why = last_log_line(out / run.dir / RUN_LOG)
         if rc == 0:
@@ -546,6 +557,10 @@ def _prune_checkpoints(run_dir: Path, steps: int) -> None:
     for p in checkpoint_files(run_dir / "checkpoints"):
         if p != final:
             p.unlink(missing_ok=True)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _esc(value: Any) -> str:

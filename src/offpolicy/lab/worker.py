@@ -7,7 +7,8 @@ its own memory and RNG state, nothing shared with the other runs — that only p
 
 :func:`run_train_cli` is the child's entry point: it leaves the terminal's process group (so a Ctrl-C reaches it
 once, forwarded by the runner), asks Linux to kill it if its parent dies, sends its output to the run's log and runs
-``offpolicy train <overrides> [--resume]``; its exit code is the command's.
+``offpolicy train <overrides> [--resume]``; its exit code is the command's. (The runner's launcher also makes it
+die with the runner: :func:`offpolicy.lab.launch.die_with`.)
 """
 
 from __future__ import annotations
