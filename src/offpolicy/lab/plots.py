@@ -80,7 +80,7 @@ def _log_bottom(groups: dict, curve: tuple, window: int) -> float | None:
     """The lower edge of a log axis: a third of the smallest value outside the control (None: autoscale).
 
     The control's k3 is fp32 rounding (≈ 1e-14); drawn to scale it would squeeze the mismatch runs into two of
-    twelve decades. It is drawn at the bottom edge instead, and its panel says so.
+    twelve decades. It is drawn at the bottom edge instead, and its panel gives its value.
     """
     key, _, _, _, floor, smooth = curve
     lows = [min(band(runs, key, window if smooth else 1, floor)[2], default=math.inf)
@@ -114,11 +114,16 @@ def _panel(ax: Any, groups: dict, presets: Sequence[str], mismatch: str, curve: 
         if bottom is not None:
             ax.set_ylim(bottom=bottom)
             raw = [b for b in below if math.isfinite(b)]
-            if raw and max(raw) < bottom:
-                ax.text(0.02, 0.04, f"control ({CONTROL}): ≤ {max(raw):.0e}, drawn at the bottom edge",
-                        transform=ax.transAxes, fontsize=7, color="0.3", va="bottom")
+            if raw and max(raw) < clip:
+                value = "0" if max(raw) == 0 else f"≤ {max(raw):.0e}"
+                ax.text(0.02, 0.09, f"control ({CONTROL}): {value}, off the scale",
+                        transform=ax.transAxes, fontsize=7, color="0.25", va="bottom",
+                        bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, which="major")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _legend_handles(presets: Sequence[str], colors: dict[str, str], control: str | None, n_seeds: str) -> tuple:

@@ -219,11 +219,12 @@ def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.ta
 
     chances = sorted({c["chance"] for g in lab["groups"] for c in (g["vs_naive"], g["vs_control"])
                       if c and c.get("chance") is not None})
-    table = Table(title=escape(f"{title}: medians over seeds"), box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, caption=escape(
-        "reward ¼: mean over the first / last quarter of steps. vs: difference of medians; noise = the seeds' "
-        "min–max ranges overlap; higher / lower = they do not" +
-        (f" (chance without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)})" if chances else "")
-        + ". Spreads and definitions: report.html"))
+    caption = ("reward ¼: mean over the first / last quarter of steps. vs: difference of medians; noise = the seeds' "
+               "min–max ranges overlap; higher / lower = they do not"
+               + (f" (chance without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)})" if chances
+                  else "") + ". Spreads and definitions: report.html")
+    table = Table(title=escape(f"{title}: medians over seeds"), caption=escape(caption), box=box.SIMPLE_HEAD,
+                  padding=(0, 1), pad_edge=False)
     for header in ("preset", "mismatch", "reward ¼\nfirst→last", "last ¼\nrange", "k3 KL", "‖∇‖\nmax", "masked",
                    "k3\ntrend", "vs\nnaive", "vs\ncontrol"):
         table.add_column(header, justify="left" if header in ("preset", "mismatch") else "right", no_wrap=True)
