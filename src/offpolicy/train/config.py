@@ -76,6 +76,9 @@ class RolloutConfig(_Section):
     kv_cache_bits: int | None = None
     weight_bits: int | None = None
     logit_noise: float = Field(0.0, ge=0)
+    # weights pushed to the engine every k steps (k > 1: the engine samples with a policy up to k − 1 updates old,
+    # as an asynchronous rollout pipeline does; the off-policy part of μ that the corrections see)
+    sync_every: int = Field(1, ge=1)
     # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
     # routes in the π_θ forwards (offpolicy.rollout.routing)
     routing_replay: Literal["none", "r2", "r3"] = "none"

@@ -272,10 +272,18 @@ def train(
     dual_clip = a.dual_clip if a.dual_clip is not None else preset.dual_clip
     train_dtype = _DTYPES[cfg.model.dtype]
 
+    # what a checkpoint holds besides the model and optimizer: ALP's σ, and the engine's own (lagging) weights when
+    # rollout.sync_every > 1, so that a resumed run samples from the same stale policy as the uninterrupted one
+    saved_modules = {"alp": alp} if alp is not None else {}
+    if cfg.rollout.sync_every > 1:
+        if not isinstance(getattr(engine, "model", None), torch.nn.Module):
+            raise ValueError("rollout.sync_every > 1 needs an engine whose weights are a module at engine.model "
+                             "(they are saved in checkpoints)")
+        saved_modules["engine"] = engine.model
     start = 0
     if resume_from is not None:
-        modules = {"alp": alp} if alp is not None else None
-        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, extra_modules=modules)["step"]
+        start = load_checkpoint(resume_from, model=model, optimizer=optimizer,
+                                extra_modules=saved_modules or None)["step"]
         if start == run.steps:  # a finished run resumed again (e.g. a retry script): leave every file as it is
             warnings.warn(f"--resume: checkpoint {str(resume_from)!r} is already at run.steps={run.steps}; nothing "
                           "to do (raise run.steps to train further)", stacklevel=2)
@@ -296,7 +304,7 @@ def train(
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer,
-                               extra_modules={"alp": alp} if alp is not None else None,
+                               extra_modules=saved_modules or None,
                                metadata={"preset": a.preset, "seed": run.seed}, keep_last=3)
 
     history: list[dict[str, float]] = []
@@ -316,7 +324,8 @@ def train(
                 # 1. rollout with the inference engine's numerics
                 prompts: list[Prompt] = step_prompts(task, tokenizer, cfg.task.prompts_per_step, seed)
                 prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
-                engine.sync_weights(model)
+                if step % cfg.rollout.sync_every == 0:  # an asynchronous engine samples with weights that lag
+                    engine.sync_weights(model)
                 ro = engine.generate(prompt_ids, sampling, seed=seed)
                 completions = ro.completion_ids
                 t_rollout = time.perf_counter() - t0
