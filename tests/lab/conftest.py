@@ -11,7 +11,7 @@ import pytest
 
 FAKE = str(Path(__file__).with_name("fake_trainer.py"))
 
-# A real trainer run of this size takes about a second once the forkserver has torch imported.
+# A real trainer run of this size takes about a second once the zygote has torch imported.
 TINY_RUN = [
     "model.path=tiny-random",
     "model.tiny_config={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, num_attention_heads: 2, "

@@ -163,34 +163,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_killed_runner_takes_its_runs_with_it(tmp_path, fake, monkeypatch):
-    monkeypatch.setenv("FAKE_STEP_S", "1.0")
-    out = tmp_path / "out"
-    driver = (
-        "import sys\n"
-        "from offpolicy.lab.sweep import plan_sweep, run_sweep\n"
-        f"plan = plan_sweep({str(out)!r}, 'quick', presets='naive', mismatches='none', seeds=2, steps=30,\n"
-        "                  overrides=['model.path=tiny-random'])\n"
-        f"run_sweep(plan, jobs=2, command=lambda o, r: [sys.executable, {fake.path!r}, *o],\n"
-        "          prepare=lambda plan: None)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", driver])
-    try:
-        deadline = time.time() + 60
-        while sum(e["event"] == "start" for e in fake.events()) < 2 and time.time() < deadline:
-            time.sleep(0.05)
-        pids = [e["pid"] for e in fake.events() if e["event"] == "start"]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
-    finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.time() + 10
-    while any(_alive(p) for p in pids) and time.time() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in pids)
-
-
 def test_a_folder_of_another_config_is_refused_before_any_work(tmp_path, tiny_run, fake):
     out = tmp_path / "out"
     plan = _plan(out, tiny_run)
@@ -272,24 +244,67 @@ def test_real_runs_resume_a_half_finished_sweep(tmp_path, tiny_run):
     assert numbers(resumed) == numbers(original)  # resuming reproduces the uninterrupted run exactly
 
 
-def test_a_forked_run_dies_with_the_runner():
-    """die_with(pid): the forked runs' guard (their parent is the forkserver, which outlives a killed runner)."""
-    runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom offpolicy.lab.launch import die_with\n"
-         "die_with(int(sys.argv[1])); print('watching', flush=True); time.sleep(60)", str(runner.pid)],
-        stdout=subprocess.PIPE, text=True)
+def _wait(cond, timeout=30.0):
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_zygote_forks_runs_with_their_env_cwd_log_and_exit_code(tmp_path, tiny_run, fake, monkeypatch):
+    from offpolicy.lab.launch import Zygote
+
+    z = Zygote(preload=[])  # nothing preloaded: the protocol, not the imports
     try:
-        assert child.stdout.readline().strip() == "watching"
-        assert child.poll() is None
+        monkeypatch.setenv("FAKE_STEP_S", "0.01")
+        env = dict(os.environ)  # set after the zygote started: each run gets the runner's environment of now
+        ok = z.start([fake.path, "run.out_dir=a", "run.steps=3", "algorithm.preset=naive", "run.seed=0"],
+                     tmp_path / "a.log", env, str(tmp_path))
+        assert _wait(lambda: ok.poll() is not None) and ok.returncode == 0
+        assert len((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()) == 3  # relative to the given cwd
+        bad = z.start([fake.path, "run.out_dir=b", "run.steps=3", "algorithm.preset=mis", "run.seed=0"],
+                      tmp_path / "b.log", {**env, "FAKE_FAIL": "mis"}, str(tmp_path))
+        assert _wait(lambda: bad.poll() is not None) and bad.returncode == 2
+        assert (tmp_path / "b.log").read_text().splitlines()[-1].startswith("error: the fake trainer fails")
+        slow = z.start([fake.path, "run.out_dir=c", "run.steps=500", "algorithm.preset=naive", "run.seed=0"],
+                       tmp_path / "c.log", {**env, "FAKE_STEP_S": "0.05"}, str(tmp_path))
+        assert _wait(lambda: (tmp_path / "c" / "metrics.jsonl").is_file()) and slow.poll() is None
+        slow.send_signal(signal.SIGINT)  # the trainer's Ctrl-C: finish the step, checkpoint, exit 130
+        assert _wait(lambda: slow.poll() is not None) and slow.returncode == 130
+        crash = z.start([str(tmp_path / "missing.py")], tmp_path / "d.log", env, str(tmp_path))
+        assert _wait(lambda: crash.poll() is not None) and crash.returncode == 1
+        assert "missing.py" in (tmp_path / "d.log").read_text()  # the traceback went to the run's log
+    finally:
+        z.close()
+    assert z.proc.returncode == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_runs_die_with_the_runner(tmp_path, fake, monkeypatch):
+    """A killed runner takes its runs with it, forked by the zygote or started as subprocesses: a restarted sweep
+    never races an orphan writing into the same folder."""
+    monkeypatch.setenv("FAKE_STEP_S", "0.5")
+    args = "'run.steps=100', 'algorithm.preset=naive', 'run.seed=0'"
+    script = tmp_path / "runner.py"  # no `if __name__ == "__main__"` guard: the zygote never re-imports it
+    script.write_text(
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from offpolicy.lab.launch import Zygote, start_run\n"
+        "z = Zygote(preload=[])\n"
+        f"forked = z.start([{fake.path!r}, 'run.out_dir=f', {args}], {str(tmp_path / 'f.log')!r},\n"
+        f"                 dict(os.environ), {str(tmp_path)!r})\n"
+        f"sub = start_run([sys.executable, {fake.path!r}, 'run.out_dir={tmp_path / 's'}', {args}],\n"
+        f"                Path({str(tmp_path / 's.log')!r}), command=True)\n"
+        "print(z.proc.pid, forked.pid, sub.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    runner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = list(map(int, runner.stdout.readline().split()))
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+    finally:
         runner.kill()
         runner.wait()
-        assert child.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        for p in (runner, child):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    assert _wait(lambda: not any(_alive(p) for p in pids), timeout=10)
 
 
 def test_heartbeat_names_the_running_runs_and_their_step(tmp_path, tiny_run, fake, monkeypatch):

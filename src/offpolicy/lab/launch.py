@@ -1,34 +1,38 @@
 """How a lab run is started: one OS process per run, forked from a preloaded interpreter when possible.
 
-:func:`start_run` returns a handle with ``poll()``, ``returncode``, ``send_signal()`` and ``pid`` (a
-``subprocess.Popen``, or :class:`ForkedRun` with the same calls):
+:func:`start_run` returns a handle with ``pid``, ``poll()``, ``returncode`` and ``send_signal()`` (a
+``subprocess.Popen``, or a :class:`ZygoteRun` with the same calls):
 
-* the default — ``offpolicy train <overrides>`` forked from a multiprocessing *forkserver* that has torch,
-  transformers and the trainer imported once (:mod:`offpolicy.lab.worker`); each run is still its own process with
-  its own memory, it only skips the 3–5 s of imports;
-* without a forkserver (not POSIX), or for a given command line (tests run a fake trainer): a subprocess.
+* the default — ``offpolicy train <overrides>`` forked from a :mod:`~offpolicy.lab.zygote` that has torch,
+  transformers and the trainer imported once; each run is still its own process with its own memory, it only skips
+  the 3–5 s of imports. One zygote per runner process, started on first use and reused;
+* for a given command line (tests run a fake trainer), or where there is no ``os.fork``, or when the zygote cannot
+  start: a subprocess.
 
-Either way the child runs in its own session (a terminal's Ctrl-C reaches it only through the runner, exactly once),
-is killed when the runner dies (a subprocess: ``PR_SET_PDEATHSIG``; a forked run: :func:`die_with`), runs one
-torch thread, and appends its output to the log.
+Either way the run is in its own session (a terminal's Ctrl-C reaches it only through the runner, exactly once),
+is killed when the runner dies (Linux, ``PR_SET_PDEATHSIG``; a zygote's runs through the zygote), runs one thread
+and appends its output to its log.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
 import threading
-import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 
 def train_command(overrides: Sequence[str], resume: bool) -> list[str]:
-    """The command line of one run in a fresh interpreter (what a run is; the forkserver path runs the same)."""
+    """The command line of one run in a fresh interpreter (what a run is; the zygote runs the same command)."""
     return [sys.executable, "-m", "offpolicy.cli", "train", *overrides, *(["--resume"] if resume else [])]
 
 
@@ -56,99 +60,151 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def die_with(pid: int) -> None:
-    """SIGKILL this process as soon as process ``pid`` (the runner) has exited (a watcher thread).
+class Zygote:
+    """The runner's side of :mod:`offpolicy.lab.zygote`: start it, ask it for runs, learn their exit codes.
 
-    A forked run's parent is the forkserver, which outlives the runner while runs hold its "alive" pipe, so the
-    parent-death signal alone would leave orphans writing into their run folders. Linux: waits on a pidfd (no pid
-    reuse race once opened); elsewhere: checks once a second.
+    ``preload``: the modules it imports once (default: the trainer's). Raises ``OSError`` naming what the zygote
+    said when it cannot start.
     """
 
-    def kill_self() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+    def __init__(self, preload: Sequence[str] | None = None, timeout_s: float = 300.0) -> None:
+        cmd = [sys.executable, "-m", "offpolicy.lab.zygote"]
+        if preload is not None:
+            cmd += ["--preload", ",".join(preload)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env={**os.environ, **child_env()}, start_new_session=True,
+                                     preexec_fn=_die_with_parent())
+        self._codes: dict[int, int] = {}
+        self._pids: queue.Queue[int | None] = queue.Queue()
+        self._errors: collections.deque[str] = collections.deque(maxlen=20)
+        self._lock = threading.Lock()
+        self._write = threading.Lock()
+        self.dead = False
+        ready: queue.Queue[bool] = queue.Queue()
+        threading.Thread(target=self._read, args=(ready,), name="zygote-reader", daemon=True).start()
+        threading.Thread(target=self._drain_stderr, name="zygote-stderr", daemon=True).start()
+        try:
+            ok = ready.get(timeout=timeout_s)
+        except queue.Empty:
+            ok = False
+        if not ok:
+            self.close()
+            raise OSError(f"the lab's run launcher did not start: {self.last_error() or 'no output'}")
 
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # already gone
-        kill_self()
-        return
-    except (AttributeError, OSError):  # no pidfd (not Linux ≥ 5.3): poll
-        fd = None
+    def _read(self, ready: queue.Queue) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            msg = json.loads(raw)
+            if "ready" in msg:
+                ready.put(True)
+            elif "pid" in msg:
+                self._pids.put(msg["pid"])
+            elif "exit" in msg:
+                with self._lock:
+                    self._codes[msg["exit"]] = msg["code"]
+        self.dead = True  # its runs died with it
+        ready.put(False)
+        self._pids.put(None)
 
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])  # readable once the process has exited
-        else:
-            while True:
-                time.sleep(1.0)
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                except PermissionError:  # alive, owned by someone else
-                    pass
-        kill_self()
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if line:
+                self._errors.append(line)
 
-    threading.Thread(target=watch, name="die-with-runner", daemon=True).start()
+    def last_error(self) -> str:
+        return self._errors[-1] if self._errors else ""
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and self.proc.poll() is None
+
+    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str], cwd: str) -> "ZygoteRun":
+        """Fork a run: ``argv`` = ``["offpolicy", ...]`` or a script and its arguments."""
+        request = json.dumps({"argv": list(argv), "log": str(log_path), "env": env, "cwd": cwd}) + "\n"
+        with self._write:  # one request, one pid reply, in order
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(request.encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError) as err:
+                raise OSError(f"the lab's run launcher is gone: {self.last_error() or err}") from None
+            pid = self._pids.get()
+        if pid is None:
+            raise OSError(f"the lab's run launcher is gone: {self.last_error() or 'no output'}")
+        return ZygoteRun(self, pid)
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._lock:
+            if pid in self._codes:
+                return self._codes[pid]
+        return -signal.SIGKILL if self.dead else None  # a dead zygote took its runs with it
+
+    def close(self) -> None:
+        """End of input: the zygote kills what still runs and exits."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
-class ForkedRun:
-    """A run forked from the preloaded forkserver, with the ``subprocess.Popen`` calls the runner uses."""
+class ZygoteRun:
+    """A run forked by a :class:`Zygote`, with the ``subprocess.Popen`` calls the runner uses."""
 
-    def __init__(self, proc: Any) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-        self._code: int | None = None
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
 
     def poll(self) -> int | None:
-        if self._code is None and not self.proc.is_alive():
-            self.proc.join()
-            self._code = self.proc.exitcode
-            self.proc.close()
-        return self._code
+        return self.zygote.exit_code(self.pid)
 
     @property
     def returncode(self) -> int | None:
         return self.poll()
 
     def send_signal(self, sig: int) -> None:
-        if self._code is None:
-            os.kill(self.pid, sig)
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
 
-def _forkserver() -> Any:
-    """The multiprocessing forkserver context with the trainer preloaded (None where there is no forkserver)."""
-    import multiprocessing
+_ZYGOTE: Zygote | None = None
+_ZYGOTE_LOCK = threading.Lock()
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+
+def zygote() -> Zygote | None:
+    """This process's zygote (started on first use, restarted if it died); None where there is no ``os.fork`` or
+    it cannot start (a warning says why)."""
+    global _ZYGOTE
+    if not hasattr(os, "fork"):
         return None
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["offpolicy.lab.worker"])
-    return ctx
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None or not _ZYGOTE.alive:
+            try:
+                _ZYGOTE = Zygote()
+            except OSError as err:
+                warnings.warn(f"{err}; starting each run in a fresh interpreter instead", stacklevel=3)
+                _ZYGOTE = None
+        return _ZYGOTE
 
 
 def start_run(argv: list[str], log_path: Path, *, command: bool) -> Any:
-    """Start one run: ``argv`` as a subprocess when ``command`` (a command line), else the trainer CLI arguments
-    forked from the preloaded forkserver (falls back to a subprocess of :func:`train_command` without one)."""
-    ctx = None if command else _forkserver()
-    if ctx is None:
-        if not command:
-            argv = [sys.executable, "-m", "offpolicy.cli", *argv]
-        with log_path.open("a", encoding="utf-8") as log:  # the child holds its own copy of the descriptor
-            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **child_env()}, start_new_session=True,
-                                    preexec_fn=_die_with_parent())
-    proc = ctx.Process(target=_run_in_child, args=(argv, str(log_path), child_env(), os.getpid()), daemon=False)
-    proc.start()
-    return ForkedRun(proc)
-
-
-def _run_in_child(argv: list[str], log_path: str, env: dict[str, str], runner: int) -> None:
-    # the forked child's entry: offpolicy.lab.worker is already imported there (preloaded); the runner never imports it
-    die_with(runner)
-    from offpolicy.lab.worker import run_train_cli
-
-    run_train_cli(argv, log_path, env)
+    """Start one run: ``argv`` as a subprocess when ``command`` (a command line), else the offpolicy command-line
+    arguments forked from the zygote (a subprocess of :func:`train_command`'s form without one)."""
+    z = None if command else zygote()
+    if z is not None:
+        return z.start(["offpolicy", *argv], log_path, {**os.environ, **child_env()}, os.getcwd())
+    if not command:
+        argv = [sys.executable, "-m", "offpolicy.cli", *argv]
+    with log_path.open("a", encoding="utf-8") as log:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **child_env()}, start_new_session=True,
+                                preexec_fn=_die_with_parent())
 
 
 def last_log_line(path: Path) -> str:

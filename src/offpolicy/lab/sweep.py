@@ -13,8 +13,8 @@ How a sweep runs (:func:`run_sweep`):
 1. every run's config is built and validated before any work (a bad override fails at once, naming the run);
 2. an embedded model (``model.path=lab`` / ``tiny``) is warm-started and cached once, before the runs, so parallel
    runs do not each build it;
-3. each run is ``offpolicy train <overrides>`` in its own OS process — forked from a forkserver that has torch,
-   transformers and the trainer imported (:mod:`offpolicy.lab.worker`: 3–5 s less per run), else
+3. each run is ``offpolicy train <overrides>`` in its own OS process — forked from a zygote that has torch,
+   transformers and the trainer imported (:mod:`offpolicy.lab.zygote`: 3–5 s less per run), else
    ``python -m offpolicy.cli train`` — with one torch thread and its own session (a Ctrl-C reaches it exactly once,
    forwarded by the runner), output appended to ``train.log``; at most ``jobs`` at a time;
 4. resuming is the default: a finished run (metrics up to the last step + the final checkpoint) is skipped, a
@@ -24,7 +24,8 @@ How a sweep runs (:func:`run_sweep`):
 
 Ctrl-C: the first one lets every running run finish its step and checkpoint (the trainer's own Ctrl-C), starts no
 new run and writes the summary; a second one stops the runs at once. If the runner itself is killed, its runs are
-killed with it (Linux: ``PR_SET_PDEATHSIG``), so a restarted sweep never races an orphan in the same folder.
+killed with it (Linux: ``PR_SET_PDEATHSIG``), so a restarted sweep never races an orphan in the same folder. Call it
+from the main thread (signals, and Linux ties the parent-death signal to the thread that started the launcher).
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def _norm(value: Any) -> Any:
 @dataclass
 class _Running:
     run: PlannedRun
-    proc: Any  # subprocess.Popen or launch.ForkedRun
+    proc: Any  # subprocess.Popen or launch.ZygoteRun
     started: float
     resumed_from: int
 
@@ -436,8 +437,8 @@ def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
               poll_s: float = 0.1, heartbeat_s: float = 60.0) -> SweepResult:
     """Run (or resume) the sweep ``plan`` into ``plan.out`` with at most ``jobs`` runs at a time (default: the cores).
 
-    Each run is ``offpolicy train <overrides> [--resume]`` forked from a forkserver that has the trainer imported
-    (:mod:`offpolicy.lab.worker`; a fresh interpreter where there is no forkserver); ``command(overrides, resume)``
+    Each run is ``offpolicy train <overrides> [--resume]`` forked from a zygote that has the trainer imported
+    (:mod:`offpolicy.lab.zygote`; a fresh interpreter where that is not possible); ``command(overrides, resume)``
     replaces that by a command line run as a subprocess (tests pass a fake trainer). ``prepare(plan)`` runs once before
     any run (default: build the embedded model). A finished run keeps only its final checkpoint unless
     ``keep_checkpoints``. ``console`` (rich) gets one line per start / finish / failure, and every ``heartbeat_s``
