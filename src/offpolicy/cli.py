@@ -26,6 +26,7 @@ from rich.markup import escape
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
 DEMO_PRESETS = ("naive", "mis", "opsm", "trm", "alp")
+LAB_SOURCES = ("none", "bf16", "int8", "int4", "kv8", "kv4", "noise")  # offpolicy.lab.mismatch.SOURCES
 
 # How the demo's rollout engine differs from the fp32 trainer. "bf16" is what every bf16 inference server does;
 # the others add the harsher mismatch sources of production serving so the corrections have something to mask.
@@ -232,8 +233,9 @@ def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: 
 def lab(
     setting: str = typer.Option("quick", "--setting", help="Named setting: quick (the demo) or full."),
     presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: the setting's)."),
-    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources, e.g. "
-                                           "none,bf16,int8+kv4 (the 'none' control is always added)."),
+    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated rollout-engine mismatch sources "
+                                           f"({', '.join(LAB_SOURCES)}) or '+' combinations, e.g. bf16,int8+kv4; "
+                                           "the 'none' control (fp32 engine) is always added."),
     seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (seeds 0 … n−1)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default: the setting's)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),

@@ -87,3 +87,9 @@ def test_plan(tmp_path):
         plan_sweep(tmp_path, "quick", overrides=["optim.lr"])
     with pytest.raises(ValueError, match=r"override 'run.out_dir=x': the sweep sets run.out_dir itself \(use --out\)"):
         plan_sweep(tmp_path, "quick", overrides=["run.out_dir=x"])
+
+
+def test_cli_help_lists_every_source():
+    from offpolicy.cli import LAB_SOURCES
+
+    assert LAB_SOURCES == tuple(SOURCES)
