@@ -13,6 +13,12 @@ from typing import Any
 
 ALIASES = {"kl": "kl_mean", "max_kl": "kl_max", "tv": "tv_mean", "max_tv": "tv_max",
            "delta": "sampled_abs_delta_mean", "max_delta": "sampled_abs_delta_max", "tail_head": "tail_head_ratio"}
+# The numeric top-level keys of report.json (offpolicy.inspect.report.summarize): checked before any work is done.
+REPORT_METRICS = frozenset({
+    "kl_mean", "kl_max", "kl_upper_mean", "kl_reverse_mean", "kl_nonfinite_positions", "tv_mean", "tv_max",
+    "topk_overlap_mean", "sampled_abs_delta_mean", "sampled_abs_delta_max", "sampled_nonfinite", "tail_head_ratio",
+    "tail_abs_delta_mean", "head_abs_delta_mean", "pearson_r", "ess", "chi2_token", "chi2_seq", "k3_kl",
+})
 
 
 def parse_bounds(text: str, option: str = "--fail-above") -> dict[str, float]:
@@ -39,7 +45,11 @@ def parse_bounds(text: str, option: str = "--fail-above") -> dict[str, float]:
             raise ValueError(f"{option}: the bound of {name!r} is {value.strip()!r}, not a number") from None
         if not math.isfinite(bound):
             raise ValueError(f"{option}: the bound of {name!r} must be finite, got {value.strip()!r}")
-        bounds[ALIASES.get(name, name)] = bound
+        metric = ALIASES.get(name, name)
+        if metric not in REPORT_METRICS:
+            raise ValueError(f"{option}: unknown metric {name!r}; use one of: "
+                             f"{', '.join(sorted(set(ALIASES) | REPORT_METRICS))}")
+        bounds[metric] = bound
     if not bounds:
         raise ValueError(f"{option}: no metric=bound given (e.g. kl=1e-3,max_kl=0.05)")
     return bounds

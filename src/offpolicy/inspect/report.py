@@ -438,24 +438,23 @@ def write_figures(measured: Measurements, summary: dict, out_dir: Path) -> dict[
     paths: dict[str, Path] = {}
 
     def save(fig, name: str) -> None:
-        fig.tight_layout()
         paths[name] = out_dir / f"{name}.png"
         fig.savefig(paths[name], dpi=110)
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     plot_envelope(axes[0], measured, summary)
     plot_error_by_p(axes[1], measured, summary)
     save(fig, "envelope")
     for name, draw in (("prop43_sign", plot_sign), ("quantile_envelope", plot_quantiles), ("scatter", plot_scatter),
                        ("layers", plot_layers)):
-        fig, ax = plt.subplots(figsize=(6, 4.2))
+        fig, ax = plt.subplots(figsize=(6, 4.2), layout="constrained")
         draw(ax, measured, summary)
         save(fig, name)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     plot_trm(axes[0], axes[1], measured, summary)
     save(fig, "trm_acceptance")
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), layout="constrained")
     plot_envelope(axes[0, 0], measured, summary)
     plot_error_by_p(axes[0, 1], measured, summary)
     plot_scatter(axes[0, 2], measured, summary)
