@@ -13,9 +13,9 @@ response position both full next-token distributions (tempered by the sampling t
 * vocabulary-wide |Δ_a| against p_a with DVP Prop. 4.2's envelope (:class:`~offpolicy.inspect.measurements.VocabStats`);
 * DVP's min-p safe sets on a grid of ρ (:class:`~offpolicy.inspect.measurements.DvpGrid`).
 
-Memory: a micro-batch holds ``[b, T, V]`` logits of each side; ``b`` follows from ``memory_budget_bytes`` and every
-vocabulary-wide statistic walks row chunks of it (:func:`offpolicy.kernels.chunk_rows`), so nothing ever holds the
-whole batch's ``[N, V]``.
+Memory: a micro-batch holds ``[b, T, V]`` logits of each side; ``b`` follows from ¾ of ``memory_budget_bytes`` and
+every vocabulary-wide statistic walks row chunks of it within the other ¼ (:func:`offpolicy.kernels.chunk_rows`), so
+nothing ever holds the whole batch's ``[N, V]``.
 
 An engine that exposes only top-k log-probs (vLLM, or ``rollout_view="topk"`` to see what that costs) gets the top-k
 lower and upper bounds on KL(μ‖π) instead (:func:`offpolicy.topk_kl_lower_bound` / ``_upper_bound``).
@@ -52,7 +52,7 @@ from offpolicy.rollout.scoring import score_tokens
 
 # ρ = e^-k, k = 1 … 20: DVP's default e^-13 is on the grid, and so are the looser and stricter neighbours.
 DVP_RHO_GRID: tuple[float, ...] = tuple(math.exp(-k) for k in range(1, 21))
-DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
+DEFAULT_MEMORY_BUDGET_BYTES = 2 << 30
 DVP_COVERAGE = 0.999  # the recommended ρ keeps at least this much of π's mass at every position (DVP Prop. 5.5's Z)
 CAPTURE_TOLERANCE = 1e-5  # nats: the recomputed μ must equal the reported one (it is bit-exact in practice)
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -204,13 +204,14 @@ def dvp_check(rollout_logits: Tensor | None, trainer_logits: Tensor, targets: Te
 
 
 def micro_batch_rows(prompt_len: int, max_new_tokens: int, vocab: int, budget: int) -> int:
-    """Sequences per micro-batch: the trainer's full ``[b, L, V]`` logits, the gathered ``[b, T, V]`` of each side and
-    a working copy must fit in ``budget`` bytes (float32).
+    """Sequences per micro-batch so that its float32 logits fit in ``budget`` bytes: the trainer's full ``[b, L, V]``
+    forward output (L = prompt + T) and about six ``[b, T, V]``-sized tensors (the captured steps and their stack, the
+    trainer's gathered and processed logits, both sides' valid rows).
 
-    >>> micro_batch_rows(6, 128, 4099, 1 << 30)   # 1 GiB / (4 B · 4099 · (134 + 3·128)) = 126.4
-    126
+    >>> micro_batch_rows(6, 128, 4099, 768 << 20)   # 768 MiB / (4 B · 4099 · (134 + 6·128)) = 54.4
+    54
     """
-    per_row = 4 * vocab * (prompt_len + max_new_tokens + 3 * max_new_tokens)
+    per_row = 4 * vocab * (prompt_len + max_new_tokens + 6 * max_new_tokens)
     return max(1, budget // per_row)
 
 
@@ -286,8 +287,8 @@ def compare_engines(
     stored top-k log-probs; ``rollout_view``: "full" (the engine's logits) or "topk" (only its top-k log-probs, as vLLM
     reports; forced for ``backend="vllm"``); ``dvp_rhos``: DVP's ρ grid (None or empty skips DVP) and
     ``dvp_coverage`` the retained mass the recommended ρ must keep at every position; that ρ is then re-checked with
-    :func:`offpolicy.constrained_logp` on the same logits (kept in memory when they fit in ``memory_budget_bytes``,
-    else regenerated: generation is deterministic). ``model_path``: the local directory a vLLM engine loads;
+    :func:`offpolicy.constrained_logp` on the same logits (kept in memory when the prompts fit in one micro-batch or
+    the logits in ¼ of ``memory_budget_bytes``, else regenerated: generation is deterministic). ``model_path``: the local directory a vLLM engine loads;
     ``engines``: already-built ``(rollout_engine, trainer_engine)`` to reuse.
 
     Returns :class:`Measurements` without ``layers`` (:func:`offpolicy.inspect.layers.localize_layers` adds them).
@@ -315,7 +316,9 @@ def compare_engines(
         roll_engine.eos_token_id = None  # a model without eos runs to max_new_tokens (HF engine contract)
     vocab = model.config.vocab_size
     t_max = sampling.max_new_tokens
-    rows = micro_batch_rows(max(len(p) for p in prompt_ids), t_max, vocab, memory_budget_bytes)
+    # ¾ of the budget for the micro-batch's logits, ¼ for the chunked kernels' scratch
+    rows = micro_batch_rows(max(len(p) for p in prompt_ids), t_max, vocab, memory_budget_bytes * 3 // 4)
+    scratch = max(1 << 20, memory_budget_bytes // 4)
     autocast = _AUTOCAST.get(trainer.autocast) if trainer.autocast else None
     tau = sampling.temperature
     rhos = tuple(dvp_rhos or ())
@@ -334,17 +337,17 @@ def compare_engines(
         targets = mb.ids[mask]
         per_pos: dict[str, Tensor] = {}
         if flat_r is not None:
-            kw = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": memory_budget_bytes}
+            kw = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": scratch}
             per_pos["kl"] = op.token_kl(flat_r, flat_t, **kw)
             per_pos["kl_reverse"] = op.token_kl(flat_t, flat_r, **kw)
             per_pos["tv"] = op.token_tv(flat_r, flat_t, **kw)
             stats, extras = vocabulary_stats(flat_r, flat_t, temperature=tau, topk=topk, dvp_rhos=rhos,
-                                             targets=targets, generator=gen, memory_budget_bytes=memory_budget_bytes)
+                                             targets=targets, generator=gen, memory_budget_bytes=scratch)
             vocab_stats = vocab_stats.merge(stats)
             per_pos.update(extras)
         else:
             r_lp, r_ids = mb.out.topk_logp[mask], mb.out.topk_ids[mask]
-            kw = {"temperature": tau, "memory_budget_bytes": memory_budget_bytes}
+            kw = {"temperature": tau, "memory_budget_bytes": scratch}
             per_pos["kl"], per_pos["tv"] = op.topk_kl_lower_bound(r_lp, r_ids, flat_t, with_tv=True, **kw)
             per_pos["kl_upper"] = op.topk_kl_upper_bound(r_lp, r_ids, flat_t, **kw)
             per_pos["topk_ids"], per_pos["rollout_topk_logp"] = r_ids, r_lp
@@ -353,7 +356,9 @@ def compare_engines(
                 per_pos.update(dvp_grid_from_logits(flat_t, targets, rhos, temperature=tau))
         if rhos and kept is not None:
             kept_bytes += (flat_t.numel() + (0 if flat_r is None else flat_r.numel())) * 4
-            kept = kept + [(flat_r, flat_t, targets)] if kept_bytes <= memory_budget_bytes else None
+            # one micro-batch: its own logits, no extra memory; several: keep them while they fit in ¼ of the budget
+            fits = rows >= len(prompt_ids) or kept_bytes <= memory_budget_bytes // 4
+            kept = kept + [(flat_r, flat_t, targets)] if fits else None
         timings["generate_s"] += mb.generate_s
         timings["score_s"] += mb.score_s
         timings["compare_s"] += time.perf_counter() - t0
@@ -385,7 +390,7 @@ def compare_engines(
         choice = choose_dvp_rho(grid, coverage=dvp_coverage)
         t0 = time.perf_counter()
         again = kept if kept is not None else ((m.flat_rollout, m.flat_trainer, m.ids[m.out.mask]) for m in batches())
-        checks = [dvp_check(r, t, y, choice["rho"], temperature=tau, memory_budget_bytes=memory_budget_bytes)
+        checks = [dvp_check(r, t, y, choice["rho"], temperature=tau, memory_budget_bytes=scratch)
                   for r, t, y in again]
         timings["dvp_check_s"] = time.perf_counter() - t0
         grid.check = _dvp_summary(choice, checks, dvp_coverage)
