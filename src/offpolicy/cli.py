@@ -292,6 +292,9 @@ def inspect_command(
                                           "as divergent."),
     rollout_view: str = typer.Option("full", "--rollout-view", help="full (the engine's logits) or topk (only its "
                                      "top-k log-probs, as vLLM reports)."),
+    sample_with: Optional[str] = typer.Option(None, "--sample-with", help="Take the tokens from this engine spec and "
+                                              "let each --rollout score them: engines compared on identical "
+                                              "sequences (a paired comparison)."),
     memory_budget_mb: int = typer.Option(2048, "--memory-budget-mb", min=16, help="Logits held at once (micro-batch "
                                          "size follows from it)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch intra-op threads (default: 1 for the "
@@ -315,6 +318,7 @@ def inspect_command(
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   min_p=min_p)
         bounds = parse_bounds(fail_above) if fail_above else None
+        sampler = parse_spec(sample_with, "rollout") if sample_with else None
         if rollout_view not in ("full", "topk"):
             raise ValueError(f"--rollout-view must be full or topk, got {rollout_view!r}")
         if not (layer_threshold > 0 and layer_threshold < float("inf")):
@@ -331,7 +335,7 @@ def inspect_command(
         with _warnings_on(console):
             summaries = _inspect_runs(console, model, out, pairs, sampling, task=task, prompts=prompts, seed=seed,
                                       ignore_eos=ignore_eos, topk=topk, layers=layers, layer_threshold=layer_threshold,
-                                      rollout_view=rollout_view, budget=memory_budget_mb << 20)
+                                      rollout_view=rollout_view, budget=memory_budget_mb << 20, sampler=sampler)
     except ValueError as err:
         _fail(console, str(err))
     except OSError as err:
@@ -343,7 +347,7 @@ def inspect_command(
 
 def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling, *, task: str, prompts: int,  # noqa: ANN001
                   seed: int, ignore_eos: bool, topk: int, layers: bool, layer_threshold: float, rollout_view: str,
-                  budget: int) -> list[dict]:
+                  budget: int, sampler=None) -> list[dict]:  # noqa: ANN001
     from offpolicy.inspect.dump import write_dump
     from offpolicy.inspect.report import markdown_table, write_report
     from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
@@ -360,7 +364,8 @@ def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling,
                       soft_wrap=True)
         measured = inspect_engines(model, prompt_ids, rollout, trainer, sampling, tokenizer=tokenizer, seed=seed,
                                    ignore_eos=ignore_eos, topk=topk, rollout_view=rollout_view, layers=layers,
-                                   layer_threshold=layer_threshold, memory_budget_bytes=budget, model_path=local)
+                                   layer_threshold=layer_threshold, memory_budget_bytes=budget, model_path=local,
+                                   sample_with=sampler)
         measured.meta.update({"model": model_path, "task": task})
         summary = write_report(measured, folder)
         write_dump(measured, folder / "tokens.jsonl")

@@ -177,3 +177,27 @@ def test_bad_arguments(tiny, prompts):
         compare_engines(model, prompts, spec, FP32_EAGER, CFG, topk=0)
     with pytest.raises(ValueError, match="needs --model to be a local model directory"):
         compare_engines(model, prompts, EngineSpec(backend="vllm"), FP32_EAGER, CFG)
+
+
+def test_sample_with_compares_engines_on_identical_sequences(tiny, prompts):
+    """--sample-with: the tokens come from one engine; each rollout spec scores those very tokens, so two specs are
+    compared position by position (a paired comparison) — and the numbers are each engine's own full forward."""
+    model, tok = tiny
+    sampler = EngineSpec("fp32", dtype="float32")
+    bf16, head = EngineSpec("bf16", dtype="bfloat16"), EngineSpec("fp32-head", dtype="bfloat16", lm_head_fp32=True)
+    a = compare_engines(model, prompts, bf16, FP32_EAGER, CFG, tokenizer=tok, sample_with=sampler, dvp_rhos=None)
+    b = compare_engines(model, prompts, head, FP32_EAGER, CFG, tokenizer=tok, sample_with=sampler, dvp_rhos=None)
+    assert torch.equal(a.tokens.completion_ids, b.tokens.completion_ids) and torch.equal(a.tokens.mask, b.tokens.mask)
+    assert torch.equal(a.tokens.trainer_logp, b.tokens.trainer_logp)
+    m = a.tokens.mask
+    out = build_engine(model, sampler, tok).generate(prompts, CFG, seed=0)
+    assert a.tokens.completion_ids[m].tolist() == sum(out.completion_ids, [])
+    engine = build_engine(model, head, tok)
+    logp, _, zr = engine.score(out.prompt_ids, out.completion_ids, CFG, return_logits=True)
+    assert torch.equal(b.tokens.rollout_logp[m], logp[out.mask])
+    _, _, zt = sequence_logprobs(build_engine(model, FP32_EAGER).model, out.prompt_ids, out.completion_ids,
+                                 return_logits=True)
+    torch.testing.assert_close(b.tokens.kl[m], op.token_kl(zr[out.mask], zt[out.mask]))
+    assert a.meta["sampled_with"]["name"] == "fp32" and a.meta["capture_max_abs_error"] is None
+    with pytest.raises(ValueError, match="sample_with needs"):
+        compare_engines(model, prompts, EngineSpec(logit_noise=0.1), FP32_EAGER, CFG, sample_with=sampler)

@@ -229,14 +229,20 @@ class _MicroBatch:
     score_s: float
 
 
-def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, topk, seed, rows, autocast):
+def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, topk, seed, rows, autocast,
+                   sampler=None):
     """Generate and score ``prompt_ids`` in micro-batches of ``rows`` — deterministic, so a second pass replays the
-    first exactly (the DVP check uses that when the logits do not fit in memory)."""
+    first exactly (the DVP check uses that when the logits do not fit in memory). With a ``sampler`` engine the tokens
+    come from it and the rollout engine scores them in one full forward (``HFRolloutEngine.score``)."""
     for mb, (a, b) in enumerate(row_chunks(len(prompt_ids), rows)):
         prompts = [list(p) for p in prompt_ids[a:b]]
         mb_seed = int(seed) + mb
         t0 = time.perf_counter()
-        if view == "full":
+        if sampler is not None:
+            sampled = sampler.generate(prompts, sampling, seed=mb_seed)
+            logp, _, rollout_logits = roll_engine.score(prompts, sampled.completion_ids, sampling, return_logits=True)
+            out = replace(sampled, logp=torch.where(sampled.mask, logp, 0.0))
+        elif view == "full":
             with _captured_logits(roll_engine) as steps:
                 out = roll_engine.generate(prompts, sampling, seed=mb_seed)
             rollout_logits = torch.stack(_add_engine_noise(steps, roll_engine.logit_noise, mb_seed), 1)
@@ -250,7 +256,7 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
         ids = torch.tensor([c + [0] * (mask.shape[1] - len(c)) for c in out.completion_ids],
                            dtype=torch.long).reshape(mask.shape)
         err = 0.0
-        if rollout_logits is not None:
+        if rollout_logits is not None and sampler is None:
             check = process_logits(rollout_logits, sampling).gather(-1, ids[..., None]).squeeze(-1)
             err = float((check - out.logp)[mask].abs().max()) if mask.any() else 0.0
             if not err <= CAPTURE_TOLERANCE:
@@ -279,6 +285,7 @@ def compare_engines(
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     model_path: str | None = None,
     engines: tuple | None = None,
+    sample_with: EngineSpec | None = None,
 ) -> Measurements:
     """Sample with ``rollout``, score with ``trainer``, compare at every response position (module docstring).
 
@@ -288,10 +295,16 @@ def compare_engines(
     reports; forced for ``backend="vllm"``); ``dvp_rhos``: DVP's ρ grid (None or empty skips DVP) and
     ``dvp_coverage`` the retained mass the recommended ρ must keep at every position; that ρ is then re-checked with
     :func:`offpolicy.constrained_logp` on the same logits (kept in memory when the prompts fit in one micro-batch or
-    the logits in ¼ of ``memory_budget_bytes``, else regenerated: generation is deterministic). ``model_path``: the local directory a vLLM engine loads;
-    ``engines``: already-built ``(rollout_engine, trainer_engine)`` to reuse.
+    the logits in ¼ of ``memory_budget_bytes``, else regenerated: generation is deterministic). ``model_path``: the
+    local directory a vLLM engine loads; ``engines``: already-built ``(rollout_engine, trainer_engine)`` to reuse.
 
-    Returns :class:`Measurements` without ``layers`` (:func:`offpolicy.inspect.layers.localize_layers` adds them).
+    ``sample_with``: take the tokens from this engine instead, and let the rollout engine score them in one full
+    forward (its dtype, quantisation and KV quantisation replayed; not its logit noise, nor its KV-cache summation
+    order, which is exact in bf16 and differs by ~1e-4 nats in fp16). Several rollout specs inspected with the same
+    ``sample_with`` are compared on identical token sequences — a paired comparison, where each engine's own samples
+    would add their sampling noise to the difference.
+
+    Returns :class:`Measurements` without ``layers`` (:func:`offpolicy.inspect.layers.layer_errors` adds them).
     """
     from offpolicy.inspect.recommend import choose_dvp_rho
 
@@ -304,6 +317,9 @@ def compare_engines(
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: give at least one prompt")
     view = "topk" if rollout.backend == "vllm" else rollout_view
+    if sample_with is not None and (view != "full" or rollout.logit_noise or sample_with.backend != "hf"):
+        raise ValueError("sample_with needs a transformers rollout engine with full logits and no logit noise (a "
+                         "full forward cannot replay the noise), and a transformers sampler")
     truncated = sampling.top_k is not None or sampling.top_p is not None or sampling.min_p is not None
     if view == "topk" and truncated:
         raise ValueError("a top-k comparison needs untruncated sampling (top_k, top_p, min_p unset): the bound compares "
@@ -323,8 +339,13 @@ def compare_engines(
     tau = sampling.temperature
     rhos = tuple(dvp_rhos or ())
     gen = torch.Generator().manual_seed(int(seed) + 1)
+    sampler = None
+    if sample_with is not None:
+        sampler = build_engine(model, sample_with, tokenizer)
+        if ignore_eos:
+            sampler.eos_token_id = None
     batches = partial(_micro_batches, roll_engine, train_engine, prompt_ids, sampling, view=view, topk=topk,
-                      seed=seed, rows=rows, autocast=autocast)
+                      seed=seed, rows=rows, autocast=autocast, sampler=sampler)
     parts: dict[str, list[Tensor]] = {}
     vocab_stats = VocabStats() if view == "full" else None
     kept: list[tuple[Tensor | None, Tensor, Tensor]] | None = []  # the logits for the DVP check, while they fit
@@ -399,9 +420,10 @@ def compare_engines(
         "trainer": trainer.as_dict() | {"description": trainer.describe()},
         "sampling": {**sampling.__dict__, "ignore_eos": bool(ignore_eos)},
         "seed": int(seed), "topk": topk, "rollout_view": view,
+        "sampled_with": None if sample_with is None else sample_with.as_dict() | {"description": sample_with.describe()},
         "prompts": len(prompt_ids), "positions": int(tokens.mask.sum()), "vocab_size": vocab,
         "micro_batch_rows": rows,
-        "capture_max_abs_error": capture_error if view == "full" else None,
+        "capture_max_abs_error": capture_error if view == "full" and sampler is None else None,
         "timings": timings,
     }
     return Measurements(tokens=tokens, vocab=vocab_stats, dvp=grid, meta=meta)

@@ -1,7 +1,7 @@
 """The CI gate: ``--fail-above kl=1e-3,max_kl=0.05`` fails a run whose measured mismatch exceeds a bound.
 
 Metric names are ``report.json`` keys (any numeric top-level key), plus short aliases: ``kl`` = ``kl_mean``,
-``max_kl`` = ``kl_max``, ``tv`` = ``tv_mean``, ``max_tv`` = ``tv_max``, ``delta`` = ``sampled_abs_delta_mean``,
+``max_kl`` = ``kl_max``, ``median_kl`` = ``kl_median``, ``p99_kl`` = ``kl_p99``, ``tv`` = ``tv_mean``, ``max_tv`` = ``tv_max``, ``delta`` = ``sampled_abs_delta_mean``,
 ``max_delta`` = ``sampled_abs_delta_max``, ``tail_head`` = ``tail_head_ratio``. A metric that could not be measured
 (null, e.g. a non-finite KL) fails its bound: a gate never passes on a missing number.
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ALIASES = {"kl": "kl_mean", "max_kl": "kl_max", "tv": "tv_mean", "max_tv": "tv_max",
-           "delta": "sampled_abs_delta_mean", "max_delta": "sampled_abs_delta_max", "tail_head": "tail_head_ratio"}
+ALIASES = {"kl": "kl_mean", "max_kl": "kl_max", "median_kl": "kl_median", "p99_kl": "kl_p99", "tv": "tv_mean",
+           "max_tv": "tv_max", "delta": "sampled_abs_delta_mean", "max_delta": "sampled_abs_delta_max",
+           "tail_head": "tail_head_ratio"}
 # The numeric top-level keys of report.json (offpolicy.inspect.report.summarize): checked before any work is done.
 REPORT_METRICS = frozenset({
-    "kl_mean", "kl_max", "kl_upper_mean", "kl_reverse_mean", "kl_nonfinite_positions", "tv_mean", "tv_max",
+    "kl_mean", "kl_median", "kl_p99", "kl_max", "kl_upper_mean", "kl_reverse_mean", "kl_nonfinite_positions", "tv_mean", "tv_max",
     "topk_overlap_mean", "sampled_abs_delta_mean", "sampled_abs_delta_max", "sampled_nonfinite", "tail_head_ratio",
     "tail_abs_delta_mean", "head_abs_delta_mean", "pearson_r", "ess", "chi2_token", "chi2_seq", "k3_kl",
 })

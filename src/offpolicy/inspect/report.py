@@ -60,7 +60,8 @@ def _bin_index(p: torch.Tensor) -> torch.Tensor:
 def summarize(measured: Measurements) -> dict[str, Any]:
     """All report numbers as a JSON-ready dict (keys: module docstring and below).
 
-    Beyond the stable keys: ``kl_source`` ("exact", "topk lower bound" or "k3 of the sampled token"),
+    Beyond the stable keys: ``kl_source`` ("exact", "topk lower bound" or "k3 of the sampled token"), ``kl_median``,
+    ``kl_p99`` (the mean is carried by a heavy tail of positions),
     ``kl_reverse_mean``, ``tv_max``, ``topk_overlap_mean``, ``sampled_abs_delta_mean/max`` (|log π − log μ| of the
     sampled tokens), ``tail_head_source`` ("vocabulary" or "sampled tokens"), ``envelope`` (Prop. 4.2 counts),
     ``sampled_tail`` (Prop. 4.3), ``pearson_r``, ``ess``, ``chi2_token``, ``chi2_seq``, ``k3_kl``,
@@ -79,6 +80,9 @@ def summarize(measured: Measurements) -> dict[str, Any]:
         kl, out["kl_source"] = op.k3(t.log_ratio)[m].double(), "k3 of the sampled token"
     out["kl_mean"] = _f(kl.mean()) if n else 0.0
     out["kl_max"] = _f(kl.max()) if n else 0.0
+    # the mean is carried by a few positions (a heavy tail); the median and the 99th percentile show the typical one
+    out["kl_median"] = _f(kl.median()) if n else 0.0
+    out["kl_p99"] = _f(torch.quantile(kl[torch.isfinite(kl)], 0.99)) if n and bool(torch.isfinite(kl).any()) else None
     out["kl_nonfinite_positions"] = int((~torch.isfinite(kl)).sum())
     out["kl_upper_mean"] = _f(_masked(t.kl_upper, m).mean()) if t.kl_upper is not None and n else None
     out["kl_reverse_mean"] = _f(_masked(t.kl_reverse, m).mean()) if t.kl_reverse is not None and n else None
@@ -518,7 +522,7 @@ def write_html(summary: dict, figures: dict[str, Path], path: Path) -> None:
     specs = [[side, (meta.get(side) or {}).get("name", "–"), (meta.get(side) or {}).get("description", "–")]
              for side in ("rollout", "trainer") if meta.get(side)]
     key_rows = [[k, summary.get(k)] for k in (
-        "kl_source", "kl_mean", "kl_max", "kl_upper_mean", "kl_reverse_mean", "tv_mean", "tv_max", "topk_overlap_mean",
+        "kl_source", "kl_mean", "kl_median", "kl_p99", "kl_max", "kl_upper_mean", "kl_reverse_mean", "tv_mean", "tv_max", "topk_overlap_mean",
         "sampled_abs_delta_mean", "sampled_abs_delta_max", "tail_head_ratio", "tail_head_source", "pearson_r", "ess",
         "chi2_token", "chi2_seq", "k3_kl", "first_divergent_layer", "largest_share_layer", "positions", "sequences")]
     env = summary.get("envelope")
@@ -568,7 +572,8 @@ def write_report(measured: Measurements, out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-TABLE_COLUMNS = ("rollout", "trainer", "mean KL", "max KL", "mean TV", "tail/head", "enters at", "most added by",
+TABLE_COLUMNS = ("rollout", "trainer", "mean KL", "median KL", "max KL", "mean TV", "tail/head", "enters at",
+                 "most added by",
                  "TRM-Max δ", "TRM-Avg δ", "MIS band", "OPSM δ", "veto τ", "DVP ρ")
 
 
@@ -588,7 +593,8 @@ def table_row(summary: dict) -> list[str]:
     dvp = rec.get("dvp") or {}
     return [
         (meta.get("rollout") or {}).get("name", "–"), (meta.get("trainer") or {}).get("name", "–"),
-        g(summary.get("kl_mean"), "{:.2e}"), g(summary.get("kl_max"), "{:.3g}"), g(summary.get("tv_mean"), "{:.2e}"),
+        g(summary.get("kl_mean"), "{:.2e}"), g(summary.get("kl_median"), "{:.2e}"), g(summary.get("kl_max"), "{:.3g}"),
+        g(summary.get("tv_mean"), "{:.2e}"),
         g(summary.get("tail_head_ratio"), "{:.1f}×"), summary.get("first_divergent_layer") or "–",
         summary.get("largest_share_layer") or "–",
         kept("trm_max", g((rec.get("trm_max") or {}).get("max_kl"))),

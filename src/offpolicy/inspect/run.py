@@ -78,6 +78,7 @@ def inspect_engines(
     dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     model_path: str | None = None,
+    sample_with: EngineSpec | None = None,
 ) -> Measurements:
     """:func:`~offpolicy.inspect.compare.compare_engines`, then (``layers``) the per-layer relative errors on the
     same sequences (:func:`~offpolicy.inspect.layers.layer_errors`; not for a vLLM rollout, whose internals are out of
@@ -92,7 +93,8 @@ def inspect_engines(
     engines = (roll_engine, train_engine) if roll_engine is not None else None
     measured = compare_engines(model, prompt_ids, rollout, trainer, sampling, tokenizer=tokenizer, seed=seed,
                                ignore_eos=ignore_eos, topk=topk, rollout_view=rollout_view, dvp_rhos=dvp_rhos,
-                               memory_budget_bytes=memory_budget_bytes, model_path=model_path, engines=engines)
+                               memory_budget_bytes=memory_budget_bytes, model_path=model_path, engines=engines,
+                               sample_with=sample_with)
     measured.layer_threshold = layer_threshold
     if layers and roll_engine is not None:
         t1 = time.perf_counter()
