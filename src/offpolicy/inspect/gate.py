@@ -1,7 +1,8 @@
 """The CI gate: ``--fail-above kl=1e-3,max_kl=0.05`` fails a run whose measured mismatch exceeds a bound.
 
 Metric names are ``report.json`` keys (any numeric top-level key), plus short aliases: ``kl`` = ``kl_mean``,
-``max_kl`` = ``kl_max``, ``median_kl`` = ``kl_median``, ``p99_kl`` = ``kl_p99``, ``tv`` = ``tv_mean``, ``max_tv`` = ``tv_max``, ``delta`` = ``sampled_abs_delta_mean``,
+``max_kl`` = ``kl_max``, ``median_kl`` = ``kl_median``, ``p99_kl`` = ``kl_p99``, ``tv`` = ``tv_mean``,
+``max_tv`` = ``tv_max``, ``delta`` = ``sampled_abs_delta_mean``,
 ``max_delta`` = ``sampled_abs_delta_max``, ``tail_head`` = ``tail_head_ratio``. A metric that could not be measured
 (null, e.g. a non-finite KL) fails its bound: a gate never passes on a missing number.
 """

@@ -4,8 +4,9 @@
 from a dump (this project's schema, or verl's / TRL's tensors) and leaves the parts that need a model as None. The
 report (:mod:`offpolicy.inspect.report`) shows what is there and says what is missing.
 
-Notation (DVP — Li et al., "Dynamic Vocabulary Pruning: Stable LLM-RL by Taming the Tail", §4): π = the trainer (π_train, π_old), μ = the rollout engine (π_infer), for the sampled
-token a at a response position: log-ratio r = log π(a) − log μ(a) = Δ_a.
+Notation (DVP — Li et al., "Dynamic Vocabulary Pruning: Stable LLM-RL by Taming the Tail", §4): π = the trainer
+(π_train, π_old), μ = the rollout engine (π_infer); for the sampled token a at a response position the log-ratio is
+r = log π(a) − log μ(a) = Δ_a.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def summarize(measured: Measurements) -> dict[str, Any]:
     ``kl_reverse_mean``, ``tv_max``, ``topk_overlap_mean``, ``sampled_abs_delta_mean/max`` (|log π − log μ| of the
     sampled tokens), ``tail_head_source`` ("vocabulary" or "sampled tokens"), ``envelope`` (Prop. 4.2 counts),
     ``sampled_tail`` (Prop. 4.3), ``pearson_r``, ``ess``, ``chi2_token``, ``chi2_seq``, ``k3_kl``,
-    ``largest_share_layer``, ``layer_threshold``, ``presets`` (each correction at its defaults), ``checks``, ``meta``.
+    ``largest_share_layer``, ``layer_threshold``, ``presets`` (each correction at its defaults), ``dvp_grid`` (retained
+    mass and kept tokens at every ρ of the grid), ``checks``, ``meta``.
     """
     t = measured.tokens
     m = t.mask
@@ -102,6 +103,7 @@ def summarize(measured: Measurements) -> dict[str, Any]:
         out[key] = _f(metrics[key])
     out.update(_layers(measured))
     out["recommended"] = recommend(measured)
+    out["dvp_grid"] = _dvp_grid(measured)
     out["presets"] = preset_effects(t)
     out["checks"] = {
         "capture_max_abs_error": measured.meta.get("capture_max_abs_error"),
@@ -150,6 +152,17 @@ def _sampled_tail(measured: Measurements) -> dict[str, Any]:
     count = int(sel.sum())
     return {"p_below": SAMPLED_TAIL_P, "count": count, "mean_delta": _f(d[sel].mean()) if count else None,
             "frac_negative": _f((d[sel] < 0).double().mean()) if count else None}
+
+
+def _dvp_grid(measured: Measurements) -> list[dict[str, float]] | None:
+    """DVP at every ρ of the grid: the trainer's retained mass (min, mean) and the sampled tokens inside both sets."""
+    g = measured.dvp
+    if g is None or g.mass.numel() == 0:
+        return None
+    inside = g.inside_trainer & (g.inside_rollout if g.inside_rollout is not None else g.inside_trainer)
+    return [{"rho": rho, "log_rho": math.log(rho), "mass_min": float(g.mass[:, j].min()),
+             "mass_mean": float(g.mass[:, j].double().mean()), "kept_fraction": float(inside[:, j].double().mean())}
+            for j, rho in enumerate(g.rhos)]
 
 
 def _layers(measured: Measurements) -> dict[str, Any]:
@@ -424,6 +437,9 @@ def plot_layers(ax, measured: Measurements, summary: dict) -> None:
     errs = [max(x["rel_error"], 1e-12) for x in layers]
     first = summary.get("first_divergent_layer")
     ax.bar(range(len(names)), errs, color=["tab:red" if n == first else "tab:blue" for n in names])
+    for i, x in enumerate(layers):
+        if x["rel_error"] == 0:  # an exact match has no height on a log axis: say so
+            ax.annotate("0", (i, 1e-12), ha="center", va="bottom", fontsize=8)
     ax.axhline(summary["layer_threshold"], color="k", linestyle="--", linewidth=1, label="threshold")
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)))
@@ -522,7 +538,8 @@ def write_html(summary: dict, figures: dict[str, Path], path: Path) -> None:
     specs = [[side, (meta.get(side) or {}).get("name", "–"), (meta.get(side) or {}).get("description", "–")]
              for side in ("rollout", "trainer") if meta.get(side)]
     key_rows = [[k, summary.get(k)] for k in (
-        "kl_source", "kl_mean", "kl_median", "kl_p99", "kl_max", "kl_upper_mean", "kl_reverse_mean", "tv_mean", "tv_max", "topk_overlap_mean",
+        "kl_source", "kl_mean", "kl_median", "kl_p99", "kl_max", "kl_upper_mean", "kl_reverse_mean", "tv_mean", "tv_max",
+        "topk_overlap_mean",
         "sampled_abs_delta_mean", "sampled_abs_delta_max", "tail_head_ratio", "tail_head_source", "pearson_r", "ess",
         "chi2_token", "chi2_seq", "k3_kl", "first_divergent_layer", "largest_share_layer", "positions", "sequences")]
     env = summary.get("envelope")
