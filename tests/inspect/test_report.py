@@ -114,3 +114,22 @@ def test_report_renders_in_a_browser(report, tmp_path):
     # the figures are drawn, not broken-image icons: many distinct colours (the blue scatter, red points, …)
     colours = {tuple((img[y, x, :3] * 8).astype(int)) for y in range(0, 4000, 7) for x in range(0, 1280, 7)}
     assert len(colours) > 25  # text and tables alone give a handful (white, greys, black)
+
+
+@pytest.mark.slow
+def test_on_the_warm_started_embedded_model(tmp_path):
+    """The embedded model after a (short) warm start, as `offpolicy inspect --model tiny` loads it: every part of the
+    report is there and self-consistent."""
+    from offpolicy.inspect.run import task_prompts
+    from offpolicy.models import load_tiny_model
+
+    model, tok = load_tiny_model(tmp_path / "cache", steps=20)
+    prompts = task_prompts(tok, "arithmetic", 8)
+    measured = inspect_engines(model, prompts, ROLLOUT_SPECS["fp32-head"], TRAINER_SPECS["bf16-autocast"],
+                               SamplingConfig(max_new_tokens=16), tokenizer=tok, ignore_eos=True)
+    summary = write_report(measured, tmp_path / "out")
+    assert summary["positions"] == 8 * 16 and summary["kl_source"] == "exact"
+    assert summary["first_divergent_layer"] == "embed" and len(summary["layers"]) == 4 + 3
+    assert summary["envelope"]["corrected_violations"] == 0
+    assert summary["recommended"]["dvp"]["kept_fraction"] > 0.9
+    assert all(r["kept_fraction"] >= 0.7 for r in summary["recommended"].values())

@@ -316,6 +316,8 @@ def compare_engines(
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: give at least one prompt")
+    if not (isinstance(dvp_coverage, (int, float)) and 0 < dvp_coverage <= 1):
+        raise ValueError(f"dvp_coverage must be in (0, 1], got {dvp_coverage!r}")
     view = "topk" if rollout.backend == "vllm" else rollout_view
     if sample_with is not None and (view != "full" or rollout.logit_noise or sample_with.backend != "hf"):
         raise ValueError("sample_with needs a transformers rollout engine with full logits and no logit noise (a "
@@ -354,56 +356,22 @@ def compare_engines(
     capture_error = 0.0
     for mb in batches():
         t0 = time.perf_counter()
-        mask, flat_t, flat_r = mb.out.mask, mb.flat_trainer, mb.flat_rollout
-        targets = mb.ids[mask]
-        per_pos: dict[str, Tensor] = {}
-        if flat_r is not None:
-            kw = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": scratch}
-            per_pos["kl"] = op.token_kl(flat_r, flat_t, **kw)
-            per_pos["kl_reverse"] = op.token_kl(flat_t, flat_r, **kw)
-            per_pos["tv"] = op.token_tv(flat_r, flat_t, **kw)
-            stats, extras = vocabulary_stats(flat_r, flat_t, temperature=tau, topk=topk, dvp_rhos=rhos,
-                                             targets=targets, generator=gen, memory_budget_bytes=scratch)
+        per_pos, stats = _position_stats(mb, tau=tau, topk=topk, rhos=rhos, generator=gen, scratch=scratch)
+        if stats is not None:
             vocab_stats = vocab_stats.merge(stats)
-            per_pos.update(extras)
-        else:
-            r_lp, r_ids = mb.out.topk_logp[mask], mb.out.topk_ids[mask]
-            kw = {"temperature": tau, "memory_budget_bytes": scratch}
-            per_pos["kl"], per_pos["tv"] = op.topk_kl_lower_bound(r_lp, r_ids, flat_t, with_tv=True, **kw)
-            per_pos["kl_upper"] = op.topk_kl_upper_bound(r_lp, r_ids, flat_t, **kw)
-            per_pos["topk_ids"], per_pos["rollout_topk_logp"] = r_ids, r_lp
-            per_pos["trainer_topk_logp"] = (flat_t.double() / tau).log_softmax(-1).gather(1, r_ids).float()
-            if rhos:
-                per_pos.update(dvp_grid_from_logits(flat_t, targets, rhos, temperature=tau))
         if rhos and kept is not None:
+            flat_r, flat_t = mb.flat_rollout, mb.flat_trainer
             kept_bytes += (flat_t.numel() + (0 if flat_r is None else flat_r.numel())) * 4
             # one micro-batch: its own logits, no extra memory; several: keep them while they fit in ¼ of the budget
             fits = rows >= len(prompt_ids) or kept_bytes <= memory_budget_bytes // 4
-            kept = kept + [(flat_r, flat_t, targets)] if fits else None
+            kept = kept + [(flat_r, flat_t, mb.ids[mb.out.mask])] if fits else None
         timings["generate_s"] += mb.generate_s
         timings["score_s"] += mb.score_s
         timings["compare_s"] += time.perf_counter() - t0
         capture_error = max(capture_error, mb.capture_error)
-        for name in [n for n in per_pos if n.startswith("dvp_")]:  # [n, G] over valid positions, in order
-            parts.setdefault(name, []).append(per_pos.pop(name))
-        for name, flat in per_pos.items():  # scatter the valid positions back into [b, T(, K)]
-            full = torch.zeros((*mask.shape, *flat.shape[1:]), dtype=flat.dtype)
-            full[mask] = flat.detach().to(full.dtype)
-            parts.setdefault(name, []).append(_pad_time(full, t_max))
-        parts.setdefault("mask", []).append(_pad_time(mask, t_max, False))
-        parts.setdefault("ids", []).append(_pad_time(mb.ids, t_max))
-        parts.setdefault("rollout_logp", []).append(_pad_time(mb.out.logp, t_max))
-        parts.setdefault("trainer_logp", []).append(_pad_time(mb.trainer_logp, t_max))
+        _collect(parts, mb, per_pos, t_max)
     cat = {name: torch.cat(p) for name, p in parts.items()}
-    t_used = max(1, int(cat["mask"].sum(-1).max()))  # drop all-padding columns at the end
-    optional = ("kl", "kl_upper", "kl_reverse", "tv", "topk_overlap", "eps_max", "topk_ids", "rollout_topk_logp",
-                "trainer_topk_logp")
-    tokens = TokenData(
-        completion_ids=cat["ids"][:, :t_used], mask=cat["mask"][:, :t_used],
-        rollout_logp=cat["rollout_logp"][:, :t_used], trainer_logp=cat["trainer_logp"][:, :t_used],
-        kl_kind="exact" if view == "full" else "topk", prompt_ids=[list(p) for p in prompt_ids],
-        **{name: cat[name][:, :t_used] if name in cat else None for name in optional},
-    )
+    tokens = _token_data(cat, kl_kind="exact" if view == "full" else "topk", prompt_ids=prompt_ids)
     grid = None
     if rhos:
         grid = DvpGrid(rhos=list(rhos), mass=cat["dvp_mass"], inside_trainer=cat["dvp_inside_trainer"],
@@ -427,6 +395,63 @@ def compare_engines(
         "timings": timings,
     }
     return Measurements(tokens=tokens, vocab=vocab_stats, dvp=grid, meta=meta)
+
+
+def _position_stats(mb: _MicroBatch, *, tau: float, topk: int, rhos: tuple[float, ...],
+                    generator: torch.Generator, scratch: int) -> tuple[dict[str, Tensor], VocabStats | None]:
+    """Per-position statistics ``{name: [n, …]}`` of one micro-batch's valid positions, and its vocabulary aggregates
+    (None in the top-k view, where only the rollout's top-k is known)."""
+    mask, flat_t, flat_r = mb.out.mask, mb.flat_trainer, mb.flat_rollout
+    targets = mb.ids[mask]
+    per_pos: dict[str, Tensor] = {}
+    if flat_r is not None:
+        kw = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": scratch}
+        per_pos["kl"] = op.token_kl(flat_r, flat_t, **kw)
+        per_pos["kl_reverse"] = op.token_kl(flat_t, flat_r, **kw)
+        per_pos["tv"] = op.token_tv(flat_r, flat_t, **kw)
+        stats, extras = vocabulary_stats(flat_r, flat_t, temperature=tau, topk=topk, dvp_rhos=rhos, targets=targets,
+                                         generator=generator, memory_budget_bytes=scratch)
+        per_pos.update(extras)
+        return per_pos, stats
+    r_lp, r_ids = mb.out.topk_logp[mask], mb.out.topk_ids[mask]
+    kw = {"temperature": tau, "memory_budget_bytes": scratch}
+    per_pos["kl"], per_pos["tv"] = op.topk_kl_lower_bound(r_lp, r_ids, flat_t, with_tv=True, **kw)
+    per_pos["kl_upper"] = op.topk_kl_upper_bound(r_lp, r_ids, flat_t, **kw)
+    per_pos["topk_ids"], per_pos["rollout_topk_logp"] = r_ids, r_lp
+    per_pos["trainer_topk_logp"] = (flat_t.double() / tau).log_softmax(-1).gather(1, r_ids).float()
+    if rhos:
+        per_pos.update(dvp_grid_from_logits(flat_t, targets, rhos, temperature=tau))
+    return per_pos, None
+
+
+def _collect(parts: dict[str, list[Tensor]], mb: _MicroBatch, per_pos: dict[str, Tensor], t_max: int) -> None:
+    """Append one micro-batch: DVP columns ``[n, G]`` as they are, the rest scattered back into ``[b, T_max(, K)]``."""
+    mask = mb.out.mask
+    for name, flat in per_pos.items():
+        if name.startswith("dvp_"):
+            parts.setdefault(name, []).append(flat)
+            continue
+        full = torch.zeros((*mask.shape, *flat.shape[1:]), dtype=flat.dtype)
+        full[mask] = flat.detach().to(full.dtype)
+        parts.setdefault(name, []).append(_pad_time(full, t_max))
+    parts.setdefault("mask", []).append(_pad_time(mask, t_max, False))
+    parts.setdefault("ids", []).append(_pad_time(mb.ids, t_max))
+    parts.setdefault("rollout_logp", []).append(_pad_time(mb.out.logp, t_max))
+    parts.setdefault("trainer_logp", []).append(_pad_time(mb.trainer_logp, t_max))
+
+
+_OPTIONAL_TOKEN_FIELDS = ("kl", "kl_upper", "kl_reverse", "tv", "topk_overlap", "eps_max", "topk_ids",
+                          "rollout_topk_logp", "trainer_topk_logp")
+
+
+def _token_data(cat: dict[str, Tensor], *, kl_kind: str, prompt_ids: list[list[int]]) -> TokenData:
+    """The concatenated micro-batches as :class:`TokenData`, without the all-padding columns at the end."""
+    t = max(1, int(cat["mask"].sum(-1).max()))
+    return TokenData(
+        completion_ids=cat["ids"][:, :t], mask=cat["mask"][:, :t], rollout_logp=cat["rollout_logp"][:, :t],
+        trainer_logp=cat["trainer_logp"][:, :t], kl_kind=kl_kind, prompt_ids=[list(p) for p in prompt_ids],
+        **{name: cat[name][:, :t] if name in cat else None for name in _OPTIONAL_TOKEN_FIELDS},
+    )
 
 
 def dvp_grid_from_logits(trainer_logits: Tensor, targets: Tensor, rhos: tuple[float, ...], *,
