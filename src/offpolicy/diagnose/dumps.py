@@ -332,7 +332,7 @@ def measurements_from_dumps(paths: list[str | Path]):  # -> Measurements
         kl = topk_kl_from_logprobs(tokens.rollout_topk_logp, tokens.trainer_topk_logp)
         tokens.kl, tokens.kl_kind = torch.where(tokens.mask, kl, 0.0), "topk"
     meta = {"source": ", ".join(str(p) for p in paths), "formats": formats,
-            "rollout": {"name": formats[0], "description": f"{'/'.join(sorted(set(formats)))} dump: rollout log-probs"},
-            "trainer": {"name": formats[0], "description": "trainer log-probs"},
+            "rollout": {"name": "dump", "description": "the rollout log-probs of " + ", ".join(map(str, paths))},
+            "trainer": {"name": "dump", "description": "the trainer log-probs of the same records"},
             "positions": int(tokens.mask.sum())}
     return Measurements(tokens=tokens, meta=meta)

@@ -7,9 +7,10 @@ be measured (no full logits, no model) is ``null``, never a made-up number.
 
 Figures (each also embedded in the HTML as base64):
 
-* ``envelope.png`` — |Δ_a| / (2 ε_max) against p_a over the vocabulary with DVP Prop. 4.2's (1 − p) as printed; the
-  form that always holds is 2 ε_max (1 − p) e^{2 ε_max} (:func:`offpolicy.mismatch_envelope`, ``rigorous=True``).
-  Right: mean |Δ| per probability decade — the head-vs-tail asymmetry.
+* ``envelope.png`` — |Δ_a| / (2 ε_max e^{2 ε_max}) against p_a over the vocabulary: DVP Prop. 4.2 in the form that
+  always holds, 2 ε_max (1 − p) e^{2 ε_max} (:func:`offpolicy.mismatch_envelope`, ``rigorous=True``), is the curve
+  1 − p; red points break the form as printed, 2 ε_max (1 − p). Right: mean |Δ| per probability decade — the
+  head-vs-tail asymmetry.
 * ``prop43_sign.png`` — Δ of *sampled* tokens per probability decade: DVP Prop. 4.3 predicts Δ < 0 (μ > π) in the tail.
 * ``quantile_envelope.png`` — quantiles of log(π/μ) per probability decade (ALP, arXiv 2603.19470, Fig. 2).
 * ``scatter.png`` — π_train against π_infer of sampled tokens with Pearson r (ALP Fig. 10).
@@ -226,39 +227,42 @@ def _no_data(ax, text: str) -> None:
 
 
 def plot_envelope(ax, measured: Measurements, summary: dict) -> None:
-    """|Δ| / (2 ε_max) against p with (1 − p) (DVP Prop. 4.2 as printed)."""
+    """|Δ| / (2 ε_max e^{2 ε_max}) against p: the corrected Prop. 4.2 envelope is the curve 1 − p, which no point may
+    cross; red points cross the form as printed, 2 ε_max (1 − p)."""
     v = measured.vocab
     if v is not None and v.scatter_p:
         p = torch.tensor(v.scatter_p, dtype=torch.float64)
-        y = torch.tensor(v.scatter_abs_delta, dtype=torch.float64) / (2 * torch.tensor(v.scatter_eps_max).double())
-        keep = torch.isfinite(y) & (p > 0)
-        p, y = p[keep], y[keep]
-        above = y > (1 - p)
-        ax.scatter(p[~above], y[~above], s=3, alpha=0.25, color="tab:blue", label="(position, token) pairs",
-                   rasterized=True)
-        ax.scatter(p[above], y[above], s=5, alpha=0.8, color="tab:red", label="above 2ε(1−p)", rasterized=True)
+        d = torch.tensor(v.scatter_abs_delta, dtype=torch.float64)
+        e = torch.tensor(v.scatter_eps_max, dtype=torch.float64)
+        label = "(position, token) pairs"
         env = summary.get("envelope") or {}
-        title = (f"|Δ| vs p, all vocabulary pairs — above 2ε(1−p): {env.get('paper_violations', 0):,} of "
-                 f"{env.get('pairs', 0):,}; above 2ε(1−p)e^(2ε): {env.get('corrected_violations', 0)}")
+        title = (f"|Δ| vs p, {env.get('pairs', 0):,} vocabulary pairs\nabove the printed 2ε(1−p): "
+                 f"{env.get('paper_violations', 0):,}; above the corrected 2ε(1−p)e^(2ε): "
+                 f"{env.get('corrected_violations', 0)}")
+    elif measured.tokens.eps_max is not None:
+        t = measured.tokens
+        ok = t.mask & torch.isfinite(t.log_ratio)
+        p, d, e = t.trainer_logp[ok].double().exp(), t.log_ratio[ok].double().abs(), t.eps_max[ok].double()
+        label, title = "sampled tokens", "|Δ| vs p (sampled tokens) against the corrected Prop. 4.2 envelope"
     else:
-        p, _, d = _sampled(measured)
-        eps = measured.tokens.eps_max
-        if eps is None:
-            _no_data(ax, "no full logits: the envelope needs ε_max per position\n(run offpolicy inspect on the model)")
-            ax.set_title("DVP Prop. 4.2 envelope", fontsize=9)
-            return
-        e = eps[measured.tokens.mask].double()[torch.isfinite(measured.tokens.log_ratio[measured.tokens.mask])]
-        y = d.abs() / (2 * e)
-        ax.scatter(p, y, s=4, alpha=0.4, label="sampled tokens", rasterized=True)
-        title = "|Δ| vs p (sampled tokens)"
+        _no_data(ax, "no full logits: the envelope needs ε_max per position\n(run offpolicy inspect on the model)")
+        ax.set_title("DVP Prop. 4.2 envelope", fontsize=9)
+        return
+    y = d / (2 * e * torch.exp(2 * e))
+    keep = torch.isfinite(y) & (p > 0)
+    p, y, e = p[keep], y[keep], e[keep]
+    printed = y * torch.exp(2 * e) > (1 - p)  # above 2 ε (1 − p)
+    ax.scatter(p[~printed], y[~printed], s=3, alpha=0.25, color="tab:blue", label=label, rasterized=True)
+    ax.scatter(p[printed], y[printed], s=5, alpha=0.8, color="tab:red", label="above the printed 2ε(1−p)",
+               rasterized=True)
     grid = torch.logspace(-12, 0, 200, dtype=torch.float64)
-    ax.plot(grid, 1 - grid, color="k", linewidth=1.2, label="1 − p  (Prop. 4.2 as printed)")
+    ax.plot(grid, 1 - grid, color="k", linewidth=1.2, label="1 − p: the corrected envelope")
     ax.set_xscale("log")
     ax.set_xlim(1e-12, 1.5)
-    ax.set_ylim(0, max(1.3, float(y.max()) * 1.05) if y.numel() else 1.3)
+    ax.set_ylim(0, max(1.15, float(y.max()) * 1.05) if y.numel() else 1.15)
     ax.set_xlabel("p = π_train(a)")
-    ax.set_ylabel("|Δ_a| / (2 ε_max)")
-    ax.set_title(title, fontsize=8)
+    ax.set_ylabel("|Δ_a| / (2 ε_max e^(2 ε_max))")
+    ax.set_title(title, fontsize=7.5)
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
 
@@ -488,6 +492,10 @@ def write_figures(measured: Measurements, summary: dict, out_dir: Path) -> dict[
 
 def _headline(summary: dict) -> str:
     meta = summary.get("meta") or {}
+    if meta.get("formats"):  # a dump read by diagnose: no engines to name
+        kl = summary.get("kl_mean")
+        what = f"{'/'.join(sorted(set(meta['formats'])))} dump, {summary.get('positions')} tokens"
+        return f"{what}:  mean KL(μ‖π) = {kl:.3g} ({summary.get('kl_source')})" if kl is not None else what
     roll = (meta.get("rollout") or {}).get("description", meta.get("source", "rollout"))
     train = (meta.get("trainer") or {}).get("description", "trainer")
     kl = summary.get("kl_mean")
@@ -519,9 +527,9 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 _CAPTIONS = {
     "overview": "Key figures.",
-    "envelope": "Left: |Δ_a| / (2 ε_max) over the vocabulary against p_a; the black curve is DVP Prop. 4.2 as printed, "
-                "2 ε_max (1 − p); the bound that always holds is 2 ε_max (1 − p) e^{2 ε_max}. Right: mean |Δ| per "
-                "probability decade (shaded: tail p < 1e-3, head p > 0.5).",
+    "envelope": "Left: |Δ_a| / (2 ε_max e^{2 ε_max}) over the vocabulary against p_a; the black curve 1 − p is DVP "
+                "Prop. 4.2 in the form that always holds, 2 ε_max (1 − p) e^{2 ε_max}; red points break it as printed, "
+                "2 ε_max (1 − p). Right: mean |Δ| per probability decade (shaded: tail p < 1e-3, head p > 0.5).",
     "prop43_sign": "Sampled tokens: mean Δ = log π − log μ per decade of π; DVP Prop. 4.3 predicts Δ < 0 in the tail "
                    "(the engine over-estimates the rare tokens it samples).",
     "quantile_envelope": "Quantiles of log(π/μ) of sampled tokens per probability bin (ALP's quantile envelope).",
