@@ -201,3 +201,14 @@ def test_sample_with_compares_engines_on_identical_sequences(tiny, prompts):
     assert a.meta["sampled_with"]["name"] == "fp32" and a.meta["capture_max_abs_error"] is None
     with pytest.raises(ValueError, match="sample_with needs"):
         compare_engines(model, prompts, EngineSpec(logit_noise=0.1), FP32_EAGER, CFG, sample_with=sampler)
+
+
+def test_a_non_finite_row_is_left_out_and_counted():
+    """An fp16 overflow (an inf logit) has no envelope: that position is skipped and counted, the others are exact."""
+    zt = torch.tensor([[0.0, 1.0, 2.0], [0.5, 0.0, -1.0]])
+    zr = zt.clone()
+    zr[0, 1] = float("inf")
+    s, x = vocabulary_stats(zr, zt, topk=1)
+    assert s.skipped_rows == 1 and s.pairs == 3 and sum(s.bin_count) == 3 and s.corrected_violations == 0
+    assert math.isnan(x["eps_max"][0]) and x["eps_max"][1] == 0.0
+    assert len(s.scatter_p) == 4  # two picks of each kind, from the finite row only

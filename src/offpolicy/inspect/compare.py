@@ -121,6 +121,12 @@ def vocabulary_stats(rollout_logits: Tensor, trainer_logits: Tensor, *, temperat
     for a, b in row_chunks(n, rows):
         zr = rollout_logits[a:b].float() / temperature
         zt = trainer_logits[a:b].float() / temperature
+        # A row with a non-finite logit (an fp16 overflow) has no envelope: left out of the aggregates, counted, and
+        # its per-position extras are NaN (its KL is non-finite too, which the report and the gate flag).
+        bad = ~(torch.isfinite(zr).all(-1) & torch.isfinite(zt).all(-1))
+        if bool(bad.any()):
+            stats.skipped_rows += int(bad.sum())
+            zr, zt = zr.masked_fill(bad[:, None], 0.0), zt.masked_fill(bad[:, None], 0.0)
         eps = zr - zt
         eps_max = (eps.amax(-1) - eps.amin(-1)) / 2
         lse_t = zt.logsumexp(-1, keepdim=True)
@@ -130,14 +136,15 @@ def vocabulary_stats(rollout_logits: Tensor, trainer_logits: Tensor, *, temperat
         shift = (p * torch.expm1(eps)).double().sum(-1, keepdim=True).log1p().float()
         abs_delta = (shift - eps).abs_()  # |Δ| = |log π − log μ|
         bound = 2 * eps_max[:, None] * (-torch.expm1(lt))  # 2 ε_max (1 − p), 1 − p accurate near p = 1
-        stats.paper_violations += int((abs_delta > bound + slack).sum())
-        stats.corrected_violations += int((abs_delta > bound * torch.exp(2 * eps_max)[:, None] + slack).sum())
-        stats.pairs += abs_delta.numel()
-        bins = torch.floor(lt / math.log(10)).add_(N_P_BINS).clamp_(0, N_P_BINS - 1).long().flatten()
-        stats.bin_abs_delta = [s + float(v) for s, v in
-                               zip(stats.bin_abs_delta, torch.bincount(bins, abs_delta.flatten().double(), N_P_BINS))]
+        good = ~bad[:, None]
+        stats.paper_violations += int(((abs_delta > bound + slack) & good).sum())
+        stats.corrected_violations += int(((abs_delta > bound * torch.exp(2 * eps_max)[:, None] + slack) & good).sum())
+        stats.pairs += int(good.sum()) * vocab
+        bins = torch.floor(lt / math.log(10)).add_(N_P_BINS).clamp_(0, N_P_BINS - 1).long()[~bad].flatten()
+        stats.bin_abs_delta = [s + float(v) for s, v in zip(
+            stats.bin_abs_delta, torch.bincount(bins, abs_delta[~bad].flatten().double(), N_P_BINS))]
         stats.bin_count = [s + int(v) for s, v in zip(stats.bin_count, torch.bincount(bins, minlength=N_P_BINS))]
-        head, tail = p > HEAD_P, p < TAIL_P
+        head, tail = (p > HEAD_P) & good, (p < TAIL_P) & good
         stats.head_abs_delta += float(abs_delta[head].double().sum())
         stats.head_count += int(head.sum())
         stats.tail_abs_delta += float(abs_delta[tail].double().sum())
@@ -146,10 +153,11 @@ def vocabulary_stats(rollout_logits: Tensor, trainer_logits: Tensor, *, temperat
         if scatter_uniform:
             picks.append(torch.randint(vocab, (b - a, scatter_uniform), generator=generator))
         if picks:
-            ids = torch.cat(picks, dim=1)
-            stats.scatter_p += p.gather(1, ids).flatten().tolist()
-            stats.scatter_abs_delta += abs_delta.gather(1, ids).flatten().tolist()
-            stats.scatter_eps_max += eps_max[:, None].expand_as(ids).flatten().tolist()
+            ids = torch.cat(picks, dim=1)[~bad]
+            stats.scatter_p += p[~bad].gather(1, ids).flatten().tolist()
+            stats.scatter_abs_delta += abs_delta[~bad].gather(1, ids).flatten().tolist()
+            stats.scatter_eps_max += eps_max[~bad, None].expand_as(ids).flatten().tolist()
+        eps_max = eps_max.masked_fill(bad, math.nan)
         ids_r = zr.topk(k, dim=-1).indices
         ids_t = zt.topk(k, dim=-1).indices
         lse_r = zr.logsumexp(-1, keepdim=True)
@@ -258,7 +266,10 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
         err = 0.0
         if rollout_logits is not None and sampler is None:
             check = process_logits(rollout_logits, sampling).gather(-1, ids[..., None]).squeeze(-1)
-            err = float((check - out.logp)[mask].abs().max()) if mask.any() else 0.0
+            diff = (check - out.logp)[mask]
+            same_nonfinite = ~torch.isfinite(check[mask]) & (check[mask] == out.logp[mask]) | (
+                torch.isnan(check[mask]) & torch.isnan(out.logp[mask]))  # an overflow reported as it happened
+            err = float(torch.where(same_nonfinite, 0.0, diff).abs().max()) if mask.any() else 0.0
             if not err <= CAPTURE_TOLERANCE:
                 raise ValueError(f"the rollout logits read from the engine's output projection do not reproduce its "
                                  f"reported log-probs (max error {err:.3g} nats): the engine changes the logits after "

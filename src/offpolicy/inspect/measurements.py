@@ -102,6 +102,7 @@ class VocabStats:
     """
 
     pairs: int = 0
+    skipped_rows: int = 0  # positions with a non-finite logit on either side: no envelope, left out
     paper_violations: int = 0
     corrected_violations: int = 0
     bin_abs_delta: list[float] = field(default_factory=lambda: [0.0] * N_P_BINS)
@@ -117,7 +118,7 @@ class VocabStats:
     def merge(self, other: "VocabStats") -> "VocabStats":
         """The sum of two partial aggregates (micro-batches)."""
         return VocabStats(
-            pairs=self.pairs + other.pairs,
+            pairs=self.pairs + other.pairs, skipped_rows=self.skipped_rows + other.skipped_rows,
             paper_violations=self.paper_violations + other.paper_violations,
             corrected_violations=self.corrected_violations + other.corrected_violations,
             bin_abs_delta=[a + b for a, b in zip(self.bin_abs_delta, other.bin_abs_delta)],

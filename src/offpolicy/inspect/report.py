@@ -124,7 +124,7 @@ def _tail_head(measured: Measurements) -> dict[str, Any]:
             "tail_abs_delta_mean": _f(v.tail_abs_delta / v.tail_count) if v.tail_count else None,
             "head_abs_delta_mean": _f(v.head_abs_delta / v.head_count) if v.head_count else None,
             "envelope": {
-                "pairs": v.pairs, "paper_violations": v.paper_violations,
+                "pairs": v.pairs, "skipped_positions": v.skipped_rows, "paper_violations": v.paper_violations,
                 "paper_violation_fraction": v.paper_violations / v.pairs if v.pairs else 0.0,
                 "corrected_violations": v.corrected_violations,
                 "eps_max_mean": _f(eps_v.mean()) if eps_v.numel() else None,
