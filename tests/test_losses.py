@@ -191,6 +191,7 @@ def reinforce_batch() -> tuple[LogProbBatch, torch.Tensor]:
         ("seq_mean_token_mean", None, 3.75),  # ((1+2)/2 + 6/1) / 2 non-empty sequences = 3.75 (row2 left out)
         ("seq_mean_token_sum_norm", None, 1.0),  # 9 / (B=3 · T=3) = 1
         ("seq_mean_token_sum_norm", 10, 0.3),  # 9 / (3 · 10) = 0.3
+        ("token_sum", None, 9.0),  # 1 + 2 + 6, no denominator
     ],
 )
 def test_aggregations_hand_computed(aggregation, max_tokens, expected):

@@ -65,6 +65,8 @@ def reference_loss(logp, old, rollout, mask, adv, coef, objective, level, eps_lo
     if aggregation == "seq_mean_token_mean":
         tokens = m.sum(-1)
         return (per_token.sum(-1) / tokens.clamp(min=1)).sum() / (tokens > 0).sum().clamp(min=1)
+    if aggregation == "token_sum":
+        return per_token.sum()
     return per_token.sum() / (logp.shape[0] * t_max)
 
 

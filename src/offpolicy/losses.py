@@ -29,6 +29,7 @@ counts — TRM's "normalise by the total batch", arXiv 2512.23075):
 * ``token_mean``               Σ m L / Σ m                                   (DAPO)
 * ``seq_mean_token_mean``      mean over sequences with ≥1 valid token of Σ_t m L / Σ_t m   (GRPO)
 * ``seq_mean_token_sum_norm``  Σ m L / (B · T_max), T_max = ``max_tokens`` or T             (Dr.GRPO, arXiv 2503.20783)
+* ``token_sum``                Σ m L, no denominator (verl's ``token-sum``: the caller owns the scale)
 
 Metrics (0-d float32, detached; fractions are over valid tokens): ``loss/clipfrac_low`` — clamped from below: A < 0
 and r < 1−ε_low (the clip is active: no gradient), or r < e^−20 (the ±20 bound, any A); ``loss/clipfrac_high`` — clamped
@@ -68,9 +69,9 @@ from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.ratios import LEVELS, LOG_RATIO_BOUND, Level, float_mask, mask_factor, nan_to_num, pad_nonempty
 
 Objective = Literal["ppo", "decoupled", "bypass", "gspo", "reinforce"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum"]
 OBJECTIVES: tuple[str, ...] = ("ppo", "decoupled", "bypass", "gspo", "reinforce")
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum")
 
 
 def _check_epsilon(name: str, value: float) -> float:
@@ -161,7 +162,7 @@ def policy_loss(
         clip_low, clip_high: ε_low, ε_high ≥ 0 of the clip range [1−ε_low, 1+ε_high]; ``clip_high`` defaults to
             ``clip_low`` (symmetric PPO).
         dual_clip: c > 1 — dual-clip PPO bound c·|A| on the loss of negative-advantage tokens (None = off).
-        aggregation: ``token_mean`` | ``seq_mean_token_mean`` | ``seq_mean_token_sum_norm``.
+        aggregation: ``token_mean`` | ``seq_mean_token_mean`` | ``seq_mean_token_sum_norm`` | ``token_sum``.
         max_tokens: T_max for ``seq_mean_token_sum_norm`` (defaults to T; ignored by the other aggregations).
         level: ratio level of the clipped objectives (``token``; ``geometric`` = GSPO-style; ``sequence`` = product).
 
@@ -230,7 +231,7 @@ def _loss_and_gradient(
     """Loss value, d loss / d logp ``[B, T]`` float32 and metrics, computed without an autograd graph.
 
     Per token (invalid positions have lp = A = 0, see below), with c_t the correction coefficient and a_t the
-    aggregation weight (1/Σm, or 1/(|y_i|·#non-empty sequences), or 1/(B·T_max)):
+    aggregation weight (1/Σm, or 1/(|y_i|·#non-empty sequences), or 1/(B·T_max), or 1):
 
     * ratio objectives: L_t = −A·exp(clamp(log r_t, lo_t, hi_t))·c_t, where the bounds are log(1−ε_low) below for
       A < 0, log(1+ε_high) above for A > 0, log(dual_clip) above for A < 0, and ±20 everywhere (verl's bound).
@@ -279,6 +280,8 @@ def _loss_and_gradient(
     elif aggregation == "seq_mean_token_mean":
         tokens = mf.sum(dim=-1, keepdim=True)
         agg_w = 1.0 / (tokens.clamp(min=1.0) * torch.count_nonzero(tokens).clamp(min=1).float())  # [B, 1]
+    elif aggregation == "token_sum":
+        agg_w = torch.ones((), device=logp.device)
     else:
         t_max = max_tokens if max_tokens is not None else logp.shape[-1]
         agg_w = torch.full((), 1.0 / float(max(logp.shape[0] * t_max, 1)), device=logp.device)

@@ -175,6 +175,8 @@ def test_bad_arguments(tiny, prompts):
         compare_engines(model, [], spec, FP32_EAGER, CFG)
     with pytest.raises(ValueError, match="topk must be an int"):
         compare_engines(model, prompts, spec, FP32_EAGER, CFG, topk=0)
+    with pytest.raises(ValueError, match="penalties"):
+        compare_engines(model, prompts, spec, FP32_EAGER, SamplingConfig(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="needs --model to be a local model directory"):
         compare_engines(model, prompts, EngineSpec(backend="vllm"), FP32_EAGER, CFG)
 

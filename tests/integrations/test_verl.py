@@ -44,32 +44,73 @@ def test_rollout_is_weights_multiply_and_legacy_tuple():
     assert out[0].item() == pytest.approx(-1.25)
 
 
+# On-policy, A = 1: L_t = −1 on the 3 valid tokens of mask ((1, 1), (1, 0), (0, 0)): B = 3 rows, S = 2 with a token,
+# T = 2. The newer worker path's global counts: D = dp_size 2, N = 6 tokens, G = 4 sequences, F = loss_scale_factor 10.
+GLOBAL = {"dp_size": 2, "batch_num_tokens": 6, "global_batch_size": 4, "loss_scale_factor": 10}
+
+
 @pytest.mark.parametrize(
-    "mode, info, expected",
+    "version, mode, info, expected",
     [
-        # on-policy, A = 1: L_t = −1 on the 3 valid tokens of mask ((1, 1), (1, 0)); T = 2, B = 2.
-        # verl's agg_loss (core_algos.py) with no global_batch_info (its legacy worker path):
-        ("token-mean", {}, -3 / 3),  # Σ / tokens
-        ("seq-mean-token-mean", {}, (-1 - 1) / 2),  # token means (−1, −1) over 2 sequences
-        ("seq-mean-token-sum", {}, (-2 - 1) / 2),  # token sums (−2, −1) over 2 sequences
-        ("seq-mean-token-sum-norm", {}, -3 / 2),  # Σ / T — no B
-        # with the newer worker path's global counts: dp 2, 6 tokens, 4 sequences, loss_scale_factor 10
-        ("token-mean", {"dp_size": 2, "batch_num_tokens": 6}, -3 / 6 * 2),
-        ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 4}, -2 / 4 * 2),
-        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 4}, -3 / 4 * 2),
-        ("seq-mean-token-sum-norm", {"loss_scale_factor": 10}, -3 / 10),
+        # verl 0.9.1's agg_loss (core_algos.py), no global_batch_info (the legacy worker path):
+        ("0.9.1", "token-mean", {}, -3 / 3),  # Σ / tokens
+        ("0.9.1", "token-sum", {}, -3.0),  # Σ
+        ("0.9.1", "seq-mean-token-mean", {}, (-1 - 1) / 2),  # token means (−1, −1) over S = 2 sequences
+        ("0.9.1", "seq-mean-token-sum", {}, (-2 - 1) / 2),  # token sums (−2, −1) over S = 2
+        ("0.9.1", "seq-mean-token-sum-norm", {}, (-2 - 1) / 2 / 2),  # token sums over S, then / T = 2
+        # ... with the global counts
+        ("0.9.1", "token-mean", GLOBAL, -3 / 6 * 2),  # Σ / N · D
+        ("0.9.1", "token-sum", GLOBAL, -3 * 2),  # Σ · D
+        ("0.9.1", "seq-mean-token-mean", GLOBAL, -2 / 4 * 2),  # Σ means / G · D
+        ("0.9.1", "seq-mean-token-sum", GLOBAL, -3 / 4 * 2),  # Σ / G · D
+        ("0.9.1", "seq-mean-token-sum-norm", GLOBAL, -3 / 4 * 2 / 10),  # Σ / G · D / F
+        # 0.7.0: seq-mean-token-sum-norm divides by F (default T) only — no sequence count, no D
+        ("0.7.0", "seq-mean-token-sum-norm", {}, -3 / 2),
+        ("0.7.0", "seq-mean-token-sum-norm", GLOBAL, -3 / 10),
+        ("0.7.0", "seq-mean-token-sum", GLOBAL, -3 / 4 * 2),
+        # 0.6.1: no global counts; sequence means over the S = 2 rows with a token
+        ("0.6.1", "seq-mean-token-mean", {}, -2 / 2),
+        ("0.6.1", "seq-mean-token-sum-norm", {}, -3 / 2),
+        # 0.5.0: torch.mean over all B = 3 rows, the empty one included
+        ("0.5.0", "seq-mean-token-sum", {}, -3 / 3),
+        ("0.5.0", "seq-mean-token-mean", {}, -2 / 3),
+        ("0.5.0", "token-mean", {}, -3 / 3),
     ],
 )
-def test_every_loss_agg_mode_is_verls_agg_loss(mode, info, expected):
-    fn = verl_policy_loss_fn()
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    logp = torch.zeros(2, 2, requires_grad=True)
-    loss, _ = fn(torch.zeros(2, 2), logp, torch.ones(2, 2), mask, mode, {"global_batch_info": info})
+def test_every_loss_agg_mode_is_verls_agg_loss(version, mode, info, expected):
+    fn = verl_policy_loss_fn(verl_version=version)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    logp = torch.zeros(3, 2, requires_grad=True)
+    loss, _ = fn(torch.zeros(3, 2), logp, torch.ones(3, 2), mask, mode, {"global_batch_info": info})
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()
     # d/dlogp of the same aggregate of −r: −(aggregation weight) per valid token, so the gradient sums to the loss
     assert logp.grad.sum().item() == pytest.approx(expected, rel=1e-6)
-    assert logp.grad[1, 1].item() == 0.0
+    assert logp.grad[1, 1].item() == 0.0 and logp.grad[2].abs().sum().item() == 0.0
+
+
+def test_default_rules_are_the_installed_verls_or_the_newest(monkeypatch):
+    import importlib.metadata
+
+    from offpolicy.integrations import verl as adapter
+
+    mask = torch.ones(4, 2)
+    args = (torch.zeros(4, 2), torch.zeros(4, 2), torch.ones(4, 2), mask, "seq-mean-token-sum-norm")
+
+    def installed(version):
+        def fake(name):
+            if version is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return version
+        monkeypatch.setattr(adapter.importlib.metadata, "version", fake)
+        return adapter.verl_policy_loss_fn()(*args)[0].item()
+
+    # 8 tokens of L = −1, B = 4, T = 2: since 0.7.1 −8 / 4 / 2 = −1; before, −8 / 2 = −4 (B× larger)
+    assert installed("0.7.1") == pytest.approx(-1.0)
+    assert installed("0.6.1") == pytest.approx(-4.0)
+    assert installed(None) == pytest.approx(-1.0)  # not installed: the newest rules
+    with pytest.raises(ValueError, match="verl_version"):
+        verl_policy_loss_fn(verl_version="main")
 
 
 def test_bad_loss_agg_mode_is_named():

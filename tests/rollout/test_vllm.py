@@ -7,7 +7,7 @@ import torch
 
 from offpolicy.rollout.base import RolloutEngine
 from offpolicy.rollout.sampling import SamplingConfig
-from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output, check_vllm_filter_order
+from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output, check_vllm_filter_order, vllm_sampling
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_GPU = torch.cuda.is_available()
@@ -76,3 +76,44 @@ def test_min_p_with_top_p_is_refused_because_vllm_orders_them_differently():
         check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_p=0.9, min_p=0.05))
     check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_k=20, min_p=0.05))
     check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_p=0.9))
+
+
+def test_routed_experts_pass_through_cut_to_the_forwarded_positions():
+    import numpy as np
+
+    # prompt of 2 + completion of 2 tokens: vLLM may return all 4 positions; the trainer replays P + C − 1 = 3
+    routed = np.arange(4 * 3 * 2, dtype=np.int16).reshape(4, 3, 2) % 8
+    results = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 2], text="x", routed_experts=routed,
+                                                        logprobs=[{5: _lp(-0.1)}, {2: _lp(-1.9)}])])]
+    out = _to_output([[1, 3]], results, k=0, routes=True)
+    assert out.routed_experts[0].shape == (3, 3, 2) and out.routed_experts[0].dtype == torch.int16
+    assert out.routed_experts[0].tolist() == routed[:3].tolist()
+    assert _to_output([[1, 3]], results, k=0).routed_experts is None
+    results[0].outputs[0].routed_experts = None
+    with pytest.raises(ValueError, match="no routed_experts"):
+        _to_output([[1, 3]], results, k=0, routes=True)
+    results[0].outputs[0].routed_experts = routed[:2]
+    with pytest.raises(ValueError, match=r"positions >= 3"):
+        _to_output([[1, 3]], results, k=0, routes=True)
+
+
+def test_recipe_maps_onto_vllm_sampling_params_and_reports_the_temperature_floor():
+    cfg = SamplingConfig(max_new_tokens=4, temperature=0.004, top_k=20, repetition_penalty=1.1, presence_penalty=0.5,
+                         frequency_penalty=0.25, logit_bias={7: -100.0, 3: 2.0})
+    kwargs, applied = vllm_sampling(cfg)
+    assert kwargs == {"temperature": 0.01, "top_k": 20, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.1,
+                      "presence_penalty": 0.5, "frequency_penalty": 0.25, "logit_bias": {3: 2.0, 7: -100.0}}
+    assert applied == SamplingConfig(max_new_tokens=4, temperature=0.01, top_k=20, repetition_penalty=1.1,
+                                     presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: -100.0, 3: 2.0})
+    assert vllm_sampling(SamplingConfig(temperature=0.7))[1].temperature == 0.7  # above the floor: unchanged
+
+
+@pytest.mark.parametrize("cfg, name", [
+    (SamplingConfig(bad_words_ids=[[5]]), "bad_words"),
+    (SamplingConfig(logit_bias={1: -1e9}), "logit_bias"),
+    (SamplingConfig(temperature=1e-6), "temperature"),
+    (SamplingConfig(top_p=0.9, min_p=0.1), "min_p with top_p"),
+])
+def test_a_recipe_vllm_would_apply_differently_is_refused_by_name(cfg, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        vllm_sampling(cfg)

@@ -72,7 +72,21 @@ def test_mismatch_is_visible_bf16_vs_fp32(tmp_path, fresh, make_overrides, varyi
     assert res32.history[0]["rollout_correction/k3_kl"] < 1e-9
 
 
-@pytest.mark.parametrize("preset, extra", [("naive", {"optim__minibatches": 2}), ("alp", {})])
+def test_engine_lag_is_a_mismatch_only_between_syncs(tmp_path, fresh, make_overrides, varying_task):
+    # fp32 engine without KV cache: μ = π_old exactly at a sync step; with sync_every=2 the engine samples step 2
+    # (index 1) with the weights of before the first update, so μ ≠ π_old there, and step 3 is in sync again
+    model, tok = fresh
+    cfg = load_config(None, make_overrides(tmp_path, "naive", steps=3, rollout__dtype="float32",
+                                           rollout__kv_cache="false", rollout__sync_every=2))
+    k3 = [h["rollout_correction/k3_kl"] for h in train(cfg, model=model, tokenizer=tok, task=varying_task()).history]
+    assert k3[0] < 1e-9 and k3[1] > 1e-6 and k3[2] < 1e-9
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("naive", {"optim__minibatches": 2}),
+    ("alp", {}),
+    ("naive", {"rollout__sync_every": 3}),  # the engine's stale weights (synced at step 0, next at 3) are restored
+])
 def test_resume_reproduces_uninterrupted_run(preset, extra, tmp_path, tiny_pair, make_overrides, varying_task):
     model0, tok = tiny_pair
     straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"

@@ -34,6 +34,7 @@ from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.fused import token_stats_from_logits
 from offpolicy.ratios import as_mask, masked_mean, masked_min
+from offpolicy.rollout.sampling import TRUNCATION_ORDER, apply_history_processors
 
 DEFAULT_RHO = math.exp(-13)
 DEFAULT_MASK_VALUE = -50.0
@@ -242,7 +243,7 @@ def sampling_support_mask(logits: Tensor, *, top_k: int | None = None, top_p: fl
 
 def replay_support_logp(logits: Tensor, targets: Tensor, *, top_k: int | None = None, top_p: float | None = None,
                         min_p: float | None = None, temperature: float = 1.0,
-                        order: Sequence[str] = SUPPORT_ORDER) -> tuple[Tensor, Tensor]:
+                        order: Sequence[str] = SUPPORT_ORDER, recipe=None, history=None) -> tuple[Tensor, Tensor]:
     """π_θ renormalised on the rollout's sampling support: ``(logp [...], inside [...])``, float32.
 
     logp = z_y − logsumexp_{a∈support} z_a with z = logits / temperature and the support from
@@ -251,6 +252,12 @@ def replay_support_logp(logits: Tensor, targets: Tensor, *, top_k: int | None = 
     ``inside`` is False when the target is outside the support (a finite stand-in value is returned there; drop the
     token). Allocates ``[..., V]`` temporaries (the support needs a sort for top-p).
 
+    ``recipe`` (an :class:`offpolicy.rollout.sampling.SamplingConfig`, e.g. ``RolloutOutput.sampling``) replays the
+    engine's whole recipe instead: its bad words, logit bias and repetition / frequency / presence penalties are
+    applied to ``logits`` first (``history``: the :class:`~offpolicy.rollout.sampling.TokenHistory` they read), then
+    its temperature and truncation in :func:`~offpolicy.rollout.sampling.process_logits`'s order; leave ``top_k`` …
+    ``order`` at their defaults then. Equals ``process_logits(logits, recipe, history)`` at the targets.
+
     >>> # top_k = 2 on z = (3, 2, 1, 0): support {0, 1}; log π(1) = 2 − log(e³ + e²) = −1.3133
     >>> replay_support_logp(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([1]), top_k=2)
     (tensor([-1.3133]), tensor([True]))
@@ -258,9 +265,19 @@ def replay_support_logp(logits: Tensor, targets: Tensor, *, top_k: int | None = 
     _check_logits(logits)
     if not isinstance(targets, Tensor) or tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"targets must have shape {tuple(logits.shape[:-1])}, got {getattr(targets, 'shape', type(targets))}")
+    if recipe is not None:
+        if (top_k, top_p, min_p, temperature, tuple(order)) != (None, None, None, 1.0, SUPPORT_ORDER):
+            raise ValueError("recipe carries temperature, top_k, top_p and min_p: leave them and order unset")
+        logits = apply_history_processors(logits.float(), recipe, history)
+        top_k, top_p, min_p, temperature = recipe.top_k, recipe.top_p, recipe.min_p, recipe.temperature
+        order = TRUNCATION_ORDER
     support = sampling_support_mask(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature,
                                     order=order)
+    if recipe is not None and recipe.bad_words_ids:
+        support = support & torch.isfinite(logits.detach())  # a banned word is outside the support too
     z = logits.float() / temperature
+    if recipe is not None and recipe.bad_words_ids:
+        z = z.clamp(min=torch.finfo(z.dtype).min)  # the finite stand-in at a banned target (no gradient there)
     lse = torch.where(support, z, torch.full((), float("-inf"))).logsumexp(dim=-1)
     y = targets.long().unsqueeze(-1)
     return z.gather(-1, y).squeeze(-1) - lse, support.gather(-1, y).squeeze(-1)

@@ -327,6 +327,9 @@ def compare_engines(
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: give at least one prompt")
+    if sampling.reads_history:
+        raise ValueError("sampling: penalties (repetition / frequency / presence) and multi-token bad words depend on "
+                         "each row's token history, which offpolicy inspect does not replay; inspect without them")
     if not (isinstance(dvp_coverage, (int, float)) and 0 < dvp_coverage <= 1):
         raise ValueError(f"dvp_coverage must be in (0, 1], got {dvp_coverage!r}")
     view = "topk" if rollout.backend == "vllm" else rollout_view

@@ -15,7 +15,8 @@ verl's own extension points:
    The clip range, dual-clip constant and aggregation are read from verl's actor config (``clip_ratio``,
    ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``loss_agg_mode``, and ``global_batch_info`` — the global
    token / sequence counts, ``dp_size`` and ``loss_scale_factor`` of verl's newer worker path), and the loss is scaled to
-   verl's own ``agg_loss`` for all four ``loss_agg_mode`` values, so existing configs keep working. verl passes its own
+   verl's own ``agg_loss`` for all five ``loss_agg_mode`` values (of the installed verl's release: the rules changed in
+   0.6, 0.7.1 and 0.9), so existing configs keep working. verl passes its own
    rollout-correction weights as ``rollout_is_weights``; they multiply the loss like any correction. Metrics come back
    as Python floats, as verl's own losses return them.
 
@@ -27,7 +28,9 @@ verl's own extension points:
 2. **Rollout correction.** verl's policy-loss signature does not carry the rollout log-probs μ, so corrections that need
    μ (TIS/MIS/IcePop/OPSM/TRM) run where verl computes its ``rollout_is_weights``: :func:`rollout_correction` takes
    ``old_log_prob``, ``rollout_log_probs`` and ``response_mask`` from the batch and returns weights and a keep mask
-   (fold ``keep`` into ``response_mask``-weighted weights: ``weights * keep``) plus metrics. The name table in
+   plus metrics. Write ``response_mask * keep`` and ``weights`` back to the batch (as ``response_mask`` and
+   ``rollout_is_weights``) to do what verl's ``compute_rollout_correction_and_add_to_batch`` does — a rejected token
+   leaves the loss's denominators; or keep ``response_mask`` and pass ``weights * keep`` to leave it in them. The name table in
    ``offpolicy.corrections.importance`` says which offpolicy correction reproduces each verl ``rollout_is``/``rollout_rs``
    setting — with one difference on purpose: our ``mis(lower=L, upper=U)`` bounds act on ρ itself, never on 1/ρ.
 
@@ -36,6 +39,8 @@ Nothing here imports verl except :func:`register_verl_policy_loss`, so the adapt
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 from typing import Any, Callable
 
 import torch  # noqa: F401  (the doctests below use it)
@@ -46,39 +51,70 @@ from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.losses import policy_loss
 from offpolicy.ratios import masked_mean
 
-# verl loss_agg_mode → (our aggregation, its max_tokens: None = default, "T" = the padded width, or a number)
-VERL_AGGREGATIONS: dict[str, tuple[str, Any]] = {
-    "token-mean": ("token_mean", None),
-    "seq-mean-token-mean": ("seq_mean_token_mean", None),
-    "seq-mean-token-sum": ("seq_mean_token_sum_norm", 1),  # Σ m·L / B: the mean over sequences of token sums
-    "seq-mean-token-sum-norm": ("seq_mean_token_sum_norm", "T"),
+# verl loss_agg_mode → the offpolicy aggregation computed before :func:`_verl_scale` rescales it to verl's agg_loss
+VERL_AGGREGATIONS: dict[str, str] = {
+    "token-mean": "token_mean",
+    "token-sum": "token_sum",
+    "seq-mean-token-mean": "seq_mean_token_mean",
+    "seq-mean-token-sum": "token_sum",
+    "seq-mean-token-sum-norm": "token_sum",
 }
+NEWEST_VERL_RULES = (0, 9, 1)  # the agg_loss rules used when verl is not installed and no version is given
 
 
-def _verl_scale(mode: str, mask: Tensor, info: dict[str, Any]) -> Tensor | float:
-    """Factor that turns our micro-batch aggregate into verl's ``agg_loss`` (core_algos.py) with its
-    ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``; empty on
-    verl's legacy worker path, where every default below is the micro-batch's own count and the factor is 1).
+def _version_tuple(version: str) -> tuple[int, int, int]:
+    """``"0.7.1"`` / ``"0.9.1.dev0"`` / ``"0.6"`` → (0, 7, 1) / (0, 9, 1) / (0, 6, 0)."""
+    parts = re.findall(r"\d+", version)[:3]
+    if not parts:
+        raise ValueError(f"verl_version must look like '0.9.1', got {version!r}")
+    return tuple(int(p) for p in parts + ["0"] * (3 - len(parts)))  # type: ignore[return-value]
 
-    token-mean: Σ m·L / batch_num_tokens · dp_size; seq-mean-token-mean / seq-mean-token-sum: Σ over non-empty
-    sequences / global_batch_size · dp_size; seq-mean-token-sum-norm: Σ m·L / loss_scale_factor (default T), with no B.
+
+def _installed_verl_version() -> tuple[int, int, int] | None:
+    try:
+        return _version_tuple(importlib.metadata.version("verl"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _verl_scale(mode: str, mask: Tensor, info: dict[str, Any], version: tuple[int, int, int]) -> Tensor:
+    """Factor that turns the :data:`VERL_AGGREGATIONS` aggregate of one micro-batch into verl's ``agg_loss``
+    (``verl/trainer/ppo/core_algos.py``) at verl ``version``, given its ``global_batch_info`` (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``; empty before 0.7 and on the legacy worker path,
+    where every count defaults to the micro-batch's own).
+
+    With n tokens and S sequences with a token (S_all = B before 0.6, which averaged over every row) in the micro-batch,
+    D = dp_size, N = batch_num_tokens (default n), G = global_batch_size (default S), F = loss_scale_factor (default T):
+
+    * token-mean                  Σ/n  · n/N · D
+    * token-sum (verl ≥ 0.9)      Σ    · D
+    * seq-mean-token-mean         Σ_i mean_i/S · S/G · D
+    * seq-mean-token-sum          Σ    · D/G
+    * seq-mean-token-sum-norm     Σ    · D/(G·F)   since verl 0.7.1;  Σ/F before (no sequence count: B× larger)
     """
     m = mask.float()
-    dp_size = float(info.get("dp_size") or 1)
-    rows = m.sum(dim=-1)
+    one = torch.ones((), dtype=torch.float32, device=mask.device)
+
+    def count(key: str, default: Tensor) -> Tensor:
+        value = info.get(key)
+        return default if value is None else torch.as_tensor(value, dtype=torch.float32, device=mask.device)
+
+    dp_size = count("dp_size", one)
     if mode == "token-mean":
         tokens = m.sum()
-        total = info.get("batch_num_tokens")
-        return tokens / (tokens if total is None else torch.as_tensor(total, dtype=m.dtype)).clamp(min=1.0) * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        factor = info.get("loss_scale_factor") or mask.shape[-1]
-        return mask.shape[0] * mask.shape[-1] / float(factor)
-    nonempty = (rows > 0).float().sum()
-    total = info.get("global_batch_size")
-    # ours: seq-mean-token-mean divides by the non-empty sequences, seq-mean-token-sum (max_tokens=1) by all B
-    ours = nonempty if mode == "seq-mean-token-mean" else torch.as_tensor(float(mask.shape[0]))
-    verl = nonempty if total is None else torch.as_tensor(float(total))
-    return ours / verl.clamp(min=1.0) * dp_size
+        return tokens / count("batch_num_tokens", tokens).clamp(min=1.0) * dp_size
+    if mode == "token-sum":
+        return dp_size
+    nonempty = (m.sum(dim=-1) > 0).float().sum()
+    sequences = count("global_batch_size", nonempty if version >= (0, 6, 0) else one * mask.shape[0]).clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        return nonempty / sequences * dp_size
+    if mode == "seq-mean-token-sum":
+        return dp_size / sequences
+    horizon = count("loss_scale_factor", one * mask.shape[-1])
+    if version >= (0, 7, 1):
+        return dp_size / (sequences * horizon)
+    return 1.0 / horizon
 
 
 def _config_value(config: Any, key: str, default: Any) -> Any:
@@ -90,7 +126,11 @@ def _config_value(config: Any, key: str, default: Any) -> Any:
 
 
 def verl_policy_loss_fn(
-    *, correction: Correction | None = None, objective: str = "ppo", legacy_tuple: bool = False
+    *,
+    correction: Correction | None = None,
+    objective: str = "ppo",
+    legacy_tuple: bool = False,
+    verl_version: str | None = None,
 ) -> Callable[..., Any]:
     """Build a function with verl's policy-loss signature that computes :func:`offpolicy.policy_loss`.
 
@@ -102,12 +142,21 @@ def verl_policy_loss_fn(
     ``correction`` runs on (π_θ, π_old) only — verl gives the loss no μ — so use it for staleness-side corrections; put
     μ-side corrections in :func:`rollout_correction`.
 
+    ``verl_version`` picks the ``agg_loss`` rules to match (they changed: ``seq-mean-token-sum-norm`` divides by the
+    sequence count since verl 0.7.1, ``token-sum`` exists since 0.9); default: the installed verl's version, or the
+    newest rules known here when verl is not installed.
+
     >>> fn = verl_policy_loss_fn()
     >>> lp = torch.zeros(1, 2, requires_grad=True)
     >>> loss, m = fn(torch.zeros(1, 2), lp, torch.ones(1, 2), torch.ones(1, 2), "token-mean", {"clip_ratio": 0.2})
     >>> loss.item(), m["actor/pg_clipfrac"]
     (-1.0, 0.0)
     """
+
+    if verl_version is not None:
+        rules = _version_tuple(verl_version)
+    else:
+        rules = _installed_verl_version() or NEWEST_VERL_RULES
 
     def compute_policy_loss(
         old_log_prob: Tensor,
@@ -120,9 +169,6 @@ def verl_policy_loss_fn(
     ) -> Any:
         if loss_agg_mode not in VERL_AGGREGATIONS:
             raise ValueError(f"loss_agg_mode must be one of {tuple(VERL_AGGREGATIONS)}, got {loss_agg_mode!r}")
-        aggregation, max_tokens = VERL_AGGREGATIONS[loss_agg_mode]
-        if max_tokens == "T":
-            max_tokens = response_mask.shape[-1]
         clip_ratio = float(_config_value(config, "clip_ratio", 0.2))
         clip_low = float(_config_value(config, "clip_ratio_low", clip_ratio))
         clip_high = float(_config_value(config, "clip_ratio_high", clip_ratio))
@@ -139,11 +185,10 @@ def verl_policy_loss_fn(
             clip_low=clip_low,
             clip_high=clip_high,
             dual_clip=None if dual_clip is None or objective == "reinforce" else float(dual_clip),
-            aggregation=aggregation,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
+            aggregation=VERL_AGGREGATIONS[loss_agg_mode],  # type: ignore[arg-type]
         )
         info = _config_value(config, "global_batch_info", None) or {}
-        loss = loss * _verl_scale(loss_agg_mode, response_mask, dict(info))
+        loss = loss * _verl_scale(loss_agg_mode, response_mask, dict(info), rules)
         ppo_kl = masked_mean(old_log_prob.float() - log_prob.detach().float(), response_mask)
         pg_clipfrac = metrics["loss/clipfrac_low"] + metrics["loss/clipfrac_high"]
         pg_clipfrac_lower = metrics["loss/dual_clip_frac"]

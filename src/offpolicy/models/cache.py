@@ -1,14 +1,15 @@
-"""Build-once cache of the warm-started tiny model (``save_pretrained`` safetensors + tokenizer files).
+"""Build-once cache of the warm-started embedded models (``save_pretrained`` safetensors + tokenizer files).
 
-Directory: ``<root>/tiny-<hash>`` where ``root`` is the ``cache_dir`` argument, else ``$OFFPOLICY_CACHE``, else
-``~/.cache/offpolicy``, and ``hash`` covers everything that changes the weights (model version, config, vocab
-size, warm-start recipe). The directory is written under a temporary name and renamed into place, so a reader
-never sees a half-written model and two concurrent builders do not corrupt each other (the second one's rename
-loses and its copy is discarded).
+Directory: ``<root>/<recipe name>-<hash>`` where ``root`` is the ``cache_dir`` argument, else ``$OFFPOLICY_CACHE``,
+else ``~/.cache/offpolicy``, and ``hash`` covers everything that changes the weights (model version, architecture,
+vocab size, warm-start task and recipe). The directory is written under a temporary name and renamed into place, so
+a reader never sees a half-written model and two concurrent builders (parallel lab runs) do not corrupt each other:
+the second one's rename loses and its identical copy is discarded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,16 +19,10 @@ from pathlib import Path
 
 import torch
 
+from offpolicy.models.recipes import ModelRecipe, get_recipe
 from offpolicy.models.tiny import TINY_CONFIG, TINY_MODEL_VERSION, build_tiny_model
 from offpolicy.models.tokenizer import VOCAB_SIZE
-from offpolicy.models.warm_start import (
-    WARM_START_BATCH,
-    WARM_START_LR,
-    WARM_START_STEPS,
-    evaluate_reward,
-    torch_threads,
-    warm_start,
-)
+from offpolicy.models.warm_start import evaluate_reward, torch_threads, warm_start
 
 CACHE_ENV = "OFFPOLICY_CACHE"
 INFO_FILE = "offpolicy_tiny.json"
@@ -45,51 +40,51 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "offpolicy"
 
 
-def _recipe(steps: int, seed: int) -> dict:
+def _description(recipe: ModelRecipe) -> dict:
+    """What the weights depend on (hashed into the directory name, stored next to the weights)."""
     return {
         "version": TINY_MODEL_VERSION,
-        "config": TINY_CONFIG,
+        "name": recipe.name,
+        "config": {**TINY_CONFIG, **recipe.config},
         "vocab_size": VOCAB_SIZE,
-        "warm_start": {"steps": steps, "batch_size": WARM_START_BATCH, "lr": WARM_START_LR, "seed": seed},
+        "task": {"name": recipe.task_name, **recipe.task_args},
+        "warm_start": dataclasses.asdict(recipe.warm),
     }
 
 
-def tiny_model_dir(cache_dir: str | os.PathLike | None = None, *, steps: int = WARM_START_STEPS, seed: int = 0) -> Path:
-    """Where the warm-started tiny model lives (no building): ``<root>/tiny-<12 hex of the recipe hash>``.
+def model_dir(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where a recipe's warm-started model lives (no building): ``<root>/<name>-<12 hex of the recipe hash>``.
 
-    >>> tiny_model_dir("/tmp/c").name.startswith("tiny-")
+    >>> model_dir("lab", "/tmp/c").name.startswith("lab-")
     True
     """
-    digest = hashlib.sha256(json.dumps(_recipe(steps, seed), sort_keys=True).encode()).hexdigest()[:12]
-    return cache_root(cache_dir) / f"tiny-{digest}"
+    recipe = get_recipe(recipe)
+    digest = hashlib.sha256(json.dumps(_description(recipe), sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / f"{recipe.name}-{digest}"
 
 
-def tiny_model_path(
-    cache_dir: str | os.PathLike | None = None,
-    *,
-    force: bool = False,
-    steps: int = WARM_START_STEPS,
-    seed: int = 0,
-) -> Path:
-    """Directory of the warm-started tiny model, building it first if missing (or if ``force``).
+def model_path(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike | None = None, *,
+               force: bool = False) -> Path:
+    """Directory of a recipe's warm-started model, building it first if missing (or if ``force``).
 
     ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)`` load it; its
-    ``offpolicy_tiny.json`` records the recipe and the warm-start numbers (loss, seconds, reward, accuracy).
-    ``steps`` overrides the warm-start length (a different cache entry; tests use a few steps).
+    ``offpolicy_tiny.json`` records the recipe and the warm-start numbers (loss, seconds, sampled reward, accuracy).
     """
-    final = tiny_model_dir(cache_dir, steps=steps, seed=seed)
+    recipe = get_recipe(recipe)
+    final = model_dir(recipe, cache_dir)
     if final.is_dir() and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        model, tokenizer = build_tiny_model(seed=seed)
-        stats = warm_start(model, tokenizer, steps=steps, seed=seed)
+        model, tokenizer = build_tiny_model(seed=recipe.warm.seed, **recipe.config)
+        task = recipe.task()
+        stats = warm_start(model, tokenizer, task=task, recipe=recipe.warm)
         with torch_threads(1):
-            stats.update(evaluate_reward(model, tokenizer, n=256))
+            stats.update(evaluate_reward(model, tokenizer, task=task, n=256))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / INFO_FILE).write_text(json.dumps({"recipe": _recipe(steps, seed), "stats": stats}, indent=2))
+        (tmp / INFO_FILE).write_text(json.dumps({"recipe": _description(recipe), "stats": stats}, indent=2))
         if force and final.is_dir():
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
             os.replace(final, trash / "old")
@@ -106,29 +101,50 @@ def tiny_model_path(
     return final
 
 
-def load_tiny_model(
-    cache_dir: str | os.PathLike | None = None,
-    *,
-    warm_start: bool = True,
-    force: bool = False,
-    steps: int = WARM_START_STEPS,
-):  # -> (PreTrainedModel, PreTrainedTokenizerFast)
-    """The embedded tiny model and its tokenizer, fp32, eval mode.
-
-    ``warm_start=True``: the cached warm-started model (built on first use, ≈1 min on 2 CPU cores — see
-    :func:`tiny_model_path`). ``warm_start=False``: a fresh random init (``build_tiny_model(seed=0)``, nothing
-    cached). No network access in either case.
-    """
-    if not warm_start:
-        return build_tiny_model(seed=0)
+def load_model(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike | None = None, *,
+               force: bool = False):  # -> (PreTrainedModel, PreTrainedTokenizerFast)
+    """A recipe's warm-started model (built and cached on first use) and its tokenizer, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = tiny_model_path(cache_dir, force=force, steps=steps)
+    path = model_path(recipe, cache_dir, force=force)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer
 
 
+def _tiny(steps: int | None, seed: int | None) -> ModelRecipe:
+    warm = {k: v for k, v in {"steps": steps, "seed": seed}.items() if v is not None}
+    return get_recipe("tiny").with_overrides(**warm)
+
+
+def tiny_model_dir(cache_dir: str | os.PathLike | None = None, *, steps: int | None = None,
+                   seed: int | None = None) -> Path:
+    """:func:`model_dir` of the ``tiny`` recipe (``steps`` / ``seed`` override its warm start).
+
+    >>> tiny_model_dir("/tmp/c").name.startswith("tiny-")
+    True
+    """
+    return model_dir(_tiny(steps, seed), cache_dir)
+
+
+def tiny_model_path(cache_dir: str | os.PathLike | None = None, *, force: bool = False, steps: int | None = None,
+                    seed: int | None = None) -> Path:
+    """:func:`model_path` of the ``tiny`` recipe (``steps`` overrides the warm-start length; tests use a few)."""
+    return model_path(_tiny(steps, seed), cache_dir, force=force)
+
+
+def load_tiny_model(cache_dir: str | os.PathLike | None = None, *, warm_start: bool = True, force: bool = False,
+                    steps: int | None = None):  # -> (PreTrainedModel, PreTrainedTokenizerFast)
+    """The embedded tiny model and its tokenizer, fp32, eval mode.
+
+    ``warm_start=True``: the cached warm-started model (built on first use, ≈1 min on 2 CPU cores). ``False``: a
+    fresh random init (``build_tiny_model(seed=0)``, nothing cached). No network access in either case.
+    """
+    if not warm_start:
+        return build_tiny_model(seed=0)
+    return load_model(_tiny(steps, None), cache_dir, force=force)
+
+
 def tiny_model_info(path: str | os.PathLike) -> dict:
-    """The recipe and warm-start statistics stored next to a cached tiny model."""
+    """The recipe and warm-start statistics stored next to a cached model."""
     return json.loads((Path(path) / INFO_FILE).read_text())

@@ -14,7 +14,7 @@ import torch
 
 # Bump when anything that changes the built weights changes (config, tokenizer corpus, warm-start recipe):
 # the cache directory name is derived from it.
-TINY_MODEL_VERSION = "1"
+TINY_MODEL_VERSION = "2"
 
 TINY_CONFIG: dict = {
     "hidden_size": 128,

@@ -2,7 +2,15 @@
 
 from offpolicy.rollout.base import RolloutEngine, RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.hf import HFRolloutEngine, fake_quantize
-from offpolicy.rollout.sampling import SamplingConfig, process_logits, sample_tokens, topk_logprobs
+from offpolicy.rollout.routing import RouteRecorder, find_routers, replay_routes, split_routes
+from offpolicy.rollout.sampling import (
+    SamplingConfig,
+    TokenHistory,
+    completion_history,
+    process_logits,
+    sample_tokens,
+    topk_logprobs,
+)
 from offpolicy.rollout.scoring import sequence_logprobs
 from offpolicy.rollout.vllm import VLLMRolloutEngine
 
@@ -10,13 +18,19 @@ __all__ = [
     "HFRolloutEngine",
     "RolloutEngine",
     "RolloutOutput",
+    "RouteRecorder",
     "SamplingConfig",
+    "TokenHistory",
     "VLLMRolloutEngine",
     "check_prompt_ids",
+    "completion_history",
     "fake_quantize",
+    "find_routers",
     "pad_ids",
     "process_logits",
+    "replay_routes",
     "sample_tokens",
     "sequence_logprobs",
+    "split_routes",
     "topk_logprobs",
 ]

@@ -30,6 +30,11 @@ class RolloutOutput:
       ``SamplingConfig.logprobs_topk = K > 0`` (0 / id 0 at padding; −inf where fewer than K tokens survive
       truncation), else None.
     * ``texts``: decoded completions (special tokens skipped), or ``""`` when the engine has no tokenizer.
+    * ``routed_experts``: for mixture-of-experts models when the engine records routes, one integer tensor
+      ``[P_i + C_i − 1, L, k]`` per row — the k experts of each of the L MoE layers at every position the engine
+      forwarded (the prompt and the completion but its last token); else None. See :mod:`offpolicy.rollout.routing`.
+    * ``sampling``: the recipe the engine applied (every logits processor, its temperature after any floor); with
+      ``prompt_ids`` and ``completion_ids`` (the token history each step saw) it is what the trainer scores with.
     """
 
     prompt_ids: list[list[int]]
@@ -39,6 +44,8 @@ class RolloutOutput:
     topk_logp: Tensor | None = None
     topk_ids: Tensor | None = None
     texts: list[str] | None = None
+    routed_experts: list[Tensor] | None = None
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self) -> None:
         b = len(self.prompt_ids)
@@ -54,6 +61,12 @@ class RolloutOutput:
                 raise ValueError(f"{name} must be [B, T, K] with [B, T] = {tuple(self.logp.shape)}, got {tuple(t.shape)}")
         if self.texts is None:
             self.texts = [""] * b
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != b:
+                raise ValueError(f"routed_experts has {len(self.routed_experts)} rows, prompt_ids has {b}")
+            for i, r in enumerate(self.routed_experts):
+                if r is not None and r.dim() != 3:
+                    raise ValueError(f"routed_experts[{i}] must be [positions, layers, k], got {tuple(r.shape)}")
 
 
 @runtime_checkable

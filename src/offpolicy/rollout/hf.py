@@ -22,10 +22,14 @@ tokens with an fp32 full forward. Optional knobs add the other mismatch sources 
   log-prob while generating and the same token re-scored in one forward by the same bf16 model (0 with "eager";
   ~1e-6 in fp32 either way). That is a real KV-cache mismatch source, opt-in so that by default
   :meth:`HFRolloutEngine.score` reproduces μ exactly.
+* ``record_routes`` (mixture-of-experts models): the experts each router picked for every prompt and completion
+  position are returned in ``RolloutOutput.routed_experts``, for the trainer to replay (R3, see
+  :mod:`offpolicy.rollout.routing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 
@@ -33,7 +37,8 @@ import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
-from offpolicy.rollout.sampling import SamplingConfig, process_logits, sample_tokens, topk_logprobs
+from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
+from offpolicy.rollout.sampling import SamplingConfig, TokenHistory, process_logits, sample_tokens, topk_logprobs
 from offpolicy.rollout.scoring import score_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,6 +105,7 @@ class HFRolloutEngine:
         quantize_layers: decoder-layer indices that ``weight_bits`` / ``kv_cache_bits`` apply to (None: all).
         lm_head_fp32: float32 output projection (TRL's ``cast_lm_head_to_fp32``), see the module docstring.
         attn_implementation: attention kernel of the engine's copy ("eager", "sdpa"; None keeps the model's).
+        record_routes: return each token's routed experts (MoE models only; ``ValueError`` otherwise).
         tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
             tokenizer's, then the model config's.
 
@@ -126,6 +132,7 @@ class HFRolloutEngine:
         tokenizer=None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
+        record_routes: bool = False,
     ) -> None:
         self.dtype = _as_dtype(dtype)
         _check_bits("kv_cache_bits", kv_cache_bits)
@@ -153,6 +160,9 @@ class HFRolloutEngine:
             p.data = p.data.to(self.dtype)
         if self.lm_head_fp32:
             _fp32_output_projection(self.model)
+        self.record_routes = bool(record_routes)
+        if self.record_routes:
+            find_routers(self.model)  # a dense model has nothing to record: say so now, not after generating
         self.sync_weights(model)
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -204,7 +214,9 @@ class HFRolloutEngine:
 
         Left-padded batch with positions cumsum(mask) − 1, so each row sees the same positions as alone.
         Rows stop at eos (eos included in ``completion_ids`` and ``mask``). Returned ``logp`` is the processed
-        log-prob (cfg's temperature/top-k/top-p/min-p) of each sampled token from the engine's own logits.
+        log-prob of each sampled token from the engine's own logits: every processor of ``cfg`` (bad words, logit
+        bias, repetition / frequency / presence penalties over the prompt and the tokens sampled so far,
+        temperature, top-k/top-p/min-p), reported back as ``RolloutOutput.sampling``.
         """
         if not isinstance(cfg, SamplingConfig):
             raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
@@ -220,19 +232,30 @@ class HFRolloutEngine:
         step_ids, step_pos = ids, pos
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         toks, logps, valids, tk_v, tk_i = [], [], [], [], []
+        history = None  # what the penalties and multi-token bad words see: the prompt, then each sampled token
+        recorder = RouteRecorder(self.model, batch_size=b) if self.record_routes else contextlib.nullcontext()
+        route_blocks = []  # [B, new columns, L, k] per step: the routes of the positions forwarded for the first time
         for _ in range(cfg.max_new_tokens):
-            if self.kv_cache:
-                logits = self._logits(step_ids, attn, step_pos, cache)
-            else:
-                # Full forward every step; a fresh (possibly quantised) cache only replays KV quantisation.
-                fresh = self._new_cache() if self.kv_cache_bits is not None else None
-                logits = self._logits(ids, attn, pos, fresh)
+            with recorder:
+                if self.kv_cache:
+                    logits = self._logits(step_ids, attn, step_pos, cache)
+                else:
+                    # Full forward every step; a fresh (possibly quantised) cache only replays KV quantisation.
+                    fresh = self._new_cache() if self.kv_cache_bits is not None else None
+                    logits = self._logits(ids, attn, pos, fresh)
+            if self.record_routes:
+                forwarded = sum(block.shape[1] for block in route_blocks)
+                route_blocks.append(recorder.pop()[:, forwarded - ids.shape[1]:])
             if self.logit_noise > 0:
                 logits = logits + self.logit_noise * torch.randn(logits.shape, generator=noise_gen, device=device)
-            lp = process_logits(logits, cfg)
+            if cfg.reads_history and history is None:
+                history = TokenHistory.start(prompt_ids, logits.shape[-1], cfg, device)
+            lp = process_logits(logits, cfg, history)
             nxt = sample_tokens(lp, gen)
             valid = ~finished
             nxt = torch.where(valid, nxt, torch.full_like(nxt, self.pad_token_id))
+            if history is not None:
+                history.advance(nxt, valid)
             toks.append(nxt)
             logps.append(torch.where(valid, lp.gather(-1, nxt[:, None]).squeeze(-1), torch.zeros(b, device=device)))
             valids.append(valid)
@@ -256,6 +279,12 @@ class HFRolloutEngine:
         texts = None
         if self.tokenizer is not None:
             texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        routed_experts = None
+        if self.record_routes:  # every position but the last sampled token (never fed back): P + C − 1 per row
+            routes = torch.cat(route_blocks, dim=1)
+            forwarded_attn = attn[:, : routes.shape[1]]
+            routed_experts = split_routes(routes, forwarded_attn,
+                                          [len(p) + n - 1 for p, n in zip(prompt_ids, lengths)])
         return RolloutOutput(
             prompt_ids=[list(p) for p in prompt_ids],
             completion_ids=completion_ids,
@@ -264,6 +293,8 @@ class HFRolloutEngine:
             topk_logp=torch.stack(tk_v, 1).float() if tk_v else None,
             topk_ids=torch.stack(tk_i, 1) if tk_i else None,
             texts=texts,
+            routed_experts=routed_experts,
+            sampling=cfg,
         )
 
     # -- re-scoring ------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import pad_ids
-from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.routing import replay_routes
+from offpolicy.rollout.sampling import SamplingConfig, completion_history, process_logits
 
 
 def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
@@ -36,6 +37,7 @@ def score_tokens(
     dtype: torch.dtype | None = None,
     return_logits: bool = False,
     past_key_values_factory=None,
+    routes: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """:func:`sequence_logprobs` with an optional cache factory (the engines use it to replay KV quantisation)."""
     if len(prompt_ids) != len(completion_ids):
@@ -61,10 +63,14 @@ def score_tokens(
         kwargs = {"past_key_values": past_key_values_factory(), "use_cache": True}
     else:
         kwargs = {"use_cache": False}
-    with _forward_context(model, dtype):
+    replay = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
+    with _forward_context(model, dtype), replay:
         out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
     logits = torch.gather(out.logits, 1, src[..., None].expand(b, t_max, out.logits.shape[-1])).float()
-    logp_all = process_logits(logits, cfg)
+    history = None
+    if cfg is not None and cfg.reads_history:  # penalties see the prompt and the completion tokens before each one
+        history = completion_history(prompt_ids, completion_ids, logits.shape[-1], cfg, device)
+    logp_all = process_logits(logits, cfg, history)
     logp = torch.gather(logp_all, -1, targets[..., None]).squeeze(-1)
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     return (logp, mask, logits) if return_logits else (logp, mask)
@@ -78,16 +84,23 @@ def sequence_logprobs(
     *,
     dtype: torch.dtype = torch.float32,
     return_logits: bool = False,
+    routes: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """Log-probs ``[B, T]`` of ``completion_ids`` given ``prompt_ids`` under one batched full forward.
 
     Rows are right-padded (positions 0..L−1, the same positions a left-padded engine assigns with
-    cumsum(attention_mask) − 1). Logits are cast to float32 and processed with ``cfg`` (temperature, top-k/p,
-    min-p — :func:`process_logits`; ``cfg=None``: plain log-softmax). A sampled token that the processing removed
+    cumsum(attention_mask) − 1). Logits are cast to float32 and processed with ``cfg`` — the engine's whole recipe
+    (bad words, logit bias, penalties over the prompt and the earlier completion tokens, temperature, top-k/p,
+    min-p: :func:`process_logits`; ``cfg=None``: plain log-softmax). A sampled token that the processing removed
     gets −inf (the engine could not have sampled it with that config — the caller decides how to treat it).
 
     ``dtype``: forward precision; the model's own dtype, or bf16/fp16 via autocast (mixed-precision trainer).
     Gradients flow if the caller did not disable them (π_θ); wrap in ``torch.no_grad()`` for π_old.
+
+    ``routes`` (mixture-of-experts models): one ``[P_i + C_i − 1, L, k]`` tensor per row, e.g. the engine's
+    ``RolloutOutput.routed_experts`` — the forward routes each token to the recorded experts, with gate weights from
+    this model's own router logits (routing replay, :func:`offpolicy.rollout.routing.replay_routes`; use that
+    context manager directly for the flip rate).
 
     Returns ``(logp [B, T] float32 (0 at padding), mask [B, T] bool)`` and, with ``return_logits=True``, also the
     *raw* float32 logits ``[B, T, V]`` at the same positions (apply :func:`process_logits` for the processed ones,
@@ -99,4 +112,5 @@ def sequence_logprobs(
     >>> logp.shape, mask.tolist(), bool((logp[mask] < 0).all())
     (torch.Size([2, 2]), [[True, True], [True, False]], True)
     """
-    return score_tokens(model, prompt_ids, completion_ids, cfg, dtype=dtype, return_logits=return_logits)
+    return score_tokens(model, prompt_ids, completion_ids, cfg, dtype=dtype, return_logits=return_logits,
+                        routes=routes)

@@ -6,24 +6,36 @@ Notes that matter for corrections:
 
 * vLLM applies min-p *before* top-k/top-p; :func:`offpolicy.rollout.sampling.process_logits` (HF order) applies
   it after. The two agree whenever at most one truncation is active; score with the same single truncation.
+* The recipe's penalties and logit bias map onto vLLM's own (same definitions: see
+  :mod:`offpolicy.rollout.sampling`); the reported recipe carries vLLM's temperature floor (0.01). Bad words given
+  as token ids, a logit bias beyond ±100 and greedy temperatures are refused (:func:`vllm_sampling`).
 * ``SamplingParams.logprobs = K`` returns the K most likely tokens *plus* the sampled one; K is capped by the
   engine's ``max_logprobs`` (pass ``max_logprobs`` to the constructor for larger K).
 * Weight sync writes the trainer's tensors through the model's ``load_weights`` inside the (in-process, TP = 1)
   worker, then resets the prefix cache so no KV computed with old weights is reused.
 
+* ``record_routes=True`` (mixture-of-experts models) starts vLLM with ``enable_return_routed_experts`` and passes
+  each request's ``CompletionOutput.routed_experts`` (``[positions, layers, k]``) through as
+  ``RolloutOutput.routed_experts``, cut to the P + C − 1 forwarded positions the trainer replays
+  (:mod:`offpolicy.rollout.routing`). vLLM indexes layers by decoder layer; the replay needs one per MoE router, so
+  a model with dense layers between its MoE layers is refused at replay time (layer count). Written from vLLM's
+  documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path.
+
 This module imports without vLLM; constructing the engine without it raises an ``ImportError`` that says how to
-install it. It is not exercised by the CPU test-suite.
+install it. It is not exercised by the CPU test-suite (the output conversion is).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
+from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 
 VLLM_MISSING = (
@@ -52,6 +64,45 @@ def check_vllm_filter_order(cfg: SamplingConfig) -> None:
                          "the sampled and the scored distributions differ; use one of the two")
 
 
+VLLM_MIN_TEMPERATURE = 1e-2  # vLLM raises 0 < T < 0.01 to 0.01 (its sampling_params._MAX_TEMP)
+VLLM_GREEDY_BELOW = 1e-5  # and samples greedily below 1e-5 (_SAMPLING_EPS): no distribution to replay
+VLLM_LOGIT_BIAS_BOUND = 100.0  # vLLM clamps each logit_bias value to [−100, 100] (OpenAI's range)
+
+
+def vllm_sampling(cfg: SamplingConfig) -> tuple[dict[str, Any], SamplingConfig]:
+    """``SamplingParams`` keyword arguments for ``cfg``'s processors, and the recipe vLLM will apply — ``cfg`` with
+    the temperature after vLLM's floor — which the engine reports. A processor vLLM would apply differently from
+    the trainer's replay is refused, naming it.
+
+    >>> kwargs, applied = vllm_sampling(SamplingConfig(temperature=0.005, repetition_penalty=1.1))
+    >>> kwargs["temperature"], applied.temperature, kwargs["repetition_penalty"]
+    (0.01, 0.01, 1.1)
+    """
+    check_vllm_filter_order(cfg)
+    if cfg.bad_words_ids:
+        raise ValueError("bad_words: vLLM takes bad words as strings and bans the tokenisations it makes of them "
+                         "(with and without a leading space), not these token ids; ban single tokens with "
+                         "logit_bias={id: -100.0} or sample with the HF engine")
+    if any(abs(b) > VLLM_LOGIT_BIAS_BOUND for _, b in cfg.logit_bias):
+        raise ValueError(f"logit_bias: vLLM clamps each bias to [-{VLLM_LOGIT_BIAS_BOUND:g}, "
+                         f"{VLLM_LOGIT_BIAS_BOUND:g}], so a larger one would be scored with another value")
+    if cfg.temperature < VLLM_GREEDY_BELOW:
+        raise ValueError(f"temperature: below {VLLM_GREEDY_BELOW:g} vLLM samples greedily (argmax), a distribution "
+                         "the trainer cannot score")
+    applied = replace(cfg, temperature=max(cfg.temperature, VLLM_MIN_TEMPERATURE))
+    kwargs = {
+        "temperature": applied.temperature,
+        "top_k": cfg.top_k if cfg.top_k is not None else -1,
+        "top_p": cfg.top_p if cfg.top_p is not None else 1.0,
+        "min_p": cfg.min_p if cfg.min_p is not None else 0.0,
+        "repetition_penalty": cfg.repetition_penalty,
+        "presence_penalty": cfg.presence_penalty,
+        "frequency_penalty": cfg.frequency_penalty,
+        "logit_bias": dict(cfg.logit_bias) or None,
+    }
+    return kwargs, applied
+
+
 class VLLMRolloutEngine:
     """Rollout engine on ``vllm.LLM`` for a local model directory (``save_pretrained`` output).
 
@@ -59,6 +110,7 @@ class VLLMRolloutEngine:
         model_path: local directory with config, safetensors weights and tokenizer (no download happens).
         dtype: vLLM's weight/activation dtype, "bfloat16" by default.
         max_logprobs: upper bound on ``SamplingConfig.logprobs_topk``.
+        record_routes: return each token's routed experts (MoE models; vLLM's ``enable_return_routed_experts``).
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``kv_cache_dtype="fp8"``).
     """
 
@@ -69,9 +121,13 @@ class VLLMRolloutEngine:
         dtype: str = "bfloat16",
         max_logprobs: int = 20,
         tokenizer=None,
+        record_routes: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         vllm = _import_vllm()
+        self.record_routes = bool(record_routes)
+        if self.record_routes:
+            llm_kwargs.setdefault("enable_return_routed_experts", True)
         # Weight sync reaches into the worker process, which needs the engine core in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._vllm = vllm
@@ -104,16 +160,13 @@ class VLLMRolloutEngine:
         if not isinstance(cfg, SamplingConfig):
             raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
         check_prompt_ids(prompt_ids)
-        check_vllm_filter_order(cfg)
+        processors, applied = vllm_sampling(cfg)
         sp = self._vllm.SamplingParams
         params = [
             sp(
                 n=1,
                 max_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k if cfg.top_k is not None else -1,
-                top_p=cfg.top_p if cfg.top_p is not None else 1.0,
-                min_p=cfg.min_p if cfg.min_p is not None else 0.0,
+                **processors,
                 logprobs=max(cfg.logprobs_topk, 0),  # 0 still returns the sampled token's log-prob
                 seed=int(seed) + i,
                 detokenize=True,
@@ -123,11 +176,26 @@ class VLLMRolloutEngine:
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
-        return _to_output(prompt_ids, results, cfg.logprobs_topk)
+        return _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes, sampling=applied)
 
 
-def _to_output(prompt_ids: list[list[int]], results: list, k: int) -> RolloutOutput:
-    """Convert vLLM ``RequestOutput``s into a padded :class:`RolloutOutput`."""
+def _routes(prompt: list[int], completion: list[int], output: Any) -> torch.Tensor:
+    """vLLM's ``routed_experts`` of one request as ``[P + C − 1, L, k]`` (it may also cover the last token)."""
+    routed = getattr(output, "routed_experts", None)
+    if routed is None:
+        raise ValueError("vLLM returned no routed_experts: record_routes needs a mixture-of-experts model and a vLLM "
+                         "with enable_return_routed_experts")
+    routed = torch.as_tensor(routed)
+    forwarded = len(prompt) + len(completion) - 1
+    if routed.dim() != 3 or routed.shape[0] < forwarded:
+        raise ValueError(f"vLLM's routed_experts must be [positions >= {forwarded}, layers, k], got {tuple(routed.shape)}")
+    return routed[:forwarded].to(route_dtype(int(routed.max()) + 1))
+
+
+def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bool = False,
+               sampling: SamplingConfig | None = None) -> RolloutOutput:
+    """Convert vLLM ``RequestOutput``s into a padded :class:`RolloutOutput` (with each request's routed experts if
+    ``routes``)."""
     completions = [list(r.outputs[0].token_ids) for r in results]
     b, t = len(completions), max((len(c) for c in completions), default=0)
     logp = torch.zeros(b, t)
@@ -155,4 +223,7 @@ def _to_output(prompt_ids: list[list[int]], results: list, k: int) -> RolloutOut
         topk_logp=topk_logp,
         topk_ids=topk_ids,
         texts=[r.outputs[0].text for r in results],
+        routed_experts=[_routes(p, c, r.outputs[0]) for p, c, r in zip(prompt_ids, completions, results)]
+        if routes else None,
+        sampling=sampling,
     )

@@ -1,37 +1,45 @@
-"""Built-in verifiable tasks (arithmetic, countdown), JSONL tasks and reward validation."""
+"""Built-in verifiable tasks (arithmetic, countdown, pattern), JSONL tasks and reward validation."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from offpolicy.tasks.arithmetic import ArithmeticTask
 from offpolicy.tasks.base import Example, RewardError, RewardFn, Task, check_rewards, compute_rewards
 from offpolicy.tasks.countdown import CountdownTask, safe_eval
 from offpolicy.tasks.jsonl import JsonlTask, exact_match_reward
+from offpolicy.tasks.pattern import PatternTask
 
-BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "pattern": PatternTask}
 # A small JSONL task shipped as package data: the format example for ``--task path.jsonl``.
 EXAMPLE_JSONL = Path(__file__).parent / "data" / "times_table.jsonl"
 
 
-def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None) -> Task:
-    """A built-in task by name ("arithmetic", "countdown") or a :class:`JsonlTask` from a ``.jsonl`` path.
+def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None, **options: Any) -> Task:
+    """A built-in task by name ("arithmetic", "countdown", "pattern") or a :class:`JsonlTask` from a ``.jsonl`` path.
 
     ``reward_fn`` replaces the JSONL task's default exact match; built-in tasks have their own reward and
-    reject one (ValueError) rather than silently ignoring it.
+    reject one (ValueError) rather than silently ignoring it. ``options`` are a built-in task's arguments
+    (``get_task("pattern", length=64)``); an unknown one is a ValueError naming it.
 
     >>> get_task("arithmetic").name
     'arithmetic'
     >>> get_task("sudoku")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown'] or a path to a .jsonl file
+    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown', 'pattern'] or a path to a .jsonl file
     """
     key = str(name_or_path)
     if key in BUILTIN_TASKS:
         if reward_fn is not None:
             raise ValueError(f"reward_fn: built-in task {key!r} has its own reward; use a JSONL task for a custom one")
-        return BUILTIN_TASKS[key]()
+        try:
+            return BUILTIN_TASKS[key](**options)
+        except TypeError as err:  # an unknown keyword: name it instead of showing a constructor traceback
+            raise ValueError(f"task options {sorted(options)} do not fit task {key!r}: {err}") from None
+    if options:
+        raise ValueError(f"task options {sorted(options)} only apply to built-in tasks, not {key!r}")
     if key.endswith(".jsonl") or Path(key).is_file():
         return JsonlTask(key, reward_fn=reward_fn)
     raise ValueError(f"unknown task {key!r}: use one of {sorted(BUILTIN_TASKS)} or a path to a .jsonl file")
@@ -44,6 +52,7 @@ __all__ = [
     "CountdownTask",
     "Example",
     "JsonlTask",
+    "PatternTask",
     "RewardError",
     "RewardFn",
     "Task",

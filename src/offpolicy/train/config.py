@@ -24,31 +24,37 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need no directory
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: every float field must be finite (optim.lr=inf used to pass `gt=0`, then blew the model up)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
-    """``path``: a local HF model directory, ``"tiny"`` (embedded model, warm-started and cached) or
-    ``"tiny-random"`` (embedded architecture, random init from ``run.seed``: fast, for tests)."""
+    """``path``: a local HF model directory, an embedded model warm-started and cached on first use (``"tiny"``, the
+    1.6 M-parameter arithmetic model; ``"lab"``, the 5 M-parameter pattern model of the lab) or ``"tiny-random"``
+    (the tiny architecture, random init from ``run.seed``: fast, for tests). ``tiny_config`` overrides the
+    architecture of any embedded model (a larger ``lab`` is warm-started with the same recipe)."""
 
     path: str = "tiny"
     cache_dir: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     layers_path: str | None = None  # decoder ModuleList for ALP when auto-detection picks the wrong one
-    tiny_config: dict[str, int | float] = Field(default_factory=dict)  # size overrides for tiny / tiny-random
+    tiny_config: dict[str, int | float] = Field(default_factory=dict)  # architecture overrides of an embedded model
 
     @field_validator("path")
     @classmethod
     def _nonempty(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("model.path is empty: give a local model directory, 'tiny' or 'tiny-random'")
+            raise ValueError("model.path is empty: give a local model directory, 'tiny', 'lab' or 'tiny-random'")
         return v
 
 
 class TaskConfig(_Section):
     name: str = "arithmetic"  # built-in task name or a local JSONL path
+    options: dict[str, int | float | str] = Field(default_factory=dict)  # built-in task arguments (pattern: length)
     prompts_per_step: int = Field(4, ge=1)
     reward_fn: str | None = None  # "module:function" for a custom reward
 
@@ -70,6 +76,12 @@ class RolloutConfig(_Section):
     kv_cache_bits: int | None = None
     weight_bits: int | None = None
     logit_noise: float = Field(0.0, ge=0)
+    # weights pushed to the engine every k steps (k > 1: the engine samples with a policy up to k − 1 updates old,
+    # as an asynchronous rollout pipeline does; the off-policy part of μ that the corrections see)
+    sync_every: int = Field(1, ge=1)
+    # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
+    # routes in the π_θ forwards (offpolicy.rollout.routing)
+    routing_replay: Literal["none", "r2", "r3"] = "none"
     sampling: SamplingSection = Field(default_factory=SamplingSection)
 
 
@@ -203,8 +215,8 @@ class TrainConfig(_Section):
             raise ValueError("algorithm.trm_max_kl and algorithm.trm_avg_kl are both null: preset 'trm' needs at "
                              "least one of its two tests")
         path = self.model.path
-        if path not in ("tiny", "tiny-random") and not Path(path).expanduser().is_dir():
-            raise ValueError(f"model.path {path!r} is not a local directory (and not 'tiny' / 'tiny-random'); "
+        if path not in EMBEDDED_MODELS and not Path(path).expanduser().is_dir():
+            raise ValueError(f"model.path {path!r} is not a local directory (and not one of {list(EMBEDDED_MODELS)}); "
                              "offpolicy never downloads weights")
         return self
 

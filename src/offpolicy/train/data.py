@@ -48,8 +48,8 @@ def resolve_reward_fn(spec: str | None):  # -> RewardFn | None
 
 
 def load_task(task_cfg: Any):  # -> Task
-    """The task named by ``task.name`` (built-in or a JSONL path), with ``task.reward_fn`` if given."""
-    return get_task(task_cfg.name, reward_fn=resolve_reward_fn(task_cfg.reward_fn))
+    """The task named by ``task.name`` (built-in or a JSONL path), with ``task.options`` / ``task.reward_fn``."""
+    return get_task(task_cfg.name, reward_fn=resolve_reward_fn(task_cfg.reward_fn), **task_cfg.options)
 
 
 def step_prompts(task: Any, tokenizer: Any, n: int, seed: int) -> list[Prompt]:
@@ -82,12 +82,3 @@ def compute_rewards(task: Any, prompts: list[Prompt], group_size: int, texts: li
         raise RewardError(f"task {getattr(task, 'name', '?')!r}: {err} [prompts: "
                           f"{[p.example.prompt for p in prompts][:8]}]") from err
     return torch.tensor(rewards, dtype=torch.float32)
-
-
-def load_tiny(cache_dir: str | None, tiny_config: dict[str, Any]):  # -> (model, tokenizer)
-    """The embedded tiny model, warm-started once and cached (:func:`offpolicy.models.load_tiny_model`)."""
-    from offpolicy.models import load_tiny_model
-
-    if tiny_config:
-        raise ValueError("model.tiny_config only applies to model.path='tiny-random' (the warm start has a fixed size)")
-    return load_tiny_model(cache_dir=cache_dir, warm_start=True)

@@ -41,6 +41,7 @@ from offpolicy.metrics import offpolicy_metrics
 from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss
 from offpolicy.ratios import masked_mean
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.routing import RouteRecorder, replay_routes
 from offpolicy.rollout.scoring import sequence_logprobs
 from offpolicy.train.checkpoint import (
     checkpoint_files,
@@ -80,7 +81,8 @@ class TrainResult:
 
 
 def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
-    """``tiny`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local HF path.
+    """``tiny`` / ``lab`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local
+    HF path.
 
     A local path is loaded with ``local_files_only=True``: offpolicy never downloads weights.
     """
@@ -89,10 +91,10 @@ def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
         from offpolicy.models.tiny import build_tiny_model
 
         model, tok = build_tiny_model(cfg.run.seed, **m.tiny_config)
-    elif m.path == "tiny":
-        from offpolicy.train.data import load_tiny
+    elif m.path in ("tiny", "lab"):
+        from offpolicy.models import load_model as load_embedded, get_recipe
 
-        model, tok = load_tiny(m.cache_dir, m.tiny_config)
+        model, tok = load_embedded(get_recipe(m.path).with_overrides(m.tiny_config), m.cache_dir)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,7 +112,7 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFR
     r = cfg.rollout
     return HFRolloutEngine(
         model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
-        logit_noise=r.logit_noise, tokenizer=tokenizer,
+        logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none",
     )
 
 
@@ -270,10 +272,18 @@ def train(
     dual_clip = a.dual_clip if a.dual_clip is not None else preset.dual_clip
     train_dtype = _DTYPES[cfg.model.dtype]
 
+    # what a checkpoint holds besides the model and optimizer: ALP's σ, and the engine's own (lagging) weights when
+    # rollout.sync_every > 1, so that a resumed run samples from the same stale policy as the uninterrupted one
+    saved_modules = {"alp": alp} if alp is not None else {}
+    if cfg.rollout.sync_every > 1:
+        if not isinstance(getattr(engine, "model", None), torch.nn.Module):
+            raise ValueError("rollout.sync_every > 1 needs an engine whose weights are a module at engine.model "
+                             "(they are saved in checkpoints)")
+        saved_modules["engine"] = engine.model
     start = 0
     if resume_from is not None:
-        modules = {"alp": alp} if alp is not None else None
-        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, extra_modules=modules)["step"]
+        start = load_checkpoint(resume_from, model=model, optimizer=optimizer,
+                                extra_modules=saved_modules or None)["step"]
         if start == run.steps:  # a finished run resumed again (e.g. a retry script): leave every file as it is
             warnings.warn(f"--resume: checkpoint {str(resume_from)!r} is already at run.steps={run.steps}; nothing "
                           "to do (raise run.steps to train further)", stacklevel=2)
@@ -294,7 +304,7 @@ def train(
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer,
-                               extra_modules={"alp": alp} if alp is not None else None,
+                               extra_modules=saved_modules or None,
                                metadata={"preset": a.preset, "seed": run.seed}, keep_last=3)
 
     history: list[dict[str, float]] = []
@@ -314,7 +324,8 @@ def train(
                 # 1. rollout with the inference engine's numerics
                 prompts: list[Prompt] = step_prompts(task, tokenizer, cfg.task.prompts_per_step, seed)
                 prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
-                engine.sync_weights(model)
+                if step % cfg.rollout.sync_every == 0:  # an asynchronous engine samples with weights that lag
+                    engine.sync_weights(model)
                 ro = engine.generate(prompt_ids, sampling, seed=seed)
                 completions = ro.completion_ids
                 t_rollout = time.perf_counter() - t0
@@ -326,11 +337,20 @@ def train(
                 advantages = adv_fn(rewards, a.group_size)
 
                 # 4. π_old: fp32 full forward, no grad, ALP off (μ is compared with this)
+                #    routing replay (MoE): r3 routes π_old as the engine did; r2 records π_old's own routes for π_θ
                 need_logits = preset.divergence
-                with torch.no_grad():
+                replay_mode = cfg.rollout.routing_replay
+                routing = (replay_routes(model, ro.routed_experts, mode="replay" if replay_mode == "r3" else "compare")
+                           if replay_mode != "none" else contextlib.nullcontext())
+                recorder = (RouteRecorder(model, batch_size=len(prompt_ids)) if replay_mode == "r2"
+                            else contextlib.nullcontext())
+                with torch.no_grad(), routing as replayed, recorder as recorded:
                     old_logp, mask, old_logits, old_extras = score_policy(
                         model, prompt_ids, completions, sampling, dtype=train_dtype, dvp_rho=dvp_rho,
                         return_logits=need_logits)
+                theta_routes = {"none": None, "r3": ro.routed_experts}.get(replay_mode)
+                if replay_mode == "r2":
+                    theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(prompt_ids, completions)])
                 rollout_logp = ro.logp.to(old_logp.device)
                 token_div, div_kind = None, "exact"
                 if need_logits and hasattr(engine, "score"):
@@ -346,6 +366,8 @@ def train(
                 # the result itself, not its coefficient: the metrics reuse the log-ratio its corrections computed
                 corrected = correction(full) if correction is not None else None
                 metrics: dict[str, Tensor | float] = dict(offpolicy_metrics(old_logp, rollout_logp, mask, corrected))
+                if replay_mode != "none":  # the engine's routes that π_old's own router would change
+                    metrics["routing/flip_rate"] = replayed.flip_rate
 
                 # 5. minibatch updates
                 if alp is not None:
@@ -359,7 +381,9 @@ def train(
                         ids = idx.tolist()
                         mb_prompts = [prompt_ids[i] for i in ids]
                         mb_comp = [completions[i] for i in ids]
-                        with alp.active() if alp is not None else contextlib.nullcontext():
+                        mb_routing = (replay_routes(model, [theta_routes[i] for i in ids]) if theta_routes is not None
+                                      else contextlib.nullcontext())
+                        with alp.active() if alp is not None else contextlib.nullcontext(), mb_routing:
                             logp, mb_mask, _, extras = score_policy(model, mb_prompts, mb_comp, sampling,
                                                                     dtype=train_dtype, dvp_rho=dvp_rho)
                         t = logp.shape[1]

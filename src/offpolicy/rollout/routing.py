@@ -1,0 +1,275 @@
+"""Routing replay for mixture-of-experts models: record the experts each token was routed to, replay them elsewhere.
+
+A MoE router picks the top-k experts of each token. A tiny numerical difference between the rollout engine and the
+trainer (bf16 vs fp32, another kernel) can swap an expert at a near-tie, and a swapped expert changes the token's
+hidden state — a routing flip turns jitter into a large probability change (arXiv 2512.23075 names it among the
+mismatch sources). Routing replay removes it by making the trainer's forward use recorded routes:
+
+* **R3**, rollout routing replay (arXiv 2510.11370): the rollout engine records the routes it used for every
+  prompt and completion position; the trainer replays them in its π_old and π_θ forwards.
+* **R2**, routing replay (GSPO, arXiv 2507.18071 §5): the trainer's π_old forward routes natively and records; the
+  π_θ forwards of the update replay π_old's routes, so the ratio π_θ/π_old is not moved by routing changes while
+  the policy is updated. The engine's routes are not used.
+
+(verl's ``router_replay.mode: R2 | R3`` means the same.) What is replayed is the *selection* only: the gate weights
+are recomputed from the trainer's own router logits at the replayed experts — softmax over all experts, gathered at
+the replayed ones, renormalised where the model renormalises — so the router still gets its gradient (as the R3
+paper and verl's Megatron router-replay patch do).
+
+Supported: Hugging Face MoE routers whose forward maps hidden states ``[N, H]`` to ``(router_logits [N, E],
+weights [N, k], experts [N, k])`` as softmax → top-k → optional renormalisation — in transformers 5.x the
+``*TopKRouter`` modules of Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE, among others. Each router's gate computation is
+checked on its first call (recomputing the native routes must give the native weights); a router computed another
+way (sigmoid scores, grouped or biased top-k) is refused with a ``ValueError`` naming its class.
+
+Routes are stored per sequence as an integer tensor ``[P + C − 1, L, k]``: the experts of each of the L MoE layers
+(in module order) for every position the engine forwarded — the prompt and all completion tokens but the last,
+which is sampled and never fed back (vLLM's ``routed_experts`` uses the same positions). Replay lines them up with a
+right-padded forward whose rows start at position 0 (:func:`offpolicy.rollout.scoring.sequence_logprobs`);
+positions without a recorded route (the last token, padding) route natively.
+
+>>> import torch
+>>> from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+>>> torch.manual_seed(0) and None
+>>> model = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+...     moe_intermediate_size=8, shared_expert_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+...     num_key_value_heads=1, num_experts=4, num_experts_per_tok=2))
+>>> ids = torch.tensor([[1, 5, 7, 9]])
+>>> with RouteRecorder(model, batch_size=1) as rec:
+...     native = model(input_ids=ids).logits
+>>> routes = rec.pop()                     # [B, S, L, k]
+>>> routes.shape
+torch.Size([1, 4, 2, 2])
+>>> with replay_routes(model, [routes[0, :3]]) as replay:    # the first P + C − 1 = 3 positions
+...     replayed = model(input_ids=ids).logits
+>>> torch.equal(native, replayed), replay.flip_rate
+(True, 0.0)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in module order (one per MoE layer); ``ValueError`` if it has none.
+
+    A router is a module whose class name ends in ``TopKRouter`` (transformers 5.x: ``Qwen2MoeTopKRouter``,
+    ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``OlmoeTopKRouter``, …) with a ``top_k``.
+    """
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    if not routers:
+        raise ValueError(
+            f"{type(model).__name__} has no mixture-of-experts router (a *TopKRouter module): routing replay needs "
+            "an MoE model such as Qwen2-MoE, Qwen3-MoE, Mixtral or OLMoE"
+        )
+    return routers
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Integer dtype for stored expert ids: int16 where it fits (as vLLM returns them), else int32."""
+    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def _num_experts(router: nn.Module) -> int:
+    return int(getattr(router, "num_experts", None) or router.weight.shape[0])
+
+
+class RouteRecorder:
+    """Context manager that records the experts every router picks, per forward.
+
+    ``batch_size`` is the B of the forwards (each router sees its input flattened to ``[B·S, H]``). After each
+    forward, :meth:`pop` returns its routes ``[B, S, L, k]`` (int16/int32; L routers in module order) and clears them.
+
+    >>> # see the module docstring for a full example
+    """
+
+    def __init__(self, model: nn.Module, *, batch_size: int) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.routers = find_routers(model)
+        self.batch_size = batch_size
+        self._dtype = route_dtype(max(_num_experts(r) for r in self.routers))
+        self._seen: dict[int, Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> RouteRecorder:
+        for position, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(position)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, position: int):
+        def record(module: nn.Module, args, output) -> None:
+            experts = output[2]
+            # Under activation checkpointing a router fires again in the backward recompute: keep the first.
+            if position not in self._seen:
+                self._seen[position] = experts.detach().to(self._dtype)
+
+        return record
+
+    def pop(self) -> Tensor:
+        """Routes of the forward since the last pop, ``[B, S, L, k]``; ``ValueError`` if no router fired."""
+        if len(self._seen) != len(self.routers):
+            raise ValueError(f"{len(self._seen)} of {len(self.routers)} routers fired since the last pop: run one "
+                             "forward of the whole model between pops")
+        layers = [self._seen[i] for i in range(len(self.routers))]
+        self._seen = {}
+        n, k = layers[0].shape
+        if n % self.batch_size:
+            raise ValueError(f"the routers saw {n} tokens, not a multiple of batch_size={self.batch_size}")
+        return torch.stack(layers, dim=1).reshape(self.batch_size, n // self.batch_size, len(layers), k)
+
+    def pop_rows(self, lengths: list[int]) -> list[Tensor]:
+        """:meth:`pop` split into rows of a right-padded forward (row i's tokens start at position 0): row i keeps
+        its first ``lengths[i]`` positions — e.g. P_i + C_i − 1 after scoring π_old, to replay in π_θ (R2)."""
+        routes = self.pop()
+        width = routes.shape[1]
+        if len(lengths) != routes.shape[0] or any(n > width for n in lengths):
+            raise ValueError(f"lengths must give one length <= {width} per row of the {routes.shape[0]}, got {lengths}")
+        return [routes[i, :n].clone() for i, n in enumerate(lengths)]
+
+
+class replay_routes:  # noqa: N801  (a context manager used like a function: ``with replay_routes(...)``)
+    """Context manager: forwards of ``model`` inside it route the tokens of each row as recorded in ``routes``.
+
+    Args:
+        model: the trainer's MoE model (the same architecture that recorded the routes).
+        routes: one integer tensor ``[n_i, L, k]`` per row of the forward's batch — routes of that row's first
+            ``n_i`` positions (right-padded layout: row i's tokens start at position 0); later positions route
+            natively. ``None`` for a row routes it natively.
+        mode: ``"replay"`` uses the recorded experts; ``"compare"`` leaves routing native and only measures how
+            often it differs from the record (the flip rate without replay).
+
+    After (or during) the context, ``flip_rate`` is the fraction of recorded (position, layer) pairs whose native
+    top-k expert *set* differs from the recorded one, and ``flips`` / ``routed`` its counts (over every forward in
+    the context; 0.0 when nothing was recorded).
+    """
+
+    def __init__(self, model: nn.Module, routes: list[Tensor | None],
+                 mode: Literal["replay", "compare"] = "replay") -> None:
+        if mode not in ("replay", "compare"):
+            raise ValueError(f"mode must be 'replay' or 'compare', got {mode!r}")
+        self.routers = find_routers(model)
+        if not isinstance(routes, (list, tuple)) or not routes:
+            raise ValueError("routes must be a non-empty list with one [n_i, L, k] tensor (or None) per row")
+        top_k = self.routers[0].top_k
+        for i, r in enumerate(routes):
+            if r is None:
+                continue
+            if r.dim() != 3 or r.shape[1] != len(self.routers) or r.shape[2] != top_k:
+                raise ValueError(f"routes[{i}] must be [n, L={len(self.routers)}, k={top_k}] for this model, "
+                                 f"got {tuple(r.shape)}")
+            if r.is_floating_point():
+                raise ValueError(f"routes[{i}] must hold integer expert ids, got {r.dtype}")
+        self.routes = list(routes)
+        self.mode = mode
+        self._counts: list[tuple[Tensor, Tensor]] = []  # (flipped, recorded) per router call, summed when read
+        self._renormalises: dict[int, bool] = {}
+        self._targets: dict[int, tuple[Tensor, Tensor]] = {}
+        self._handles: list = []
+
+    @property
+    def flips(self) -> int:
+        return int(sum(int(f) for f, _ in self._counts))
+
+    @property
+    def routed(self) -> int:
+        return int(sum(int(n) for _, n in self._counts))
+
+    @property
+    def flip_rate(self) -> float:
+        routed = self.routed
+        return self.flips / routed if routed else 0.0
+
+    def __enter__(self) -> replay_routes:
+        for position, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(position)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _target(self, position: int, n_tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Recorded experts ``[N, k]`` (long) for the flattened ``[B·W]`` tokens of a forward, and which have one."""
+        key = (position, n_tokens)
+        if key not in self._targets:
+            b = len(self.routes)
+            if n_tokens % b:
+                raise ValueError(f"a router saw {n_tokens} tokens, not a multiple of the {b} rows given routes")
+            width = n_tokens // b
+            k = self.routers[position].top_k
+            experts = torch.zeros(b, width, k, dtype=torch.long, device=device)
+            has = torch.zeros(b, width, dtype=torch.bool, device=device)
+            for i, r in enumerate(self.routes):
+                if r is None:
+                    continue
+                n = min(r.shape[0], width)
+                experts[i, :n] = r[:n, position].to(device=device, dtype=torch.long)
+                has[i, :n] = True
+            self._targets[key] = (experts.reshape(n_tokens, k), has.reshape(n_tokens))
+        return self._targets[key]
+
+    def _hook(self, position: int):
+        def replay(module: nn.Module, args, output):
+            logits, weights, native = output
+            target, has = self._target(position, native.shape[0], native.device)
+            if position not in self._renormalises:
+                self._renormalises[position] = _gate_renormalises(module, logits, weights, native)
+            with torch.no_grad():  # counted on the device; read (one sync) only when flip_rate is asked for
+                differs = (native.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1) & has
+                self._counts.append((differs.sum(), has.sum()))
+            if self.mode == "compare":
+                return None
+            experts = torch.where(has[:, None], target, native)
+            return logits, _gate_weights(logits, experts, self._renormalises[position]).to(weights.dtype), experts
+
+        return replay
+
+
+def _gate_weights(logits: Tensor, experts: Tensor, renormalise: bool) -> Tensor:
+    """softmax(router logits) over all experts, gathered at ``experts`` [N, k], renormalised to sum 1 if asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights = probs.gather(-1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True) if renormalise else weights
+
+
+def _gate_renormalises(router: nn.Module, logits: Tensor, weights: Tensor, experts: Tensor) -> bool:
+    """Whether ``router`` renormalises its top-k weights; checked against its own native output, so a router whose
+    gate is computed another way is refused instead of replayed wrongly."""
+    declared = bool(getattr(router, "norm_topk_prob", True))  # Mixtral has no flag and always renormalises
+    with torch.no_grad():
+        for renormalise in (declared, not declared):
+            mine = _gate_weights(logits, experts, renormalise).to(weights.dtype)
+            if torch.allclose(mine.float(), weights.detach().float(), rtol=1e-5, atol=1e-6):
+                return renormalise
+    raise ValueError(
+        f"routing replay cannot reproduce the gate weights of {type(router).__name__}: it supports routers whose "
+        "weights are the softmax of the router logits at the top-k experts, optionally renormalised"
+    )
+
+
+def split_routes(routes: Tensor, attention: Tensor, lengths: list[int]) -> list[Tensor]:
+    """Per-row routes from a padded record: row i keeps the first ``lengths[i]`` positions where ``attention`` [B, S]
+    is True (left or right padding alike). ``routes`` is ``[B, S, L, k]``.
+
+    >>> r = torch.arange(6).reshape(2, 3, 1, 1)
+    >>> [x.flatten().tolist() for x in split_routes(r, torch.tensor([[0, 1, 1], [1, 1, 1]]).bool(), [2, 1])]
+    [[1, 2], [3]]
+    """
+    out = []
+    for i, n in enumerate(lengths):
+        kept = routes[i][attention[i]]
+        if kept.shape[0] < n:
+            raise ValueError(f"row {i} has {kept.shape[0]} recorded positions, fewer than the {n} asked for")
+        out.append(kept[:n].clone())
+    return out

@@ -1,0 +1,341 @@
+"""The verl adapter inside verl's real actor path, on CPU: loss, metrics and gradient equal verl's own ``vanilla``.
+
+What runs is what a verl job runs on each worker since verl 0.8 (``DataParallelPPOActor`` is gone): a
+``TrainingWorker`` with the FSDP2 engine, ``ppo_loss`` bound to an actor config (which looks the policy loss up in
+verl's registry by ``policy_loss.loss_mode``) and ``train_mini_batch`` splitting the mini-batch into micro-batches —
+here in one process with a gloo group and a tiny random Qwen2 saved to a temporary folder.
+
+verl assumes an accelerator; nothing in verl is changed, the test supplies what a CPU run lacks:
+
+* a ``cpu`` platform (verl's platform registry has cuda/npu/rocm only and otherwise falls back to cuda),
+* the FSDP language-model engine registered for that device (verl registers it for cuda and npu),
+* ``attn_implementation="eager"`` and ``use_remove_padding=False`` (the defaults need flash-attention),
+* fp32 parameters (the default bf16 autocast would compare two losses on rounded log-probs),
+* verl's TRL check switched off (it patches ``AutoModelForCausalLMWithValueHead``, which TRL ≥ 1.0 no longer has),
+* ``temperature`` in the batch's ``meta_info``, as verl's trainer puts it there.
+
+Skipped only when verl is not installed; ``.ci/run`` installs the pinned ``verl==0.9.1`` (``--no-deps``) and the
+packages its actor path imports (the ``verl-ci`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import socket
+from functools import partial
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+
+from offpolicy.corrections.importance import mis, tis  # noqa: E402
+from offpolicy.integrations.verl import register_verl_policy_loss, rollout_correction  # noqa: E402
+
+B, P, R, VOCAB = 8, 4, 6, 64  # sequences, prompt and response width, vocabulary
+MICRO = 4  # two micro-batches per mini-batch: the global counts (not the micro-batch's) must set the scale
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.0])
+LENGTHS = torch.tensor([6, 5, 3, 1, 6, 2, 4, 6])  # response lengths (row 1 also has left padding in its prompt)
+
+
+def _cpu_platform():
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class CPUDeviceModule:
+        """``torch.cpu`` plus the memory and name queries verl logs (no such counters on CPU)."""
+
+        max_memory_allocated = max_memory_reserved = memory_allocated = memory_reserved = staticmethod(lambda *_: 0)
+        mem_get_info = staticmethod(lambda *_: (0, 0))
+        get_device_name = staticmethod(lambda *_: "CPU")
+
+        def __getattr__(self, name):
+            return getattr(torch.cpu, name)
+
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = CPUDeviceModule()
+
+        def is_available(self):
+            return True
+
+        def is_platform_available(self, use_smi_check=False):
+            return True
+
+        def current_device(self):
+            return "cpu"  # verl moves tensors .to(current_device())
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def get_device_capability(self, device_index=0):
+            return None, None
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg):
+            return contextlib.nullcontext()
+
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
+
+    return CPUPlatform()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """A verl ``TrainingWorker`` (FSDP2, fp32, lr 0 so every call sees the same weights) on a tiny random Qwen2."""
+    from verl.plugin.platform import platform_manager
+
+    platform_manager.set_platform(_cpu_platform())  # before verl's engine modules read the device at import
+
+    import verl.models.transformers.monkey_patch as verl_patches
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine_workers import TrainingWorker
+
+    verl_patches.is_trl_available = lambda: False
+    if "cpu" not in EngineRegistry._engines["language_model"]["fsdp2"]:
+        EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
+            FSDPEngineWithLMHead
+        )
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+        training = TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=HFModelConfig(path=str(path), load_tokenizer=False, use_remove_padding=False,
+                                       override_config={"attn_implementation": "eager"}),
+            engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, mixed_precision=fp32,
+                                           use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO,
+                                           infer_micro_batch_size_per_gpu=MICRO),
+            optimizer_config=FSDPOptimizerConfig(lr=0.0, clip_grad=1e9),
+            checkpoint_config=None,
+        )
+        w = TrainingWorker(training)
+        w.reset()
+        w.grads = []
+        step = w.engine.optimizer_step
+
+        def record_gradient_then_step():  # the gradient the update would use, flattened, before the optimizer
+            w.grads.append(torch.cat([p.grad.full_tensor().flatten() for p in w.engine.module.parameters()]))
+            return step()
+
+        w.engine.optimizer_step = record_gradient_then_step
+        for name, version in (("offpolicy_test", None), ("offpolicy_test_070", "0.7.0")):
+            register_verl_policy_loss(name, verl_version=version)
+        yield w
+    finally:
+        torch.distributed.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (B, P + R), generator=g)
+    attention_mask = torch.ones(B, P + R, dtype=torch.long)
+    for i, length in enumerate(LENGTHS.tolist()):
+        attention_mask[i, P + length:] = 0
+    attention_mask[1, :2] = 0  # left padding
+    return input_ids, attention_mask
+
+
+def _batch(tensors: dict, meta: dict):
+    """verl's trainer-side batch (``DataProto`` → no-padding ``TensorDict``) as ``_update_actor`` builds it."""
+    from verl import DataProto
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    input_ids, attention_mask = _inputs()
+    data = DataProto.from_single_dict(
+        {"input_ids": input_ids, "prompts": input_ids[:, :P], "attention_mask": attention_mask,
+         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "responses": input_ids[:, P:],
+         "response_mask": attention_mask[:, P:], **tensors},
+        meta_info={"temperature": 1.0, "global_token_num": attention_mask.sum(-1).tolist(), **meta},
+    )
+    return left_right_2_no_padding(data.to_tensordict())
+
+
+@pytest.fixture(scope="module")
+def current_logp(worker):
+    """π_θ's log-probs of the responses [B, R] from the worker's own forward (0 at padding)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    data = _batch({}, {"compute_loss": False})
+    logp = no_padding_2_padding(tu.get(worker.infer_batch(data), "log_probs"), data).float()
+    return logp * _inputs()[1][:, P:]
+
+
+def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
+    """π_old: within ±0.3 of π_θ (PPO's clip binds on some tokens); with ``dual_clip_binds`` every other token of the
+    A < 0 rows has r = π_θ/π_old = e² ≈ 7.4 > clip_ratio_c = 3."""
+    noise = 0.3 * torch.randn(B, R, generator=torch.Generator().manual_seed(3))
+    old = current + noise.clamp(-0.3, 0.3)
+    if dual_clip_binds:
+        old[ADVANTAGES < 0, ::2] = current[ADVANTAGES < 0, ::2] - 2.0
+    return old
+
+
+def _train(worker, loss_mode: str, agg: str, tensors: dict):
+    """One ``train_mini_batch`` of the whole batch (two micro-batches): (metrics, gradient)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=MICRO,
+                            loss_agg_mode=agg, policy_loss={"loss_mode": loss_mode}, clip_ratio=0.2, clip_ratio_c=3.0)
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    data = _batch(tensors, {})
+    tu.assign_non_tensor(data, global_batch_size=B, mini_batch_size=B, epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True, calculate_entropy=False)
+    worker.grads.clear()
+    metrics = tu.get(worker.train_mini_batch(data), "metrics")
+    (grad,) = worker.grads
+    return metrics, grad
+
+
+def test_installed_verl_is_the_pinned_release():
+    # what the README says was run; bump both together
+    assert importlib.metadata.version("verl") == "0.9.1"
+
+
+@pytest.mark.parametrize("dual_clip_binds", [False, True], ids=["no-dual-clip", "dual-clip-binds"])
+@pytest.mark.parametrize("agg", MODES)
+def test_adapter_equals_verl_vanilla_in_the_actor(worker, current_logp, agg, dual_clip_binds):
+    tensors = {"old_log_probs": _old_logp(current_logp, dual_clip_binds),
+               "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    verl_metrics, verl_grad = _train(worker, "vanilla", agg, tensors)
+    ours_metrics, ours_grad = _train(worker, "offpolicy_test", agg, tensors)
+
+    assert verl_grad.abs().max() > 1e-3  # a real gradient, not two zeros
+    torch.testing.assert_close(ours_grad, verl_grad, rtol=1e-5, atol=1e-7)
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "grad_norm"):
+        assert ours_metrics[key] == pytest.approx(verl_metrics[key], rel=1e-5, abs=1e-7), key
+    assert max(verl_metrics["actor/pg_clipfrac"]) > 0  # PPO's clip binds on some tokens in both cases
+    assert (max(verl_metrics["actor/pg_clipfrac_lower"]) > 0) == dual_clip_binds
+
+
+def test_pre_0_7_1_rule_is_global_batch_size_times_too_large_in_verl_0_9(worker, current_logp):
+    # The rule of verl ≤ 0.7.0 (Σ / T, no sequence count) against verl 0.9.1's (Σ / (G·T) · dp): the gradient differs by
+    # exactly G / dp = 8 — what the adapter did before it read the installed version.
+    tensors = {"old_log_probs": _old_logp(current_logp, False),
+               "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    _, verl_grad = _train(worker, "vanilla", "seq-mean-token-sum-norm", tensors)
+    _, old_rule_grad = _train(worker, "offpolicy_test_070", "seq-mean-token-sum-norm", tensors)
+    torch.testing.assert_close(old_rule_grad, B * verl_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "verl_config, correction",
+    [
+        # verl algorithm.rollout_correction.* → the offpolicy correction the name table in corrections/importance.py gives
+        ({"rollout_is": "token", "rollout_is_threshold": 2.0}, tis(upper=2.0)),
+        ({"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": True},
+         tis(upper=2.0, level="sequence", normalize=True)),
+        # token IS at 2 plus token_k1 rejection outside ρ ∈ [0.5, 2]: the kept tokens' ρ ≤ 2 is never truncated, so
+        # this is MIS on [0.5, 2] (verl's k1 = −log ρ, so its "L_U" keeps ρ ∈ [1/U, 1/L]; symmetric here)
+        ({"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1",
+          "rollout_rs_threshold": "0.5_2.0"}, mis(lower=0.5, upper=2.0)),
+    ],
+    ids=["token-tis", "sequence-tis-normalized", "token-is-with-k1-rejection"],
+)
+def test_rollout_correction_composes_with_verls(worker, current_logp, verl_config, correction):
+    """verl's ``compute_rollout_correction_and_add_to_batch`` then its ``vanilla`` loss, against
+    :func:`rollout_correction` then the adapter, ``keep`` applied to ``response_mask`` as verl applies its rejection."""
+    from verl import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    old = current_logp  # the π_old forward at the start of the step
+    # μ: a sizeable mismatch (a tenth of it at sequence level, where the product ratio over 6 tokens is the weight)
+    scale = 0.15 if verl_config["rollout_is"] == "sequence" else 1.2
+    rollout = old + scale * torch.randn(B, R, generator=torch.Generator().manual_seed(5))
+    mask = _inputs()[1][:, P:]
+    advantages = ADVANTAGES[:, None].expand(B, R).contiguous()
+
+    verl_batch = DataProto.from_single_dict({"old_log_probs": old, "rollout_log_probs": rollout,
+                                             "response_mask": mask.clone()})
+    verl_batch, _ = compute_rollout_correction_and_add_to_batch(verl_batch, RolloutCorrectionConfig(**verl_config))
+    verl_mask = verl_batch.batch["response_mask"]
+    verl_weights = verl_batch.batch["rollout_is_weights"]
+
+    weights, keep, metrics = rollout_correction(old, rollout, mask, correction)
+    ours_mask = mask * keep
+    assert torch.equal(ours_mask.bool(), verl_mask.bool())
+    torch.testing.assert_close(weights * ours_mask, verl_weights * verl_mask, rtol=1e-6, atol=1e-7)
+    assert ((weights - 1.0).abs() * ours_mask).max() > 0.1  # the weights are not all 1
+    if "rollout_rs" in verl_config:
+        assert 0 < ours_mask.sum() < mask.sum()  # the rejection drops some tokens, not all
+    assert metrics and all(k.startswith("rollout_corr/") for k in metrics)
+
+    verl_metrics, verl_grad = _train(worker, "vanilla", "token-mean", {
+        "old_log_probs": old, "advantages": advantages, "rollout_is_weights": verl_weights,
+        "response_mask": verl_mask})
+    ours_metrics, ours_grad = _train(worker, "offpolicy_test", "token-mean", {
+        "old_log_probs": old, "advantages": advantages, "rollout_is_weights": weights, "response_mask": ours_mask})
+    torch.testing.assert_close(ours_grad, verl_grad, rtol=1e-5, atol=1e-7)
+    assert ours_metrics["actor/pg_loss"] == pytest.approx(verl_metrics["actor/pg_loss"], rel=1e-5)
