@@ -268,8 +268,8 @@ def diagnose(
 
 @app.command(name="inspect")
 def inspect_command(
-    model: str = typer.Option("tiny", "--model", help="tiny (embedded, warm-started), tiny-random, or a local model "
-                              "directory (nothing is downloaded)."),
+    model: str = typer.Option("tiny", "--model", help="tiny or lab (embedded, warm-started), tiny-random, or a local "
+                              "model directory (nothing is downloaded)."),
     out: Path = typer.Option(Path("offpolicy-inspect"), "--out", help="Folder for report.html/.json, PNGs, tokens.jsonl."),
     rollout: Optional[list[str]] = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
                                                 "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise) and/or key=value "
@@ -327,7 +327,7 @@ def inspect_command(
         _fail(console, str(err))
     _make_dir(console, out, "--out")
     threads_before = torch.get_num_threads()
-    if threads is None and model in ("tiny", "tiny-random"):
+    if threads is None and model in ("tiny", "lab", "tiny-random"):
         threads = 1  # as the demo: on a shared 2-core machine a second thread mostly spins (measured 2-5x slower)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -353,6 +353,11 @@ def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling,
     from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
 
     t0 = time.perf_counter()
+    if model_path in ("tiny", "lab"):
+        from offpolicy.models import get_recipe, model_dir
+
+        if not model_dir(get_recipe(model_path)).is_dir():
+            console.print(f"[bold]warm start[/bold] of the embedded {model_path} model (cached after the first run) …")
     model, tokenizer = load_model(model_path)
     prompt_ids = task_prompts(tokenizer, task, prompts, seed=seed)
     local = model_path if Path(model_path).is_dir() else None

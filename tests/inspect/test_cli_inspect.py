@@ -104,7 +104,7 @@ def test_diagnose_malformed_dump_is_one_line(tmp_path, content, needle):
     (["--fail-above", "kl"], "--fail-above: 'kl' is not metric=bound"),
     (["--fail-above", "kl=abc"], "the bound of 'kl' is 'abc'"),
     (["--fail-above", "colour=1"], "--fail-above: unknown metric 'colour'"),
-    (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is not 'tiny', 'tiny-random' or a local"),
+    (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is not 'tiny', 'lab', 'tiny-random' or a local"),
     (["--task", "sudoku"], "unknown task 'sudoku'"),
     (["--rollout-view", "logits"], "--rollout-view must be full or topk"),
     (["--top-p", "0.9", "--rollout-view", "topk"], "untruncated sampling"),

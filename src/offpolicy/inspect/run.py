@@ -20,19 +20,21 @@ from offpolicy.rollout.sampling import SamplingConfig
 
 
 def load_model(path: str, *, cache_dir: str | None = None):  # -> (model, tokenizer)
-    """``"tiny"`` (the embedded warm-started model, built and cached on first use), ``"tiny-random"`` (random init,
-    seed 0) or a local transformers directory (``local_files_only``: nothing is downloaded). float32, eval mode."""
-    if path == "tiny":
-        from offpolicy.models import load_tiny_model
+    """``"tiny"`` / ``"lab"`` (the embedded warm-started models, built and cached on first use), ``"tiny-random"``
+    (random init, seed 0) or a local transformers directory (``local_files_only``: nothing is downloaded). float32,
+    eval mode."""
+    if path in ("tiny", "lab"):
+        from offpolicy.models import get_recipe
+        from offpolicy.models import load_model as load_embedded
 
-        return load_tiny_model(cache_dir)
+        return load_embedded(get_recipe(path), cache_dir)
     if path == "tiny-random":
         from offpolicy.models import build_tiny_model
 
         return build_tiny_model(seed=0)
     local = Path(path).expanduser()
     if not local.is_dir():
-        raise ValueError(f"--model {path!r} is not 'tiny', 'tiny-random' or a local model directory")
+        raise ValueError(f"--model {path!r} is not 'tiny', 'lab', 'tiny-random' or a local model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(local), local_files_only=True)
