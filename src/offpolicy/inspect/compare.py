@@ -517,4 +517,7 @@ def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, 
         raise ValueError("--rollout backend=vllm needs --model to be a local model directory")
     from offpolicy.rollout.vllm import VLLMRolloutEngine
 
-    return VLLMRolloutEngine(model_path, dtype=spec.dtype, max_logprobs=topk, tokenizer=tokenizer)
+    try:
+        return VLLMRolloutEngine(model_path, dtype=spec.dtype, max_logprobs=topk, tokenizer=tokenizer)
+    except ImportError as err:  # no vLLM (or no GPU build of it): one line, as for any other bad setting
+        raise ValueError(f"--rollout backend=vllm: {err}") from None
