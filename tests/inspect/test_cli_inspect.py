@@ -159,3 +159,19 @@ def test_gate_metric_names_match_the_report(inspected):
     numeric -= settings | {"first_divergent_layer", "largest_share_layer", "layers"}  # None here only when absent
     assert numeric == REPORT_METRICS
     assert set(ALIASES.values()) <= REPORT_METRICS
+
+
+def test_help_and_metrics_files(tmp_path):
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0 and "inspect" in res.output
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "reward/mean": 0.5}\n')
+    res = runner.invoke(app, ["diagnose", str(metrics), "--fail-above", "kl=1"])
+    assert res.exit_code == 2 and "--fail-above applies to per-token dumps" in res.output
+
+
+def test_public_names():
+    import offpolicy.inspect as inspect_api
+
+    assert len(inspect_api.__all__) == len(set(inspect_api.__all__))
+    assert [name for name in inspect_api.__all__ if not hasattr(inspect_api, name)] == []
