@@ -1,4 +1,4 @@
-"""``offpolicy`` command line: demo, train, lab, presets, diagnose.
+"""``offpolicy`` command line: demo, train, lab, inspect, presets, diagnose.
 
 * ``offpolicy demo``      a short GRPO run of the embedded tiny model per preset, on a rollout engine whose
                           numerics really differ (bf16 + KV cache vs the fp32 trainer); summary table + PNG plots.
@@ -6,7 +6,10 @@
 * ``offpolicy lab``       presets × mismatch sources × seeds, one trainer process per run (resumable), and the
                           lab report (report.html, plots, lab_table.md, lab_stats.json).
 * ``offpolicy presets``   the available presets (correction chain + objective).
-* ``offpolicy diagnose``  summary table + plots from one or more ``metrics.jsonl`` files.
+* ``offpolicy inspect``   a rollout engine against a trainer on one model: full-distribution mismatch, per-layer
+                          localisation, self-checked thresholds, report + per-token dump, a CI gate.
+* ``offpolicy diagnose``  summary table + plots from one or more ``metrics.jsonl`` files; the mismatch report from
+                          per-token dumps (``inspect``'s, verl's, TRL's).
 """
 
 from __future__ import annotations
@@ -289,12 +292,23 @@ def lab(
 
 @app.command()
 def diagnose(
-    metrics: list[Path] = typer.Argument(..., help="metrics.jsonl file(s) or run folders."),
+    metrics: list[Path] = typer.Argument(..., help="metrics.jsonl file(s) or run folders; or per-token dumps "
+                                         "(offpolicy inspect's tokens.jsonl, verl's or TRL's tensors as .pt / "
+                                         ".safetensors / .jsonl)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for the PNG plots (default: next to the first file)."),
+    fail_above: Optional[str] = typer.Option(None, "--fail-above", help="Dumps only: CI gate, e.g. kl=1e-3,max_kl=0.05."),
 ) -> None:
-    """Summary table and plots (reward, train–infer KL, PPL gap, masked fraction) from metrics.jsonl files."""
+    """Summary table and plots (reward, train–infer KL, PPL gap, masked fraction) from metrics.jsonl files; the
+    mismatch report (as offpolicy inspect's, without a model) from per-token dumps."""
     console = _console()
+    from offpolicy.diagnose.dumps import is_dump
     from offpolicy.diagnose.report import load_runs
+
+    if any(is_dump(p) for p in metrics):
+        _diagnose_dumps(console, list(metrics), out, fail_above)
+        return
+    if fail_above:
+        _fail(console, "--fail-above applies to per-token dumps, not to metrics.jsonl files")
 
     with _warnings_on(console):  # load_runs warns about half-written last lines and runs with no steps
         try:
@@ -311,6 +325,193 @@ def diagnose(
         _print_summary(console, None, runs=runs, title="offpolicy diagnose", plots=plots)
     except OSError as err:
         _fail(console, _os_error(err))
+
+
+@app.command(name="inspect")
+def inspect_command(
+    model: str = typer.Option("tiny", "--model", help="tiny or lab (embedded, warm-started), tiny-random, or a local "
+                              "model directory (nothing is downloaded)."),
+    out: Path = typer.Option(Path("offpolicy-inspect"), "--out", help="Folder for report.html/.json, PNGs, tokens.jsonl."),
+    rollout: Optional[list[str]] = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
+                                                "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise) and/or key=value "
+                                                "pairs, e.g. 'bf16,weight_bits=4,quantize_layers=2'. Repeatable."),
+    trainer: Optional[list[str]] = typer.Option(None, "--trainer", help="Trainer spec: fp32 (default), bf16-autocast, "
+                                                "fp16-autocast, bf16, fp16, and/or key=value pairs. One for every "
+                                                "--rollout, or one for all."),
+    task: str = typer.Option("arithmetic", "--task", help="Prompt source: arithmetic, countdown or a .jsonl file."),
+    prompts: int = typer.Option(64, "--prompts", min=1, help="Number of prompts."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Tokens sampled per prompt (at most)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sampling top-k."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Sampling top-p."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Sampling min-p."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Sample exactly --max-new-tokens per prompt."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts and the sampling."),
+    topk: int = typer.Option(20, "--topk", min=1, help="Width of the top-k overlap and of the stored top-k log-probs."),
+    layers: bool = typer.Option(True, "--layers/--no-layers", help="Per-layer localisation (a second forward)."),
+    layer_threshold: float = typer.Option(1e-3, "--layer-threshold", help="Relative error at which a layer counts "
+                                          "as divergent."),
+    rollout_view: str = typer.Option("full", "--rollout-view", help="full (the engine's logits) or topk (only its "
+                                     "top-k log-probs, as vLLM reports)."),
+    sample_with: Optional[str] = typer.Option(None, "--sample-with", help="Take the tokens from this engine spec and "
+                                              "let each --rollout score them: engines compared on identical "
+                                              "sequences (a paired comparison)."),
+    memory_budget_mb: int = typer.Option(2048, "--memory-budget-mb", min=16, help="Logits held at once (micro-batch "
+                                         "size follows from it)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch intra-op threads (default: 1 for the "
+                                          "embedded tiny models, whose matmuls are too small to share; torch's "
+                                          "otherwise)."),
+    fail_above: Optional[str] = typer.Option(None, "--fail-above", help="CI gate, e.g. kl=1e-3,max_kl=0.05: exit 1 "
+                                             "when a report.json metric exceeds its bound."),
+) -> None:
+    """Measure a model's training–inference mismatch: full distributions, per layer, thresholds that check themselves."""
+    from offpolicy.inspect.gate import parse_bounds
+    from offpolicy.inspect.specs import parse_spec
+    from offpolicy.rollout.sampling import SamplingConfig
+
+    console = _console()
+    try:  # every argument checked before any work
+        rollouts = [parse_spec(r, "rollout") for r in (rollout or ["bf16"])]
+        trainers = [parse_spec(t, "trainer") for t in (trainer or ["fp32"])]
+        if len(trainers) not in (1, len(rollouts)):
+            raise ValueError(f"--trainer: give one, or one per --rollout ({len(rollouts)}), not {len(trainers)}")
+        pairs = list(zip(rollouts, trainers * len(rollouts) if len(trainers) == 1 else trainers))
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p)
+        bounds = parse_bounds(fail_above) if fail_above else None
+        sampler = parse_spec(sample_with, "rollout") if sample_with else None
+        if rollout_view not in ("full", "topk"):
+            raise ValueError(f"--rollout-view must be full or topk, got {rollout_view!r}")
+        if not (layer_threshold > 0 and layer_threshold < float("inf")):
+            raise ValueError(f"--layer-threshold must be a finite number > 0, got {layer_threshold!r}")
+    except ValueError as err:
+        _fail(console, str(err))
+    _make_dir(console, out, "--out")
+    threads_before = torch.get_num_threads()
+    if threads is None and model in ("tiny", "lab", "tiny-random"):
+        threads = 1  # as the demo: on a shared 2-core machine a second thread mostly spins (measured 2-5x slower)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _warnings_on(console):
+            summaries = _inspect_runs(console, model, out, pairs, sampling, task=task, prompts=prompts, seed=seed,
+                                      ignore_eos=ignore_eos, topk=topk, layers=layers, layer_threshold=layer_threshold,
+                                      rollout_view=rollout_view, budget=memory_budget_mb << 20, sampler=sampler)
+    except ValueError as err:
+        _fail(console, str(err))
+    except OSError as err:
+        _fail(console, _os_error(err))
+    finally:
+        torch.set_num_threads(threads_before)
+    _gate(console, summaries, bounds)
+
+
+def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling, *, task: str, prompts: int,  # noqa: ANN001
+                  seed: int, ignore_eos: bool, topk: int, layers: bool, layer_threshold: float, rollout_view: str,
+                  budget: int, sampler=None) -> list[dict]:  # noqa: ANN001
+    from offpolicy.inspect.dump import write_dump
+    from offpolicy.inspect.report import markdown_table, write_report
+    from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
+
+    t0 = time.perf_counter()
+    if model_path in ("tiny", "lab"):
+        from offpolicy.models import get_recipe, model_dir
+
+        if not model_dir(get_recipe(model_path)).is_dir():
+            console.print(f"[bold]warm start[/bold] of the embedded {model_path} model (cached after the first run) …")
+    model, tokenizer = load_model(model_path)
+    prompt_ids = task_prompts(tokenizer, task, prompts, seed=seed)
+    local = model_path if Path(model_path).is_dir() else None
+    summaries = []
+    for rollout, trainer in pairs:
+        folder = out if len(pairs) == 1 else out / f"{rollout.name}__{trainer.name}".replace("/", "_")
+        console.print(f"[bold]inspect[/bold] rollout {escape(rollout.describe())} vs trainer "
+                      f"{escape(trainer.describe())}: {len(prompt_ids)} prompts × ≤{sampling.max_new_tokens} tokens",
+                      soft_wrap=True)
+        measured = inspect_engines(model, prompt_ids, rollout, trainer, sampling, tokenizer=tokenizer, seed=seed,
+                                   ignore_eos=ignore_eos, topk=topk, rollout_view=rollout_view, layers=layers,
+                                   layer_threshold=layer_threshold, memory_budget_bytes=budget, model_path=local,
+                                   sample_with=sampler)
+        measured.meta.update({"model": model_path, "task": task})
+        summary = write_report(measured, folder)
+        write_dump(measured, folder / "tokens.jsonl")
+        _print_inspection(console, summary, folder)
+        summaries.append(summary)
+    if len(pairs) > 1:
+        (out / "table.md").write_text(markdown_table(summaries))
+        console.print(f"mismatch table: {escape(str(out / 'table.md'))}")
+    console.print(f"total wall time {time.perf_counter() - t0:.1f} s")
+    return summaries
+
+
+def _print_inspection(console: Console, summary: dict, folder: Path, *, dump: bool = True) -> None:
+    from rich.table import Table
+
+    def g(x) -> str:  # noqa: ANN001
+        return "–" if x is None else f"{x:.4g}" if isinstance(x, float) else escape(str(x))
+
+    table = Table(title=f"mismatch ({escape(str(summary.get('kl_source')))} KL)")
+    for col in ("mean KL", "max KL", "mean TV", "tail/head", "ESS", "enters at", "most added by"):
+        table.add_column(col, justify="right")
+    table.add_row(g(summary["kl_mean"]), g(summary["kl_max"]), g(summary.get("tv_mean")),
+                  g(summary.get("tail_head_ratio")), g(summary.get("ess")), g(summary.get("first_divergent_layer")),
+                  g(summary.get("largest_share_layer")))
+    console.print(table)
+    rec = Table(title="recommended thresholds (re-applied: kept)")
+    for col in ("correction", "threshold", "kept", "target"):
+        rec.add_column(col)
+    for name, r in summary["recommended"].items():
+        th = r["threshold"]
+        th = "[" + ", ".join(f"{v:.4g}" for v in th) + "]" if isinstance(th, list) else f"{th:.4g}"
+        rec.add_row(name, th, f"{r['kept_fraction']:.1%}", escape(r["target"]))
+    console.print(rec)
+    extra = ", tokens.jsonl" if dump else ""
+    console.print(f"report: {escape(str(folder / 'report.html'))} (+ report.json, PNGs{extra})")
+
+
+def _gate(console: Console, summaries: list[dict], bounds: dict | None) -> None:
+    """--fail-above: one line per metric over its bound, exit code 1; nothing within bounds."""
+    from offpolicy.inspect.gate import check_bounds
+
+    if not bounds:
+        return
+    failures = []
+    for summary in summaries:
+        try:
+            lines = check_bounds(summary, bounds)
+        except ValueError as err:
+            _fail(console, str(err))
+        name = (summary.get("meta") or {}).get("rollout", {}).get("name")
+        failures += [f"{name}: {line}" if len(summaries) > 1 else line for line in lines]
+    for line in failures:
+        console.print(f"[red]FAIL[/red] {escape(line)}", soft_wrap=True)
+    if failures:
+        raise typer.Exit(code=1)
+    console.print(f"[green]ok[/green] within bounds: {', '.join(f'{k} ≤ {v:g}' for k, v in bounds.items())}")
+
+
+def _diagnose_dumps(console: Console, paths: list[Path], out: Optional[Path], fail_above: Optional[str]) -> None:
+    """``offpolicy diagnose`` on per-token dumps (this project's, verl's, TRL's): the inspection report, no model."""
+    from offpolicy.diagnose.dumps import measurements_from_dumps
+    from offpolicy.inspect.gate import parse_bounds
+    from offpolicy.inspect.report import write_report
+
+    try:
+        bounds = parse_bounds(fail_above) if fail_above else None
+        with _warnings_on(console):
+            measured = measurements_from_dumps(paths)
+    except ValueError as err:
+        _fail(console, str(err))
+    folder = out or paths[0].parent / f"{paths[0].stem}-report"
+    _make_dir(console, folder, "--out")
+    try:
+        summary = write_report(measured, folder)
+    except OSError as err:
+        _fail(console, _os_error(err))
+    console.print(f"[bold]diagnose[/bold] {len(paths)} dump(s) ({', '.join(sorted(set(measured.meta['formats'])))}): "
+                  f"{summary['positions']} tokens in {summary['sequences']} sequences", soft_wrap=True)
+    _print_inspection(console, summary, folder, dump=False)
+    _gate(console, [summary], bounds)
 
 
 def _print_summary(console: Console, paths: dict[str, Path] | None, *, runs=None, title: str,  # noqa: ANN001
