@@ -26,10 +26,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from offpolicy.lab.mismatch import SOURCES as LAB_SOURCES  # plain Python: the lab's help text lists them
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
 DEMO_PRESETS = ("naive", "mis", "opsm", "trm", "alp")
-LAB_SOURCES = ("none", "bf16", "int8", "int4", "kv8", "kv4", "noise")  # offpolicy.lab.mismatch.SOURCES
 
 # How the demo's rollout engine differs from the fp32 trainer. "bf16" is what every bf16 inference server does;
 # the others add the harsher mismatch sources of production serving so the corrections have something to mask.

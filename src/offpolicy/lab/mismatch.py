@@ -1,7 +1,10 @@
-"""Named, deterministic mismatch sources of the lab: how the rollout engine's numerics differ from the trainer's.
+"""Named, deterministic mismatch sources of the lab: how the rollout engine differs from the trainer.
 
-Every source is a complete description of the rollout engine (dtype, KV cache, weight / KV-cache quantisation,
-logit noise) as trainer config overrides, so a name means the same engine whatever the base setting says. ``none``
+Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``) change how the engine computes; lag (``lag4``, ``lag8``)
+changes *which* weights it computes with — an asynchronous pipeline's engine samples with a policy a few updates old,
+the off-policy part of μ that the same corrections address (``bf16+lag8`` has both). Every source is a complete
+description of the rollout engine (dtype, KV cache, weight / KV-cache quantisation, logit noise, weight lag) as
+trainer config overrides, so a name means the same engine whatever the base setting says. ``none``
 is the control: an fp32 engine (μ = π up to fp32 rounding, k3 KL ≈ 1e-14 per token); every other source starts from
 it and changes what its name says. ``"a+b"`` combines sources (``int8+kv4``: bf16 engine, int8 weights, 4-bit KV
 cache); two sources that set the same field differently cannot be combined.
@@ -29,6 +32,7 @@ ENGINE_BASE: dict[str, Any] = {
     "rollout.kv_cache_bits": None,
     "rollout.weight_bits": None,
     "rollout.logit_noise": 0.0,
+    "rollout.sync_every": 1,
 }
 
 # name → (what it changes in ENGINE_BASE, one-line description). Order = canonical order of a combination.
@@ -41,6 +45,10 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
              "bf16 engine, 4-bit per-channel fake-quantised decoder weights"),
     "kv8": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 8}, "bf16 engine, 8-bit KV cache"),
     "kv4": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 4}, "bf16 engine, 4-bit KV cache"),
+    "lag4": ({"rollout.sync_every": 4},
+             "fp32 engine synced every 4 steps: samples with weights up to 3 updates old (asynchronous rollout)"),
+    "lag8": ({"rollout.sync_every": 8},
+             "fp32 engine synced every 8 steps: samples with weights up to 7 updates old (asynchronous rollout)"),
     "noise": ({"rollout.logit_noise": 0.3},
               "seeded Gaussian noise σ = 0.3 on the engine's logits (a synthetic stand-in; an extra, not a default)"),
 }
