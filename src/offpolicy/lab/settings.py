@@ -18,16 +18,18 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-# What every lab run shares: the 5 M-parameter embedded model on the pattern task with 32-token answers.
+# What every lab run shares: the 5 M-parameter embedded model on the pattern task with 32-token answers, 4 prompts × 8
+# samples per step, four optimiser steps per rollout batch (so π_θ drifts from π_old within a step) at a learning
+# rate that still learns cleanly on-policy (reward ≈ 0.15 → 0.88 in about 30 steps).
 LAB_BASE = [
     "model.path=lab",
     "task.name=pattern",
     "task.options={length: 32}",
-    "task.prompts_per_step=8",
+    "task.prompts_per_step=4",
     "algorithm.group_size=8",
     "rollout.sampling.max_new_tokens=32",
-    "optim.lr=2e-5",
-    "optim.minibatches=2",
+    "optim.lr=3e-4",
+    "optim.minibatches=4",
     "run.threads=1",  # one torch thread per run: the sweep runs one process per core
     "run.tensorboard=false",
     "run.progress=false",
@@ -35,23 +37,23 @@ LAB_BASE = [
 ]
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    # the demo: naive against the corrections that should hold, on the control and one harsh mismatch
+    # the demo: naive against truncated IS, on the fp32 control and an engine that lags by up to 7 updates
     "quick": {
-        "description": "the demo: naive vs MIS / TRM / DVP+MIS, fp32 control vs int8 weights + 4-bit KV cache",
+        "description": "the demo: naive vs TIS, fp32 control vs an engine synced every 8 steps",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "mis", "trm", "dvp_mis"],
-        "mismatches": ["none", "int8+kv4"],
+        "presets": ["naive", "tis"],
+        "mismatches": ["none", "lag8"],
         "seeds": 3,
         "steps": 60,
     },
-    # the lab table: every family of correction against each real engine mismatch source
+    # the lab table: every family of correction against the harshest numerics and the asynchronous engine
     "full": {
-        "description": "every correction family on each engine mismatch source",
+        "description": "each correction family on int4 weights + 4-bit KV cache and on an engine synced every 8 steps",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "tis", "mis", "icepop", "trm", "dvp_mis", "alp"],
-        "mismatches": ["none", "bf16", "int8", "kv4", "int8+kv4"],
+        "presets": ["naive", "tis", "mis", "trm", "dvp_mis", "alp"],
+        "mismatches": ["none", "int4+kv4", "lag8"],
         "seeds": 3,
-        "steps": 200,
+        "steps": 100,
     },
 }
 
