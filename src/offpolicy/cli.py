@@ -1,7 +1,7 @@
 """``offpolicy`` command line: demo, train, lab, inspect, presets, diagnose.
 
-* ``offpolicy demo``      a short GRPO run of the embedded tiny model per preset, on a rollout engine whose
-                          numerics really differ (bf16 + KV cache vs the fp32 trainer); summary table + PNG plots.
+* ``offpolicy demo``      the lab's quick setting: naive vs a correction on the fp32 control and a mismatching
+                          engine, three seeds each, with the lab's table and overview picture.
 * ``offpolicy train``     a real run from a YAML config plus ``key.sub=value`` overrides (local model paths only).
 * ``offpolicy lab``       presets × mismatch sources × seeds, one trainer process per run (resumable), and the
                           lab report (report.html, plots, lab_table.md, lab_stats.json).
@@ -29,34 +29,6 @@ from rich.markup import escape
 from offpolicy.lab.mismatch import SOURCES as LAB_SOURCES  # plain Python: the lab's help text lists them
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
-
-DEMO_PRESETS = ("naive", "mis", "opsm", "trm", "alp")
-
-# How the demo's rollout engine differs from the fp32 trainer. "bf16" is what every bf16 inference server does;
-# the others add the harsher mismatch sources of production serving so the corrections have something to mask.
-MISMATCHES = {
-    "bf16": [],
-    "kv4": ["rollout.kv_cache_bits=4"],
-    "int8": ["rollout.kv_cache_bits=8", "rollout.weight_bits=8"],
-    "noise": ["rollout.logit_noise=0.3"],
-}
-
-# The demo's run: a visible mismatch (bf16 engine with KV cache vs fp32 trainer) and enough steps to move reward.
-DEMO_OVERRIDES = [
-    "model.path=tiny",
-    "task.name=arithmetic",
-    "task.prompts_per_step=8",
-    "algorithm.group_size=8",
-    "algorithm.advantage=grpo",
-    "rollout.dtype=bfloat16",
-    "rollout.kv_cache=true",
-    "rollout.sampling.max_new_tokens=5",
-    "optim.lr=1e-4",
-    "optim.minibatches=2",
-    "run.tensorboard=false",
-    "run.threads=1",  # tiny matmuls: one thread is fastest (and robust on a shared 2-core box)
-]
-
 
 def _quiet_transformers() -> None:
     """No "Loading weights" / "Writing model shards" bars between our own progress lines."""
@@ -158,79 +130,22 @@ def train(
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for runs, plots and the summary."),
-    steps: int = typer.Option(50, "--steps", min=1, help="GRPO steps per preset."),
-    preset: Optional[list[str]] = typer.Option(None, "--preset", "-p", help="Preset(s) to compare (repeatable)."),
-    mismatch: str = typer.Option("bf16", "--mismatch", help=f"Rollout engine numerics: {', '.join(MISMATCHES)} "
-                                 "(all on top of bf16 + KV cache)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value overrides for every run."),
+    out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for the runs, the report and the plots."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: naive, tis)."),
+    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources (default: "
+                                           "lag8); the 'none' control is always added."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (default 3)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default 60)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
-    """Train the embedded tiny model with several presets on a real bf16/KV-cache mismatch and compare them."""
-    from offpolicy.train.config import load_config
+    """The lab's quick setting: naive vs a correction, on the fp32 control and a mismatching engine, with seeds.
 
-    console = _console()
-    names = list(preset or DEMO_PRESETS)
-    t_start = time.perf_counter()
-    if mismatch not in MISMATCHES:
-        _fail(console, f"--mismatch must be one of {list(MISMATCHES)}, got {mismatch!r}")
-    cfgs = {}
-    try:
-        for name in names:  # validate every run before doing any work
-            extra = ["alp.enabled=true"] if name == "alp" else []
-            cfgs[name] = load_config(None, [*DEMO_OVERRIDES, *MISMATCHES[mismatch], f"algorithm.preset={name}",
-                                           f"run.steps={steps}",
-                                           f"run.out_dir={out / name}", *extra, *(overrides or [])])
-    except ValueError as err:
-        _fail(console, str(err))
-    first = cfgs[names[0]]
-    _make_dir(console, out, "--out")
-    threads_before = torch.get_num_threads()
-    if first.run.threads is not None:
-        torch.set_num_threads(first.run.threads)  # before the warm start too
-    try:
-        with _warnings_on(console):
-            _demo_runs(console, names, cfgs, first, mismatch, out, steps, t_start)
-    except OSError as err:
-        _fail(console, _os_error(err))
-    finally:
-        torch.set_num_threads(threads_before)
-
-
-def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: str, out: Path,  # noqa: ANN001
-               steps: int, t_start: float) -> None:
-    from offpolicy.train.loop import RunReplacedWarning
-    from offpolicy.train.loop import train as run_train
-
-    # Re-running the demo into the same --out replaces its earlier runs: say so once, not once per preset.
-    if any(Path(cfgs[n].run.out_dir, "metrics.jsonl").is_file() for n in names):
-        console.print(f"[yellow]warning:[/yellow] replacing the earlier demo runs in {escape(str(out))}")
-    warnings.filterwarnings("ignore", category=RunReplacedWarning)  # inside the caller's catch_warnings
-    if first.model.path == "tiny":
-        console.print("[bold]warm start[/bold] of the embedded tiny model (cached after the first run) …")
-        from offpolicy.train.loop import load_model
-
-        t0 = time.perf_counter()
-        load_model(first)  # builds and caches once; every preset then loads the same weights
-        console.print(f"  ready in {time.perf_counter() - t0:.1f} s")
-    r = first.rollout
-    extra = ", ".join(x.split(".", 1)[1] for x in MISMATCHES[mismatch])
-    console.print(f"[bold]demo[/bold]: {len(names)} presets × {steps} steps; rollout {r.dtype}"
-                  f"{' + KV cache' if r.kv_cache else ''}{' + ' + extra if extra else ''} vs fp32 trainer → "
-                  f"{escape(str(out))}")
-    interrupted = False
-    for name in names:
-        try:
-            result = run_train(cfgs[name], console=console)
-        except ValueError as err:
-            _fail(console, str(err))
-        if result.interrupted:
-            interrupted = True
-            break
-    paths = {n: out / n / "metrics.jsonl" for n in names if (out / n / "metrics.jsonl").is_file()}
-    _print_summary(console, paths, title="offpolicy demo: naive vs corrections", plots=out / "plots")
-    console.print(f"total wall time {time.perf_counter() - t_start:.1f} s")
-    if interrupted:
-        raise typer.Exit(code=130)
+    The same as ``offpolicy lab --setting quick --out offpolicy-demo``: a second call into the same folder keeps the
+    finished runs and renders the report again.
+    """
+    _lab(out, "quick", presets_, mismatch, seeds, steps, jobs, overrides, report_only=False, keep_checkpoints=False,
+         title="offpolicy demo")
 
 
 @app.command()
@@ -250,6 +165,13 @@ def lab(
     overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
     """Sweep presets × mismatch sources × seeds (one trainer process per run, resumable) and write the lab report."""
+    _lab(out, setting, presets_, mismatch, seeds, steps, jobs, overrides, report_only=report_only,
+         keep_checkpoints=keep_checkpoints, title=None)
+
+
+def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[str], seeds: Optional[int],
+         steps: Optional[int], jobs: Optional[int], overrides: Optional[list[str]], *, report_only: bool,
+         keep_checkpoints: bool, title: Optional[str]) -> None:
     from offpolicy.lab.report import rich_table, write_report
     from offpolicy.lab.sweep import plan_sweep, run_sweep
 
@@ -278,12 +200,13 @@ def lab(
             _fail(console, str(err))
         except OSError as err:
             _fail(console, _os_error(err))
-    console.print(rich_table(report.stats, title=f"offpolicy lab {report.stats.get('setting')!s}"))
+    console.print(rich_table(report.stats, title=title or f"offpolicy lab {report.stats.get('setting')!s}"))
     if report.stats["missing"]:
         console.print(f"[yellow]warning:[/yellow] {len(report.stats['missing'])} planned runs missing "
                       "(failed or not run yet); the table uses the finished runs")
     console.print(f"report: {escape(str(report.html))}", soft_wrap=True)
-    console.print(f"plots: {escape(str(out / 'plots'))}/ ({', '.join(p.name for p in report.plots)})", soft_wrap=True)
+    console.print(f"overview: {escape(str(out / 'plots' / 'overview.png'))}   plots: {escape(str(out / 'plots'))}/ "
+                  f"({', '.join(p.name for p in report.plots)})", soft_wrap=True)
     console.print(f"table: {escape(str(report.table))}   numbers: {escape(str(report.stats_path))}", soft_wrap=True)
     if result is not None and result.interrupted:
         raise typer.Exit(code=130)
