@@ -31,17 +31,25 @@ def test_presets_table():
         assert name in res.output
 
 
-def test_tiny_demo_writes_runs_plots_and_summary(tmp_path):
-    res = runner.invoke(app, ["demo", "--out", str(tmp_path), "--steps", "2", "-p", "naive", "-p", "mis", *SMALL])
+def test_tiny_demo_is_the_labs_quick_sweep(tmp_path):
+    args = ["demo", "--out", str(tmp_path), "--steps", "2", "--seeds", "1", "--presets", "naive,mis", "--mismatch",
+            "bf16", "--jobs", "1", *SMALL]
+    res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "naive" in res.output and "mis" in res.output and "reward" in res.output
-    for name in ("naive", "mis"):
-        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert "offpolicy demo" in res.output and "overview.png" in res.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["setting"] == "quick"
+    assert sorted((r["preset"], r["mismatch"]) for r in summary["runs"]) == [
+        ("mis", "bf16"), ("mis", "none"), ("naive", "bf16"), ("naive", "none")]
+    for run in summary["runs"]:
+        rows = [json.loads(x) for x in (tmp_path / run["dir"] / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
-    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
-    assert {"overview.png", "reward_mean.png", "rollout_correction_kl.png", "correction_masked_frac.png",
-            "rollout_correction_log_ppl_abs_diff.png"} <= set(pngs)
-    assert all((tmp_path / "plots" / p).stat().st_size > 1000 for p in pngs)
+    assert (tmp_path / "plots" / "overview.png").stat().st_size > 1000 and (tmp_path / "report.html").is_file()
+    # a second call keeps the finished runs (resumable sweep) and renders the report again
+    before = {r["dir"]: (tmp_path / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in summary["runs"]}
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert all((tmp_path / d / "metrics.jsonl").stat().st_mtime_ns == t for d, t in before.items())
 
 
 def test_train_yaml_overrides_resume_and_diagnose(tmp_path):
@@ -65,7 +73,7 @@ def test_train_yaml_overrides_resume_and_diagnose(tmp_path):
         (["train", "algorithm.nope=1"], "algorithm.nope"),
         (["train", "model.path=/no/such/model"], "model.path"),
         (["train", "algorithm.preset=alp"], "alp.enabled"),
-        (["demo", "-p", "bogus"], "algorithm.preset"),
+        (["demo", "--presets", "bogus"], "--presets: 'bogus' is not a preset"),
         (["diagnose", "/no/such/metrics.jsonl"], "does not exist"),
         # were tracebacks (rc 1): yaml.YAMLError is no ValueError; torch raised on the device after loading the model
         (["train", "run.steps=[1"], "run.steps='[1' is not valid YAML"),
@@ -136,16 +144,6 @@ def test_reusing_an_out_dir_warns_and_resume_checks_the_run(tmp_path):
     assert res.exit_code == 2 and "algorithm.preset='tis' (now 'mis')" in res.output
     res = runner.invoke(app, [*args, "algorithm.preset=tis", "--resume"])
     assert res.exit_code == 0 and "nothing to do" in res.output
-
-
-def test_the_demo_reruns_into_the_same_folder(tmp_path):
-    # Expected: a second demo into the same --out replaces the first with a single warning line, not one per preset.
-    args = ["demo", "--out", str(tmp_path), "--steps", "1", "-p", "naive", "-p", "mis", *SMALL]
-    assert runner.invoke(app, args).exit_code == 0
-    res = runner.invoke(app, args)
-    assert res.exit_code == 0, res.output
-    assert res.output.count("warning:") == 1 and "replacing the earlier demo runs" in res.output
-    assert _table_runs(res.output) == ["naive", "mis"]
 
 
 def test_diagnose_distinct_labels_for_runs_of_the_same_name(tmp_path):

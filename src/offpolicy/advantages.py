@@ -50,7 +50,10 @@ def grpo_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-6, std_
     tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
     g = _grouped(rewards, group_size)
-    centred = g - g.mean(dim=-1, keepdim=True)
+    # A group of equal rewards carries no signal: A = 0 exactly. Its float32 mean can be one ulp off the common value,
+    # and that ulp divided by a std of the same size plus eps = 1e-6 became advantages of ±0.2 (3 × 3.5085).
+    constant = g.amax(dim=-1, keepdim=True) == g.amin(dim=-1, keepdim=True)
+    centred = torch.where(constant, torch.zeros_like(g), g - g.mean(dim=-1, keepdim=True))
     if std_normalize:
         if group_size == 1:
             centred = torch.zeros_like(centred)  # a single completion has no spread: std is undefined, A = 0

@@ -1,10 +1,15 @@
-"""``offpolicy`` command line: demo, train, presets, diagnose.
+"""``offpolicy`` command line: demo, train, lab, inspect, presets, diagnose.
 
-* ``offpolicy demo``      a short GRPO run of the embedded tiny model per preset, on a rollout engine whose
-                          numerics really differ (bf16 + KV cache vs the fp32 trainer); summary table + PNG plots.
+* ``offpolicy demo``      the lab's quick setting: naive vs a correction on the fp32 control and a mismatching
+                          engine, three seeds each, with the lab's table and overview picture.
 * ``offpolicy train``     a real run from a YAML config plus ``key.sub=value`` overrides (local model paths only).
+* ``offpolicy lab``       presets × mismatch sources × seeds, one trainer process per run (resumable), and the
+                          lab report (report.html, plots, lab_table.md, lab_stats.json).
 * ``offpolicy presets``   the available presets (correction chain + objective).
-* ``offpolicy diagnose``  summary table + plots from one or more ``metrics.jsonl`` files.
+* ``offpolicy inspect``   a rollout engine against a trainer on one model: full-distribution mismatch, per-layer
+                          localisation, self-checked thresholds, report + per-token dump, a CI gate.
+* ``offpolicy diagnose``  summary table + plots from one or more ``metrics.jsonl`` files; the mismatch report from
+                          per-token dumps (``inspect``'s, verl's, TRL's).
 """
 
 from __future__ import annotations
@@ -21,35 +26,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from offpolicy.lab.mismatch import SOURCES as LAB_SOURCES  # plain Python: the lab's help text lists them
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
-
-DEMO_PRESETS = ("naive", "mis", "opsm", "trm", "alp")
-
-# How the demo's rollout engine differs from the fp32 trainer. "bf16" is what every bf16 inference server does;
-# the others add the harsher mismatch sources of production serving so the corrections have something to mask.
-MISMATCHES = {
-    "bf16": [],
-    "kv4": ["rollout.kv_cache_bits=4"],
-    "int8": ["rollout.kv_cache_bits=8", "rollout.weight_bits=8"],
-    "noise": ["rollout.logit_noise=0.3"],
-}
-
-# The demo's run: a visible mismatch (bf16 engine with KV cache vs fp32 trainer) and enough steps to move reward.
-DEMO_OVERRIDES = [
-    "model.path=tiny",
-    "task.name=arithmetic",
-    "task.prompts_per_step=8",
-    "algorithm.group_size=8",
-    "algorithm.advantage=grpo",
-    "rollout.dtype=bfloat16",
-    "rollout.kv_cache=true",
-    "rollout.sampling.max_new_tokens=5",
-    "optim.lr=1e-4",
-    "optim.minibatches=2",
-    "run.tensorboard=false",
-    "run.threads=1",  # tiny matmuls: one thread is fastest (and robust on a shared 2-core box)
-]
-
 
 def _quiet_transformers() -> None:
     """No "Loading weights" / "Writing model shards" bars between our own progress lines."""
@@ -151,89 +130,109 @@ def train(
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for runs, plots and the summary."),
-    steps: int = typer.Option(50, "--steps", min=1, help="GRPO steps per preset."),
-    preset: Optional[list[str]] = typer.Option(None, "--preset", "-p", help="Preset(s) to compare (repeatable)."),
-    mismatch: str = typer.Option("bf16", "--mismatch", help=f"Rollout engine numerics: {', '.join(MISMATCHES)} "
-                                 "(all on top of bf16 + KV cache)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value overrides for every run."),
+    out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for the runs, the report and the plots."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: naive, tis)."),
+    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources (default: "
+                                           "lag8); the 'none' control is always added."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (default 3)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default 60)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
-    """Train the embedded tiny model with several presets on a real bf16/KV-cache mismatch and compare them."""
-    from offpolicy.train.config import load_config
+    """The lab's quick setting: naive vs a correction, on the fp32 control and a mismatching engine, with seeds.
+
+    The same as ``offpolicy lab --setting quick --out offpolicy-demo``: a second call into the same folder keeps the
+    finished runs and renders the report again.
+    """
+    _lab(out, "quick", presets_, mismatch, seeds, steps, jobs, overrides, report_only=False, keep_checkpoints=False,
+         title="offpolicy demo")
+
+
+@app.command()
+def lab(
+    setting: str = typer.Option("quick", "--setting", help="Named setting: quick (the demo) or full."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: the setting's)."),
+    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated rollout-engine mismatch sources "
+                                           f"({', '.join(LAB_SOURCES)}) or '+' combinations, e.g. bf16,int8+kv4; "
+                                           "the 'none' control (fp32 engine) is always added."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (seeds 0 … n−1)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default: the setting's)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
+    out: Path = typer.Option(Path("offpolicy-lab"), "--out", help="Sweep folder (runs, summary, report)."),
+    report_only: bool = typer.Option(False, "--report-only", help="Only re-render the report of the sweep in --out."),
+    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
+                                          help="Keep every checkpoint of a finished run (default: the final one)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
+) -> None:
+    """Sweep presets × mismatch sources × seeds (one trainer process per run, resumable) and write the lab report."""
+    _lab(out, setting, presets_, mismatch, seeds, steps, jobs, overrides, report_only=report_only,
+         keep_checkpoints=keep_checkpoints, title=None)
+
+
+def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[str], seeds: Optional[int],
+         steps: Optional[int], jobs: Optional[int], overrides: Optional[list[str]], *, report_only: bool,
+         keep_checkpoints: bool, title: Optional[str]) -> None:
+    from offpolicy.lab.report import rich_table, write_report
+    from offpolicy.lab.sweep import plan_sweep, run_sweep
 
     console = _console()
-    names = list(preset or DEMO_PRESETS)
-    t_start = time.perf_counter()
-    if mismatch not in MISMATCHES:
-        _fail(console, f"--mismatch must be one of {list(MISMATCHES)}, got {mismatch!r}")
-    cfgs = {}
-    try:
-        for name in names:  # validate every run before doing any work
-            extra = ["alp.enabled=true"] if name == "alp" else []
-            cfgs[name] = load_config(None, [*DEMO_OVERRIDES, *MISMATCHES[mismatch], f"algorithm.preset={name}",
-                                           f"run.steps={steps}",
-                                           f"run.out_dir={out / name}", *extra, *(overrides or [])])
-    except ValueError as err:
-        _fail(console, str(err))
-    first = cfgs[names[0]]
-    _make_dir(console, out, "--out")
-    threads_before = torch.get_num_threads()
-    if first.run.threads is not None:
-        torch.set_num_threads(first.run.threads)  # before the warm start too
-    try:
-        with _warnings_on(console):
-            _demo_runs(console, names, cfgs, first, mismatch, out, steps, t_start)
-    except OSError as err:
-        _fail(console, _os_error(err))
-    finally:
-        torch.set_num_threads(threads_before)
-
-
-def _demo_runs(console: Console, names: list[str], cfgs: dict, first, mismatch: str, out: Path,  # noqa: ANN001
-               steps: int, t_start: float) -> None:
-    from offpolicy.train.loop import RunReplacedWarning
-    from offpolicy.train.loop import train as run_train
-
-    # Re-running the demo into the same --out replaces its earlier runs: say so once, not once per preset.
-    if any(Path(cfgs[n].run.out_dir, "metrics.jsonl").is_file() for n in names):
-        console.print(f"[yellow]warning:[/yellow] replacing the earlier demo runs in {escape(str(out))}")
-    warnings.filterwarnings("ignore", category=RunReplacedWarning)  # inside the caller's catch_warnings
-    if first.model.path == "tiny":
-        console.print("[bold]warm start[/bold] of the embedded tiny model (cached after the first run) …")
-        from offpolicy.train.loop import load_model
-
-        t0 = time.perf_counter()
-        load_model(first)  # builds and caches once; every preset then loads the same weights
-        console.print(f"  ready in {time.perf_counter() - t0:.1f} s")
-    r = first.rollout
-    extra = ", ".join(x.split(".", 1)[1] for x in MISMATCHES[mismatch])
-    console.print(f"[bold]demo[/bold]: {len(names)} presets × {steps} steps; rollout {r.dtype}"
-                  f"{' + KV cache' if r.kv_cache else ''}{' + ' + extra if extra else ''} vs fp32 trainer → "
-                  f"{escape(str(out))}")
-    interrupted = False
-    for name in names:
+    result = None
+    if not report_only:
         try:
-            result = run_train(cfgs[name], console=console)
+            plan = plan_sweep(out, setting, presets=presets_, mismatches=mismatch, seeds=seeds, steps=steps,
+                              overrides=list(overrides or []))
+            t0 = time.perf_counter()
+            result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints)
         except ValueError as err:
             _fail(console, str(err))
-        if result.interrupted:
-            interrupted = True
-            break
-    paths = {n: out / n / "metrics.jsonl" for n in names if (out / n / "metrics.jsonl").is_file()}
-    _print_summary(console, paths, title="offpolicy demo: naive vs corrections", plots=out / "plots")
-    console.print(f"total wall time {time.perf_counter() - t_start:.1f} s")
-    if interrupted:
+        except OSError as err:
+            _fail(console, _os_error(err))
+        console.print(f"sweep wall time {time.perf_counter() - t0:.0f} s")
+        for f in result.failed:
+            console.print(f"[red]failed:[/red] {escape(str(out / f.run.dir))}: {escape(f.error)}", soft_wrap=True)
+        if not result.done:
+            console.print("[yellow]warning:[/yellow] no finished run yet: no report")
+            raise typer.Exit(code=130 if result.interrupted else 1)
+    with _warnings_on(console):
+        try:
+            report = write_report(out)
+        except ValueError as err:
+            _fail(console, str(err))
+        except OSError as err:
+            _fail(console, _os_error(err))
+    console.print(rich_table(report.stats, title=title or f"offpolicy lab {report.stats.get('setting')!s}"))
+    if report.stats["missing"]:
+        console.print(f"[yellow]warning:[/yellow] {len(report.stats['missing'])} planned runs missing "
+                      "(failed or not run yet); the table uses the finished runs")
+    console.print(f"report: {escape(str(report.html))}", soft_wrap=True)
+    console.print(f"overview: {escape(str(out / 'plots' / 'overview.png'))}   plots: {escape(str(out / 'plots'))}/ "
+                  f"({', '.join(p.name for p in report.plots)})", soft_wrap=True)
+    console.print(f"table: {escape(str(report.table))}   numbers: {escape(str(report.stats_path))}", soft_wrap=True)
+    if result is not None and result.interrupted:
         raise typer.Exit(code=130)
+    if result is not None and result.failed:
+        raise typer.Exit(code=1)
 
 
 @app.command()
 def diagnose(
-    metrics: list[Path] = typer.Argument(..., help="metrics.jsonl file(s) or run folders."),
+    metrics: list[Path] = typer.Argument(..., help="metrics.jsonl file(s) or run folders; or per-token dumps "
+                                         "(offpolicy inspect's tokens.jsonl, verl's or TRL's tensors as .pt / "
+                                         ".safetensors / .jsonl)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for the PNG plots (default: next to the first file)."),
+    fail_above: Optional[str] = typer.Option(None, "--fail-above", help="Dumps only: CI gate, e.g. kl=1e-3,max_kl=0.05."),
 ) -> None:
-    """Summary table and plots (reward, train–infer KL, PPL gap, masked fraction) from metrics.jsonl files."""
+    """Summary table and plots (reward, train–infer KL, PPL gap, masked fraction) from metrics.jsonl files; the
+    mismatch report (as offpolicy inspect's, without a model) from per-token dumps."""
     console = _console()
+    from offpolicy.diagnose.dumps import is_dump
     from offpolicy.diagnose.report import load_runs
+
+    if any(is_dump(p) for p in metrics):
+        _diagnose_dumps(console, list(metrics), out, fail_above)
+        return
+    if fail_above:
+        _fail(console, "--fail-above applies to per-token dumps, not to metrics.jsonl files")
 
     with _warnings_on(console):  # load_runs warns about half-written last lines and runs with no steps
         try:
@@ -250,6 +249,193 @@ def diagnose(
         _print_summary(console, None, runs=runs, title="offpolicy diagnose", plots=plots)
     except OSError as err:
         _fail(console, _os_error(err))
+
+
+@app.command(name="inspect")
+def inspect_command(
+    model: str = typer.Option("tiny", "--model", help="tiny or lab (embedded, warm-started), tiny-random, or a local "
+                              "model directory (nothing is downloaded)."),
+    out: Path = typer.Option(Path("offpolicy-inspect"), "--out", help="Folder for report.html/.json, PNGs, tokens.jsonl."),
+    rollout: Optional[list[str]] = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
+                                                "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise) and/or key=value "
+                                                "pairs, e.g. 'bf16,weight_bits=4,quantize_layers=2'. Repeatable."),
+    trainer: Optional[list[str]] = typer.Option(None, "--trainer", help="Trainer spec: fp32 (default), bf16-autocast, "
+                                                "fp16-autocast, bf16, fp16, and/or key=value pairs. One for every "
+                                                "--rollout, or one for all."),
+    task: str = typer.Option("arithmetic", "--task", help="Prompt source: arithmetic, countdown or a .jsonl file."),
+    prompts: int = typer.Option(64, "--prompts", min=1, help="Number of prompts."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Tokens sampled per prompt (at most)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sampling top-k."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Sampling top-p."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Sampling min-p."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Sample exactly --max-new-tokens per prompt."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts and the sampling."),
+    topk: int = typer.Option(20, "--topk", min=1, help="Width of the top-k overlap and of the stored top-k log-probs."),
+    layers: bool = typer.Option(True, "--layers/--no-layers", help="Per-layer localisation (a second forward)."),
+    layer_threshold: float = typer.Option(1e-3, "--layer-threshold", help="Relative error at which a layer counts "
+                                          "as divergent."),
+    rollout_view: str = typer.Option("full", "--rollout-view", help="full (the engine's logits) or topk (only its "
+                                     "top-k log-probs, as vLLM reports)."),
+    sample_with: Optional[str] = typer.Option(None, "--sample-with", help="Take the tokens from this engine spec and "
+                                              "let each --rollout score them: engines compared on identical "
+                                              "sequences (a paired comparison)."),
+    memory_budget_mb: int = typer.Option(2048, "--memory-budget-mb", min=16, help="Logits held at once (micro-batch "
+                                         "size follows from it)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch intra-op threads (default: 1 for the "
+                                          "embedded tiny models, whose matmuls are too small to share; torch's "
+                                          "otherwise)."),
+    fail_above: Optional[str] = typer.Option(None, "--fail-above", help="CI gate, e.g. kl=1e-3,max_kl=0.05: exit 1 "
+                                             "when a report.json metric exceeds its bound."),
+) -> None:
+    """Measure a model's training–inference mismatch: full distributions, per layer, thresholds that check themselves."""
+    from offpolicy.inspect.gate import parse_bounds
+    from offpolicy.inspect.specs import parse_spec
+    from offpolicy.rollout.sampling import SamplingConfig
+
+    console = _console()
+    try:  # every argument checked before any work
+        rollouts = [parse_spec(r, "rollout") for r in (rollout or ["bf16"])]
+        trainers = [parse_spec(t, "trainer") for t in (trainer or ["fp32"])]
+        if len(trainers) not in (1, len(rollouts)):
+            raise ValueError(f"--trainer: give one, or one per --rollout ({len(rollouts)}), not {len(trainers)}")
+        pairs = list(zip(rollouts, trainers * len(rollouts) if len(trainers) == 1 else trainers))
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p)
+        bounds = parse_bounds(fail_above) if fail_above else None
+        sampler = parse_spec(sample_with, "rollout") if sample_with else None
+        if rollout_view not in ("full", "topk"):
+            raise ValueError(f"--rollout-view must be full or topk, got {rollout_view!r}")
+        if not (layer_threshold > 0 and layer_threshold < float("inf")):
+            raise ValueError(f"--layer-threshold must be a finite number > 0, got {layer_threshold!r}")
+    except ValueError as err:
+        _fail(console, str(err))
+    _make_dir(console, out, "--out")
+    threads_before = torch.get_num_threads()
+    if threads is None and model in ("tiny", "lab", "tiny-random"):
+        threads = 1  # as the demo: on a shared 2-core machine a second thread mostly spins (measured 2-5x slower)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _warnings_on(console):
+            summaries = _inspect_runs(console, model, out, pairs, sampling, task=task, prompts=prompts, seed=seed,
+                                      ignore_eos=ignore_eos, topk=topk, layers=layers, layer_threshold=layer_threshold,
+                                      rollout_view=rollout_view, budget=memory_budget_mb << 20, sampler=sampler)
+    except ValueError as err:
+        _fail(console, str(err))
+    except OSError as err:
+        _fail(console, _os_error(err))
+    finally:
+        torch.set_num_threads(threads_before)
+    _gate(console, summaries, bounds)
+
+
+def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling, *, task: str, prompts: int,  # noqa: ANN001
+                  seed: int, ignore_eos: bool, topk: int, layers: bool, layer_threshold: float, rollout_view: str,
+                  budget: int, sampler=None) -> list[dict]:  # noqa: ANN001
+    from offpolicy.inspect.dump import write_dump
+    from offpolicy.inspect.report import markdown_table, write_report
+    from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
+
+    t0 = time.perf_counter()
+    if model_path in ("tiny", "lab"):
+        from offpolicy.models import get_recipe, model_dir
+
+        if not model_dir(get_recipe(model_path)).is_dir():
+            console.print(f"[bold]warm start[/bold] of the embedded {model_path} model (cached after the first run) …")
+    model, tokenizer = load_model(model_path)
+    prompt_ids = task_prompts(tokenizer, task, prompts, seed=seed)
+    local = model_path if Path(model_path).is_dir() else None
+    summaries = []
+    for rollout, trainer in pairs:
+        folder = out if len(pairs) == 1 else out / f"{rollout.name}__{trainer.name}".replace("/", "_")
+        console.print(f"[bold]inspect[/bold] rollout {escape(rollout.describe())} vs trainer "
+                      f"{escape(trainer.describe())}: {len(prompt_ids)} prompts × ≤{sampling.max_new_tokens} tokens",
+                      soft_wrap=True)
+        measured = inspect_engines(model, prompt_ids, rollout, trainer, sampling, tokenizer=tokenizer, seed=seed,
+                                   ignore_eos=ignore_eos, topk=topk, rollout_view=rollout_view, layers=layers,
+                                   layer_threshold=layer_threshold, memory_budget_bytes=budget, model_path=local,
+                                   sample_with=sampler)
+        measured.meta.update({"model": model_path, "task": task})
+        summary = write_report(measured, folder)
+        write_dump(measured, folder / "tokens.jsonl")
+        _print_inspection(console, summary, folder)
+        summaries.append(summary)
+    if len(pairs) > 1:
+        (out / "table.md").write_text(markdown_table(summaries))
+        console.print(f"mismatch table: {escape(str(out / 'table.md'))}")
+    console.print(f"total wall time {time.perf_counter() - t0:.1f} s")
+    return summaries
+
+
+def _print_inspection(console: Console, summary: dict, folder: Path, *, dump: bool = True) -> None:
+    from rich.table import Table
+
+    def g(x) -> str:  # noqa: ANN001
+        return "–" if x is None else f"{x:.4g}" if isinstance(x, float) else escape(str(x))
+
+    table = Table(title=f"mismatch ({escape(str(summary.get('kl_source')))} KL)")
+    for col in ("mean KL", "max KL", "mean TV", "tail/head", "ESS", "enters at", "most added by"):
+        table.add_column(col, justify="right")
+    table.add_row(g(summary["kl_mean"]), g(summary["kl_max"]), g(summary.get("tv_mean")),
+                  g(summary.get("tail_head_ratio")), g(summary.get("ess")), g(summary.get("first_divergent_layer")),
+                  g(summary.get("largest_share_layer")))
+    console.print(table)
+    rec = Table(title="recommended thresholds (re-applied: kept)")
+    for col in ("correction", "threshold", "kept", "target"):
+        rec.add_column(col)
+    for name, r in summary["recommended"].items():
+        th = r["threshold"]
+        th = "[" + ", ".join(f"{v:.4g}" for v in th) + "]" if isinstance(th, list) else f"{th:.4g}"
+        rec.add_row(name, th, f"{r['kept_fraction']:.1%}", escape(r["target"]))
+    console.print(rec)
+    extra = ", tokens.jsonl" if dump else ""
+    console.print(f"report: {escape(str(folder / 'report.html'))} (+ report.json, PNGs{extra})")
+
+
+def _gate(console: Console, summaries: list[dict], bounds: dict | None) -> None:
+    """--fail-above: one line per metric over its bound, exit code 1; nothing within bounds."""
+    from offpolicy.inspect.gate import check_bounds
+
+    if not bounds:
+        return
+    failures = []
+    for summary in summaries:
+        try:
+            lines = check_bounds(summary, bounds)
+        except ValueError as err:
+            _fail(console, str(err))
+        name = (summary.get("meta") or {}).get("rollout", {}).get("name")
+        failures += [f"{name}: {line}" if len(summaries) > 1 else line for line in lines]
+    for line in failures:
+        console.print(f"[red]FAIL[/red] {escape(line)}", soft_wrap=True)
+    if failures:
+        raise typer.Exit(code=1)
+    console.print(f"[green]ok[/green] within bounds: {', '.join(f'{k} ≤ {v:g}' for k, v in bounds.items())}")
+
+
+def _diagnose_dumps(console: Console, paths: list[Path], out: Optional[Path], fail_above: Optional[str]) -> None:
+    """``offpolicy diagnose`` on per-token dumps (this project's, verl's, TRL's): the inspection report, no model."""
+    from offpolicy.diagnose.dumps import measurements_from_dumps
+    from offpolicy.inspect.gate import parse_bounds
+    from offpolicy.inspect.report import write_report
+
+    try:
+        bounds = parse_bounds(fail_above) if fail_above else None
+        with _warnings_on(console):
+            measured = measurements_from_dumps(paths)
+    except ValueError as err:
+        _fail(console, str(err))
+    folder = out or paths[0].parent / f"{paths[0].stem}-report"
+    _make_dir(console, folder, "--out")
+    try:
+        summary = write_report(measured, folder)
+    except OSError as err:
+        _fail(console, _os_error(err))
+    console.print(f"[bold]diagnose[/bold] {len(paths)} dump(s) ({', '.join(sorted(set(measured.meta['formats'])))}): "
+                  f"{summary['positions']} tokens in {summary['sequences']} sequences", soft_wrap=True)
+    _print_inspection(console, summary, folder, dump=False)
+    _gate(console, [summary], bounds)
 
 
 def _print_summary(console: Console, paths: dict[str, Path] | None, *, runs=None, title: str,  # noqa: ANN001

@@ -10,6 +10,11 @@ tokens with an fp32 full forward. Optional knobs add the other mismatch sources 
   as with vLLM's int8/fp8 KV cache.
 * ``weight_bits``: int-N per-output-channel symmetric fake-quantisation of the decoder's Linear weights (lm_head
   and embeddings stay in ``dtype``, as in W8A16 serving), re-applied on every ``sync_weights``.
+* ``quantize_layers``: restrict ``weight_bits`` and ``kv_cache_bits`` to these decoder layers (indices into the
+  decoder stack, e.g. ``[3]``), so a mismatch can be bisected layer by layer.
+* ``lm_head_fp32``: the output projection runs in float32 on float32 weights, with the final hidden state cast up
+  first — TRL's ``cast_lm_head_to_fp32`` (GRPOConfig), SGLang's ``enable_fp32_lm_head`` as prime-rl's inference
+  config sets it. A tied embedding keeps its engine-dtype copy for the input side.
 * ``logit_noise``: additive seeded Gaussian noise on the logits (a stand-in for non-deterministic kernels). μ then
   includes the noise, so :meth:`HFRolloutEngine.score` cannot reproduce it.
 * ``attn_implementation``: the engine's attention kernel, "eager" by default. With "sdpa" in bf16 on CPU, KV-cache
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -73,14 +79,16 @@ def _quantized_cache_class():
     class FakeQuantKVCache(DynamicCache):
         """DynamicCache that stores fake-quantised keys/values (per token & head, over head_dim)."""
 
-        def __init__(self, *args, bits: int = 8, **kwargs):
+        def __init__(self, *args, bits: int = 8, quantized_layers: frozenset[int] | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.bits = bits
+            self.quantized_layers = quantized_layers  # None: every layer
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            k = fake_quantize(key_states, self.bits)
-            v = fake_quantize(value_states, self.bits)
-            return super().update(k, v, layer_idx, *args, **kwargs)
+            if self.quantized_layers is None or layer_idx in self.quantized_layers:
+                key_states = fake_quantize(key_states, self.bits)
+                value_states = fake_quantize(value_states, self.bits)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return FakeQuantKVCache
 
@@ -94,6 +102,8 @@ class HFRolloutEngine:
             (rotary inv_freq) stay float32 as when a real checkpoint is loaded in bf16.
         kv_cache: generate incrementally with a KV cache (True) or with a full forward per step (False).
         kv_cache_bits / weight_bits / logit_noise: extra mismatch sources, see the module docstring.
+        quantize_layers: decoder-layer indices that ``weight_bits`` / ``kv_cache_bits`` apply to (None: all).
+        lm_head_fp32: float32 output projection (TRL's ``cast_lm_head_to_fp32``), see the module docstring.
         attn_implementation: attention kernel of the engine's copy ("eager", "sdpa"; None keeps the model's).
         record_routes: return each token's routed experts (MoE models only; ``ValueError`` otherwise).
         tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
@@ -116,6 +126,8 @@ class HFRolloutEngine:
         kv_cache_bits: int | None = None,
         weight_bits: int | None = None,
         logit_noise: float = 0.0,
+        quantize_layers: Sequence[int] | None = None,
+        lm_head_fp32: bool = False,
         attn_implementation: str | None = "eager",
         tokenizer=None,
         eos_token_id: int | None = None,
@@ -131,6 +143,8 @@ class HFRolloutEngine:
         self.kv_cache_bits = kv_cache_bits
         self.weight_bits = weight_bits
         self.logit_noise = float(logit_noise)
+        self.quantize_layers = _check_layers(quantize_layers, model, kv_cache_bits, weight_bits)
+        self.lm_head_fp32 = bool(lm_head_fp32)
         self.tokenizer = tokenizer
         cfg = model.config
         self.eos_token_id = _first_not_none(eos_token_id, getattr(tokenizer, "eos_token_id", None), cfg.eos_token_id)
@@ -144,6 +158,8 @@ class HFRolloutEngine:
             self.model.set_attn_implementation(attn_implementation)
         for p in self.model.parameters():
             p.data = p.data.to(self.dtype)
+        if self.lm_head_fp32:
+            _fp32_output_projection(self.model)
         self.record_routes = bool(record_routes)
         if self.record_routes:
             find_routers(self.model)  # a dense model has nothing to record: say so now, not after generating
@@ -153,13 +169,21 @@ class HFRolloutEngine:
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Copy ``model``'s parameters in (cast to the engine dtype), then re-apply weight quantisation."""
-        src = dict(model.named_parameters())
+        # remove_duplicate=False: a tied lm_head the engine untied (lm_head_fp32) finds its source under its own name
+        src = dict(model.named_parameters(remove_duplicate=False))
         for name, p in self.model.named_parameters():
             if name not in src:
                 raise ValueError(f"model has no parameter {name!r}: sync_weights needs the same architecture")
             p.copy_(src[name].detach())
         if self.weight_bits is not None:
-            for name, module in self.model.named_modules():
+            if self.quantize_layers is None:
+                scope = self.model
+            else:
+                from offpolicy.perturbation import find_decoder_layers
+
+                stack = find_decoder_layers(self.model)
+                scope = torch.nn.ModuleList([stack[i] for i in sorted(self.quantize_layers)])
+            for name, module in scope.named_modules():
                 # Decoder Linear layers only: lm_head / embeddings stay in dtype (W8A16-style serving).
                 if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
                     module.weight.copy_(fake_quantize(module.weight, self.weight_bits, dim=1))
@@ -169,7 +193,8 @@ class HFRolloutEngine:
 
         if self.kv_cache_bits is None:
             return DynamicCache(config=self.model.config)
-        return _quantized_cache_class()(config=self.model.config, bits=self.kv_cache_bits)
+        return _quantized_cache_class()(config=self.model.config, bits=self.kv_cache_bits,
+                                         quantized_layers=self.quantize_layers)
 
     def _logits(self, ids: Tensor, attn: Tensor, pos: Tensor, cache) -> Tensor:
         out = self.model(
@@ -292,6 +317,38 @@ class HFRolloutEngine:
         return score_tokens(
             self.model, prompt_ids, completion_ids, cfg, return_logits=return_logits, past_key_values_factory=factory
         )
+
+
+def _check_layers(layers, model: torch.nn.Module, kv_cache_bits: int | None,
+                  weight_bits: int | None) -> frozenset[int] | None:
+    """``quantize_layers`` as a frozenset of valid decoder-layer indices (None: all layers)."""
+    if layers is None:
+        return None
+    if kv_cache_bits is None and weight_bits is None:
+        raise ValueError("quantize_layers needs weight_bits or kv_cache_bits: there is nothing to restrict")
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ValueError(f"quantize_layers must be a list of decoder-layer indices, got {layers!r}")
+    from offpolicy.perturbation import find_decoder_layers
+
+    n = len(find_decoder_layers(model))
+    out = list(layers)
+    if not out or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in out):
+        raise ValueError(f"quantize_layers must be a non-empty list of indices in [0, {n}), got {layers!r}")
+    return frozenset(out)
+
+
+def _fp32_output_projection(model: torch.nn.Module) -> None:
+    """Give the output projection its own float32 weight and cast its input up (TRL's ``cast_lm_head_to_fp32``).
+
+    A tied embedding keeps the engine-dtype copy: the embedding lookup rounds as before, only the logits change.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"lm_head_fp32 needs a Linear output projection, got {type(head).__name__}")
+    head.weight = torch.nn.Parameter(head.weight.detach().float(), requires_grad=False)  # unties a tied embedding
+    if head.bias is not None:
+        head.bias = torch.nn.Parameter(head.bias.detach().float(), requires_grad=False)
+    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
 
 
 def _first_not_none(*values):

@@ -1,0 +1,523 @@
+"""Full-distribution comparison of a rollout engine and a trainer on the tokens the rollout engine sampled.
+
+For each micro-batch of prompts: the rollout engine generates (its own path: KV cache, dtype, quantisation, noise),
+and the logits it sampled from are read at every step with a forward hook on its output projection — the very tensor
+generation used, not a re-computation. A check recomputes the sampled tokens' log-probs from them and requires the
+engine's reported μ to the last bit (a failed check raises: the engine transforms logits in a way this module does
+not replay). The trainer then scores the same tokens with one full forward (optionally under autocast). At every
+response position both full next-token distributions (tempered by the sampling temperature, untruncated) are compared:
+
+* exact KL(μ‖π) (TRM's D_KL, arXiv 2512.23075), KL(π‖μ), total variation — through the chunked kernels
+  (:func:`offpolicy.token_kl`, :func:`offpolicy.token_tv`);
+* top-k overlap |top-k(μ) ∩ top-k(π)| / k and the rollout's top-k log-probs under both (for dumps and top-k bounds);
+* vocabulary-wide |Δ_a| against p_a with DVP Prop. 4.2's envelope (:class:`~offpolicy.inspect.measurements.VocabStats`);
+* DVP's min-p safe sets on a grid of ρ (:class:`~offpolicy.inspect.measurements.DvpGrid`).
+
+Memory: a micro-batch holds ``[b, T, V]`` logits of each side; ``b`` follows from ¾ of ``memory_budget_bytes`` and
+every vocabulary-wide statistic walks row chunks of it within the other ¼ (:func:`offpolicy.kernels.chunk_rows`), so
+nothing ever holds the whole batch's ``[N, V]``.
+
+An engine that exposes only top-k log-probs (vLLM, or ``rollout_view="topk"`` to see what that costs) gets the top-k
+lower and upper bounds on KL(μ‖π) instead (:func:`offpolicy.topk_kl_lower_bound` / ``_upper_bound``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch import Tensor
+
+import offpolicy as op
+from offpolicy.inspect.measurements import (
+    HEAD_P,
+    N_P_BINS,
+    P_BIN_EDGES,
+    TAIL_P,
+    DvpGrid,
+    Measurements,
+    TokenData,
+    VocabStats,
+)
+from offpolicy.inspect.specs import EngineSpec, build_engine
+from offpolicy.kernels import chunk_rows, row_chunks
+from offpolicy.rollout.base import RolloutOutput
+from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.scoring import score_tokens
+
+# ρ = e^-k, k = 1 … 20: DVP's default e^-13 is on the grid, and so are the looser and stricter neighbours.
+DVP_RHO_GRID: tuple[float, ...] = tuple(math.exp(-k) for k in range(1, 21))
+DEFAULT_MEMORY_BUDGET_BYTES = 2 << 30
+DVP_COVERAGE = 0.999  # the recommended ρ keeps at least this much of π's mass at every position (DVP Prop. 5.5's Z)
+CAPTURE_TOLERANCE = 1e-5  # nats: the recomputed μ must equal the reported one (it is bit-exact in practice)
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def _captured_logits(engine) -> Iterator[list[Tensor]]:
+    """Every step's last-position logits [b, V] from the engine's output projection, in generation order."""
+    steps: list[Tensor] = []
+    head = engine.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, out: steps.append(out[:, -1].float()))
+    try:
+        yield steps
+    finally:
+        handle.remove()
+
+
+def _add_engine_noise(steps: list[Tensor], sigma: float, seed: int) -> list[Tensor]:
+    """Replay the HF engine's logit noise (its generator is seeded with seed + 7919 and draws one [b, V] per step);
+    the capture check below fails loudly if the engine ever draws it differently."""
+    if sigma <= 0:
+        return steps
+    gen = torch.Generator(device=steps[0].device).manual_seed(int(seed) + 7919)
+    return [s + sigma * torch.randn(s.shape, generator=gen, device=s.device) for s in steps]
+
+
+def _pad_time(x: Tensor, t: int, value: float | int = 0) -> Tensor:
+    """Right-pad dim 1 of ``x`` to length ``t``."""
+    if x.shape[1] == t:
+        return x
+    pad = torch.full((x.shape[0], t - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def vocabulary_stats(rollout_logits: Tensor, trainer_logits: Tensor, *, temperature: float = 1.0, topk: int = 20,
+                     dvp_rhos: tuple[float, ...] = (), targets: Tensor | None = None, scatter_from_pi: int = 2,
+                     scatter_uniform: int = 2, generator: torch.Generator | None = None,
+                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[VocabStats, dict[str, Tensor]]:
+    """Vocabulary-wide aggregates and per-position extras for ``N`` positions of both sides' logits ``[N, V]``.
+
+    Returns ``(stats, extras)``: ``stats`` a :class:`VocabStats` over all N·V (position, token) pairs; ``extras`` holds
+    ``[N]`` tensors ``eps_max`` and ``topk_overlap``, ``[N, k]`` tensors ``topk_ids`` (the rollout's top-k),
+    ``rollout_topk_logp``, ``trainer_topk_logp`` and, for a non-empty ``dvp_rhos`` grid with ``targets`` [N] (the
+    sampled ids), ``[N, G]`` tensors ``dvp_mass``, ``dvp_inside_trainer``, ``dvp_inside_rollout``.
+
+    With ε = z_μ/τ − z_π/τ and ε_max = ½ (max ε − min ε), Δ_a = −ε_a + log E_π[e^ε] (the normalisers' difference,
+    summed in float64, so Δ keeps the precision of ε itself). Every pair must satisfy DVP Prop. 4.2 in its corrected
+    form |Δ_a| ≤ 2 ε_max (1 − p_a) e^{2 ε_max} (``corrected_violations`` counts failures beyond 1e-6 nats of float32
+    rounding: any is a bug, not a finding); the printed 2 ε_max (1 − p_a) can fail.
+
+    DVP's safe set at ρ is {a : z_a ≥ z_max + log ρ} (Def. 5.1), so with d_a = z_max − z_a the retained mass at every ρ
+    of the grid is one bucketing of d (checked against :func:`offpolicy.constrained_logp` in the tests).
+
+    >>> z = torch.tensor([[0.0, 0.0]]); zr = torch.tensor([[0.1, -0.1]])   # ε_max = 0.1, p = (½, ½)
+    >>> s, x = vocabulary_stats(zr, z, topk=1)
+    >>> s.pairs, s.paper_violations, round(x["eps_max"].item(), 4)   # |Δ| = log(½(1 + e^{±0.2})) ≈ 0.1003, 0.0997 vs 0.1
+    (2, 1, 0.1)
+    """
+    n, vocab = trainer_logits.shape
+    k = min(topk, vocab)
+    stats = VocabStats()
+    extras: dict[str, list[Tensor]] = {}
+    rows = chunk_rows(n, vocab, buffers=8, itemsize=4, memory_budget_bytes=memory_budget_bytes)
+    log_rho = torch.tensor([-math.log(r) for r in dvp_rhos], dtype=torch.float32)  # −log ρ, ascending for e^-k grids
+    slack = 1e-6  # float32 rounding of ε (1 ulp of the logits) — far below any mismatch worth reporting
+    for a, b in row_chunks(n, rows):
+        zr = rollout_logits[a:b].float() / temperature
+        zt = trainer_logits[a:b].float() / temperature
+        # A row with a non-finite logit (an fp16 overflow) has no envelope: left out of the aggregates, counted, and
+        # its per-position extras are NaN (its KL is non-finite too, which the report and the gate flag).
+        bad = ~(torch.isfinite(zr).all(-1) & torch.isfinite(zt).all(-1))
+        if bool(bad.any()):
+            stats.skipped_rows += int(bad.sum())
+            zr, zt = zr.masked_fill(bad[:, None], 0.0), zt.masked_fill(bad[:, None], 0.0)
+        eps = zr - zt
+        eps_max = (eps.amax(-1) - eps.amin(-1)) / 2
+        lse_t = zt.logsumexp(-1, keepdim=True)
+        lt = zt - lse_t  # log π
+        p = lt.exp()
+        # log E_π[e^ε] = lse_μ − lse_π, summed in float64 from e^ε − 1 so that it is exact to float32's ε
+        shift = (p * torch.expm1(eps)).double().sum(-1, keepdim=True).log1p().float()
+        abs_delta = (shift - eps).abs_()  # |Δ| = |log π − log μ|
+        bound = 2 * eps_max[:, None] * (-torch.expm1(lt))  # 2 ε_max (1 − p), 1 − p accurate near p = 1
+        good = ~bad[:, None]
+        stats.paper_violations += int(((abs_delta > bound + slack) & good).sum())
+        stats.corrected_violations += int(((abs_delta > bound * torch.exp(2 * eps_max)[:, None] + slack) & good).sum())
+        stats.pairs += int(good.sum()) * vocab
+        bins = torch.floor(lt / math.log(10)).add_(N_P_BINS).clamp_(0, N_P_BINS - 1).long()[~bad].flatten()
+        stats.bin_abs_delta = [s + float(v) for s, v in zip(
+            stats.bin_abs_delta, torch.bincount(bins, abs_delta[~bad].flatten().double(), N_P_BINS))]
+        stats.bin_count = [s + int(v) for s, v in zip(stats.bin_count, torch.bincount(bins, minlength=N_P_BINS))]
+        head, tail = (p > HEAD_P) & good, (p < TAIL_P) & good
+        stats.head_abs_delta += float(abs_delta[head].double().sum())
+        stats.head_count += int(head.sum())
+        stats.tail_abs_delta += float(abs_delta[tail].double().sum())
+        stats.tail_count += int(tail.sum())
+        picks = [torch.multinomial(p, scatter_from_pi, replacement=True, generator=generator)] if scatter_from_pi else []
+        if scatter_uniform:
+            picks.append(torch.randint(vocab, (b - a, scatter_uniform), generator=generator))
+        if picks:
+            ids = torch.cat(picks, dim=1)[~bad]
+            stats.scatter_p += p[~bad].gather(1, ids).flatten().tolist()
+            stats.scatter_abs_delta += abs_delta[~bad].gather(1, ids).flatten().tolist()
+            stats.scatter_eps_max += eps_max[~bad, None].expand_as(ids).flatten().tolist()
+        eps_max = eps_max.masked_fill(bad, math.nan)
+        ids_r = zr.topk(k, dim=-1).indices
+        ids_t = zt.topk(k, dim=-1).indices
+        lse_r = zr.logsumexp(-1, keepdim=True)
+        got = {
+            "eps_max": eps_max,
+            "topk_overlap": (ids_r[:, :, None] == ids_t[:, None, :]).any(-1).float().mean(-1),
+            "topk_ids": ids_r,
+            "rollout_topk_logp": zr.gather(1, ids_r) - lse_r,
+            "trainer_topk_logp": lt.gather(1, ids_r),
+        }
+        if len(dvp_rhos) and targets is not None:
+            got.update(_dvp_chunk(zr, zt, p, targets[a:b], log_rho))
+        for name, value in got.items():
+            extras.setdefault(name, []).append(value)
+    out = {name: torch.cat(parts) for name, parts in extras.items()}
+    return stats, out
+
+
+def _dvp_chunk(zr: Tensor, zt: Tensor, p: Tensor, targets: Tensor, neg_log_rho: Tensor) -> dict[str, Tensor]:
+    """Retained mass and sampled-token membership of DVP's safe sets at every ρ (``neg_log_rho`` [G] = −log ρ).
+
+    a ∈ V_S(ρ) ⇔ z_a ≥ z_max + log ρ ⇔ d_a = z_max − z_a ≤ −log ρ: mass = Σ_a p_a 1[d_a ≤ −log ρ], one pass per ρ-free
+    bucketing (searchsorted on the sorted grid), then a cumulative sum over buckets."""
+    order = torch.argsort(neg_log_rho)
+    grid = neg_log_rho[order]
+    d_t = zt.amax(-1, keepdim=True) - zt
+    bucket = torch.searchsorted(grid, d_t.contiguous(), right=False)  # first grid value ≥ d, G if none
+    per_bucket = torch.zeros(zt.shape[0], grid.numel() + 1, dtype=torch.float64)
+    per_bucket.scatter_add_(1, bucket, p.double())
+    mass_sorted = per_bucket.cumsum(-1)[:, :-1].float()
+    inv = torch.argsort(order)
+    d_target_t = d_t.gather(1, targets[:, None])
+    d_target_r = (zr.amax(-1, keepdim=True) - zr).gather(1, targets[:, None])
+    return {
+        "dvp_mass": mass_sorted[:, inv],
+        "dvp_inside_trainer": d_target_t <= neg_log_rho[None, :],
+        "dvp_inside_rollout": d_target_r <= neg_log_rho[None, :],
+    }
+
+
+def dvp_check(rollout_logits: Tensor | None, trainer_logits: Tensor, targets: Tensor, rho: float, *,
+              temperature: float = 1.0, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> dict[str, Tensor]:
+    """DVP at one ρ through the correction's own kernel (:func:`offpolicy.constrained_logp`) for ``N`` positions:
+    ``mass`` [N] (the trainer's retained mass), ``inside_trainer`` / ``inside_rollout`` [N] bool."""
+    c = op.constrained_logp(trainer_logits, targets, rho, temperature=temperature,
+                            memory_budget_bytes=memory_budget_bytes)
+    out = {"mass": c.mass.float(), "inside_trainer": c.inside}
+    if rollout_logits is not None:
+        out["inside_rollout"] = op.constrained_logp(rollout_logits, targets, rho, temperature=temperature,
+                                                    memory_budget_bytes=memory_budget_bytes).inside
+    return out
+
+
+def micro_batch_rows(prompt_len: int, max_new_tokens: int, vocab: int, budget: int) -> int:
+    """Sequences per micro-batch so that its float32 logits fit in ``budget`` bytes: the trainer's full ``[b, L, V]``
+    forward output (L = prompt + T) and about six ``[b, T, V]``-sized tensors (the captured steps and their stack, the
+    trainer's gathered and processed logits, both sides' valid rows).
+
+    >>> micro_batch_rows(6, 128, 4099, 768 << 20)   # 768 MiB / (4 B · 4099 · (134 + 6·128)) = 54.4
+    54
+    """
+    per_row = 4 * vocab * (prompt_len + max_new_tokens + 6 * max_new_tokens)
+    return max(1, budget // per_row)
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch after generation and scoring: the sampled tokens and both sides' logits at valid positions."""
+
+    out: RolloutOutput
+    ids: Tensor  # [b, T] sampled ids (0 at padding)
+    trainer_logp: Tensor  # [b, T] processed, 0 at padding
+    flat_rollout: Tensor | None  # [n, V] rollout logits at the valid positions (None: top-k view)
+    flat_trainer: Tensor  # [n, V]
+    capture_error: float
+    generate_s: float
+    score_s: float
+
+
+def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, topk, seed, rows, autocast,
+                   sampler=None):
+    """Generate and score ``prompt_ids`` in micro-batches of ``rows`` — deterministic, so a second pass replays the
+    first exactly (the DVP check uses that when the logits do not fit in memory). With a ``sampler`` engine the tokens
+    come from it and the rollout engine scores them in one full forward (``HFRolloutEngine.score``)."""
+    for mb, (a, b) in enumerate(row_chunks(len(prompt_ids), rows)):
+        prompts = [list(p) for p in prompt_ids[a:b]]
+        mb_seed = int(seed) + mb
+        t0 = time.perf_counter()
+        if sampler is not None:
+            sampled = sampler.generate(prompts, sampling, seed=mb_seed)
+            logp, _, rollout_logits = roll_engine.score(prompts, sampled.completion_ids, sampling, return_logits=True)
+            out = replace(sampled, logp=torch.where(sampled.mask, logp, 0.0))
+        elif view == "full":
+            with _captured_logits(roll_engine) as steps:
+                out = roll_engine.generate(prompts, sampling, seed=mb_seed)
+            rollout_logits = torch.stack(_add_engine_noise(steps, roll_engine.logit_noise, mb_seed), 1)
+        else:
+            out = roll_engine.generate(prompts, replace(sampling, logprobs_topk=topk), seed=mb_seed)
+            rollout_logits = None
+        t1 = time.perf_counter()
+        trainer_logp, _, trainer_logits = _score(train_engine.model, prompts, out.completion_ids, sampling, autocast)
+        t2 = time.perf_counter()
+        mask = out.mask
+        ids = torch.tensor([c + [0] * (mask.shape[1] - len(c)) for c in out.completion_ids],
+                           dtype=torch.long).reshape(mask.shape)
+        err = 0.0
+        if rollout_logits is not None and sampler is None:
+            check = process_logits(rollout_logits, sampling).gather(-1, ids[..., None]).squeeze(-1)
+            diff = (check - out.logp)[mask]
+            same_nonfinite = ~torch.isfinite(check[mask]) & (check[mask] == out.logp[mask]) | (
+                torch.isnan(check[mask]) & torch.isnan(out.logp[mask]))  # an overflow reported as it happened
+            err = float(torch.where(same_nonfinite, 0.0, diff).abs().max()) if mask.any() else 0.0
+            if not err <= CAPTURE_TOLERANCE:
+                raise ValueError(f"the rollout logits read from the engine's output projection do not reproduce its "
+                                 f"reported log-probs (max error {err:.3g} nats): the engine changes the logits after "
+                                 f"its lm_head in a way offpolicy inspect does not replay")
+        yield _MicroBatch(out=out, ids=ids, trainer_logp=torch.where(mask, trainer_logp, 0.0),
+                          flat_rollout=None if rollout_logits is None else rollout_logits[mask],
+                          flat_trainer=trainer_logits[mask], capture_error=err, generate_s=t1 - t0, score_s=t2 - t1)
+
+
+def compare_engines(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    rollout: EngineSpec,
+    trainer: EngineSpec,
+    sampling: SamplingConfig,
+    *,
+    tokenizer=None,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    topk: int = 20,
+    rollout_view: str = "full",
+    dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
+    dvp_coverage: float = DVP_COVERAGE,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    model_path: str | None = None,
+    engines: tuple | None = None,
+    sample_with: EngineSpec | None = None,
+) -> Measurements:
+    """Sample with ``rollout``, score with ``trainer``, compare at every response position (module docstring).
+
+    ``prompt_ids``: token-id lists; ``sampling``: the rollout's sampling (``max_new_tokens``, temperature, truncation);
+    ``ignore_eos``: generate exactly ``max_new_tokens`` per prompt; ``topk``: width of the top-k overlap and of the
+    stored top-k log-probs; ``rollout_view``: "full" (the engine's logits) or "topk" (only its top-k log-probs, as vLLM
+    reports; forced for ``backend="vllm"``); ``dvp_rhos``: DVP's ρ grid (None or empty skips DVP) and
+    ``dvp_coverage`` the retained mass the recommended ρ must keep at every position; that ρ is then re-checked with
+    :func:`offpolicy.constrained_logp` on the same logits (kept in memory when the prompts fit in one micro-batch or
+    the logits in ¼ of ``memory_budget_bytes``, else regenerated: generation is deterministic). ``model_path``: the
+    local directory a vLLM engine loads; ``engines``: already-built ``(rollout_engine, trainer_engine)`` to reuse.
+
+    ``sample_with``: take the tokens from this engine instead, and let the rollout engine score them in one full
+    forward (its dtype, quantisation and KV quantisation replayed; not its logit noise, nor its KV-cache summation
+    order, which is exact in bf16 and differs by ~1e-4 nats in fp16). Several rollout specs inspected with the same
+    ``sample_with`` are compared on identical token sequences — a paired comparison, where each engine's own samples
+    would add their sampling noise to the difference.
+
+    Returns :class:`Measurements` without ``layers`` (:func:`offpolicy.inspect.layers.layer_errors` adds them).
+    """
+    from offpolicy.inspect.recommend import choose_dvp_rho
+
+    if rollout_view not in ("full", "topk"):
+        raise ValueError(f"rollout_view must be 'full' or 'topk', got {rollout_view!r}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be an int ≥ 1, got {topk!r}")
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one prompt")
+    if sampling.reads_history:
+        raise ValueError("sampling: penalties (repetition / frequency / presence) and multi-token bad words depend on "
+                         "each row's token history, which offpolicy inspect does not replay; inspect without them")
+    if not (isinstance(dvp_coverage, (int, float)) and 0 < dvp_coverage <= 1):
+        raise ValueError(f"dvp_coverage must be in (0, 1], got {dvp_coverage!r}")
+    view = "topk" if rollout.backend == "vllm" else rollout_view
+    if sample_with is not None and (view != "full" or rollout.logit_noise or sample_with.backend != "hf"):
+        raise ValueError("sample_with needs a transformers rollout engine with full logits and no logit noise (a "
+                         "full forward cannot replay the noise), and a transformers sampler")
+    truncated = sampling.top_k is not None or sampling.top_p is not None or sampling.min_p is not None
+    if view == "topk" and truncated:
+        raise ValueError("a top-k comparison needs untruncated sampling (top_k, top_p, min_p unset): the bound compares "
+                         "the rollout's top-k log-probs with the trainer's full tempered distribution")
+    roll_engine, train_engine = engines or (_rollout_engine(model, rollout, tokenizer, model_path, topk),
+                                            build_engine(model, trainer))
+    if ignore_eos:
+        if rollout.backend != "hf":
+            raise ValueError("ignore_eos is implemented for the transformers engine only")
+        roll_engine.eos_token_id = None  # a model without eos runs to max_new_tokens (HF engine contract)
+    vocab = model.config.vocab_size
+    t_max = sampling.max_new_tokens
+    # ¾ of the budget for the micro-batch's logits, ¼ for the chunked kernels' scratch
+    rows = micro_batch_rows(max(len(p) for p in prompt_ids), t_max, vocab, memory_budget_bytes * 3 // 4)
+    scratch = max(1 << 20, memory_budget_bytes // 4)
+    autocast = _AUTOCAST.get(trainer.autocast) if trainer.autocast else None
+    tau = sampling.temperature
+    rhos = tuple(dvp_rhos or ())
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    sampler = None
+    if sample_with is not None:
+        sampler = build_engine(model, sample_with, tokenizer)
+        if ignore_eos:
+            sampler.eos_token_id = None
+    batches = partial(_micro_batches, roll_engine, train_engine, prompt_ids, sampling, view=view, topk=topk,
+                      seed=seed, rows=rows, autocast=autocast, sampler=sampler)
+    parts: dict[str, list[Tensor]] = {}
+    vocab_stats = VocabStats() if view == "full" else None
+    kept: list[tuple[Tensor | None, Tensor, Tensor]] | None = []  # the logits for the DVP check, while they fit
+    kept_bytes = 0
+    timings = {"generate_s": 0.0, "score_s": 0.0, "compare_s": 0.0, "dvp_check_s": 0.0}
+    capture_error = 0.0
+    for mb in batches():
+        t0 = time.perf_counter()
+        per_pos, stats = _position_stats(mb, tau=tau, topk=topk, rhos=rhos, generator=gen, scratch=scratch)
+        if stats is not None:
+            vocab_stats = vocab_stats.merge(stats)
+        if rhos and kept is not None:
+            flat_r, flat_t = mb.flat_rollout, mb.flat_trainer
+            kept_bytes += (flat_t.numel() + (0 if flat_r is None else flat_r.numel())) * 4
+            # one micro-batch: its own logits, no extra memory; several: keep them while they fit in ¼ of the budget
+            fits = rows >= len(prompt_ids) or kept_bytes <= memory_budget_bytes // 4
+            kept = kept + [(flat_r, flat_t, mb.ids[mb.out.mask])] if fits else None
+        timings["generate_s"] += mb.generate_s
+        timings["score_s"] += mb.score_s
+        timings["compare_s"] += time.perf_counter() - t0
+        capture_error = max(capture_error, mb.capture_error)
+        _collect(parts, mb, per_pos, t_max)
+    cat = {name: torch.cat(p) for name, p in parts.items()}
+    tokens = _token_data(cat, kl_kind="exact" if view == "full" else "topk", prompt_ids=prompt_ids)
+    grid = None
+    if rhos:
+        grid = DvpGrid(rhos=list(rhos), mass=cat["dvp_mass"], inside_trainer=cat["dvp_inside_trainer"],
+                       inside_rollout=cat.get("dvp_inside_rollout"))
+        choice = choose_dvp_rho(grid, coverage=dvp_coverage)
+        t0 = time.perf_counter()
+        again = kept if kept is not None else ((m.flat_rollout, m.flat_trainer, m.ids[m.out.mask]) for m in batches())
+        checks = [dvp_check(r, t, y, choice["rho"], temperature=tau, memory_budget_bytes=scratch)
+                  for r, t, y in again]
+        timings["dvp_check_s"] = time.perf_counter() - t0
+        grid.check = _dvp_summary(choice, checks, dvp_coverage)
+    meta = {
+        "rollout": rollout.as_dict() | {"description": rollout.describe()},
+        "trainer": trainer.as_dict() | {"description": trainer.describe()},
+        "sampling": {**sampling.__dict__, "ignore_eos": bool(ignore_eos)},
+        "seed": int(seed), "topk": topk, "rollout_view": view,
+        "sampled_with": None if sample_with is None else sample_with.as_dict() | {"description": sample_with.describe()},
+        "prompts": len(prompt_ids), "positions": int(tokens.mask.sum()), "vocab_size": vocab,
+        "micro_batch_rows": rows,
+        "capture_max_abs_error": capture_error if view == "full" and sampler is None else None,
+        "timings": timings,
+    }
+    return Measurements(tokens=tokens, vocab=vocab_stats, dvp=grid, meta=meta)
+
+
+def _position_stats(mb: _MicroBatch, *, tau: float, topk: int, rhos: tuple[float, ...],
+                    generator: torch.Generator, scratch: int) -> tuple[dict[str, Tensor], VocabStats | None]:
+    """Per-position statistics ``{name: [n, …]}`` of one micro-batch's valid positions, and its vocabulary aggregates
+    (None in the top-k view, where only the rollout's top-k is known)."""
+    mask, flat_t, flat_r = mb.out.mask, mb.flat_trainer, mb.flat_rollout
+    targets = mb.ids[mask]
+    per_pos: dict[str, Tensor] = {}
+    if flat_r is not None:
+        kw = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": scratch}
+        per_pos["kl"] = op.token_kl(flat_r, flat_t, **kw)
+        per_pos["kl_reverse"] = op.token_kl(flat_t, flat_r, **kw)
+        per_pos["tv"] = op.token_tv(flat_r, flat_t, **kw)
+        stats, extras = vocabulary_stats(flat_r, flat_t, temperature=tau, topk=topk, dvp_rhos=rhos, targets=targets,
+                                         generator=generator, memory_budget_bytes=scratch)
+        per_pos.update(extras)
+        return per_pos, stats
+    r_lp, r_ids = mb.out.topk_logp[mask], mb.out.topk_ids[mask]
+    kw = {"temperature": tau, "memory_budget_bytes": scratch}
+    per_pos["kl"], per_pos["tv"] = op.topk_kl_lower_bound(r_lp, r_ids, flat_t, with_tv=True, **kw)
+    per_pos["kl_upper"] = op.topk_kl_upper_bound(r_lp, r_ids, flat_t, **kw)
+    per_pos["topk_ids"], per_pos["rollout_topk_logp"] = r_ids, r_lp
+    per_pos["trainer_topk_logp"] = (flat_t.double() / tau).log_softmax(-1).gather(1, r_ids).float()
+    if rhos:
+        per_pos.update(dvp_grid_from_logits(flat_t, targets, rhos, temperature=tau))
+    return per_pos, None
+
+
+def _collect(parts: dict[str, list[Tensor]], mb: _MicroBatch, per_pos: dict[str, Tensor], t_max: int) -> None:
+    """Append one micro-batch: DVP columns ``[n, G]`` as they are, the rest scattered back into ``[b, T_max(, K)]``."""
+    mask = mb.out.mask
+    for name, flat in per_pos.items():
+        if name.startswith("dvp_"):
+            parts.setdefault(name, []).append(flat)
+            continue
+        full = torch.zeros((*mask.shape, *flat.shape[1:]), dtype=flat.dtype)
+        full[mask] = flat.detach().to(full.dtype)
+        parts.setdefault(name, []).append(_pad_time(full, t_max))
+    parts.setdefault("mask", []).append(_pad_time(mask, t_max, False))
+    parts.setdefault("ids", []).append(_pad_time(mb.ids, t_max))
+    parts.setdefault("rollout_logp", []).append(_pad_time(mb.out.logp, t_max))
+    parts.setdefault("trainer_logp", []).append(_pad_time(mb.trainer_logp, t_max))
+
+
+_OPTIONAL_TOKEN_FIELDS = ("kl", "kl_upper", "kl_reverse", "tv", "topk_overlap", "eps_max", "topk_ids",
+                          "rollout_topk_logp", "trainer_topk_logp")
+
+
+def _token_data(cat: dict[str, Tensor], *, kl_kind: str, prompt_ids: list[list[int]]) -> TokenData:
+    """The concatenated micro-batches as :class:`TokenData`, without the all-padding columns at the end."""
+    t = max(1, int(cat["mask"].sum(-1).max()))
+    return TokenData(
+        completion_ids=cat["ids"][:, :t], mask=cat["mask"][:, :t], rollout_logp=cat["rollout_logp"][:, :t],
+        trainer_logp=cat["trainer_logp"][:, :t], kl_kind=kl_kind, prompt_ids=[list(p) for p in prompt_ids],
+        **{name: cat[name][:, :t] if name in cat else None for name in _OPTIONAL_TOKEN_FIELDS},
+    )
+
+
+def dvp_grid_from_logits(trainer_logits: Tensor, targets: Tensor, rhos: tuple[float, ...], *,
+                         temperature: float = 1.0) -> dict[str, Tensor]:
+    """The trainer's side of the DVP grid alone (top-k view: the rollout's safe sets are unknown)."""
+    n, vocab = trainer_logits.shape
+    out: dict[str, list[Tensor]] = {}
+    neg_log_rho = torch.tensor([-math.log(r) for r in rhos], dtype=torch.float32)
+    for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=4)):
+        zt = trainer_logits[a:b].float() / temperature
+        got = _dvp_chunk(zt, zt, torch.softmax(zt, -1), targets[a:b], neg_log_rho)
+        got.pop("dvp_inside_rollout")
+        for name, v in got.items():
+            out.setdefault(name, []).append(v)
+    return {name: torch.cat(v) for name, v in out.items()}
+
+
+def _dvp_summary(choice: dict, checks: list[dict[str, Tensor]], coverage: float) -> dict:
+    """What the correction kept at the chosen ρ, from :func:`dvp_check` on every micro-batch."""
+    mass = torch.cat([c["mass"] for c in checks])
+    inside = torch.cat([c["inside_trainer"] & c.get("inside_rollout", c["inside_trainer"]) for c in checks])
+    n = max(1, mass.numel())
+    return {
+        "rho": choice["rho"], "log_rho": math.log(choice["rho"]), "coverage_target": coverage,
+        "met": bool(choice["met"]), "mass_min": float(mass.min()) if mass.numel() else 1.0,
+        "mass_mean": float(mass.mean()) if mass.numel() else 1.0,
+        "positions_at_coverage": float((mass >= coverage).sum()) / n,
+        "kept_fraction": float(inside.sum()) / n,
+        "kept_unit": "sampled tokens inside both safe sets" if "inside_rollout" in checks[0] else
+                     "sampled tokens inside the trainer's safe set",
+    }
+
+
+def _score(model, prompts, completions, sampling, autocast):
+    """The trainer's processed log-probs and raw logits [b, T, V] of the sampled tokens (one full forward)."""
+    with torch.no_grad():
+        return score_tokens(model, prompts, completions, sampling, dtype=autocast, return_logits=True)
+
+
+def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, topk: int):
+    if spec.backend == "hf":
+        return build_engine(model, spec, tokenizer)
+    # vLLM: GPU only, a local model directory, and only its top-k log-probs come back.
+    unsupported = [name for name in ("kv_cache_bits", "weight_bits", "quantize_layers") if getattr(spec, name)]
+    if spec.lm_head_fp32 or spec.logit_noise or unsupported or not spec.kv_cache:
+        raise ValueError("--rollout backend=vllm takes dtype only (vLLM's own quantisation and KV-cache dtype are "
+                         "vLLM settings); the simulated knobs are for the transformers engine")
+    if model_path is None:
+        raise ValueError("--rollout backend=vllm needs --model to be a local model directory")
+    from offpolicy.rollout.vllm import VLLMRolloutEngine
+
+    try:
+        return VLLMRolloutEngine(model_path, dtype=spec.dtype, max_logprobs=topk, tokenizer=tokenizer)
+    except ImportError as err:  # no vLLM (or no GPU build of it): one line, as for any other bad setting
+        raise ValueError(f"--rollout backend=vllm: {err}") from None

@@ -1,0 +1,57 @@
+"""offpolicy.lab: sweeps of presets × rollout-engine mismatch sources × seeds, and their report.
+
+* :mod:`~offpolicy.lab.mismatch` — named, deterministic mismatch sources (``none`` = the fp32 control, ``bf16``,
+  ``int8``, ``int4``, ``kv8``, ``kv4``, ``noise``; ``a+b`` combinations) as trainer overrides;
+* :mod:`~offpolicy.lab.settings` — named settings (``quick``, ``full``): shared overrides + the default plan;
+* :mod:`~offpolicy.lab.sweep` — the runner: one trainer process per run, bounded parallelism, resume;
+* :mod:`~offpolicy.lab.stats` / :mod:`~offpolicy.lab.plots` / :mod:`~offpolicy.lab.report` — the numbers over
+  seeds, the figures, and ``report.html`` + ``lab_table.md`` + ``lab_stats.json``.
+
+>>> plan = plan_sweep("/tmp/lab", "quick", presets="naive,mis", mismatches="bf16", seeds=3)
+>>> len(plan.runs), plan.mismatches, plan.runs[0].dir
+(12, ['none', 'bf16'], 'runs/naive__none__s0')
+"""
+
+from offpolicy.lab.mismatch import (
+    CONTROL,
+    SOURCES,
+    canonical_mismatch,
+    describe_mismatch,
+    mismatch_overrides,
+    mismatch_settings,
+)
+from offpolicy.lab.report import LabReport, write_report
+from offpolicy.lab.settings import SETTINGS, get_setting
+from offpolicy.lab.stats import load_run_metrics, run_stats, sweep_stats
+from offpolicy.lab.sweep import (
+    PlannedRun,
+    SweepPlan,
+    SweepResult,
+    plan_sweep,
+    read_summary,
+    run_state,
+    run_sweep,
+)
+
+__all__ = [
+    "CONTROL",
+    "LabReport",
+    "PlannedRun",
+    "SETTINGS",
+    "SOURCES",
+    "SweepPlan",
+    "SweepResult",
+    "canonical_mismatch",
+    "describe_mismatch",
+    "get_setting",
+    "load_run_metrics",
+    "mismatch_overrides",
+    "mismatch_settings",
+    "plan_sweep",
+    "read_summary",
+    "run_state",
+    "run_stats",
+    "run_sweep",
+    "sweep_stats",
+    "write_report",
+]

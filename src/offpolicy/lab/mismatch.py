@@ -1,0 +1,120 @@
+"""Named, deterministic mismatch sources of the lab: how the rollout engine differs from the trainer.
+
+Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``) change how the engine computes; lag (``lag4``, ``lag8``)
+changes *which* weights it computes with — an asynchronous pipeline's engine samples with a policy a few updates old,
+the off-policy part of μ that the same corrections address (``bf16+lag8`` has both). Every source is a complete
+description of the rollout engine (dtype, KV cache, weight / KV-cache quantisation, logit noise, weight lag) as
+trainer config overrides, so a name means the same engine whatever the base setting says. ``none``
+is the control: an fp32 engine (μ = π up to fp32 rounding, k3 KL ≈ 1e-14 per token); every other source starts from
+it and changes what its name says. ``"a+b"`` combines sources (``int8+kv4``: bf16 engine, int8 weights, 4-bit KV
+cache); two sources that set the same field differently cannot be combined.
+
+>>> mismatch_overrides("int8+kv4")[:3]
+['rollout.dtype=bfloat16', 'rollout.kv_cache=true', 'rollout.kv_cache_bits=4']
+>>> canonical_mismatch("kv4+int8")
+'int8+kv4'
+>>> mismatch_overrides("int8+int4")
+Traceback (most recent call last):
+...
+ValueError: mismatch 'int8+int4': 'int8' sets rollout.weight_bits=8 but 'int4' sets rollout.weight_bits=4
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTROL = "none"
+
+# The control engine: what every source starts from (the trainer scores in fp32 with a full forward).
+ENGINE_BASE: dict[str, Any] = {
+    "rollout.dtype": "float32",
+    "rollout.kv_cache": True,
+    "rollout.kv_cache_bits": None,
+    "rollout.weight_bits": None,
+    "rollout.logit_noise": 0.0,
+    "rollout.sync_every": 1,
+}
+
+# name → (what it changes in ENGINE_BASE, one-line description). Order = canonical order of a combination.
+SOURCES: dict[str, tuple[dict[str, Any], str]] = {
+    "none": ({}, "fp32 engine with KV cache: the no-mismatch control (μ = π up to fp32 rounding)"),
+    "bf16": ({"rollout.dtype": "bfloat16"}, "bf16 engine with KV cache (what every bf16 inference server does)"),
+    "int8": ({"rollout.dtype": "bfloat16", "rollout.weight_bits": 8},
+             "bf16 engine, int8 per-channel fake-quantised decoder weights (W8A16 serving)"),
+    "int4": ({"rollout.dtype": "bfloat16", "rollout.weight_bits": 4},
+             "bf16 engine, 4-bit per-channel fake-quantised decoder weights"),
+    "kv8": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 8}, "bf16 engine, 8-bit KV cache"),
+    "kv4": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 4}, "bf16 engine, 4-bit KV cache"),
+    "lag4": ({"rollout.sync_every": 4},
+             "fp32 engine synced every 4 steps: samples with weights up to 3 updates old (asynchronous rollout)"),
+    "lag8": ({"rollout.sync_every": 8},
+             "fp32 engine synced every 8 steps: samples with weights up to 7 updates old (asynchronous rollout)"),
+    "noise": ({"rollout.logit_noise": 0.3},
+              "seeded Gaussian noise σ = 0.3 on the engine's logits (a synthetic stand-in; an extra, not a default)"),
+}
+
+# Sources a user names explicitly; no setting runs them by default (logit noise is not a real engine's numerics).
+EXTRAS = ("noise",)
+
+
+def parse_mismatch(name: str) -> tuple[str, ...]:
+    """The named sources of ``name`` (``"int8+kv4"`` → ``("int8", "kv4")``), in canonical order.
+
+    Raises ``ValueError`` naming the unknown or repeated part, or ``none`` inside a combination.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"mismatch {name!r} is empty; choose from {list(SOURCES)} or a '+' combination")
+    parts = [p.strip() for p in name.split("+")]
+    for p in parts:
+        if p not in SOURCES:
+            raise ValueError(f"mismatch {name!r}: unknown source {p!r}; choose from {list(SOURCES)} "
+                             "or combine them with '+' (e.g. int8+kv4)")
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"mismatch {name!r} names a source twice")
+    if len(parts) > 1 and CONTROL in parts:
+        raise ValueError(f"mismatch {name!r}: '{CONTROL}' is the control and cannot be combined")
+    order = list(SOURCES)
+    return tuple(sorted(parts, key=order.index))
+
+
+def canonical_mismatch(name: str) -> str:
+    """``name`` with its sources in canonical order (``kv4+int8`` → ``int8+kv4``): one run folder per engine."""
+    return "+".join(parse_mismatch(name))
+
+
+def mismatch_settings(name: str) -> dict[str, Any]:
+    """The complete rollout-engine settings of ``name`` (:data:`ENGINE_BASE` with each source's changes)."""
+    parts = parse_mismatch(name)
+    settings = dict(ENGINE_BASE)
+    set_by: dict[str, str] = {}
+    for part in parts:
+        for key, value in SOURCES[part][0].items():
+            if key in set_by and settings[key] != value:
+                raise ValueError(f"mismatch {name!r}: {set_by[key]!r} sets {key}={_yaml(settings[key])} but "
+                                 f"{part!r} sets {key}={_yaml(value)}")
+            settings[key] = value
+            set_by[key] = part
+    return settings
+
+
+def mismatch_overrides(name: str) -> list[str]:
+    """``name`` as trainer ``key=value`` overrides (every engine field, so the base setting cannot leak in)."""
+    return [f"{key}={_yaml(value)}" for key, value in mismatch_settings(name).items()]
+
+
+def describe_mismatch(name: str) -> str:
+    """One line saying what the engine does differently (the descriptions of its sources joined)."""
+    return "; ".join(SOURCES[p][1] for p in parse_mismatch(name))
+
+
+def engine_keys() -> tuple[str, ...]:
+    """The config keys a mismatch source owns (a sweep refuses user overrides of these)."""
+    return tuple(ENGINE_BASE)
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,254 @@
+"""The lab's figures (matplotlib, headless): curves over seeds per mismatch source, and last-quarter reward per run.
+
+Every curve figure has one panel per mismatch source with the presets overlaid: the mean over seeds as a line and
+the min–max over seeds as a band; each non-control panel also shows the control (naive on the fp32 engine, black
+dashed) so the eye compares against the no-mismatch run. A preset has the same colour in every figure. Reward, k3 KL
+and masked fraction are smoothed per seed by a trailing mean over ``window`` steps (N/20, at least 1) before
+averaging; the gradient norm is not smoothed (its spikes are the finding). k3 KL and gradient norm are drawn on log
+axes, values below a floor (k3: 1e-10, fp32 rounding; gradient norm: 1e-6) at the floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from offpolicy.lab.mismatch import CONTROL
+from offpolicy.lab.stats import K3_FLOOR, finite, median, series
+
+PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_mask": "#17becf", "icepop": "#8c564b",
+                 "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79"}
+_SPARE = ("#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94")
+
+# (metric key, file stem, title, y label, log axis floor or None, smoothed)
+CURVES: tuple[tuple[str, str, str, str, float | None, bool], ...] = (
+    ("reward/mean", "reward", "Reward (mean over the batch)", "reward", None, True),
+    ("rollout_correction/k3_kl", "k3_kl", "Mismatch: k3 KL(μ‖π_old) per token", "k3 KL, nats/token (log)",
+     K3_FLOOR, True),
+    ("loss/grad_norm", "grad_norm", "Gradient norm before clipping (not smoothed)", "gradient norm (log)", 1e-6, False),
+    ("correction/masked_frac", "masked_frac", "Masked / dropped token fraction", "fraction of tokens", None, True),
+)
+
+
+def preset_colors(presets: Sequence[str]) -> dict[str, str]:
+    """A fixed colour per preset (known presets keep theirs whatever the plan holds)."""
+    spare = iter(_SPARE * 4)
+    return {p: PRESET_COLORS.get(p) or next(spare) for p in presets}
+
+
+def _trailing_mean(ys: list[float], k: int) -> list[float]:
+    out = []
+    for i in range(len(ys)):
+        window = finite(ys[max(0, i - k + 1): i + 1])
+        out.append(sum(window) / len(window) if window else math.nan)
+    return out
+
+
+def band(runs: Sequence[Sequence[dict[str, Any]]], key: str, window: int = 1,
+         floor: float | None = None) -> tuple[list[int], list[float], list[float], list[float]]:
+    """``(steps, mean, min, max)`` over seeds at each logged step (seeds missing a step are left out there).
+
+    >>> band([[{"step": 1, "x": 1.0}, {"step": 2, "x": 3.0}], [{"step": 1, "x": 3.0}]], "x")
+    ([1, 2], [2.0, 3.0], [1.0, 3.0], [3.0, 3.0])
+    """
+    by_step: dict[int, list[float]] = {}
+    for rows in runs:
+        ys = _trailing_mean(series(rows, key), window)
+        for r, y in zip(rows, ys):
+            if math.isfinite(y):
+                by_step.setdefault(int(r["step"]), []).append(max(y, floor) if floor is not None else y)
+    steps = sorted(by_step)
+    return (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
+            [max(by_step[s]) for s in steps])
+
+
+def _window(groups: dict[tuple[str, str], list[list[dict[str, Any]]]]) -> int:
+    longest = max((len(rows) for runs in groups.values() for rows in runs), default=1)
+    return max(1, round(longest / 20))
+
+
+def _control_preset(presets: Sequence[str], groups: dict) -> str | None:
+    for p in ("naive", *presets):
+        if (p, CONTROL) in groups:
+            return p
+    return None
+
+
+def _log_bottom(groups: dict, curve: tuple, window: int) -> float | None:
+    """The lower edge of a log axis: a third of the smallest value outside the control (None: autoscale).
+
+    The control's k3 is fp32 rounding (≈ 1e-14); drawn to scale it would squeeze the mismatch runs into two of
+    twelve decades. It is drawn at the bottom edge instead, and its panel gives its value.
+    """
+    key, _, _, _, floor, smooth = curve
+    lows = [min(band(runs, key, window if smooth else 1, floor)[2], default=math.inf)
+            for (p, m), runs in groups.items() if m != CONTROL]
+    lows = [x for x in lows if math.isfinite(x) and x > 0]
+    return min(lows) / 3 if lows else None
+
+
+def _panel(ax: Any, groups: dict, presets: Sequence[str], mismatch: str, curve: tuple, colors: dict[str, str],
+           window: int, control: str | None, bottom: float | None) -> None:
+    key, _, _, ylabel, floor, smooth = curve
+    w = window if smooth else 1
+    # just above the edge, so a clipped control stays visible as a line
+    clip = max(floor or 0.0, 1.15 * (bottom or 0.0)) if floor is not None else None
+    below = []
+    if control is not None and mismatch != CONTROL:
+        steps, mean_, lo, hi = band(groups[(control, CONTROL)], key, w, clip)
+        ax.fill_between(steps, lo, hi, color="0.5", alpha=0.12, linewidth=0)
+        ax.plot(steps, mean_, color="black", linestyle="--", linewidth=1.1)
+        below += band(groups[(control, CONTROL)], key, 1)[3]
+    for preset in presets:
+        if (preset, mismatch) not in groups:
+            continue
+        steps, mean_, lo, hi = band(groups[(preset, mismatch)], key, w, clip)
+        ax.fill_between(steps, lo, hi, color=colors[preset], alpha=0.18, linewidth=0)
+        ax.plot(steps, mean_, color=colors[preset], linewidth=1.4)
+        if mismatch == CONTROL:
+            below += band(groups[(preset, mismatch)], key, 1)[3]
+    if floor is not None:
+        ax.set_yscale("log")
+        if bottom is not None:
+            ax.set_ylim(bottom=bottom)
+            raw = [b for b in below if math.isfinite(b)]
+            if raw and max(raw) < clip:
+                value = "0" if max(raw) == 0 else f"≤ {max(raw):.0e}"
+                ax.text(0.02, 0.09, f"control ({CONTROL}): {value}, off the scale",
+                        transform=ax.transAxes, fontsize=7, color="0.25", va="bottom",
+                        bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="major")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_handles(presets: Sequence[str], colors: dict[str, str], control: str | None, n_seeds: str) -> tuple:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Line2D([], [], color=colors[p], linewidth=2, label=p) for p in presets]
+    if control is not None:
+        handles.append(Line2D([], [], color="black", linestyle="--", label=f"{control} on '{CONTROL}' (control)"))
+    handles.append(Patch(color="0.6", alpha=0.3, label=f"band: min–max over {n_seeds} seeds; line: mean"))
+    return tuple(handles)
+
+
+def _seed_count(groups: dict) -> str:
+    counts = sorted({len(runs) for runs in groups.values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+
+
+def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], presets: Sequence[str],
+               mismatches: Sequence[str], last_rewards: dict[tuple[str, str], list[float]],
+               out_dir: str | Path) -> list[Path]:
+    """Write ``overview.png`` (metrics × mismatch panels), one PNG per curve metric and ``final_reward.png``.
+
+    ``groups``: ``{(preset, mismatch): [rows of each seed]}``; ``last_rewards``: the last-quarter reward of each
+    seed per group. Returns the written paths, the overview first.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    presets = [p for p in presets if any((p, m) in groups for m in mismatches)]
+    mismatches = [m for m in mismatches if any((p, m) in groups for p in presets)]
+    colors = preset_colors(presets)
+    window = _window(groups)
+    control = _control_preset(presets, groups)
+    handles = _legend_handles(presets, colors, control, _seed_count(groups))
+    smooth_note = f"reward, k3 and masked fraction: trailing mean over {window} steps" if window > 1 else ""
+    written = []
+
+    ncols = len(mismatches)
+    fig, axes = plt.subplots(len(CURVES), ncols, figsize=(3.6 * ncols + 0.6, 2.7 * len(CURVES) + 1.0),
+                             squeeze=False, sharex=True)
+    bottoms = {c[0]: _log_bottom(groups, c, window) if c[4] is not None else None for c in CURVES}
+    for i, curve in enumerate(CURVES):
+        for j, m in enumerate(mismatches):
+            _panel(axes[i][j], groups, presets, m, curve, colors, window, control, bottoms[curve[0]])
+            axes[i][j].set_title(f"{curve[2].split(' (')[0]} — {m}", fontsize=9)
+            if j:
+                axes[i][j].set_ylabel("")
+        _share_y(axes[i])
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    fig.text(0.5, 0.003, smooth_note, ha="center", va="bottom", fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.2 / fig.get_figheight(), 1, 1 - 0.3 / fig.get_figheight()))
+    path = out / "overview.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+
+    for curve in CURVES:
+        ncols_c = min(len(mismatches), 3)
+        nrows = math.ceil(len(mismatches) / ncols_c)
+        fig, axes = plt.subplots(nrows, ncols_c, figsize=(4.4 * ncols_c, 3.2 * nrows + 0.8), squeeze=False,
+                                 sharex=True)
+        flat = [ax for row in axes for ax in row]
+        for ax, m in zip(flat, mismatches):
+            _panel(ax, groups, presets, m, curve, colors, window, control, bottoms[curve[0]])
+            ax.set_title(f"mismatch: {m}", fontsize=10)
+        for ax in flat[len(mismatches):]:
+            ax.set_visible(False)
+        for ax in flat[max(0, len(mismatches) - ncols_c): len(mismatches)]:
+            ax.set_xlabel("step")
+        _share_y(flat[: len(mismatches)])
+        h = fig.get_figheight()
+        fig.suptitle(curve[2] + (f"  (trailing mean over {window} steps)" if curve[5] and window > 1 else ""),
+                     fontsize=11, y=1 - 0.05 / h, va="top")
+        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / h),
+                   ncol=min(len(handles), 6), fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / h))
+        path = out / f"{curve[1]}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+
+    written.append(_final_reward(plt, last_rewards, presets, mismatches, colors, out / "final_reward.png"))
+    return written
+
+
+def _share_y(axes: Sequence[Any]) -> None:
+    """The same y range on every panel of a row (mismatch panels are compared by eye)."""
+    lows, highs = zip(*(ax.get_ylim() for ax in axes))
+    for ax in axes:
+        ax.set_ylim(min(lows), max(highs))
+
+
+def _final_reward(plt: Any, last_rewards: dict[tuple[str, str], list[float]], presets: Sequence[str],
+                  mismatches: Sequence[str], colors: dict[str, str], path: Path) -> Path:
+    """Each seed's last-quarter reward as a dot, the median as a bar, presets side by side per mismatch source."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.0 + 0.45 * len(presets) * len(mismatches)), 3.8))
+    width = 0.8 / max(1, len(presets))
+    for j, m in enumerate(mismatches):
+        for i, p in enumerate(presets):
+            ys = finite(last_rewards.get((p, m), []))
+            if not ys:
+                continue
+            x = j + (i - (len(presets) - 1) / 2) * width
+            ax.scatter([x] * len(ys), ys, color=colors[p], s=18, zorder=3)
+            med = median(ys)
+            ax.hlines(med, x - width * 0.4, x + width * 0.4, color=colors[p], linewidth=2.5, zorder=2)
+        if j:
+            ax.axvline(j - 0.5, color="0.85", linewidth=0.8)
+    ax.set_xticks(range(len(mismatches)), [f"{m}" + (" (control)" if m == CONTROL else "") for m in mismatches])
+    ax.set_xlabel("mismatch source")
+    ax.set_ylabel("reward, mean over the last quarter")
+    ax.set_title("Last-quarter reward per run (dots: seeds; bar: median)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Line2D([], [], color=colors[p], marker="o", linestyle="", label=p) for p in presets],
+              fontsize=8, loc="best", frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

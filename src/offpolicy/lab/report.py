@@ -1,0 +1,409 @@
+"""The lab report of a sweep folder: ``report.html`` (self-contained), ``plots/*.png``, ``lab_table.md``,
+``lab_stats.json``.
+
+:func:`write_report` reads ``OUT/summary.json`` and the finished runs' ``metrics.jsonl`` (a missing or damaged one is
+a one-line ``ValueError`` naming it), computes the numbers of :mod:`offpolicy.lab.stats` (its docstring defines each
+one, the spread over seeds, the mismatch trend and the "within noise" rule; the report prints the same definitions),
+draws the figures of :mod:`offpolicy.lab.plots` and writes:
+
+* ``lab_table.md`` — two Markdown tables (numbers; verdicts), each cell median [min–max] over seeds: what the
+  README quotes;
+* ``lab_stats.json`` — every number: per run (keyed by its folder), per preset × mismatch (``groups``), with the
+  definitions and the runs that are missing (failed or not run yet);
+* ``report.html`` — the tables, the figures (PNG embedded as base64), the definitions, per-run numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from offpolicy.lab import stats as st
+from offpolicy.lab.mismatch import CONTROL, describe_mismatch
+
+DEFINITIONS = [
+    ("spread", "every cell is the median over seeds with [min–max] over seeds; with 3 seeds an interquartile "
+               "range would only repeat two of the values."),
+    ("quarters", "a run of N logged steps has q = max(1, ⌊N/4⌋); reward first ¼ / last ¼ = mean of reward/mean over "
+                 "its first / last q steps."),
+    ("k3 KL", "rollout_correction/k3_kl = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ per sampled token (≥ 0), median over "
+              "the run's steps. The signed estimator E_μ[log μ − log π_old] is not used: on short answers it goes "
+              "below zero."),
+    ("exact KL", "mismatch/token_kl_exact_mean, KL(μ‖π_old) over the full vocabulary, median over steps; only presets "
+                 "that compute it (trm) have it, '–' elsewhere."),
+    ("PPL gap", "rollout_correction/log_ppl_abs_diff = |log PPL_trainer − log PPL_rollout|, median over steps."),
+    ("‖∇‖", "loss/grad_norm before clipping: median, 95th percentile (linear interpolation) and maximum over the "
+            "run's steps."),
+    ("masked, length", "mean over steps of correction/masked_frac (tokens a correction dropped) and "
+                       "response/length_mean (tokens)."),
+    ("mismatch trend", f"per run, least-squares slope b of ln(max(k3, {st.K3_FLOOR:g})) against the step; the fitted "
+                       "change over the run is ×exp(b · (last − first step)). growing: b > 0 in every seed and median "
+                       f"change ≥ ×{st.GROWTH:g}; falling: b < 0 in every seed and median change ≤ ×{1 / st.GROWTH:g};"
+                       " flat otherwise. The mismatch is 'bounded' unless it is growing."),
+    ("vs naive / vs control", "last-quarter reward against naive under the same mismatch, and against the same "
+                              f"preset under '{CONTROL}' (fp32 engine, no mismatch). Δ = difference of the medians "
+                              "over seeds. 'within noise': the two min–max ranges over seeds overlap. Otherwise "
+                              "'higher' / 'lower' with p = 2 / C(n + m, n), the chance that ranges of n and m seeds "
+                              "separate when the two settings do not differ (3 vs 3 seeds: p = 0.10). Fewer than 2 "
+                              "seeds on a side: no verdict."),
+]
+
+NUMBER_COLUMNS = [  # (stats field, header, format)
+    ("reward_first", "reward first ¼", "{:.3f}"),
+    ("reward_last", "reward last ¼", "{:.3f}"),
+    ("k3_median", "k3 KL (nats/token)", "{:.2e}"),
+    ("exact_kl_median", "exact KL (nats/token)", "{:.2e}"),
+    ("ppl_gap_median", "PPL gap |Δ log PPL|", "{:.2e}"),
+    ("grad_norm_median", "‖∇‖ median", "{:.3g}"),
+    ("grad_norm_p95", "‖∇‖ p95", "{:.3g}"),
+    ("grad_norm_max", "‖∇‖ max", "{:.3g}"),
+    ("masked_frac_mean", "masked fraction", "{:.3f}"),
+    ("length_mean", "length (tokens)", "{:.1f}"),
+]
+VERDICT_HEADERS = ["preset", "mismatch", "k3 change over the run", "mismatch trend", "reward last ¼ vs naive",
+                   f"vs control ('{CONTROL}')"]
+
+
+@dataclass
+class LabReport:
+    """Where the report went and its numbers (``stats`` is what ``lab_stats.json`` holds)."""
+
+    out: Path
+    html: Path
+    table: Path
+    stats_path: Path
+    plots: list[Path]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+# -- numbers ---------------------------------------------------------------------------------------------------------
+
+
+def sweep_report_stats(out: str | Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """``(lab_stats, {dir: rows})`` of the sweep in ``out`` (the numbers only, no files written)."""
+    summary, rows = st.load_sweep(out)
+    plan = summary.get("plan") or {}
+    runs = summary["runs"]
+    presets = _ordered(plan.get("presets"), [r["preset"] for r in runs])
+    mismatches = _ordered(plan.get("mismatches"), [r["mismatch"] for r in runs])
+    per_run = {r["dir"]: st.run_stats(rows[r["dir"]]) for r in runs}
+    groups = st.sweep_stats(runs, per_run, presets, mismatches)
+    finished = {r["dir"] for r in runs}
+    failed = {f["dir"]: f for f in summary.get("failed", []) if isinstance(f, dict) and "dir" in f}
+    missing = [{**r, "status": "failed" if r["dir"] in failed else "not run",
+                **({"error": failed[r["dir"]].get("error")} if r["dir"] in failed else {})}
+               for r in plan.get("runs", []) if r.get("dir") not in finished]
+    step_s = st.median([s["step_s_median"] for s in per_run.values()])
+    lab = {
+        "setting": summary.get("setting"),
+        "description": summary.get("description"),
+        "complete": not missing,
+        "presets": presets,
+        "mismatches": mismatches,
+        "engines": {m: _engine(m, plan) for m in mismatches},
+        "seeds": sorted({r["seed"] for r in runs}),
+        "steps": sorted({s["steps"] for s in per_run.values()}),
+        "overrides": plan.get("overrides", []),
+        "step_s_median": step_s,
+        "definitions": dict(DEFINITIONS),
+        "groups": groups,
+        "runs": {r["dir"]: {"preset": r["preset"], "mismatch": r["mismatch"], "seed": r["seed"], **per_run[r["dir"]]}
+                 for r in runs},
+        "missing": missing,
+    }
+    return lab, rows
+
+
+def _ordered(planned: Any, seen: list[str]) -> list[str]:
+    order = [x for x in (planned or []) if x in seen]
+    return order + [x for x in dict.fromkeys(seen) if x not in order]
+
+
+def _engine(mismatch: str, plan: dict[str, Any]) -> str:
+    given = (plan.get("engines") or {}).get(mismatch)
+    if given:
+        return given
+    try:
+        return describe_mismatch(mismatch)
+    except ValueError:
+        return "(not a named mismatch source)"
+
+
+# -- formatting ------------------------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, form: str) -> str:
+    return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else form.format(value)
+
+
+def fmt_spread(s: dict[str, Any], form: str) -> str:
+    """``median [min–max]`` (just the value for one seed, ``–`` for none).
+
+    >>> fmt_spread({"median": 0.5, "min": 0.25, "max": 0.75, "n": 3}, "{:.2f}")
+    '0.50 [0.25–0.75]'
+    """
+    if not s or s.get("n", 0) == 0:
+        return "–"
+    if s["n"] == 1:
+        return fmt(s["median"], form)
+    return f"{fmt(s['median'], form)} [{fmt(s['min'], form)}–{fmt(s['max'], form)}]"
+
+
+def fmt_comparison(c: dict[str, Any] | None) -> str:
+    if not c:
+        return "–"
+    if c["diff"] is None:
+        return c["verdict"]
+    text = f"{c['diff']:+.3f} {c['verdict']}"
+    return text if c["within_noise"] else f"{text} (p = {c['chance']:.2g})"
+
+
+def fmt_trend(t: dict[str, Any]) -> tuple[str, str]:
+    change = t["change"]
+    if not change or change.get("n", 0) == 0:
+        return "–", t["verdict"]
+    cell = fmt_spread(change, "×{:.2g}")
+    return cell, t["verdict"] if t["trend"] in ("growing", "n/a") else f"{t['verdict']} ({t['trend']})"
+
+
+def table_rows(lab: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+    """``(headers, rows)`` of the numbers table and of the verdict table."""
+    headers = ["preset", "mismatch", "seeds", *[h for _, h, _ in NUMBER_COLUMNS]]
+    numbers, verdicts = [], []
+    for g in lab["groups"]:
+        numbers.append([g["preset"], g["mismatch"], str(len(g["seeds"])),
+                        *[fmt_spread(g[k], form) for k, _, form in NUMBER_COLUMNS]])
+        change, trend = fmt_trend(g["mismatch_trend"])
+        control = "(control)" if g["mismatch"] == CONTROL else fmt_comparison(g["vs_control"])
+        verdicts.append([g["preset"], g["mismatch"], change, trend if g["mismatch"] != CONTROL else "(control)",
+                         "–" if g["preset"] == "naive" else fmt_comparison(g["vs_naive"]), control])
+    return headers, numbers, VERDICT_HEADERS, verdicts
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown_tables(lab: dict[str, Any]) -> str:
+    """``lab_table.md``: a one-line caption, the numbers table, the verdict table, the rule in one line."""
+    headers, numbers, vheaders, verdicts = table_rows(lab)
+    seeds, steps = lab["seeds"], lab["steps"]
+    caption = (f"Lab setting `{lab['setting']}`: {len(seeds)} seed{'s' if len(seeds) != 1 else ''} "
+               f"({', '.join(map(str, seeds))}), "
+               f"{'/'.join(map(str, steps))} steps per run; each cell: median [min–max] over seeds.")
+    rule = ("Trend: least-squares slope of ln k3 over the run, 'growing' = rising in every seed and ×"
+            f"{st.GROWTH:g} or more (median); comparisons: last-quarter reward, 'within noise' = the min–max ranges "
+            "over seeds overlap, else p = 2/C(n+m, n) is the chance of separated ranges without a real difference.")
+    missing = f"\n\nMissing runs: {len(lab['missing'])} (see lab_stats.json)." if lab["missing"] else ""
+    return f"{caption}\n\n{_md_table(headers, numbers)}\n\n{_md_table(vheaders, verdicts)}\n\n{rule}{missing}\n"
+
+
+def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.table.Table
+    """The console summary (medians over seeds; the report has the spreads): reward first→last quarter and the
+    last quarter's range, k3 KL, gradient-norm maximum, masked fraction, the k3 trend and the two comparisons."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    chances = sorted({c["chance"] for g in lab["groups"] for c in (g["vs_naive"], g["vs_control"])
+                      if c and c.get("chance") is not None})
+    caption = ("reward ¼: mean over the first / last quarter of steps. vs: difference of medians; noise = the seeds' "
+               "min–max ranges overlap; higher / lower = they do not"
+               + (f" (chance without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)})" if chances
+                  else "") + ". Spreads and definitions: report.html")
+    table = Table(title=escape(f"{title}: medians over seeds"), caption=escape(caption), box=box.SIMPLE_HEAD,
+                  padding=(0, 1), pad_edge=False)
+    for header in ("preset", "mismatch", "reward ¼\nfirst→last", "last ¼\nrange", "k3 KL", "‖∇‖\nmax", "masked",
+                   "k3\ntrend", "vs\nnaive", "vs\ncontrol"):
+        table.add_column(header, justify="left" if header in ("preset", "mismatch") else "right", no_wrap=True)
+
+    def versus(c: dict[str, Any] | None) -> str:
+        if not c:
+            return "–"
+        verdict = "noise" if c["verdict"] == "within noise" else c["verdict"]
+        return verdict if c["diff"] is None else f"{c['diff']:+.3f} {verdict}"
+
+    for g in lab["groups"]:
+        change, _ = fmt_trend(g["mismatch_trend"])
+        last = g["reward_last"]
+        table.add_row(
+            escape(g["preset"]), escape(g["mismatch"]),
+            f"{fmt(g['reward_first']['median'], '{:.3f}')}→{fmt(last['median'], '{:.3f}')}",
+            f"{fmt(last['min'], '{:.3f}')}–{fmt(last['max'], '{:.3f}')}" if last["n"] > 1 else "–",
+            fmt(g["k3_median"]["median"], "{:.1e}"), fmt(g["grad_norm_max"]["median"], "{:.3g}"),
+            fmt(g["masked_frac_mean"]["median"], "{:.3f}"),
+            "(control)" if g["mismatch"] == CONTROL else
+            f"{g['mismatch_trend']['trend']} {fmt(g['mismatch_trend']['change']['median'], '×{:.2g}')}",
+            "–" if g["preset"] == "naive" else versus(g["vs_naive"]),
+            "–" if g["mismatch"] == CONTROL else versus(g["vs_control"]),
+        )
+    return table
+
+
+# -- files -----------------------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(out: str | Path) -> LabReport:
+    """Read the sweep in ``out`` and write ``report.html``, ``plots/*.png``, ``lab_table.md`` and ``lab_stats.json``.
+
+    Raises ``ValueError`` (one line, naming the file or folder) for a missing summary, a run folder without
+    ``metrics.jsonl``, a damaged record, or a sweep with no finished run.
+    """
+    from offpolicy.lab.plots import plot_sweep
+
+    out = Path(out)
+    lab, rows = sweep_report_stats(out)
+    if not lab["groups"]:
+        raise ValueError(f"{str(out / 'summary.json')!r} lists no finished run: nothing to report")
+    groups: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
+    last: dict[tuple[str, str], list[float]] = {}
+    for d, r in lab["runs"].items():
+        groups.setdefault((r["preset"], r["mismatch"]), []).append(rows[d])
+        last.setdefault((r["preset"], r["mismatch"]), []).append(r["reward_last"])
+    plots = plot_sweep(groups, lab["presets"], lab["mismatches"], last, out / "plots")
+    table = out / "lab_table.md"
+    _atomic_write(table, markdown_tables(lab))
+    stats_path = out / "lab_stats.json"
+    _atomic_write(stats_path, json.dumps(_json_safe(lab), indent=1))
+    report = out / "report.html"
+    _atomic_write(report, render_html(lab, plots))
+    return LabReport(out, report, table, stats_path, plots, lab)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# -- HTML ------------------------------------------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2em auto;
+       max-width: 1250px; color: #222; line-height: 1.45; padding: 0 1em; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.82em; margin: 0.6em 0; }
+th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; white-space: nowrap; }
+th { background: #f4f4f4; } td:first-child, td:nth-child(2), th:first-child, th:nth-child(2) { text-align: left; }
+tr.control td { background: #fafafa; color: #555; }
+.lower { color: #b00020; font-weight: 600; } .higher { color: #0a7d32; font-weight: 600; }
+.growing { color: #b00020; font-weight: 600; }
+img { max-width: 100%; border: 1px solid #eee; } code { background: #f4f4f4; padding: 0 3px; }
+.note { color: #555; font-size: 0.9em; } dt { font-weight: 600; margin-top: 0.4em; } dd { margin-left: 1.5em; }
+.range { color: #777; font-size: 0.9em; }
+.warn { background: #fff4e5; border-left: 4px solid #f0a020; padding: 0.5em 1em; }
+"""
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
+
+
+def _html_table(headers: list[str], rows: list[list[str]], control_col: int | None = 1) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cls = ' class="control"' if control_col is not None and row[control_col] == CONTROL else ""
+        cells = []
+        for c in row:
+            klass = next((k for k in ("lower", "higher", "growing") if f" {k}" in f" {c}"), None)
+            value, sep, rest = c.partition(" [")
+            # "median [min–max]": the range on a second, quieter line keeps the table within the page
+            text = (f"{html.escape(value)}<br><span class='range'>[{html.escape(rest)}</span>" if sep
+                    else html.escape(c))
+            cells.append(f'<td class="{klass}">{text}</td>' if klass else f"<td>{text}</td>")
+        body.append(f"<tr{cls}>{''.join(cells)}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def render_html(lab: dict[str, Any], plots: list[Path]) -> str:
+    """The self-contained report page (figures embedded as base64 PNG)."""
+    e = html.escape
+    headers, numbers, vheaders, verdicts = table_rows(lab)
+    by_name = {p.stem: p for p in plots}
+    seeds = ", ".join(map(str, lab["seeds"]))
+    status = ("" if lab["complete"] else
+              f'<p class="warn">{len(lab["missing"])} planned runs are missing (failed or not run yet); the tables '
+              "use the finished runs only — see the end of this page.</p>")
+    engines = "".join(f"<tr><td>{e(m)}</td><td style='text-align:left'>{e(d)}</td></tr>"
+                      for m, d in lab["engines"].items())
+    defs = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in DEFINITIONS)
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>offpolicy lab — {e(str(lab['setting']))}</title><style>{_CSS}</style></head><body>",
+        f"<h1>offpolicy lab — setting <code>{e(str(lab['setting']))}</code></h1>",
+        f"<p>{e(str(lab.get('description') or ''))}</p>",
+        f"<p>{len(lab['presets'])} presets × {len(lab['mismatches'])} rollout engines × seeds {e(seeds)}; "
+        f"{'/'.join(map(str, lab['steps']))} steps per run; median step time {fmt(lab['step_s_median'], '{:.2f}')} s "
+        f"(one torch thread per run). The trainer always scores in fp32; the rollout engine differs as listed.</p>",
+        status,
+        f"<table><thead><tr><th>mismatch</th><th>rollout engine</th></tr></thead><tbody>{engines}</tbody></table>",
+        ("<p class='note'>Shared trainer overrides: <code>" + e(" ".join(lab["overrides"])) + "</code></p>"
+         if lab["overrides"] else ""),
+        "<h2>Overview</h2>",
+        _img(by_name["overview"], "overview") if "overview" in by_name else "",
+        "<h2>Numbers per preset × mismatch</h2><p class='note'>median [min–max] over seeds; definitions below.</p>",
+        _html_table(headers, numbers),
+        "<h2>Verdicts</h2>",
+        "<p class='note'>'within noise': the seeds' min–max ranges overlap; otherwise p is the chance of such a "
+        "separation between two settings that do not differ. 'bounded': the mismatch is not growing in every seed "
+        f"by ×{st.GROWTH:g} or more.</p>",
+        _html_table(vheaders, verdicts),
+    ]
+    if "final_reward" in by_name:
+        parts += ["<h2>Last-quarter reward per run</h2>", _img(by_name["final_reward"], "final reward")]
+    from offpolicy.lab.plots import CURVES
+
+    for _, stem, title, *_ in CURVES:
+        if stem in by_name:
+            parts += [f"<h2>{e(title)}</h2>", _img(by_name[stem], title)]
+    parts += ["<h2>Definitions</h2>", f"<dl>{defs}</dl>", "<h2>Runs</h2>", _runs_table(lab)]
+    if lab["missing"]:
+        rows = [[m.get("preset", ""), m.get("mismatch", ""), str(m.get("seed", "")), m.get("dir", ""), m["status"],
+                 m.get("error") or ""] for m in lab["missing"]]
+        parts += ["<h2>Missing runs</h2>",
+                  _html_table(["preset", "mismatch", "seed", "folder", "status", "last log line"], rows, None)]
+    parts.append("</body></html>")
+    return "\n".join(p for p in parts if p)
+
+
+def _runs_table(lab: dict[str, Any]) -> str:
+    headers = ["preset", "mismatch", "seed", "folder", "steps", "reward first ¼", "reward last ¼", "k3 KL",
+               "k3 change", "‖∇‖ max", "masked", "s/step", "non-finite values"]
+    rows = []
+    for d, r in lab["runs"].items():
+        rows.append([r["preset"], r["mismatch"], str(r["seed"]), d, str(r["steps"]), fmt(r["reward_first"], "{:.3f}"),
+                     fmt(r["reward_last"], "{:.3f}"), fmt(r["k3_median"], "{:.2e}"), fmt(r["k3_change"], "×{:.2g}"),
+                     fmt(r["grad_norm_max"], "{:.3g}"), fmt(r["masked_frac_mean"], "{:.3f}"),
+                     fmt(r["step_s_median"], "{:.2f}"),
+                     ", ".join(f"{k}: {v}" for k, v in r["nonfinite"].items()) or "0"])
+    return f"<details><summary>{len(rows)} runs</summary>{_html_table(headers, rows)}</details>"

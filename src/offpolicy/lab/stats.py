@@ -1,0 +1,267 @@
+"""The lab's numbers: per-run statistics, their median and spread over seeds, and the verdicts.
+
+Definitions (the report prints the same text; tests check them against hand-computed values):
+
+* **quarters** — a run of N logged steps has q = max(1, ⌊N/4⌋); "first quarter" = its first q steps, "last quarter"
+  = its last q steps; a reward "first ¼ / last ¼" is the mean of ``reward/mean`` over those steps.
+* **mismatch** — ``rollout_correction/k3_kl`` (k3 = E_μ[ρ − 1 − log ρ], ρ = π_old/μ: ≥ 0, unlike the signed
+  k1 = E_μ[log μ − log π], which the lab never reports alone), its median over the run's steps; the exact token KL
+  ``mismatch/token_kl_exact_mean`` where the preset computes it (TRM); the PPL gap
+  ``rollout_correction/log_ppl_abs_diff`` = |log PPL_trainer − log PPL_rollout|, its median over steps.
+* **gradient norm** — ``loss/grad_norm`` (before clipping) per step: its median, 95th percentile (linear
+  interpolation between order statistics, numpy's default) and maximum over the run.
+* **masked fraction / length** — the mean over steps of ``correction/masked_frac`` and ``response/length_mean``.
+* **spread over seeds** — every per-run number is summarised over the seeds of one preset × mismatch as
+  median [min–max] (with 3 seeds an interquartile range would just be two of the three values).
+* **mismatch trend** — per run, the least-squares slope b of ln(max(k3, 1e-10)) against the step (k3 below 1e-10 is
+  fp32 rounding, |Δ log p| ≲ 1e-5); the fitted change over the run is ×exp(b · (last step − first step)).
+  *growing*: b > 0 in every seed and the median fitted change ≥ ×2; *falling*: b < 0 in every seed and the median
+  change ≤ ×0.5; otherwise *flat*. The mismatch is called **bounded** unless it is *growing*.
+* **reward comparisons** — last-quarter reward of a preset × mismatch against (a) naive under the same mismatch and
+  (b) the same preset under the ``none`` control (fp32 engine). Δ = difference of the medians over seeds. It is
+  **within noise** when the two min–max ranges over seeds overlap (max of the minima ≤ min of the maxima); otherwise
+  *higher* / *lower*. If the two presets did not differ at all, ranges of n and m seeds fail to overlap by chance
+  with probability 2 / C(n + m, n) (3 vs 3 seeds: 2/20 = 10 %), which the report prints beside each verdict.
+  With fewer than 2 seeds on a side no verdict is given.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from offpolicy.lab.mismatch import CONTROL
+
+REQUIRED = ("reward/mean", "rollout_correction/k3_kl", "loss/grad_norm", "correction/masked_frac")
+OPTIONAL = ("rollout_correction/log_ppl_abs_diff", "mismatch/token_kl_exact_mean", "response/length_mean",
+            "time/step_s")
+K3_FLOOR = 1e-10
+GROWTH = 2.0  # the fitted change over the run that counts as growing (and 1/GROWTH as falling)
+
+# the per-run numbers summarised over seeds, in table order
+RUN_FIELDS = ("reward_first", "reward_last", "reward_gain", "k3_median", "exact_kl_median", "ppl_gap_median",
+              "grad_norm_median", "grad_norm_p95", "grad_norm_max", "masked_frac_mean", "length_mean",
+              "k3_slope_per_100", "k3_change", "step_s_median")
+
+
+# -- reading ---------------------------------------------------------------------------------------------------------
+
+
+def load_run_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl``, checked: every row has an int ``step`` and the :data:`REQUIRED` fields
+    (a number, or null for a non-finite value).
+
+    A half-written *last* line (a killed run) is skipped with a warning, as the trainer does. Everything else is a
+    ``ValueError`` of one line naming the folder or file (and the line or step and field).
+    """
+    from offpolicy.train.logging import read_metrics
+
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise ValueError(f"run folder {str(run_dir)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"run folder {str(run_dir)!r} has no metrics.jsonl")
+    rows = read_metrics(path)  # names the file and line of a damaged record
+    if not rows:
+        raise ValueError(f"metrics file {str(path)!r} has no logged steps")
+    last = 0
+    for i, row in enumerate(rows, 1):
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step <= last:
+            raise ValueError(f"metrics file {str(path)!r}, record {i}: 'step' is {step!r}, expected an int > {last}")
+        last = step
+        for key in (*REQUIRED, *OPTIONAL):
+            if key not in row:
+                if key in REQUIRED:
+                    raise ValueError(f"metrics file {str(path)!r}, step {step}: no {key!r} field")
+                continue
+            value = row[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"metrics file {str(path)!r}, step {step}: {key!r} is {value!r}, not a number")
+    return rows
+
+
+def series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
+    """``key`` per row as floats (NaN where missing or null)."""
+    return [float(r[key]) if r.get(key) is not None else math.nan for r in rows]
+
+
+# -- small statistics (plain python: the tests recompute them by hand) -----------------------------------------------
+
+
+def finite(xs: Sequence[float | None]) -> list[float]:
+    return [float(x) for x in xs if x is not None and math.isfinite(x)]
+
+
+def mean(xs: Sequence[float | None]) -> float | None:
+    xs = finite(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def quantile(xs: Sequence[float | None], p: float) -> float | None:
+    """The ``p`` quantile by linear interpolation between order statistics (numpy's default, type 7).
+
+    >>> round(quantile([1.0, 2.0, 3.0, 4.0, 100.0], 0.95), 6)  # position 0.95 · 4 = 3.8: 4 + 0.8 · (100 − 4)
+    80.8
+    """
+    xs = sorted(finite(xs))
+    if not xs:
+        return None
+    pos = p * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (pos - lo) * (xs[hi] - xs[lo])
+
+
+def median(xs: Sequence[float | None]) -> float | None:
+    return quantile(xs, 0.5)
+
+
+def ls_slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Least-squares slope of ``ys`` on ``xs`` (None with fewer than 2 distinct x).
+
+    >>> ls_slope([1, 2, 3], [1.0, 3.0, 5.0])
+    2.0
+    """
+    if len(xs) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    """``{"median", "min", "max", "n"}`` over the finite values (seeds)."""
+    xs = finite(values)
+    return {"median": median(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None, "n": len(xs)}
+
+
+def chance_of_separation(n: int, m: int) -> float:
+    """P(the min–max ranges of n and m exchangeable draws do not overlap) = 2 / C(n + m, n): one group must hold
+    the n largest (or the n smallest) of the n + m values.
+
+    >>> chance_of_separation(3, 3)
+    0.1
+    """
+    return 2 / math.comb(n + m, n)
+
+
+# -- per run, per group ----------------------------------------------------------------------------------------------
+
+
+def run_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The per-run numbers of the module docstring from one run's metric rows."""
+    n = len(rows)
+    q = max(1, n // 4)
+    reward = series(rows, "reward/mean")
+    first, last = mean(reward[:q]), mean(reward[-q:])
+    k3 = series(rows, "rollout_correction/k3_kl")
+    steps = [float(r["step"]) for r in rows]
+    pts = [(s, math.log(max(v, K3_FLOOR))) for s, v in zip(steps, k3) if math.isfinite(v)]
+    slope = ls_slope([p[0] for p in pts], [p[1] for p in pts])
+    span = (pts[-1][0] - pts[0][0]) if pts else 0.0
+    grad = series(rows, "loss/grad_norm")
+    nonfinite = {k: sum(1 for v in series(rows, k) if not math.isfinite(v)) for k in REQUIRED}
+    return {
+        "steps": n,
+        "quarter": q,
+        "reward_first": first,
+        "reward_last": last,
+        "reward_gain": None if first is None or last is None else last - first,
+        "k3_median": median(k3),
+        "exact_kl_median": median(series(rows, "mismatch/token_kl_exact_mean")),
+        "ppl_gap_median": median(series(rows, "rollout_correction/log_ppl_abs_diff")),
+        "grad_norm_median": median(grad),
+        "grad_norm_p95": quantile(grad, 0.95),
+        "grad_norm_max": max(finite(grad), default=None),
+        "masked_frac_mean": mean(series(rows, "correction/masked_frac")),
+        "length_mean": mean(series(rows, "response/length_mean")),
+        "k3_slope_per_100": None if slope is None else 100 * slope,
+        "k3_change": None if slope is None else math.exp(slope * span),
+        "step_s_median": median(series(rows, "time/step_s")),
+        "nonfinite": {k: v for k, v in nonfinite.items() if v},
+    }
+
+
+def mismatch_trend(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The trend verdict of one preset × mismatch from its runs' ``k3_slope_per_100`` and ``k3_change``."""
+    slopes = [r["k3_slope_per_100"] for r in per_seed if r["k3_slope_per_100"] is not None]
+    changes = [r["k3_change"] for r in per_seed if r["k3_change"] is not None]
+    if not slopes:
+        return {"trend": "n/a", "verdict": "n/a", "change": spread([]), "slope_per_100": spread([])}
+    change = median(changes)
+    if all(s > 0 for s in slopes) and change is not None and change >= GROWTH:
+        trend = "growing"
+    elif all(s < 0 for s in slopes) and change is not None and change <= 1 / GROWTH:
+        trend = "falling"
+    else:
+        trend = "flat"
+    return {"trend": trend, "verdict": "growing" if trend == "growing" else "bounded",
+            "change": spread(changes), "slope_per_100": spread(slopes)}
+
+
+def compare(values: Sequence[float | None], reference: Sequence[float | None], against: str) -> dict[str, Any]:
+    """Last-quarter rewards of one group against a reference group (the rule of the module docstring)."""
+    a, b = finite(values), finite(reference)
+    out: dict[str, Any] = {"against": against, "n": len(a), "n_ref": len(b)}
+    if len(a) < 2 or len(b) < 2:
+        return {**out, "diff": None, "verdict": "too few seeds", "within_noise": None, "chance": None}
+    diff = median(a) - median(b)  # type: ignore[operator]
+    overlap = max(min(a), min(b)) <= min(max(a), max(b))
+    verdict = "within noise" if overlap else ("higher" if diff > 0 else "lower")
+    return {**out, "diff": diff, "verdict": verdict, "within_noise": overlap,
+            "chance": chance_of_separation(len(a), len(b))}
+
+
+def sweep_stats(runs: Sequence[dict[str, Any]], per_run: dict[str, dict[str, Any]],
+                presets: Sequence[str], mismatches: Sequence[str]) -> list[dict[str, Any]]:
+    """One entry per preset × mismatch present in ``runs`` (summary records; ``per_run`` keyed by their ``dir``):
+    every :data:`RUN_FIELDS` number as median [min–max] over seeds, the mismatch trend, and the two comparisons."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["preset"], r["mismatch"]), []).append(r)
+    reference = "naive" if "naive" in presets else None
+    out = []
+    for preset in presets:
+        for mismatch in mismatches:
+            members = sorted(groups.get((preset, mismatch), []), key=lambda r: r["seed"])
+            if not members:
+                continue
+            stats = [per_run[r["dir"]] for r in members]
+            entry: dict[str, Any] = {"preset": preset, "mismatch": mismatch, "seeds": [r["seed"] for r in members],
+                                     "dirs": [r["dir"] for r in members]}
+            for name in RUN_FIELDS:
+                entry[name] = spread([s[name] for s in stats])
+            entry["mismatch_trend"] = mismatch_trend(stats)
+            last = [s["reward_last"] for s in stats]
+
+            def last_of(p: str, m: str) -> list[float | None]:
+                return [per_run[r["dir"]]["reward_last"] for r in groups.get((p, m), [])]
+
+            entry["vs_naive"] = (compare(last, last_of(reference, mismatch), f"naive, {mismatch}")
+                                 if reference is not None and preset != reference and groups.get((reference, mismatch))
+                                 else None)
+            entry["vs_control"] = (compare(last, last_of(preset, CONTROL), f"{preset}, {CONTROL}")
+                                   if mismatch != CONTROL and groups.get((preset, CONTROL)) else None)
+            out.append(entry)
+    return out
+
+
+def load_sweep(out: str | Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """``(summary, {dir: metric rows})`` of a sweep folder; a missing or damaged run is a one-line ``ValueError``."""
+    from offpolicy.lab.sweep import read_summary
+
+    out = Path(out)
+    summary = read_summary(out)
+    rows = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # the half-written-last-line warning is shown, once per file
+        for r in summary["runs"]:
+            rows[r["dir"]] = load_run_metrics(out / r["dir"])
+    return summary, rows

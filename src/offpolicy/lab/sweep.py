@@ -1,0 +1,576 @@
+"""The lab's sweep runner: presets × mismatch sources × seeds, each an ordinary trainer run in its own process.
+
+Layout of a sweep folder ``OUT`` (the output contract other tools read):
+
+* ``OUT/runs/<preset>__<mismatch>__s<seed>/`` — an ordinary ``offpolicy train`` run folder (``config.yaml``,
+  ``metrics.jsonl``, ``checkpoints/``) plus ``train.log`` (the run's console output, one header line per launch);
+* ``OUT/summary.json`` — ``{"runs": [{"preset", "mismatch", "seed", "dir", "steps"}, ...], "setting": ..., ...}``:
+  ``runs`` lists the *finished* runs in plan order, ``dir`` relative to ``OUT``; ``failed`` and ``pending`` list the
+  others; ``plan`` holds the whole plan. Rewritten atomically (temp file + ``os.replace``) after every finished run.
+
+How a sweep runs (:func:`run_sweep`):
+
+1. every run's config is built and validated before any work (a bad override fails at once, naming the run);
+2. an embedded model (``model.path=lab`` / ``tiny``) is warm-started and cached once, before the runs, so parallel
+   runs do not each build it;
+3. each run is ``offpolicy train <overrides>`` in its own OS process — forked from a zygote that has torch,
+   transformers and the trainer imported (:mod:`offpolicy.lab.zygote`: 3–5 s less per run), else
+   ``python -m offpolicy.cli train`` — with one torch thread and its own session (a Ctrl-C reaches it exactly once,
+   forwarded by the runner), output appended to ``train.log``; at most ``jobs`` at a time;
+4. resuming is the default: a finished run (metrics up to the last step + the final checkpoint) is skipped, a
+   half-finished one continues from its last checkpoint (``--resume``), a run with no checkpoint starts fresh. A run
+   folder whose ``config.yaml`` differs from the plan (other than ``run.steps``) is refused, not mixed;
+5. a failed run is reported with its folder and the last line of its log; the others go on; the result lists it.
+
+Ctrl-C: the first one lets every running run finish its step and checkpoint (the trainer's own Ctrl-C), starts no
+new run and writes the summary; a second one stops the runs at once. If the runner itself is killed, its runs are
+killed with it (Linux: ``PR_SET_PDEATHSIG``), so a restarted sweep never races an orphan in the same folder. Call it
+from the main thread (signals, and Linux ties the parent-death signal to the thread that started the launcher).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from offpolicy.lab.launch import last_log_line, start_run, train_command
+from offpolicy.lab.mismatch import CONTROL, canonical_mismatch, describe_mismatch, engine_keys, mismatch_overrides
+from offpolicy.lab.settings import get_setting
+
+SUMMARY = "summary.json"
+RUN_LOG = "train.log"
+
+# Config keys the sweep sets per run, with the option that sets them (a user override of these would make the
+# folder names lie).
+_SWEEP_KEYS = {"algorithm.preset": "--presets", "run.seed": "--seeds", "run.steps": "--steps",
+               "run.out_dir": "--out", **{k: "--mismatch" for k in engine_keys()}}
+# Config keys that may differ between a run folder and the plan without changing the run's numbers.
+_FREE_KEYS = ("run.steps", "run.out_dir", "run.progress", "run.tensorboard", "run.checkpoint_every", "run.threads",
+              "run.device", "model.cache_dir")
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a sweep: ``dir`` is relative to the sweep folder, ``overrides`` are its complete trainer overrides."""
+
+    preset: str
+    mismatch: str
+    seed: int
+    steps: int
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset}__{self.mismatch}__s{self.seed}"
+
+    @property
+    def dir(self) -> str:
+        return f"runs/{self.name}"
+
+    def record(self) -> dict[str, Any]:
+        """The run's entry in ``summary.json``."""
+        return {"preset": self.preset, "mismatch": self.mismatch, "seed": self.seed, "dir": self.dir,
+                "steps": self.steps}
+
+
+@dataclass
+class SweepPlan:
+    """What a sweep will run: the setting's name, the axes, the shared overrides and every run (plan order)."""
+
+    out: Path
+    setting: str
+    description: str
+    presets: list[str]
+    mismatches: list[str]
+    seeds: list[int]
+    steps: int
+    overrides: list[str]  # the setting's base overrides followed by the user's
+    runs: list[PlannedRun]
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as JSON-able data (``summary.json["plan"]``)."""
+        return {"presets": self.presets, "mismatches": self.mismatches, "seeds": self.seeds, "steps": self.steps,
+                "overrides": self.overrides, "runs": [r.record() for r in self.runs],
+                "engines": {m: describe_mismatch(m) for m in self.mismatches}}
+
+
+@dataclass
+class FailedRun:
+    run: PlannedRun
+    error: str  # the last line of the run's log (or why the runner gave up on it)
+    returncode: int | None
+
+
+@dataclass
+class SweepResult:
+    """What :func:`run_sweep` did: finished runs (skipped ones included), failures, and whether it was stopped."""
+
+    plan: SweepPlan
+    done: list[PlannedRun] = field(default_factory=list)
+    skipped: list[PlannedRun] = field(default_factory=list)  # finished before this sweep started
+    failed: list[FailedRun] = field(default_factory=list)
+    interrupted: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == len(self.plan.runs)
+
+
+# -- planning --------------------------------------------------------------------------------------------------------
+
+
+def _split_list(value: str | Sequence[str] | None, option: str) -> list[str] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [i.strip() for i in items if i.strip()]
+    if not items:
+        raise ValueError(f"{option} is empty")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{option} names an entry twice: {items}")
+    return items
+
+
+def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequence[str] | None = None,
+               mismatches: str | Sequence[str] | None = None, seeds: int | None = None, steps: int | None = None,
+               overrides: Sequence[str] = ()) -> SweepPlan:
+    """The sweep ``setting`` (:mod:`offpolicy.lab.settings`) with the given axes replaced, every run validated.
+
+    ``presets`` / ``mismatches``: comma-separated text or a list; the ``none`` control is always part of the plan
+    (added first when missing). ``seeds``: how many (seeds 0 … n−1). ``overrides``: trainer ``key=value`` for
+    every run, applied after the setting's; keys the sweep sets itself (the preset, seed, steps, out_dir and the
+    rollout engine's numerics) are refused, naming the option that sets them.
+
+    Raises ``ValueError`` with one line naming the option, the override or the run that is wrong.
+    """
+    from offpolicy.train.config import load_config
+    from offpolicy.train.presets import PRESETS
+
+    s = get_setting(setting)
+    out = Path(out)
+    preset_names = _split_list(presets, "--presets") or list(s["presets"])
+    for p in preset_names:
+        if p not in PRESETS:
+            raise ValueError(f"--presets: {p!r} is not a preset; choose from {sorted(PRESETS)}")
+    names = _split_list(mismatches, "--mismatch") or list(s["mismatches"])
+    canon = [canonical_mismatch(m) for m in names]
+    if len(set(canon)) != len(canon):
+        raise ValueError(f"--mismatch names the same engine twice: {names}")
+    if CONTROL not in canon:
+        canon.insert(0, CONTROL)  # the control is part of every comparison
+    n_seeds = s["seeds"] if seeds is None else seeds
+    if isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1:
+        raise ValueError(f"--seeds must be an int >= 1, got {n_seeds!r}")
+    n_steps = s["steps"] if steps is None else steps
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"--steps must be an int >= 1, got {n_steps!r}")
+    user = list(overrides)
+    for item in user:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        key = item.split("=", 1)[0].strip()
+        if key in _SWEEP_KEYS:
+            raise ValueError(f"override {item!r}: the sweep sets {key} itself (use {_SWEEP_KEYS[key]})")
+    shared = [*s["overrides"], *user]
+    runs = []
+    for preset in preset_names:
+        for mismatch in canon:
+            for seed in range(n_seeds):
+                run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={preset}",
+                                 *(["alp.enabled=true"] if preset == "alp" else []), f"run.seed={seed}",
+                                 f"run.steps={n_steps}", *user)
+                run = PlannedRun(preset, mismatch, seed, n_steps, run_overrides)
+                runs.append(PlannedRun(preset, mismatch, seed, n_steps,
+                                       (*run_overrides, f"run.out_dir={out / run.dir}")))
+    for run in runs:  # every run validated before any work
+        try:
+            load_config(None, list(run.overrides))
+        except ValueError as err:
+            raise ValueError(f"run {run.name}: {err}") from None
+    return SweepPlan(out, setting, s["description"], preset_names, canon, list(range(n_seeds)), n_steps, shared,
+                     runs)
+
+
+def planned_config(run: PlannedRun):  # -> TrainConfig
+    from offpolicy.train.config import load_config
+
+    return load_config(None, list(run.overrides))
+
+
+# -- the state of a run folder ---------------------------------------------------------------------------------------
+
+
+def _metrics_last_step(run_dir: Path) -> int | None:
+    """The last logged step of a readable ``metrics.jsonl`` whose steps increase (None if unreadable / empty)."""
+    from offpolicy.train.logging import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    try:
+        with warnings.catch_warnings():  # a half-written last line: the run simply is not finished
+            warnings.simplefilter("ignore")
+            rows = read_metrics(path)
+    except ValueError:
+        return None
+    steps = [r.get("step") for r in rows]
+    if not steps or any(not isinstance(s, int) for s in steps) or steps != sorted(set(steps)):
+        return None
+    return steps[-1]
+
+
+def run_state(out: str | Path, run: PlannedRun) -> tuple[str, int]:
+    """``("done" | "partial" | "new", checkpoint step)`` of a run folder.
+
+    done: the final checkpoint exists and ``metrics.jsonl`` reaches ``run.steps``; partial: a checkpoint before the
+    last step (the run resumes from it); new: nothing to resume (no checkpoint, or a final checkpoint whose metrics
+    are incomplete: the run starts again).
+    """
+    from offpolicy.train.checkpoint import checkpoint_path, latest_checkpoint
+
+    run_dir = Path(out) / run.dir
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        return "new", 0
+    step = int(latest.stem.split("_")[-1])
+    if step == run.steps and checkpoint_path(run_dir / "checkpoints", run.steps).is_file():
+        return ("done", step) if _metrics_last_step(run_dir) == run.steps else ("new", 0)
+    if step > run.steps:
+        raise ValueError(f"run folder {str(run_dir)!r} holds a checkpoint at step {step}, past --steps {run.steps}; "
+                         "raise --steps or use another --out")
+    return "partial", step
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in ("model.tiny_config", "task.options"):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def config_conflicts(out: str | Path, run: PlannedRun) -> list[str]:
+    """``key: folder value ≠ planned value`` for each config key where the run folder's ``config.yaml`` differs from
+    the plan (keys that do not change the numbers — steps, paths, logging — are not compared). Empty when the folder
+    has no config yet."""
+    import yaml
+
+    path = Path(out) / run.dir / "config.yaml"
+    if not path.is_file():
+        return []
+    try:
+        found = _flatten(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    except (OSError, yaml.YAMLError, AttributeError) as err:
+        raise ValueError(f"run folder {str(path.parent)!r}: its config.yaml cannot be read ({err})") from None
+    planned = _flatten(planned_config(run).model_dump(mode="json"))
+    return [f"{k}={found.get(k)!r} (planned {planned.get(k)!r})" for k in sorted(set(found) | set(planned))
+            if k not in _FREE_KEYS and _norm(found.get(k)) != _norm(planned.get(k))]
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass
+class _Running:
+    run: PlannedRun
+    proc: Any  # subprocess.Popen or launch.ZygoteRun
+    started: float
+    resumed_from: int
+
+
+def _launch(out: Path, run: PlannedRun, resume_from: int,
+            command: Callable[[Sequence[str], bool], list[str]] | None) -> _Running:
+    run_dir = out / run.dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resume = resume_from > 0
+    argv = (command(run.overrides, resume) if command is not None
+            else ["train", *run.overrides, *(["--resume"] if resume else [])])
+    log_path = run_dir / RUN_LOG
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    shown = argv if command is not None else train_command(run.overrides, resume)
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"# offpolicy lab: {when} {'resume from step ' + str(resume_from) if resume else 'start'}: "
+                  f"{subprocess.list2cmdline(shown)}\n")
+    proc = start_run(argv, log_path, command=command is not None)
+    return _Running(run, proc, time.perf_counter(), resume_from)
+
+
+# -- summary.json ----------------------------------------------------------------------------------------------------
+
+
+def write_summary(result: SweepResult) -> Path:
+    """Write ``OUT/summary.json`` atomically (temp file in ``OUT`` + ``os.replace``): a reader sees the old or the new
+    file, never half of one."""
+    plan = result.plan
+    finished = {r.name for r in result.done}
+    failed = {f.run.name: f for f in result.failed}
+    data = {
+        "runs": [r.record() for r in plan.runs if r.name in finished],
+        "setting": plan.setting,
+        "description": plan.description,
+        "complete": result.complete,
+        "failed": [{**f.run.record(), "error": f.error, "returncode": f.returncode} for f in result.failed],
+        "pending": [r.record() for r in plan.runs if r.name not in finished and r.name not in failed],
+        "plan": plan.describe(),
+        "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    path = plan.out / SUMMARY
+    fd, tmp = tempfile.mkstemp(prefix=".summary-", suffix=".json", dir=plan.out)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_summary(out: str | Path) -> dict[str, Any]:
+    """``OUT/summary.json`` (``ValueError`` naming the file when it is missing or not a sweep summary)."""
+    path = Path(out) / SUMMARY
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} does not exist: no sweep in {str(out)!r} (run `offpolicy lab --out {out}`)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{str(path)!r} is not readable JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{str(path)!r} has no 'runs' list: not a sweep summary")
+    for i, r in enumerate(data["runs"]):
+        missing = [k for k in ("preset", "mismatch", "seed", "dir", "steps") if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise ValueError(f"{str(path)!r}: runs[{i}] lacks {', '.join(missing)}")
+    return data
+
+
+# -- the runner ------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sweep_lock(out: Path) -> Iterator[None]:
+    """One sweep per folder at a time (two would run the same run twice into one folder)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    f = (out / ".lab.lock").open("w")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ValueError(f"another `offpolicy lab` is running in {str(out)!r}") from None
+        yield
+    finally:
+        f.close()
+
+
+class _Interrupts:
+    """Counts Ctrl-C (SIGINT) instead of raising, so the runner can hand each one on to its runs exactly once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._old: Any = None
+
+    def __enter__(self) -> "_Interrupts":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def prepare_models(plan: SweepPlan) -> list[Path]:
+    """Warm-start and cache each embedded model the plan uses (once, here), so parallel runs only load it."""
+    from offpolicy.models import get_recipe, model_path
+    from offpolicy.models.warm_start import torch_threads
+
+    built, seen = [], set()
+    for run in plan.runs:
+        cfg = planned_config(run)
+        if cfg.model.path not in ("tiny", "lab"):
+            continue
+        key = (cfg.model.path, json.dumps(cfg.model.tiny_config, sort_keys=True), cfg.model.cache_dir)
+        if key in seen:
+            continue
+        seen.add(key)
+        with torch_threads(cfg.run.threads or 1):
+            built.append(model_path(get_recipe(cfg.model.path).with_overrides(cfg.model.tiny_config),
+                                    cfg.model.cache_dir))
+    return built
+
+
+def default_jobs() -> int:
+    """The number of cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
+              command: Callable[[Sequence[str], bool], list[str]] | None = None,
+              prepare: Callable[[SweepPlan], Any] = prepare_models, keep_checkpoints: bool = False,
+              poll_s: float = 0.1, heartbeat_s: float = 60.0) -> SweepResult:
+    """Run (or resume) the sweep ``plan`` into ``plan.out`` with at most ``jobs`` runs at a time (default: the cores).
+
+    Each run is ``offpolicy train <overrides> [--resume]`` forked from a zygote that has the trainer imported
+    (:mod:`offpolicy.lab.zygote`; a fresh interpreter where that is not possible); ``command(overrides, resume)``
+    replaces that by a command line run as a subprocess (tests pass a fake trainer). ``prepare(plan)`` runs once before
+    any run (default: build the embedded model). A finished run keeps only its final checkpoint unless
+    ``keep_checkpoints``. ``console`` (rich) gets one line per start / finish / failure, and every ``heartbeat_s``
+    the step each running run has reached.
+
+    Raises ``ValueError`` before any work when the folder holds runs of another config or another sweep is running.
+    """
+    jobs = default_jobs() if jobs is None else jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs must be an int >= 1, got {jobs!r}")
+    out = plan.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {str(out)!r} cannot be created: {err.strerror or err}") from None
+    say = _printer(console)
+    with _sweep_lock(out):
+        result = SweepResult(plan)
+        todo: deque[tuple[PlannedRun, int]] = deque()
+        for run in plan.runs:  # every folder checked before any work
+            conflicts = config_conflicts(out, run)
+            if conflicts:
+                raise ValueError(f"run folder {str(out / run.dir)!r} holds a run of another config "
+                                 f"({'; '.join(conflicts[:3])}); use another --out or remove the folder")
+            state, step = run_state(out, run)
+            if state == "done":
+                result.done.append(run)
+                result.skipped.append(run)
+            else:
+                todo.append((run, step if state == "partial" else 0))
+        write_summary(result)
+        n_resume = sum(1 for _, s in todo if s > 0)
+        say(f"[bold]offpolicy lab[/bold] {plan.setting!r}: {_n(len(plan.presets), 'preset')} × "
+            f"{_n(len(plan.mismatches), 'mismatch source')} × {_n(len(plan.seeds), 'seed')} = "
+            f"{_n(len(plan.runs), 'run')} of {plan.steps} steps, {jobs} at a time "
+            f"→ {_esc(out)}  ({len(result.skipped)} finished, {n_resume} to resume, {len(todo) - n_resume} to start)")
+        if todo:
+            t0 = time.perf_counter()
+            prepare(plan)
+            if time.perf_counter() - t0 > 1.0:
+                say(f"  embedded model ready in {time.perf_counter() - t0:.0f} s (cached for later runs)")
+        _run_all(result, todo, jobs, command, keep_checkpoints, poll_s, say, heartbeat_s)
+        write_summary(result)
+    return result
+
+
+def _run_all(result: SweepResult, todo: deque, jobs: int, command: Callable | None, keep_checkpoints: bool,
+             poll_s: float, say: Callable[[str], None], heartbeat_s: float = 60.0) -> None:
+    out, total = result.plan.out, len(result.plan.runs)
+    running: list[_Running] = []
+    forwarded = 0
+    last_beat = time.perf_counter()
+    with _Interrupts() as interrupts:
+        while running or (todo and not interrupts.count):
+            while todo and len(running) < jobs and not interrupts.count:
+                run, step = todo.popleft()
+                try:
+                    running.append(_launch(out, run, step, command))
+                except OSError as err:
+                    result.failed.append(FailedRun(run, f"cannot start: {err}", None))
+                    say(f"[red]failed[/red] {_esc(out / run.dir)}: cannot start: {_esc(err)}")
+                    continue
+                say(f"  start {run.name}" + (f" (resume from step {step})" if step else ""))
+            while forwarded < interrupts.count:  # each Ctrl-C reaches each run once: 1st = checkpoint, 2nd = stop
+                forwarded += 1
+                result.interrupted = True
+                say("[yellow]Ctrl-C: the running runs finish their step and save a checkpoint; no new run starts"
+                    + (" (press again to stop at once)" if forwarded == 1 else "") + "[/yellow]")
+                for r in running:
+                    with contextlib.suppress(ProcessLookupError):
+                        r.proc.send_signal(signal.SIGINT)
+            for r in [r for r in running if r.proc.poll() is not None]:
+                running.remove(r)
+                _finish(result, r, keep_checkpoints, total, say)
+            if running and time.perf_counter() - last_beat >= heartbeat_s:
+                last_beat = time.perf_counter()
+                say("  running: " + ", ".join(f"{r.run.name} step {_metrics_last_step(out / r.run.dir) or 0}/"
+                                              f"{r.run.steps}" for r in running)
+                    + f"; {len(result.done)}/{total} done, {len(todo)} waiting")
+            if running:
+                time.sleep(poll_s)
+    if todo and result.interrupted:
+        say(f"[yellow]stopped: {len(todo)} runs not started; run the same command again to resume[/yellow]")
+
+
+def _finish(result: SweepResult, r: _Running, keep_checkpoints: bool, total: int, say: Callable[[str], None]) -> None:
+    out, run, rc = result.plan.out, r.run, r.proc.returncode
+    state, step = run_state(out, run)
+    wall = time.perf_counter() - r.started
+    if rc == 0 and state == "done":
+        result.done.append(run)
+        if not keep_checkpoints:
+            _prune_checkpoints(out / run.dir, run.steps)
+        write_summary(result)
+        say(f"  [green]done[/green]  {run.name} in {wall:.0f} s  ({len(result.done)}/{total})")
+    elif result.interrupted and rc != 0:
+        # stopped by the forwarded Ctrl-C: exit 130 after a checkpoint, or an earlier exit if it came while the run
+        # was still loading; either way it resumes (or restarts) with the next sweep, it did not fail
+        where = f"at its checkpoint of step {step}" if state == "partial" else "before its first checkpoint"
+        say(f"  [yellow]stopped[/yellow] {run.name} {where}")
+    else:
+        why = last_log_line(out / run.dir / RUN_LOG)
+        if rc == 0:
+            why = f"exited 0 without finishing (checkpoint at step {step}); last log line: {why}"
+        elif rc is not None and rc < 0:
+            why = f"killed by {signal.Signals(-rc).name}; last log line: {why}"
+        result.failed.append(FailedRun(run, why, rc))
+        write_summary(result)
+        say(f"  [red]failed[/red] {_esc(out / run.dir)} (exit {rc}): {_esc(why)}")
+
+
+def _prune_checkpoints(run_dir: Path, steps: int) -> None:
+    """Keep only the final checkpoint of a finished run (the sweep's "done" test; optimizer state included)."""
+    from offpolicy.train.checkpoint import checkpoint_files, checkpoint_path
+
+    final = checkpoint_path(run_dir / "checkpoints", steps)
+    for p in checkpoint_files(run_dir / "checkpoints"):
+        if p != final:
+            p.unlink(missing_ok=True)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _esc(value: Any) -> str:
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
+def _printer(console: Any) -> Callable[[str], None]:
+    if console is None:
+        return lambda text: None
+    return lambda text: console.print(text, soft_wrap=True)

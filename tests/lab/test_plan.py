@@ -1,0 +1,98 @@
+"""Mismatch sources, settings and sweep plans: names → exact engine settings, combinations, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from offpolicy.lab.mismatch import (
+    ENGINE_BASE,
+    SOURCES,
+    canonical_mismatch,
+    describe_mismatch,
+    mismatch_overrides,
+    mismatch_settings,
+)
+from offpolicy.lab.settings import SETTINGS, get_setting
+from offpolicy.lab.sweep import plan_sweep, planned_config
+
+
+@pytest.mark.parametrize("name, dtype, weight_bits, kv_bits, noise", [
+    ("none", "float32", None, None, 0.0),
+    ("bf16", "bfloat16", None, None, 0.0),
+    ("int8", "bfloat16", 8, None, 0.0),
+    ("int4", "bfloat16", 4, None, 0.0),
+    ("kv8", "bfloat16", None, 8, 0.0),
+    ("kv4", "bfloat16", None, 4, 0.0),
+    ("int8+kv4", "bfloat16", 8, 4, 0.0),
+    ("noise", "float32", None, None, 0.3),
+    ("bf16+noise", "bfloat16", None, None, 0.3),
+])
+def test_each_source_is_a_complete_engine(tmp_path, name, dtype, weight_bits, kv_bits, noise):
+    from offpolicy.train.config import load_config
+
+    # a base that says something else must not leak in: every engine field is set by the source
+    base = ["rollout.dtype=float16", "rollout.kv_cache=false", "rollout.weight_bits=2", "rollout.logit_noise=9"]
+    r = load_config(None, [*base, *mismatch_overrides(name)]).rollout
+    assert (r.dtype, r.kv_cache, r.weight_bits, r.kv_cache_bits, r.logit_noise) == (dtype, True, weight_bits,
+                                                                                      kv_bits, noise)
+
+
+def test_combinations():
+    assert canonical_mismatch("kv4+int8") == canonical_mismatch(" int8 + kv4 ") == "int8+kv4"
+    assert mismatch_settings("kv4+int8") == {**ENGINE_BASE, "rollout.dtype": "bfloat16", "rollout.weight_bits": 8,
+                                             "rollout.kv_cache_bits": 4}
+    assert describe_mismatch("int8+kv4") == f"{SOURCES['int8'][1]}; {SOURCES['kv4'][1]}"
+    for bad, message in [("int8+int4", "'int8' sets rollout.weight_bits=8 but 'int4' sets rollout.weight_bits=4"),
+                         ("none+bf16", "'none' is the control and cannot be combined"),
+                         ("bf16+bf16", "names a source twice"), ("fp8", "unknown source 'fp8'"), ("", "is empty")]:
+        with pytest.raises(ValueError, match=message):
+            mismatch_overrides(bad)
+
+
+def test_settings_are_plain_and_valid(tmp_path):
+    assert set(SETTINGS) >= {"quick", "full"}
+    quick = get_setting("quick")
+    quick["presets"].append("x")  # a copy: the module's dict stays as it is
+    assert "x" not in SETTINGS["quick"]["presets"]
+    assert SETTINGS["quick"]["steps"] == 60 and SETTINGS["full"]["steps"] == 100
+    for name, s in SETTINGS.items():
+        assert s["seeds"] >= 3 and "none" in s["mismatches"]
+        assert not any(m in SOURCES and m == "noise" for m in s["mismatches"])  # logit noise is only an extra
+        plan = plan_sweep(tmp_path, name)  # every run of every setting is a valid config
+        assert len(plan.runs) == len(s["presets"]) * len(s["mismatches"]) * s["seeds"]
+        cfg = planned_config(plan.runs[0])
+        assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == ("lab", "pattern",
+                                                                                     {"length": 32}, 1)
+
+
+def test_plan(tmp_path):
+    plan = plan_sweep(tmp_path, "quick", presets="naive, alp", mismatches="kv4+int8", seeds=3, steps=7,
+                      overrides=["optim.lr=1e-4"])
+    assert plan.mismatches == ["none", "int8+kv4"]  # the control first, names canonical
+    assert [r.name for r in plan.runs[:4]] == ["naive__none__s0", "naive__none__s1", "naive__none__s2",
+                                               "naive__int8+kv4__s0"]
+    assert plan.runs[-1].dir == "runs/alp__int8+kv4__s2"
+    cfg = planned_config(plan.runs[-1])
+    assert (cfg.algorithm.preset, cfg.alp.enabled, cfg.run.seed, cfg.run.steps) == ("alp", True, 2, 7)
+    assert cfg.optim.lr == 1e-4 and cfg.rollout.weight_bits == 8 and cfg.rollout.kv_cache_bits == 4
+    assert cfg.run.out_dir == str(tmp_path / "runs" / "alp__int8+kv4__s2")
+    assert plan.overrides[-1] == "optim.lr=1e-4"
+    with pytest.raises(ValueError, match=r"--mismatch names the same engine twice"):
+        plan_sweep(tmp_path, "quick", mismatches="int8+kv4,kv4+int8")
+    with pytest.raises(ValueError, match=r"--presets names an entry twice"):
+        plan_sweep(tmp_path, "quick", presets="mis,mis")
+    with pytest.raises(ValueError, match=r"--steps must be an int >= 1, got 0"):
+        plan_sweep(tmp_path, "quick", steps=0)
+    with pytest.raises(ValueError, match=r"override 'optim.lr' must look like key.sub=value"):
+        plan_sweep(tmp_path, "quick", overrides=["optim.lr"])
+    with pytest.raises(ValueError, match=r"override 'run.out_dir=x': the sweep sets run.out_dir itself \(use --out\)"):
+        plan_sweep(tmp_path, "quick", overrides=["run.out_dir=x"])
+
+
+def test_cli_help_lists_every_source():
+    from typer.testing import CliRunner
+
+    from offpolicy.cli import app
+
+    text = CliRunner().invoke(app, ["lab", "--help"], env={"COLUMNS": "200"}).output
+    assert all(name in text for name in SOURCES)

@@ -1,0 +1,277 @@
+"""The lab report on a hand-made sweep with known numbers, its statistics, damaged inputs and a browser rendering."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import warnings
+
+import pytest
+
+from offpolicy.lab import stats as st
+from offpolicy.lab.report import sweep_report_stats, write_report
+
+STEPS = 8  # quarter q = 8 // 4 = 2 steps
+# last-quarter rewards per (preset, mismatch): each seed's last two steps (their mean is the last-quarter reward)
+LAST = {
+    ("naive", "none"): [(0.6, 0.6), (0.7, 0.7), (0.7, 0.9)],  # → 0.6, 0.7, 0.8
+    ("naive", "bf16"): [(0.3, 0.3), (0.4, 0.4), (0.5, 0.5)],  # → 0.3, 0.4, 0.5
+    ("mis", "none"): [(0.65, 0.65), (0.7, 0.7), (0.75, 0.75)],  # → 0.65, 0.7, 0.75
+    ("mis", "bf16"): [(0.5, 0.6), (0.7, 0.7), (0.72, 0.72)],  # → 0.55, 0.7, 0.72
+}
+K3_SLOPE = {("naive", "bf16"): [0.5, 0.3, 0.1], ("mis", "bf16"): [0.0, 0.05, -0.05]}  # d ln k3 / d step per seed
+
+
+def _rows(preset: str, mismatch: str, seed: int) -> list[dict]:
+    rows = []
+    for t in range(1, STEPS + 1):
+        k = t - 1
+        reward = {1: 0.1 if (preset, mismatch, seed) == ("naive", "none", 0) else 0.2,
+                  2: 0.3 if (preset, mismatch, seed) == ("naive", "none", 0) else 0.2}.get(t, 0.4)
+        if t > STEPS - 2:
+            reward = LAST[(preset, mismatch)][seed][t - (STEPS - 1)]
+        if mismatch == "none":
+            k3 = (1 + k) * 1e-14  # fp32 rounding: below the 1e-10 floor of the trend fit
+        else:
+            k3 = 1e-3 * math.exp(K3_SLOPE[(preset, mismatch)][seed] * k)
+        grad = float(t)
+        if (preset, mismatch, seed) == ("naive", "bf16", 0):
+            grad = 50.0 if t == STEPS else 1.0  # one spike
+        if (preset, mismatch, seed) == ("naive", "none", 1) and t == 4:
+            grad = None  # a non-finite value, logged as null by the trainer
+        masked = 0.0
+        if (preset, mismatch) == ("mis", "bf16"):
+            masked = [0.1, (0.0, 0.2)[k % 2], 0.3][seed]
+        rows.append({
+            "step": t, "reward/mean": reward, "rollout_correction/k3_kl": k3, "loss/grad_norm": grad,
+            "correction/masked_frac": masked,
+            "rollout_correction/log_ppl_abs_diff": 0.01 * t if mismatch == "bf16" else 0.0,
+            "mismatch/token_kl_exact_mean": 2e-3 if (preset, mismatch, seed) == ("mis", "bf16", 0) else None,
+            "response/length_mean": 30.0 if (preset, mismatch, seed) == ("mis", "none", 2) else 32.0,
+            "time/step_s": 0.5, "rollout_correction/kl": -1.0,
+        })
+    return rows
+
+
+def make_sweep(out):
+    runs = []
+    for preset in ("naive", "mis"):
+        for mismatch in ("none", "bf16"):
+            for seed in range(3):
+                d = f"runs/{preset}__{mismatch}__s{seed}"
+                (out / d).mkdir(parents=True)
+                (out / d / "metrics.jsonl").write_text(
+                    "".join(json.dumps(r) + "\n" for r in _rows(preset, mismatch, seed)))
+                runs.append({"preset": preset, "mismatch": mismatch, "seed": seed, "dir": d, "steps": STEPS})
+    plan = {"presets": ["naive", "mis"], "mismatches": ["none", "bf16"], "runs": runs, "overrides": ["x=1"]}
+    (out / "summary.json").write_text(json.dumps({"runs": runs, "setting": "synthetic", "plan": plan}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = make_sweep(tmp_path_factory.mktemp("sweep"))
+    return write_report(out)
+
+
+def _group(stats, preset, mismatch):
+    return next(g for g in stats["groups"] if (g["preset"], g["mismatch"]) == (preset, mismatch))
+
+
+def test_per_run_numbers(report):
+    runs = json.loads(report.stats_path.read_text())["runs"]
+    r = runs["runs/naive__none__s0"]
+    assert r["steps"] == 8 and r["quarter"] == 2
+    assert r["reward_first"] == pytest.approx(0.2)  # (0.1 + 0.3) / 2
+    assert r["reward_last"] == pytest.approx(0.6)  # (0.6 + 0.6) / 2
+    assert r["reward_gain"] == pytest.approx(0.4)
+    assert r["k3_median"] == pytest.approx(4.5e-14)  # k3 = 1e-14 … 8e-14: (4e-14 + 5e-14) / 2
+    assert r["k3_slope_per_100"] == 0.0 and r["k3_change"] == 1.0  # every value below the floor: ln(1e-10) each
+    assert r["grad_norm_median"] == pytest.approx(4.5)  # 1 … 8: (4 + 5) / 2
+    assert r["grad_norm_p95"] == pytest.approx(7.65)  # position 0.95 · 7 = 6.65: 7 + 0.65 · (8 − 7)
+    assert r["grad_norm_max"] == 8.0
+    assert r["exact_kl_median"] is None and r["nonfinite"] == {}
+
+    spike = runs["runs/naive__bf16__s0"]  # grad 1 × 7, then 50
+    assert spike["grad_norm_median"] == 1.0 and spike["grad_norm_max"] == 50.0
+    assert spike["grad_norm_p95"] == pytest.approx(32.85)  # 1 + 0.65 · (50 − 1)
+    assert spike["k3_slope_per_100"] == pytest.approx(50.0)  # ln k3 rises 0.5 per step
+    assert spike["k3_change"] == pytest.approx(math.exp(3.5))  # 0.5 · (8 − 1) = 3.5 → ×33.1
+    assert spike["k3_median"] == pytest.approx(1e-3 * (math.exp(1.5) + math.exp(2.0)) / 2)  # 5.935e-3
+    assert spike["ppl_gap_median"] == pytest.approx(0.045)  # 0.01 … 0.08: (0.04 + 0.05) / 2
+
+    gap = runs["runs/naive__none__s1"]  # grad 1, 2, 3, null, 5, 6, 7, 8
+    assert gap["nonfinite"] == {"loss/grad_norm": 1}
+    assert gap["grad_norm_median"] == 5.0  # 7 finite values: the 4th, 5
+    assert gap["grad_norm_p95"] == pytest.approx(7.7)  # position 0.95 · 6 = 5.7: 7 + 0.7 · (8 − 7)
+
+    assert runs["runs/mis__bf16__s1"]["masked_frac_mean"] == pytest.approx(0.1)  # 0, 0.2, 0, 0.2 …
+    assert runs["runs/mis__bf16__s0"]["exact_kl_median"] == pytest.approx(2e-3)
+
+
+def test_group_spreads_and_verdicts(report):
+    stats = json.loads(report.stats_path.read_text())
+    assert [(g["preset"], g["mismatch"]) for g in stats["groups"]] == [
+        ("naive", "none"), ("naive", "bf16"), ("mis", "none"), ("mis", "bf16")]
+
+    g = _group(stats, "naive", "none")
+    assert g["reward_last"] == pytest.approx({"median": 0.7, "min": 0.6, "max": 0.8, "n": 3})
+    assert g["reward_gain"]["median"] == pytest.approx(0.5)  # gains 0.4, 0.5, 0.6
+    assert g["vs_control"] is None and g["vs_naive"] is None
+
+    g = _group(stats, "naive", "bf16")
+    assert g["grad_norm_max"] == {"median": 8.0, "min": 8.0, "max": 50.0, "n": 3}
+    assert g["grad_norm_p95"] == pytest.approx({"median": 7.65, "min": 7.65, "max": 32.85, "n": 3})
+    # slopes 0.5, 0.3, 0.1 per step (all > 0); changes e^3.5 = 33.1, e^2.1 = 8.17, e^0.7 = 2.01: median 8.17 ≥ 2
+    assert g["mismatch_trend"]["trend"] == "growing" and g["mismatch_trend"]["verdict"] == "growing"
+    assert g["mismatch_trend"]["change"]["median"] == pytest.approx(math.exp(2.1))
+    assert g["mismatch_trend"]["slope_per_100"]["median"] == pytest.approx(30.0)
+    # vs control (naive, none): medians 0.4 − 0.7 = −0.3; ranges [0.3, 0.5] and [0.6, 0.8] do not overlap
+    c = g["vs_control"]
+    assert c["diff"] == pytest.approx(-0.3) and c["verdict"] == "lower" and c["within_noise"] is False
+    assert c["chance"] == pytest.approx(0.1)  # 2 / C(6, 3) = 2 / 20
+
+    g = _group(stats, "mis", "bf16")
+    # slopes 0, 0.05, −0.05: not all positive → flat; changes 1, e^0.35, e^−0.35: median 1
+    assert g["mismatch_trend"]["trend"] == "flat" and g["mismatch_trend"]["verdict"] == "bounded"
+    assert g["mismatch_trend"]["change"]["median"] == pytest.approx(1.0)
+    assert g["masked_frac_mean"] == pytest.approx({"median": 0.1, "min": 0.1, "max": 0.3, "n": 3})
+    assert g["exact_kl_median"] == pytest.approx({"median": 2e-3, "min": 2e-3, "max": 2e-3, "n": 1})
+    # vs naive (bf16): 0.7 − 0.4 = +0.3, ranges [0.55, 0.72] and [0.3, 0.5] apart → higher
+    assert g["vs_naive"]["diff"] == pytest.approx(0.3) and g["vs_naive"]["verdict"] == "higher"
+    # vs control (mis, none): 0.7 − 0.7 = 0; ranges [0.55, 0.72] and [0.65, 0.75] overlap on [0.65, 0.72]
+    assert g["vs_control"]["diff"] == pytest.approx(0.0, abs=1e-12)
+    assert g["vs_control"]["verdict"] == "within noise" and g["vs_control"]["within_noise"] is True
+
+    g = _group(stats, "mis", "none")
+    assert g["length_mean"] == {"median": 32.0, "min": 30.0, "max": 32.0, "n": 3}
+    assert g["vs_naive"]["verdict"] == "within noise"  # [0.65, 0.75] inside [0.6, 0.8]
+    assert stats["complete"] is True and stats["missing"] == [] and stats["step_s_median"] == 0.5
+
+
+def test_markdown_table(report):
+    text = report.table.read_text()
+    assert "each cell: median [min–max] over seeds" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| naive | bf16 | 3 |"))
+    assert "| 0.200 [0.200–0.200] | 0.400 [0.300–0.500] |" in row
+    assert "| 8 [8–50] |" in row  # gradient-norm maximum
+    verdict = next(ln for ln in text.splitlines() if ln.startswith("| naive | bf16 | ×"))
+    assert "growing" in verdict and "-0.300 lower (p = 0.1)" in verdict
+    verdict = next(ln for ln in text.splitlines() if ln.startswith("| mis | bf16 | ×"))
+    assert "bounded (flat)" in verdict and "+0.300 higher (p = 0.1)" in verdict and "+0.000 within noise" in verdict
+    assert "rollout_correction/kl" not in text  # the signed estimator is never reported
+
+
+def test_html_is_self_contained(report):
+    page = report.html.read_text()
+    assert page.count("data:image/png;base64,") == len(report.plots) == 6
+    assert "src=\"http" not in page and "src='http" not in page and ".png\"" not in page
+    for text in ("within noise", "median [min–max] over seeds", "naive__bf16__s0", "growing", "Definitions"):
+        assert text in page
+    names = sorted(p.name for p in (report.out / "plots").glob("*.png"))
+    assert names == ["final_reward.png", "grad_norm.png", "k3_kl.png", "masked_frac.png", "overview.png",
+                     "reward.png"]
+    assert all(p.stat().st_size > 10_000 for p in report.plots)
+
+
+def test_small_statistics():
+    assert st.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert st.quantile([1.0, 2.0], 0.95) == pytest.approx(1.95)  # 1 + 0.95 · (2 − 1)
+    assert st.quantile([None, math.nan], 0.5) is None
+    assert st.ls_slope([1, 2, 3, 4], [2.0, 2.0, 2.0, 2.0]) == 0.0 and st.ls_slope([1], [1.0]) is None
+    assert st.chance_of_separation(2, 2) == pytest.approx(1 / 3)  # 2 / C(4, 2) = 2 / 6
+    assert st.chance_of_separation(5, 5) == pytest.approx(2 / 252)
+
+    def seeds(*slopes):  # per-run trend numbers over a 101-step run: change = e^(slope · 100 / 100)
+        return [{"k3_slope_per_100": s, "k3_change": math.exp(s)} for s in slopes]
+
+    assert st.mismatch_trend(seeds(-1.0, -0.8, -2.0))["trend"] == "falling"  # changes e^-1 = 0.37 … ≤ 0.5
+    assert st.mismatch_trend(seeds(-0.1, -0.2, -2.0))["trend"] == "flat"  # falling everywhere, median ×0.82 > ×0.5
+    assert st.mismatch_trend(seeds(0.5, 0.6, 0.9))["trend"] == "flat"  # rising in every seed but median ×1.8 < ×2
+    assert st.mismatch_trend(seeds(0.5, 0.7, 0.9))["trend"] == "growing"  # median ×e^0.7 = ×2.01
+    assert st.mismatch_trend(seeds(0.8, -0.1, 0.9))["trend"] == "flat"  # one seed falls
+    assert st.compare([0.1], [0.2, 0.3], "x")["verdict"] == "too few seeds"
+    c = st.compare([0.1, 0.2], [0.2, 0.3], "x")  # ranges touch at 0.2: they overlap
+    assert c["verdict"] == "within noise" and c["diff"] == pytest.approx(-0.1)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", r"run folder '.*runs/mis__bf16__s2' has no metrics\.jsonl"),
+    ("folder", r"run folder '.*runs/mis__bf16__s2' does not exist"),
+    ("middle", r"metrics file '.*runs/mis__bf16__s2/metrics\.jsonl', line 3: not a JSON record"),
+    ("field", r"metrics file '.*runs/mis__bf16__s2/metrics\.jsonl', step 5: no 'loss/grad_norm' field"),
+    ("type", r"metrics file '.*runs/mis__bf16__s2/metrics\.jsonl', step 2: 'reward/mean' is 'high', not a number"),
+    ("empty", r"metrics file '.*runs/mis__bf16__s2/metrics\.jsonl' has no logged steps"),
+    ("order", r"metrics file '.*runs/mis__bf16__s2/metrics\.jsonl', record 3: 'step' is 2, expected an int > 2"),
+])
+def test_damaged_run_named_in_one_line(tmp_path, damage, message):
+    out = make_sweep(tmp_path)
+    path = out / "runs/mis__bf16__s2/metrics.jsonl"
+    lines = path.read_text().splitlines()
+    if damage == "missing":
+        path.unlink()
+    elif damage == "folder":
+        shutil.rmtree(path.parent)
+    elif damage == "middle":
+        path.write_text("\n".join([*lines[:2], lines[2][:30], *lines[3:]]) + "\n")
+    elif damage == "field":
+        row = json.loads(lines[4])
+        del row["loss/grad_norm"]
+        path.write_text("\n".join([*lines[:4], json.dumps(row), *lines[5:]]) + "\n")
+    elif damage == "type":
+        row = json.loads(lines[1])
+        row["reward/mean"] = "high"
+        path.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    elif damage == "empty":
+        path.write_text("")
+    elif damage == "order":
+        path.write_text("\n".join([lines[0], lines[1], lines[1], *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match=message) as err:
+        write_report(out)
+    assert "\n" not in str(err.value)
+
+
+def test_half_written_last_line_is_skipped_with_a_warning(tmp_path):
+    out = make_sweep(tmp_path)
+    path = out / "runs/naive__none__s0/metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 9, "reward/me')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats, _ = sweep_report_stats(out)
+    assert any("ignoring its last line 9" in str(w.message) for w in caught)
+    assert stats["runs"]["runs/naive__none__s0"]["steps"] == 8
+
+
+def test_missing_summary_and_unfinished_runs(tmp_path):
+    with pytest.raises(ValueError, match=r"'.*summary\.json' does not exist: no sweep in"):
+        write_report(tmp_path)
+    out = make_sweep(tmp_path / "s")
+    summary = json.loads((out / "summary.json").read_text())
+    failed = summary["runs"].pop()  # mis / bf16 / seed 2 failed: it leaves the table, the report names it
+    summary["failed"] = [{**failed, "error": "error: boom"}]
+    (out / "summary.json").write_text(json.dumps(summary))
+    stats, _ = sweep_report_stats(out)
+    assert stats["complete"] is False
+    assert stats["missing"] == [{**failed, "status": "failed", "error": "error: boom"}]
+    assert _group(stats, "mis", "bf16")["seeds"] == [0, 1]
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium installed")
+def test_report_renders_in_headless_chromium(report, tmp_path):
+    shot = tmp_path / "report.png"
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+           f"--screenshot={shot}", "--window-size=1280,3000", report.html.resolve().as_uri()]
+    subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    assert shot.is_file(), "chromium wrote no screenshot"
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[:2] == (3000, 1280)
+    assert pixels[..., :3].std() > 0.05  # tables and figures, not a blank page
