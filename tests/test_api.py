@@ -38,3 +38,29 @@ def test_readme_five_lines():
     assert torch.allclose(logp.grad, -adv[:, None].expand(2, 3) / 6)
     assert metrics["chain/kept_token_frac"].item() == 1.0
     assert all(isinstance(v, torch.Tensor) for v in metrics.values())
+
+
+def test_the_readmes_plug_in_example_registers_and_runs_by_name():
+    import pathlib
+    import re
+
+    from offpolicy.registry import CORRECTIONS, OBJECTIVES
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Five lines", 1)[1].split("\n## ", 1)[0]
+    example = re.findall(r"```python\n(.*?)```", section, re.S)[1]
+    try:
+        exec(example, {"op": op, "torch": torch})
+        logp = torch.full((2, 3), -1.0, requires_grad=True)
+        batch = op.LogProbBatch(logp=logp, old_logp=logp.detach(), rollout_logp=logp.detach(), mask=torch.ones(2, 3),
+                                advantages=torch.tensor([1.0, -1.0]))
+        correction = op.build_correction([{"name": "half_weight", "factor": 0.25}, {"name": "icepop"}])
+        loss, metrics = op.policy_loss(batch, correction=correction, objective={"name": "scaled_reinforce", "scale": 2.0})
+        loss.backward()
+        # L = mean_t(−2 · 0.25 · A · logp) with logp = −1: (0.5·3 − 0.5·3)/6 = 0; ∂L/∂logp = −0.5·A/6
+        assert loss.item() == 0.0 and metrics["half_weight/factor"].item() == 0.25
+        assert torch.allclose(logp.grad, -0.5 * torch.tensor([1.0, -1.0])[:, None].expand(2, 3) / 6)
+    finally:
+        for registry, name in ((CORRECTIONS, "half_weight"), (OBJECTIVES, "scaled_reinforce")):
+            if name in registry:
+                registry.unregister(name)
