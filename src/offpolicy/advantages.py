@@ -34,7 +34,9 @@ def _grouped(rewards: Tensor, group_size: int, *, min_group: int = 1) -> Tensor:
         )
     if not torch.compiler.is_compiling() and not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards contain NaN or ±inf; every completion needs a finite reward")
-    return rewards.float().view(-1, group_size)
+    # float64: a group's mean and spread are taken exactly enough that standardising a near-constant group
+    # (1.7480, 1.7480, 1.7481) still gives advantages that sum to 0; [B] values, so the cost is nothing
+    return rewards.double().view(-1, group_size)
 
 
 def grpo_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-6, std_normalize: bool = True) -> Tensor:
@@ -50,8 +52,8 @@ def grpo_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-6, std_
     tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
     g = _grouped(rewards, group_size)
-    # A group of equal rewards carries no signal: A = 0 exactly. Its float32 mean can be one ulp off the common value,
-    # and that ulp divided by a std of the same size plus eps = 1e-6 became advantages of ±0.2 (3 × 3.5085).
+    # A group of equal rewards carries no signal: A = 0 exactly (a mean one ulp off the common value, divided by a
+    # std of the same size plus eps = 1e-6, gave every completion ±0.3 in float32).
     constant = g.amax(dim=-1, keepdim=True) == g.amin(dim=-1, keepdim=True)
     centred = torch.where(constant, torch.zeros_like(g), g - g.mean(dim=-1, keepdim=True))
     if std_normalize:
@@ -59,7 +61,7 @@ def grpo_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-6, std_
             centred = torch.zeros_like(centred)  # a single completion has no spread: std is undefined, A = 0
         else:
             centred = centred / (g.std(dim=-1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    return centred.reshape(-1).float()
 
 
 def dr_grpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -79,4 +81,4 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """
     g = _grouped(rewards, group_size, min_group=2)
     others = (g.sum(dim=-1, keepdim=True) - g) / (group_size - 1)
-    return (g - others).reshape(-1)
+    return (g - others).reshape(-1).float()
