@@ -182,6 +182,29 @@ class ALPConfig(_Section):
     level: Literal["token", "geometric", "sequence"] = "token"  # ALP ratio level: sequence = product (eq. 3), geometric = the authors' code
 
 
+class ControlConfig(_Section):
+    """Closed-loop control between steps (:mod:`offpolicy.train.controllers`); all off by default.
+
+    ``trm_acceptance``: TRM's max / avg KL thresholds are relaxed just enough that this fraction of the last
+    ``window`` steps' sequences would have been accepted — never stricter than ``algorithm.trm_max_kl`` /
+    ``trm_avg_kl`` (the paper's monitor, "keep acceptance ≥ 70 %", closed). ``is_max_masked``: the band of the
+    chain's token-level ``tis`` / ``mis`` / ``icepop`` is widened so that at most this fraction of the window's tokens
+    falls outside it — never narrower than configured. ``lr_guard``: the learning rate is cut by ``lr_guard_factor``
+    when log k3-KL rose by more than ``lr_guard_rise``× across ``lr_guard_window`` steps, and recovers after
+    ``lr_guard_patience`` calm steps.
+    """
+
+    trm_acceptance: float | None = Field(None, gt=0, lt=1)
+    is_max_masked: float | None = Field(None, gt=0, lt=1)
+    window: int = Field(5, ge=1)
+    lr_guard: bool = False
+    lr_guard_window: int = Field(20, ge=2)
+    lr_guard_rise: float = Field(2.0, gt=1)
+    lr_guard_factor: float = Field(0.5, gt=0, lt=1)
+    lr_guard_patience: int = Field(50, ge=1)
+    lr_guard_min_scale: float = Field(0.05, gt=0, le=1)
+
+
 class RunConfig(_Section):
     steps: int = Field(10, ge=1)
     seed: int = 0
@@ -226,6 +249,7 @@ class TrainConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     alp: ALPConfig = Field(default_factory=ALPConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="before")

@@ -34,6 +34,7 @@ import torch
 from offpolicy.models.warm_start import torch_threads
 from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.train.config import TrainConfig
+from offpolicy.train.control import Control
 from offpolicy.train.run_folder import RunFolder, RunReplacedWarning
 from offpolicy.train.steps import (
     TrainState,
@@ -95,6 +96,7 @@ def train(
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
         state = build_state(cfg, model=model, tokenizer=tokenizer, engine=engine, task=task)
+        state.control = Control.build(cfg, state)
         start = folder.open(state)
         history: list[dict[str, float]] = []
         if start == cfg.run.steps:  # a finished run resumed again: nothing to do, every file left as it is
@@ -110,6 +112,9 @@ def train(
                     scored = score_step(state, rollout)
                     updates = update_step(state, rollout, scored, seed)
                     metrics = metrics_step(state, rollout, scored, updates, started=started)
+                    if state.control is not None:  # the thresholds / LR this step used, then the next step's
+                        metrics.update(state.control.metrics())
+                        state.control.update(state, scored)
                 state.last_rollout, state.last_scored = rollout, scored
                 floats = session.record(metrics, kl_key=kl_metric_name(cfg.run.metric_naming))
                 history.append(floats)

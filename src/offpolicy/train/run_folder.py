@@ -57,8 +57,11 @@ class RunFolder:
         start from (``run.steps`` when a finished run is resumed again: then nothing is touched)."""
         start = 0
         if self.resume_from is not None:
-            start = load_checkpoint(self.resume_from, model=state.model, optimizer=state.optimizer,
-                                    extra_modules=_extra_modules(state))["step"]
+            loaded = load_checkpoint(self.resume_from, model=state.model, optimizer=state.optimizer,
+                                     extra_modules=_extra_modules(state))
+            start = loaded["step"]
+            if state.control is not None:  # the controllers continue where they were (thresholds, LR, windows)
+                state.control.load_state_dict(loaded["metadata"].get("control"), state)
             if start == self.cfg.run.steps:  # e.g. a retry script: leave every file as it is
                 warnings.warn(f"--resume: checkpoint {str(self.resume_from)!r} is already at run.steps="
                               f"{self.cfg.run.steps}; nothing to do (raise run.steps to train further)", stacklevel=3)
@@ -73,7 +76,7 @@ class RunFolder:
     def checkpoint(self, state: Any, step: int) -> Path:
         self.last_checkpoint = save_checkpoint(
             self.ckpt_dir, step=step, model=state.model, optimizer=state.optimizer, extra_modules=_extra_modules(state),
-            metadata={"preset": self.cfg.algorithm.preset, "seed": self.cfg.run.seed}, keep_last=3)
+            metadata=_metadata(self.cfg, state), keep_last=3)
         return self.last_checkpoint
 
     @contextlib.contextmanager
@@ -215,6 +218,14 @@ class _DeferredInterrupt:
     def __exit__(self, *exc: object) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+
+
+def _metadata(cfg: TrainConfig, state: Any) -> dict[str, Any]:
+    """A checkpoint's JSON header: the run's identity (checked on resume) and the controllers' state."""
+    meta: dict[str, Any] = {"preset": cfg.algorithm.preset, "seed": cfg.run.seed}
+    if state.control is not None:
+        meta["control"] = state.control.state_dict()
+    return meta
 
 
 def _extra_modules(state: Any) -> dict[str, Any] | None:

@@ -60,6 +60,7 @@ class TrainState:
     advantage_fn: Callable[[Tensor, int], Tensor]
     last_rollout: Rollout | None = None
     last_scored: Scored | None = None
+    control: Any = None  # the closed-loop controllers (offpolicy.train.control.Control) when cfg.control asks
 
     @property
     def preset(self) -> Preset:
