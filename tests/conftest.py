@@ -6,9 +6,13 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in these tests may touch the network
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 
 from offpolicy.models.tiny import build_tiny_model
+from offpolicy.tasks import Example
 from offpolicy.models.warm_start import torch_threads
 
 
@@ -62,3 +66,28 @@ def verl_policy_loss():
         return get_policy_loss_fn(loss_mode)(old_logp, logp, advantages, mask.float(), loss_agg_mode, config)
 
     return loss
+
+
+@dataclass
+class VaryingTask:
+    """Reward = fraction of digit characters in the completion (varies across random samples, so A ≠ 0)."""
+
+    name: str = "varying"
+    fail: str | None = None  # "raise" | "nan": a broken reward for the error-path tests
+
+    def examples(self, n: int, seed: int) -> list[Example]:
+        return [Example(prompt=f"{seed % 97 + i}+1=", answer=str(seed % 97 + i + 1)) for i in range(n)]
+
+    def reward(self, completions: list[str], *, answer: list[str], **kwargs: Any) -> list[float]:
+        if self.fail == "raise":
+            raise RuntimeError("boom")
+        out = [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.1 * len(c) for c in completions]
+        if self.fail == "nan":
+            out[1] = float("nan")
+        return out
+
+
+@pytest.fixture
+def varying_task():
+    """The class of a task whose reward varies across random samples (so advantages are not all 0)."""
+    return VaryingTask
