@@ -150,8 +150,8 @@ def demo(
 
 @app.command()
 def lab(
-    setting: str = typer.Option("quick", "--setting", help="Named setting: quick (the demo) or full."),
-    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: the setting's)."),
+    setting: str = typer.Option("quick", "--setting", help="Named setting: quick (the demo), control (the adaptive controllers) or full."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets or variants (trm_adaptive, mis_band, naive_lrguard; default: the setting's)."),
     mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated rollout-engine mismatch sources "
                                            f"({', '.join(LAB_SOURCES)}) or '+' combinations, e.g. bf16,int8+kv4; "
                                            "the 'none' control (fp32 engine) is always added."),

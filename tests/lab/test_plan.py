@@ -96,3 +96,16 @@ def test_cli_help_lists_every_source():
 
     text = CliRunner().invoke(app, ["lab", "--help"], env={"COLUMNS": "200"}).output
     assert all(name in text for name in SOURCES)
+
+
+def test_variants_run_their_preset_with_a_controller(tmp_path):
+    plan = plan_sweep(tmp_path, "control", presets="trm,trm_adaptive", mismatches="lag8", seeds=3, steps=5)
+    assert [r.dir for r in plan.runs[:4]] == ["runs/trm__none__s0", "runs/trm__none__s1", "runs/trm__none__s2",
+                                              "runs/trm__lag8__s0"]
+    adaptive = [r for r in plan.runs if r.preset == "trm_adaptive"]
+    assert len(adaptive) == 6 and adaptive[0].dir == "runs/trm_adaptive__none__s0"
+    cfg = planned_config(adaptive[-1])
+    assert cfg.algorithm.preset == "trm" and cfg.control.trm_acceptance == 0.7 and cfg.rollout.sync_every == 8
+    assert planned_config(plan.runs[0]).control.trm_acceptance is None
+    with pytest.raises(ValueError, match="'trm_fancy' is not a preset; choose from .*trm_adaptive"):
+        plan_sweep(tmp_path, "control", presets="trm_fancy")

@@ -19,7 +19,9 @@ from offpolicy.lab.mismatch import CONTROL
 from offpolicy.lab.stats import K3_FLOOR, finite, median, series
 
 PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_mask": "#17becf", "icepop": "#8c564b",
-                 "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79"}
+                 "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79",
+                 # variants with a controller: the light shade of their preset's colour
+                 "naive_lrguard": "#ff9896", "mis_band": "#9edae5", "trm_adaptive": "#98df8a"}
 _SPARE = ("#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94")
 
 # (metric key, file stem, title, y label, log axis floor or None, smoothed)

@@ -1,7 +1,7 @@
 """Named lab settings: the trainer overrides every run of a sweep shares, and the sweep's default plan.
 
 A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``offpolicy train`` command line),
-``presets``, ``mismatches`` (names of :mod:`offpolicy.lab.mismatch`; the ``none`` control is always added),
+``presets`` (preset names, or :data:`VARIANTS`: a preset with a closed-loop controller on), ``mismatches`` (names of :mod:`offpolicy.lab.mismatch`; the ``none`` control is always added),
 ``seeds`` (how many: seeds 0 … n−1), ``steps``. The command line overrides each part
 (``offpolicy lab --setting quick --presets naive,mis --steps 30 optim.lr=1e-4``).
 
@@ -10,7 +10,7 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'full']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full']
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "steps": 60,
     },
     # the lab table: every family of correction against the harshest numerics and the asynchronous engine
+    # the closed loop: each controller beside the same preset with fixed thresholds, on the lagging engine
+    "control": {
+        "description": "adaptive controllers vs fixed thresholds on an engine synced every 8 steps",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "naive_lrguard", "mis", "mis_band", "trm", "trm_adaptive"],
+        "mismatches": ["none", "lag8"],
+        "seeds": 3,
+        "steps": 100,
+    },
     "full": {
         "description": "each correction family on int4 weights + 4-bit KV cache and on an engine synced every 8 steps",
         "overrides": [*LAB_BASE],
@@ -56,6 +65,32 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "steps": 100,
     },
 }
+
+
+# Variants: a preset with the trainer's closed-loop controllers (offpolicy.train.controllers) switched on, named so a
+# sweep can put it beside the preset with fixed thresholds. name → (preset, extra trainer overrides).
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    # TRM's thresholds relaxed to keep 70 % of sequences (the paper's acceptance monitor, closed)
+    "trm_adaptive": ("trm", ["control.trm_acceptance=0.7"]),
+    # MIS's band [0, 2] widened to running quantiles so that at most 5 % of tokens are masked
+    "mis_band": ("mis", ["control.is_max_masked=0.05"]),
+    # naive with the learning rate halved whenever log k3 doubles across 16 steps
+    "naive_lrguard": ("naive", ["control.lr_guard=true", "control.lr_guard_window=16", "control.lr_guard_patience=32"]),
+}
+
+
+def resolve_preset(name: str) -> tuple[str, list[str]]:
+    """``(preset, extra overrides)`` of a preset or variant name.
+
+    >>> resolve_preset("mis_band")
+    ('mis', ['control.is_max_masked=0.05'])
+    >>> resolve_preset("naive")
+    ('naive', [])
+    """
+    if name in VARIANTS:
+        preset, extra = VARIANTS[name]
+        return preset, list(extra)
+    return name, []
 
 
 def get_setting(name: str) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from typing import Any
 
 from offpolicy.lab.launch import last_log_line, start_run, train_command
 from offpolicy.lab.mismatch import CONTROL, canonical_mismatch, describe_mismatch, engine_keys, mismatch_overrides
-from offpolicy.lab.settings import get_setting
+from offpolicy.lab.settings import VARIANTS, get_setting, resolve_preset
 
 SUMMARY = "summary.json"
 RUN_LOG = "train.log"
@@ -160,11 +160,12 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
     from offpolicy.train.presets import PRESETS
 
     s = get_setting(setting)
+    known = sorted([*PRESETS, *VARIANTS])
     out = Path(out)
     preset_names = _split_list(presets, "--presets") or list(s["presets"])
     for p in preset_names:
-        if p not in PRESETS:
-            raise ValueError(f"--presets: {p!r} is not a preset; choose from {sorted(PRESETS)}")
+        if p not in PRESETS and p not in VARIANTS:
+            raise ValueError(f"--presets: {p!r} is not a preset; choose from {known}")
     names = _split_list(mismatches, "--mismatch") or list(s["mismatches"])
     canon = [canonical_mismatch(m) for m in names]
     if len(set(canon)) != len(canon):
@@ -187,10 +188,11 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
     shared = [*s["overrides"], *user]
     runs = []
     for preset in preset_names:
+        base, variant = resolve_preset(preset)
         for mismatch in canon:
             for seed in range(n_seeds):
-                run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={preset}",
-                                 *(["alp.enabled=true"] if preset == "alp" else []), f"run.seed={seed}",
+                run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={base}",
+                                 *(["alp.enabled=true"] if base == "alp" else []), *variant, f"run.seed={seed}",
                                  f"run.steps={n_steps}", *user)
                 run = PlannedRun(preset, mismatch, seed, n_steps, run_overrides)
                 runs.append(PlannedRun(preset, mismatch, seed, n_steps,
