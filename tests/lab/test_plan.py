@@ -54,12 +54,13 @@ def test_settings_are_plain_and_valid(tmp_path):
     quick = get_setting("quick")
     quick["presets"].append("x")  # a copy: the module's dict stays as it is
     assert "x" not in SETTINGS["quick"]["presets"]
-    assert SETTINGS["quick"]["steps"] == 60 and SETTINGS["full"]["steps"] == 100
+    assert SETTINGS["quick"]["steps"] == 45 and SETTINGS["full"]["steps"] == 100
     for name, s in SETTINGS.items():
         assert s["seeds"] >= 3 and "none" in s["mismatches"]
         assert not any(m in SOURCES and m == "noise" for m in s["mismatches"])  # logit noise is only an extra
         plan = plan_sweep(tmp_path, name)  # every run of every setting is a valid config
-        assert len(plan.runs) == len(s["presets"]) * len(s["mismatches"]) * s["seeds"]
+        controlled = len(s.get("control_presets", s["presets"]))
+        assert len(plan.runs) == (len(s["presets"]) * (len(s["mismatches"]) - 1) + controlled) * s["seeds"]
         cfg = planned_config(plan.runs[0])
         assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == ("lab", "pattern",
                                                                                      {"length": 32}, 1)
@@ -96,6 +97,15 @@ def test_cli_help_lists_every_source():
 
     text = CliRunner().invoke(app, ["lab", "--help"], env={"COLUMNS": "200"}).output
     assert all(name in text for name in SOURCES)
+
+
+def test_the_quick_setting_runs_the_control_for_naive_only(tmp_path):
+    plan = plan_sweep(tmp_path, "quick")
+    assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == [("naive", "lag8"), ("naive", "none"),
+                                                                  ("tis", "lag8")]
+    # presets named on the command line: each of them runs on the control too
+    plan = plan_sweep(tmp_path, "quick", presets="naive,tis")
+    assert ("tis", "none") in {(r.preset, r.mismatch) for r in plan.runs}
 
 
 def test_variants_run_their_preset_with_a_controller(tmp_path):

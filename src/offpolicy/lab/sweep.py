@@ -150,7 +150,8 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
     """The sweep ``setting`` (:mod:`offpolicy.lab.settings`) with the given axes replaced, every run validated.
 
     ``presets`` / ``mismatches``: comma-separated text or a list; the ``none`` control is always part of the plan
-    (added first when missing). ``seeds``: how many (seeds 0 … n−1). ``overrides``: trainer ``key=value`` for
+    (added first when missing) — for every preset, or, when ``presets`` is not given, for the setting's
+    ``control_presets`` (and naive) only. ``seeds``: how many (seeds 0 … n−1). ``overrides``: trainer ``key=value`` for
     every run, applied after the setting's; keys the sweep sets itself (the preset, seed, steps, out_dir and the
     rollout engine's numerics) are refused, naming the option that sets them.
 
@@ -187,9 +188,15 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
             raise ValueError(f"override {item!r}: the sweep sets {key} itself (use {_SWEEP_KEYS[key]})")
     shared = [*s["overrides"], *user]
     runs = []
+    # the presets that also run on the fp32 control: all of them, or the setting's own choice for its own presets
+    controlled = (s.get("control_presets") if presets is None else None) or preset_names
+    if "naive" in preset_names and "naive" not in controlled:
+        controlled = ["naive", *controlled]
     for preset in preset_names:
         base, variant = resolve_preset(preset)
         for mismatch in canon:
+            if mismatch == CONTROL and preset not in controlled:
+                continue
             for seed in range(n_seeds):
                 run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={base}",
                                  *(["alp.enabled=true"] if base == "alp" else []), *variant, f"run.seed={seed}",
