@@ -87,6 +87,11 @@ def test_per_run_numbers(report):
     assert r["reward_first"] == pytest.approx(0.2)  # (0.1 + 0.3) / 2
     assert r["reward_last"] == pytest.approx(0.6)  # (0.6 + 0.6) / 2
     assert r["reward_gain"] == pytest.approx(0.4)
+    assert r["reward_drawdown"] == 0.0  # 0.1, 0.3, 0.4 … 0.6, 0.6: the 3-step mean only rises
+    # naive / bf16 seed 0 ends 0.4, 0.4, 0.3, 0.3: 3-step means … 0.4, 0.4, 0.367, 0.333 → fell 0.4 − 0.333
+    bf16 = runs["runs/naive__bf16__s0"]
+    assert bf16["reward_drawdown"] == pytest.approx(0.4 - 1.0 / 3)
+    assert runs["runs/naive__bf16__s1"]["reward_drawdown"] == 0.0
     assert r["k3_median"] == pytest.approx(4.5e-14)  # k3 = 1e-14 … 8e-14: (4e-14 + 5e-14) / 2
     assert r["k3_slope_per_100"] == 0.0 and r["k3_change"] == 1.0  # every value below the floor: ln(1e-10) each
     assert r["grad_norm_median"] == pytest.approx(4.5)  # 1 … 8: (4 + 5) / 2

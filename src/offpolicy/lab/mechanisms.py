@@ -15,7 +15,7 @@ acceptance against length beside (1 − p)^T — come from ``offpolicy inspect``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -64,19 +64,23 @@ def binned_quantiles(log_ratio: Tensor, prob: Tensor, mask: Tensor) -> dict[str,
     return {"quantiles": quantiles, "count": counts}
 
 
-def update_envelopes(overrides: Sequence[str], presets: Sequence[str], *, updates: int = 8, seed: int = 0,
+def update_envelopes(overrides: Sequence[str], presets: Sequence[str] | Mapping[str, Sequence[str]], *,
+                     updates: int = 8, seed: int = 0,
                      out_dir: str | Path | None = None, task: Any = None,
                      checkpoint: str | Path | None = None) -> dict[str, Any]:
     """Run the experiment for each preset; returns ``{"bins": labels, "quantiles": QUANTILES, "presets": {preset:
     {"envelopes": [binned_quantiles after 0 … updates updates], "tail_spread": [...], "head_spread": [...]}}}``.
 
     ``overrides``: trainer ``key=value`` overrides shared by all presets (model, task, engine, learning rate); each
-    preset runs with ``optim.minibatches=1`` (one optimiser step per update). ``tail_spread`` / ``head_spread``: the
+    preset runs with ``optim.minibatches=1`` (one optimiser step per update). ``presets``: preset names, or a mapping
+    label → extra overrides (``{"bypass": ["algorithm.preset=naive", "algorithm.objective=bypass"]}``) for
+    variants. ``tail_spread`` / ``head_spread``: the
     width between the 5 % and 95 % quantiles of the log-ratio over tokens with μ-probability below 1e-2 / in
     [0.1, 1], after each update — the two numbers the figure shows at a glance. ``checkpoint``: a trainer
     checkpoint (``.safetensors`` of a run's ``checkpoints/``) to start from instead of the config's model (the
-    paper starts from a trained checkpoint, where the policy is sharp and its tail thin); ``task`` replaces the
-    config's (tests).
+    paper starts from a trained checkpoint); with a lagging mismatch source (``rollout.sync_every > 1``) the engine
+    samples with the config's model, not the checkpoint (the batch is as old as the checkpoint's updates); ``task``
+    replaces the config's (tests).
     """
     from offpolicy.train.checkpoint import load_checkpoint
     from offpolicy.train.config import load_config
@@ -86,15 +90,18 @@ def update_envelopes(overrides: Sequence[str], presets: Sequence[str], *, update
         raise ValueError(f"updates must be an int >= 1, got {updates!r}")
     out_dir = Path(out_dir) if out_dir is not None else Path("offpolicy-mechanisms")
     results: dict[str, Any] = {"bins": bin_labels(), "quantiles": list(QUANTILES), "presets": {}}
-    for preset in presets:
-        extra = ["alp.enabled=true"] if preset == "alp" else []
-        cfg = load_config(None, [*overrides, f"algorithm.preset={preset}", "optim.minibatches=1", "optim.epochs=1",
-                                 f"run.out_dir={out_dir / preset}", *extra])
+    runs = dict(presets) if isinstance(presets, Mapping) else {
+        p: [f"algorithm.preset={p}", *(["alp.enabled=true"] if p == "alp" else [])] for p in presets}
+    for preset, extra in runs.items():
+        cfg = load_config(None, [*overrides, *extra, "optim.minibatches=1", "optim.epochs=1",
+                                 f"run.out_dir={out_dir / preset}"])
         torch.manual_seed(seed)
         state = build_state(cfg, task=task)
         if checkpoint is not None:
             load_checkpoint(checkpoint, model=state.model, restore_rng=False)  # the engine copies them at the rollout
-        rollout = rollout_step(state, seed)
+        # with a lagging engine (rollout.sync_every > 1) the engine keeps the weights it was built with — the config's
+        # model — while π_old is the checkpoint: a batch sampled some updates ago, as in an asynchronous pipeline
+        rollout = rollout_step(state, seed, sync_weights=cfg.rollout.sync_every == 1)
         scored = score_step(state, rollout)
         mu, mask = scored.rollout_logp, scored.mask
         dvp_rho = cfg.algorithm.dvp_rho if state.preset.minp else None

@@ -33,6 +33,8 @@ DEFINITIONS = [
                "range would only repeat two of the values."),
     ("quarters", "a run of N logged steps has q = max(1, ⌊N/4⌋); reward first ¼ / last ¼ = mean of reward/mean over "
                  "its first / last q steps."),
+    ("reward drawdown", f"the largest fall of the {st.DRAWDOWN_WINDOW}-step trailing mean of reward/mean below its "
+     "running maximum: a transient collapse that recovers before the last quarter shows here."),
     ("k3 KL", "rollout_correction/k3_kl = E_μ[ρ − 1 − log ρ] with ρ = π_old/μ per sampled token (≥ 0), median over "
               "the run's steps. The signed estimator E_μ[log μ − log π_old] is not used: on short answers it goes "
               "below zero."),
@@ -58,6 +60,7 @@ DEFINITIONS = [
 NUMBER_COLUMNS = [  # (stats field, header, format)
     ("reward_first", "reward first ¼", "{:.3f}"),
     ("reward_last", "reward last ¼", "{:.3f}"),
+    ("reward_drawdown", "reward drawdown", "{:.2f}"),
     ("k3_median", "k3 KL (nats/token)", "{:.2e}"),
     ("exact_kl_median", "exact KL (nats/token)", "{:.2e}"),
     ("ppl_gap_median", "PPL gap |Δ log PPL|", "{:.2e}"),
@@ -212,20 +215,22 @@ def markdown_tables(lab: dict[str, Any]) -> str:
 
 def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.table.Table
     """The console summary (medians over seeds; the report has the spreads): reward first→last quarter and the
-    last quarter's range, k3 KL, gradient-norm maximum, masked fraction, the k3 trend and the two comparisons."""
+    last quarter's range, the worst reward drawdown over the seeds, k3 KL, gradient-norm maximum, masked fraction, the k3 trend and the two comparisons."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
     chances = sorted({c["chance"] for g in lab["groups"] for c in (g["vs_naive"], g["vs_control"])
                       if c and c.get("chance") is not None})
-    caption = ("reward ¼: mean over the first / last quarter of steps. vs: difference of medians; noise = the seeds' "
+    caption = ("reward ¼: mean over the first / last quarter of steps; drawdown: the worst seed's largest fall of the "
+               f"{st.DRAWDOWN_WINDOW}-step mean reward below its running maximum. vs: difference of medians; noise = the seeds' "
                "min–max ranges overlap; higher / lower = they do not"
                + (f" (chance without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)})" if chances
                   else "") + ". Spreads and definitions: report.html")
     table = Table(title=escape(f"{title}: medians over seeds"), caption=escape(caption), box=box.SIMPLE_HEAD,
                   padding=(0, 1), pad_edge=False)
-    for header in ("preset", "mismatch", "reward ¼\nfirst→last", "last ¼\nrange", "k3 KL", "‖∇‖\nmax", "masked",
+    for header in ("preset", "mismatch", "reward ¼\nfirst→last", "last ¼\nrange", "draw-\ndown", "k3 KL", "‖∇‖\nmax",
+                   "masked",
                    "k3\ntrend", "vs\nnaive", "vs\ncontrol"):
         table.add_column(header, justify="left" if header in ("preset", "mismatch") else "right", no_wrap=True)
 
@@ -242,7 +247,7 @@ def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.ta
             escape(g["preset"]), escape(g["mismatch"]),
             f"{fmt(g['reward_first']['median'], '{:.3f}')}→{fmt(last['median'], '{:.3f}')}",
             f"{fmt(last['min'], '{:.3f}')}–{fmt(last['max'], '{:.3f}')}" if last["n"] > 1 else "–",
-            fmt(g["k3_median"]["median"], "{:.1e}"), fmt(g["grad_norm_max"]["median"], "{:.3g}"),
+            fmt(g["reward_drawdown"]["max"], "{:.2f}"), fmt(g["k3_median"]["median"], "{:.1e}"), fmt(g["grad_norm_max"]["median"], "{:.3g}"),
             fmt(g["masked_frac_mean"]["median"], "{:.3f}"),
             "(control)" if g["mismatch"] == CONTROL else
             f"{g['mismatch_trend']['trend']} {fmt(g['mismatch_trend']['change']['median'], '×{:.2g}')}",

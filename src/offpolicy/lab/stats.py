@@ -42,7 +42,9 @@ K3_FLOOR = 1e-10
 GROWTH = 2.0  # the fitted change over the run that counts as growing (and 1/GROWTH as falling)
 
 # the per-run numbers summarised over seeds, in table order
-RUN_FIELDS = ("reward_first", "reward_last", "reward_gain", "k3_median", "exact_kl_median", "ppl_gap_median",
+DRAWDOWN_WINDOW = 3  # steps of the trailing mean whose falls count as a drawdown (one step's batch noise averaged)
+
+RUN_FIELDS = ("reward_first", "reward_last", "reward_gain", "reward_drawdown", "k3_median", "exact_kl_median", "ppl_gap_median",
               "grad_norm_median", "grad_norm_p95", "grad_norm_max", "masked_frac_mean", "length_mean",
               "k3_slope_per_100", "k3_change", "step_s_median")
 
@@ -155,6 +157,26 @@ def chance_of_separation(n: int, m: int) -> float:
 # -- per run, per group ----------------------------------------------------------------------------------------------
 
 
+def drawdown(values: Sequence[float | None], window: int = DRAWDOWN_WINDOW) -> float | None:
+    """The largest fall of the ``window``-step trailing mean of ``values`` below its running maximum (0 for a curve
+    that never falls) — a transient collapse that recovers shows here even when the last quarter looks fine.
+
+    >>> drawdown([0.1, 0.5, 0.9, 0.9, 0.2, 0.9], window=1)  # 0.9 → 0.2
+    0.7
+    >>> drawdown([0.2, 0.4, 0.6, 0.8], window=2)             # rising: trailing means 0.2, 0.3, 0.5, 0.7
+    0.0
+    """
+    xs = finite(values)
+    if not xs:
+        return None
+    smooth = [sum(xs[max(0, i - window + 1): i + 1]) / len(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
+    peak, worst = -math.inf, 0.0
+    for v in smooth:
+        peak = max(peak, v)
+        worst = max(worst, peak - v)
+    return round(worst, 12)
+
+
 def run_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The per-run numbers of the module docstring from one run's metric rows."""
     n = len(rows)
@@ -174,6 +196,7 @@ def run_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "reward_first": first,
         "reward_last": last,
         "reward_gain": None if first is None or last is None else last - first,
+        "reward_drawdown": drawdown(reward),
         "k3_median": median(k3),
         "exact_kl_median": median(series(rows, "mismatch/token_kl_exact_mean")),
         "ppl_gap_median": median(series(rows, "rollout_correction/log_ppl_abs_diff")),
