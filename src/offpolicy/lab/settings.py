@@ -55,6 +55,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "overrides": [*LAB_BASE],
         "presets": ["naive", "naive_lrguard", "mis", "mis_band", "trm", "trm_adaptive"],
         "mismatches": ["none", "lag8"],
+        "control_presets": ["naive"],  # on the fp32 engine the controllers have nothing to adapt to
         "seeds": 3,
         "steps": 100,
     },
