@@ -137,25 +137,31 @@ def plot_envelopes(results: dict[str, Any], path: str | Path) -> Path:
 
     presets = list(results["presets"])
     labels = results["bins"]
-    fig, axes = plt.subplots(1, len(presets), figsize=(3.2 * len(presets), 3.4), sharey=True, squeeze=False)
-    x = list(range(len(labels)))
-    for ax, preset in zip(axes[0], presets):
+    # only the probability bins that hold tokens (a sharp policy samples nothing below 1e-3)
+    used = [i for i in range(len(labels))
+            if any(results["presets"][p]["envelopes"][0]["count"][i] for p in presets)]
+    cols = min(3, len(presets))
+    rows_n = (len(presets) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.4 * cols, 3.2 * rows_n), sharey=True, squeeze=False)
+    for ax in axes.flat[len(presets):]:
+        ax.axis("off")
+    x = list(range(len(used)))
+    for ax, preset in zip(axes.flat, presets):
         envelopes = results["presets"][preset]["envelopes"]
         last = len(envelopes) - 1
         for k, color, name in ((0, "#9ecae1", "before"), (last, "#08519c", f"after {last} updates")):
-            rows = envelopes[k]["quantiles"]
-            xs = [i for i in x if rows[i] is not None]
-            lo = [rows[i][0] for i in xs]
-            hi = [rows[i][-1] for i in xs]
-            med = [rows[i][2] for i in xs]
-            ax.fill_between(xs, lo, hi, color=color, alpha=0.45 if k else 0.6, lw=0, label=f"5–95 %, {name}")
-            ax.plot(xs, med, color=color, lw=1.5, marker="o", ms=3)
+            rows = [envelopes[k]["quantiles"][i] for i in used]
+            xs = [j for j in x if rows[j] is not None]
+            ax.fill_between(xs, [rows[j][0] for j in xs], [rows[j][-1] for j in xs], color=color,
+                            alpha=0.45 if k else 0.6, lw=0, label=f"5–95 %, {name}")
+            ax.plot(xs, [rows[j][2] for j in xs], color=color, lw=1.5, marker="o", ms=3)
         counts = envelopes[0]["count"]
-        ax.set_xticks(x, [f"{lab}\n(n={c})" for lab, c in zip(labels, counts)], rotation=60, fontsize=6)
+        ax.set_xticks(x, [f"{labels[i]}\n(n={counts[i]})" for i in used], fontsize=7)
         ax.axhline(0.0, color="k", lw=0.5)
         ax.set_title(preset, fontsize=10)
         ax.set_xlabel("μ(sampled token)", fontsize=8)
-    axes[0][0].set_ylabel("log π_θ − log μ", fontsize=9)
+    for row in axes:
+        row[0].set_ylabel("log π_θ − log μ", fontsize=9)
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     path = Path(path)
@@ -164,3 +170,60 @@ def plot_envelopes(results: dict[str, Any], path: str | Path) -> Path:
     plt.close(fig)
     return path
 
+
+
+def acceptance_vs_length(token_kl: Tensor, mask: Tensor, delta: float, lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """TRM-Max acceptance of answers cut to each length T, beside the i.i.d. prediction (1 − p)^T (arXiv 2512.23075,
+    §4: a sequence of T tokens each violating δ with probability p is accepted with probability (1 − p)^T).
+
+    ``token_kl`` ``[B, L]``: per-position KL(μ‖π) of the same sequences; for each T the first T positions of every
+    sequence with at least T valid tokens; p = the fraction of all valid tokens with KL > δ.
+
+    >>> kl = torch.tensor([[0.0, 0.2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.3]])   # 2 of 8 tokens violate δ = 0.1: p = 0.25
+    >>> rows = acceptance_vs_length(kl, torch.ones(2, 4), 0.1, [1, 2, 4])
+    >>> [(r["length"], r["accepted"], round(r["iid"], 4)) for r in rows]  # T=2: the first row violates at t=2
+    [(1, 1.0, 0.75), (2, 0.5, 0.5625), (4, 0.0, 0.3164)]
+    """
+    m = mask.bool()
+    kl = token_kl.double()
+    valid = m & torch.isfinite(kl)
+    p = float(((kl > delta) & valid).sum()) / max(int(valid.sum()), 1)
+    n_valid = m.sum(-1)
+    out = []
+    for length in lengths:
+        rows = n_valid >= length
+        if not bool(rows.any()):
+            continue
+        head = torch.where(valid[rows, :length], kl[rows, :length], torch.zeros_like(kl[rows, :length]))
+        violated = (head > delta) | ~torch.isfinite(kl[rows, :length]) & m[rows, :length]
+        accepted = float((~violated.any(-1)).double().mean())
+        out.append({"length": int(length), "accepted": accepted, "iid": (1 - p) ** length, "n": int(rows.sum()),
+                    "p": p})
+    return out
+
+
+def plot_acceptance(rows_by_delta: Mapping[float, list[dict[str, Any]]], path: str | Path, title: str) -> Path:
+    """Measured TRM-Max acceptance against length (points) beside (1 − p)^T (dashed), one colour per δ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    for (delta, rows), color in zip(rows_by_delta.items(), ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")):
+        ts = [r["length"] for r in rows]
+        ax.plot(ts, [r["accepted"] for r in rows], "o-", color=color, ms=4, label=f"measured, δ = {delta:g}")
+        ax.plot(ts, [r["iid"] for r in rows], "--", color=color, lw=1, label=f"(1 − p)^T, p = {rows[0]['p']:.2g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("answer length T (tokens)")
+    ax.set_ylabel("sequences accepted by TRM-Max")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
