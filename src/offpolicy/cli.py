@@ -46,7 +46,7 @@ def _console() -> Console:
     # emoji=False: rich would turn ":b:" in user text (task.name=a:b:c) into an emoji; escape() does not stop that
     console = Console(highlight=False, emoji=False)
     if not console.is_terminal:  # logs / CI: rich would wrap the summary table at 80 columns
-        console = Console(highlight=False, emoji=False, width=max(console.width, 120))
+        console = Console(highlight=False, emoji=False, width=max(console.width, 140))
     return console
 
 
