@@ -163,12 +163,7 @@ def plot_envelopes(results: dict[str, Any], path: str | Path) -> Path:
     for row in axes:
         row[0].set_ylabel("log π_θ − log μ", fontsize=9)
     axes[0][0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 
@@ -221,6 +216,10 @@ def plot_acceptance(rows_by_delta: Mapping[float, list[dict[str, Any]]], path: s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,27 @@ def _num_experts(router: nn.Module) -> int:
     return int(getattr(router, "num_experts", None) or router.weight.shape[0])
 
 
-class RouteRecorder:
+class _RouterHooks:
+    """A forward hook from ``self._hook(position)`` on each of ``self.routers`` while the context is open."""
+
+    routers: list[nn.Module]
+    _handles: list
+
+    def _hook(self, position: int):  # noqa: ANN202  (returns a forward hook)
+        raise NotImplementedError
+
+    def __enter__(self):  # noqa: ANN204
+        for position, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(position)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class RouteRecorder(_RouterHooks):
     """Context manager that records the experts every router picks, per forward.
 
     ``batch_size`` is the B of the forwards (each router sees its input flattened to ``[B·S, H]``). After each
@@ -96,15 +116,6 @@ class RouteRecorder:
         self._seen: dict[int, Tensor] = {}
         self._handles: list = []
 
-    def __enter__(self) -> RouteRecorder:
-        for position, router in enumerate(self.routers):
-            self._handles.append(router.register_forward_hook(self._hook(position)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _hook(self, position: int):
         def record(module: nn.Module, args, output) -> None:
@@ -137,7 +148,7 @@ class RouteRecorder:
         return [routes[i, :n].clone() for i, n in enumerate(lengths)]
 
 
-class replay_routes:  # noqa: N801  (a context manager used like a function: ``with replay_routes(...)``)
+class replay_routes(_RouterHooks):  # noqa: N801  (a context manager used like a function: ``with replay_routes(...)``)
     """Context manager: forwards of ``model`` inside it route the tokens of each row as recorded in ``routes``.
 
     Args:
@@ -189,15 +200,6 @@ class replay_routes:  # noqa: N801  (a context manager used like a function: ``w
         routed = self.routed
         return self.flips / routed if routed else 0.0
 
-    def __enter__(self) -> replay_routes:
-        for position, router in enumerate(self.routers):
-            self._handles.append(router.register_forward_hook(self._hook(position)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _target(self, position: int, n_tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Recorded experts ``[N, k]`` (long) for the flattened ``[B·W]`` tokens of a forward, and which have one."""
