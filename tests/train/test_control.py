@@ -105,3 +105,47 @@ def test_controlled_run_logs_its_thresholds_and_resumes_exactly(tmp_path, tiny_p
     for (n, a), b in zip(straight.model.named_parameters(), second.model.parameters()):
         assert torch.equal(a, b), n
     assert all(math.isfinite(h["control/lr"]) for h in hist)
+
+
+# -- DVP's entropy-adaptive safe set (algorithm.dvp_coverage) --------------------------------------------------------
+
+
+def test_dvp_coverage_config_and_sampling():
+    from offpolicy.train.steps import sampling_config
+
+    cfg = load_config(None, ["algorithm.preset=dvp_mis", "algorithm.dvp_coverage=0.01"])
+    s = sampling_config(cfg)
+    assert s.top_p == pytest.approx(0.99) and s.min_p == pytest.approx(math.exp(-13))
+    with pytest.raises(ValueError, match="algorithm.dvp_coverage adapts DVP's safe set; preset 'naive'"):
+        load_config(None, ["algorithm.dvp_coverage=0.01"])
+
+
+def test_adaptive_safe_set_keeps_its_mass_and_prunes_more_where_confident():
+    from offpolicy.rollout.sampling import SamplingConfig
+    from offpolicy.train.steps import adaptive_dvp_fields
+
+    from offpolicy.rollout.sampling import process_logits
+
+    # row 0 confident: logits (14, 0 × 49) → p₀ = e¹⁴ / (e¹⁴ + 49) = 1 − 4.0e-5 ≥ 1 − ε, so top-p(1 − 1e-3) keeps
+    # token 0 alone (Z = 0.99996); row 1 flat: p = 1/50 each, 1 − ε = 0.999 needs all 50 (49 hold only 0.98)
+    z = torch.zeros(2, 1, 50)
+    z[0, 0, 0] = 14.0
+    cfg = SamplingConfig(top_p=1 - 1e-3, min_p=1e-9)
+    targets = torch.zeros(2, 1, dtype=torch.long)
+    lp = process_logits(z, cfg).gather(-1, targets[..., None])[..., 0]
+    _, extras = adaptive_dvp_fields(z, lp, torch.ones(2, 1, dtype=torch.bool), cfg)
+    kept = torch.isfinite(process_logits(z, cfg)).sum(-1)
+    assert kept.tolist() == [[1], [50]]
+    assert extras["dvp_mass"][0, 0].item() == pytest.approx(1 - 49 / (math.exp(14) + 49), rel=1e-6)
+    assert extras["dvp_keep"].all()
+    assert (extras["dvp_mass"] >= 1 - 1e-3 - 1e-6).all()  # the retained mass never drops below 1 − ε
+
+
+def test_fp32_engine_with_the_adaptive_set_is_on_policy(tmp_path, fresh, make_overrides, varying_task):
+    # the engine samples from top-p(1 − ε) ∩ min-p(ρ) of its logits, the trainer scores over the same set of its own:
+    # with an fp32 engine and no KV cache the two are the same distribution, nothing is dropped
+    model, tok = fresh
+    cfg = load_config(None, make_overrides(tmp_path, "dvp_mis", steps=2, rollout__dtype="float32",
+                                           rollout__kv_cache="false", algorithm__dvp_coverage=0.05))
+    hist = train(cfg, model=model, tokenizer=tok, task=varying_task()).history
+    assert all(h["rollout_correction/k3_kl"] < 1e-9 and h["correction/masked_frac"] == 0.0 for h in hist)

@@ -117,6 +117,9 @@ class AlgorithmConfig(_Section):
     trm_max_kl: float | None = Field(0.05, gt=0)
     trm_avg_kl: float | None = Field(0.001, gt=0)
     dvp_rho: float = Field(math.exp(-13), gt=0, lt=1)
+    # DVP's safe set adapted to each position's entropy: only the most likely tokens that hold 1 − ε of the mass are
+    # kept (min-p(ρ) ∩ top-p(1 − ε)), on the engine's side and the trainer's; null = the paper's fixed ρ
+    dvp_coverage: float | None = Field(None, gt=0, lt=1)
     veto_threshold: float | None = Field(None, gt=0, lt=1)
 
     @field_validator("preset")
@@ -292,6 +295,9 @@ class TrainConfig(_Section):
         if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
             raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
         r = self.rollout.sampling
+        if a.dvp_coverage is not None and not (a.preset in PRESETS and PRESETS[a.preset].minp):
+            raise ValueError(f"algorithm.dvp_coverage adapts DVP's safe set; preset {a.preset!r} has none (use dvp or "
+                             "dvp_mis)")
         if a.preset in PRESETS and PRESETS[a.preset].minp and (r.top_k or r.top_p < 1.0 or r.min_p > a.dvp_rho):
             # the trainer scores DVP's min-p safe set only: any other truncation would make μ a different
             # distribution from the one scored, and every ratio would carry the truncated mass as fake mismatch
