@@ -48,17 +48,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "seeds": 3,
         "steps": 45,
     },
-    # the lab table: every family of correction against the harshest numerics and the asynchronous engine
     # the closed loop: each controller beside the same preset with fixed thresholds, on the lagging engine
     "control": {
         "description": "adaptive controllers vs fixed thresholds on an engine synced every 8 steps",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "naive_lrguard", "mis", "mis_band", "trm", "trm_adaptive"],
+        "presets": ["naive", "naive_lrguard", "mis", "mis_band", "trm", "trm_adaptive", "dvp_mis", "dvp_mis_adaptive"],
         "mismatches": ["none", "lag8"],
         "control_presets": ["naive"],  # on the fp32 engine the controllers have nothing to adapt to
         "seeds": 3,
         "steps": 100,
     },
+    # the lab table: every family of correction against the harshest numerics and the asynchronous engine
     "full": {
         "description": "each correction family on int4 weights + 4-bit KV cache and on an engine synced every 8 steps",
         "overrides": [*LAB_BASE],
@@ -77,6 +77,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "trm_adaptive": ("trm", ["control.trm_acceptance=0.7"]),
     # MIS's band [0, 2] widened to running quantiles so that at most 5 % of tokens are masked
     "mis_band": ("mis", ["control.is_max_masked=0.05"]),
+    # DVP's safe set per position: the most likely tokens holding 1 − 1e-3 of the mass (∩ min-p(ρ)), not a fixed ρ
+    "dvp_mis_adaptive": ("dvp_mis", ["algorithm.dvp_coverage=1e-3"]),
     # naive with the learning rate halved whenever log k3 doubles across 16 steps
     "naive_lrguard": ("naive", ["control.lr_guard=true", "control.lr_guard_window=16", "control.lr_guard_patience=32"]),
 }
