@@ -27,6 +27,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from offpolicy.lab.mismatch import SOURCES as LAB_SOURCES  # plain Python: the lab's help text lists them
+from offpolicy.lab.settings import SETTINGS as LAB_SETTINGS, VARIANTS as LAB_VARIANTS
+
+_DEMO = LAB_SETTINGS["quick"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
@@ -131,11 +134,14 @@ def train(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for the runs, the report and the plots."),
-    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: naive, tis)."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: "
+                                   f"{', '.join(_DEMO['presets'])})."),
     mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources (default: "
-                                           "lag8); the 'none' control is always added."),
-    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (default 3)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default 60)."),
+                                           f"{', '.join(m for m in _DEMO['mismatches'] if m != 'none')}); the 'none' "
+                                           "control is always added."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help=f"Seeds per preset × mismatch (default {_DEMO['seeds']})."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default "
+                                         f"{_DEMO['steps']})."),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
@@ -150,8 +156,10 @@ def demo(
 
 @app.command()
 def lab(
-    setting: str = typer.Option("quick", "--setting", help="Named setting: quick (the demo), control (the adaptive controllers) or full."),
-    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets or variants (trm_adaptive, mis_band, naive_lrguard; default: the setting's)."),
+    setting: str = typer.Option("quick", "--setting", help="Named setting: "
+                               f"{', '.join(LAB_SETTINGS)} (quick is the demo)."),
+    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets or variants "
+                                   f"({', '.join(LAB_VARIANTS)}; default: the setting's)."),
     mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated rollout-engine mismatch sources "
                                            f"({', '.join(LAB_SOURCES)}) or '+' combinations, e.g. bf16,int8+kv4; "
                                            "the 'none' control (fp32 engine) is always added."),

@@ -11,13 +11,14 @@ cosine decay. Two optional refinements make a *calibrated* starting policy for R
   probability ≈ 1 − q + q/|alphabet|, so a temperature-1 rollout starts at a low reward that RL has to raise
   (the regime of LLM RL: the answer is within reach of the policy, its probability is not yet high).
 
-A few hundred steps on two CPU cores take one to two minutes.
+A few hundred steps on two CPU cores take one to two minutes (the lab model's 200: about 110 s).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,12 +56,19 @@ class WarmStartRecipe:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
 
 
+# Threads of the warm start: it runs alone (the lab builds its model before any run starts), and two threads take
+# 0.52 s per lab-model step against 0.96 s for one on a quiet 2-core machine, with bit-identical weights (each output
+# element of a matmul is reduced by one thread in the same order), so the cached model does not depend on it.
+WARM_START_THREADS = 2
+
+
 @contextlib.contextmanager
 def torch_threads(n: int = 1) -> Iterator[None]:
     """Run with ``n`` intra-op threads, restoring the previous setting afterwards.
 
-    For a model of a few million parameters a second thread gains little, and on a shared 2-core machine
-    oversubscribed threads spin: measured 0.12 s per warm-start step with one thread vs 1-4 s with two under load.
+    For a model of a few million parameters beside other work a second thread gains little, and on a shared 2-core
+    machine oversubscribed threads spin: measured 0.12 s per step of the tiny model with one thread vs 1-4 s with two
+    under load. The lab's runs and the tests therefore use one.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -106,7 +114,7 @@ def warm_start(model: torch.nn.Module, tokenizer, *, task=None, recipe: WarmStar
     task = ArithmeticTask() if task is None else task
     if recipe.smoothing > 0 and not hasattr(task, "alphabet"):
         raise ValueError(f"smoothing needs a task with an alphabet; {task.name!r} has none")
-    with torch_threads(1):
+    with torch_threads(min(WARM_START_THREADS, os.cpu_count() or 1)):
         return _train(model, tokenizer, task, recipe)
 
 
