@@ -29,6 +29,18 @@ def tiny():
     return build_tiny_model(seed=0)
 
 
+@pytest.fixture(scope="module")
+def sharp(tiny):
+    """The tiny model with logits scaled ×30 (final-norm weight), so next-token distributions have a head with
+    p > 0.5 *and* a long tail with p < 1e-3 — the shape of a trained policy, without training."""
+    import copy
+
+    model = copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+    return model, tiny[1]
+
+
 # -- shared helpers (fixtures that return functions: the suite imports test modules by path, not as a package) ---------
 
 

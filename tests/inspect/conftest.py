@@ -36,17 +36,6 @@ def random_prompts():
 
 
 @pytest.fixture(scope="module")
-def sharp(tiny):
-    """The embedded architecture (random init) with logits scaled ×30: a head with p > 0.5 and a long tail."""
-    import copy
-
-    model = copy.deepcopy(tiny[0])
-    with torch.no_grad():
-        model.model.norm.weight.mul_(30.0)
-    return model, tiny[1]
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny):
     tok = tiny[1]
     return [tok(t)["input_ids"] for t in ("12+34=", "5-7=", "Use 3 5 7 to make 22:", "99+1=", "1=", "7*8=")]

@@ -280,3 +280,15 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[:2] == (3000, 1280)
     assert pixels[..., :3].std() > 0.05  # tables and figures, not a blank page
+
+
+def test_controller_thresholds_get_their_figure(tmp_path):
+    out = make_sweep(tmp_path)
+    for seed in range(3):  # mis on bf16 ran with a controller that widened its band from 2.0 by 0.1 per step
+        f = out / f"runs/mis__bf16__s{seed}/metrics.jsonl"
+        rows = [json.loads(line) for line in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps({**r, "control/is_upper": 2.0 + 0.1 * r["step"]}) + "\n" for r in rows))
+    rep = write_report(out)
+    assert [p.name for p in rep.plots][-1] == "controls.png" and len(rep.plots) == 7
+    page = rep.html.read_text()
+    assert "Closed-loop control: thresholds per step" in page and page.count("data:image/png;base64,") == 7

@@ -21,7 +21,8 @@ from offpolicy.lab.stats import K3_FLOOR, finite, median, series
 PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_mask": "#17becf", "icepop": "#8c564b",
                  "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79",
                  # variants with a controller: the light shade of their preset's colour
-                 "naive_lrguard": "#ff9896", "mis_band": "#9edae5", "trm_adaptive": "#98df8a"}
+                 "naive_lrguard": "#ff9896", "mis_band": "#9edae5", "trm_adaptive": "#98df8a",
+                 "dvp_mis_adaptive": "#c5b0d5"}
 _SPARE = ("#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94")
 
 # (metric key, file stem, title, y label, log axis floor or None, smoothed)
@@ -215,7 +216,45 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
         written.append(path)
 
     written.append(_final_reward(plt, last_rewards, presets, mismatches, colors, out / "final_reward.png"))
-    return written
+    controls = _controls(plt, groups, presets, mismatches, colors, out / "controls.png")
+    return written + ([controls] if controls else [])
+
+
+# what each closed-loop controller logs (offpolicy.train.control), with the fixed threshold it starts from
+CONTROL_TITLES = {"control/trm_max_kl": "TRM-Max δ", "control/trm_avg_kl": "TRM-Avg δ",
+                  "control/is_upper": "IS band, upper", "control/is_lower": "IS band, lower",
+                  "control/lr": "learning rate"}
+
+
+def _controls(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, Any]]]], presets: Sequence[str],
+              mismatches: Sequence[str], colors: dict[str, str], path: Path) -> Path | None:
+    """The thresholds the closed-loop controllers chose at each step, one panel per logged ``control/*`` key (mean
+    and min–max over seeds per preset × mismatch, log axis); ``None`` when no run has a controller."""
+    keys = sorted({k for runs in groups.values() for rows in runs for r in rows for k in r if k.startswith("control/")})
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for m in mismatches:
+            for p in presets:
+                runs = groups.get((p, m))
+                if not runs or not any(key in r for rows in runs for r in rows):
+                    continue
+                steps, mean_, lo, hi = band(runs, key)
+                style = "--" if m == CONTROL else "-"
+                ax.fill_between(steps, lo, hi, color=colors[p], alpha=0.18, linewidth=0)
+                ax.plot(steps, mean_, color=colors[p], linestyle=style, linewidth=1.4, label=f"{p} · {m}")
+        ax.set_yscale("log")
+        ax.set_title(CONTROL_TITLES.get(key, key), fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3, which="major")
+        ax.legend(fontsize=7, frameon=False, loc="best")
+    fig.suptitle("Closed-loop control: the threshold used at each step (line: mean over seeds; band: min–max)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _share_y(axes: Sequence[Any]) -> None:
