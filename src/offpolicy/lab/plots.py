@@ -21,7 +21,7 @@ from offpolicy.lab.stats import K3_FLOOR, finite, median, series
 PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_mask": "#17becf", "icepop": "#8c564b",
                  "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79",
                  # variants with a controller: the light shade of their preset's colour
-                 "naive_lrguard": "#ff9896", "mis_band": "#9edae5", "trm_adaptive": "#98df8a",
+                 "naive_lrguard": "#ff9896", "naive_lrstep": "#c49c94", "mis_band": "#9edae5", "trm_adaptive": "#98df8a",
                  "dvp_mis_adaptive": "#c5b0d5"}
 _SPARE = ("#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94")
 
@@ -140,6 +140,12 @@ def _legend_handles(presets: Sequence[str], colors: dict[str, str], control: str
     return tuple(handles)
 
 
+def _legend_columns(handles: Sequence[Any], width_in: float) -> int:
+    """As many legend columns as fit the figure's width (the longest label sets the column width at 8 pt)."""
+    longest = max(len(h.get_label()) for h in handles)
+    return max(1, min(len(handles), int(width_in // (0.45 + 0.075 * longest))))
+
+
 def _seed_count(groups: dict) -> str:
     counts = sorted({len(runs) for runs in groups.values()})
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
@@ -182,9 +188,11 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
         _share_y(axes[i])
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    ncol = _legend_columns(handles, fig.get_figwidth())
+    fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=8, frameon=False)
     fig.text(0.5, 0.003, smooth_note, ha="center", va="bottom", fontsize=7, color="0.35")
-    fig.tight_layout(rect=(0, 0.2 / fig.get_figheight(), 1, 1 - 0.3 / fig.get_figheight()))
+    top = 0.1 + 0.2 * math.ceil(len(handles) / ncol)  # inches the legend's rows take
+    fig.tight_layout(rect=(0, 0.2 / fig.get_figheight(), 1, 1 - top / fig.get_figheight()))
     path = out / "overview.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -207,9 +215,10 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
         h = fig.get_figheight()
         fig.suptitle(curve[2] + (f"  (trailing mean over {window} steps)" if curve[5] and window > 1 else ""),
                      fontsize=11, y=1 - 0.05 / h, va="top")
-        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / h),
-                   ncol=min(len(handles), 6), fontsize=8, frameon=False)
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / h))
+        ncol = _legend_columns(handles, fig.get_figwidth())
+        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / h), ncol=ncol, fontsize=8,
+                   frameon=False)
+        fig.tight_layout(rect=(0, 0, 1, 1 - (0.4 + 0.2 * math.ceil(len(handles) / ncol)) / h))
         path = out / f"{curve[1]}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)

@@ -52,7 +52,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "control": {
         "description": "adaptive controllers vs fixed thresholds on an engine synced every 8 steps",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "naive_lrguard", "mis", "mis_band", "trm", "trm_adaptive", "dvp_mis", "dvp_mis_adaptive"],
+        "presets": ["naive", "naive_lrguard", "naive_lrstep", "mis", "mis_band", "trm", "trm_adaptive", "dvp_mis",
+                    "dvp_mis_adaptive"],
         "mismatches": ["none", "lag8"],
         "control_presets": ["naive"],  # on the fp32 engine the controllers have nothing to adapt to
         "seeds": 3,
@@ -81,6 +82,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dvp_mis_adaptive": ("dvp_mis", ["algorithm.dvp_coverage=1e-3"]),
     # naive with the learning rate halved whenever log k3 doubles across 16 steps
     "naive_lrguard": ("naive", ["control.lr_guard=true", "control.lr_guard_window=16", "control.lr_guard_patience=32"]),
+    # the guard's control: the same halving every 16 steps down to 5 %, on a fixed schedule instead of the mismatch
+    "naive_lrstep": ("naive", ["optim.schedule=step", "optim.step_every=16", "optim.min_lr_scale=0.05"]),
 }
 
 

@@ -175,6 +175,13 @@ class OptimConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     minibatches: int = Field(1, ge=1)  # optimiser steps per rollout batch (>1 makes π_θ ≠ π_old: staleness)
     epochs: int = Field(1, ge=1)
+    # the rate per step (offpolicy.train.schedule): constant | cosine (down to min_lr_scale · lr) | step (× step_factor
+    # every step_every steps, never below min_lr_scale · lr), after warmup_steps of linear warm-up
+    schedule: Literal["constant", "cosine", "step"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    step_every: int = Field(16, ge=1)
+    step_factor: float = Field(0.5, gt=0, lt=1)
+    min_lr_scale: float = Field(0.0, ge=0, le=1)
 
 
 class ALPConfig(_Section):
@@ -294,6 +301,9 @@ class TrainConfig(_Section):
                                  "set, give the parameter in that correction's entry")
         if a.is_lower is not None and a.is_upper is not None and a.is_lower >= a.is_upper:
             raise ValueError("algorithm.is_lower must be < algorithm.is_upper")
+        if self.optim.schedule == "step" and self.optim.min_lr_scale == 0:
+            raise ValueError("optim.min_lr_scale must be > 0 with optim.schedule=step: repeated cuts would reach a rate "
+                             "of 0 (e.g. optim.min_lr_scale=0.05)")
         r = self.rollout.sampling
         if a.dvp_coverage is not None and not (a.preset in PRESETS and PRESETS[a.preset].minp):
             raise ValueError(f"algorithm.dvp_coverage adapts DVP's safe set; preset {a.preset!r} has none (use dvp or "

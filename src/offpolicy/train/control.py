@@ -5,7 +5,8 @@ After each step, :meth:`Control.update` feeds the step's mismatch to the control
 through :meth:`~offpolicy.train.steps.TrainState.set_corrections` (the chain rebuilt from its specs with new
 parameters), the learning rate through :meth:`~offpolicy.train.steps.TrainState.set_lr`. What each step used is
 logged with it (``control/trm_max_kl``, ``control/trm_avg_kl``, ``control/is_lower``, ``control/is_upper``,
-``control/lr``); the controllers' state is saved in checkpoints, so a resumed run continues the same trajectory.
+``control/lr``: ``optim.lr`` times the guard's factor; under an ``optim.schedule`` the loop multiplies the
+schedule's rate by that factor instead, and ``optim/lr`` is the rate a step used); the controllers' state is saved in checkpoints, so a resumed run continues the same trajectory.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class Control:
                 return i
         raise ValueError(f"{key} needs a {' / '.join(names)} correction in the chain; it has "
                          f"{[s['name'] for s in specs] or 'none'}")
+
+    @property
+    def lr_scale(self) -> float:
+        """The LR guard's factor on the configured rate (1 without a guard)."""
+        return self.lr_guard.scale if self.lr_guard is not None else 1.0
 
     # -- what a step used ----------------------------------------------------------------------------------------
 

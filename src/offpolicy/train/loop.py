@@ -36,6 +36,7 @@ from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.train.config import TrainConfig
 from offpolicy.train.control import Control
 from offpolicy.train.run_folder import RunFolder, RunReplacedWarning
+from offpolicy.train.schedule import is_scheduled, lr_at
 from offpolicy.train.steps import (
     TrainState,
     build_engine,
@@ -88,7 +89,8 @@ def train(
 
     ``on_step_end(step, metrics)`` — or ``on_step_end(step, metrics, state)`` — runs after each completed step with
     its metrics as floats; with the :class:`~offpolicy.train.steps.TrainState` it may change the next steps
-    (``state.set_corrections(specs)``, ``state.set_lr(lr)``). A ``KeyboardInterrupt`` raised there (or a Ctrl-C)
+    (``state.set_corrections(specs)``, ``state.set_lr(lr)``; with ``optim.schedule`` or warm-up the schedule sets the
+    rate again at the start of every step). A ``KeyboardInterrupt`` raised there (or a Ctrl-C)
     checkpoints the completed step and stops cleanly.
     """
     folder = RunFolder(cfg, resume)  # a bad out_dir or a checkpoint of another run fails before the model loads
@@ -108,6 +110,9 @@ def train(
                 with session.step():
                     started = time.perf_counter()
                     seed = step_seed(cfg.run.seed, step)
+                    if is_scheduled(cfg.optim):  # the schedule's rate, times the LR guard's cut if one is on
+                        guard = state.control.lr_scale if state.control is not None else 1.0
+                        state.set_lr(lr_at(cfg.optim, step, cfg.run.steps) * guard)
                     rollout = rollout_step(state, seed, sync_weights=step % cfg.rollout.sync_every == 0)
                     scored = score_step(state, rollout)
                     updates = update_step(state, rollout, scored, seed)

@@ -404,6 +404,7 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
         metrics["routing/flip_rate"] = scored.flip_rate
     for name in updates[0]:
         metrics[name] = torch.stack([u[name].float() for u in updates]).mean()
+    metrics["optim/lr"] = state.lr
     metrics["reward/mean"] = rollout.rewards.mean()
     metrics["reward/std"] = rollout.rewards.std(unbiased=False)
     metrics["reward/max"] = rollout.rewards.max()
