@@ -179,6 +179,15 @@ def test_a_folder_of_another_config_is_refused_before_any_work(tmp_path, tiny_ru
     assert fake.events() == []
     # what does not change a run's numbers may differ: a longer sweep continues the same runs
     assert config_conflicts(out, _plan(out, tiny_run, steps=9).runs[3]) == []
+    # a config written before a key existed: the missing key counts as its default
+    import yaml
+
+    saved = yaml.safe_load((out / run.dir / "config.yaml").read_text())
+    del saved["optim"]["schedule"]
+    (out / run.dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert config_conflicts(out, run) == []
+    stepped = _plan(out, tiny_run, extra=["optim.schedule=cosine"])
+    assert config_conflicts(out, stepped.runs[3]) == ["optim.schedule='constant' (planned 'cosine')"]
 
 
 def test_run_state(tmp_path, tiny_run):

@@ -276,8 +276,8 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_conflicts(out: str | Path, run: PlannedRun) -> list[str]:
     """``key: folder value ≠ planned value`` for each config key where the run folder's ``config.yaml`` differs from
-    the plan (keys that do not change the numbers — steps, paths, logging — are not compared). Empty when the folder
-    has no config yet."""
+    the plan (keys that do not change the numbers — steps, paths, logging — are not compared). A key the folder's
+    config lacks (written before the key existed) counts as its default. Empty when the folder has no config yet."""
     import yaml
 
     path = Path(out) / run.dir / "config.yaml"
@@ -288,6 +288,10 @@ def config_conflicts(out: str | Path, run: PlannedRun) -> list[str]:
     except (OSError, yaml.YAMLError, AttributeError) as err:
         raise ValueError(f"run folder {str(path.parent)!r}: its config.yaml cannot be read ({err})") from None
     planned = _flatten(planned_config(run).model_dump(mode="json"))
+    from offpolicy.train.config import load_config
+
+    defaults = _flatten(load_config(None, []).model_dump(mode="json"))
+    found = {**{k: v for k, v in defaults.items() if k in planned}, **found}
     return [f"{k}={found.get(k)!r} (planned {planned.get(k)!r})" for k in sorted(set(found) | set(planned))
             if k not in _FREE_KEYS and _norm(found.get(k)) != _norm(planned.get(k))]
 
