@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
 
 from offpolicy.models.tiny import build_tiny_model
 from offpolicy.tasks import Example
