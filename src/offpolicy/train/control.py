@@ -6,7 +6,8 @@ through :meth:`~offpolicy.train.steps.TrainState.set_corrections` (the chain reb
 parameters), the learning rate through :meth:`~offpolicy.train.steps.TrainState.set_lr`. What each step used is
 logged with it (``control/trm_max_kl``, ``control/trm_avg_kl``, ``control/is_lower``, ``control/is_upper``,
 ``control/lr``: ``optim.lr`` times the guard's factor; under an ``optim.schedule`` the loop multiplies the
-schedule's rate by that factor instead, and ``optim/lr`` is the rate a step used); the controllers' state is saved in checkpoints, so a resumed run continues the same trajectory.
+schedule's rate by that factor instead, and ``optim/lr`` is the rate a step used); the controllers' state is saved in
+checkpoints, so a resumed run continues the same trajectory.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ With base rate η, step s (0-based) of S, floor m = ``min_lr_scale`` and W warm-
   halving, :class:`~offpolicy.train.controllers.LRGuard`);
 
 and for s < W each is multiplied by the linear warm-up (s + 1) / W. The rate is never 0: the cosine reaches η·m
-only after the last step.
+only after the last step, and the config requires m > 0 for ``step``.
 """
 
 from __future__ import annotations
