@@ -292,3 +292,19 @@ def test_controller_thresholds_get_their_figure(tmp_path):
     assert [p.name for p in rep.plots][-1] == "controls.png" and len(rep.plots) == 7
     page = rep.html.read_text()
     assert "Closed-loop control: thresholds per step" in page and page.count("data:image/png;base64,") == 7
+
+
+def test_a_variant_is_drawn_seed_by_seed_beside_its_preset(tmp_path):
+    out = make_sweep(tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    for seed in range(3):  # mis_band (mis with a controller) ran on bf16 too
+        src, dst = f"runs/mis__bf16__s{seed}", f"runs/mis_band__bf16__s{seed}"
+        shutil.copytree(out / src, out / dst)
+        summary["runs"].append({"preset": "mis_band", "mismatch": "bf16", "seed": seed, "dir": dst, "steps": STEPS})
+    summary["plan"]["presets"].append("mis_band")
+    (out / "summary.json").write_text(json.dumps(summary))
+    rep = write_report(out)
+    assert "variants.png" in [p.name for p in rep.plots]
+    assert "Controllers beside their fixed-threshold presets, seed by seed" in rep.html.read_text()
+    # the synthetic sweep of the other tests has no variant: no such figure there
+    assert "variants.png" not in [p.name for p in write_report(make_sweep(tmp_path / "plain")).plots]

@@ -226,7 +226,8 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
 
     written.append(_final_reward(plt, last_rewards, presets, mismatches, colors, out / "final_reward.png"))
     controls = _controls(plt, groups, presets, mismatches, colors, out / "controls.png")
-    return written + ([controls] if controls else [])
+    pairs = _variant_pairs(plt, groups, presets, mismatches, colors, window, out / "variants.png")
+    return written + [p for p in (controls, pairs) if p is not None]
 
 
 # what each closed-loop controller logs (offpolicy.train.control), with the fixed threshold it starts from
@@ -260,6 +261,43 @@ def _controls(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, Any]]]
         ax.legend(fontsize=7, frameon=False, loc="best")
     fig.suptitle("Closed-loop control: the threshold used at each step (line: mean over seeds; band: min–max)",
                  fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _variant_pairs(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, Any]]]], presets: Sequence[str],
+                   mismatches: Sequence[str], colors: dict[str, str], window: int, path: Path) -> Path | None:
+    """Each variant (a preset with a controller, :data:`offpolicy.lab.settings.VARIANTS`) beside its preset: the
+    reward of every seed as its own line (a band would hide which seed fell), one panel per pair and mismatch
+    source; ``None`` when the sweep has no such pair."""
+    from offpolicy.lab.settings import VARIANTS
+
+    panels = [(variant, VARIANTS[variant][0], m) for variant in presets if variant in VARIANTS
+              for m in mismatches if m != CONTROL and (variant, m) in groups and (VARIANTS[variant][0], m) in groups]
+    if not panels:
+        return None
+    ncols = min(len(panels), 3)
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.0 * nrows + 0.6), squeeze=False, sharey=True)
+    flat = [ax for row in axes for ax in row]
+    for ax, (variant, preset, m) in zip(flat, panels):
+        for name in (preset, variant):
+            for i, rows in enumerate(groups[(name, m)]):
+                ys = _trailing_mean(series(rows, "reward/mean"), window)
+                ax.plot([r["step"] for r in rows], ys, color=colors[name], linewidth=1.1, alpha=0.9,
+                        label=name if i == 0 else None)
+        ax.set_title(f"{variant} vs {preset} — {m}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, frameon=False, loc="lower right")
+    for ax in flat[len(panels):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("reward")
+    smooth = f", trailing mean over {window} steps" if window > 1 else ""
+    fig.suptitle(f"Each controller beside its fixed-threshold preset: reward, one line per seed{smooth}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

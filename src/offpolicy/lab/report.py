@@ -391,6 +391,9 @@ def render_html(lab: dict[str, Any], plots: list[Path]) -> str:
     for _, stem, title, *_ in CURVES:
         if stem in by_name:
             parts += [f"<h2>{e(title)}</h2>", _img(by_name[stem], title)]
+    if "variants" in by_name:
+        parts += ["<h2>Controllers beside their fixed-threshold presets, seed by seed</h2>",
+                  _img(by_name["variants"], "variants")]
     if "controls" in by_name:
         parts += ["<h2>Closed-loop control: thresholds per step</h2>", _img(by_name["controls"], "controls")]
     parts += ["<h2>Definitions</h2>", f"<dl>{defs}</dl>", "<h2>Runs</h2>", _runs_table(lab)]
