@@ -121,10 +121,8 @@ def test_dvp_coverage_config_and_sampling():
 
 
 def test_adaptive_safe_set_keeps_its_mass_and_prunes_more_where_confident():
-    from offpolicy.rollout.sampling import SamplingConfig
+    from offpolicy.rollout.sampling import SamplingConfig, process_logits
     from offpolicy.train.steps import adaptive_dvp_fields
-
-    from offpolicy.rollout.sampling import process_logits
 
     # row 0 confident: logits (14, 0 × 49) → p₀ = e¹⁴ / (e¹⁴ + 49) = 1 − 4.0e-5 ≥ 1 − ε, so top-p(1 − 1e-3) keeps
     # token 0 alone (Z = 0.99996); row 1 flat: p = 1/50 each, 1 − ε = 0.999 needs all 50 (49 hold only 0.98)
@@ -132,8 +130,7 @@ def test_adaptive_safe_set_keeps_its_mass_and_prunes_more_where_confident():
     z[0, 0, 0] = 14.0
     cfg = SamplingConfig(top_p=1 - 1e-3, min_p=1e-9)
     targets = torch.zeros(2, 1, dtype=torch.long)
-    lp = process_logits(z, cfg).gather(-1, targets[..., None])[..., 0]
-    _, extras = adaptive_dvp_fields(z, lp, torch.ones(2, 1, dtype=torch.bool), cfg)
+    _, extras = adaptive_dvp_fields(z, targets, torch.ones(2, 1, dtype=torch.bool), cfg)
     kept = torch.isfinite(process_logits(z, cfg)).sum(-1)
     assert kept.tolist() == [[1], [50]]
     assert extras["dvp_mass"][0, 0].item() == pytest.approx(1 - 49 / (math.exp(14) + 49), rel=1e-6)

@@ -277,39 +277,41 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
     from offpolicy.corrections.vocabulary import dvp_fields
     from offpolicy.rollout.base import pad_ids
 
-    if sampling.top_p is not None:  # algorithm.dvp_coverage: the safe set is the processed support itself
-        logp, mask, logits = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=dtype,
-                                               return_logits=True)
-        logp, extras = adaptive_dvp_fields(logits, logp, mask, sampling)
-        return logp, mask, (logits if return_logits else None), extras
-
-    plain = replace(sampling, min_p=None)  # the safe set replaces min-p; pruned logits get −50, not −inf
+    adaptive = sampling.top_p is not None  # algorithm.dvp_coverage: V_S = top-p(1 − ε) ∩ min-p(ρ)
+    # the forward only needs the raw logits: the safe set is applied once, below (a top-p sort per position costs
+    # as much as the rest of the scoring)
+    plain = replace(sampling, top_p=None, min_p=None) if adaptive else replace(sampling, min_p=None)
     _, mask, logits = sequence_logprobs(model, prompt_ids, completions, plain, dtype=dtype, return_logits=True)
     targets = pad_ids(completions, 0, side="right")[0].to(logits.device)[:, : mask.shape[1]]
-    fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
-    extras = {k: v for k, v in fields["extras"].items()}  # type: ignore[union-attr]
-    return fields["logp"], mask, (logits if return_logits else None), extras  # type: ignore[return-value]
+    if adaptive:
+        logp, extras = adaptive_dvp_fields(logits, targets, mask, sampling)
+    else:  # the paper's fixed ρ: pruned logits get −50, not −inf
+        fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
+        logp, extras = fields["logp"], dict(fields["extras"])  # type: ignore[arg-type]
+    return logp, mask, (logits if return_logits else None), extras  # type: ignore[return-value]
 
 
-def adaptive_dvp_fields(logits: Tensor, logp: Tensor, mask: Tensor, sampling: SamplingConfig) -> tuple[Tensor, dict]:
-    """DVP over the entropy-adaptive safe set V_S = top-p(1 − ε) ∩ min-p(ρ) of the trainer's own logits
-    (``algorithm.dvp_coverage`` = ε): ``logp`` ``[B, T]`` is already log π over V_S (processed like the engine's
-    μ over V'_S). Returns it with a finite stand-in (0, no gradient) where the sampled token is outside V_S, and the
-    extras of :func:`~offpolicy.corrections.vocabulary.dvp_fields`: ``dvp_keep`` (y ∈ V_S: DVP's ratio is 0
-    otherwise) and ``dvp_mass`` (retained mass Z ≥ 1 − ε wherever ρ does not cut deeper; DVP Prop. 5.5 bounds the
-    bias by R·T·(1 − Z_min)).
+def adaptive_dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor,
+                        sampling: SamplingConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """DVP over the entropy-adaptive safe set V_S = top-p(1 − ε) ∩ min-p(ρ) of the trainer's own raw logits
+    ``[B, T, V]`` (``algorithm.dvp_coverage`` = ε; ``sampling`` carries top-p = 1 − ε and min-p = ρ): log π over V_S
+    of the ``targets`` ``[B, T]`` (processed like the engine's μ over V'_S), with a finite stand-in (0) where the
+    sampled token is outside V_S or masked, and the extras of :func:`~offpolicy.corrections.vocabulary.dvp_fields`:
+    ``dvp_keep`` (y ∈ V_S: DVP's ratio is 0 otherwise) and ``dvp_mass`` (retained mass Z ≥ 1 − ε wherever ρ does not
+    cut deeper; DVP Prop. 5.5 bounds the bias by R·T·(1 − Z_min)).
 
     >>> z = torch.tensor([[[3.0, 0.0, -1.0]]])                    # p = (0.9364, 0.0466, 0.0171)
     >>> cfg = SamplingConfig(top_p=0.95, min_p=1e-6)               # top-p keeps the first two: Z = 0.9829
-    >>> lp = process_logits(z, cfg).gather(-1, torch.tensor([[[2]]]))[..., 0]
-    >>> logp, extras = adaptive_dvp_fields(z, lp, torch.ones(1, 1, dtype=torch.bool), cfg)
+    >>> logp, extras = adaptive_dvp_fields(z, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool), cfg)
     >>> extras["dvp_keep"], round(float(extras["dvp_mass"]), 4), float(logp)
     (tensor([[False]]), 0.9829, 0.0)
     """
+    processed = process_logits(logits, sampling)  # log π over V_S, −inf outside it
+    logp = processed.gather(-1, targets[..., None])[..., 0]
     keep = mask & torch.isfinite(logp)
-    z = logits.float() / sampling.temperature
-    kept = torch.isfinite(process_logits(logits.detach(), sampling))
-    mass = torch.exp(torch.logsumexp(z.detach().masked_fill(~kept, float("-inf")), -1) - torch.logsumexp(z.detach(), -1))
+    z = logits.detach().float() / sampling.temperature
+    kept = torch.isfinite(processed.detach())
+    mass = torch.exp(torch.logsumexp(z.masked_fill(~kept, float("-inf")), -1) - torch.logsumexp(z, -1))
     return torch.where(keep, logp, torch.zeros_like(logp)), {"dvp_keep": keep, "dvp_mass": mass}
 
 
