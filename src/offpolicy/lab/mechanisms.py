@@ -20,6 +20,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from offpolicy.lab.plots import save_figure
+
 # Bins of the sampled token's probability under μ: decades from 1e-6 up, the last one [0.1, 1].
 BIN_EDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0 + 1e-9)
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -163,7 +165,7 @@ def plot_envelopes(results: dict[str, Any], path: str | Path) -> Path:
     for row in axes:
         row[0].set_ylabel("log π_θ − log μ", fontsize=9)
     axes[0][0].legend(fontsize=7, loc="lower left")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path, dpi=100)
 
 
 
@@ -216,13 +218,4 @@ def plot_acceptance(rows_by_delta: Mapping[float, list[dict[str, Any]]], path: s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
-    return _save(plt, fig, path)
-
-
-def _save(plt: Any, fig: Any, path: str | Path) -> Path:
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, dpi=100)

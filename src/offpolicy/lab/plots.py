@@ -35,6 +35,16 @@ CURVES: tuple[tuple[str, str, str, str, float | None, bool], ...] = (
 )
 
 
+def save_figure(plt: Any, fig: Any, path: str | Path, *, dpi: int = 90, rect: tuple | None = None) -> Path:
+    """Lay out (``tight_layout``, within ``rect`` when given), write ``path`` (creating its folder) and close."""
+    fig.tight_layout(**({"rect": rect} if rect is not None else {}))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def preset_colors(presets: Sequence[str]) -> dict[str, str]:
     """A fixed colour per preset (known presets keep theirs whatever the plan holds)."""
     spare = iter(_SPARE * 4)
@@ -192,11 +202,8 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
     fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=8, frameon=False)
     fig.text(0.5, 0.003, smooth_note, ha="center", va="bottom", fontsize=7, color="0.35")
     top = 0.1 + 0.2 * math.ceil(len(handles) / ncol)  # inches the legend's rows take
-    fig.tight_layout(rect=(0, 0.2 / fig.get_figheight(), 1, 1 - top / fig.get_figheight()))
-    path = out / "overview.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(plt, fig, out / "overview.png",
+                               rect=(0, 0.2 / fig.get_figheight(), 1, 1 - top / fig.get_figheight())))
 
     for curve in CURVES:
         ncols_c = min(len(mismatches), 3)
@@ -218,11 +225,8 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
         ncol = _legend_columns(handles, fig.get_figwidth())
         fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / h), ncol=ncol, fontsize=8,
                    frameon=False)
-        fig.tight_layout(rect=(0, 0, 1, 1 - (0.4 + 0.2 * math.ceil(len(handles) / ncol)) / h))
-        path = out / f"{curve[1]}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(plt, fig, out / f"{curve[1]}.png",
+                                   rect=(0, 0, 1, 1 - (0.4 + 0.2 * math.ceil(len(handles) / ncol)) / h)))
 
     written.append(_final_reward(plt, last_rewards, presets, mismatches, colors, out / "final_reward.png"))
     controls = _controls(plt, groups, presets, mismatches, colors, out / "controls.png")
@@ -261,10 +265,7 @@ def _controls(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, Any]]]
         ax.legend(fontsize=7, frameon=False, loc="best")
     fig.suptitle("Closed-loop control: the threshold used at each step (line: mean over seeds; band: min–max)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def _variant_pairs(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, Any]]]], presets: Sequence[str],
@@ -298,10 +299,7 @@ def _variant_pairs(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, A
         row[0].set_ylabel("reward")
     smooth = f", trailing mean over {window} steps" if window > 1 else ""
     fig.suptitle(f"Each controller beside its fixed-threshold preset: reward, one line per seed{smooth}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def _share_y(axes: Sequence[Any]) -> None:
@@ -336,7 +334,4 @@ def _final_reward(plt: Any, last_rewards: dict[tuple[str, str], list[float]], pr
 
     ax.legend(handles=[Line2D([], [], color=colors[p], marker="o", linestyle="", label=p) for p in presets],
               fontsize=8, loc="best", frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
