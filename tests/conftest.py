@@ -45,7 +45,7 @@ def sharp(tiny):
 # -- shared helpers (fixtures that return functions: the suite imports test modules by path, not as a package) ---------
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a pure function: safe to share, and usable inside hypothesis tests
 def random_batch():
     """``make(seed, B, T, scale=0.1, mask_frac=0.8)`` → a :class:`~offpolicy.LogProbBatch` of random log-probs: π_old
     and μ drift from π_θ by ``scale`` (normal noise), about ``mask_frac`` of the tokens are valid, [B] advantages."""

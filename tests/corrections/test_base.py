@@ -71,7 +71,7 @@ def test_chain_by_hand_and_repr():
     assert repr(c).startswith("chain(tis(level='token'") and c.parts[1].name == "icepop"
 
 
-def test_chain_refuses_two_parts_whose_metrics_collide_and_accepts_renamed_ones():
+def test_chain_refuses_two_parts_whose_metrics_collide_and_accepts_renamed_ones(random_batch):
     batch = random_batch(0, 2, 3, 0.1)
     with pytest.raises(ValueError, match=r"tis/raw_ratio_mean.*same name"):
         chain(tis(), tis(level="geometric"))(batch)
@@ -101,15 +101,6 @@ PRESETS = [
 ]
 
 
-def random_batch(seed: int, b: int, t: int, scale: float) -> LogProbBatch:
-    g = torch.Generator().manual_seed(seed)
-    logp = -3 * torch.rand(b, t, generator=g)
-    old = logp + scale * torch.randn(b, t, generator=g)
-    rollout = old + scale * torch.randn(b, t, generator=g)
-    mask = torch.rand(b, t, generator=g) < 0.8
-    return LogProbBatch(logp=logp, old_logp=old, rollout_logp=rollout, mask=mask, advantages=torch.randn(b, generator=g))
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     st.integers(0, 2**31 - 1),
@@ -118,7 +109,7 @@ def random_batch(seed: int, b: int, t: int, scale: float) -> LogProbBatch:
     st.sampled_from([0.01, 0.1, 0.5]),
     st.lists(st.sampled_from(range(len(PRESETS))), min_size=0, max_size=5),
 )
-def test_chain_equals_one_by_one(seed, b, t, scale, idx):
+def test_chain_equals_one_by_one(random_batch, seed, b, t, scale, idx):
     batch = random_batch(seed, b, t, scale)
     parts = [PRESETS[i] for i in idx]
     names = [k for c in parts for k in c(batch).metrics]
@@ -158,7 +149,7 @@ DEFAULTS = [tis(), tis(normalize=True), mis(), mis(level="sequence"), geo_mask()
     st.integers(1, 12),
     st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
 )
-def test_on_policy_every_preset_is_identity(seed, b, t, dtype):
+def test_on_policy_every_preset_is_identity(random_batch, seed, b, t, dtype):
     """All log-ratios 0 (π_θ = π_old = μ) ⇒ weights 1 on valid tokens and nothing masked, for every preset."""
     base = random_batch(seed, b, t, 0.0)
     lp = base.logp.to(dtype)
@@ -180,7 +171,7 @@ def _junk(x: torch.Tensor, seed: int) -> torch.Tensor:
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(1, 12), st.sampled_from([0.01, 0.3]))
-def test_every_preset_ignores_padding(seed, b, t, scale):
+def test_every_preset_ignores_padding(random_batch, seed, b, t, scale):
     batch = random_batch(seed, b, t, scale)
     m = batch.bool_mask
     junked = batch.replace(
@@ -198,7 +189,7 @@ def test_every_preset_ignores_padding(seed, b, t, scale):
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(1, 12))
-def test_every_preset_nonfinite_valid_logprobs_never_nan(seed, b, t):
+def test_every_preset_nonfinite_valid_logprobs_never_nan(random_batch, seed, b, t):
     batch = random_batch(seed, b, t, 0.1)
     g = torch.Generator().manual_seed(seed)
     hit = torch.rand(b, t, generator=g) < 0.2
@@ -213,7 +204,7 @@ def test_every_preset_nonfinite_valid_logprobs_never_nan(seed, b, t):
 
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(1, 12), st.sampled_from([torch.bfloat16, torch.float16]))
-def test_every_preset_computes_low_precision_inputs_in_float32(seed, b, t, dtype):
+def test_every_preset_computes_low_precision_inputs_in_float32(random_batch, seed, b, t, dtype):
     """bf16/fp16 log-probs give exactly the result of their float32 upcast: differences are taken in float32."""
     batch = random_batch(seed, b, t, 0.1)
     low = batch.replace(logp=batch.logp.to(dtype), old_logp=batch.old_logp.to(dtype), rollout_logp=batch.rollout_logp.to(dtype))
