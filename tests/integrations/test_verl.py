@@ -92,7 +92,7 @@ def test_every_loss_agg_mode_is_verls_agg_loss(version, mode, info, expected):
 def test_default_rules_are_the_installed_verls_or_the_newest(monkeypatch):
     import importlib.metadata
 
-    from offpolicy.integrations import verl as adapter
+    from offpolicy.integrations.verl import loss as adapter
 
     mask = torch.ones(4, 2)
     args = (torch.zeros(4, 2), torch.zeros(4, 2), torch.ones(4, 2), mask, "seq-mean-token-sum-norm")

@@ -1,0 +1,96 @@
+"""verl agent loop that samples under the plug-in's recipe (DVP's min-p, top-k, top-p) and asks for the top-K.
+
+verl's agent-loop worker builds ``sampling_params`` with temperature, top-p, top-k and ``logprobs`` only (no
+``min_p``) and hands them to the rollout server, which passes them to vLLM's ``SamplingParams``. The plug-in registers
+:class:`OffPolicyAgentLoop` as ``offpolicy_agent`` (verl's agent-loop registry; the worker imports the plug-in through
+``actor_rollout_ref.model.external_lib``), selected by ``actor_rollout_ref.rollout.agent.default_agent_loop=
+offpolicy_agent``. It is verl's single-turn loop with :func:`recipe_sampling_params` applied to every request, so the
+engine samples from the same truncated distribution the trainer's engine scores (:mod:`.engine`).
+
+Top-K (``topk_logprobs: K``): verl 0.9.1's vLLM server sets ``logprobs`` to 0 (the sampled token only), so the loop
+asks the same server to score the finished sequence once more — ``max_tokens=1``, ``prompt_logprobs=K``, the same
+temperature — and parses the answer (:func:`topk_from_prompt_logprobs`) into
+``extra_fields["rollout_topk_ids"]`` / ``["rollout_topk_logprobs"]`` ([response length][K] lists). That is a prefill
+forward, not the decode forward that sampled (see docs/frameworks/verl.md: unverified on a live server).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offpolicy.integrations.verl.settings import VerlSettings, settings_from_trainer_config
+
+from verl.experimental.agent_loop.agent_loop import register  # noqa: E402  (imported only where verl is)
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+AGENT_NAME = "offpolicy_agent"
+
+
+def recipe_sampling_params(sampling_params: dict[str, Any], settings: VerlSettings) -> dict[str, Any]:
+    """A copy of verl's ``sampling_params`` with the recipe's ``min_p`` / ``top_k`` / ``top_p`` set.
+
+    Greedy requests (``temperature == 0``, verl's validation and REMAX baselines) are left alone.
+
+    >>> from offpolicy.integrations.verl.settings import parse_settings
+    >>> recipe_sampling_params({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True},
+    ...                        parse_settings({"sampling": {"min_p": 0.01}}))
+    {'temperature': 1.0, 'top_p': 1.0, 'top_k': -1, 'logprobs': True, 'min_p': 0.01}
+    """
+    out = dict(sampling_params)
+    if float(out.get("temperature", 1.0)) == 0.0:
+        return out
+    out.update(settings.sampling.sampling_params())
+    return out
+
+
+def topk_from_prompt_logprobs(extra_fields: dict[str, Any], n_prompt: int, n_response: int,
+                              k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The response positions' top-K ``(ids, logprobs)`` from a scoring request's ``extra_fields``.
+
+    verl's server returns ``prompt_ids`` / ``prompt_logprobs`` with one row per prompt token after the first (the
+    distribution that predicted it), ranks 1…K, plus a dummy last row. Response token j of the scored sequence
+    (prompt + response) is sequence token ``n_prompt + j``, predicted by row ``n_prompt + j − 1``.
+
+    >>> fields = {"prompt_ids": [[5, 6], [7, 8], [9, 1], [0, 0]],
+    ...           "prompt_logprobs": [[-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0], [0.0, 0.0]]}
+    >>> topk_from_prompt_logprobs(fields, n_prompt=2, n_response=2, k=2)
+    ([[7, 8], [9, 1]], [[-0.2, -3.0], [-0.3, -4.0]])
+    """
+    ids, logps = extra_fields.get("prompt_ids"), extra_fields.get("prompt_logprobs")
+    if ids is None or logps is None:
+        raise ValueError("the scoring request's extra_fields lack prompt_ids / prompt_logprobs (top-K not returned)")
+    rows = range(n_prompt - 1, n_prompt - 1 + n_response)
+    if len(ids) < n_prompt - 1 + n_response or len(logps) != len(ids):
+        raise ValueError(f"prompt_logprobs has {len(logps)} rows for {len(ids)} ids; need "
+                         f"{n_prompt - 1 + n_response} (prompt {n_prompt} + response {n_response} − 1)")
+    out_ids, out_logps = [list(ids[r]) for r in rows], [list(logps[r]) for r in rows]
+    for r, (row_ids, row_logps) in enumerate(zip(out_ids, out_logps)):
+        if len(row_ids) != k or len(row_logps) != k or any(v is None for v in row_ids + row_logps):
+            raise ValueError(f"prompt_logprobs row {r + n_prompt - 1}: expected {k} entries, got {row_logps!r}")
+    return out_ids, out_logps
+
+
+@register(AGENT_NAME)
+class OffPolicyAgentLoop(SingleTurnAgentLoop):
+    """verl's single-turn agent loop, sampling under the plug-in's recipe; top-K attached when asked."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offpolicy = settings_from_trainer_config(self.config)
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
+        params = recipe_sampling_params(sampling_params, self.offpolicy)
+        output = await super().run(params, priority=priority, **kwargs)
+        k = self.offpolicy.topk_logprobs
+        if k > 0 and output.response_ids:
+            score = {key: params[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in params}
+            scored = await self.server_manager.generate(
+                request_id=f"offpolicy-topk-{id(output)}",
+                prompt_ids=list(output.prompt_ids) + list(output.response_ids),
+                sampling_params={**score, "max_tokens": 1, "prompt_logprobs": k},
+            )
+            ids, logps = topk_from_prompt_logprobs(scored.extra_fields, len(output.prompt_ids),
+                                                   len(output.response_ids), k)
+            output.extra_fields["rollout_topk_ids"] = ids
+            output.extra_fields["rollout_topk_logprobs"] = logps
+        return output

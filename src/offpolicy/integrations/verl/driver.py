@@ -1,0 +1,108 @@
+"""Driver-side corrections for verl: applied once per step where the advantages exist, written back as verl's helper does.
+
+verl 0.9's v1 trainer calls its own ``compute_rollout_correction_and_add_to_batch`` in ``_compute_advantage`` *before*
+the advantages are computed, so a correction that reads them (OPSM, arXiv 2512.01374 eq. 9) cannot run there. The
+plug-in's trainer, :class:`OffPolicyTrainer` (registered as ``trainer.v1.trainer_mode=offpolicy`` — verl's
+``register_trainer`` extension point; it is verl's ``sync`` trainer with one method extended), runs verl's whole
+``_compute_advantage`` first and then :func:`apply_driver_correction` on the stored fields: ``response_mask`` becomes
+``response_mask · keep`` (a rejected token leaves the loss and its denominators, as verl's rejection does) and
+``rollout_is_weights`` becomes the correction's weights (times verl's own, if ``algorithm.rollout_correction`` is also
+set), both written back to the TransferQueue as the nested fields verl's ``_compute_advantage`` writes. The metrics
+use verl's names (``rollout_corr/…``). The actor's loss (``vanilla`` or the plug-in's) multiplies by
+``rollout_is_weights``, as it does for verl's own correction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch  # noqa: F401  (the doctest uses it)
+from torch import Tensor
+
+from offpolicy.integrations.verl.loss import rollout_correction
+from offpolicy.integrations.verl.settings import VerlSettings, settings_from_trainer_config
+
+REQUIRED_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask", "advantages")
+
+
+def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) -> tuple[dict[str, Tensor], dict]:
+    """The correction of ``settings`` on verl's padded step tensors [B, T]: ``(updates, metrics)``.
+
+    ``batch`` holds ``old_log_probs``, ``rollout_log_probs``, ``response_mask``, ``advantages`` and optionally
+    ``rollout_is_weights`` (verl's own, multiplied in). ``updates`` = ``{"response_mask": mask · keep (mask's dtype),
+    "rollout_is_weights": weights · mask · keep (float32)}``; metrics are 0-d tensors under verl's names.
+
+    >>> from offpolicy.integrations.verl.settings import parse_settings
+    >>> b = {"old_log_probs": torch.zeros(1, 2), "rollout_log_probs": torch.tensor([[0.0, -2.0]]),
+    ...      "response_mask": torch.ones(1, 2), "advantages": torch.ones(1, 2)}
+    >>> up, _ = apply_driver_correction(b, parse_settings({"correction": {"name": "tis", "upper": 2.0}}))
+    >>> up["rollout_is_weights"]
+    tensor([[1., 2.]])
+    """
+    missing = [k for k in REQUIRED_FIELDS if k not in batch]
+    if missing:
+        raise ValueError(f"batch lacks {missing}: the driver correction needs {REQUIRED_FIELDS} (set "
+                         "actor_rollout_ref.rollout.calculate_log_probs=True for rollout_log_probs)")
+    if settings.correction is None:
+        raise ValueError("offpolicy.correction is not set: nothing to apply")
+    mask = batch["response_mask"]
+    weights, keep, metrics = rollout_correction(batch["old_log_probs"].float(), batch["rollout_log_probs"].float(),
+                                                mask, settings.correction, advantages=batch["advantages"].float(),
+                                                naming=settings.naming)
+    kept = mask.bool() & keep
+    weights = weights.float() * kept
+    if batch.get("rollout_is_weights") is not None:
+        weights = weights * batch["rollout_is_weights"].float()
+    return {"response_mask": kept.to(mask.dtype), "rollout_is_weights": weights}, metrics
+
+
+def _metric_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
+
+
+def make_trainer_class(base: type) -> type:
+    """``base`` (a verl v1 ``PPOTrainer`` subclass) with the driver correction after ``_compute_advantage``."""
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.workers.utils.padding import response_to_nested
+
+    class OffPolicyTrainer(base):  # type: ignore[valid-type, misc]
+        """verl's trainer + :func:`apply_driver_correction` once the advantages are stored."""
+
+        def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+            batch = super()._compute_advantage(batch, metrics)
+            settings = getattr(self, "_offpolicy_settings", None)
+            if settings is None:
+                settings = self._offpolicy_settings = settings_from_trainer_config(self.config)
+            if settings.correction is None:
+                return batch
+            tq = trainer_base.tq
+            fields = list(REQUIRED_FIELDS)
+            if self.config.algorithm.get("rollout_correction", None) is not None:
+                fields.append("rollout_is_weights")  # verl's own weights, when it computed them
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            nested_mask = data["response_mask"]
+            padded = data.to_padded_tensor()
+            tensors = {k: padded[k] for k in fields if k in padded.keys()}
+            updates, step_metrics = apply_driver_correction(tensors, settings)
+            metrics.update(_metric_floats(step_metrics))
+            from tensordict import TensorDict
+
+            output = TensorDict({k: response_to_nested(v, nested_mask) for k, v in updates.items()},
+                                batch_size=len(batch))
+            return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
+
+    OffPolicyTrainer.__qualname__ = OffPolicyTrainer.__name__ = f"OffPolicy{base.__name__}"
+    return OffPolicyTrainer
+
+
+def corrected(data: Any, settings: VerlSettings) -> dict[str, float]:
+    """Apply :func:`apply_driver_correction` to a ``DataProto`` in place (legacy trainer / a user's own loop);
+    returns the metrics as floats."""
+    tensors = {k: data.batch[k] for k in (*REQUIRED_FIELDS, "rollout_is_weights") if k in data.batch.keys()}
+    updates, metrics = apply_driver_correction(tensors, settings)
+    for k, v in updates.items():
+        data.batch[k] = v
+    return _metric_floats(metrics)
+
+
+__all__ = ["apply_driver_correction", "corrected", "make_trainer_class", "REQUIRED_FIELDS"]

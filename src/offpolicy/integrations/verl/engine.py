@@ -1,0 +1,164 @@
+"""verl training engine with DVP / sampling replay in every log-prob forward and ALP in the update forward.
+
+:class:`OffPolicyFSDPEngine` subclasses verl's ``FSDPEngineWithLMHead`` (FSDP / FSDP2 language-model engine) and is
+registered with ``EngineRegistry.register`` for the current device and vendor by :mod:`.plugin`, so that verl's
+``TrainingWorker`` builds it in place of its own. Without an ``offpolicy`` settings block it behaves exactly as the
+parent class. What it changes:
+
+* **Sampling recipe** (``sampling: {min_p | top_k | top_p}``): ``prepare_model_outputs`` — the one function verl runs
+  for the old-log-prob forward (eval, no grad) *and* the update forward (train) — returns log π^recipe(y) instead of
+  log softmax(z / T)_y: with ``min_p`` only, DVP's constrained log-prob over the trainer's own min-p safe set
+  (:func:`~offpolicy.corrections.vocabulary.constrained_logp`, arXiv 2604.18700 Def 5.2, chunked over rows); with
+  ``top_k`` / ``top_p``, π_θ renormalised on the support vLLM's filters leave
+  (:func:`~offpolicy.corrections.vocabulary.replay_support_logp`, vLLM's order min-p → top-k → top-p). The
+  temperature is verl's own (``micro_batch["temperature"]``, per sample allowed). A sampled token outside the
+  trainer's set gets the finite stand-in those functions return (the ratio of two stand-ins stays finite).
+* **ALP** (``alp: {...}``): a :class:`~offpolicy.perturbation.LayerwisePerturbation` on the FSDP-wrapped decoder
+  layers (its pre-forward hook runs after FSDP2's, i.e. on the inputs already cast to ``param_dtype``), noise on only
+  in a forward with ``forward_only=False``, grad enabled and the module in train mode (``train_mini_batch``), never in
+  ``infer_batch`` (π_old, reference). log σ is its own optimiser group (lr ``alp.lr``, no weight decay), outside the
+  model — not in ``module.parameters()`` (gradient clipping, weight sync to the rollout server and HF checkpoints do
+  not see it). Its gradient is averaged over the data-parallel group before each optimiser step (as FSDP averages the
+  model's); it is saved to ``offpolicy_alp.pt`` beside verl's checkpoint and restored with it.
+
+The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe with it is refused at the first forward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
+from offpolicy.integrations.verl.settings import SETTINGS_KEY, VerlSettings, settings_from_override_config
+from offpolicy.perturbation import LayerwisePerturbation
+
+from verl.utils import tensordict_utils as tu  # noqa: E402  (this module is only imported where verl is)
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+ALP_CHECKPOINT = "offpolicy_alp.pt"
+VLLM_ORDER = ("min_p", "top_k", "top_p")
+
+
+def recipe_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float, settings: VerlSettings) -> Tensor:
+    """log π^recipe(labels) from ``logits`` [N, V] (raw, before temperature), ``labels`` [N], ``temperature`` a float
+    or [N] per token: float32 [N], differentiable w.r.t. ``logits``.
+
+    >>> from offpolicy.integrations.verl.settings import parse_settings
+    >>> # z = (2, 0, −30), ρ = 1e−6 prunes token 2: log π^mp(1) = −log(e² + 1) = −2.1269
+    >>> recipe_log_probs(torch.tensor([[2.0, 0.0, -30.0]]), torch.tensor([1]), 1.0,
+    ...                  parse_settings({"sampling": {"min_p": 1e-6}}))
+    tensor([-2.1269])
+    """
+    recipe = settings.sampling
+    z = logits.float()
+    if isinstance(temperature, Tensor):
+        z = z / temperature.float().clamp(min=1e-8).reshape(-1, 1)
+    elif temperature != 1.0:
+        z = z / float(temperature)
+    if recipe.dvp_only:
+        return constrained_logp(z, labels, rho=recipe.min_p).logp  # type: ignore[arg-type]
+    logp, _ = replay_support_logp(z, labels, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
+                                  order=VLLM_ORDER)
+    return logp
+
+
+class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
+    """``FSDPEngineWithLMHead`` + the plug-in's sampling recipe and ALP (see the module docstring)."""
+
+    def __init__(self, model_config: Any, *args: Any, **kwargs: Any) -> None:
+        self.offpolicy = settings_from_override_config(getattr(model_config, "override_config", None))
+        hf_config = getattr(model_config, "hf_config", None)
+        if hf_config is not None and hasattr(hf_config, SETTINGS_KEY):
+            delattr(hf_config, SETTINGS_KEY)  # verl copied the block onto the HF config; no checkpoint should carry it
+        self.alp: LayerwisePerturbation | None = None
+        super().__init__(model_config, *args, **kwargs)
+
+    # -- ALP: σ group, noise only in the update forward, σ.grad averaged, σ in checkpoints ------------------------
+    def _build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        optimizer = super()._build_optimizer(module)
+        settings = self.offpolicy.alp
+        if settings is not None:
+            seed = None if settings.seed is None else settings.seed + self.get_data_parallel_rank()
+            layers = settings.layers if settings.layers == "all" else list(settings.layers)
+            self.alp = LayerwisePerturbation(module, layers=layers, init_std=settings.init_std, seed=seed)
+            device = next(module.parameters()).device
+            self.alp.to(device)
+            optimizer.add_param_group(self.alp.param_group(lr=settings.lr))
+        return optimizer
+
+    def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        if self.alp is None:
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        noisy = not forward_only and torch.is_grad_enabled() and self.module.training
+        with self.alp.active(noisy):
+            return super().forward_step(micro_batch, loss_function, forward_only)
+
+    def optimizer_step(self) -> float:
+        if self.alp is not None:
+            grad = self.alp.log_sigma.grad
+            group = self.get_data_parallel_group()
+            if grad is not None and torch.distributed.is_initialized() and self.get_data_parallel_size() > 1:
+                torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM, group=group)
+                grad.div_(self.get_data_parallel_size())
+        return super().optimizer_step()
+
+    def alp_metrics(self) -> dict[str, float]:
+        """σ statistics (``alp/sigma_mean`` …) as floats; empty without ALP."""
+        return {} if self.alp is None else {k: float(v) for k, v in self.alp.metrics().items()}
+
+    def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
+        super().save_checkpoint(local_path, *args, **kwargs)
+        if self.alp is not None and self.get_data_parallel_rank() == 0:
+            os.makedirs(local_path, exist_ok=True)
+            torch.save({"log_sigma": self.alp.log_sigma.detach().cpu(), "layers": list(self.alp.layer_indices)},
+                       os.path.join(local_path, ALP_CHECKPOINT))
+
+    def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
+        super().load_checkpoint(local_path, *args, **kwargs)
+        path = os.path.join(local_path, ALP_CHECKPOINT)
+        if self.alp is not None and os.path.exists(path):
+            saved = torch.load(path, map_location="cpu")
+            if tuple(saved["layers"]) != self.alp.layer_indices:
+                raise ValueError(f"{path}: σ of layers {saved['layers']} cannot be loaded into ALP on layers "
+                                 f"{list(self.alp.layer_indices)}")
+            with torch.no_grad():
+                self.alp.log_sigma.copy_(saved["log_sigma"])
+
+    # -- sampling recipe in every log-prob forward ---------------------------------------------------------------
+    def prepare_model_outputs(self, output: Any, output_args: dict, micro_batch: Any, logits_processor_func: Any):
+        if not self.offpolicy.sampling.active:
+            return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
+            raise ValueError("offpolicy.sampling needs the logits: set actor_rollout_ref.model.use_fused_kernels=False")
+        # computed before the parent's, on the raw logits (the parent scales by temperature out of place)
+        ours = self._recipe_log_probs(output, output_args, micro_batch)
+        model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        if "log_probs" in model_output:
+            model_output["log_probs"] = ours
+        return model_output
+
+    def _recipe_log_probs(self, output: Any, output_args: dict, micro_batch: Any) -> Tensor:
+        """Nested [bsz, j] log-probs under the recipe, laid out as the parent's ``log_probs``."""
+        from torch.distributed.tensor import DTensor
+
+        logits = output.logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        labels = output_args["input_ids_rmpad_rolled"]
+        cu_seqlens = micro_batch["input_ids"].offsets()
+        use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+        if use_rmpad:
+            flat = logits.squeeze(0)  # (total_nnz [/ sp] + pad, V)
+            logp = recipe_log_probs(flat, labels, output_args["temperature_rmpad"], self.offpolicy)
+            logp = self._gather_and_unpad_packed(logp, output_args["pad_size"])
+        else:
+            lengths = cu_seqlens.diff().tolist()
+            flat = torch.cat([logits[i, :n] for i, n in enumerate(lengths)])
+            temperature = output_args["temperature"].float()
+            per_token = torch.repeat_interleave(temperature, cu_seqlens.diff().to(temperature.device))
+            logp = recipe_log_probs(flat, labels, per_token, self.offpolicy)
+        return torch.nested.nested_tensor_from_jagged(logp, cu_seqlens)

@@ -1,0 +1,104 @@
+"""The verl plug-in: name this module in ``actor_rollout_ref.model.external_lib`` and configure it in the config.
+
+verl imports ``external_lib`` in every process that builds the model config — the driver (for the tokenizer), each
+agent-loop worker and each training worker — so importing this module is the one switch. It registers, in verl's own
+registries:
+
+* the policy losses ``offpolicy`` (PPO) and ``offpolicy_<objective>`` for every registered objective
+  (``actor_rollout_ref.actor.policy_loss.loss_mode=offpolicy_cispo`` …; verl's actor config sets the clip range and
+  aggregation);
+* the training engine :class:`~offpolicy.integrations.verl.engine.OffPolicyFSDPEngine` for FSDP / FSDP2 language
+  models on the current device and vendor (``EngineRegistry`` looks a (device, vendor) entry up before verl's own
+  device-only one); it is verl's engine unchanged until the settings ask for a sampling recipe or ALP;
+* the agent loop ``offpolicy_agent`` (``actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent``);
+* the trainer ``offpolicy`` (``trainer.v1.trainer_mode=offpolicy``): verl's ``sync`` trainer with the settings'
+  correction applied after the advantages (:mod:`.driver`). verl picks the trainer class *before* it imports
+  ``external_lib`` in the driver, so this one registration must happen at ``import verl``: offpolicy declares this
+  module as a ``verl.plugins`` entry point (verl loads those on import), and ``VERL_USE_EXTERNAL_MODULES=
+  offpolicy.integrations.verl.plugin`` does the same where offpolicy is not pip-installed.
+
+Each registration is skipped (and reported by :func:`registered`) when the verl part it needs does not import here —
+e.g. the v1 trainer needs ``transfer_queue`` — so a training worker without those packages still gets its engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+_REGISTERED: dict[str, str] = {}
+
+
+def registered() -> dict[str, str]:
+    """What this process registered: ``{"policy_loss": "offpolicy", "engine": "(cuda, nvidia)", …}`` or the reason
+    a part was skipped (``"skipped: …"``)."""
+    return dict(_REGISTERED)
+
+
+def register_engine(device: str | None = None, vendor: str | None = None) -> str:
+    """Register the engine subclass for ``device`` / ``vendor`` (default: verl's current ones); idempotent."""
+    from verl.utils.device import get_device_name, get_vendor
+    from verl.workers.engine.base import EngineRegistry
+
+    from offpolicy.integrations.verl.engine import OffPolicyFSDPEngine
+
+    device = device or get_device_name()
+    vendor = vendor or get_vendor()
+    table = EngineRegistry._engines.get("language_model", {})
+    if all((device, vendor) not in table.get(backend, {}) for backend in ("fsdp", "fsdp2")):
+        EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=device,
+                                vendor=vendor)(OffPolicyFSDPEngine)
+    return f"({device}, {vendor})"
+
+
+def register_trainer(name: str = "offpolicy", base: str = "sync") -> str:
+    """Register verl's ``base`` v1 trainer with the driver correction under ``name``; idempotent."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from offpolicy.integrations.verl.driver import make_trainer_class
+
+    if name not in trainer_base.TRAINER_REGISTRY:
+        trainer_base.register_trainer(name)(make_trainer_class(trainer_base.get_trainer_cls(base)))
+    return name
+
+
+def install() -> dict[str, str]:
+    """Register every part that imports here; returns :func:`registered`."""
+    parts = {
+        "policy_loss": lambda: _policy_loss(),
+        "engine": register_engine,
+        "agent_loop": _agent_loop,
+        "trainer": register_trainer,
+    }
+    for part, fn in parts.items():
+        if part in _REGISTERED and not _REGISTERED[part].startswith("skipped"):
+            continue
+        try:
+            _REGISTERED[part] = fn()
+        except ImportError as err:  # a verl component whose dependencies are not installed in this process
+            _REGISTERED[part] = f"skipped: {err}"
+            logger.info("offpolicy verl plug-in: %s not registered (%s)", part, err)
+    return registered()
+
+
+def _policy_loss() -> str:
+    """``offpolicy`` (PPO) and ``offpolicy_<objective>`` for every registered objective (cispo, sapo, dppo_tv …)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from offpolicy.integrations.verl.loss import register_verl_policy_loss
+    from offpolicy.registry import OBJECTIVES
+
+    names = {"offpolicy": "ppo", **{f"offpolicy_{name}": name for name in OBJECTIVES}}
+    for loss_name, objective in names.items():
+        if loss_name not in POLICY_LOSS_REGISTRY:
+            register_verl_policy_loss(loss_name, objective=objective)
+    return ", ".join(names)
+
+
+def _agent_loop() -> str:
+    from offpolicy.integrations.verl.agent_loop import AGENT_NAME
+
+    return AGENT_NAME
+
+
+install()

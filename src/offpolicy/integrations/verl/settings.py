@@ -1,0 +1,182 @@
+"""The one settings block of the verl plug-in, read by the driver, the agent loop and the engine alike.
+
+A verl user writes it under ``actor_rollout_ref.model.override_config.offpolicy``: that key is the one free-form dict
+all three places see — the driver (the whole trainer config), every agent-loop worker (the whole config) and every
+training engine (``HFModelConfig.override_config``; verl copies the dict onto the HF config too, the engine removes it
+there so that no checkpoint carries it)::
+
+    actor_rollout_ref:
+      model:
+        external_lib: offpolicy.integrations.verl.plugin
+        override_config:
+          offpolicy:
+            correction: [{name: icepop}, {name: opsm, delta: 0.5}]   # driver, after the advantages
+            sampling: {min_p: 0.01}                                 # DVP ρ (or top_k / top_p: sampling replay)
+            alp: {init_std: 1.0e-4, lr: 5.0e-4}                     # ALP on the update forward
+            topk_logprobs: 0                                        # K log-probs per token from the server
+
+Every key is optional; an unknown key or a bad value is a ``ValueError`` naming it, raised when the block is read
+(the engine's construction, the driver's first step), not deep inside a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from offpolicy.registry import build_correction
+
+SETTINGS_KEY = "offpolicy"
+KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "naming")
+SAMPLING_KEYS = ("min_p", "top_k", "top_p")
+ALP_KEYS = ("init_std", "lr", "layers", "seed")
+
+
+@dataclass(frozen=True)
+class SamplingRecipe:
+    """The engine's truncation (temperature comes from verl's own ``rollout.temperature``).
+
+    ``min_p`` alone is DVP's ρ (arXiv 2604.18700 Defs 5.1–5.2, the trainer scores over its own min-p safe set);
+    ``top_k`` / ``top_p`` (with or without ``min_p``) is sampling-support replay — the trainer renormalises π_θ on the
+    support the engine's filters leave, in vLLM's order (min-p, top-k, top-p).
+    """
+
+    min_p: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.min_p, self.top_k, self.top_p))
+
+    @property
+    def dvp_only(self) -> bool:
+        """Only min-p: the chunked :func:`~offpolicy.corrections.vocabulary.constrained_logp` path (no [N, V] copy)."""
+        return self.min_p is not None and self.top_k is None and self.top_p is None
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The keys the agent loop adds to verl's ``sampling_params`` (vLLM ``SamplingParams`` names)."""
+        out: dict[str, Any] = {}
+        if self.min_p is not None:
+            out["min_p"] = self.min_p
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        return out
+
+
+@dataclass(frozen=True)
+class ALPSettings:
+    """ALP (arXiv 2603.19470): σ initial value, the σ group's learning rate, hooked layers, noise seed."""
+
+    init_std: float = 1e-4
+    lr: float = 5e-4
+    layers: Any = "all"
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class VerlSettings:
+    """The parsed block (see the module docstring). ``correction`` is the raw spec, checked by building it once."""
+
+    correction: Any = None
+    sampling: SamplingRecipe = field(default_factory=SamplingRecipe)
+    alp: ALPSettings | None = None
+    topk_logprobs: int = 0
+    naming: str = "verl"
+
+    @property
+    def any_engine_method(self) -> bool:
+        return self.sampling.active or self.alp is not None
+
+
+def _number(where: str, value: Any, *, low: float, high: float, integer: bool = False) -> Any:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not math.isfinite(float(value)) or not low <= value <= high:
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"offpolicy.{where} must be {kind} in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf DictConfig / ListConfig → dict / list (verl hands either); anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with verl
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
+    """Read the plug-in's block (a dict or an OmegaConf node; ``None`` → everything off).
+
+    >>> s = parse_settings({"sampling": {"min_p": 0.01}, "alp": {}})
+    >>> s.sampling.dvp_only, s.alp.init_std
+    (True, 0.0001)
+    >>> parse_settings({"samplng": {}})
+    Traceback (most recent call last):
+    ...
+    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, naming
+    """
+    block = _plain(block)
+    if block is None:
+        return VerlSettings()
+    if not isinstance(block, Mapping):
+        raise ValueError(f"offpolicy settings must be a mapping, got {type(block).__name__}")
+    for key in block:
+        if key not in KNOWN_KEYS:
+            raise ValueError(f"offpolicy: unknown key {key!r}; known: {', '.join(KNOWN_KEYS)}")
+    correction = block.get("correction")
+    build_correction(correction)  # an unknown correction or parameter fails here, before the first step
+
+    sampling = block.get("sampling") or {}
+    if not isinstance(sampling, Mapping) or any(k not in SAMPLING_KEYS for k in sampling):
+        raise ValueError(f"offpolicy.sampling must be a mapping with keys among {SAMPLING_KEYS}, got {sampling!r}")
+    min_p, top_k, top_p = (sampling.get(k) for k in SAMPLING_KEYS)
+    if min_p is not None:
+        _number("sampling.min_p", min_p, low=0.0, high=1.0)
+        min_p = float(min_p) if min_p > 0 else None
+    if top_k is not None:
+        _number("sampling.top_k", top_k, low=-1, high=2**31, integer=True)
+        top_k = top_k if top_k > 0 else None
+    if top_p is not None:
+        _number("sampling.top_p", top_p, low=1e-9, high=1.0)
+        top_p = float(top_p) if top_p < 1 else None
+
+    alp_block = block.get("alp")
+    alp = None
+    if alp_block is not None and alp_block is not False:
+        alp_block = {} if alp_block is True else alp_block
+        if not isinstance(alp_block, Mapping) or any(k not in ALP_KEYS for k in alp_block):
+            raise ValueError(f"offpolicy.alp must be a mapping with keys among {ALP_KEYS}, got {alp_block!r}")
+        alp = ALPSettings(**alp_block)
+        _number("alp.init_std", alp.init_std, low=1e-12, high=10.0)
+        _number("alp.lr", alp.lr, low=0.0, high=10.0)
+
+    k = block.get("topk_logprobs", 0) or 0
+    _number("topk_logprobs", k, low=0, high=4096, integer=True)
+    naming = block.get("naming", "verl")
+    if naming not in ("verl", "offpolicy", "trl", "swift"):
+        raise ValueError(f"offpolicy.naming must be one of verl, offpolicy, trl, swift; got {naming!r}")
+    return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
+                        topk_logprobs=int(k), naming=naming)
+
+
+def settings_from_override_config(override_config: Mapping[str, Any] | None) -> VerlSettings:
+    """The block at ``override_config["offpolicy"]`` (``actor_rollout_ref.model.override_config``)."""
+    override_config = _plain(override_config) or {}
+    return parse_settings(override_config.get(SETTINGS_KEY))
+
+
+def settings_from_trainer_config(config: Any) -> VerlSettings:
+    """The block from verl's whole trainer config (driver, agent loop): ``actor_rollout_ref.model.override_config``."""
+    try:
+        override = config.actor_rollout_ref.model.get("override_config", None)
+    except AttributeError:
+        override = None
+    return settings_from_override_config(override)
