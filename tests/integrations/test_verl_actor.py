@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import socket
-from functools import partial
 
 import pytest
 import torch
@@ -32,6 +32,7 @@ import torch
 verl = pytest.importorskip("verl")
 
 from offpolicy.corrections.importance import mis, tis  # noqa: E402
+from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp  # noqa: E402
 from offpolicy.integrations.verl import register_verl_policy_loss, rollout_correction  # noqa: E402
 
 B, P, R, VOCAB = 8, 4, 6, 64  # sequences, prompt and response width, vocabulary
@@ -128,19 +129,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    """A verl ``TrainingWorker`` (FSDP2, fp32, lr 0 so every call sees the same weights) on a tiny random Qwen2."""
+def tiny_qwen2(path) -> str:
+    """A tiny random Qwen2 (2 layers, hidden 32, vocabulary 64) saved to ``path``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def setup_cpu_verl() -> None:
+    """What a CPU run lacks (module docstring); idempotent."""
     from verl.plugin.platform import platform_manager
 
     platform_manager.set_platform(_cpu_platform())  # before verl's engine modules read the device at import
 
     import verl.models.transformers.monkey_patch as verl_patches
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    from verl.workers.engine_workers import TrainingWorker
 
     verl_patches.is_trl_available = lambda: False
     if "cpu" not in EngineRegistry._engines["language_model"]["fsdp2"]:
@@ -148,50 +157,87 @@ def worker(tmp_path_factory):
             FSDPEngineWithLMHead
         )
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
+def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro: int = MICRO):
+    """A verl ``TrainingWorker`` (FSDP2, fp32) on the model at ``path``, gradients recorded in ``worker.grads``.
+
+    ``offpolicy=None``: verl's own engine. A dict: the user's setup — ``external_lib`` names the plug-in (which
+    registers its engine for this device and vendor) and the dict is the ``OFFPOLICY_VERL`` settings block."""
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    override = {"attn_implementation": "eager"}
+    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    training = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False,
+                                   override_config=override,
+                                   external_lib=None if offpolicy is None else "offpolicy.integrations.verl.plugin"),
+        engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, mixed_precision=fp32,
+                                       use_dynamic_bsz=False, micro_batch_size_per_gpu=micro,
+                                       infer_micro_batch_size_per_gpu=micro),
+        optimizer_config=FSDPOptimizerConfig(lr=lr, clip_grad=1e9),
+        checkpoint_config=None,
+    )
+    # the plug-in's engine is registered for (cpu, cpu); an unknown vendor falls back to verl's device-only entry
+    env = {"VERL_ENGINE_VENDOR": "verl-own-engine"} if offpolicy is None else {"OFFPOLICY_VERL": json.dumps(offpolicy)}
+    with environment(env):
+        w = TrainingWorker(training)
+    w.reset()
+    w.grads = []
+    step = w.engine.optimizer_step
+
+    def record_gradient_then_step():  # the gradient the update would use, flattened, before the optimizer
+        w.grads.append(torch.cat([p.grad.full_tensor().flatten() for p in w.engine.module.parameters()]))
+        return step()
+
+    w.engine.optimizer_step = record_gradient_then_step
+    return w
+
+
+@contextlib.contextmanager
+def environment(env: dict):
+    """``os.environ`` updated with ``env`` inside, restored afterwards (the job environment Ray gives verl's workers)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
-        fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-        training = TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=HFModelConfig(path=str(path), load_tokenizer=False, use_remove_padding=False,
-                                       override_config={"attn_implementation": "eager"}),
-            engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, mixed_precision=fp32,
-                                           use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO,
-                                           infer_micro_batch_size_per_gpu=MICRO),
-            optimizer_config=FSDPOptimizerConfig(lr=0.0, clip_grad=1e9),
-            checkpoint_config=None,
-        )
-        w = TrainingWorker(training)
-        w.reset()
-        w.grads = []
-        step = w.engine.optimizer_step
-
-        def record_gradient_then_step():  # the gradient the update would use, flattened, before the optimizer
-            w.grads.append(torch.cat([p.grad.full_tensor().flatten() for p in w.engine.module.parameters()]))
-            return step()
-
-        w.engine.optimizer_step = record_gradient_then_step
-        for name, version in (("offpolicy_test", None), ("offpolicy_test_070", "0.7.0")):
-            register_verl_policy_loss(name, verl_version=version)
-        yield w
+        yield
     finally:
-        torch.distributed.destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def process_group(rank: int = 0, world_size: int = 1, port: int | None = None):
+    """A gloo process group with the environment verl reads, restored afterwards."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or _free_port()), "RANK": str(rank),
+           "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+    with environment(env):
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """One gloo group for the module and the tiny model's folder."""
+    setup_cpu_verl()
+    with process_group():
+        yield tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="module")
+def worker(model_path):
+    """verl's own engine, lr 0 so every call sees the same weights; the adapter registered under two names."""
+    w = make_worker(model_path)
+    for name, version in (("offpolicy_test", None), ("offpolicy_test_070", "0.7.0")):
+        register_verl_policy_loss(name, verl_version=version)
+    return w
 
 
 def _inputs():
@@ -219,15 +265,20 @@ def _batch(tensors: dict, meta: dict):
     return left_right_2_no_padding(data.to_tensordict())
 
 
-@pytest.fixture(scope="module")
-def current_logp(worker):
-    """π_θ's log-probs of the responses [B, R] from the worker's own forward (0 at padding)."""
+def infer_logp(worker, meta: dict | None = None) -> torch.Tensor:
+    """The worker's log-probs of the responses [B, R] from ``infer_batch`` (verl's old-log-prob forward), 0 at padding."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    data = _batch({}, {"compute_loss": False})
+    data = _batch({}, {"compute_loss": False, **(meta or {})})
     logp = no_padding_2_padding(tu.get(worker.infer_batch(data), "log_probs"), data).float()
     return logp * _inputs()[1][:, P:]
+
+
+@pytest.fixture(scope="module")
+def current_logp(worker):
+    """π_θ's log-probs of the responses [B, R] from the worker's own forward (0 at padding)."""
+    return infer_logp(worker)
 
 
 def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
@@ -240,22 +291,32 @@ def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
     return old
 
 
-def _train(worker, loss_mode: str, agg: str, tensors: dict):
-    """One ``train_mini_batch`` of the whole batch (two micro-batches): (metrics, gradient)."""
+def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, epochs: int = 1,
+           meta: dict | None = None, seen: list | None = None):
+    """One ``train_mini_batch`` of the whole batch in mini-batches of ``mini`` (two micro-batches each at ``mini=B``):
+    (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
 
-    actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=MICRO,
-                            loss_agg_mode=agg, policy_loss={"loss_mode": loss_mode}, clip_ratio=0.2, clip_ratio_c=3.0)
-    worker.set_loss_fn(partial(ppo_loss, config=actor))
-    data = _batch(tensors, {})
-    tu.assign_non_tensor(data, global_batch_size=B, mini_batch_size=B, epochs=1, seed=0,
+    actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=mini,
+                            ppo_micro_batch_size_per_gpu=MICRO, loss_agg_mode=agg, policy_loss={"loss_mode": loss_mode},
+                            clip_ratio=0.2, clip_ratio_c=3.0)
+
+    def loss(model_output, data, dp_group=None):
+        if seen is not None:
+            seen.append(no_padding_2_padding(model_output["log_probs"], data).detach().float().clone())
+        return ppo_loss(actor, model_output, data, dp_group)
+
+    worker.set_loss_fn(loss)
+    data = _batch(tensors, meta or {})
+    tu.assign_non_tensor(data, global_batch_size=mini, mini_batch_size=mini, epochs=epochs, seed=0,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True, calculate_entropy=False)
     worker.grads.clear()
     metrics = tu.get(worker.train_mini_batch(data), "metrics")
-    (grad,) = worker.grads
-    return metrics, grad
+    grads = list(worker.grads)
+    return metrics, (grads[0] if len(grads) == 1 else grads)
 
 
 def test_installed_verl_is_the_pinned_release():
@@ -339,3 +400,158 @@ def test_rollout_correction_composes_with_verls(worker, current_logp, verl_confi
         "old_log_probs": old, "advantages": advantages, "rollout_is_weights": weights, "response_mask": ours_mask})
     torch.testing.assert_close(ours_grad, verl_grad, rtol=1e-5, atol=1e-7)
     assert ours_metrics["actor/pg_loss"] == pytest.approx(verl_metrics["actor/pg_loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several mini-batches: every metric equals vanilla's in every loss_agg_mode (the weights move between mini-batches)
+# ---------------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _learning(worker, lr: float):
+    """The worker trains at ``lr`` inside; its weights, optimiser state and lr are restored on exit."""
+    import copy
+
+    engine = worker.engine
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    state = copy.deepcopy(engine.optimizer.state_dict())
+    before = [g["lr"] for g in engine.optimizer.param_groups]
+    base_lrs = list(engine.lr_scheduler.base_lrs)
+    engine.lr_scheduler.base_lrs = [lr for _ in base_lrs]
+    for g in engine.optimizer.param_groups:
+        g["lr"] = lr
+
+    def restore():
+        with torch.no_grad():
+            for p, q in zip(engine.module.parameters(), params):
+                p.copy_(q)
+        engine.optimizer.load_state_dict(state)
+        engine.lr_scheduler.base_lrs = [lr for _ in base_lrs]
+        for g in engine.optimizer.param_groups:
+            g["lr"] = lr
+
+    try:
+        yield restore
+    finally:
+        restore()
+        engine.lr_scheduler.base_lrs = base_lrs
+        for g, value in zip(engine.optimizer.param_groups, before):
+            g["lr"] = value
+
+
+@pytest.mark.parametrize("agg", MODES)
+def test_every_metric_equals_vanillas_over_several_mini_batches(worker, current_logp, agg):
+    """Two mini-batches of 4 (two optimiser steps at lr 1e-2, so the second mini-batch sees moved weights), two
+    epochs: per mini-batch, every metric verl's vanilla reports is the adapter's too (the issue's token-sum case:
+    pg_clipfrac and ppo_kl from the second mini-batch on)."""
+    tensors = {"old_log_probs": _old_logp(current_logp, True),
+               "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    with _learning(worker, 1e-2) as restore:
+        verl_metrics, verl_grads = _train(worker, "vanilla", agg, tensors, mini=4, epochs=2)
+        restore()
+        ours_metrics, ours_grads = _train(worker, "offpolicy_test", agg, tensors, mini=4, epochs=2)
+    assert len(verl_grads) == 4  # 2 mini-batches × 2 epochs
+    for ours, theirs in zip(ours_grads, verl_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    compared = [k for k in verl_metrics if k.startswith("actor/") or k in ("loss", "grad_norm")]
+    assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss"} <= set(compared)
+    for key in compared:
+        assert ours_metrics[key] == pytest.approx(verl_metrics[key], rel=1e-4, abs=1e-6), key
+    kl = verl_metrics["actor/ppo_kl"]
+    assert len(kl) == 4 and abs(kl[1] - kl[0]) > 1e-3  # the later mini-batches see moved weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plug-in's engine: the sampling recipe in both forwards, ALP in the update forward only
+# ---------------------------------------------------------------------------------------------------------------
+
+TEMPERATURE = 0.7
+
+
+def _reference_logits(worker) -> torch.Tensor:
+    """The logits [B, R, V] that predict each response token, from the engine's own module on the padded batch."""
+    input_ids, attention_mask = _inputs()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = worker.engine.module(input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids).logits.float()
+    return logits[:, P - 1:P + R - 1]
+
+
+RECIPES = {
+    # DVP: min-p only → the trainer's constrained log-prob over its own safe set (constrained_logp)
+    "dvp": ({"min_p": 0.6}, lambda z, y: constrained_logp(z, y, rho=0.6).logp),
+    # sampling replay: vLLM's min-p → top-k → top-p on z / T (replay_support_logp)
+    "replay": ({"min_p": 0.3, "top_k": 8, "top_p": 0.9},
+               lambda z, y: replay_support_logp(z, y, min_p=0.3, top_k=8, top_p=0.9, order=("min_p", "top_k", "top_p"))[0]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def recipe_worker(request, model_path, worker):
+    sampling, reference = RECIPES[request.param]
+    return make_worker(model_path, {"sampling": sampling}), reference
+
+
+def test_plugin_engine_scores_both_forwards_under_the_recipe(recipe_worker, worker):
+    from offpolicy.integrations.verl.engine import OffPolicyFSDPEngine
+
+    w, reference = recipe_worker
+    assert type(w.engine) is OffPolicyFSDPEngine and type(worker.engine) is not OffPolicyFSDPEngine
+    mask = _inputs()[1][:, P:].bool()
+    responses = _inputs()[0][:, P:]
+    expected = reference(_reference_logits(w) / TEMPERATURE, responses) * mask
+
+    old = infer_logp(w, {"temperature": TEMPERATURE})  # the old-log-prob forward (eval, no grad)
+    torch.testing.assert_close(old, expected, rtol=1e-5, atol=1e-5)
+    plain = infer_logp(worker, {"temperature": TEMPERATURE})  # verl's own engine: log softmax(z / T)
+    assert (old - plain).abs().max() > 0.1  # the recipe changes the log-probs
+
+    seen: list[torch.Tensor] = []  # the update forward (train, grad on)
+    tensors = {"old_log_probs": old, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    _train(w, "vanilla", "token-mean", tensors, meta={"temperature": TEMPERATURE}, seen=seen)
+    torch.testing.assert_close(torch.cat(seen) * mask, expected, rtol=1e-5, atol=1e-5)
+
+
+ALP = {"init_std": 0.05, "lr": 0.1, "seed": 0}  # σ large enough to move fp32 log-probs visibly
+
+
+@pytest.fixture(scope="module")
+def alp_worker(model_path, worker):
+    return make_worker(model_path, {"alp": ALP})
+
+
+def test_plugin_alp_noise_only_in_the_update_forward(alp_worker, current_logp):
+    w = alp_worker
+    alp = w.engine.alp
+    assert alp is not None and alp.num_layers == 2
+    assert all(p is not alp.log_sigma for p in w.engine.module.parameters())  # outside the model
+    assert not any("sigma" in k for k in w.engine.module.state_dict())  # no weight sync or HF checkpoint sees σ
+    assert w.engine.optimizer.param_groups[-1]["params"] == [alp.log_sigma]
+    assert w.engine.optimizer.param_groups[-1]["lr"] == pytest.approx(ALP["lr"])
+
+    # old-log-prob forward: noise-free, equal to verl's own engine on the same weights
+    torch.testing.assert_close(infer_logp(w), current_logp, rtol=1e-6, atol=1e-6)
+
+    sigma_grads = []
+    step = w.engine.optimizer_step
+
+    def record_sigma_grad_then_step():
+        sigma_grads.append(alp.log_sigma.grad.detach().clone())
+        return step()
+
+    w.engine.optimizer_step = record_sigma_grad_then_step
+    before = alp.log_sigma.detach().clone()
+    seen: list[torch.Tensor] = []
+    tensors = {"old_log_probs": current_logp, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    try:
+        _train(w, "vanilla", "token-mean", tensors, seen=seen)
+    finally:
+        w.engine.optimizer_step = step
+    mask = _inputs()[1][:, P:].bool()
+    noisy = torch.cat(seen)
+    assert ((noisy - current_logp).abs() * mask).max() > 1e-3  # the update forward is perturbed
+    assert not alp.is_enabled  # and the noise is off again afterwards
+    torch.testing.assert_close(infer_logp(w), current_logp, rtol=1e-6, atol=1e-6)
+    (grad,) = sigma_grads
+    assert grad.abs().min() > 0  # every layer's σ gets a gradient
+    assert not torch.equal(alp.log_sigma.detach(), before)  # and its own group steps it (the model's lr is 0)

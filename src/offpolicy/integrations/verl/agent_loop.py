@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offpolicy.integrations.verl.settings import VerlSettings, settings_from_trainer_config
+from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 
 from verl.experimental.agent_loop.agent_loop import register  # noqa: E402  (imported only where verl is)
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
@@ -76,7 +76,7 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.offpolicy = settings_from_trainer_config(self.config)
+        self.offpolicy = settings_from_environment()
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
         params = recipe_sampling_params(sampling_params, self.offpolicy)

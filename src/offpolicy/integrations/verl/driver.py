@@ -20,7 +20,7 @@ import torch  # noqa: F401  (the doctest uses it)
 from torch import Tensor
 
 from offpolicy.integrations.verl.loss import rollout_correction
-from offpolicy.integrations.verl.settings import VerlSettings, settings_from_trainer_config
+from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 
 REQUIRED_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask", "advantages")
 
@@ -72,7 +72,7 @@ def make_trainer_class(base: type) -> type:
             batch = super()._compute_advantage(batch, metrics)
             settings = getattr(self, "_offpolicy_settings", None)
             if settings is None:
-                settings = self._offpolicy_settings = settings_from_trainer_config(self.config)
+                settings = self._offpolicy_settings = settings_from_environment()
             if settings.correction is None:
                 return batch
             tq = trainer_base.tq

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
-from offpolicy.integrations.verl.settings import SETTINGS_KEY, VerlSettings, settings_from_override_config
+from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 from offpolicy.perturbation import LayerwisePerturbation
 
 from verl.utils import tensordict_utils as tu  # noqa: E402  (this module is only imported where verl is)
@@ -70,10 +70,7 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
     """``FSDPEngineWithLMHead`` + the plug-in's sampling recipe and ALP (see the module docstring)."""
 
     def __init__(self, model_config: Any, *args: Any, **kwargs: Any) -> None:
-        self.offpolicy = settings_from_override_config(getattr(model_config, "override_config", None))
-        hf_config = getattr(model_config, "hf_config", None)
-        if hf_config is not None and hasattr(hf_config, SETTINGS_KEY):
-            delattr(hf_config, SETTINGS_KEY)  # verl copied the block onto the HF config; no checkpoint should carry it
+        self.offpolicy = settings_from_environment()
         self.alp: LayerwisePerturbation | None = None
         super().__init__(model_config, *args, **kwargs)
 

@@ -1,19 +1,23 @@
 """The one settings block of the verl plug-in, read by the driver, the agent loop and the engine alike.
 
-A verl user writes it under ``actor_rollout_ref.model.override_config.offpolicy``: that key is the one free-form dict
-all three places see — the driver (the whole trainer config), every agent-loop worker (the whole config) and every
-training engine (``HFModelConfig.override_config``; verl copies the dict onto the HF config too, the engine removes it
-there so that no checkpoint carries it)::
+A verl user writes it once, as the environment variable ``OFFPOLICY_VERL`` of verl's Ray job
+(``ray_kwargs.ray_init.runtime_env.env_vars`` in the trainer config, a YAML or JSON mapping in one string): Ray gives a
+job's environment to every process of it on every node — the driver's task runner, the agent-loop workers and the
+training workers — which is what the three parts need. (verl's free-form ``rollout.custom`` reaches the driver and the
+agent loops but not the training engine, and a mapping under ``model.override_config`` breaks verl's HF-config update,
+which descends into every dict value.)::
 
-    actor_rollout_ref:
-      model:
-        external_lib: offpolicy.integrations.verl.plugin
-        override_config:
-          offpolicy:
-            correction: [{name: icepop}, {name: opsm, delta: 0.5}]   # driver, after the advantages
-            sampling: {min_p: 0.01}                                 # DVP ρ (or top_k / top_p: sampling replay)
-            alp: {init_std: 1.0e-4, lr: 5.0e-4}                     # ALP on the update forward
-            topk_logprobs: 0                                        # K log-probs per token from the server
+    ray_kwargs:
+      ray_init:
+        runtime_env:
+          env_vars:
+            OFFPOLICY_VERL: >-
+              {correction: [{name: icepop}, {name: opsm, delta: 0.5}],
+               sampling: {min_p: 0.01}, alp: {init_std: 1.0e-4, lr: 5.0e-4}, topk_logprobs: 0}
+
+``correction`` runs in the driver after the advantages; ``sampling`` is DVP's ρ (``min_p``) or, with ``top_k`` /
+``top_p``, sampling replay (agent loop + engine); ``alp`` perturbs the update forward; ``topk_logprobs`` asks the
+server for K log-probs per token.
 
 Every key is optional; an unknown key or a bad value is a ``ValueError`` naming it, raised when the block is read
 (the engine's construction, the driver's first step), not deep inside a step.
@@ -28,7 +32,6 @@ from typing import Any
 
 from offpolicy.registry import build_correction
 
-SETTINGS_KEY = "offpolicy"
 KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "naming")
 SAMPLING_KEYS = ("min_p", "top_k", "top_p")
 ALP_KEYS = ("init_std", "lr", "layers", "seed")
@@ -167,16 +170,28 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
                         topk_logprobs=int(k), naming=naming)
 
 
-def settings_from_override_config(override_config: Mapping[str, Any] | None) -> VerlSettings:
-    """The block at ``override_config["offpolicy"]`` (``actor_rollout_ref.model.override_config``)."""
-    override_config = _plain(override_config) or {}
-    return parse_settings(override_config.get(SETTINGS_KEY))
+ENV_VAR = "OFFPOLICY_VERL"
 
 
-def settings_from_trainer_config(config: Any) -> VerlSettings:
-    """The block from verl's whole trainer config (driver, agent loop): ``actor_rollout_ref.model.override_config``."""
+def settings_from_text(text: str | None) -> VerlSettings:
+    """Parse the block from its YAML / JSON text (``None`` or blank → everything off).
+
+    >>> settings_from_text("{sampling: {min_p: 0.05}}").sampling.min_p
+    0.05
+    """
+    if text is None or not text.strip():
+        return VerlSettings()
+    import yaml
+
     try:
-        override = config.actor_rollout_ref.model.get("override_config", None)
-    except AttributeError:
-        override = None
-    return settings_from_override_config(override)
+        block = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{ENV_VAR} is not YAML / JSON: {err}") from err
+    return parse_settings(block)
+
+
+def settings_from_environment() -> VerlSettings:
+    """The block from the ``OFFPOLICY_VERL`` environment variable (see the module docstring)."""
+    import os
+
+    return settings_from_text(os.environ.get(ENV_VAR))
