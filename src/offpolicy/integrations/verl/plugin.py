@@ -75,9 +75,9 @@ def install() -> dict[str, str]:
             continue
         try:
             _REGISTERED[part] = fn()
-        except ImportError as err:  # a verl component whose dependencies are not installed in this process
-            _REGISTERED[part] = f"skipped: {err}"
-            logger.info("offpolicy verl plug-in: %s not registered (%s)", part, err)
+        except Exception as err:  # noqa: BLE001 - e.g. a verl component whose dependencies this process lacks
+            _REGISTERED[part] = f"skipped: {type(err).__name__}: {err}"
+            logger.warning("offpolicy verl plug-in: %s not registered (%s: %s)", part, type(err).__name__, err)
     return registered()
 
 

@@ -1,0 +1,260 @@
+"""The verl plug-in's driver and rollout parts, run through verl 0.9.1's own code.
+
+* Driver: the plug-in's trainer (verl's ``sync`` v1 trainer with one method extended) runs verl's real
+  ``_compute_advantage`` — KL-free GRPO advantages from the stored rewards — on a stand-in TransferQueue (a dict of
+  nested tensors; ``transfer_queue`` itself is not installed here), then the correction; what it writes back must be
+  :func:`rollout_correction` of the same tensors with verl's advantages (OPSM reads them).
+* Rollout: the plug-in's agent loop (verl's single-turn loop) against a stub server that records the requests and
+  answers like verl's vLLM server (``TokenOutput``; ``prompt_logprobs`` rows as its ``extract_prompt_logprobs``
+  writes them): the recipe reaches ``sampling_params``, and the top-K of the response positions lands in
+  ``extra_fields``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+pytest.importorskip("hydra")  # verl's agent loop and v1 trainer import it (the verl-ci extra installs it)
+
+from offpolicy.integrations.verl import apply_driver_correction, parse_settings, rollout_correction  # noqa: E402
+from offpolicy.integrations.verl.settings import settings_from_text  # noqa: E402
+
+B, R = 6, 5
+LENGTHS = [5, 3, 4, 5, 2, 4]
+UIDS = ["p0", "p0", "p0", "p1", "p1", "p1"]  # two GRPO groups of three
+SCORES = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+CORRECTION = [{"name": "icepop"}, {"name": "opsm", "delta": 0.05}]
+
+
+class StandInQueue:
+    """The two TransferQueue calls verl's ``_compute_advantage`` makes, over a dict ``{key: {field: tensor [len]}}``."""
+
+    def __init__(self, rows: dict[str, dict]):
+        self.rows = rows
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        from tensordict import NonTensorStack, TensorDict
+
+        out = {}
+        for field in select_fields:
+            if field not in self.rows[keys[0]]:
+                continue  # verl asks for ref_log_prob / values whether or not they exist
+            values = [self.rows[k][field] for k in keys]
+            out[field] = NonTensorStack(*values) if isinstance(values[0], str) else torch.nested.as_nested_tensor(
+                values, layout=torch.jagged)
+        return TensorDict(out, batch_size=len(keys))
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        for i, key in enumerate(keys):
+            for field in fields.keys():
+                self.rows[key][field] = fields[field][i].clone()
+        return BatchMeta(keys=keys, partition_id=partition_id)
+
+
+class BatchMeta(types.SimpleNamespace):
+    def __len__(self):
+        return len(self.keys)
+
+
+def _step_tensors():
+    g = torch.Generator().manual_seed(7)
+    old = -torch.rand(B, R, generator=g) * 2
+    rollout = old + 0.4 * torch.randn(B, R, generator=g)
+    rollout[2, 1] = old[2, 1] - 3.0  # ρ = e³: outside IcePop's band
+    mask = (torch.arange(R)[None] < torch.tensor(LENGTHS)[:, None]).float()
+    return old, rollout, mask
+
+
+@pytest.fixture(scope="module")
+def trainer_base():
+    """verl's v1 trainer module; ``transfer_queue`` stubbed for the import when it is not installed."""
+    if importlib.util.find_spec("transfer_queue") is None:
+        stub = types.ModuleType("transfer_queue")
+        stub.KVBatchMeta = type("KVBatchMeta", (), {})
+        sys.modules.setdefault("transfer_queue", stub)
+    from verl.trainer.ppo.v1 import trainer_base, trainer_sync  # noqa: F401  (registers "sync")
+
+    return trainer_base
+
+
+def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_base, monkeypatch):
+    from omegaconf import OmegaConf
+
+    import offpolicy.integrations.verl.plugin as plugin
+
+    monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": CORRECTION}))
+    assert plugin.register_trainer() == "offpolicy"
+    cls = trainer_base.get_trainer_cls("offpolicy")
+    assert issubclass(cls, trainer_base.get_trainer_cls("sync"))
+
+    old, rollout, mask = _step_tensors()
+    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]  # verl's "{uid}_{session}_{turn}": one session each
+    rows = {}
+    for i, key in enumerate(keys):
+        n = LENGTHS[i]
+        scores = torch.zeros(n)
+        scores[-1] = SCORES[i]
+        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
+                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n]}
+    queue = StandInQueue(rows)
+    monkeypatch.setattr(trainer_base, "tq", queue)
+
+    trainer = object.__new__(cls)  # the method under test reads only the config (and the queue)
+    trainer.config = OmegaConf.create({
+        "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0,
+                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
+        "actor_rollout_ref": {"rollout": {"n": 3}},
+    })
+    metrics: dict = {}
+    trainer._compute_advantage(BatchMeta(keys=keys, partition_id="train"), metrics)
+
+    def stored(field):
+        return torch.stack([torch.nn.functional.pad(rows[k][field].float(), (0, R - len(rows[k][field])))
+                            for k in keys])
+
+    advantages = stored("advantages")
+    # GRPO by hand: group p0 scores (1, 0, 1): mean 2/3, std (unbiased) 0.5774 → A = (0.5774, −1.1547, 0.5774)
+    assert advantages[:3, 0].tolist() == pytest.approx([0.57735, -1.15470, 0.57735], abs=1e-4)
+    weights, keep, expected_metrics = rollout_correction(old, rollout, mask, CORRECTION, advantages=advantages)
+    torch.testing.assert_close(stored("response_mask"), (mask.bool() & keep).float())
+    torch.testing.assert_close(stored("rollout_is_weights"), weights * (mask.bool() & keep))
+    assert 0 < stored("response_mask").sum() < mask.sum()  # something dropped, not everything
+    assert stored("response_mask")[2, 1] == 0  # IcePop's token
+    assert set(expected_metrics) <= set(metrics) and all(isinstance(v, float) for v in metrics.values())
+    assert all(k.startswith("rollout_corr/") for k in expected_metrics)
+
+
+def test_opsm_in_the_driver_reads_the_advantages():
+    # OPSM drops a sequence only when A < 0 and its mismatch KL exceeds δ: the same tensors with the advantages'
+    # signs flipped keep a different set of sequences
+    old, rollout, mask = _step_tensors()
+    settings = parse_settings({"correction": {"name": "opsm", "delta": 0.05}})
+    a = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])[:, None].expand(B, R)
+    batch = {"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask}
+    kept = apply_driver_correction({**batch, "advantages": a}, settings)[0]["response_mask"]
+    flipped = apply_driver_correction({**batch, "advantages": -a}, settings)[0]["response_mask"]
+    assert not torch.equal(kept, flipped)
+    assert ((kept.sum(-1) == 0) <= (a[:, 0] < 0)).all()  # only A < 0 rows are dropped
+    with pytest.raises(ValueError, match="advantages"):
+        apply_driver_correction(batch, settings)
+
+
+def test_settings_errors_name_the_key():
+    with pytest.raises(ValueError, match="offpolicy.sampling.min_p"):
+        parse_settings({"sampling": {"min_p": 2.0}})
+    with pytest.raises(ValueError, match="unknown correction 'tiss'"):
+        parse_settings({"correction": "tiss"})
+    with pytest.raises(ValueError, match="offpolicy.alp"):
+        parse_settings({"alp": {"sigma": 1.0}})
+    with pytest.raises(ValueError, match="OFFPOLICY_VERL"):
+        settings_from_text("{sampling: [")
+    assert not settings_from_text("").any_engine_method
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Agent loop against a stub server
+# ---------------------------------------------------------------------------------------------------------------
+
+PROMPT = [11, 12, 13]
+RESPONSE = [21, 22, 23, 24]
+K = 3
+
+
+def _prompt_logprobs_rows(n_tokens: int) -> dict:
+    """What verl's vLLM server returns for a scoring request with ``prompt_logprobs=K``: one row per token after the
+    first (ids ranked 1…K, log-probs descending), then a dummy row; row r's top id is 100 + r (a value to find)."""
+    ids = [[100 + r, 200 + r, 300 + r] for r in range(n_tokens - 1)] + [[0] * K]
+    logps = [[-0.1 * (r + 1), -1.0 - r, -2.0 - r] for r in range(n_tokens - 1)] + [[0.0] * K]
+    return {"prompt_ids": ids, "prompt_logprobs": logps}
+
+
+class StubServer:
+    """Records each request; answers generation with RESPONSE and a scoring request with prompt log-probs."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.requests.append({"prompt_ids": list(prompt_ids), "sampling_params": dict(sampling_params)})
+        if "prompt_logprobs" in sampling_params:
+            return TokenOutput(token_ids=[0], extra_fields=_prompt_logprobs_rows(len(prompt_ids)))
+        return TokenOutput(token_ids=RESPONSE, log_probs=[-0.5] * len(RESPONSE))
+
+
+def _agent_loop(server):
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    from offpolicy.integrations.verl.agent_loop import AGENT_NAME, OffPolicyAgentLoop
+
+    assert _agent_loop_registry[AGENT_NAME]["_target_"].endswith("OffPolicyAgentLoop")
+    loop = object.__new__(OffPolicyAgentLoop)  # verl builds it with a tokenizer and the dataset; run() needs these
+    loop.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 8, "response_length": 8}}})
+    loop.server_manager = server
+    loop.rollout_config = loop.config.actor_rollout_ref.rollout
+    loop.prompt_length = loop.response_length = 8
+    loop.offpolicy = settings_from_text(json.dumps({"sampling": {"min_p": 0.05, "top_k": 20},
+                                                    "topk_logprobs": K}))
+
+    async def no_media(messages):
+        return {}
+
+    async def tokens(messages, **kwargs):
+        return list(PROMPT)
+
+    async def merge(prompt_ids, response_ids, *args, assistant_logprobs=None):
+        merged = types.SimpleNamespace(token_ids=list(prompt_ids) + list(response_ids))
+        return merged, [1] * len(response_ids), assistant_logprobs
+
+    loop.process_multi_modal_info = no_media
+    loop.ct_build_initial_tokens = tokens
+    loop.ct_merge_assistant_token = merge
+    loop._get_mm_processor_kwargs = lambda audios: {}
+    loop._assert_mm_supported = lambda has: None
+    loop.build_sglang_video_payload = lambda videos, inputs: None
+    return loop
+
+
+def test_agent_loop_samples_under_the_recipe_and_carries_the_top_k():
+    server = StubServer()
+    loop = _agent_loop(server)
+    verl_params = {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    output = asyncio.run(loop.run(dict(verl_params), priority=0, raw_prompt=[{"role": "user", "content": "hi"}]))
+
+    generate, score = server.requests
+    assert generate["sampling_params"] == {**verl_params, "min_p": 0.05, "top_k": 20}
+    assert score["prompt_ids"] == PROMPT + RESPONSE  # the finished sequence, scored once
+    assert score["sampling_params"] == {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "min_p": 0.05,
+                                        "max_tokens": 1, "prompt_logprobs": K}
+    # response token j is predicted by row len(PROMPT) − 1 + j: its top id is 100 + 2 + j
+    ids, logps = output.extra_fields["rollout_topk_ids"], output.extra_fields["rollout_topk_logprobs"]
+    assert [row[0] for row in ids] == [102, 103, 104, 105]
+    assert logps[0] == pytest.approx([-0.3, -3.0, -4.0])
+    assert output.response_ids == RESPONSE and output.response_logprobs == [-0.5] * 4
+
+    greedy = asyncio.run(loop.run({**verl_params, "temperature": 0.0}, raw_prompt=[]))
+    assert "min_p" not in server.requests[2]["sampling_params"]  # validation's greedy requests stay greedy
+    assert greedy.response_ids == RESPONSE
+
+
+def test_top_k_parse_errors_name_the_field():
+    from offpolicy.integrations.verl.agent_loop import topk_from_prompt_logprobs
+
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        topk_from_prompt_logprobs({}, 3, 2, K)
+    rows = _prompt_logprobs_rows(5)
+    rows["prompt_logprobs"][3] = [-0.1, None, None]  # a position where the server returned fewer than K
+    with pytest.raises(ValueError, match="row 3"):
+        topk_from_prompt_logprobs(rows, 3, 2, K)
+    assert math.isfinite(topk_from_prompt_logprobs(_prompt_logprobs_rows(5), 3, 2, K)[1][0][0])
