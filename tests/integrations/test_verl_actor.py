@@ -250,12 +250,13 @@ def _inputs():
     return input_ids, attention_mask
 
 
-def _batch(tensors: dict, meta: dict):
-    """verl's trainer-side batch (``DataProto`` → no-padding ``TensorDict``) as ``_update_actor`` builds it."""
+def _batch(tensors: dict, meta: dict, rows: slice = slice(None)):
+    """verl's trainer-side batch (``DataProto`` → no-padding ``TensorDict``) as ``_update_actor`` builds it; ``rows``
+    selects a data-parallel rank's share (``tensors`` are given for those rows only)."""
     from verl import DataProto
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    input_ids, attention_mask = _inputs()
+    input_ids, attention_mask = (t[rows] for t in _inputs())
     data = DataProto.from_single_dict(
         {"input_ids": input_ids, "prompts": input_ids[:, :P], "attention_mask": attention_mask,
          "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "responses": input_ids[:, P:],
@@ -265,14 +266,14 @@ def _batch(tensors: dict, meta: dict):
     return left_right_2_no_padding(data.to_tensordict())
 
 
-def infer_logp(worker, meta: dict | None = None) -> torch.Tensor:
+def infer_logp(worker, meta: dict | None = None, rows: slice = slice(None)) -> torch.Tensor:
     """The worker's log-probs of the responses [B, R] from ``infer_batch`` (verl's old-log-prob forward), 0 at padding."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    data = _batch({}, {"compute_loss": False, **(meta or {})})
+    data = _batch({}, {"compute_loss": False, **(meta or {})}, rows)
     logp = no_padding_2_padding(tu.get(worker.infer_batch(data), "log_probs"), data).float()
-    return logp * _inputs()[1][:, P:]
+    return logp * _inputs()[1][rows, P:]
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +293,7 @@ def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
 
 
 def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, epochs: int = 1,
-           meta: dict | None = None, seen: list | None = None):
+           meta: dict | None = None, seen: list | None = None, rows: slice = slice(None)):
     """One ``train_mini_batch`` of the whole batch in mini-batches of ``mini`` (two micro-batches each at ``mini=B``):
     (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received."""
     from verl.utils import tensordict_utils as tu
@@ -310,7 +311,7 @@ def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, ep
         return ppo_loss(actor, model_output, data, dp_group)
 
     worker.set_loss_fn(loss)
-    data = _batch(tensors, meta or {})
+    data = _batch(tensors, meta or {}, rows)
     tu.assign_non_tensor(data, global_batch_size=mini, mini_batch_size=mini, epochs=epochs, seed=0,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True, calculate_entropy=False)
     worker.grads.clear()

@@ -13,9 +13,10 @@ registries:
 * the agent loop ``offpolicy_agent`` (``actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent``);
 * the trainer ``offpolicy`` (``trainer.v1.trainer_mode=offpolicy``): verl's ``sync`` trainer with the settings'
   correction applied after the advantages (:mod:`.driver`). verl picks the trainer class *before* it imports
-  ``external_lib`` in the driver, so this one registration must happen at ``import verl``: offpolicy declares this
-  module as a ``verl.plugins`` entry point (verl loads those on import), and ``VERL_USE_EXTERNAL_MODULES=
-  offpolicy.integrations.verl.plugin`` does the same where offpolicy is not pip-installed.
+  ``external_lib`` in the driver, so this one registration must happen at ``import verl``: the job environment
+  ``VERL_USE_EXTERNAL_MODULES=offpolicy.integrations.verl.plugin`` (``ray_kwargs.ray_init.runtime_env.env_vars``) makes
+  verl import this module on import in every process. (offpolicy declares no ``verl.plugins`` entry point on purpose:
+  that would swap the engine of every verl run in an environment where offpolicy happens to be installed.)
 
 Each registration is skipped (and reported by :func:`registered`) when the verl part it needs does not import here —
 e.g. the v1 trainer needs ``transfer_queue`` — so a training worker without those packages still gets its engine.
@@ -70,9 +71,7 @@ def install() -> dict[str, str]:
         "agent_loop": _agent_loop,
         "trainer": register_trainer,
     }
-    for part, fn in parts.items():
-        if part in _REGISTERED and not _REGISTERED[part].startswith("skipped"):
-            continue
+    for part, fn in parts.items():  # each is idempotent; rerun because the device may have been set since
         try:
             _REGISTERED[part] = fn()
         except Exception as err:  # noqa: BLE001 - e.g. a verl component whose dependencies this process lacks
