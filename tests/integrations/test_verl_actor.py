@@ -31,9 +31,9 @@ import torch
 
 verl = pytest.importorskip("verl")
 
-from offpolicy.corrections.importance import mis, tis  # noqa: E402
-from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp  # noqa: E402
-from offpolicy.integrations.verl import register_verl_policy_loss, rollout_correction  # noqa: E402
+from offpolicy.corrections.importance import mis, tis
+from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
+from offpolicy.integrations.verl import register_verl_policy_loss, rollout_correction
 
 B, P, R, VOCAB = 8, 4, 6, 64  # sequences, prompt and response width, vocabulary
 MICRO = 4  # two micro-batches per mini-batch: the global counts (not the micro-batch's) must set the scale
@@ -51,6 +51,8 @@ def _cpu_platform():
         max_memory_allocated = max_memory_reserved = memory_allocated = memory_reserved = staticmethod(lambda *_: 0)
         mem_get_info = staticmethod(lambda *_: (0, 0))
         get_device_name = staticmethod(lambda *_: "CPU")
+        get_rng_state = staticmethod(lambda *_: torch.get_rng_state())  # verl's checkpoints save the device RNG
+        set_rng_state = staticmethod(lambda state, *_: torch.set_rng_state(state))
 
         def __getattr__(self, name):
             return getattr(torch.cpu, name)
@@ -163,7 +165,12 @@ def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro
 
     ``offpolicy=None``: verl's own engine. A dict: the user's setup — ``external_lib`` names the plug-in (which
     registers its engine for this device and vendor) and the dict is the ``OFFPOLICY_VERL`` settings block."""
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.config import (
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
     from verl.workers.engine_workers import TrainingWorker
 
     override = {"attn_implementation": "eager"}
@@ -370,7 +377,9 @@ def test_rollout_correction_composes_with_verls(worker, current_logp, verl_confi
     :func:`rollout_correction` then the adapter, ``keep`` applied to ``response_mask`` as verl applies its rejection."""
     from verl import DataProto
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+    from verl.trainer.ppo.rollout_corr_helper import (
+        compute_rollout_correction_and_add_to_batch,
+    )
 
     old = current_logp  # the π_old forward at the start of the step
     # μ: a sizeable mismatch (a tenth of it at sequence level, where the product ratio over 6 tokens is the weight)
@@ -556,3 +565,23 @@ def test_plugin_alp_noise_only_in_the_update_forward(alp_worker, current_logp):
     (grad,) = sigma_grads
     assert grad.abs().min() > 0  # every layer's σ gets a gradient
     assert not torch.equal(alp.log_sigma.detach(), before)  # and its own group steps it (the model's lr is 0)
+
+
+def test_plugin_alp_sigma_round_trips_through_verls_checkpoint(alp_worker, tmp_path):
+    from verl.trainer.config import CheckpointConfig
+
+    from offpolicy.integrations.verl.engine import ALP_CHECKPOINT
+
+    w = alp_worker
+    alp = w.engine.alp
+    w.engine.checkpoint_manager.checkpoint_config = CheckpointConfig(
+        save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"])
+    with torch.no_grad():
+        alp.log_sigma.copy_(torch.tensor([-3.0, -4.0]))
+    w.engine.save_checkpoint(str(tmp_path), global_step=1)
+    assert (tmp_path / ALP_CHECKPOINT).exists()
+    with torch.no_grad():
+        alp.log_sigma.fill_(0.0)
+    w.engine.load_checkpoint(str(tmp_path))
+    assert alp.log_sigma.detach().tolist() == [-3.0, -4.0]
+    assert alp.log_sigma in w.engine.optimizer.param_groups[-1]["params"]  # still the tensor the optimiser steps

@@ -25,8 +25,12 @@ import torch
 verl = pytest.importorskip("verl")
 pytest.importorskip("hydra")  # verl's agent loop and v1 trainer import it (the verl-ci extra installs it)
 
-from offpolicy.integrations.verl import apply_driver_correction, parse_settings, rollout_correction  # noqa: E402
-from offpolicy.integrations.verl.settings import settings_from_text  # noqa: E402
+from offpolicy.integrations.verl import (
+    apply_driver_correction,
+    parse_settings,
+    rollout_correction,
+)
+from offpolicy.integrations.verl.settings import settings_from_text
 
 B, R = 6, 5
 LENGTHS = [5, 3, 4, 5, 2, 4]
@@ -55,7 +59,7 @@ class StandInQueue:
 
     def kv_batch_put(self, keys, partition_id, fields):
         for i, key in enumerate(keys):
-            for field in fields.keys():
+            for field in fields.keys():  # noqa: SIM118 - TensorDict keys
                 self.rows[key][field] = fields[field][i].clone()
         return BatchMeta(keys=keys, partition_id=partition_id)
 
@@ -89,7 +93,7 @@ def trainer_base():
 def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_base, monkeypatch):
     from omegaconf import OmegaConf
 
-    import offpolicy.integrations.verl.plugin as plugin
+    from offpolicy.integrations.verl import plugin
 
     monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": CORRECTION}))
     assert plugin.register_trainer() == "offpolicy"
@@ -258,3 +262,19 @@ def test_top_k_parse_errors_name_the_field():
     with pytest.raises(ValueError, match="row 3"):
         topk_from_prompt_logprobs(rows, 3, 2, K)
     assert math.isfinite(topk_from_prompt_logprobs(_prompt_logprobs_rows(5), 3, 2, K)[1][0][0])
+
+
+def test_plugin_registers_the_policy_losses_that_need_no_mu():
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from offpolicy.integrations.verl import plugin
+
+    names = plugin.registered()["policy_loss"].split(", ")
+    assert {"offpolicy", "offpolicy_cispo", "offpolicy_sapo", "offpolicy_dppo_tv", "offpolicy_gspo"} <= set(names)
+    assert "offpolicy_bypass" not in names  # reads μ, which verl's policy-loss signature does not carry
+    old, new = torch.zeros(1, 3), torch.tensor([[0.5, 0.0, -0.5]], requires_grad=True)
+    loss, metrics = get_policy_loss_fn("offpolicy")(old, new, torch.ones(1, 3), torch.ones(1, 3), "token-mean",
+                                                     {"clip_ratio": 0.2})
+    # PPO, A = 1: r = (e^0.5, 1, e^-0.5); the first clips at 1.2 → −(1.2 + 1 + 0.6065) / 3 = −0.9355
+    assert loss.item() == pytest.approx(-(1.2 + 1.0 + math.exp(-0.5)) / 3, rel=1e-5)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
-
-from verl.experimental.agent_loop.agent_loop import register  # noqa: E402  (imported only where verl is)
+from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 
 AGENT_NAME = "offpolicy_agent"
 

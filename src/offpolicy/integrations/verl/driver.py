@@ -82,7 +82,7 @@ def make_trainer_class(base: type) -> type:
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             nested_mask = data["response_mask"]
             padded = data.to_padded_tensor()
-            tensors = {k: padded[k] for k in fields if k in padded.keys()}
+            tensors = {k: padded[k] for k in fields if k in padded.keys()}  # noqa: SIM118 - TensorDict keys
             updates, step_metrics = apply_driver_correction(tensors, settings)
             metrics.update(_metric_floats(step_metrics))
             from tensordict import TensorDict
@@ -98,11 +98,11 @@ def make_trainer_class(base: type) -> type:
 def corrected(data: Any, settings: VerlSettings) -> dict[str, float]:
     """Apply :func:`apply_driver_correction` to a ``DataProto`` in place (legacy trainer / a user's own loop);
     returns the metrics as floats."""
-    tensors = {k: data.batch[k] for k in (*REQUIRED_FIELDS, "rollout_is_weights") if k in data.batch.keys()}
+    tensors = {k: data.batch[k] for k in (*REQUIRED_FIELDS, "rollout_is_weights") if k in data.batch.keys()}  # noqa: SIM118
     updates, metrics = apply_driver_correction(tensors, settings)
     for k, v in updates.items():
         data.batch[k] = v
     return _metric_floats(metrics)
 
 
-__all__ = ["apply_driver_correction", "corrected", "make_trainer_class", "REQUIRED_FIELDS"]
+__all__ = ["REQUIRED_FIELDS", "apply_driver_correction", "corrected", "make_trainer_class"]

@@ -31,13 +31,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 from offpolicy.perturbation import LayerwisePerturbation
-
-from verl.utils import tensordict_utils as tu  # noqa: E402  (this module is only imported where verl is)
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 ALP_CHECKPOINT = "offpolicy_alp.pt"
 VLLM_ORDER = ("min_p", "top_k", "top_p")

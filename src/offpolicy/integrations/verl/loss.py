@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import torch  # noqa: F401  (the doctests below use it)
+import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch

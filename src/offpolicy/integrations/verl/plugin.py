@@ -81,13 +81,16 @@ def install() -> dict[str, str]:
 
 
 def _policy_loss() -> str:
-    """``offpolicy`` (PPO) and ``offpolicy_<objective>`` for every registered objective (cispo, sapo, dppo_tv …)."""
+    """``offpolicy`` (PPO) and ``offpolicy_<objective>`` for every registered objective that needs no μ (verl's loss
+    signature does not carry the rollout log-probs): cispo, sapo, dppo_tv, dppo_kl, gspo, reinforce, ppo …"""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     from offpolicy.integrations.verl.loss import register_verl_policy_loss
     from offpolicy.registry import OBJECTIVES
 
-    names = {"offpolicy": "ppo", **{f"offpolicy_{name}": name for name in OBJECTIVES}}
+    without_mu = [name for name in OBJECTIVES if "rollout_logp" not in OBJECTIVES[name].inputs_read(True)
+                  and "rollout_logp" not in OBJECTIVES[name].inputs_read(False)]
+    names = {"offpolicy": "ppo", **{f"offpolicy_{name}": name for name in without_mu}}
     for loss_name, objective in names.items():
         if loss_name not in POLICY_LOSS_REGISTRY:
             register_verl_policy_loss(loss_name, objective=objective)

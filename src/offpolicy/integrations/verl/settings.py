@@ -130,7 +130,7 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     if block is None:
         return VerlSettings()
     if not isinstance(block, Mapping):
-        raise ValueError(f"offpolicy settings must be a mapping, got {type(block).__name__}")
+        raise ValueError(f"offpolicy settings must be a mapping, got {type(block).__name__}")  # noqa: TRY004
     for key in block:
         if key not in KNOWN_KEYS:
             raise ValueError(f"offpolicy: unknown key {key!r}; known: {', '.join(KNOWN_KEYS)}")
