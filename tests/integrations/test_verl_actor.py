@@ -160,7 +160,8 @@ def setup_cpu_verl() -> None:
         )
 
 
-def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro: int = MICRO):
+def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro: int = MICRO,
+                remove_padding: bool = False):
     """A verl ``TrainingWorker`` (FSDP2, fp32) on the model at ``path``, gradients recorded in ``worker.grads``.
 
     ``offpolicy=None``: verl's own engine. A dict: the user's setup — ``external_lib`` names the plug-in (which
@@ -177,7 +178,7 @@ def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     training = TrainingWorkerConfig(
         model_type="language_model",
-        model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False,
+        model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=remove_padding,
                                    override_config=override,
                                    external_lib=None if offpolicy is None else "offpolicy.integrations.verl.plugin"),
         engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, mixed_precision=fp32,
@@ -585,3 +586,32 @@ def test_plugin_alp_sigma_round_trips_through_verls_checkpoint(alp_worker, tmp_p
     w.engine.load_checkpoint(str(tmp_path))
     assert alp.log_sigma.detach().tolist() == [-3.0, -4.0]
     assert alp.log_sigma in w.engine.optimizer.param_groups[-1]["params"]  # still the tensor the optimiser steps
+
+
+def test_plugin_engine_recipe_on_the_packed_path(model_path):
+    """verl's default ``use_remove_padding=True``: the micro-batch runs as one packed row [1, total_nnz] (no
+    flash-attention here, so the rows attend across each other — irrelevant: the check is on the logits the forward
+    produced). The engine's log-probs equal DVP's constrained log-prob of those logits at the rolled labels."""
+    w = make_worker(model_path, {"sampling": {"min_p": 0.6}}, remove_padding=True)
+    captured = []
+    hook = w.engine.module.lm_head.register_forward_hook(lambda m, args, out: captured.append(out.detach().float()))
+    try:
+        from verl.utils import tensordict_utils as tu
+
+        data = _batch({}, {"compute_loss": False, "temperature": TEMPERATURE})
+        logp = tu.get(w.infer_batch(data), "log_probs")
+    finally:
+        hook.remove()
+    input_ids = data["input_ids"]
+    per_micro = [MICRO] * (B // MICRO)
+    expected, plain, start = [], [], 0
+    for logits, n in zip(captured, per_micro):  # one packed forward per micro-batch
+        ids = torch.cat([input_ids[i] for i in range(start, start + n)])
+        labels = torch.roll(ids, shifts=-1)
+        z = logits.squeeze(0)[: ids.numel()] / TEMPERATURE
+        expected.append(constrained_logp(z, labels, rho=0.6).logp)
+        plain.append(z.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1))
+        start += n
+    got = torch.cat([t for t in logp.unbind()]).float() if logp.is_nested else logp.flatten().float()
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    assert (got - torch.cat(plain)).abs().max() > 0.1  # the recipe changed them

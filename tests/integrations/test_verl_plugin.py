@@ -278,3 +278,21 @@ def test_plugin_registers_the_policy_losses_that_need_no_mu():
     # PPO, A = 1: r = (e^0.5, 1, e^-0.5); the first clips at 1.2 → −(1.2 + 1 + 0.6065) / 3 = −0.9355
     assert loss.item() == pytest.approx(-(1.2 + 1.0 + math.exp(-0.5)) / 3, rel=1e-5)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)
+
+
+def test_corrected_writes_a_dataproto_in_place():
+    from verl import DataProto
+
+    from offpolicy.integrations.verl.driver import corrected
+
+    old, rollout, mask = _step_tensors()
+    a = torch.tensor(SCORES)[:, None].expand(B, R) - 0.5
+    data = DataProto.from_single_dict({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                       "advantages": a.contiguous()})
+    settings = parse_settings({"correction": CORRECTION})
+    expected, _ = apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                           "advantages": a}, settings)
+    metrics = corrected(data, settings)
+    torch.testing.assert_close(data.batch["response_mask"], expected["response_mask"])
+    torch.testing.assert_close(data.batch["rollout_is_weights"], expected["rollout_is_weights"])
+    assert metrics and all(isinstance(v, float) for v in metrics.values())

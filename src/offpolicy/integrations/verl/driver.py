@@ -1,4 +1,4 @@
-"""Driver-side corrections for verl: applied once per step where the advantages exist, written back as verl's helper does.
+"""Driver-side corrections for verl: once per step, where the advantages exist, written back as verl's helper does.
 
 verl 0.9's v1 trainer calls its own ``compute_rollout_correction_and_add_to_batch`` in ``_compute_advantage`` *before*
 the advantages are computed, so a correction that reads them (OPSM, arXiv 2512.01374 eq. 9) cannot run there. The
@@ -98,7 +98,8 @@ def make_trainer_class(base: type) -> type:
 def corrected(data: Any, settings: VerlSettings) -> dict[str, float]:
     """Apply :func:`apply_driver_correction` to a ``DataProto`` in place (legacy trainer / a user's own loop);
     returns the metrics as floats."""
-    tensors = {k: data.batch[k] for k in (*REQUIRED_FIELDS, "rollout_is_weights") if k in data.batch.keys()}  # noqa: SIM118
+    present = data.batch.keys()
+    tensors = {k: data.batch[k] for k in (*REQUIRED_FIELDS, "rollout_is_weights") if k in present}
     updates, metrics = apply_driver_correction(tensors, settings)
     for k, v in updates.items():
         data.batch[k] = v

@@ -274,7 +274,7 @@ def rollout_correction(
     names = check_naming(naming)
     if not isinstance(correction, Correction):
         if not isinstance(correction, (str, dict, list, tuple)):
-            raise ValueError(f"correction must be an offpolicy Correction or registered names, got "
+            raise ValueError(f"correction must be an offpolicy Correction or registered names, got "  # noqa: TRY004
                              f"{type(correction).__name__}")
         correction = build_correction(correction)  # type: ignore[assignment]
         if correction is None:
