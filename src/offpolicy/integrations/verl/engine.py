@@ -2,8 +2,8 @@
 
 :class:`OffPolicyFSDPEngine` subclasses verl's ``FSDPEngineWithLMHead`` (FSDP / FSDP2 language-model engine) and is
 registered with ``EngineRegistry.register`` for the current device and vendor by :mod:`.plugin`, so that verl's
-``TrainingWorker`` builds it in place of its own. Without an ``offpolicy`` settings block it behaves exactly as the
-parent class. What it changes:
+``TrainingWorker`` builds it in place of its own. Without ``sampling`` or ``alp`` in ``OFFPOLICY_VERL`` it behaves
+exactly as the parent class. What it changes:
 
 * **Sampling recipe** (``sampling: {min_p | top_k | top_p}``): ``prepare_model_outputs`` — the one function verl runs
   for the old-log-prob forward (eval, no grad) *and* the update forward (train) — returns log π^recipe(y) instead of
