@@ -44,3 +44,9 @@ def test_simple_table_is_fenced_whole():
 def test_sphinx_roles_become_code():
     assert to_markdown("see :func:`metric_names` and :class:`~offpolicy.LogProbBatch`") == (
         "see `metric_names` and `offpolicy.LogProbBatch`")
+
+
+def test_module_doctest():
+    import doctest
+
+    assert doctest.testmod(docstrings).failed == 0

@@ -41,4 +41,4 @@ def test_pycon_block(name, body):
 
 @pytest.mark.parametrize("name,body", PROGRAMS, ids=[n for n, _ in PROGRAMS])
 def test_python_program(name, body):
-    exec(compile(body, name, "exec"), {"__name__": "__docs__"})  # noqa: S102 - the docs' own example
+    exec(compile(body, name, "exec"), {"__name__": "__docs__"})  # the docs page's own example program

@@ -9,11 +9,13 @@ as text, so each is rewritten before mkdocstrings renders it — the source stay
 * a reST simple table (``====  ====`` borders) becomes a fenced block, as it reads in the source;
 * ``:func:`x```, ``:class:`x```, ``:meth:`x```, … become ``x`` in code.
 
->>> print(to_markdown(">>> 1 + 1\\n2"))
-```pycon
->>> 1 + 1
-2
+>>> print(to_markdown("Names, see :func:`chain`::\\n\\n    tis   truncate"))
+Names, see `chain`:
+<BLANKLINE>
+```text
+tis   truncate
 ```
+<BLANKLINE>
 """
 
 from __future__ import annotations
@@ -93,6 +95,6 @@ def to_markdown(text: str) -> str:
 class ReSTDocstrings(griffe.Extension):
     """Rewrites every loaded object's docstring with :func:`to_markdown` before it is parsed and rendered."""
 
-    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:  # noqa: ARG002 (griffe's hook signature)
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = to_markdown(obj.docstring.value)
