@@ -31,7 +31,9 @@ from offpolicy.lab.settings import SETTINGS as LAB_SETTINGS, VARIANTS as LAB_VAR
 
 _DEMO = LAB_SETTINGS["quick"]
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
+# Markdown: the docstrings' ``code`` shows as code and their 120-column line breaks are re-flowed to the terminal.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help=__doc__.split("\n\n")[0])
 
 def _quiet_transformers() -> None:
     """No "Loading weights" / "Writing model shards" bars between our own progress lines."""
