@@ -246,6 +246,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             if aggregation == "seq_mean_token_sum_norm":
                 raise ValueError("alp: loss_type dr_grpo's max_completion_length normaliser is not reproduced with "
                                  "ALP's loss; use another loss_type or aggregation")
+            if cfg.get("layers", "all") == "logits":  # TRL's fused head never calls the lm_head module
+                raise ValueError("alp: layers='logits' hooks the lm_head module, which TRL's fused head bypasses; "
+                                 "use 'all' or layer indices")
             level = cfg.get("level", "token")
             low, high = alp_clip_defaults(level)  # validates level
             model = self.model
