@@ -254,3 +254,14 @@ def test_raw_vllm_server_logprobs_are_refused():
     with pytest.raises(ValueError, match="logprobs_mode"):
         cls()
     cls(mode="processed_logprobs")
+
+
+def test_heads_that_scale_or_softcap_and_alp_on_logits_are_refused():
+    from offpolicy.integrations.trl.trainer import _check_plain_head
+
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        _check_plain_head(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=30.0)))
+    _check_plain_head(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=None, logit_scale=1.0)))
+    cls = make_offpolicy_grpo_trainer(_StandIn)
+    with pytest.raises(ValueError, match="layers='logits'"):
+        cls(alp={"layers": "logits"})
