@@ -74,7 +74,12 @@ __all__ = [
 ]
 
 
+_BUILT: dict[str, type] = {}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "OffPolicyGRPOTrainer":
-        return make_offpolicy_grpo_trainer()
+    if name == "OffPolicyGRPOTrainer":  # built once, on first access (importing this package never imports TRL)
+        if name not in _BUILT:
+            _BUILT[name] = make_offpolicy_grpo_trainer()
+        return _BUILT[name]
     raise AttributeError(name)
