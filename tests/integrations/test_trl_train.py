@@ -84,6 +84,25 @@ def test_dvp_with_hf_generate_samples_inside_the_trainers_safe_set(tmp_path):
     assert len(_logged(trainer, "offpolicy/loss/ratio_mean")) == 2
 
 
+def test_replay_of_top_k_top_p_and_repetition_penalty_in_trls_loop(tmp_path):
+    # HF generate with temperature, top-k, top-p and a repetition penalty on prompts of different lengths (TRL pads
+    # them on the left; HF's penalty sees the pad tokens): the chunked replay puts every sampled token inside the
+    # trainer's support, with the weights that sampled it, in both steps
+    torch.manual_seed(0)
+    model, tok = build_tiny_model(seed=0)
+    _Probe.probes = []
+    data = datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6, 14)])
+    args = _args(tmp_path, temperature=0.5, top_k=40, top_p=0.9, repetition_penalty=1.3)
+    trainer = _Probe(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok,
+                     sampling_replay=True, memory_budget_bytes=2**20)
+    assert trainer.offpolicy_recipe.processors == ("repetition_penalty", "temperature", "top_k", "top_p")
+    trainer.train()
+    for inside, mask, mass in trainer.probes:
+        assert bool(inside[mask].all()) and float(mass[mask].max()) <= 1.0
+    assert _logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
+    assert all(m < 1.0 for m in _logged(trainer, "offpolicy/dvp/mass_mean"))
+
+
 def test_replay_without_a_recipe_equals_trls_own_log_probs_and_loss(tmp_path):
     # sampling replay on with no truncation (temperature 0.7 only): the chunked replay from the captured hidden
     # states equals TRL's fused head — the per-token log-probs (π_old's forward) and _compute_loss's value and gradient
