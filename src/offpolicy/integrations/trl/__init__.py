@@ -1,0 +1,85 @@
+"""TRL integration: offpolicy's corrections, losses and seed methods inside TRL's ``GRPOTrainer``.
+
+Two levels, pick one:
+
+* :func:`trl_policy_loss` — a pure function from TRL's per-step ``inputs`` dict (``completion_mask``, ``advantages``,
+  ``old_per_token_logps``, ``sampling_per_token_logps``) and the current per-token log-probs to ``(loss, metrics)``.
+  Use it from your own ``GRPOTrainer._compute_loss`` override.
+* ``OffPolicyGRPOTrainer`` — a drop-in subclass of ``trl.GRPOTrainer`` (built on first access, so importing this module
+  never imports TRL) that takes ``correction=``, ``objective=``, ``aggregation=``, ``metric_naming=``, the seed
+  methods' switches and everything ``GRPOTrainer`` takes; corrections and objectives are registered names (a
+  plug-in's too) or objects::
+
+      from offpolicy.integrations.trl import OffPolicyGRPOTrainer
+      trainer = OffPolicyGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(..., use_vllm=True,
+                                     vllm_importance_sampling_correction=False),
+                                     correction=[{"name": "icepop"}, {"name": "opsm", "delta": 1e-4}])
+
+The seed methods, each one argument (``docs/frameworks/trl.md`` has the full page):
+
+* ``sampling_replay=True`` — π_old and π_θ are scored under the recipe the engine sampled with (temperature, top-k,
+  top-p, min-p, repetition penalty; vLLM's frequency / presence penalties), in that engine's filter order (HF
+  ``generate``: temperature → top-k → top-p → min-p; vLLM: penalties → temperature → min-p → top-k / top-p), in
+  chunks within ``memory_budget_bytes``; a token outside the trainer's support leaves the loss; ``dvp/mass_mean``,
+  ``dvp/mass_min``, ``dvp/outside_frac`` are logged.
+* ``dvp_rho=ρ`` — DVP (arXiv 2512.23087): the engine samples with ``min_p = ρ`` and the trainer replays it.
+* ``alp=True`` / ``alp={"init_std": 1e-4, "lr": 5e-4, "level": "token", ...}`` — ALP (arXiv 2603.19470): learnable
+  noise on the decoder layers' inputs in the update forward only, σ in its own optimiser group, out of the model's
+  ``state_dict``, saved in TRL checkpoints (``offpolicy_alp.pt``), its gradient all-reduced across processes.
+* ``topk_logprobs=K`` with ``correction="trm"`` (or ``"ln_trm"``) — TRM (arXiv 2512.23075) on vLLM's top-K: the
+  sampled token's log-prob taken by id (TRL keeps the top-1's), the top-K carried in TRL's batch, the per-token
+  divergence the certified upper bound (``topk_bound="upper"``) or the coarse-grained lower bound.
+
+TRL's names map as follows: ``sampling_per_token_logps`` (vLLM's log-probs) is μ = ``rollout_logp``;
+``old_per_token_logps`` is π_old (TRL leaves it out when there is a single update per generation — then π_old = π_θ
+detached, as in TRL); without vLLM there is no separate μ and μ = π_old (every correction is then the identity).
+TRL's own IS correction must be off (``vllm_importance_sampling_correction=False``) when an offpolicy correction is
+given, or the mismatch would be corrected twice; the subclass refuses it (TRL's default ``sequence_mask`` at 3.0 is
+``mis(level="sequence", upper=3.0)``). A vLLM server whose ``logprobs_mode`` is not ``processed_logprobs`` is refused
+(μ would not be the sampling distribution). Reproduced from TRL's loss: ``loss_type`` grpo / bnpo / dr_grpo / dapo
+with TRL's own normalisers (gradient accumulation, dapo's generation-batch token count, dr_grpo's
+``max_completion_length``), ``epsilon`` / ``epsilon_high``, ``delta`` (= ``dual_clip``), ``loss_type`` cispo (the
+``cispo`` objective, ``epsilon_high`` TRL's absolute cap) and sapo (``sapo``, TRL's two temperatures), the MoE router
+loss and vision inputs. When TRL hands over the vLLM log-probs, the mismatch diagnostics are logged too, under TRL's
+``sampling/…`` names by default (``metric_naming``). Refused, because silently ignoring them would train something
+else: ``beta`` ≠ 0 (no KL-to-reference term), other loss types, entropy-quantile masking, the entropy bonus,
+``off_policy_mask_threshold`` (use ``opsm``) and ``importance_sampling_level="sequence"`` except with
+``objective="gspo"`` or CISPO (TRL's sequence level is the length-normalised ratio, our ``geometric``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offpolicy.integrations.trl.alp import allreduce_sigma_grad
+from offpolicy.integrations.trl.loss import TRL_LOSS_TYPES, batch_from_trl_inputs, trl_objective, trl_policy_loss
+from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
+from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence
+from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
+
+__all__ = [
+    "ENGINE_ORDERS",
+    "OffPolicyGRPOTrainer",
+    "TRL_LOSS_TYPES",
+    "allreduce_sigma_grad",
+    "batch_from_trl_inputs",
+    "make_offpolicy_grpo_trainer",
+    "pad_topk",
+    "replay_logp",
+    "sampled_token_logprobs",
+    "topk_divergence",
+    "trl_objective",
+    "trl_policy_loss",
+    "trl_sampling_recipe",
+]
+
+
+_BUILT: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OffPolicyGRPOTrainer":  # built once, on first access (importing this package never imports TRL)
+        if name not in _BUILT:
+            _BUILT[name] = make_offpolicy_grpo_trainer()
+        return _BUILT[name]
+    raise AttributeError(name)

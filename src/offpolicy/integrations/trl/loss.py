@@ -1,0 +1,128 @@
+"""TRL's loss, reproduced with offpolicy's corrections and objectives: the key mapping from TRL's per-step
+``inputs`` dict to a :class:`~offpolicy.LogProbBatch`, :func:`trl_policy_loss`, and the ``GRPOConfig`` settings that
+map onto an objective (``loss_type``, ``epsilon``, ``delta``, …) or are refused (see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch  # noqa: F401 - the doctests use it
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.corrections.base import Correction
+from offpolicy.losses import policy_loss
+from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
+
+
+def _loss_mask(inputs: dict[str, Any]) -> Tensor:
+    """TRL's loss mask: ``completion_mask``, without tool-output tokens (``tool_mask``) when there are any."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
+def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> LogProbBatch:
+    """Map TRL's ``inputs`` dict and the current per-token log-probs [B, T] to a :class:`LogProbBatch`.
+
+    >>> b = batch_from_trl_inputs(torch.zeros(2, 3), {"completion_mask": torch.ones(2, 3), "advantages": torch.ones(2)})
+    >>> b.old_logp is None, torch.equal(b.rollout_logp, torch.zeros(2, 3))
+    (True, True)
+    """
+    for key in ("completion_mask", "advantages"):
+        if key not in inputs:
+            raise ValueError(f"inputs is missing {key!r}: pass the dict GRPOTrainer gives _compute_loss")
+    mask = _loss_mask(inputs)
+    old = inputs.get("old_per_token_logps")
+    rollout = inputs.get("sampling_per_token_logps")
+    if rollout is None:
+        # no separate inference engine: μ = π_old, and π_old = π_θ (detached) when TRL skipped that forward
+        rollout = old if old is not None else per_token_logps.detach()
+    return LogProbBatch(logp=per_token_logps, mask=mask, old_logp=old, rollout_logp=rollout, advantages=inputs["advantages"])
+
+
+def trl_policy_loss(
+    per_token_logps: Tensor,
+    inputs: dict[str, Any],
+    *,
+    correction: Correction | CorrectionSpec | list[CorrectionSpec] | None = None,
+    **loss_kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`offpolicy.policy_loss` on TRL's inputs; ``loss_kwargs`` are policy_loss's (objective, clip_low, …);
+    ``correction`` may be given by name (:func:`offpolicy.build_correction`).
+
+    >>> lp = torch.zeros(1, 2, requires_grad=True)
+    >>> loss, m = trl_policy_loss(lp, {"completion_mask": torch.ones(1, 2), "advantages": torch.tensor([2.0])})
+    >>> loss.item()
+    -2.0
+    """
+    correction = build_correction(correction) if not isinstance(correction, Correction) else correction
+    return policy_loss(batch_from_trl_inputs(per_token_logps, inputs), correction=correction, **loss_kwargs)
+
+
+# TRL loss_type → the offpolicy aggregation that reproduces it (with TRL's normaliser, see _trl_normalise)
+TRL_LOSS_TYPES: dict[str, str] = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
+}
+# TRL loss_type → its objective (the others are PPO-clip); TRL divides these two by the generation batch's tokens
+TRL_OBJECTIVES: dict[str, str] = {"cispo": "cispo", "sapo": "sapo"}
+TOKEN_COUNT_NORMALISED = ("dapo", "cispo")
+
+
+def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The objective and parameters that reproduce ``args`` (a ``GRPOConfig``): ``objective`` if given, else the one
+    of ``args.loss_type``; TRL's clip settings mapped onto the parameters the objective takes.
+
+    >>> from types import SimpleNamespace as Args
+    >>> trl_objective(Args(loss_type="cispo", epsilon=0.2, epsilon_high=5.0), None)
+    ('cispo', {'clip_low': 1.0, 'clip_high': 4.0})
+    >>> trl_objective(Args(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, delta=None), None)
+    ('ppo', {'clip_low': 0.2, 'clip_high': 0.28})
+    """
+    loss_type = getattr(args, "loss_type", None)
+    name, params = split_spec(objective if objective is not None else TRL_OBJECTIVES.get(loss_type, "ppo"), "objective")
+    takes = OBJECTIVES[name].parameters()
+    eps = getattr(args, "epsilon", 0.2)
+    eps_high = getattr(args, "epsilon_high", None)
+    eps_high = eps if eps_high is None else eps_high
+    if name == "cispo" and loss_type == "cispo":  # TRL: w = min(r, epsilon_high), no lower bound
+        trl = {"clip_low": 1.0, "clip_high": eps_high - 1.0}
+    else:
+        trl = {"clip_low": eps, "clip_high": eps_high, "dual_clip": getattr(args, "delta", None),  # TRL clamps r at δ
+               "tau_pos": getattr(args, "sapo_temperature_pos", None),
+               "tau_neg": getattr(args, "sapo_temperature_neg", None)}
+    if getattr(args, "importance_sampling_level", "token") == "sequence":
+        trl["level"] = "geometric"
+    return name, {**{k: v for k, v in trl.items() if k in takes and v is not None}, **params}
+# inputs TRL hands the model forward for vision-language models (passed through like TRL's own _compute_loss)
+_MODEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _refuse_unreproduced(args: Any, objective: str) -> None:
+    """Raise for GRPOConfig settings whose effect on TRL's loss this subclass does not reproduce (silently ignoring
+    them would train something else than the config says)."""
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        raise ValueError(
+            "vllm_importance_sampling_correction: TRL's own vLLM importance-sampling correction is not applied by "
+            "OffPolicyGRPOTrainer; set it to False and pass correction= instead (TRL's default, sequence_mask with "
+            "clip_max 3.0, is correction=mis(level='sequence', upper=3.0))"
+        )
+    if float(getattr(args, "beta", 0.0) or 0.0) != 0.0:
+        raise ValueError("beta: OffPolicyGRPOTrainer has no KL-to-reference term; use beta=0.0")
+    if getattr(args, "importance_sampling_level", "token") != "token" and objective not in ("gspo", "cispo"):
+        raise ValueError("importance_sampling_level: TRL's 'sequence' level is GSPO's length-normalised ratio; pass "
+                         "objective='gspo' (or objective='ppo', level='geometric' via trl_policy_loss)")
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        raise ValueError("top_entropy_quantile: entropy-quantile masking is not reproduced; use 1.0")
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        raise ValueError("off_policy_mask_threshold: pass correction=opsm(delta=...) instead (the same mask)")
+    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        raise ValueError("entropy_coef: the entropy bonus is not reproduced; use entropy_coef=0.0")
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type is not None and loss_type not in TRL_LOSS_TYPES:
+        raise ValueError(f"loss_type: {loss_type!r} is not reproduced; use one of {tuple(TRL_LOSS_TYPES)}")

@@ -1,0 +1,493 @@
+"""``OffPolicyGRPOTrainer``: TRL's ``GRPOTrainer`` with offpolicy's loss, sampling replay / DVP, ALP and top-k TRM.
+
+Each method plugs into one of TRL's own overridable methods (see the package docstring for what a user writes):
+
+* the loss — ``_compute_loss`` (:func:`~offpolicy.integrations.trl.loss.trl_policy_loss`'s batch, the correction
+  chain, TRL's normalisers);
+* sampling replay / DVP — ``_get_per_token_logps_and_entropies`` (every π_old forward) and ``_compute_loss`` (the
+  π_θ forward) score under the engine's recipe (:mod:`~offpolicy.integrations.trl.replay`); DVP sets ``min_p = ρ``
+  in the ``GRPOConfig`` before TRL builds its engines;
+* ALP — hooks on the decoder layers switched on only around the update forward, σ's group added in
+  ``create_optimizer``, σ saved in ``_save_checkpoint`` and restored in ``_load_optimizer_and_scheduler``
+  (:mod:`~offpolicy.integrations.trl.alp`);
+* top-k TRM — ``_generate_single_turn`` asks vLLM for K log-probs and takes the sampled token's entry,
+  ``_generate_and_score_completions`` puts the top-k into TRL's batch (:mod:`~offpolicy.integrations.trl.topk`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offpolicy.corrections.base import Correction, chain
+from offpolicy.corrections.vocabulary import dvp_keep
+from offpolicy.integrations.trl.alp import alp_callback, load_alp, save_alp
+from offpolicy.integrations.trl.loss import (
+    _MODEL_INPUT_KEYS,
+    TOKEN_COUNT_NORMALISED,
+    TRL_LOSS_TYPES,
+    _loss_mask,
+    _refuse_unreproduced,
+    batch_from_trl_inputs,
+    trl_objective,
+)
+from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp, trl_engine, trl_sampling_recipe
+from offpolicy.integrations.trl.topk import (
+    TOPK_IDS_KEY,
+    TOPK_LOGP_KEY,
+    pad_topk,
+    sampled_token_logprobs,
+    topk_divergence,
+)
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.losses import policy_loss
+from offpolicy.metrics import check_naming, offpolicy_metrics
+from offpolicy.perturbation import DEFAULT_INIT_STD, DEFAULT_LR, LayerwisePerturbation, alp_clip_defaults, alp_policy_loss
+from offpolicy.ratios import masked_max, masked_mean
+from offpolicy.registry import CorrectionSpec, build_correction
+
+ALP_KEYS = ("init_std", "lr", "layers", "layers_path", "seed", "level")
+
+
+@dataclass
+class Scores:
+    """One forward's per-token outputs ``[B, T]``: the log-probs (replayed when the recipe is on), whether the token
+    is inside the trainer's support, the retained mass, the top-k KL bounds (None without top-k), the MoE aux loss."""
+
+    logp: Tensor
+    inside: Tensor
+    mass: Tensor
+    kl_lower: Tensor | None
+    kl_upper: Tensor | None
+    aux_loss: Tensor | None
+
+
+def _check_alp(alp: Any) -> dict[str, Any] | None:
+    if alp is None or alp is False:
+        return None
+    if alp is True:
+        return {}
+    if not isinstance(alp, dict):
+        raise ValueError(f"alp must be None, True or a dict with keys from {ALP_KEYS}, got {alp!r}")
+    unknown = sorted(set(alp) - set(ALP_KEYS))
+    if unknown:
+        raise ValueError(f"alp has unknown keys {unknown}; choose from {ALP_KEYS}")
+    return dict(alp)
+
+
+def _with_min_p(args: tuple, kwargs: dict, rho: float) -> tuple[tuple, dict]:
+    """DVP: a copy of the ``GRPOConfig`` with ``min_p = max(min_p, ρ)`` (TRL reads it when it builds its engines)."""
+    if "args" in kwargs and kwargs["args"] is not None:
+        cfg = copy.copy(kwargs["args"])
+        cfg.min_p = max(float(cfg.min_p or 0.0), rho)
+        return args, {**kwargs, "args": cfg}
+    if len(args) > 2 and args[2] is not None:
+        cfg = copy.copy(args[2])
+        cfg.min_p = max(float(cfg.min_p or 0.0), rho)
+        return (*args[:2], cfg, *args[3:]), kwargs
+    raise ValueError("dvp_rho: pass args=GRPOConfig(...) (DVP sets its min_p before TRL builds the engines)")
+
+
+def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor, Tensor | None]:
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = core.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head, as TRL's fused head does
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None and hasattr(bias, "full_tensor") else bias
+    return core.base_model, weight, bias
+
+
+def _check_plain_head(model: Any) -> None:
+    """Replay and top-k recompute the head as h·Wᵀ + b: refuse models whose head also scales or soft-caps."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        value = getattr(text, key, None)
+        if value is not None and value != 1.0:
+            raise ValueError(f"model: its config sets {key}={value!r}, which the sampling replay / top-k scoring "
+                             "does not apply; turn them off for this model")
+
+
+def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
+    """Build ``OffPolicyGRPOTrainer`` as a subclass of ``base`` (default ``trl.GRPOTrainer``).
+
+    ``base`` must provide TRL's ``_get_per_token_logps_and_entropies`` and ``_metrics``; passing it explicitly lets the
+    adapter be tested without TRL.
+    """
+    if base is None:
+        try:
+            from trl import GRPOTrainer as base  # type: ignore[no-redef]
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError("OffPolicyGRPOTrainer needs TRL: pip install 'offpolicy[trl]'") from err
+
+    class OffPolicyGRPOTrainer(base):  # type: ignore[misc, valid-type]
+        """``GRPOTrainer`` whose loss is :func:`offpolicy.policy_loss` with an offpolicy correction chain.
+
+        ``aggregation`` defaults to the one that reproduces ``args.loss_type`` (grpo, bnpo, dr_grpo, dapo), with TRL's
+        normaliser: divided by the gradient-accumulation steps (TRL scales the loss itself and tells the HF Trainer
+        not to), dapo by the generation batch's token count, dr_grpo by ``max_completion_length``. ``args.delta`` (TRL's
+        two-sided clip) is the dual clip. Settings whose effect is not reproduced raise (see the package docstring).
+
+        The seed methods (all off by default):
+
+        * ``sampling_replay=True`` — every forward scores tokens under the engine's recipe in its filter order;
+          tokens outside the trainer's support leave the loss (``dvp_keep``); ``dvp/…`` metrics.
+        * ``dvp_rho=ρ`` — DVP (arXiv 2512.23087): ``min_p = ρ`` for the engine, plus sampling replay.
+        * ``alp=True`` or ``{"init_std", "lr", "layers", "layers_path", "seed", "level"}`` — ALP (arXiv 2603.19470):
+          noise in the update forward only, ALP's unified-ratio loss at ``level`` (token by default).
+        * ``topk_logprobs=K`` — K log-probs per token from vLLM, TRM's divergence from them (``topk_bound``:
+          ``"upper"``, certified, or ``"lower"``); pair with ``correction="trm"``.
+        """
+
+        def __init__(
+            self,
+            *args: Any,
+            correction: Correction | CorrectionSpec | list[CorrectionSpec] | None = None,
+            objective: str | dict[str, Any] | None = None,
+            aggregation: str | None = None,
+            clip_low: float | None = None,
+            clip_high: float | None = None,
+            dual_clip: float | None = None,
+            metric_naming: str = "trl",
+            sampling_replay: bool = False,
+            dvp_rho: float | None = None,
+            alp: bool | dict[str, Any] | None = None,
+            topk_logprobs: int = 0,
+            topk_bound: str = "upper",
+            memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+            **kwargs: Any,
+        ) -> None:
+            check_naming(metric_naming)
+            correction = correction if isinstance(correction, Correction) else build_correction(correction)
+            if dvp_rho is not None and not (isinstance(dvp_rho, (int, float)) and 0 < dvp_rho <= 1):
+                raise ValueError(f"dvp_rho must be in (0, 1], got {dvp_rho!r}")
+            if isinstance(topk_logprobs, bool) or not isinstance(topk_logprobs, int) or topk_logprobs < 0:
+                raise ValueError(f"topk_logprobs must be an int >= 0, got {topk_logprobs!r}")
+            if topk_bound not in ("upper", "lower"):
+                raise ValueError(f"topk_bound must be 'upper' (certified) or 'lower', got {topk_bound!r}")
+            if not (isinstance(memory_budget_bytes, int) and memory_budget_bytes > 0):
+                raise ValueError(f"memory_budget_bytes must be an int > 0, got {memory_budget_bytes!r}")
+            alp_cfg = _check_alp(alp)
+            if dvp_rho is not None:
+                args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
+            super().__init__(*args, **kwargs)
+            train_args = getattr(self, "args", None)
+            name, params = trl_objective(train_args, objective)
+            _refuse_unreproduced(train_args, name)
+            self.offpolicy_correction = correction
+            self.offpolicy_metric_naming = metric_naming
+            self.offpolicy_budget = memory_budget_bytes
+            loss_type = getattr(train_args, "loss_type", None)
+            # the generation batch's token normaliser applies only when the aggregation is TRL's own
+            self._offpolicy_token_count = aggregation is None and loss_type in TOKEN_COUNT_NORMALISED
+            if aggregation is None:
+                aggregation = TRL_LOSS_TYPES.get(loss_type, "token_mean")
+            explicit = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+            params.update({k: v for k, v in explicit.items() if v is not None})
+            self.offpolicy_loss_kwargs = {"objective": {"name": name, **params}, "aggregation": aggregation}
+            if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo: B · max_completion_length
+                self.offpolicy_loss_kwargs["max_tokens"] = getattr(train_args, "max_completion_length", None)
+            # sampling replay / DVP
+            replay = sampling_replay or dvp_rho is not None
+            self.offpolicy_recipe = trl_sampling_recipe(train_args) if replay else None
+            self.offpolicy_order = ENGINE_ORDERS[trl_engine(train_args)]
+            self._offpolicy_keep = dvp_keep() if replay else None
+            # top-k TRM
+            self.offpolicy_topk = topk_logprobs
+            self.offpolicy_topk_bound = topk_bound
+            self._offpolicy_pending_topk: tuple | None = None
+            if topk_logprobs:
+                self._check_topk(train_args)
+            if replay or topk_logprobs:
+                _check_plain_head(getattr(self, "model", None))
+            self._check_logprobs_mode(train_args)
+            # ALP
+            self.offpolicy_alp: LayerwisePerturbation | None = None
+            self.offpolicy_alp_level = "token"
+            if alp_cfg is not None:
+                self._build_alp(alp_cfg, aggregation, explicit)
+
+        # -- construction helpers --------------------------------------------------------------------------------
+        def _check_topk(self, train_args: Any) -> None:
+            if not getattr(train_args, "use_vllm", False):
+                raise ValueError("topk_logprobs: only vLLM returns top-k log-probs in TRL; set use_vllm=True")
+            if getattr(self, "tools", None) or getattr(self, "rollout_func", None) is not None \
+                    or getattr(self, "environment_factories", None) is not None:
+                raise ValueError("topk_logprobs: not carried through tool calls, rollout_func or environments")
+            generation = getattr(self, "vllm_generation", None)
+            if generation is not None:
+                generation.logprobs = self.offpolicy_topk  # vLLM returns K (or K + 1) entries per token
+
+        def _check_logprobs_mode(self, train_args: Any) -> None:
+            """μ must be vLLM's processed log-probs; TRL checks the server only with its own IS correction on."""
+            if not (getattr(train_args, "use_vllm", False) and getattr(train_args, "vllm_mode", None) == "server"):
+                return
+            accelerator = getattr(self, "accelerator", None)
+            if accelerator is not None and not accelerator.is_main_process:
+                return
+            client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
+            if client is None:
+                return
+            mode = client.get_server_info()["model_config"]["logprobs_mode"]
+            if mode != "processed_logprobs":
+                raise ValueError(f"logprobs_mode: the vLLM server runs with --logprobs-mode {mode}; μ must be the "
+                                 "sampling distribution: restart it with --logprobs-mode processed_logprobs")
+
+        def _build_alp(self, cfg: dict[str, Any], aggregation: str, explicit: dict[str, Any]) -> None:
+            if aggregation == "seq_mean_token_sum_norm":
+                raise ValueError("alp: loss_type dr_grpo's max_completion_length normaliser is not reproduced with "
+                                 "ALP's loss; use another loss_type or aggregation")
+            if cfg.get("layers", "all") == "logits":  # TRL's fused head never calls the lm_head module
+                raise ValueError("alp: layers='logits' hooks the lm_head module, which TRL's fused head bypasses; "
+                                 "use 'all' or layer indices")
+            level = cfg.get("level", "token")
+            low, high = alp_clip_defaults(level)  # validates level
+            model = self.model
+            alp = LayerwisePerturbation(model, layers=cfg.get("layers", "all"),
+                                        init_std=cfg.get("init_std", DEFAULT_INIT_STD),
+                                        layers_path=cfg.get("layers_path"), seed=cfg.get("seed"))
+            device = next(model.parameters()).device
+            self.offpolicy_alp = alp.to(device)
+            self.offpolicy_alp_level = level
+            self.offpolicy_alp_lr = float(cfg.get("lr", DEFAULT_LR))
+            delta = getattr(self.args, "delta", None)
+            self.offpolicy_alp_clip = {
+                "clip_low": low if explicit["clip_low"] is None else explicit["clip_low"],
+                "clip_high": high if explicit["clip_high"] is None else explicit["clip_high"],
+                "dual_clip": explicit["dual_clip"] if explicit["dual_clip"] is not None
+                else (delta if delta is not None else 10.0),
+            }
+            if hasattr(self, "add_callback"):
+                self.add_callback(alp_callback(self.offpolicy_alp))
+
+        # -- TRL's extension points -------------------------------------------------------------------------------
+        def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+            """TRL's optimiser plus σ's own group (lr ``alp["lr"]``, no weight decay) when ALP is on."""
+            optimizer = super().create_optimizer(*args, **kwargs)
+            if self.offpolicy_alp is not None and not any(g.get("name") == "alp" for g in optimizer.param_groups):
+                optimizer.add_param_group(self.offpolicy_alp.param_group(lr=self.offpolicy_alp_lr))
+            return optimizer
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            super()._save_checkpoint(model, trial)
+            if self.offpolicy_alp is not None and self.args.should_save:
+                from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+                folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                save_alp(self.offpolicy_alp, folder)
+
+        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            if self.offpolicy_alp is not None and checkpoint is not None:
+                load_alp(self.offpolicy_alp, checkpoint)
+
+        def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
+                                  has_tool_images: bool = False) -> Any:
+            if not self.offpolicy_topk:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            # TRL's vLLM branch, keeping the sampled token's log-prob (TRL keeps lp[0], the top-1's, when K > 0)
+            if self.state.global_step != self._last_loaded_step:
+                self.vllm_generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+            _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
+                prompts=prompt_ids, images=images, num_generations=num_generations)
+            if logprobs is None or token_ids is None:
+                raise ValueError("logprob_token_ids: the vLLM engine returned no log-prob ids; topk_logprobs needs them")
+            sampled, top_lp, top_ids = sampled_token_logprobs(logprobs, token_ids, completion_ids, self.offpolicy_topk)
+            self._offpolicy_pending_topk = (top_lp, top_ids)
+            return completion_ids, sampled
+
+        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            self._offpolicy_pending_topk = None
+            output = super()._generate_and_score_completions(inputs)
+            if self.offpolicy_topk:
+                if self._offpolicy_pending_topk is None:
+                    raise ValueError("topk_logprobs: no top-k log-probs came back from generation")
+                top_lp, top_ids = self._offpolicy_pending_topk
+                completion = output["completion_ids"]
+                output[TOPK_LOGP_KEY], output[TOPK_IDS_KEY] = pad_topk(
+                    top_lp, top_ids, completion.shape[1], self.offpolicy_topk, completion.device)
+                self._offpolicy_pending_topk = None
+            return output
+
+        def _get_per_token_logps_and_entropies(self, model: Any, input_ids: Tensor, attention_mask: Tensor,
+                                               logits_to_keep: int, batch_size: int | None = None,
+                                               compute_entropy: bool = False, compute_aux_loss: bool = False,
+                                               **model_inputs: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
+            if self.offpolicy_recipe is None:
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **model_inputs)
+            if compute_entropy:
+                raise ValueError("compute_entropy: entropies under the sampling replay are not computed")
+            s = self._offpolicy_scores(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                                       compute_aux_loss=compute_aux_loss, **model_inputs)
+            return s.logp, None, s.aux_loss
+
+        # -- the forward ------------------------------------------------------------------------------------------
+        def _offpolicy_scores(self, model: Any, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *,
+                              batch_size: int | None = None, compute_aux_loss: bool = False,
+                              topk: tuple[Tensor, Tensor] | None = None, **model_inputs: Any) -> Scores:
+            """Per-token scores ``[B, T]`` of the completion tokens: TRL's model call (its fused head; labels all
+            ignored when the replay recomputes the head) with the backbone's last hidden state captured, then the
+            replayed log-probs and the top-k bounds from it, chunked."""
+            if any(v is not None for v in model_inputs.values()):
+                raise ValueError("model inputs: vision inputs are not supported with sampling replay or top-k TRM")
+            recipe = self.offpolicy_recipe
+            unwrapped = self.accelerator.unwrap_model(model) if hasattr(self, "accelerator") else model
+            backbone, weight, bias = _backbone_and_head(unwrapped)
+            captured: dict[str, Tensor] = {}
+
+            def grab(module: Any, args: Any, output: Any) -> None:
+                captured["h"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+            t_len = logits_to_keep
+            batch_size = batch_size or input_ids.size(0)
+            parts: list[Scores] = []
+            for start in range(0, input_ids.size(0), batch_size):
+                ids = input_ids[start:start + batch_size]
+                att = attention_mask[start:start + batch_size]
+                labels = ids.masked_fill(att == 0, -100)
+                labels[:, :-t_len] = -100
+                if recipe is not None:  # the replay recomputes the head: TRL's fused head scores nothing
+                    labels = torch.full_like(ids, -100)
+                extra = {"output_router_logits": True} if compute_aux_loss else {}
+                handle = backbone.register_forward_hook(grab)
+                try:
+                    autocast = self.accelerator.autocast() if hasattr(self, "accelerator") else nullcontext()
+                    with autocast:
+                        out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True, **extra)
+                finally:
+                    handle.remove()
+                valid = att[:, -t_len:].bool()
+                targets = ids[:, -t_len:]
+                rows = valid.reshape(-1).nonzero().squeeze(-1)
+                h = captured.pop("h")[:, -t_len - 1:-1].reshape(-1, weight.shape[1])[rows]
+                y = targets.reshape(-1)[rows]
+                n_all = valid.numel()
+                if recipe is not None:
+                    history = None
+                    if recipe.reads_history:
+                        # HF generate's repetition penalty sees the left-padded prompt (pad tokens too); vLLM
+                        # sees the prompt alone
+                        prompt, seen = ids[:, :-t_len], att[:, :-t_len].bool()
+                        if self.offpolicy_order != ENGINE_ORDERS["vllm"]:
+                            seen = torch.ones_like(seen)
+                        prompts = [p[k].tolist() for p, k in zip(prompt, seen)]
+                        history = ReplayHistory(prompts, targets, valid, rows)
+                    r = replay_logp(h, weight, y, recipe, order=self.offpolicy_order, bias=bias, history=history,
+                                    memory_budget_bytes=self.offpolicy_budget)
+                    logp = r.logp.new_zeros(n_all).index_copy(0, rows, r.logp).reshape(valid.shape)
+                    inside = torch.ones(n_all, dtype=torch.bool, device=ids.device).index_copy(0, rows, r.inside)
+                    mass = torch.ones(n_all, device=ids.device).index_copy(0, rows, r.mass.float())
+                    inside, mass = inside.reshape(valid.shape), mass.reshape(valid.shape)
+                else:
+                    logp = out.log_probs[:, -t_len:]
+                    inside = torch.ones_like(valid)
+                    mass = torch.ones(valid.shape, device=ids.device)
+                lower = upper = None
+                if topk is not None and topk[0] is not None:
+                    lp_k = topk[0][start:start + batch_size].reshape(n_all, -1)[rows]
+                    id_k = topk[1][start:start + batch_size].reshape(n_all, -1)[rows]
+                    temperature = float(getattr(self.args, "temperature", 1.0) or 1.0)
+                    lo, up = topk_divergence(h.detach(), weight.detach(), lp_k, id_k,
+                                             bias=None if bias is None else bias.detach(), temperature=temperature,
+                                             memory_budget_bytes=self.offpolicy_budget)
+                    lower = lo.new_zeros(n_all).index_copy(0, rows, lo).reshape(valid.shape)
+                    upper = up.new_zeros(n_all).index_copy(0, rows, up).reshape(valid.shape)
+                parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None)))
+
+            def cat(name: str) -> Tensor | None:
+                values = [getattr(p, name) for p in parts]
+                return None if values[0] is None else torch.cat(values)
+
+            aux = torch.stack([p.aux_loss for p in parts]).mean() if compute_aux_loss else None
+            return Scores(cat("logp"), cat("inside"), cat("mass"), cat("kl_lower"), cat("kl_upper"), aux)
+
+        # -- the loss ---------------------------------------------------------------------------------------------
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            logits_to_keep = inputs["completion_ids"].size(1)
+            aux_enabled = bool(getattr(self, "aux_loss_enabled", False))
+            alp = self.offpolicy_alp
+            topk = (inputs.get(TOPK_LOGP_KEY), inputs.get(TOPK_IDS_KEY)) if self.offpolicy_topk else None
+            custom = self.offpolicy_recipe is not None or topk is not None
+            # ALP's noise: the update forward only (π_old and μ come from the unperturbed model)
+            noisy = alp.active(model.training and torch.is_grad_enabled()) if alp is not None else nullcontext()
+            with noisy:
+                if custom:
+                    s = self._offpolicy_scores(model, input_ids, attention_mask, logits_to_keep,
+                                               compute_aux_loss=aux_enabled, topk=topk,
+                                               **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS})
+                    per_token_logps, aux_loss = s.logp, s.aux_loss
+                else:
+                    per_token_logps, _, aux_loss = self._get_per_token_logps_and_entropies(
+                        model, input_ids, attention_mask, logits_to_keep, compute_entropy=False,
+                        compute_aux_loss=aux_enabled, **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS},
+                    )
+            batch = batch_from_trl_inputs(per_token_logps, inputs)
+            extra: dict[str, Any] = {}
+            if self.offpolicy_recipe is not None:
+                extra["extras"] = {"dvp_keep": s.inside, "dvp_mass": s.mass}
+            if topk is not None and s.kl_upper is not None:
+                extra["token_divergence"] = s.kl_upper if self.offpolicy_topk_bound == "upper" else s.kl_lower
+                extra["token_divergence_kind"] = "topk"
+            if extra:
+                batch = batch.replace(**extra)
+            correction = self.offpolicy_correction
+            if self._offpolicy_keep is not None:
+                correction = self._offpolicy_keep if correction is None else chain(self._offpolicy_keep, correction)
+            if alp is not None:
+                loss, metrics = alp_policy_loss(batch, level=self.offpolicy_alp_level, correction=correction,
+                                                aggregation=self.offpolicy_loss_kwargs["aggregation"],
+                                                **self.offpolicy_alp_clip)
+            else:
+                loss, metrics = policy_loss(batch, correction=correction, **self.offpolicy_loss_kwargs)
+            mode = "train" if model.training else "eval"
+            loss = self._trl_normalise(loss, inputs, mode)
+            if aux_enabled:  # MoE router loss, scaled for accumulation as TRL does
+                loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
+            if alp is not None:
+                metrics.update(alp.metrics())
+            if topk is not None and s.kl_upper is not None:
+                m = batch.bool_mask
+                metrics.update({"topk/kl_lower_mean": masked_mean(s.kl_lower, m),
+                                "topk/kl_upper_mean": masked_mean(s.kl_upper, m),
+                                "topk/kl_upper_max": masked_max(s.kl_upper, m)})
+            for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
+                self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))
+            if inputs.get("sampling_per_token_logps") is not None and inputs.get("old_per_token_logps") is not None:
+                mismatch = offpolicy_metrics(inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
+                                             _loss_mask(inputs), naming=self.offpolicy_metric_naming)
+                for name, value in mismatch.items():
+                    self._metrics[mode][name].append(float(value))
+            return loss
+
+        def _accumulation(self, mode: str) -> float:
+            return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if mode == "train" else 1.0
+
+        def _trl_normalise(self, loss: Tensor, inputs: dict[str, Any], mode: str) -> Tensor:
+            """TRL's own loss scaling (HF auto-scaling is off for GRPOTrainer): a per-micro-batch mean divided by the
+            accumulation steps; dapo's Σ over the micro-batch divided by the generation batch's token count, rescaled
+            to one accumulation window."""
+            if not self._offpolicy_token_count or "num_items_in_batch" not in inputs:
+                return loss / self._accumulation(mode)
+            mask = _loss_mask(inputs)
+            processes = getattr(getattr(self, "accelerator", None), "num_processes", 1)
+            normaliser = torch.as_tensor(inputs["num_items_in_batch"]).float().clamp(min=1.0) / processes
+            if mode == "train":
+                normaliser = normaliser * self._accumulation(mode) / self.args.steps_per_generation
+            return loss * (mask.sum().float() / normaliser)  # token mean × tokens = Σ; then TRL's divisor
+
+    return OffPolicyGRPOTrainer
