@@ -74,6 +74,8 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
     vocab: dict[str, int] = dict(model["vocab"])
     special = set()
     for added in spec.get("added_tokens") or []:
+        if added["id"] >= vocab_size and added.get("special"):
+            continue  # e.g. the <|endoftext|> unk Qwen2Tokenizer appends past the model's rows: it cannot be sampled
         vocab[added["content"]] = added["id"]
         if added.get("special"):
             special.add(added["id"])
@@ -91,17 +93,25 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
     return {"tokens": tokens, "types": types, "merges": merges, "pre": pre, **ids}
 
 
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer installs it when it loads a tokenizer.json, as
+# AutoTokenizer does for the cached embedded models): llama.cpp's ``qwen2`` pre-tokenizer type.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def _pre_tokenizer_name(pre: dict | None) -> str:
-    """llama.cpp's name for a pre-tokenizer: digits one by one then byte-level is ``starcoder``; plain byte-level
-    (GPT-2's regex) is ``gpt-2``."""
+    """llama.cpp's name for a pre-tokenizer: digits one by one then byte-level is ``starcoder``; Qwen2's regex then
+    byte-level is ``qwen2``; plain byte-level (GPT-2's regex) is ``gpt-2``."""
     steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
     kinds = [(s.get("type"), s.get("individual_digits")) for s in steps]
     if kinds == [("Digits", True), ("ByteLevel", None)]:
         return "starcoder"
     if kinds == [("ByteLevel", None)]:
         return "gpt-2"
+    if kinds == [("Split", None), ("ByteLevel", None)] and (steps[0].get("pattern") or {}).get("Regex") == QWEN2_SPLIT:
+        return "qwen2"
     raise ValueError(f"tokenizer: pre-tokenizer {[k for k, _ in kinds]} has no llama.cpp counterpart here "
-                     "(known: Digits(individual)+ByteLevel → starcoder, ByteLevel → gpt-2)")
+                     "(known: Digits(individual)+ByteLevel → starcoder, Qwen2's Split+ByteLevel → qwen2, ByteLevel → gpt-2)")
 
 
 def _permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

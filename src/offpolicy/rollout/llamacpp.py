@@ -344,7 +344,8 @@ class LlamaCppRolloutEngine(ServerRolloutEngine):
         threads: CPU threads (default torch's); ``n_ctx``: context (0: the model's); ``timeout``: seconds per
             request; ``workdir``: where GGUF files go (default a temporary directory, removed by :meth:`close`).
 
-    ``sync_log`` holds ``{"export_s", "restart_s"}`` of every weight sync.
+    ``sync_log`` holds ``{"export_s", "restart_s"}`` of every weight sync. ``reports_full_distribution``: with
+    ``logprobs_topk`` = V the top-k is μ over the whole vocabulary (inspect's exact view).
 
     >>> from offpolicy.models.tiny import build_tiny_model
     >>> model, tok = build_tiny_model()
@@ -354,6 +355,8 @@ class LlamaCppRolloutEngine(ServerRolloutEngine):
     (torch.Size([1, 3]), True)
     >>> engine.close()
     """
+
+    reports_full_distribution = True
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, weights: str = "f32", kv_cache_type: str | None = None,
                  threads: int | None = None, n_ctx: int = 0, timeout: float = 120.0,
