@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("xllamacpp")
 
-from offpolicy.models.gguf import export_gguf, read_gguf_tensor, tokenizer_metadata  # noqa: E402
-from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, LlamaCppServer  # noqa: E402
-from offpolicy.rollout.sampling import SamplingConfig  # noqa: E402
-from offpolicy.rollout.scoring import score_tokens  # noqa: E402
-from offpolicy.rollout.servers import post_json  # noqa: E402
+from offpolicy.models.gguf import export_gguf, read_gguf_tensor, tokenizer_metadata
+from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, LlamaCppServer
+from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.scoring import score_tokens
+from offpolicy.rollout.servers import post_json
 
 
 def _full_kl(model, prompts, out):

@@ -16,16 +16,16 @@ import torch
 pytest.importorskip("xllamacpp")
 pytest.importorskip("gguf")
 
-from offpolicy.rollout.llamacpp import (  # noqa: E402
+from offpolicy.rollout.llamacpp import (
     LlamaCppRolloutEngine,
     connect_llamacpp,
     free_port,
     llamacpp_sampling,
     parse_llamacpp_completion,
 )
-from offpolicy.rollout.sampling import SamplingConfig  # noqa: E402
-from offpolicy.rollout.scoring import score_tokens  # noqa: E402
-from offpolicy.rollout.servers import ServerError  # noqa: E402
+from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.scoring import score_tokens
+from offpolicy.rollout.servers import ServerError
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ class _Stub(http.server.BaseHTTPRequestHandler):
     reply: bytes = b"{}"
     delay = 0.0
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         time.sleep(self.delay)
         self.send_response(200)

@@ -8,10 +8,10 @@ import pytest
 pytest.importorskip("xllamacpp")
 pytest.importorskip("gguf")
 
-from offpolicy.inspect.run import inspect_engines  # noqa: E402
-from offpolicy.inspect.specs import parse_spec  # noqa: E402
-from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine  # noqa: E402
-from offpolicy.rollout.sampling import SamplingConfig  # noqa: E402
+from offpolicy.inspect.run import inspect_engines
+from offpolicy.inspect.specs import parse_spec
+from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine
+from offpolicy.rollout.sampling import SamplingConfig
 
 
 def test_specs_parse_and_refuse():

@@ -37,7 +37,7 @@ def stub():
         log: list[tuple[str, object]] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
                 log.append((self.path, body))
                 reply = replies.get(self.path)

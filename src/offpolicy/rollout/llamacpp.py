@@ -418,7 +418,7 @@ class LlamaCppRolloutEngine(ServerRolloutEngine):
     def __del__(self) -> None:  # pragma: no cover - interpreter-dependent timing
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - a finaliser must not raise
             pass
 
 

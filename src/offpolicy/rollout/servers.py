@@ -61,7 +61,7 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str) -> Any:
     except urllib.error.HTTPError as err:
         detail = err.read()[:300].decode("utf-8", "replace")
         raise ServerError(f"{what}: {url} answered HTTP {err.code}: {detail}") from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
     except (urllib.error.URLError, ConnectionError, OSError) as err:
         reason = getattr(err, "reason", err)
@@ -415,7 +415,7 @@ class ServerRolloutEngine:
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
         """One request per prompt, row i with seed ``seed + i`` (sequential: reproducible on one server slot)."""
         if not isinstance(cfg, SamplingConfig):
-            raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
+            raise ValueError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")  # noqa: TRY004 - convention
         check_prompt_ids(prompt_ids, self.vocab_size)
         applied = self.protocol.applied(cfg)
         parsed = []
