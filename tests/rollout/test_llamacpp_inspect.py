@@ -18,6 +18,8 @@ def test_specs_parse_and_refuse():
     spec = parse_spec("backend=llamacpp,weights=q4_0,kv_cache_bits=8", "rollout")
     assert spec.describe() == "llama.cpp Q4_0 weights + q8_0 KV cache"
     assert parse_spec("backend=llamacpp", "rollout").describe() == "llama.cpp F32 weights + f32 KV cache"
+    assert parse_spec("backend=llamacpp,weights=q8_0", "rollout").describe() == "llama.cpp Q8_0 weights + f16 KV cache"
+    assert parse_spec("backend=llamacpp,weights=f16,kv_cache_bits=32", "rollout").describe().endswith("+ f32 KV cache")
     served = parse_spec("server=http://127.0.0.1:8080", "rollout")
     assert served.backend == "server" and served.describe() == "llama-server at http://127.0.0.1:8080"
     for text, message in (("backend=llamacpp,weights=q5_k", "weights must be one of"),

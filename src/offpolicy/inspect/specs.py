@@ -80,6 +80,8 @@ class EngineSpec:
             if self.autocast == "float32" or self.dtype != "float32":
                 raise ValueError(f"autocast={self.autocast!r} needs dtype=float32 weights and a 16-bit compute dtype")
         for name in ("kv_cache_bits", "weight_bits"):
+            if name == "kv_cache_bits" and self.backend == "llamacpp":
+                continue  # llama.cpp's KV cache types, checked in _check_llamacpp
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 16):
                 raise ValueError(f"{name} must be None or an int in [2, 16], got {v!r}")

@@ -95,7 +95,8 @@ class LlamaCppProtocol:
         return cfg
 
     def request(self, prompt: list[int], cfg: SamplingConfig, seed: int) -> dict:
-        return {"prompt": list(prompt), "n_predict": cfg.max_new_tokens, "seed": int(seed) & 0xFFFFFFFF,
+        # llama.cpp seeds are uint32 and 0xFFFFFFFF means "random": wrap below it
+        return {"prompt": list(prompt), "n_predict": cfg.max_new_tokens, "seed": int(seed) % 0xFFFFFFFF,
                 "n_probs": max(cfg.logprobs_topk, 1), "post_sampling_probs": bool(cfg.processors),
                 "cache_prompt": False, "return_tokens": True, "stream": False, **llamacpp_sampling(cfg)}
 
