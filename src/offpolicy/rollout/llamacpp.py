@@ -111,31 +111,34 @@ class LlamaCppProtocol:
         recipe is then applied by :func:`~offpolicy.rollout.sampling.process_logits`, as the trainer replays it."""
         if self.vocab_size is None:
             raise ServerError(f"{where}: positions {c.missing} have no log-prob and vocab_size is unknown")
+        vocab = self.vocab_size
         logp, top_ids, top_logp = list(c.logp), c.top_ids, c.top_logp
         for j in c.missing:
-            raw = self._raw_distribution(url, list(prompt) + c.ids[:j], timeout=timeout, where=f"{where} position {j}")
+            raw = self._raw_distribution(url, list(prompt) + c.ids[:j], vocab, timeout=timeout,
+                                         where=f"{where} position {j}")
             processed = process_logits(raw, cfg)
             logp[j] = float(processed[c.ids[j]])
             if not logp[j] > -math.inf:
                 raise ServerError(f"{where} position {j}: the sampled token {c.ids[j]} has probability 0")
-            if top_ids is not None:
-                values, ids = processed.topk(min(cfg.logprobs_topk, self.vocab_size))
+            if top_ids is not None and top_logp is not None:
+                values, ids = processed.topk(min(cfg.logprobs_topk, vocab))
                 top_ids[j], top_logp[j] = ids.tolist(), values.tolist()
         return ServerCompletion(c.ids, logp, top_ids, top_logp, c.text)
 
-    def _raw_distribution(self, url: str, context: list[int], *, timeout: float, where: str) -> torch.Tensor:
+    def _raw_distribution(self, url: str, context: list[int], vocab: int, *, timeout: float,
+                          where: str) -> torch.Tensor:
         banned: list[list] = []
         for _ in range(16):
-            body = {"prompt": context, "n_predict": 1, "n_probs": self.vocab_size, "post_sampling_probs": False,
+            body = {"prompt": context, "n_predict": 1, "n_probs": vocab, "post_sampling_probs": False,
                     "cache_prompt": False, "return_tokens": True, "samplers": ["top_k"], "top_k": 1,
                     "logit_bias": banned, "seed": 0}
             answer = post_json(url + self.path, body, timeout=timeout, what=f"{where} (refill)")
             steps = get_field(answer, "completion_probabilities", f"{where} (refill): answer", list)
             if steps:
-                out = torch.full((self.vocab_size,), -math.inf, dtype=torch.float64)
+                out = torch.full((vocab,), -math.inf, dtype=torch.float64)
                 for i, e in enumerate(get_field(steps[0], "top_logprobs", f"{where} (refill)", list)):
                     we = f"{where} (refill): top_logprobs[{i}]"
-                    out[check_token(get_field(e, "id", we), f"{we}.id", self.vocab_size)] = _logp(
+                    out[check_token(get_field(e, "id", we), f"{we}.id", vocab)] = _logp(
                         get_field(e, "logprob", we), f"{we}.logprob")
                 return (out - torch.logsumexp(out, 0)).float()
             tokens = get_field(answer, "tokens", f"{where} (refill): answer", list)
@@ -202,7 +205,10 @@ def parse_llamacpp_completion(answer: Any, cfg: SamplingConfig, *, where: str = 
                              f"{w}.completion_probabilities[{m}].id", vocab_size) for m, s in enumerate(steps)]
     owner = _align(tokens, entry_ids, w)
     n_probs = max(cfg.logprobs_topk, 1)
-    logp, top_ids, top_logp, missing = [], [], [], []
+    logp: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logp: list[list[float]] = []
+    missing: list[int] = []
     for j, (tok, m) in enumerate(zip(tokens, owner)):
         if m is None:
             missing.append(j)
