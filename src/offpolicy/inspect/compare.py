@@ -250,6 +250,13 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
             sampled = sampler.generate(prompts, sampling, seed=mb_seed)
             logp, _, rollout_logits = roll_engine.score(prompts, sampled.completion_ids, sampling, return_logits=True)
             out = replace(sampled, logp=torch.where(sampled.mask, logp, 0.0))
+        elif view == "full" and getattr(roll_engine, "reports_full_distribution", False):
+            # a server engine (llama.cpp) returns μ over the whole vocabulary when K = V; τ · log μ are logits
+            # whose tempered softmax is μ, so the rest of the comparison reads them as it reads captured logits
+            vocab = train_engine.model.config.vocab_size
+            out = roll_engine.generate(prompts, replace(sampling, logprobs_topk=vocab), seed=mb_seed)
+            dense = torch.full((*out.mask.shape, vocab), -math.inf).scatter(-1, out.topk_ids, out.topk_logp)
+            rollout_logits = sampling.temperature * dense
         elif view == "full":
             with _captured_logits(roll_engine) as steps:
                 out = roll_engine.generate(prompts, sampling, seed=mb_seed)
@@ -260,6 +267,12 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
         t1 = time.perf_counter()
         trainer_logp, _, trainer_logits = _score(train_engine.model, prompts, out.completion_ids, sampling, autocast)
         t2 = time.perf_counter()
+        if sampler is None and view == "full" and getattr(roll_engine, "reports_full_distribution", False):
+            # log μ is normalised (log Z = 0) while the trainer's logits carry log Z ≈ 10: the float32 KL kernel
+            # then cancels two terms of that size (a ~5e-5 nats floor, measured). The comparison is shift-invariant,
+            # so give μ the trainer's normaliser: the two logit sets then agree term by term.
+            rollout_logits = rollout_logits + sampling.temperature * torch.logsumexp(
+                trainer_logits.float() / sampling.temperature, -1, keepdim=True)
         mask = out.mask
         ids = torch.tensor([c + [0] * (mask.shape[1] - len(c)) for c in out.completion_ids],
                            dtype=torch.long).reshape(mask.shape)
@@ -332,12 +345,12 @@ def compare_engines(
                          "each row's token history, which offpolicy inspect does not replay; inspect without them")
     if not (isinstance(dvp_coverage, (int, float)) and 0 < dvp_coverage <= 1):
         raise ValueError(f"dvp_coverage must be in (0, 1], got {dvp_coverage!r}")
-    view = "topk" if rollout.backend == "vllm" else rollout_view
+    view = "topk" if rollout.backend in ("vllm", "server") else rollout_view
     if sample_with is not None and (view != "full" or rollout.logit_noise or sample_with.backend != "hf"):
         raise ValueError("sample_with needs a transformers rollout engine with full logits and no logit noise (a "
                          "full forward cannot replay the noise), and a transformers sampler")
     truncated = sampling.top_k is not None or sampling.top_p is not None or sampling.min_p is not None
-    if view == "topk" and truncated:
+    if (view == "topk" or rollout.backend == "llamacpp") and truncated:
         raise ValueError("a top-k comparison needs untruncated sampling (top_k, top_p, min_p unset): the bound compares "
                          "the rollout's top-k log-probs with the trainer's full tempered distribution")
     roll_engine, train_engine = engines or (_rollout_engine(model, rollout, tokenizer, model_path, topk),
@@ -508,6 +521,8 @@ def _score(model, prompts, completions, sampling, autocast):
 def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, topk: int):
     if spec.backend == "hf":
         return build_engine(model, spec, tokenizer)
+    if spec.backend in ("llamacpp", "server"):
+        return _llamacpp_engine(model, spec, tokenizer)
     # vLLM: GPU only, a local model directory, and only its top-k log-probs come back.
     unsupported = [name for name in ("kv_cache_bits", "weight_bits", "quantize_layers") if getattr(spec, name)]
     if spec.lm_head_fp32 or spec.logit_noise or unsupported or not spec.kv_cache:
@@ -521,3 +536,20 @@ def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, 
         return VLLMRolloutEngine(model_path, dtype=spec.dtype, max_logprobs=topk, tokenizer=tokenizer)
     except ImportError as err:  # no vLLM (or no GPU build of it): one line, as for any other bad setting
         raise ValueError(f"--rollout backend=vllm: {err}") from None
+
+
+def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
+    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp), or a running one (server=URL)."""
+    from offpolicy.inspect.specs import LLAMACPP_KV
+
+    try:
+        from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, connect_llamacpp
+
+        if spec.backend == "server":
+            return connect_llamacpp(spec.server, vocab_size=model.config.vocab_size, tokenizer=tokenizer)
+        if tokenizer is None:
+            raise ValueError("--rollout backend=llamacpp needs the model's tokenizer (it is written into the GGUF)")
+        kv = LLAMACPP_KV.get(spec.kv_cache_bits) if spec.kv_cache_bits is not None else None
+        return LlamaCppRolloutEngine(model, tokenizer, weights=spec.weights or "f32", kv_cache_type=kv)
+    except ImportError as err:
+        raise ValueError(f"--rollout backend={spec.backend}: {err}") from None

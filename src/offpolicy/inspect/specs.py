@@ -28,7 +28,9 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
     "fp16": "float16", "float16": "float16", "half": "float16", "f16": "float16",
 }  # fmt: skip
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm", "llamacpp", "server")
+GGUF_WEIGHTS = ("f32", "f16", "bf16", "q8_0", "q4_0")  # offpolicy.models.gguf.GGUF_WEIGHTS (no gguf import here)
+LLAMACPP_KV = {32: "f32", 16: "f16", 8: "q8_0", 4: "q4_0"}  # kv_cache_bits → llama.cpp's KV cache type
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,13 @@ class EngineSpec:
     * ``lm_head_fp32``: float32 output projection (TRL ``cast_lm_head_to_fp32``, SGLang/prime-rl ``enable_fp32_lm_head``).
     * ``logit_noise``: rollout only — additive Gaussian noise on the logits (σ).
     * ``attn_implementation``: attention kernel ("eager" reproduces generation in a full forward; "sdpa" does not).
-    * ``backend``: "hf" (any transformers causal LM, full logits) or "vllm" (GPU; top-k log-probs only).
+    * ``backend``: "hf" (any transformers causal LM, full logits), "vllm" (GPU; top-k log-probs only), "llamacpp"
+      (llama.cpp's server on a GGUF export of the model: real kernels, the full distribution since K = V) or
+      "server" (a llama-server already running at ``server``; top-k log-probs).
+    * ``weights``: llamacpp only — the GGUF weight type (f32, f16, bf16, q8_0, q4_0; default f32); its
+      ``kv_cache_bits`` are llama.cpp's KV cache types (32 f32, 16 f16, 8 q8_0, 4 q4_0; default f32 for F32
+      weights, else f16).
+    * ``server``: the URL of a running llama-server (sets ``backend="server"``).
 
     >>> EngineSpec(dtype="bf16", weight_bits=4, quantize_layers=(2,)).describe()
     'bfloat16 + KV cache + int4 weights (layers 2)'
@@ -60,14 +68,20 @@ class EngineSpec:
     logit_noise: float = 0.0
     attn_implementation: str | None = "eager"
     backend: str = "hf"
+    weights: str | None = None
+    server: str | None = None
 
     def __post_init__(self) -> None:
+        if self.server is not None and self.backend == "hf":
+            object.__setattr__(self, "backend", "server")
         object.__setattr__(self, "dtype", _dtype_name("dtype", self.dtype))
         if self.autocast is not None:
             object.__setattr__(self, "autocast", _dtype_name("autocast", self.autocast))
             if self.autocast == "float32" or self.dtype != "float32":
                 raise ValueError(f"autocast={self.autocast!r} needs dtype=float32 weights and a 16-bit compute dtype")
         for name in ("kv_cache_bits", "weight_bits"):
+            if name == "kv_cache_bits" and self.backend == "llamacpp":
+                continue  # llama.cpp's KV cache types, checked in _check_llamacpp
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 16):
                 raise ValueError(f"{name} must be None or an int in [2, 16], got {v!r}")
@@ -82,9 +96,18 @@ class EngineSpec:
             raise ValueError(f"logit_noise must be a finite float ≥ 0, got {self.logit_noise!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend in ("llamacpp", "server"):
+            _check_llamacpp(self)
+        elif self.weights is not None or self.server is not None:
+            raise ValueError("weights / server are llama.cpp settings: add backend=llamacpp (or give server=URL)")
 
     def describe(self) -> str:
         """A short human description, e.g. ``bfloat16 + KV cache + int8 weights``."""
+        if self.backend == "llamacpp":
+            kv = LLAMACPP_KV.get(self.kv_cache_bits or 0, "f32" if (self.weights or "f32") == "f32" else "f16")
+            return f"llama.cpp {(self.weights or 'f32').upper()} weights + {kv} KV cache"
+        if self.backend == "server":
+            return f"llama-server at {self.server}"
         parts = [self.dtype if self.autocast is None else f"{self.dtype} weights, {self.autocast} autocast"]
         if self.backend != "hf":
             parts.append(self.backend)
@@ -106,6 +129,24 @@ class EngineSpec:
         d = asdict(self)
         d["quantize_layers"] = None if self.quantize_layers is None else list(self.quantize_layers)
         return d
+
+
+def _check_llamacpp(spec: EngineSpec) -> None:
+    """The fields a llama.cpp engine takes: GGUF weights and a KV cache type; the simulated knobs are refused."""
+    name = spec.backend
+    if name == "server" and not (isinstance(spec.server, str) and spec.server.startswith(("http://", "https://"))):
+        raise ValueError(f"server must be an http:// URL of a running llama-server, got {spec.server!r}")
+    if name == "llamacpp" and spec.server is not None:
+        raise ValueError("backend=llamacpp starts its own server; give server=URL alone to use a running one")
+    if spec.weights is not None and (name == "server" or spec.weights not in GGUF_WEIGHTS):
+        raise ValueError(f"weights must be one of {', '.join(GGUF_WEIGHTS)} with backend=llamacpp, got {spec.weights!r}")
+    if spec.kv_cache_bits is not None and (name == "server" or spec.kv_cache_bits not in LLAMACPP_KV):
+        raise ValueError(f"kv_cache_bits with backend=llamacpp must be one of {sorted(LLAMACPP_KV)} (llama.cpp's "
+                         f"f32, f16, q8_0, q4_0 KV cache), got {spec.kv_cache_bits!r}")
+    simulated = [n for n in ("weight_bits", "quantize_layers", "logit_noise", "lm_head_fp32") if getattr(spec, n)]
+    if simulated or not spec.kv_cache:
+        raise ValueError(f"backend={name}: {', '.join(simulated) or 'kv_cache=false'} is a simulated knob of the "
+                         "transformers engine; llama.cpp takes weights= and kv_cache_bits=")
 
 
 def _dtype_name(field_name: str, value: object) -> str:

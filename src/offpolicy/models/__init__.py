@@ -10,12 +10,15 @@ from offpolicy.models.cache import (
     tiny_model_info,
     tiny_model_path,
 )
+from offpolicy.models.gguf import GGUF_WEIGHTS, export_gguf
 from offpolicy.models.recipes import RECIPES, ModelRecipe, get_recipe
 from offpolicy.models.tiny import TINY_CONFIG, TINY_MODEL_VERSION, build_tiny_model, tiny_config
 from offpolicy.models.tokenizer import VOCAB_SIZE, build_tokenizer
 from offpolicy.models.warm_start import WarmStartRecipe, encode_examples, evaluate_reward, warm_start
 
 __all__ = [
+    "GGUF_WEIGHTS",
+    "export_gguf",
     "RECIPES",
     "ModelRecipe",
     "WarmStartRecipe",

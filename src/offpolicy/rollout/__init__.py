@@ -2,6 +2,7 @@
 
 from offpolicy.rollout.base import RolloutEngine, RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.hf import HFRolloutEngine, fake_quantize
+from offpolicy.rollout.llamacpp import LlamaCppProtocol, LlamaCppRolloutEngine, LlamaCppServer, connect_llamacpp
 from offpolicy.rollout.routing import RouteRecorder, find_routers, replay_routes, split_routes
 from offpolicy.rollout.sampling import (
     SamplingConfig,
@@ -12,18 +13,27 @@ from offpolicy.rollout.sampling import (
     topk_logprobs,
 )
 from offpolicy.rollout.scoring import sequence_logprobs
+from offpolicy.rollout.servers import ServerError, ServerRolloutEngine, SGLangProtocol, VLLMProtocol
 from offpolicy.rollout.vllm import VLLMRolloutEngine
 
 __all__ = [
     "HFRolloutEngine",
+    "LlamaCppProtocol",
+    "LlamaCppRolloutEngine",
+    "LlamaCppServer",
     "RolloutEngine",
     "RolloutOutput",
     "RouteRecorder",
+    "SGLangProtocol",
+    "ServerError",
+    "ServerRolloutEngine",
     "SamplingConfig",
     "TokenHistory",
+    "VLLMProtocol",
     "VLLMRolloutEngine",
     "check_prompt_ids",
     "completion_history",
+    "connect_llamacpp",
     "fake_quantize",
     "find_routers",
     "pad_ids",

@@ -1,0 +1,68 @@
+"""offpolicy inspect on a real engine: backend=llamacpp (exact full-vocabulary KL, K = V) and server=URL (top-k
+bounds)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("xllamacpp")
+pytest.importorskip("gguf")
+
+from offpolicy.inspect.run import inspect_engines
+from offpolicy.inspect.specs import parse_spec
+from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine
+from offpolicy.rollout.sampling import SamplingConfig
+
+
+def test_specs_parse_and_refuse():
+    spec = parse_spec("backend=llamacpp,weights=q4_0,kv_cache_bits=8", "rollout")
+    assert spec.describe() == "llama.cpp Q4_0 weights + q8_0 KV cache"
+    assert parse_spec("backend=llamacpp", "rollout").describe() == "llama.cpp F32 weights + f32 KV cache"
+    assert parse_spec("backend=llamacpp,weights=q8_0", "rollout").describe() == "llama.cpp Q8_0 weights + f16 KV cache"
+    assert parse_spec("backend=llamacpp,weights=f16,kv_cache_bits=32", "rollout").describe().endswith("+ f32 KV cache")
+    served = parse_spec("server=http://127.0.0.1:8080", "rollout")
+    assert served.backend == "server" and served.describe() == "llama-server at http://127.0.0.1:8080"
+    for text, message in (("backend=llamacpp,weights=q5_k", "weights must be one of"),
+                          ("backend=llamacpp,kv_cache_bits=6", "kv_cache_bits with backend=llamacpp"),
+                          ("backend=llamacpp,weight_bits=4", "weight_bits is a simulated knob"),
+                          ("bf16,weights=q8_0", "add backend=llamacpp"),
+                          ("server=localhost:80", "http:// URL")):
+        with pytest.raises(ValueError, match=message):
+            parse_spec(text, "rollout")
+    with pytest.raises(ValueError, match="add backend=llamacpp"):
+        parse_spec("fp32,weights=f16", "trainer")
+
+
+def test_inspect_llamacpp_exact_kl_floor_and_quantised_rows(sharp):
+    model, tok = sharp
+    prompts = [tok(t)["input_ids"] for t in ("12+34=", "Use 3 5 7 to make 22:")]
+    trainer = parse_spec("fp32", "trainer")
+    kl = {}
+    for spec in ("backend=llamacpp,weights=f32", "backend=llamacpp,weights=q4_0,kv_cache_bits=4"):
+        m = inspect_engines(model, prompts, parse_spec(spec, "rollout"), trainer, SamplingConfig(max_new_tokens=4),
+                            tokenizer=tok, layers=False, dvp_rhos=None)
+        assert m.meta["rollout_view"] == "full" and m.tokens.kl_kind == "exact" and m.layers is None
+        assert m.meta["capture_max_abs_error"] < 1e-5
+        kl[spec] = float(m.tokens.kl[m.tokens.mask].mean())
+    # F32: the engines agree to float32 resolution (the float64 floor is ~1e-12); Q4_0 + q4_0 KV: a real mismatch
+    assert abs(kl["backend=llamacpp,weights=f32"]) < 1e-6
+    assert kl["backend=llamacpp,weights=q4_0,kv_cache_bits=4"] > 1e-4
+
+
+def test_inspect_a_running_server_gives_top_k_bounds(sharp, tmp_path):
+    model, tok = sharp
+    engine = LlamaCppRolloutEngine(model, tok, weights="q8_0", threads=1, workdir=tmp_path)
+    try:
+        m = inspect_engines(model, [tok("12+34=")["input_ids"]], parse_spec(f"server={engine.url}", "rollout"),
+                            parse_spec("fp32", "trainer"), SamplingConfig(max_new_tokens=4), tokenizer=tok,
+                            topk=5, layers=False, dvp_rhos=None)
+    finally:
+        engine.close()
+    t = m.tokens
+    assert m.meta["rollout_view"] == "topk" and t.kl_kind == "topk"
+    lower, upper = t.kl[t.mask], t.kl_upper[t.mask]
+    assert bool((lower >= -1e-6).all()) and bool((upper >= lower - 1e-6).all())  # bounds, up to rounding
+    with pytest.raises(ValueError, match="untruncated sampling"):
+        inspect_engines(model, [tok("1=")["input_ids"]], parse_spec("backend=llamacpp", "rollout"),
+                        parse_spec("fp32", "trainer"), SamplingConfig(max_new_tokens=2, top_k=5), tokenizer=tok,
+                        layers=False, dvp_rhos=None)

@@ -1,0 +1,154 @@
+"""vLLM and SGLang clients by protocol, against answers written from their documented formats and served by a stub on
+127.0.0.1. Unverified against a live vLLM or SGLang server (neither runs on this project's CPU machines)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+
+from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.servers import (
+    ServerError,
+    ServerRolloutEngine,
+    SGLangProtocol,
+    VLLMProtocol,
+    parse_sglang_generate,
+    parse_vllm_completion,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def _load(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+@pytest.fixture
+def stub():
+    """Start a stub server answering ``replies[path]``; returns (url, log of (path, body))."""
+    servers = []
+
+    def start(replies: dict[str, object]):
+        log: list[tuple[str, object]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+                log.append((self.path, body))
+                reply = replies.get(self.path)
+                self.send_response(200 if reply is not None else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps(reply if reply is not None else {"error": "no route"}).encode())
+
+            def log_message(self, *args):
+                pass
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}", log
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+# -- vLLM -----------------------------------------------------------------------------------------------------------
+def test_vllm_answer_parsed_with_top_k_and_minus_9999_as_minus_inf():
+    c = parse_vllm_completion(_load("vllm_completions.json"), SamplingConfig(top_k=3, logprobs_topk=2),
+                              vocab_size=4099)
+    assert c.ids == [20, 223, 2] and c.logp == [-0.105, -1.9, -0.01] and c.text == "1 2"
+    # the top 2 of each dict, most likely first; the sampled 223 (−1.9) is the third entry at position 1, not top-2
+    assert c.top_ids == [[20, 21], [19, 31], [2, 1]]
+    assert c.top_logp[1] == [-0.4, -1.3] and c.top_logp[2] == [-0.01, -math.inf]
+
+
+def test_vllm_engine_sends_ids_and_processed_recipe(stub):
+    url, log = stub({"/v1/completions": _load("vllm_completions.json")})
+    engine = ServerRolloutEngine(url, VLLMProtocol("lab"), vocab_size=4099)
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.005, top_k=3, logprobs_topk=2)
+    out = engine.generate([[1, 19, 31], [1, 20]], cfg, seed=7)
+    assert out.completion_ids == [[20, 223, 2]] * 2 and out.logp[0].tolist() == pytest.approx([-0.105, -1.9, -0.01])
+    assert out.sampling.temperature == 0.01  # vLLM's floor, reported so the trainer replays it
+    path, body = log[0]
+    assert path == "/v1/completions" and body["prompt"] == [1, 19, 31] and body["seed"] == 7
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True and body["top_k"] == 3
+    assert log[1][1]["seed"] == 8  # row i: seed + i
+
+
+def test_vllm_refuses_raw_log_probs():
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        VLLMProtocol("lab", logprobs_mode="raw_logprobs")
+    raw = _load("vllm_completions.json")  # top_k=1 keeps one token: two finite top entries + the sampled one = raw
+    with pytest.raises(ServerError, match=r"top_logprobs\[1\]: 3 tokens have finite log-probs under top_k=1"):
+        parse_vllm_completion(raw, SamplingConfig(top_k=1, logprobs_topk=2), where="vllm request 0")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda a: a["choices"][0]["logprobs"]["tokens"].__setitem__(0, "1"), r"tokens\[0\] = '1' is not 'token_id:<id>'"),
+    (lambda a: a["choices"][0]["logprobs"]["token_logprobs"].__setitem__(1, None), r"token_logprobs\[1\] must be a"),
+    (lambda a: a["choices"][0]["logprobs"]["tokens"].__setitem__(2, "token_id:9999"), "outside the trainer's"),
+    (lambda a: a["choices"][0]["logprobs"]["token_logprobs"].__setitem__(0, -9999.0), "has probability 0"),
+    (lambda a: a["choices"][0].pop("logprobs"), "has no field 'logprobs'"),
+])
+def test_vllm_errors_name_the_field(edit, message):
+    answer = _load("vllm_completions.json")
+    edit(answer)
+    with pytest.raises(ServerError, match=message):
+        parse_vllm_completion(answer, SamplingConfig(logprobs_topk=2), where="vllm request 0", vocab_size=4099)
+
+
+def test_vllm_weight_reload_calls_in_order(stub):
+    url, log = stub({p: {} for p in ("/pause", "/collective_rpc", "/reset_prefix_cache", "/resume")})
+    ServerRolloutEngine(url, VLLMProtocol("lab")).reload_weights("/models/lab")
+    assert [p for p, _ in log] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert log[1][1] == {"method": "reload_weights"}
+
+
+# -- SGLang -----------------------------------------------------------------------------------------------------------
+def test_sglang_answer_parsed():
+    c = parse_sglang_generate(_load("sglang_generate.json"), SamplingConfig(logprobs_topk=2), vocab_size=4099)
+    assert c.ids == [20, 223, 2] and c.logp == [-0.105, -1.9, -0.01]
+    assert c.top_ids == [[20, 21], [19, 31], [2, 1]] and c.top_logp[2] == [-0.01, -6.2]
+
+
+def test_sglang_engine_and_reload(stub):
+    url, log = stub({"/generate": _load("sglang_generate.json"),
+                     "/update_weights_from_disk": {"success": True, "message": "ok"}})
+    engine = ServerRolloutEngine(url, SGLangProtocol(), vocab_size=4099)
+    out = engine.generate([[1, 19]], SamplingConfig(max_new_tokens=3, temperature=0.7, logprobs_topk=2), seed=3)
+    assert out.topk_ids[0, 1].tolist() == [19, 31] and out.mask.all()
+    body = log[0][1]
+    assert body["input_ids"] == [1, 19] and body["return_logprob"] is True and body["top_logprobs_num"] == 2
+    assert body["sampling_params"]["temperature"] == 0.7 and body["sampling_params"]["sampling_seed"] == 3
+    engine.reload_weights("/models/lab")
+    assert log[1] == ("/update_weights_from_disk", {"model_path": "/models/lab"})
+
+
+def test_sglang_refuses_truncation_and_a_failed_reload(stub):
+    with pytest.raises(ValueError, match="top_k: SGLang reports log-probs before"):
+        SGLangProtocol().request([1], SamplingConfig(top_k=5), 0)
+    url, _ = stub({"/update_weights_from_disk": {"success": False, "message": "shape mismatch"}})
+    with pytest.raises(ServerError, match="answer.success is not true.*shape mismatch"):
+        ServerRolloutEngine(url, SGLangProtocol()).reload_weights("/m")
+
+
+def test_sglang_ids_must_agree():
+    answer = _load("sglang_generate.json")
+    answer["output_ids"] = [20, 223, 3]
+    with pytest.raises(ServerError, match="output_ids .* differ from the ids"):
+        parse_sglang_generate(answer, SamplingConfig(), where="sglang request 0")
+
+
+def test_http_error_names_request(stub):
+    url, _ = stub({})
+    engine = ServerRolloutEngine(url, SGLangProtocol(), vocab_size=4099)
+    with pytest.raises(ServerError, match=r"sglang request 0 \(/generate\): .* answered HTTP 404"):
+        engine.generate([[1]], SamplingConfig(max_new_tokens=2), seed=0)
