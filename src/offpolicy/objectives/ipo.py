@@ -39,11 +39,11 @@ def ipo(x: TokenInputs, *, threshold: float = 0.1, kl_tau: float = 1e-3, adv_tau
     """prime-rl's IPO per-token loss (see the module docstring); ``loss/ipo_masked``: tokens with |p − p_μ| > δ.
 
     >>> x = TokenInputs(logp=torch.log(torch.tensor([[0.5, 0.9]])), old_logp=torch.zeros(1, 2),
-    ...                 rollout_logp=torch.log(torch.tensor([[0.4, 0.5]])), advantages=torch.tensor([[1.0, -1.0]]),
+    ...                 rollout_logp=torch.log(torch.tensor([[0.45, 0.5]])), advantages=torch.tensor([[1.0, -1.0]]),
     ...                 valid=torch.ones(1, 2, dtype=torch.bool))
-    >>> out = ipo(x, kl_tau=0.0)   # |0.5 − 0.4| = 0.1 ≤ 0.1: −1 · 1.25;  |0.9 − 0.5| = 0.4 > 0.1: masked
+    >>> out = ipo(x, kl_tau=0.0)   # |0.5 − 0.45| ≤ 0.1: −1 · 0.5/0.45;  |0.9 − 0.5| = 0.4 > 0.1: masked
     >>> out.loss, out.clipped["ipo_masked"]
-    (tensor([[-1.2500,  0.0000]]), tensor([[False,  True]]))
+    (tensor([[-1.1111,  0.0000]]), tensor([[False,  True]]))
     """
     delta = check_nonnegative("threshold", threshold)
     tau = check_nonnegative("kl_tau", kl_tau)
