@@ -185,3 +185,19 @@ def test_m2po_keep_empty_and_all_masked():
     b = LogProbBatch(logp=torch.zeros(0, 3), rollout_logp=torch.zeros(0, 3), mask=torch.zeros(0, 3),
                      advantages=torch.zeros(0))
     assert m2po()(b).keep.shape == (0, 3)
+
+
+def test_reachable_by_name_from_trl_and_verl_helpers():
+    # TRL: vLLM's sampling_per_token_logps is μ; verl: the driver-side rollout_correction (π_θ = π_old there)
+    from offpolicy.integrations.trl import trl_policy_loss
+    from offpolicy.integrations.verl import rollout_correction
+
+    lp = torch.zeros(1, 3, requires_grad=True)
+    inputs = {"completion_mask": torch.ones(1, 3), "advantages": torch.tensor([1.0]),
+              "sampling_per_token_logps": torch.tensor([[-1.0, -0.1, 0.1]])}
+    loss, m = trl_policy_loss(lp, inputs, correction="m2po")
+    assert m["m2po/masked_frac"].item() == pytest.approx(1 / 3)  # the log r = 1 token (module docstring's example)
+    assert loss.item() == pytest.approx(-2 / 3)
+    _, keep, metrics = rollout_correction(torch.zeros(1, 3), torch.tensor([[-1.0, -0.1, 0.1]]), torch.ones(1, 3),
+                                          "m2po", advantages=torch.tensor([1.0]))
+    assert keep.tolist() == [[False, True, True]] and any(k.endswith("m2po/m2_after") for k in metrics)

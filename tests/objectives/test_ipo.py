@@ -92,3 +92,15 @@ def test_errors():
     with pytest.raises(ValueError, match="rollout_logp"):
         policy_loss(LogProbBatch(logp=torch.zeros(1, 1), mask=torch.ones(1, 1), advantages=torch.ones(1)),
                     objective="ipo")
+
+
+def test_reachable_by_name_from_trl():
+    # TRL's sampling_per_token_logps (vLLM) is μ, which IPO's ratio reads
+    from offpolicy.integrations.trl import trl_policy_loss
+
+    lp = torch.log(torch.tensor([[0.5, 0.9]])).requires_grad_(True)
+    inputs = {"completion_mask": torch.ones(1, 2), "advantages": torch.tensor([1.0]),
+              "sampling_per_token_logps": torch.log(torch.tensor([[0.45, 0.5]]))}
+    loss, m = trl_policy_loss(lp, inputs, objective={"name": "ipo", "kl_tau": 0.0}, aggregation="token_mean")
+    assert loss.item() == pytest.approx(-0.5 / 0.45 / 2, rel=1e-6)  # the second token is masked (|0.9 − 0.5| > 0.1)
+    assert m["loss/ipo_masked"].item() == 0.5
