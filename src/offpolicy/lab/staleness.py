@@ -1,0 +1,202 @@
+"""The staleness verdict of a lab sweep over lagging engines (setting ``stale``): per method and lag, the numbers as
+median [min–max] over seeds, the largest lag whose last-quarter reward stays within noise of the fp32 on-policy
+control, and a figure of final reward and worst drawdown against the lag.
+
+"Within noise" is the lab's rule (:func:`offpolicy.lab.stats.compare`): the min–max ranges over seeds of the group's
+and the control's last-quarter rewards overlap; with n and m seeds, two identical methods fail to overlap by chance
+with probability 2 / C(n + m, n) (3 vs 3: 10 %). The control is ``naive`` on the ``none`` engine (μ = π_old).
+
+    offpolicy lab --setting stale --out DIR --jobs 2
+    python -m offpolicy.lab.staleness DIR docs/lab          # → staleness_table.md, staleness.png
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from offpolicy.lab.mismatch import CONTROL, mismatch_settings
+from offpolicy.lab.stats import compare, finite, mean, median, run_stats, series, spread
+
+# per-run numbers of the table: (key, header, format)
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("reward_first", "reward first ¼", "{:.3f}"),
+    ("reward_last", "reward last ¼", "{:.3f}"),
+    ("reward_drawdown", "worst drawdown", "{:.2f}"),
+    ("grad_norm_max", "‖∇‖ max", "{:.3g}"),
+    ("k3_median", "k3 KL median", "{:.2e}"),
+    ("masked_frac_mean", "masked", "{:.3f}"),
+    ("drift_tv", "drift ½‖q−p‖₁", "{:.3f}"),
+    ("topk_gap_tv", "top-20 gap ½‖q−q̂‖₁", "{:.1e}"),
+)
+
+
+def lag_of(mismatch: str) -> int:
+    """The engine's sync period in steps (1 for the control: synced every step).
+
+    >>> lag_of("lag16"), lag_of("none"), lag_of("lag1")
+    (16, 1, 2)
+    """
+    return int(mismatch_settings(mismatch)["rollout.sync_every"])
+
+
+def lag_label(mismatch: str) -> str:
+    """``"lag16"`` → ``"16"``; the control ``"0 (fp32)"``.
+
+    >>> lag_label("lag4"), lag_label("none")
+    ('4', '0 (fp32)')
+    """
+    m = re.fullmatch(r"lag(\d+)", mismatch)
+    return m.group(1) if m else ("0 (fp32)" if mismatch == CONTROL else mismatch)
+
+
+def group_numbers(rows_per_seed: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every :data:`COLUMNS` number of one preset × mismatch as :func:`~offpolicy.lab.stats.spread` over seeds; the
+    score-centering drift and top-k gap are each run's mean over steps (absent: n = 0)."""
+    per_seed = []
+    for rows in rows_per_seed:
+        s = run_stats(rows)
+        s["drift_tv"] = mean(series(rows, "score_centering/drift_tv")) if "score_centering/drift_tv" in rows[0] else None
+        s["topk_gap_tv"] = mean(series(rows, "score_centering/topk_gap_tv")) if "score_centering/topk_gap_tv" in rows[0] \
+            else None
+        per_seed.append(s)
+    return {key: spread([s[key] for s in per_seed]) for key, _, _ in COLUMNS}
+
+
+def cell(s: dict[str, Any], fmt: str) -> str:
+    """``median [min–max]`` (``–`` when there is no number).
+
+    >>> cell({"median": 0.5, "min": 0.25, "max": 0.75, "n": 3}, "{:.2f}")
+    '0.50 [0.25–0.75]'
+    """
+    if not s or s.get("n", 0) == 0:
+        return "–"
+    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}–{fmt.format(s['max'])}]"
+
+
+def largest_lag_within_noise(verdicts: dict[str, dict[str, Any]]) -> str | None:
+    """The largest lag (by sync period) whose verdict against the control is *within noise* while every smaller lag's
+    is too — where the method has not yet broken; None when even the smallest lag is separated. Missing lags are
+    skipped.
+
+    >>> largest_lag_within_noise({"lag1": {"within_noise": True}, "lag4": {"within_noise": True},
+    ...                           "lag16": {"within_noise": False}, "lag64": {"within_noise": True}})
+    'lag4'
+    """
+    best = None
+    for mismatch in sorted(verdicts, key=lag_of):
+        if not verdicts[mismatch].get("within_noise"):
+            break
+        best = mismatch
+    return best
+
+
+def staleness_report(out: str | Path) -> dict[str, Any]:
+    """Numbers, verdicts and the largest lag within noise per preset, from a sweep folder (``summary.json`` and each
+    run's ``metrics.jsonl``). Only complete groups (all of the plan's seeds finished) are reported."""
+    from offpolicy.lab.stats import load_sweep
+
+    summary, rows = load_sweep(out)
+    runs = [r for r in summary["runs"] if rows.get(r["dir"])]
+    n_seeds = len(summary["plan"]["seeds"]) if "plan" in summary else max(r["seed"] for r in runs) + 1
+    groups: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
+    for r in runs:
+        if len(rows[r["dir"]]) == r.get("steps", len(rows[r["dir"]])):
+            groups.setdefault((r["preset"], r["mismatch"]), []).append(rows[r["dir"]])
+    groups = {k: v for k, v in groups.items() if len(v) >= min(n_seeds, 3)}
+    control = [run_stats(x)["reward_last"] for x in groups.get(("naive", CONTROL), [])]
+    presets = list(dict.fromkeys(p for p, _ in groups))
+    mismatches = sorted({m for _, m in groups}, key=lag_of)
+    table: dict[str, dict[str, Any]] = {}
+    for (preset, mismatch), per_seed in groups.items():
+        entry = {"numbers": group_numbers(per_seed), "seeds": len(per_seed)}
+        if mismatch != CONTROL or preset != "naive":
+            entry["vs_control"] = compare([run_stats(x)["reward_last"] for x in per_seed], control, "naive, none")
+        table[f"{preset}|{mismatch}"] = entry
+    largest = {}
+    for preset in presets:
+        verdicts = {m: table[f"{preset}|{m}"]["vs_control"] for m in mismatches
+                    if m != CONTROL and f"{preset}|{m}" in table}
+        largest[preset] = largest_lag_within_noise(verdicts) if verdicts else None
+    return {"presets": presets, "mismatches": mismatches, "table": table, "largest_within_noise": largest,
+            "steps": summary["plan"]["steps"] if "plan" in summary else None}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report's table as markdown: one row per preset × lag, then the verdict columns."""
+    head = ["preset", "lag (steps)", "seeds", *[h for _, h, _ in COLUMNS], "last ¼ vs control"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for preset in report["presets"]:
+        for mismatch in report["mismatches"]:
+            entry = report["table"].get(f"{preset}|{mismatch}")
+            if entry is None:
+                continue
+            cells = [cell(entry["numbers"][k], fmt) for k, _, fmt in COLUMNS]
+            v = entry.get("vs_control")
+            verdict = "(control)" if v is None else (f"{v['diff']:+.3f} {v['verdict']}" if v["diff"] is not None
+                                                    else v["verdict"])
+            lines.append("| " + " | ".join([preset, lag_label(mismatch), str(entry["seeds"]), *cells, verdict]) + " |")
+    return "\n".join(lines)
+
+
+def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
+    """Two panels against the lag (log axis, sync period in steps): last-quarter reward and worst drawdown, median
+    over seeds with min–max bars, one line per preset; the control's range as a grey band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from offpolicy.lab.plots import preset_colors, save_figure
+
+    colors = preset_colors(report["presets"])
+    lags = [m for m in report["mismatches"] if m != CONTROL]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    control = report["table"].get(f"naive|{CONTROL}")
+    for ax, key, title in ((axes[0], "reward_last", "Reward, last quarter of the run"),
+                           (axes[1], "reward_drawdown", "Worst drawdown of the 3-step mean reward")):
+        if control is not None:
+            c = control["numbers"][key]
+            ax.axhspan(c["min"], c["max"], color="0.85", label="control (naive, fp32 engine): min–max")
+        for i, preset in enumerate(report["presets"]):
+            pts = [(lag_of(m) * (1 + 0.04 * (i - 2)), report["table"][f"{preset}|{m}"]["numbers"][key]) for m in lags
+                   if f"{preset}|{m}" in report["table"]]
+            pts = [(x, s) for x, s in pts if s["n"]]
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            med = [s["median"] for _, s in pts]
+            err = [[s["median"] - s["min"] for _, s in pts], [s["max"] - s["median"] for _, s in pts]]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=colors[preset], label=preset)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([lag_of(m) for m in lags], [f"{lag_label(m)}\n(sync /{lag_of(m)})" for m in lags])
+        ax.set_xlabel("engine lag: sync period in steps (4 optimiser updates per step)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward (median over seeds, min–max bars)")
+    axes[1].set_ylabel("drawdown (reward units)")
+    axes[0].legend(fontsize=8, loc="lower left")
+    return save_figure(plt, fig, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m offpolicy.lab.staleness SWEEP_DIR DOCS_DIR``: write ``staleness_table.md`` and ``staleness.png``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        raise SystemExit("usage: python -m offpolicy.lab.staleness SWEEP_DIR OUT_DIR")
+    report = staleness_report(args[0])
+    out = Path(args[1])
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown_table(report) + "\n\nLargest lag within noise of the control (last-quarter reward):\n\n" + "\n".join(
+        f"- {p}: {report['largest_within_noise'][p] or 'none (broken at the smallest lag run)'}"
+        for p in report["presets"])
+    (out / "staleness_table.md").write_text(text + "\n")
+    plot_staleness(report, out / "staleness.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
