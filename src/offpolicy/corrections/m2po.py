@@ -14,9 +14,11 @@ M2 = Σ_valid (log r_t)² / N over the N valid tokens of the optimiser batch:
 The selection is made once per call over the whole batch it is given: the reference trainer calls its correction once
 per optimiser step on that step's minibatch, so the mask is chosen once per optimiser batch, as in the paper.
 
-Sources and versions: AReaL (``inclusionAI/AReaL``, ``areal/utils/functional.py`` ``get_m2po_loss_mask`` / the actor's
-M2PO branch, merged Oct 2025) sorts *all* valid tokens by (log π_prox − log μ)² — π_prox is the trainer's log-prob at
-the start of the step, π_old here — and stops at the first suffix mean strictly below τ, keeping at least one token.
+Sources and versions: AReaL (``inclusionAI/AReaL``; ``get_m2po_loss_mask`` merged Oct 2025, now
+``areal/trainer/ppo/actor.py`` ``_apply_m2po_masking`` / ``_get_m2po_loss_mask`` at commit 4aef98d, 2026-05-21, config
+``actor.m2_threshold``) applies the mask per optimiser minibatch before its PPO loss, sorting *all* valid tokens by
+(log π_prox − log μ)² — π_prox is the trainer's log-prob at the start of the step, π_old here — and stopping at the
+first suffix mean strictly below τ, keeping at least one token.
 That version is ``m2po(quadrants=False, source="mismatch")`` (up to ≤ vs < at exact equality and its keep-one rule).
 The default follows the paper and the issue text: r from π_θ (detached) over μ, quadrant candidates, M2 ≤ τ.
 
