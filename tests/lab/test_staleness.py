@@ -72,7 +72,7 @@ def test_largest_lag_skips_missing_lags():
 def test_stale_setting_and_lag_sources():
     s = get_setting("stale")
     assert s["presets"] == ["naive", "tis", "m2po", "ipo", "score_centering"]
-    assert s["mismatches"] == ["lag1", "lag4", "lag8", "lag16", "lag64"] and s["seeds"] >= 3
+    assert s["mismatches"] == ["none", "lag1", "lag4", "lag8", "lag16", "lag64"] and s["seeds"] >= 3
     assert "rollout.sync_every=2" in mismatch_overrides("lag1")
     assert "rollout.sync_every=64" in mismatch_overrides("lag64")
     with pytest.raises(ValueError, match="lag1"):

@@ -75,7 +75,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "description": "naive, TIS, M2PO, IPO and score centering on engines that lag by 1 to 64 updates",
         "overrides": [*LAB_BASE],
         "presets": ["naive", "tis", "m2po", "ipo", "score_centering"],
-        "mismatches": ["lag1", "lag4", "lag8", "lag16", "lag64"],
+        "mismatches": ["none", "lag1", "lag4", "lag8", "lag16", "lag64"],
         "control_presets": ["naive"],  # the fp32 on-policy control
         "seeds": 3,
         "steps": 20,
