@@ -37,6 +37,8 @@ def _write_sweep(root):
                     row["score_centering/drift_tv"] = 0.1
                 rows.append(row)
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            if (preset, mismatch) != ("m2po", "lag16"):  # the trainer's evaluated reward: 0.01 above the engine's
+                (d / "eval.json").write_text(json.dumps({"step": STEPS, "reward": last + 0.01, "samples": 64}))
             runs.append({"preset": preset, "mismatch": mismatch, "seed": seed, "dir": f"runs/{d.name}", "steps": STEPS})
     summary = {"runs": runs, "plan": {"seeds": [0, 1, 2], "steps": STEPS, "runs": runs}}
     (root / "summary.json").write_text(json.dumps(summary))
@@ -58,8 +60,11 @@ def test_report_on_a_known_sweep(tmp_path):
     assert t["m2po|lag4"]["numbers"]["drift_tv"]["median"] == pytest.approx(0.1)
     md = markdown_table(report)
     # first quarter: steps 1–2 at 0.1, 0.2 → 0.15
-    assert "| naive | 16 | 3 | 0.150 [0.150–0.150] | 0.550 [0.500–0.600] |" in md
-    assert "-0.300 lower" in md and "(control)" in md
+    assert "| naive | 16 | 3 | 0.560 [0.510–0.610] | 0.150 [0.150–0.150] | 0.550 [0.500–0.600] |" in md
+    assert "-0.300 lower | -0.300 lower" in md and "(control)" in md
+    assert t["naive|lag4"]["eval_vs_control"]["verdict"] == "within noise"
+    assert t["m2po|lag16"]["eval_vs_control"]["verdict"] == "too few seeds"  # no eval.json there
+    assert report["largest_within_noise_eval"] == {"naive": "lag4", "m2po": None}
     png = plot_staleness(report, tmp_path / "staleness.png")
     assert png.stat().st_size > 10_000
 
@@ -77,3 +82,20 @@ def test_stale_setting_and_lag_sources():
     assert "rollout.sync_every=64" in mismatch_overrides("lag64")
     with pytest.raises(ValueError, match="lag1"):
         mismatch_overrides("lag1+lag16")  # two lags set the same field
+
+
+def test_evaluate_run_scores_the_trainer_weights_on_fixed_prompts(tmp_path, tiny_run):
+    from offpolicy.lab.staleness import evaluate_run
+    from offpolicy.train.config import load_config
+    from offpolicy.train.loop import train
+
+    cfg = load_config(None, [*tiny_run, "task.name=pattern", f"run.out_dir={tmp_path}", "run.steps=1",
+                             "run.progress=false",
+                             "run.tensorboard=false", "rollout.sync_every=4"])
+    train(cfg)
+    first = evaluate_run(tmp_path, prompts=2)
+    assert first["step"] == 1.0 and first["samples"] == 2 * cfg.algorithm.group_size and 0.0 <= first["reward"] <= 1.0
+    assert json.loads((tmp_path / "eval.json").read_text()) == first
+    assert evaluate_run(tmp_path, prompts=2) == first  # the same prompts and sampling seed every time
+    with pytest.raises(ValueError, match="no checkpoint"):
+        evaluate_run(tmp_path / "nothing")

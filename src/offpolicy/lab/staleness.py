@@ -7,11 +7,13 @@ and the control's last-quarter rewards overlap; with n and m seeds, two identica
 with probability 2 / C(n + m, n) (3 vs 3: 10 %). The control is ``naive`` on the ``none`` engine (μ = π_old).
 
     offpolicy lab --setting stale --out DIR --jobs 2
+    python -m offpolicy.lab.staleness --evaluate DIR        # the trainer's final reward per run → eval.json
     python -m offpolicy.lab.staleness DIR docs/lab          # → staleness_table.md, staleness.png
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from offpolicy.lab.stats import compare, finite, mean, median, run_stats, series
 
 # per-run numbers of the table: (key, header, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("final_eval", "trainer's final reward (eval)", "{:.3f}"),
     ("reward_first", "reward first ¼", "{:.3f}"),
     ("reward_last", "reward last ¼", "{:.3f}"),
     ("reward_drawdown", "worst drawdown", "{:.2f}"),
@@ -53,12 +56,15 @@ def lag_label(mismatch: str) -> str:
     return m.group(1) if m else ("0 (fp32)" if mismatch == CONTROL else mismatch)
 
 
-def group_numbers(rows_per_seed: Sequence[Sequence[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def group_numbers(rows_per_seed: Sequence[Sequence[dict[str, Any]]],
+                  evals: Sequence[float | None] | None = None) -> dict[str, dict[str, Any]]:
     """Every :data:`COLUMNS` number of one preset × mismatch as :func:`~offpolicy.lab.stats.spread` over seeds; the
-    score-centering drift and top-k gap are each run's mean over steps (absent: n = 0)."""
+    score-centering drift and top-k gap are each run's mean over steps, ``final_eval`` the trainer's evaluated reward
+    (:func:`evaluate_run`; absent: n = 0)."""
     per_seed = []
-    for rows in rows_per_seed:
+    for i, rows in enumerate(rows_per_seed):
         s = run_stats(rows)
+        s["final_eval"] = evals[i] if evals is not None else None
         s["drift_tv"] = mean(series(rows, "score_centering/drift_tv")) if "score_centering/drift_tv" in rows[0] else None
         s["topk_gap_tv"] = mean(series(rows, "score_centering/topk_gap_tv")) if "score_centering/topk_gap_tv" in rows[0] \
             else None
@@ -103,31 +109,37 @@ def staleness_report(out: str | Path) -> dict[str, Any]:
     runs = [r for r in summary["runs"] if rows.get(r["dir"])]
     n_seeds = len(summary["plan"]["seeds"]) if "plan" in summary else max(r["seed"] for r in runs) + 1
     groups: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
+    evals: dict[tuple[str, str], list[float | None]] = {}
     for r in runs:
         if len(rows[r["dir"]]) == r.get("steps", len(rows[r["dir"]])):
             groups.setdefault((r["preset"], r["mismatch"]), []).append(rows[r["dir"]])
+            path = Path(out) / r["dir"] / EVAL_FILE
+            evals.setdefault((r["preset"], r["mismatch"]), []).append(
+                json.loads(path.read_text())["reward"] if path.is_file() else None)
     groups = {k: v for k, v in groups.items() if len(v) >= min(n_seeds, 3)}
     control = [run_stats(x)["reward_last"] for x in groups.get(("naive", CONTROL), [])]
+    control_eval = evals.get(("naive", CONTROL), [])
     presets = list(dict.fromkeys(p for p, _ in groups))
     mismatches = sorted({m for _, m in groups}, key=lag_of)
     table: dict[str, dict[str, Any]] = {}
     for (preset, mismatch), per_seed in groups.items():
-        entry = {"numbers": group_numbers(per_seed), "seeds": len(per_seed)}
+        entry = {"numbers": group_numbers(per_seed, evals[(preset, mismatch)]), "seeds": len(per_seed)}
         if mismatch != CONTROL or preset != "naive":
             entry["vs_control"] = compare([run_stats(x)["reward_last"] for x in per_seed], control, "naive, none")
+            entry["eval_vs_control"] = compare(evals[(preset, mismatch)], control_eval, "naive, none")
         table[f"{preset}|{mismatch}"] = entry
-    largest = {}
+    largest, largest_eval = {}, {}
     for preset in presets:
-        verdicts = {m: table[f"{preset}|{m}"]["vs_control"] for m in mismatches
-                    if m != CONTROL and f"{preset}|{m}" in table}
-        largest[preset] = largest_lag_within_noise(verdicts) if verdicts else None
+        for key, into in (("vs_control", largest), ("eval_vs_control", largest_eval)):
+            verdicts = {m: table[f"{preset}|{m}"][key] for m in mismatches if m != CONTROL and f"{preset}|{m}" in table}
+            into[preset] = largest_lag_within_noise(verdicts) if verdicts else None
     return {"presets": presets, "mismatches": mismatches, "table": table, "largest_within_noise": largest,
-            "steps": summary["plan"]["steps"] if "plan" in summary else None}
+            "largest_within_noise_eval": largest_eval, "steps": summary["plan"]["steps"] if "plan" in summary else None}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
     """The report's table as markdown: one row per preset × lag, then the verdict columns."""
-    head = ["preset", "lag (steps)", "seeds", *[h for _, h, _ in COLUMNS], "last ¼ vs control"]
+    head = ["preset", "lag (steps)", "seeds", *[h for _, h, _ in COLUMNS], "eval vs control", "last ¼ vs control"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for preset in report["presets"]:
         for mismatch in report["mismatches"]:
@@ -135,11 +147,15 @@ def markdown_table(report: dict[str, Any]) -> str:
             if entry is None:
                 continue
             cells = [cell(entry["numbers"][k], fmt) for k, _, fmt in COLUMNS]
-            v = entry.get("vs_control")
-            verdict = "(control)" if v is None else (f"{v['diff']:+.3f} {v['verdict']}" if v["diff"] is not None
-                                                    else v["verdict"])
-            lines.append("| " + " | ".join([preset, lag_label(mismatch), str(entry["seeds"]), *cells, verdict]) + " |")
+            verdicts = [_verdict(entry.get("eval_vs_control")), _verdict(entry.get("vs_control"))]
+            lines.append("| " + " | ".join([preset, lag_label(mismatch), str(entry["seeds"]), *cells, *verdicts]) + " |")
     return "\n".join(lines)
+
+
+def _verdict(v: dict[str, Any] | None) -> str:
+    if v is None:
+        return "(control)"
+    return f"{v['diff']:+.3f} {v['verdict']}" if v["diff"] is not None else v["verdict"]
 
 
 def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
@@ -156,9 +172,12 @@ def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
     lags = [m for m in report["mismatches"] if m != CONTROL]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     control = report["table"].get(f"naive|{CONTROL}")
-    for ax, key, title in ((axes[0], "reward_last", "Reward, last quarter of the run"),
+    final = "final_eval" if any(e["numbers"]["final_eval"]["n"] for e in report["table"].values()) else "reward_last"
+    final_title = "Trainer's final reward (evaluated, synced fp32 engine)" if final == "final_eval" else \
+        "Reward, last quarter of the run"
+    for ax, key, title in ((axes[0], final, final_title),
                            (axes[1], "reward_drawdown", "Worst drawdown of the 3-step mean reward")):
-        if control is not None:
+        if control is not None and control["numbers"][key]["n"]:
             c = control["numbers"][key]
             ax.axhspan(c["min"], c["max"], color="0.85", label="control (naive, fp32 engine): min–max")
         for i, preset in enumerate(report["presets"]):
@@ -180,6 +199,39 @@ def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
     axes[1].set_ylabel("drawdown (reward units)")
     axes[0].legend(fontsize=8, loc="lower left")
     return save_figure(plt, fig, path)
+
+
+EVAL_SEED = 1_000_003  # the evaluation prompts: the same for every run, drawn from no training step's seed
+EVAL_FILE = "eval.json"
+
+
+def evaluate_run(run_dir: str | Path, *, prompts: int = 8, seed: int = EVAL_SEED) -> dict[str, float]:
+    """The reward of a finished run's *trainer* weights (its latest checkpoint), sampled by a synced fp32 engine on
+    ``prompts`` fixed prompts × the run's group size; written to ``run_dir/eval.json`` and returned.
+
+    Why: the lab's reward is the rollout engine's, and a lagging engine samples with old weights — with ``lag64`` in
+    a 20-step run every rollout comes from the initial policy, so the logged reward says nothing about what the
+    trainer learned. This measures the trainer itself, on the same prompts for every run.
+    """
+    import json
+
+    from offpolicy.train.checkpoint import latest_checkpoint, load_checkpoint
+    from offpolicy.train.config import load_config
+    from offpolicy.train.steps import build_state, rollout_step, step_seed
+
+    run = Path(run_dir)
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    if checkpoint is None:
+        raise ValueError(f"{str(run)!r} has no checkpoint to evaluate")
+    cfg = load_config(run / "config.yaml", [f"task.prompts_per_step={prompts}", "rollout.dtype=float32",
+                                            "rollout.kv_cache_bits=null", "rollout.weight_bits=null",
+                                            "rollout.logit_noise=0.0", "rollout.sync_every=1"])
+    state = build_state(cfg)
+    info = load_checkpoint(checkpoint, model=state.model, restore_rng=False)
+    rollout = rollout_step(state, step_seed(seed, 0), sync_weights=True)
+    result = {"step": float(info["step"]), "reward": float(rollout.rewards.mean()), "samples": float(rollout.rewards.numel())}
+    (run / EVAL_FILE).write_text(json.dumps(result) + "\n")
+    return result
 
 
 def topk_gap_table(trainer_logits: Any, sampler_logits: Any, mask: Any, ks: Sequence[int], *,
@@ -214,13 +266,22 @@ def topk_gap_table(trainer_logits: Any, sampler_logits: Any, mask: Any, ks: Sequ
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m offpolicy.lab.staleness SWEEP_DIR DOCS_DIR``: write ``staleness_table.md`` and ``staleness.png``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--evaluate"]:  # evaluate every finished run that has no eval.json yet
+        from offpolicy.lab.stats import load_sweep
+
+        summary, _ = load_sweep(args[1])
+        for r in summary["runs"]:
+            if not (Path(args[1]) / r["dir"] / EVAL_FILE).is_file():
+                print(r["dir"], evaluate_run(Path(args[1]) / r["dir"]), flush=True)
+        return
     if len(args) != 2:
-        raise SystemExit("usage: python -m offpolicy.lab.staleness SWEEP_DIR OUT_DIR")
+        raise SystemExit("usage: python -m offpolicy.lab.staleness [--evaluate] SWEEP_DIR [OUT_DIR]")
     report = staleness_report(args[0])
     out = Path(args[1])
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown_table(report) + "\n\nLargest lag within noise of the control (last-quarter reward):\n\n" + "\n".join(
-        f"- {p}: {report['largest_within_noise'][p] or 'none (broken at the smallest lag run)'}"
+    text = markdown_table(report) + "\n\nLargest lag within noise of the control (trainer's final reward, evaluated" \
+        " | the lab's last-quarter reward of the engine's rollouts):\n\n" + "\n".join(
+        f"- {p}: {report['largest_within_noise_eval'][p] or 'none'} | {report['largest_within_noise'][p] or 'none'}"
         for p in report["presets"])
     (out / "staleness_table.md").write_text(text + "\n")
     plot_staleness(report, out / "staleness.png")
