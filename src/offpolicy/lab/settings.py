@@ -11,7 +11,7 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'stale']
 """
 
 from __future__ import annotations
@@ -67,6 +67,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "mismatches": ["none", "int4+kv4", "lag8"],
         "seeds": 3,
         "steps": 100,
+    },
+    # staleness: methods made for stale data against naive and TIS, from 1 to 64 updates old. 20 steps (what fits on
+    # two shared cores; on-policy the reward is ≈ 0.8 by then): lag16 syncs once (step 16), lag64 never — its
+    # rollouts all come from the initial policy, up to 19 steps = 76 optimiser updates old
+    "stale": {
+        "description": "naive, TIS, M2PO, IPO and score centering on engines that lag by 1 to 64 updates",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "m2po", "ipo", "score_centering"],
+        "mismatches": ["none", "lag1", "lag4", "lag8", "lag16", "lag64"],
+        "control_presets": ["naive"],  # the fp32 on-policy control
+        "seeds": 3,
+        "steps": 20,
     },
 }
 

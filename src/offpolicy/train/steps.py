@@ -233,6 +233,7 @@ class Scored:
     extras: dict[str, Tensor]
     theta_routes: Any
     flip_rate: Tensor | None
+    sampler_logits: Tensor | None = None  # the engine's raw logits [B, T, V] (score centering's q)
 
 
 def score_step(state: TrainState, rollout: Rollout) -> Scored:
@@ -253,13 +254,20 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     theta_routes = {"none": None, "r3": rollout.routed_experts}.get(mode)
     if mode == "r2":
         theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
-    token_divergence = None
-    if state.preset.divergence and hasattr(state.engine, "score"):
-        # TRM's exact KL(μ‖π_old) needs the rollout engine's full logits: re-score with its numerics
-        roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling, return_logits=True)[2]
-        token_divergence = exact_token_kl(roll_logits.to(old_logp.device), old_logits, state.sampling)
+    token_divergence = roll_logits = None
+    if (state.preset.divergence or state.preset.score_centering) and hasattr(state.engine, "score"):
+        # TRM's exact KL(μ‖π_old) and score centering's q need the rollout engine's full logits: re-score with its
+        # numerics (and its weights: a lagging engine's q is the stale policy's)
+        roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling,
+                                         return_logits=True)[2].to(old_logp.device)
+    if state.preset.divergence and roll_logits is not None:
+        token_divergence = exact_token_kl(roll_logits, old_logits, state.sampling)
+    if state.preset.score_centering and roll_logits is None:
+        raise ValueError(f"algorithm.preset={state.cfg.algorithm.preset!r} needs the sampler's logits: the engine "
+                         f"{type(state.engine).__name__} has no score(..., return_logits=True)")
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
-                  replayed.flip_rate if mode != "none" else None)
+                  replayed.flip_rate if mode != "none" else None,
+                  roll_logits if state.preset.score_centering else None)
 
 
 def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
@@ -364,10 +372,13 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
     routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
         else contextlib.nullcontext()
     with state.alp.active() if state.alp is not None else contextlib.nullcontext(), routes:
-        logp, mask, _, extras = score_policy(
+        logp, mask, logits, extras = score_policy(
             state.model, [rollout.prompt_ids[i] for i in ids], [rollout.completions[i] for i in ids], state.sampling,
-            dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None)
+            dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None,
+            return_logits=state.preset.score_centering is not None)
     t = logp.shape[1]
+    if state.preset.score_centering is not None:
+        logp, extras = _score_centered(state, logp, logits, scored.sampler_logits[rows, :t], extras)  # type: ignore[index]
     return LogProbBatch(
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],
@@ -375,7 +386,40 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
     )
 
 
+def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler_logits: Tensor,
+                    extras: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """π_θ's log-probs carrying the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from the
+    sampler's full logits, or its top-k head with the proportional tail), and the per-token drift ½‖q − p‖₁ and
+    top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``)."""
+    from offpolicy.objectives.score_centering import (
+        centered_logp,
+        sampler_topk,
+        score_center,
+        score_center_topk,
+        topk_tail_gap,
+    )
+    from offpolicy.train.presets import SCORE_CENTERING_TOPK
+
+    temperature = state.sampling.temperature
+    if state.preset.score_centering == "topk":
+        ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+        center = score_center_topk(logits, ids, logq, temperature=temperature)
+    else:
+        center = score_center(logits, sampler_logits, temperature=temperature)
+    drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+    return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift,
+                                         "score_centering/topk_gap_tv": gap}
+
+
 def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    if state.preset.score_centering is not None:  # the drift term's size per position, over the valid tokens
+        loss, metrics = _loss_of(state, batch)
+        return loss, {**metrics, **{k: masked_mean(v, batch.mask) for k, v in batch.extras.items()
+                                    if k.startswith("score_centering/")}}
+    return _loss_of(state, batch)
+
+
+def _loss_of(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
     a = state.cfg.algorithm
     if state.alp is not None:  # ALP's unified ratio with the paper's clip range for its level
         return alp_policy_loss(batch, level=state.cfg.alp.level, correction=state.correction, clip_low=a.clip_low,
