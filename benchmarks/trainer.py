@@ -130,7 +130,7 @@ def main() -> None:
     upd = bench_update(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
     print(f"offpolicy update phase (π_old fwd + π_θ fwd/bwd + AdamW): {upd:,.0f} tokens/s")
     try:
-        import trl  # noqa: F401
+        import trl
     except ImportError:
         trl = None
         print("TRL is not installed, so no TRL comparison; install it with  pip install 'offpolicy[trl]'  "

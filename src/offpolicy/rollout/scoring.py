@@ -30,7 +30,7 @@ def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
     raise ValueError(f"dtype {dtype} cannot be used with a {param_dtype} model (use the model's dtype, bf16 or fp16)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _accepts_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
