@@ -168,7 +168,7 @@ def test_markdown_table(report):
     assert cells[3:] == [
         "+0.000 within noise",  # first ¼: 0.2 everywhere except naive/none s0 (0.2 too: (0.1 + 0.3) / 2)
         "-0.300 lower (p = 0.1)",  # last ¼: 0.4 [0.3–0.5] vs 0.7 [0.6–0.8]
-        "+0.00 within noise",  # drawdown: 0.067 [0–0.067] vs 0 [0–0]: they touch at 0
+        "+0.000 within noise",  # drawdown: 0.067 [0–0.067] vs 0 [0–0]: they touch at 0
         "+0 within noise",  # ‖∇‖ max 8 [8–50] vs 8 [8–8]
         "+2.89e-03 higher (p = 0.1)",  # k3: 2.89e-3 [1.42e-3–5.94e-3] vs 4.5e-14 [4.5e-14–4.5e-14]
         "×8.2 [×2–×33]", "growing"]

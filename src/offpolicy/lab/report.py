@@ -62,7 +62,7 @@ DEFINITIONS = [
 NUMBER_COLUMNS = [  # (stats field, header, format)
     ("reward_first", "reward first ¼", "{:.3f}"),
     ("reward_last", "reward last ¼", "{:.3f}"),
-    ("reward_drawdown", "reward drawdown", "{:.2f}"),
+    ("reward_drawdown", "reward drawdown", "{:.3f}"),
     ("k3_median", "k3 KL (nats/token)", "{:.2e}"),
     ("exact_kl_median", "exact KL (nats/token)", "{:.2e}"),
     ("ppl_gap_median", "PPL gap |Δ log PPL|", "{:.2e}"),
@@ -163,7 +163,7 @@ def fmt_spread(s: dict[str, Any], form: str) -> str:
     return f"{fmt(s['median'], form)} [{fmt(s['min'], form)}–{fmt(s['max'], form)}]"
 
 
-DIFF_FORMS = {"reward_first": "{:+.3f}", "reward_last": "{:+.3f}", "reward_drawdown": "{:+.2f}",
+DIFF_FORMS = {"reward_first": "{:+.3f}", "reward_last": "{:+.3f}", "reward_drawdown": "{:+.3f}",
               "grad_norm_max": "{:+.3g}", "k3_median": "{:+.2e}"}
 
 
@@ -384,7 +384,7 @@ th { white-space: normal; vertical-align: bottom; }  /* long headers wrap: the t
 .headline { font-weight: 600; background: #eef6ee; border-left: 4px solid #0a7d32; padding: 0.5em 1em; }
 th { background: #f4f4f4; } td:first-child, td:nth-child(2), th:first-child, th:nth-child(2) { text-align: left; }
 tr.control td { background: #fafafa; color: #555; }
-.lower { color: #b00020; font-weight: 600; } .higher { color: #0a7d32; font-weight: 600; }
+.apart { color: #1a4fa0; font-weight: 600; }  /* separated: higher or lower is good or bad by the measure */
 .growing { color: #b00020; font-weight: 600; }
 img { max-width: 100%; border: 1px solid #eee; } code { background: #f4f4f4; padding: 0 3px; }
 .note { color: #555; font-size: 0.9em; } dt { font-weight: 600; margin-top: 0.4em; } dd { margin-left: 1.5em; }
@@ -405,7 +405,7 @@ def _html_table(headers: list[str], rows: list[list[str]], control_col: int | No
         cls = ' class="control"' if control_col is not None and row[control_col] == CONTROL else ""
         cells = []
         for c in row:
-            klass = next((k for k in ("lower", "higher", "growing") if f" {k}" in f" {c}"), None)
+            klass = "apart" if "(p = " in c else ("growing" if c == "growing" else None)
             value, sep, rest = c.partition(" [")
             # "median [min–max]": the range on a second, quieter line keeps the table within the page
             text = (f"{html.escape(value)}<br><span class='range'>[{html.escape(rest)}</span>" if sep
