@@ -80,8 +80,9 @@ def score_tokens(
     else:
         kwargs = {"use_cache": False}
     # Only the positions from the shortest prompt's last token on predict completion tokens: the output projection
-    # (and its backward) skips the rest — bitwise the same logits at the kept positions. An index tensor, not an int:
-    # the int's slice of the hidden states is non-contiguous, and a bf16 matmul on it copies the weight per row.
+    # (and its backward) skips the rest — the same logits at the kept positions (up to the matmul's rounding). An
+    # index tensor, not an int: the int's slice of the hidden states is non-contiguous, and a matmul on it can copy
+    # the weight once per row.
     skip = max(min((len(p) for p in prompt_ids), default=1) - 1, 0)
     if skip > 0 and _keeps_logits(model):
         kwargs["logits_to_keep"] = torch.arange(skip, ids.shape[1], device=device)
