@@ -211,6 +211,7 @@ def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[st
         except OSError as err:
             _fail(console, _os_error(err))
     console.print(rich_table(report.stats, title=title or f"offpolicy lab {report.stats.get('setting')!s}"))
+    console.print(f"[bold]{escape(report.stats['headline'])}[/bold]", soft_wrap=True)
     if report.stats["missing"]:
         console.print(f"[yellow]warning:[/yellow] {len(report.stats['missing'])} planned runs missing "
                       "(failed or not run yet); the table uses the finished runs")

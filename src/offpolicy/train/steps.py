@@ -234,10 +234,25 @@ class Scored:
     theta_routes: Any
     flip_rate: Tensor | None
     sampler_logits: Tensor | None = None  # the engine's raw logits [B, T, V] (score centering's q)
+    # single pass (:func:`single_pass`): π_θ's log-probs ``[B, T]`` and DVP extras *with* their autograd graph — the
+    # same forward as π_old's, which the update uses instead of a second one; dropped once the update has used it
+    theta: tuple[Tensor, dict[str, Tensor]] | None = None
+
+
+def single_pass(state: TrainState) -> bool:
+    """Whether the update is one optimiser step over the whole batch from π_old's weights (``optim.minibatches`` =
+    ``optim.epochs`` = 1), without ALP noise or routing replay: then π_θ's forward is π_old's forward, so the
+    scoring keeps its graph and the update reuses it instead of running the same forward again (as TRL's
+    ``GRPOTrainer`` and verl do when generation and optimisation are aligned). Score centering needs the update's
+    own logits, which the scoring forward does not keep, so it always runs the second forward."""
+    cfg = state.cfg
+    return (cfg.optim.minibatches == 1 and cfg.optim.epochs == 1 and state.alp is None
+            and cfg.rollout.routing_replay == "none" and state.preset.score_centering is None)
 
 
 def score_step(state: TrainState, rollout: Rollout) -> Scored:
-    """π_old: one full forward of the trainer, no grad, ALP noise off — this is what μ is compared with.
+    """π_old: one full forward of the trainer, ALP noise off — this is what μ is compared with. No grad, except in a
+    single pass (:func:`single_pass`), where the update reuses this forward as π_θ's.
 
     Routing replay (mixture-of-experts, ``rollout.routing_replay``): ``r3`` routes π_old as the engine did, ``r2``
     records π_old's own routes for the π_θ forwards.
@@ -247,10 +262,14 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
                if mode != "none" else contextlib.nullcontext())
     recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else contextlib.nullcontext()
-    with torch.no_grad(), routing as replayed, recorder as recorded:
+    reuse = single_pass(state)
+    with torch.set_grad_enabled(reuse), routing as replayed, recorder as recorded:
         old_logp, mask, old_logits, extras = score_policy(
             state.model, rollout.prompt_ids, rollout.completions, state.sampling, dtype=DTYPES[cfg.model.dtype],
             dvp_rho=cfg.algorithm.dvp_rho if state.preset.minp else None, return_logits=state.preset.divergence)
+    theta = (old_logp, extras) if reuse else None
+    old_logp, extras = old_logp.detach(), {k: v.detach() for k, v in extras.items()}
+    old_logits = old_logits.detach() if old_logits is not None else None
     theta_routes = {"none": None, "r3": rollout.routed_experts}.get(mode)
     if mode == "r2":
         theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
@@ -267,7 +286,7 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
                          f"{type(state.engine).__name__} has no score(..., return_logits=True)")
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
                   replayed.flip_rate if mode != "none" else None,
-                  roll_logits if state.preset.score_centering else None)
+                  roll_logits if state.preset.score_centering else None, theta)
 
 
 def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
@@ -363,11 +382,18 @@ def update_step(state: TrainState, rollout: Rollout, scored: Scored, seed: int) 
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             state.optimizer.step()
             updates.append({"loss/loss": loss.detach(), "loss/grad_norm": grad_norm.detach(), **metrics})
+    scored.theta = None  # the graph has served its one backward
     return updates
 
 
 def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor) -> LogProbBatch:
     """The :class:`LogProbBatch` of some rows, with π_θ from a forward with the ALP noise on (and routes replayed)."""
+    if scored.theta is not None:  # single pass: the scoring's forward, with its graph, is π_θ's
+        logp, extras = scored.theta
+        return LogProbBatch(logp=logp[rows], mask=scored.mask[rows], old_logp=scored.old_logp[rows],
+                            rollout_logp=scored.rollout_logp[rows], advantages=rollout.advantages[rows],
+                            token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows],
+                            extras={k: v[rows] for k, v in extras.items()})
     ids = rows.tolist()
     routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
         else contextlib.nullcontext()
