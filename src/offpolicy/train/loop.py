@@ -94,7 +94,7 @@ def train(
     checkpoints the completed step and stops cleanly.
     """
     folder = RunFolder(cfg, resume)  # a bad out_dir or a checkpoint of another run fails before the model loads
-    with torch_threads(cfg.run.threads or torch.get_num_threads()):
+    with folder, torch_threads(cfg.run.threads or torch.get_num_threads()):  # the folder is ours until the end
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
         state = build_state(cfg, model=model, tokenizer=tokenizer, engine=engine, task=task)
