@@ -170,16 +170,20 @@ def lab(
     report_only: bool = typer.Option(False, "--report-only", help="Only re-render the report of the sweep in --out."),
     keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
                                           help="Keep every checkpoint of a finished run (default: the final one)."),
+    executor: str = typer.Option("local", "--executor", help="Where the runs start: local (processes on this "
+                                 "machine) or ray (Ray actors; see docs/lab/ray.md)."),
+    address: Optional[str] = typer.Option(None, "--address", help="--executor ray: an existing Ray cluster (auto, "
+                                          "host:6379, ray://host:10001; default: a local cluster for this sweep)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
     """Sweep presets × mismatch sources × seeds (one trainer process per run, resumable) and write the lab report."""
     _lab(out, setting, presets_, mismatch, seeds, steps, jobs, overrides, report_only=report_only,
-         keep_checkpoints=keep_checkpoints, title=None)
+         keep_checkpoints=keep_checkpoints, title=None, executor=executor, address=address)
 
 
 def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[str], seeds: Optional[int],
          steps: Optional[int], jobs: Optional[int], overrides: Optional[list[str]], *, report_only: bool,
-         keep_checkpoints: bool, title: Optional[str]) -> None:
+         keep_checkpoints: bool, title: Optional[str], executor: str = "local", address: Optional[str] = None) -> None:
     from offpolicy.lab.report import rich_table, write_report
     from offpolicy.lab.sweep import plan_sweep, run_sweep
 
@@ -187,10 +191,11 @@ def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[st
     result = None
     if not report_only:
         try:
+            runner = _lab_executor(executor, address)
             plan = plan_sweep(out, setting, presets=presets_, mismatches=mismatch, seeds=seeds, steps=steps,
                               overrides=list(overrides or []))
             t0 = time.perf_counter()
-            result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints)
+            result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints, executor=runner)
         except ValueError as err:
             _fail(console, str(err))
         except OSError as err:
@@ -220,6 +225,19 @@ def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[st
         raise typer.Exit(code=130)
     if result is not None and result.failed:
         raise typer.Exit(code=1)
+
+
+def _lab_executor(executor: str, address: Optional[str]):  # -> RayExecutor | None
+    """``--executor`` / ``--address`` → what ``run_sweep`` takes (None: local processes)."""
+    if executor not in ("local", "ray"):
+        raise ValueError(f"--executor must be local or ray, got {executor!r}")
+    if executor == "local":
+        if address is not None:
+            raise ValueError("--address names a Ray cluster: use it with --executor ray")
+        return None
+    from offpolicy.lab.ray_exec import RayExecutor
+
+    return RayExecutor(address)
 
 
 @app.command()

@@ -171,3 +171,36 @@ def test_bad_arguments_are_one_line_errors():
 def test_forwarded_env():
     env = {"OFFPOLICY_CACHE": "/c", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/bin", "HOME": "/h"}
     assert forwarded_env(env) == {"OFFPOLICY_CACHE": "/c", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.mark.slow
+def test_offpolicy_lab_executor_ray(tmp_path, tiny_run, cluster, monkeypatch):
+    """``offpolicy lab --executor ray --address A``: the sweep runs on the executor built for A (here the module's
+    cluster: starting another would cost seconds), the report follows as with local runs."""
+    from typer.testing import CliRunner
+
+    import offpolicy.lab.ray_exec as ray_exec
+    from offpolicy.cli import app
+
+    asked = []
+    monkeypatch.setattr(ray_exec, "RayExecutor", lambda address: asked.append(address) or _env(cluster))
+    out = tmp_path / "lab"
+    res = CliRunner().invoke(app, ["lab", "--executor", "ray", "--address", "auto", "--presets", "naive", "--mismatch",
+                                   "none", "--seeds", "1", "--steps", "2", "--out", str(out), *tiny_run])
+    assert res.exit_code == 0, res.output
+    assert asked == ["auto"] and "runs start on a local Ray cluster (1 node, 2 CPUs, 1 per run)" in res.output
+    assert read_summary(out)["complete"] and (out / "report.html").is_file()
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--executor", "slurm"], "error: --executor must be local or ray, got 'slurm'"),
+    (["--address", "auto"], "error: --address names a Ray cluster: use it with --executor ray"),
+])
+def test_offpolicy_lab_executor_errors(tmp_path, args, line):
+    from typer.testing import CliRunner
+
+    from offpolicy.cli import app
+
+    res = CliRunner().invoke(app, ["lab", *args, "--out", str(tmp_path / "lab")])
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == line
+    assert not (tmp_path / "lab").exists()

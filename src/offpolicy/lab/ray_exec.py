@@ -251,7 +251,7 @@ class RayExecutor:
         """One line: the cluster and its CPUs."""
         cpus = self._ray.cluster_resources().get("CPU", 0)
         nodes = sum(1 for n in self._ray.nodes() if n.get("Alive"))
-        where = "a local Ray cluster" if self._started_ray and self.address is None else "Ray cluster"
+        where = "a local Ray cluster" if self.address is None else f"the Ray cluster at {self.address}"
         return f"{where} ({nodes} node{'' if nodes == 1 else 's'}, {cpus:g} CPUs, {self.cpus_per_run:g} per run)"
 
     def default_jobs(self) -> int:

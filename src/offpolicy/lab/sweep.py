@@ -240,8 +240,13 @@ def _metrics_last_step(run_dir: Path) -> int | None:
             rows = read_metrics(path)
     except ValueError:
         return None
-    steps = [r.get("step") for r in rows]
-    if not steps or any(not isinstance(s, int) for s in steps) or steps != sorted(set(steps)):
+    steps: list[int] = []
+    for row in rows:
+        step = row.get("step")
+        if not isinstance(step, int):
+            return None
+        steps.append(step)
+    if not steps or steps != sorted(set(steps)):
         return None
     return steps[-1]
 

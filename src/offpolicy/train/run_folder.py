@@ -144,7 +144,7 @@ class RunFolder:
         lie).
         """
         cfg = self.cfg
-        path = latest_checkpoint(self.ckpt_dir) if resume is True else Path(resume)
+        path = latest_checkpoint(self.ckpt_dir) if isinstance(resume, bool) else Path(resume)
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {str(self.ckpt_dir)!r}")
         info = read_checkpoint_info(path)  # names the file when it is corrupt or truncated
