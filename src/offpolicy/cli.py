@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import typer
@@ -53,7 +53,7 @@ def _console() -> Console:
     return console
 
 
-def _fail(console: Console, message: str) -> None:
+def _fail(console: Console, message: str) -> NoReturn:
     # escape: messages quote user text (task.name=a:b:c, run.out_dir=runs/[exp1]) that rich would read as markup
     console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)  # soft_wrap: one line, even in a log
     raise typer.Exit(code=2)

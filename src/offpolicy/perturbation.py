@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +92,8 @@ def find_decoder_layers(model: nn.Module, layers_path: str | None = None) -> nn.
 
 def find_output_head(model: nn.Module) -> nn.Module:
     """The lm_head (``get_output_embeddings()`` for HF models, else an attribute named ``lm_head``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm: Any = model  # an HF model's get_output_embeddings (torch types module attributes as Tensor | Module)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if head is None:
         head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Module):
@@ -363,5 +364,5 @@ def alp_policy_loss(
         clip_low=low if clip_low is None else clip_low,
         clip_high=high if clip_high is None else clip_high,
         dual_clip=dual_clip,
-        aggregation=aggregation,  # type: ignore[arg-type]
+        aggregation=aggregation,
     )

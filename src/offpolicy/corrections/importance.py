@@ -346,6 +346,7 @@ def _importance(
         out = _weights(behaviour_log_ratio(batch, source, name), valid, level, mode, lo, hi, normalize)
         n_valid = count(valid)
         n = n_valid.clamp(min=1)
+        tokens: Tensor | int
         if out.rows is None:  # token level: the raw ratio over the tokens where it is defined (finite)
             defined, tokens, n_kept = out.finite, 1, count(out.keep)
         else:  # sequence levels: each defined sequence's ratio, once per valid token

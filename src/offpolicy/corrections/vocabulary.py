@@ -107,6 +107,7 @@ def constrained_logp(logits: Tensor, targets: Tensor, rho: float = DEFAULT_RHO, 
     _check_rho(rho)
     s = token_stats_from_logits(logits, targets, temperature=temperature, want=("minp_logp", "minp_mass"),
                                 min_p_rho=rho, memory_budget_bytes=memory_budget_bytes)
+    assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
     return ConstrainedLogProbs(s.minp_logp, s.minp_inside, s.minp_mass)
 
 

@@ -112,7 +112,7 @@ def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[st
     >>> trl_objective(Args(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, delta=None), None)
     ('ppo', {'clip_low': 0.2, 'clip_high': 0.28})
     """
-    loss_type = getattr(args, "loss_type", None)
+    loss_type: str = getattr(args, "loss_type", None) or ""
     name, params = split_spec(objective if objective is not None else TRL_OBJECTIVES.get(loss_type, "ppo"), "objective")
     takes = OBJECTIVES[name].parameters()
     eps = getattr(args, "epsilon", 0.2)
@@ -165,7 +165,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
     """
     if base is None:
         try:
-            from trl import GRPOTrainer as base  # type: ignore[no-redef]
+            from trl import GRPOTrainer as base
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError("OffPolicyGRPOTrainer needs TRL: pip install 'offpolicy[trl]'") from err
 
@@ -198,14 +198,15 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             _refuse_unreproduced(train_args, name)
             self.offpolicy_correction = correction
             self.offpolicy_metric_naming = metric_naming
-            loss_type = getattr(train_args, "loss_type", None)
+            loss_type: str = getattr(train_args, "loss_type", None) or ""
             # the generation batch's token normaliser applies only when the aggregation is TRL's own
             self._offpolicy_token_count = aggregation is None and loss_type in TOKEN_COUNT_NORMALISED
             if aggregation is None:
                 aggregation = TRL_LOSS_TYPES.get(loss_type, "token_mean")
             explicit = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
             params.update({k: v for k, v in explicit.items() if v is not None})
-            self.offpolicy_loss_kwargs = {"objective": {"name": name, **params}, "aggregation": aggregation}
+            self.offpolicy_loss_kwargs: dict[str, Any] = {"objective": {"name": name, **params},
+                                                          "aggregation": aggregation}
             if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo: B · max_completion_length
                 self.offpolicy_loss_kwargs["max_tokens"] = getattr(train_args, "max_completion_length", None)
 

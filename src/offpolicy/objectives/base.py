@@ -106,4 +106,4 @@ def check_dual_clip(dual_clip: object) -> float | None:
 def check_level(level: object) -> str:
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    return level  # type: ignore[return-value]
+    return level

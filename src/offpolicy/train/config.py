@@ -435,10 +435,11 @@ def _set_override(tree: dict, key: str, text: str) -> None:
         if part not in fields:
             raise ValueError(f"unknown config key {key!r} (valid keys in {where!r}: {', '.join(_section_keys(cls))})")
         ann = fields[part].annotation
-        is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+        section = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         if depth == len(parts) - 1:
-            if is_section:
-                raise ValueError(f"config key {key!r} is a section; set one of its keys, e.g. {key}.{_section_keys(ann)[0]}=…")
+            if section is not None:
+                raise ValueError(f"config key {key!r} is a section; set one of its keys, e.g. "
+                                 f"{key}.{_section_keys(section)[0]}=…")
             if _is_text_field(ann):
                 node[part] = _parse_text(text, optional=ann not in (str, Path))
                 return
@@ -447,12 +448,12 @@ def _set_override(tree: dict, key: str, text: str) -> None:
             except yaml.YAMLError as err:
                 raise ValueError(f"override {key}={text!r} is not valid YAML: {_yaml_problem(err)}") from None
             return
-        if not is_section:
+        if section is None:
             raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: depth + 1])!r} is not a section")
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} must be a mapping")
-        cls = ann
+        cls = section
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

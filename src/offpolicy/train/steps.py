@@ -232,7 +232,7 @@ class Scored:
     token_divergence: Tensor | None
     extras: dict[str, Tensor]
     theta_routes: Any
-    flip_rate: Tensor | None
+    flip_rate: float | None
 
 
 def score_step(state: TrainState, rollout: Rollout) -> Scored:
@@ -244,22 +244,23 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     cfg = state.cfg
     mode = cfg.rollout.routing_replay
     routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
-               if mode != "none" else contextlib.nullcontext())
-    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else contextlib.nullcontext()
-    with torch.no_grad(), routing as replayed, recorder as recorded:
+               if mode != "none" else None)
+    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else None
+    with torch.no_grad(), routing or contextlib.nullcontext(), recorder or contextlib.nullcontext():
         old_logp, mask, old_logits, extras = score_policy(
             state.model, rollout.prompt_ids, rollout.completions, state.sampling, dtype=DTYPES[cfg.model.dtype],
             dvp_rho=cfg.algorithm.dvp_rho if state.preset.minp else None, return_logits=state.preset.divergence)
     theta_routes = {"none": None, "r3": rollout.routed_experts}.get(mode)
-    if mode == "r2":
-        theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
+    if recorder is not None:
+        theta_routes = recorder.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
     token_divergence = None
     if state.preset.divergence and hasattr(state.engine, "score"):
         # TRM's exact KL(μ‖π_old) needs the rollout engine's full logits: re-score with its numerics
         roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling, return_logits=True)[2]
+        assert old_logits is not None  # return_logits=state.preset.divergence
         token_divergence = exact_token_kl(roll_logits.to(old_logp.device), old_logits, state.sampling)
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
-                  replayed.flip_rate if mode != "none" else None)
+                  routing.flip_rate if routing is not None else None)
 
 
 def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
@@ -287,8 +288,10 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
         logp, extras = adaptive_dvp_fields(logits, targets, mask, sampling)
     else:  # the paper's fixed ρ: pruned logits get −50, not −inf
         fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
-        logp, extras = fields["logp"], dict(fields["extras"])  # type: ignore[arg-type]
-    return logp, mask, (logits if return_logits else None), extras  # type: ignore[return-value]
+        fixed_logp, fixed_extras = fields["logp"], fields["extras"]
+        assert isinstance(fixed_logp, Tensor) and isinstance(fixed_extras, dict)
+        logp, extras = fixed_logp, dict(fixed_extras)
+    return logp, mask, (logits if return_logits else None), extras
 
 
 def adaptive_dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor,
