@@ -144,7 +144,7 @@ class LogProbBatch:
             raise ValueError("advantages is required here but the batch has none")
         return token_advantages(self.advantages, self.logp)
 
-    def nonempty(self) -> "LogProbBatch":
+    def nonempty(self) -> LogProbBatch:
         """This batch, or — when it has no row or no column (B = 0 or T = 0, e.g. after filtering) — a ``[max(B, 1),
         max(T, 1)]`` copy whose extra positions are masked, so every function sees an all-masked batch (see
         :func:`offpolicy.ratios.pad_nonempty`). Slice [B, T] results back with ``[:B, :T]``."""
@@ -165,6 +165,6 @@ class LogProbBatch:
                        advantages=pad_optional(self.advantages), token_divergence=pad_optional(self.token_divergence),
                        extras=extras)
 
-    def replace(self, **changes: Any) -> "LogProbBatch":
+    def replace(self, **changes: Any) -> LogProbBatch:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

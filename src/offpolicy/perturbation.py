@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -253,7 +254,7 @@ class LayerwisePerturbation(nn.Module):
     def is_enabled(self) -> bool:
         return self._enabled
 
-    def enabled(self, flag: bool = True) -> "LayerwisePerturbation":
+    def enabled(self, flag: bool = True) -> LayerwisePerturbation:
         """Switch the noise on (``True``) or off. Returns self."""
         if not self._handles and flag:
             raise ValueError("this LayerwisePerturbation was removed; its hooks are gone")
@@ -261,7 +262,7 @@ class LayerwisePerturbation(nn.Module):
         return self
 
     @contextmanager
-    def active(self, flag: bool = True) -> Iterator["LayerwisePerturbation"]:
+    def active(self, flag: bool = True) -> Iterator[LayerwisePerturbation]:
         """Context manager: noise on inside (``flag=False`` forces it off), previous state restored after."""
         before = self._enabled
         self.enabled(flag)

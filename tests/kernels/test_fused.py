@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offpolicy.kernels import DIFF_OUTPUTS, chunk_rows, fused_logp, fused_token_stats, row_chunks, token_stats_from_logits
+from offpolicy.kernels import (
+    DIFF_OUTPUTS,
+    chunk_rows,
+    fused_logp,
+    fused_token_stats,
+    row_chunks,
+    token_stats_from_logits,
+)
 
 ALL = ("logp", "entropy", "minp_logp", "minp_mass", "kl", "tv")
 

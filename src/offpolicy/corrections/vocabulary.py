@@ -24,7 +24,8 @@ support, which removes the bias that truncated sampling puts into every ratio π
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor

@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -38,7 +38,6 @@ import offpolicy as op
 from offpolicy.inspect.measurements import (
     HEAD_P,
     N_P_BINS,
-    P_BIN_EDGES,
     TAIL_P,
     DvpGrid,
     Measurements,

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch  # noqa: F401  (the doctests below use it)
 from torch import Tensor

@@ -40,8 +40,8 @@ q_rest · p / p_rest on the rest); tv → ½ p ⊙ (s − Σ s p), s = sign(p �
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor

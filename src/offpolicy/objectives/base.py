@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from offpolicy.ratios import LEVELS, count, keep_only

@@ -30,9 +30,9 @@ tokens with an fp32 full forward. Optional knobs add the other mismatch sources 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

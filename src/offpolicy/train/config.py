@@ -28,7 +28,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from offpolicy.train.presets import PRESET_PARAMETERS, PRESETS
 
-
 EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need no directory
 
 
@@ -99,8 +98,8 @@ class AlgorithmConfig(_Section):
     """
 
     preset: str = "naive"
-    corrections: list[Union[str, dict[str, Any]]] | None = None
-    objective: Union[str, dict[str, Any], None] = None
+    corrections: list[str | dict[str, Any]] | None = None
+    objective: str | dict[str, Any] | None = None
     level: Literal["token", "sequence", "geometric"] | None = None  # ratio level of the objective (GSPO-style)
     clip_low: float | None = Field(None, ge=0, le=1)  # 1: no lower bound (r ≥ 0), e.g. CISPO as MiniMax ran it
     clip_high: float | None = Field(None, ge=0)
@@ -274,7 +273,7 @@ class TrainConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _combinations(self) -> "TrainConfig":
+    def _combinations(self) -> TrainConfig:
         a = self.algorithm
         if a.preset == "alp" and not self.alp.enabled:
             raise ValueError("algorithm.preset='alp' needs alp.enabled=true (or use another preset)")
@@ -328,7 +327,7 @@ OBJECTIVE_DEFAULTS: dict[str, float] = {"clip_low": 0.2, "clip_high": 0.28}
 OBJECTIVE_KEYS = ("clip_low", "clip_high", "dual_clip", "level")
 
 
-def objective_call(cfg: "TrainConfig") -> tuple[str, dict[str, Any]]:
+def objective_call(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     """The objective the trainer runs and its parameters: ``algorithm.objective`` (or the preset's), its own
     parameters, the trainer's defaults and the preset's dual clip where the objective takes them, then the
     ``algorithm.clip_low`` / ``clip_high`` / ``dual_clip`` / ``level`` that are set. One of these keys set for an
