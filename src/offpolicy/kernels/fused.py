@@ -379,7 +379,9 @@ def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, ro
         # min-p (needs the final max) and TV (needs both final normalisers) take a second pass over the tiles.
         row_blocks, col_slices = _tiles(n, vocab, cfg, itemsize)
         for a, b in row_blocks:
-            tile_fn = (lambda v0, v1, a=a, b=b: get_tile(a, b, v0, v1, scratch))
+            def tile_fn(v0: int, v1: int, a: int = a, b: int = b) -> Tensor:  # rows a:b, columns v0:v1
+                return get_tile(a, b, v0, v1, scratch)
+
             rollout_rows = _rows(rollout, a, b)
             stats_rows = _forward_online(tile_fn, col_slices, target_ids[a:b], cfg, rollout_rows, _rows(topk_logp, a, b),
                                          _rows(topk_ids, a, b), scratch)
@@ -759,7 +761,9 @@ def fused_token_stats(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: 
     cfg = _Config(_resolve_want(want, min_p_rho, source), float(temperature),
                   math.log(min_p_rho) if min_p_rho is not None else 0.0, float(rollout_temperature), source,
                   int(ignore_index), int(memory_budget_bytes))
-    detach = (lambda t: None if t is None else t.detach())
+    def detach(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach()
+
     outs = _FusedLinearStats.apply(hidden, weight, bias, targets, detach(rollout_logits), detach(rollout_topk_logp),
                                    detach(rollout_topk_ids), cfg)
     return _to_stats(outs, cfg, (n,))
@@ -802,9 +806,11 @@ def token_stats_from_logits(logits: Tensor, targets: Tensor, *, temperature: flo
     if not isinstance(targets, Tensor) or tuple(targets.shape) != lead:
         raise ValueError(f"targets must have shape {lead}, got {getattr(targets, 'shape', type(targets))}")
     n = math.prod(lead)
-    flat = (lambda t: None if t is None else t.detach().reshape(n, t.shape[-1]))
+    def flat(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach().reshape(n, t.shape[-1])
+
     roll, tkl, tki = flat(rollout_logits), flat(rollout_topk_logp), flat(rollout_topk_ids)
-    for name, t, orig in (("rollout_logits", roll, rollout_logits), ("rollout_topk_logp", tkl, rollout_topk_logp)):
+    for name, orig in (("rollout_logits", rollout_logits), ("rollout_topk_logp", rollout_topk_logp)):
         if orig is not None and tuple(orig.shape[:-1]) != lead:
             raise ValueError(f"{name} must have leading shape {lead}, got {tuple(orig.shape)}")
     source = _check_common(n, vocab, targets.reshape(n), temperature, min_p_rho, roll, tkl, tki,
