@@ -11,27 +11,13 @@ tensor([[ True, False]])
 """
 
 # Batch, ratios, composition, registries
+# Losses, advantages, diagnostics
+from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from offpolicy.batch import LogProbBatch
+
+# Full-distribution methods: divergences, fused kernels, bounds
+from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
-from offpolicy.registry import (
-    AGGREGATIONS,
-    CORRECTIONS,
-    OBJECTIVES,
-    build_correction,
-    register_aggregation,
-    register_correction,
-    register_objective,
-)
-from offpolicy.ratios import (
-    LEVELS,
-    LOG_RATIO_BOUND,
-    aggregate_log_ratio,
-    decompose_log_ratio,
-    log_ratio,
-    masked_mean,
-    masked_sum,
-    sequence_log_ratio,
-)
 
 # Importance-sampling corrections (TIS / MIS / IcePop)
 from offpolicy.corrections.importance import geo_mask, icepop, importance_correction, importance_weights, mis, tis
@@ -70,9 +56,15 @@ from offpolicy.corrections.vocabulary import (
     replay_support_logp,
     sampling_support_mask,
 )
-
-# Losses, advantages, diagnostics
-from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from offpolicy.divergence import (
+    divergence_fields,
+    divergence_kind,
+    token_kl,
+    token_tv,
+    topk_kl_lower_bound,
+    topk_kl_upper_bound,
+)
+from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_stats_from_logits
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
 from offpolicy.objectives import TokenInputs, TokenLoss
@@ -85,20 +77,27 @@ from offpolicy.objectives.score_centering import (
     topk_tail_gap,
 )
 
-# Full-distribution methods: divergences, fused kernels, bounds
-from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
-from offpolicy.divergence import (
-    divergence_fields,
-    divergence_kind,
-    token_kl,
-    token_tv,
-    topk_kl_lower_bound,
-    topk_kl_upper_bound,
-)
-from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_stats_from_logits
-
 # Adaptive Layerwise Perturbation
 from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss, find_decoder_layers
+from offpolicy.ratios import (
+    LEVELS,
+    LOG_RATIO_BOUND,
+    aggregate_log_ratio,
+    decompose_log_ratio,
+    log_ratio,
+    masked_mean,
+    masked_sum,
+    sequence_log_ratio,
+)
+from offpolicy.registry import (
+    AGGREGATIONS,
+    CORRECTIONS,
+    OBJECTIVES,
+    build_correction,
+    register_aggregation,
+    register_correction,
+    register_objective,
+)
 
 __version__ = "0.1.0"
 

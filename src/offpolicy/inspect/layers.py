@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,13 +44,14 @@ def hook_points(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     >>> [name for name, _ in hook_points(build_tiny_model()[0])]
     ['embed', 'layer.0', 'layer.1', 'layer.2', 'layer.3', 'final_norm', 'logits']
     """
-    points = [("embed", model.get_input_embeddings())]
+    lm: Any = model  # an HF model (torch types module attributes as Tensor | Module)
+    points = [("embed", lm.get_input_embeddings())]
     points += [(f"layer.{i}", layer) for i, layer in enumerate(find_decoder_layers(model))]
     base = getattr(model, "base_model", model)
     norm = next((getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)), None)
     if norm is not None:
         points.append(("final_norm", norm))
-    points.append(("logits", model.get_output_embeddings()))
+    points.append(("logits", lm.get_output_embeddings()))
     return points
 
 

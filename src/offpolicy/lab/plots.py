@@ -124,7 +124,7 @@ def _panel(ax: Any, groups: dict, presets: Sequence[str], mismatch: str, curve: 
             below += band(groups[(preset, mismatch)], key, 1)[3]
     if floor is not None:
         ax.set_yscale("log")
-        if bottom is not None:
+        if bottom is not None and clip is not None:
             ax.set_ylim(bottom=bottom)
             raw = [b for b in below if math.isfinite(b)]
             if raw and max(raw) < clip:
@@ -143,7 +143,7 @@ def _legend_handles(presets: Sequence[str], colors: dict[str, str], control: str
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], color=colors[p], linewidth=2, label=p) for p in presets]
+    handles: list[Any] = [Line2D([], [], color=colors[p], linewidth=2, label=p) for p in presets]
     if control is not None:
         handles.append(Line2D([], [], color="black", linestyle="--", label=f"{control} on '{CONTROL}' (control)"))
     handles.append(Patch(color="0.6", alpha=0.3, label=f"band: min–max over {n_seeds} seeds; line: mean"))

@@ -169,7 +169,7 @@ def _train(model, tokenizer, task, recipe: WarmStartRecipe) -> dict[str, float]:
         valid = targets != -100
         nll = -logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
         calibrating = alphabet is not None and step >= steps - recipe.calibration_steps
-        if calibrating:
+        if calibrating and alphabet is not None:
             # (1 − q)·onehot(rule) + q·uniform(alphabet) on answer digits; eos keeps its one-hot target
             is_answer_char = torch.isin(targets, alphabet)
             spread = -logp[..., alphabet].mean(-1)

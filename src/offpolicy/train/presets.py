@@ -106,7 +106,7 @@ class Preset:
             specs.append(spec)
         return specs
 
-    def correction(self, algorithm: Any) -> "Correction | None":
+    def correction(self, algorithm: Any) -> Correction | None:
         """The preset's own correction chain for these settings, plus the optional token veto (None = nothing)."""
         from offpolicy.registry import build_correction
 
@@ -131,7 +131,7 @@ def chain_specs(preset: Preset, algorithm: Any) -> list[dict[str, Any]]:
     return specs
 
 
-def build_chain(preset: Preset, algorithm: Any) -> "Correction | None":
+def build_chain(preset: Preset, algorithm: Any) -> Correction | None:
     """The trainer's correction (None when there is nothing to correct), from :func:`chain_specs`."""
     from offpolicy.registry import build_correction
 

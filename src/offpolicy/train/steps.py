@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -232,7 +233,7 @@ class Scored:
     token_divergence: Tensor | None
     extras: dict[str, Tensor]
     theta_routes: Any
-    flip_rate: Tensor | None
+    flip_rate: float | None
     sampler_logits: Tensor | None = None  # the engine's raw logits [B, T, V] (score centering's q)
     # single pass (:func:`single_pass`): π_θ's log-probs ``[B, T]`` and DVP extras *with* their autograd graph — the
     # same forward as π_old's, which the update uses instead of a second one; dropped once the update has used it
@@ -260,10 +261,10 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     cfg = state.cfg
     mode = cfg.rollout.routing_replay
     routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
-               if mode != "none" else contextlib.nullcontext())
-    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else contextlib.nullcontext()
+               if mode != "none" else None)
+    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else None
     reuse = single_pass(state)
-    with torch.set_grad_enabled(reuse), routing as replayed, recorder as recorded:
+    with torch.set_grad_enabled(reuse), routing or contextlib.nullcontext(), recorder or contextlib.nullcontext():
         old_logp, mask, old_logits, extras = score_policy(
             state.model, rollout.prompt_ids, rollout.completions, state.sampling, dtype=DTYPES[cfg.model.dtype],
             dvp_rho=cfg.algorithm.dvp_rho if state.preset.minp else None, return_logits=state.preset.divergence)
@@ -271,8 +272,8 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     old_logp, extras = old_logp.detach(), {k: v.detach() for k, v in extras.items()}
     old_logits = old_logits.detach() if old_logits is not None else None
     theta_routes = {"none": None, "r3": rollout.routed_experts}.get(mode)
-    if mode == "r2":
-        theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
+    if recorder is not None:
+        theta_routes = recorder.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
     token_divergence = roll_logits = None
     if (state.preset.divergence or state.preset.score_centering) and hasattr(state.engine, "score"):
         # TRM's exact KL(μ‖π_old) and score centering's q need the rollout engine's full logits: re-score with its
@@ -280,12 +281,13 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
         roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling,
                                          return_logits=True)[2].to(old_logp.device)
     if state.preset.divergence and roll_logits is not None:
+        assert old_logits is not None  # return_logits=state.preset.divergence
         token_divergence = exact_token_kl(roll_logits, old_logits, state.sampling)
     if state.preset.score_centering and roll_logits is None:
         raise ValueError(f"algorithm.preset={state.cfg.algorithm.preset!r} needs the sampler's logits: the engine "
                          f"{type(state.engine).__name__} has no score(..., return_logits=True)")
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
-                  replayed.flip_rate if mode != "none" else None,
+                  routing.flip_rate if routing is not None else None,
                   roll_logits if state.preset.score_centering else None, theta)
 
 
@@ -314,8 +316,10 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
         logp, extras = adaptive_dvp_fields(logits, targets, mask, sampling)
     else:  # the paper's fixed ρ: pruned logits get −50, not −inf
         fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
-        logp, extras = fields["logp"], dict(fields["extras"])  # type: ignore[arg-type]
-    return logp, mask, (logits if return_logits else None), extras  # type: ignore[return-value]
+        fixed_logp, fixed_extras = fields["logp"], fields["extras"]
+        assert isinstance(fixed_logp, Tensor) and isinstance(fixed_extras, dict)
+        logp, extras = fixed_logp, dict(fixed_extras)
+    return logp, mask, (logits if return_logits else None), extras
 
 
 def adaptive_dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor,
