@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.lab.mismatch import CONTROL, mismatch_settings
-from offpolicy.lab.stats import compare, finite, mean, median, run_stats, series, spread
+from offpolicy.lab.stats import compare, mean, run_stats, series, spread
 
 # per-run numbers of the table: (key, header, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (

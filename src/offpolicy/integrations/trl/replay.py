@@ -20,8 +20,10 @@ all); otherwise each chunk of rows builds its ``[rows, V]`` logits, replays the 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -193,7 +195,7 @@ def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: Samplin
     parts = []
     for a, b in row_chunks(n, rows):
         hist = history.chunk(a, b, vocab) if recipe.reads_history else None  # type: ignore[union-attr]
-        fn = (lambda h, w, bb, y=targets[a:b], hh=hist: _chunk_scores(h, w, bb, y, recipe, order, hh))
+        fn = functools.partial(_chunk_scores, targets=targets[a:b], recipe=recipe, order=order, history=hist)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             parts.append(checkpoint(fn, hidden[a:b], weight, bias, use_reentrant=False))
         else:

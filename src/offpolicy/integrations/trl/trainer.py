@@ -48,7 +48,13 @@ from offpolicy.integrations.trl.topk import (
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
-from offpolicy.perturbation import DEFAULT_INIT_STD, DEFAULT_LR, LayerwisePerturbation, alp_clip_defaults, alp_policy_loss
+from offpolicy.perturbation import (
+    DEFAULT_INIT_STD,
+    DEFAULT_LR,
+    LayerwisePerturbation,
+    alp_clip_defaults,
+    alp_policy_loss,
+)
 from offpolicy.ratios import masked_max, masked_mean
 from offpolicy.registry import CorrectionSpec, build_correction
 
