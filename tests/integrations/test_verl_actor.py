@@ -615,3 +615,135 @@ def test_plugin_engine_recipe_on_the_packed_path(model_path):
     got = torch.cat([t for t in logp.unbind()]).float() if logp.is_nested else logp.flatten().float()
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
     assert (got - torch.cat(plain)).abs().max() > 0.1  # the recipe changed them
+
+
+# Top-K TRM: the engine's KL(μ ‖ π_old) bounds from the rollout's top-K, in the old-log-prob forward only
+# ---------------------------------------------------------------------------------------------------------------
+
+TOPK = 4
+FAR = 2  # the sequence whose μ is far from π_old
+
+
+def _rollout_topk(z: torch.Tensor):
+    """μ = softmax((z + noise) / T) from π's logits ``z`` [B, R, V] (large noise on sequence FAR): its full log-probs
+    [B, R, V] and its top-K ``(logp, ids)`` [B, R, K], as vLLM returns them (normalised over the vocabulary)."""
+    noise = 0.05 * torch.randn(z.shape, generator=torch.Generator().manual_seed(5))
+    noise[FAR] *= 60
+    mu = ((z + noise) / TEMPERATURE).log_softmax(-1)
+    lp, ids = mu.topk(TOPK, dim=-1)
+    return mu, lp, ids
+
+
+def _with_topk(data, lp: torch.Tensor, ids: torch.Tensor):
+    """The batch with the top-K fields the agent loop stores (``sequence_topk`` per sample, nested like input_ids)."""
+    from offpolicy.integrations.verl.topk import (
+        TOPK_IDS_FIELD,
+        TOPK_LOGP_FIELD,
+        sequence_topk,
+    )
+
+    attention_mask = _inputs()[1]
+    per_sample = [sequence_topk(int(attention_mask[i, :P].sum()), ids[i, :n].tolist(), lp[i, :n].tolist(), TOPK)
+                  for i, n in enumerate(LENGTHS.tolist())]
+    data[TOPK_LOGP_FIELD] = torch.nested.as_nested_tensor([s[0] for s in per_sample], layout=torch.jagged)
+    data[TOPK_IDS_FIELD] = torch.nested.as_nested_tensor([s[1] for s in per_sample], layout=torch.jagged)
+    return data
+
+
+@pytest.fixture(scope="module")
+def topk_worker(model_path, worker):
+    return make_worker(model_path, {"topk_logprobs": TOPK, "correction": {"name": "trm", "avg_kl": None}})
+
+
+def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(topk_worker, worker):
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from offpolicy.divergence import token_kl
+    from offpolicy.integrations.verl import apply_driver_correction, parse_settings
+    from offpolicy.integrations.verl.topk import (
+        KL_LOWER_FIELD,
+        KL_UPPER_FIELD,
+        topk_kl_bounds,
+    )
+
+    w = topk_worker
+    mask = _inputs()[1][:, P:]
+    z = _reference_logits(w)
+    mu, lp, ids = _rollout_topk(z)
+    # verl's _compute_old_log_prob: no grad, entropy on, the rollout temperature
+    meta = {"compute_loss": False, "calculate_entropy": True, "temperature": TEMPERATURE}
+    data = _with_topk(_batch({}, meta), lp, ids)
+    out = w.infer_batch(data)
+    lower, upper = (no_padding_2_padding(tu.get(out, key), data).float() * mask for key in (KL_LOWER_FIELD,
+                                                                                             KL_UPPER_FIELD))
+    v = z.shape[-1]
+    exp_lower, exp_upper = (b.reshape(B, R) * mask for b in topk_kl_bounds(z.reshape(-1, v), TEMPERATURE,
+                                                                            lp.reshape(-1, TOPK),
+                                                                            ids.reshape(-1, TOPK)))
+    torch.testing.assert_close(upper, exp_upper, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lower, exp_lower, rtol=1e-4, atol=1e-5)
+    exact = token_kl(mu, z, temperature=TEMPERATURE) * mask  # μ is known in full here: lower ≤ exact ≤ upper
+    assert (lower <= exact + 1e-5).all() and (exact <= upper + 1e-5).all()
+    assert (upper - lower)[mask.bool()].min() > 0  # K < V: the bounds are not tight
+    # the log-probs are verl's own (no recipe): the top-K only adds outputs
+    plain = infer_logp(worker, {"temperature": TEMPERATURE})
+    torch.testing.assert_close(no_padding_2_padding(tu.get(out, "log_probs"), data).float() * mask, plain,
+                               rtol=1e-5, atol=1e-5)
+
+    # TRM-Max on the certified bound, δ between the 4th and 5th of the eight sequences' maxima (a tiny random model
+    # is nearly uniform over 64 tokens: the certified tail term q_rest · log(p_rest / π_min) dominates the bound)
+    row_max = upper.max(-1).values
+    ranked = row_max.sort().values
+    delta = float((ranked[B // 2 - 1] + ranked[B // 2]) / 2)
+    settings = parse_settings({"correction": {"name": "trm", "max_kl": delta, "avg_kl": None},
+                               "topk_logprobs": TOPK})
+    old = infer_logp(worker, {"temperature": TEMPERATURE})
+    rollout = (mu.gather(-1, _inputs()[0][:, P:, None]).squeeze(-1)) * mask
+    kept = apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                    "advantages": torch.ones(B, R), "token_divergence": upper}, settings)[0]
+    expected = mask * (row_max <= delta)[:, None]  # the four sequences below δ kept, the four above masked
+    assert int((row_max <= delta).sum()) == B // 2
+    torch.testing.assert_close(kept["response_mask"], expected)
+
+    # the reference forward (no entropy) and the update forward (grad on) compute no bounds
+    ref = w.infer_batch(_with_topk(_batch({}, {"compute_loss": False, "temperature": TEMPERATURE}), lp, ids))
+    assert KL_UPPER_FIELD not in ref.keys()  # noqa: SIM118 - TensorDict keys
+    with torch.no_grad():
+        assert w.engine._wants_topk_bounds(data)
+    with torch.enable_grad():
+        assert not w.engine._wants_topk_bounds(data)
+
+
+def test_plugin_engine_top_k_bounds_on_the_packed_path(model_path):
+    """``use_remove_padding=True``: the bounds of each packed row equal ``topk_kl_bounds`` of the logits that row's
+    forward produced, at the top-K the batch carries for it (prompt rows: the point mass)."""
+    from verl.utils import tensordict_utils as tu
+
+    from offpolicy.integrations.verl.topk import (
+        KL_UPPER_FIELD,
+        TOPK_IDS_FIELD,
+        TOPK_LOGP_FIELD,
+        topk_kl_bounds,
+    )
+
+    w = make_worker(model_path, {"topk_logprobs": TOPK}, remove_padding=True)
+    _, lp, ids = _rollout_topk(_reference_logits(w))
+    data = _with_topk(_batch({}, {"compute_loss": False, "calculate_entropy": True, "temperature": TEMPERATURE}),
+                      lp, ids)
+    captured = []
+    hook = w.engine.module.lm_head.register_forward_hook(lambda m, args, out: captured.append(out.detach().float()))
+    try:
+        upper = tu.get(w.infer_batch(data), KL_UPPER_FIELD)
+    finally:
+        hook.remove()
+    expected, start = [], 0
+    for logits in captured:  # one packed forward per micro-batch
+        rows = range(start, start + MICRO)
+        top_lp = torch.cat([data[TOPK_LOGP_FIELD][i] for i in rows])
+        top_ids = torch.cat([data[TOPK_IDS_FIELD][i] for i in rows])
+        expected.append(topk_kl_bounds(logits.squeeze(0)[: top_ids.shape[0]], TEMPERATURE, top_lp, top_ids)[1])
+        start += MICRO
+    got = torch.cat([t for t in upper.unbind()]).float()
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-4, atol=1e-5)
+    assert got.shape[0] == int(data["input_ids"].offsets()[-1])
