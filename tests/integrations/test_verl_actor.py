@@ -301,9 +301,11 @@ def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
 
 
 def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, epochs: int = 1,
-           meta: dict | None = None, seen: list | None = None, rows: slice = slice(None)):
+           meta: dict | None = None, seen: list | None = None, rows: slice = slice(None), prepare=None,
+           output_keys: list | None = None):
     """One ``train_mini_batch`` of the whole batch in mini-batches of ``mini`` (two micro-batches each at ``mini=B``):
-    (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received."""
+    (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received,
+    ``output_keys`` the keys of each model output; ``prepare(data)`` may add fields to the batch."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -316,10 +318,14 @@ def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, ep
     def loss(model_output, data, dp_group=None):
         if seen is not None:
             seen.append(no_padding_2_padding(model_output["log_probs"], data).detach().float().clone())
+        if output_keys is not None:
+            output_keys.append(sorted(model_output))
         return ppo_loss(actor, model_output, data, dp_group)
 
     worker.set_loss_fn(loss)
     data = _batch(tensors, meta or {}, rows)
+    if prepare is not None:
+        data = prepare(data)
     tu.assign_non_tensor(data, global_batch_size=mini, mini_batch_size=mini, epochs=epochs, seed=0,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True, calculate_entropy=False)
     worker.grads.clear()
@@ -711,8 +717,20 @@ def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(top
     assert KL_UPPER_FIELD not in ref.keys()  # noqa: SIM118 - TensorDict keys
     with torch.no_grad():
         assert w.engine._wants_topk_bounds(data)
-    with torch.enable_grad():
-        assert not w.engine._wants_topk_bounds(data)
+    # the update (two mini-batches) runs with the top-K fields in the batch — verl hands the actor every field —
+    # and gives the metrics and gradients it gives without them; its forward computes no bounds
+    tensors = {"old_log_probs": old, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    keys: list = []
+    with_topk = _train(w, "vanilla", "token-mean", tensors, mini=B // 2, meta={"temperature": TEMPERATURE},
+                       prepare=lambda d: _with_topk(d, lp, ids), output_keys=keys)
+    without = _train(w, "vanilla", "token-mean", tensors, mini=B // 2, meta={"temperature": TEMPERATURE})
+    def learning(metrics):  # timing and memory differ between any two runs
+        return {k: v for k, v in metrics.items() if not (k.startswith("perf/") or k == "mfu")}
+
+    assert learning(with_topk[0]) == learning(without[0]) and "actor/pg_loss" in learning(without[0])
+    for a, b in zip(with_topk[1], without[1]):
+        torch.testing.assert_close(a, b)
+    assert keys and all(KL_UPPER_FIELD not in k for k in keys)
 
 
 def test_plugin_engine_top_k_bounds_on_the_packed_path(model_path):
