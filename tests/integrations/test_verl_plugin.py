@@ -325,6 +325,23 @@ def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
         parse_settings({"topk_bound": "exact"})
 
 
+def test_the_example_config_parses():
+    """``examples/verl_offpolicy.yaml``'s settings block, and its top-K TRM variant, are what the plug-in accepts."""
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "verl_offpolicy.yaml"
+    config = yaml.safe_load(path.read_text())
+    env = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert config["actor_rollout_ref"]["model"]["external_lib"] == env["VERL_USE_EXTERNAL_MODULES"]
+    settings = settings_from_text(env["OFFPOLICY_VERL"])
+    assert settings.sampling.min_p == 0.01 and settings.alp is not None and settings.topk_bound == "upper"
+    block = yaml.safe_load(env["OFFPOLICY_VERL"])
+    block["correction"].append({"name": "trm", "max_kl": 0.05, "avg_kl": None})
+    assert parse_settings({**block, "topk_logprobs": 20}).topk_logprobs == 20
+
+
 def test_top_k_parse_errors_name_the_field():
     from offpolicy.integrations.verl.agent_loop import topk_from_prompt_logprobs
 
