@@ -640,8 +640,9 @@ def _rollout_topk(z: torch.Tensor):
     return mu, lp, ids
 
 
-def _with_topk(data, lp: torch.Tensor, ids: torch.Tensor):
-    """The batch with the top-K fields the agent loop stores (``sequence_topk`` per sample, nested like input_ids)."""
+def _with_topk(data, lp: torch.Tensor, ids: torch.Tensor, short: int | None = None):
+    """The batch with the top-K fields the agent loop stores (``sequence_topk`` per sample, nested like input_ids);
+    sample ``short`` gets one row too few (as verl's synthetic padding samples carry a real sample's fields)."""
     from offpolicy.integrations.verl.topk import (
         TOPK_IDS_FIELD,
         TOPK_LOGP_FIELD,
@@ -651,6 +652,8 @@ def _with_topk(data, lp: torch.Tensor, ids: torch.Tensor):
     attention_mask = _inputs()[1]
     per_sample = [sequence_topk(int(attention_mask[i, :P].sum()), ids[i, :n].tolist(), lp[i, :n].tolist(), TOPK)
                   for i, n in enumerate(LENGTHS.tolist())]
+    if short is not None:
+        per_sample[short] = tuple(t[:-1] for t in per_sample[short])
     data[TOPK_LOGP_FIELD] = torch.nested.as_nested_tensor([s[0] for s in per_sample], layout=torch.jagged)
     data[TOPK_IDS_FIELD] = torch.nested.as_nested_tensor([s[1] for s in per_sample], layout=torch.jagged)
     return data
@@ -717,6 +720,16 @@ def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(top
     assert KL_UPPER_FIELD not in ref.keys()  # noqa: SIM118 - TensorDict keys
     with torch.no_grad():
         assert w.engine._wants_topk_bounds(data)
+    # a sample whose top-K does not fit its sequence (sample 3: 4 prompt + 1 response tokens): an error — unless it has no response token (verl's synthetic
+    # padding sample), which gets a point mass and leaves the other samples' bounds alone
+    with pytest.raises(ValueError, match="offpolicy_topk_ids: sample 3 has 4 rows for a sequence of 5 tokens"):
+        w.infer_batch(_with_topk(_batch({}, meta), lp, ids, short=3))
+    padded = _with_topk(_batch({}, meta), lp, ids, short=3)
+    no_response = [m * (i != 3) for i, m in enumerate(padded["response_mask"].unbind())]
+    padded["response_mask"] = torch.nested.as_nested_tensor(no_response, layout=torch.jagged)
+    upper_padded = no_padding_2_padding(tu.get(w.infer_batch(padded), KL_UPPER_FIELD), data).float() * mask
+    keep_rows = torch.arange(B) != 3
+    torch.testing.assert_close(upper_padded[keep_rows], upper[keep_rows], rtol=1e-5, atol=1e-6)
     # the update (two mini-batches) runs with the top-K fields in the batch — verl hands the actor every field —
     # and gives the metrics and gradients it gives without them; its forward computes no bounds
     tensors = {"old_log_probs": old, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}

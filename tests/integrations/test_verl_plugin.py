@@ -342,6 +342,24 @@ def test_the_example_config_parses():
     assert parse_settings({**block, "topk_logprobs": 20}).topk_logprobs == 20
 
 
+def test_sequence_topk_layout_and_errors():
+    from offpolicy.integrations.verl.topk import sequence_topk, topk_rows
+
+    # prompt of 3, response of 2 with K = 2: rows 2 and 3 hold the response tokens' top-K, rows 0, 1, 4 a point mass
+    lp, ids = sequence_topk(3, [[5, 9], [7, 1]], [[-0.1, -2.5], [-0.3, -1.5]], 2)
+    assert ids.tolist() == [[0, 1], [0, 1], [5, 9], [7, 1], [0, 1]]
+    assert lp[2].tolist() == pytest.approx([-0.1, -2.5]) and lp[4].tolist() == [0.0, -math.inf]
+    assert sequence_topk(2, [], [], 3)[1].shape == (2, 3)  # an empty response: the prompt rows only
+    with pytest.raises(ValueError, match="position 1"):
+        sequence_topk(3, [[5, 9], [7, 7]], [[-0.1, -2.5], [-0.3, -1.5]], 2)  # a repeated id
+    with pytest.raises(ValueError, match="n_prompt"):
+        sequence_topk(0, [[5]], [[-0.1]], 1)
+    with pytest.raises(ValueError, match="sample 1 has 2 rows for a sequence of 3"):
+        topk_rows([lp, lp[:2]], [ids, ids[:2]], [5, 3], [False, False])
+    out_lp, _ = topk_rows([lp, lp[:2]], [ids, ids[:2]], [5, 3], [False, True])  # a padding sample: a point mass
+    assert out_lp.shape == (8, 2) and out_lp[5:].tolist() == [[0.0, -math.inf]] * 3
+
+
 def test_top_k_parse_errors_name_the_field():
     from offpolicy.integrations.verl.agent_loop import topk_from_prompt_logprobs
 

@@ -50,7 +50,9 @@ from offpolicy.integrations.verl.topk import (
     KL_UPPER_FIELD,
     TOPK_IDS_FIELD,
     TOPK_LOGP_FIELD,
+    point_mass,
     topk_kl_bounds,
+    topk_rows,
 )
 from offpolicy.perturbation import LayerwisePerturbation
 
@@ -178,20 +180,15 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         if getattr(self, "use_ulysses_sp", False):
             raise ValueError("offpolicy.topk_logprobs is not supported with Ulysses sequence parallelism "
                              "(ulysses_sequence_parallel_size > 1)")
-        ids, logp = micro_batch[TOPK_IDS_FIELD], micro_batch[TOPK_LOGP_FIELD]
-        ids = ids.values() if ids.is_nested else ids.reshape(-1, ids.shape[-1])
-        logp = logp.values() if logp.is_nested else logp.reshape(-1, logp.shape[-1])
-        n = int(micro_batch["input_ids"].offsets()[-1])
-        if ids.shape[0] != n or logp.shape != ids.shape:
-            raise ValueError(f"{TOPK_IDS_FIELD} / {TOPK_LOGP_FIELD} have {ids.shape[0]} / {logp.shape[0]} rows for "
-                             f"{n} tokens of input_ids: the top-K must be laid out as the sequence (sequence_topk)")
-        pad = flat.shape[0] - n  # the packed path's tail padding: point-mass rows, dropped again by the caller
+        lengths = micro_batch["input_ids"].offsets().diff().tolist()
+        mask = micro_batch.get("response_mask", None)
+        padding = [False] * len(lengths) if mask is None else [bool(m.sum() == 0) for m in mask.unbind()]
+        logp, ids = topk_rows(micro_batch[TOPK_LOGP_FIELD].unbind(), micro_batch[TOPK_IDS_FIELD].unbind(), lengths,
+                              padding)
+        pad = flat.shape[0] - ids.shape[0]  # the packed path's tail padding: point-mass rows, dropped by the caller
         if pad:
-            k = ids.shape[1]
-            ids = torch.cat([ids, torch.arange(k, device=ids.device).expand(pad, k)])
-            filler = torch.full((pad, k), float("-inf"), device=logp.device)
-            filler[:, 0] = 0.0
-            logp = torch.cat([logp.float(), filler])
+            filler_lp, filler_ids = point_mass(pad, ids.shape[1])
+            logp, ids = torch.cat([logp, filler_lp]), torch.cat([ids, filler_ids])
         return topk_kl_bounds(flat, temperature, logp.to(flat.device), ids.to(flat.device))
 
     def _flat_logits(self, output: Any, output_args: dict, micro_batch: Any) -> tuple[Tensor, Tensor, Any]:

@@ -63,6 +63,44 @@ def sequence_topk(n_prompt: int, ids: Sequence[Sequence[int]], logps: Sequence[S
     return lp[0].roll(n_prompt - 1, dims=0), top_ids[0].roll(n_prompt - 1, dims=0)
 
 
+def point_mass(n: int, k: int) -> tuple[Tensor, Tensor]:
+    """``n`` rows of a point mass on id 0 as ``(logp, ids)`` [n, k]: log-probs (0, −inf, …), ids 0…k−1.
+
+    >>> point_mass(1, 3)
+    (tensor([[0., -inf, -inf]]), tensor([[0, 1, 2]]))
+    """
+    logp = torch.full((n, k), float("-inf"))
+    logp[:, 0] = 0.0
+    return logp, torch.arange(k).expand(n, k).clone()
+
+
+def topk_rows(logps: Sequence[Tensor], ids: Sequence[Tensor], lengths: Sequence[int],
+              padding: Sequence[bool]) -> tuple[Tensor, Tensor]:
+    """The micro-batch's per-sample top-K ``[length_i, K]`` concatenated to ``(logp, ids)`` [Σ length_i, K].
+
+    A sample whose top-K has another length than its sequence is accepted only when ``padding[i]`` (no response
+    token): verl's synthetic padding samples (``upsample_batch_to_divisible_size``) copy every field of a real sample
+    and resize only the ones verl knows; those get a point mass. Any other mismatch is a ``ValueError``.
+
+    >>> lp, ids = topk_rows([torch.zeros(3, 2)], [torch.zeros(3, 2, dtype=torch.long)], [2], [True])
+    >>> lp.tolist()
+    [[0.0, -inf], [0.0, -inf]]
+    """
+    out_lp, out_ids = [], []
+    for i, (lp, row_ids, n, pad) in enumerate(zip(logps, ids, lengths, padding)):
+        if lp.shape != row_ids.shape or lp.ndim != 2:
+            raise ValueError(f"{TOPK_LOGP_FIELD} / {TOPK_IDS_FIELD}: sample {i} has shapes {tuple(lp.shape)} and "
+                             f"{tuple(row_ids.shape)}; expected [sequence length, K] each")
+        if lp.shape[0] != n:
+            if not pad:
+                raise ValueError(f"{TOPK_IDS_FIELD}: sample {i} has {lp.shape[0]} rows for a sequence of {n} tokens: "
+                                 "the top-K must be laid out as the sequence (sequence_topk)")
+            lp, row_ids = point_mass(n, lp.shape[1])
+        out_lp.append(lp.float().cpu())
+        out_ids.append(row_ids.long().cpu())
+    return torch.cat(out_lp), torch.cat(out_ids)
+
+
 @torch.no_grad()
 def topk_kl_bounds(logits: Tensor, temperature: Tensor | float, topk_logp: Tensor,
                    topk_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,5 +125,5 @@ def topk_kl_bounds(logits: Tensor, temperature: Tensor | float, topk_logp: Tenso
     return lower.float(), upper.float()
 
 
-__all__ = ["KL_LOWER_FIELD", "KL_UPPER_FIELD", "TOPK_IDS_FIELD", "TOPK_LOGP_FIELD", "sequence_topk",
-           "topk_kl_bounds"]
+__all__ = ["KL_LOWER_FIELD", "KL_UPPER_FIELD", "TOPK_IDS_FIELD", "TOPK_LOGP_FIELD", "point_mass", "sequence_topk",
+           "topk_kl_bounds", "topk_rows"]
