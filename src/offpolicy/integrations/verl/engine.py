@@ -25,9 +25,9 @@ exactly as the parent class. What it changes:
   ``_compute_old_log_prob``; the reference forward asks for no entropy) of a batch that carries the rollout's top-K
   (:data:`~offpolicy.integrations.verl.topk.TOPK_IDS_FIELD`, put there by the agent loop), the engine adds two
   outputs laid out as ``log_probs``: the certified lower and upper bounds on KL(μ ‖ π_old) per token
-  (:func:`~offpolicy.integrations.verl.topk.topk_kl_bounds`), from the same logits at verl's temperature (after the
-  recipe's truncation is *not* applied: μ's top-K is the engine's processed distribution, compared with π_old's
-  full softmax(z / T)). verl writes every output of the forward to the TransferQueue; the driver reads them.
+  (:func:`~offpolicy.integrations.verl.topk.topk_kl_bounds`), from the same logits at verl's temperature: π_old is
+  the full softmax(z / T), without the recipe's truncation. verl writes every output of the forward to the
+  TransferQueue; the driver reads them (:mod:`.driver`).
 
 The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
 forward.
