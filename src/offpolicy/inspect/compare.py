@@ -549,6 +549,7 @@ def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
         from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, connect_llamacpp
 
         if spec.backend == "server":
+            assert spec.server is not None  # EngineSpec sets backend="server" only from a server URL
             return connect_llamacpp(spec.server, vocab_size=model.config.vocab_size, tokenizer=tokenizer)
         if tokenizer is None:
             raise ValueError("--rollout backend=llamacpp needs the model's tokenizer (it is written into the GGUF)")

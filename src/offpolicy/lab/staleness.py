@@ -128,7 +128,8 @@ def staleness_report(out: str | Path) -> dict[str, Any]:
             entry["vs_control"] = compare([run_stats(x)["reward_last"] for x in per_seed], control, "naive, none")
             entry["eval_vs_control"] = compare(evals[(preset, mismatch)], control_eval, "naive, none")
         table[f"{preset}|{mismatch}"] = entry
-    largest, largest_eval = {}, {}
+    largest: dict[str, str | None] = {}
+    largest_eval: dict[str, str | None] = {}
     for preset in presets:
         for key, into in (("vs_control", largest), ("eval_vs_control", largest_eval)):
             verdicts = {m: table[f"{preset}|{m}"][key] for m in mismatches if m != CONTROL and f"{preset}|{m}" in table}

@@ -44,14 +44,19 @@ from torch import Tensor
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
 
 
+def _check_float_logits(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor) or x.dim() < 1 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a float [..., V] tensor, got {getattr(x, 'shape', type(x))}")
+    return x
+
+
 def _check_pair(logits: object, sampler_logits: object) -> tuple[Tensor, Tensor]:
-    for name, x in (("logits", logits), ("sampler_logits", sampler_logits)):
-        if not isinstance(x, Tensor) or x.dim() < 1 or not x.is_floating_point():
-            raise ValueError(f"{name} must be a float [..., V] tensor, got {getattr(x, 'shape', type(x))}")
-    if logits.shape != sampler_logits.shape:  # type: ignore[union-attr]
-        raise ValueError(f"sampler_logits has shape {tuple(sampler_logits.shape)} but logits has "  # type: ignore[union-attr]
-                         f"{tuple(logits.shape)}; they must match")
-    return logits, sampler_logits  # type: ignore[return-value]
+    z = _check_float_logits("logits", logits)
+    q = _check_float_logits("sampler_logits", sampler_logits)
+    if z.shape != q.shape:
+        raise ValueError(f"sampler_logits has shape {tuple(q.shape)} but logits has "
+                         f"{tuple(z.shape)}; they must match")
+    return z, q
 
 
 def _check_temperature(temperature: object) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,13 +37,13 @@ def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
 
 
 @functools.cache
-def _accepts_logits_to_keep(cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+def _accepts_logits_to_keep(forward: Callable[..., Any]) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def _keeps_logits(model: torch.nn.Module) -> bool:
     """Whether ``model``'s forward takes transformers' ``logits_to_keep`` (logits of the last k positions only)."""
-    return _accepts_logits_to_keep(type(model))
+    return _accepts_logits_to_keep(type(model).forward)
 
 
 def score_tokens(

@@ -79,7 +79,7 @@ def trl_sampling_recipe(args: Any) -> SamplingConfig:
     top_k = value["top_k"]
     top_p = value["top_p"]
     min_p = value["min_p"]
-    penalties = {k: float(extra[k]) for k in _VLLM_ONLY if k in extra} if engine == "vllm" else {}
+    penalties: dict[str, Any] = {k: float(extra[k]) for k in _VLLM_ONLY if k in extra} if engine == "vllm" else {}
     return SamplingConfig(
         max_new_tokens=int(getattr(args, "max_completion_length", 16) or 16),
         temperature=float(value["temperature"] if value["temperature"] is not None else 1.0),
@@ -188,7 +188,9 @@ def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: Samplin
         s = fused_token_stats(hidden, weight, targets, bias=bias, temperature=recipe.temperature, want=want,
                               min_p_rho=recipe.min_p, memory_budget_bytes=memory_budget_bytes)
         if recipe.min_p is None:
+            assert s.logp is not None  # requested in want
             return ReplayedLogProbs(s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp))
+        assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
         return ReplayedLogProbs(s.minp_logp, s.minp_inside, s.minp_mass.detach())
     # scratch per row: logits, z / T, support mask, sort values + indices, cumsum, and the history's two [rows, V]
     rows = chunk_rows(n, vocab, buffers=8, memory_budget_bytes=memory_budget_bytes)
