@@ -408,7 +408,8 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
             return_logits=state.preset.score_centering is not None)
     t = logp.shape[1]
     if state.preset.score_centering is not None:
-        logp, extras = _score_centered(state, logp, logits, scored.sampler_logits[rows, :t], extras)  # type: ignore[index]
+        assert logits is not None and scored.sampler_logits is not None  # return_logits and score_step's q
+        logp, extras = _score_centered(state, logp, logits, scored.sampler_logits[rows, :t], extras)
     return LogProbBatch(
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],

@@ -118,7 +118,8 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
         ids: list[list[int]] = []
         logps: list[list[float]] = []
         if output.response_ids:
-            score = {key: params[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in params}
+            score: dict[str, Any] = {key: params[key] for key in ("temperature", "top_k", "top_p", "min_p")
+                                     if key in params}
             scored = await self.server_manager.generate(
                 request_id=f"offpolicy-topk-{id(output)}",
                 prompt_ids=list(output.prompt_ids) + list(output.response_ids),

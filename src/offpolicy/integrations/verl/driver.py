@@ -73,7 +73,7 @@ def make_trainer_class(base: type) -> type:
     from verl.trainer.ppo.v1 import trainer_base
     from verl.workers.utils.padding import response_from_nested, response_to_nested
 
-    class OffPolicyTrainer(base):  # type: ignore[valid-type, misc]
+    class OffPolicyTrainer(base):
         """verl's trainer + :func:`apply_driver_correction` once the advantages are stored."""
 
         def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
