@@ -11,7 +11,7 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real']
 """
 
 from __future__ import annotations
@@ -65,6 +65,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "overrides": [*LAB_BASE],
         "presets": ["naive", "tis", "mis", "trm", "dvp_mis", "alp"],
         "mismatches": ["none", "int4+kv4", "lag8"],
+        "seeds": 3,
+        "steps": 100,
+    },
+    # a real inference engine: llama.cpp's own kernels on GGUF exports (re-exported every step) beside the torch
+    # simulation of the same quantisation, each with naive, truncated IS and a masking family
+    "real": {
+        "description": "llama.cpp Q8_0 / Q4_0 weights (+ q4_0 KV cache) against the simulated int8 / int4 (+ kv4), "
+                       "naive vs TIS vs MIS, naive on the fp32 control",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "mis"],
+        "mismatches": ["none", "gguf-q8_0", "int8", "gguf-q4_0", "int4", "gguf-q4_0-kv4", "int4+kv4"],
+        "control_presets": ["naive"],  # on the fp32 engine the IS weights are 1: TIS / MIS would repeat naive
         "seeds": 3,
         "steps": 100,
     },
