@@ -47,3 +47,12 @@ def test_real_setting_plans_valid_runs(tmp_path):
     plan = plan_sweep(tmp_path, "real")
     engines = {run.mismatch: load_config(None, list(run.overrides)).rollout.engine for run in plan.runs}
     assert engines["none"] == "hf" and all(engines[m] == "llamacpp" for m in engines if m.startswith("gguf-"))
+
+
+def test_real_free_setting_runs_the_stochastic_task(tmp_path):
+    from offpolicy.lab.sweep import plan_sweep
+
+    plan = plan_sweep(tmp_path, "real_free")
+    cfgs = [load_config(None, list(run.overrides)) for run in plan.runs]
+    assert {c.task.name for c in cfgs} == {"free_digits"} and {c.task.options["length"] for c in cfgs} == {32}
+    assert {c.rollout.engine for c in cfgs} == {"hf", "llamacpp"}
