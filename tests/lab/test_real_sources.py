@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from offpolicy.lab.mismatch import REAL_ENGINES, SOURCES, describe_mismatch, mismatch_overrides, mismatch_settings
+from offpolicy.lab.mismatch import (
+    REAL_ENGINES,
+    SOURCES,
+    describe_mismatch,
+    mismatch_overrides,
+    mismatch_settings,
+)
 from offpolicy.lab.settings import get_setting
 from offpolicy.train.config import load_config
 

@@ -64,8 +64,8 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
              "fp32 engine synced every 8 steps: samples with weights up to 7 updates old (asynchronous rollout)"),
     "noise": ({"rollout.logit_noise": 0.3},
               "seeded Gaussian noise σ = 0.3 on the engine's logits (a synthetic stand-in; an extra, not a default)"),
-    "gguf-f32": (_gguf("f32", "f32"), "llama.cpp, F32 GGUF weights and F32 KV cache: real kernels, no rounding "
-                                      "(the real engine's control)"),
+    "gguf-f32": (_gguf("f32", "f32"),
+                 "llama.cpp, F32 GGUF weights and F32 KV cache: real kernels, no rounding (the real engine's control)"),
     "gguf-f16": (_gguf("f16", "f16"), "llama.cpp, F16 GGUF weights, F16 KV cache (llama.cpp's default cache)"),
     "gguf-q8_0": (_gguf("q8_0", "f16"), "llama.cpp, Q8_0 GGUF weights (8-bit blocks of 32), F16 KV cache"),
     "gguf-q4_0": (_gguf("q4_0", "f16"), "llama.cpp, Q4_0 GGUF weights (4-bit blocks of 32), F16 KV cache"),
