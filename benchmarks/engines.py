@@ -91,7 +91,7 @@ def main() -> None:
             restart = statistics.median(s["restart_s"] for s in engine.sync_log[-args.repeats:])
             line += f"  (export {export * 1e3:.1f} ms + restart {restart * 1e3:.1f} ms)"
         print(line)
-    for name, (engine, _) in engines.items():
+    for engine, _ in engines.values():
         if hasattr(engine, "close"):
             engine.close()
 

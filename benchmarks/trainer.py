@@ -78,7 +78,9 @@ def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: s
         ])
         res = train(cfg, model=model, tokenizer=tok)
     tokens = [h["time/tokens_per_s"] * h["time/step_s"] for h in res.history]
-    return sum(tokens) / sum(h["time/step_s"] for h in res.history)
+    step_s, rollout_s = sum(h["time/step_s"] for h in res.history), sum(h["time/rollout_s"] for h in res.history)
+    print(f"  offpolicy step: {step_s / len(res.history):.3f} s, of which rollout {rollout_s / len(res.history):.3f} s")
+    return sum(tokens) / step_s
 
 
 def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> float:
@@ -94,8 +96,9 @@ def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> float:
     data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in ex])
     seen = {"tokens": 0}
 
-    def reward(completions, answer, **kw):  # noqa: ANN001
-        seen["tokens"] += sum(len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for c in completions)
+    def reward(completions, answer, completion_ids, **kw):  # noqa: ANN001
+        # the completion tokens TRL generated (eos included when sampled), as offpolicy counts its mask
+        seen["tokens"] += sum(len(ids) for ids in completion_ids)
         return task.reward(completions, answer=answer)
 
     with tempfile.TemporaryDirectory() as out:
@@ -115,7 +118,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--preset", default="mis")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads for both trainers (on a machine shared with other work, 1 avoids spinning)")
+    ap.add_argument("--repeat", type=int, default=1, help="measure offpolicy and TRL this many times, alternating")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = _model()
@@ -124,22 +129,29 @@ def main() -> None:
           f"preset {a.preset}, {a.threads} threads")
     upd = bench_update(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
     print(f"offpolicy update phase (π_old fwd + π_θ fwd/bwd + AdamW): {upd:,.0f} tokens/s")
-    full = bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
-    print(f"offpolicy full GRPO step (bf16 KV-cache rollout + update):  {full:,.0f} tokens/s")
     try:
-        import trl  # noqa: F401
+        import trl
     except ImportError:
+        trl = None
         print("TRL is not installed, so no TRL comparison; install it with  pip install 'offpolicy[trl]'  "
               "(or pip install trl) and run this script again.")
-        return
-    try:
-        ref = bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps)
-    except Exception as err:  # TRL's API moves fast; report instead of crashing the benchmark
-        print(f"TRL GRPOTrainer could not run here: {err!r}")
-        return
-    print(f"TRL GRPOTrainer full step:                               {ref:,.0f} tokens/s")
-    print(f"ratio offpolicy / TRL (full step): {full / ref:.2f}×")
-
+    ratios = []
+    for _ in range(a.repeat):
+        full = bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps,
+                          preset=a.preset)
+        print(f"offpolicy full GRPO step (bf16 KV-cache rollout + update):  {full:,.0f} tokens/s")
+        if trl is None:
+            continue
+        try:
+            ref = bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps)
+        except Exception as err:  # TRL's API moves fast; report instead of crashing the benchmark
+            print(f"TRL GRPOTrainer could not run here: {err!r}")
+            return
+        print(f"TRL GRPOTrainer full step:                               {ref:,.0f} tokens/s")
+        ratios.append(full / ref)
+        print(f"ratio offpolicy / TRL (full step): {full / ref:.2f}×")
+    if len(ratios) > 1:
+        print(f"ratio offpolicy / TRL over {len(ratios)} repeats: {min(ratios):.2f}–{max(ratios):.2f}×")
 
 if __name__ == "__main__":
     main()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from offpolicy.models.tiny import build_tiny_model
-from offpolicy.tasks import Example
 from offpolicy.models.warm_start import torch_threads
+from offpolicy.tasks import Example
 
 
 @pytest.fixture(autouse=True)

@@ -11,30 +11,19 @@ tensor([[ True, False]])
 """
 
 # Batch, ratios, composition, registries
+# Losses, advantages, diagnostics
+from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from offpolicy.batch import LogProbBatch
+
+# Full-distribution methods: divergences, fused kernels, bounds
+from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
-from offpolicy.registry import (
-    AGGREGATIONS,
-    CORRECTIONS,
-    OBJECTIVES,
-    build_correction,
-    register_aggregation,
-    register_correction,
-    register_objective,
-)
-from offpolicy.ratios import (
-    LEVELS,
-    LOG_RATIO_BOUND,
-    aggregate_log_ratio,
-    decompose_log_ratio,
-    log_ratio,
-    masked_mean,
-    masked_sum,
-    sequence_log_ratio,
-)
 
 # Importance-sampling corrections (TIS / MIS / IcePop)
 from offpolicy.corrections.importance import geo_mask, icepop, importance_correction, importance_weights, mis, tis
+
+# Second-moment trust region for stale data (M2PO)
+from offpolicy.corrections.m2po import m2po, m2po_keep
 
 # Sequence masks (OPSM, token veto)
 from offpolicy.corrections.sequence_masks import opsm, opsm_decomposition, opsm_mask, token_veto, veto
@@ -67,15 +56,6 @@ from offpolicy.corrections.vocabulary import (
     replay_support_logp,
     sampling_support_mask,
 )
-
-# Losses, advantages, diagnostics
-from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
-from offpolicy.losses import policy_loss
-from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
-from offpolicy.objectives import TokenInputs, TokenLoss
-
-# Full-distribution methods: divergences, fused kernels, bounds
-from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
 from offpolicy.divergence import (
     divergence_fields,
     divergence_kind,
@@ -85,9 +65,39 @@ from offpolicy.divergence import (
     topk_kl_upper_bound,
 )
 from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_stats_from_logits
+from offpolicy.losses import policy_loss
+from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
+from offpolicy.objectives import TokenInputs, TokenLoss
+from offpolicy.objectives.ipo import ipo
+from offpolicy.objectives.score_centering import (
+    centered_logp,
+    sampler_topk,
+    score_center,
+    score_center_topk,
+    topk_tail_gap,
+)
 
 # Adaptive Layerwise Perturbation
 from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss, find_decoder_layers
+from offpolicy.ratios import (
+    LEVELS,
+    LOG_RATIO_BOUND,
+    aggregate_log_ratio,
+    decompose_log_ratio,
+    log_ratio,
+    masked_mean,
+    masked_sum,
+    sequence_log_ratio,
+)
+from offpolicy.registry import (
+    AGGREGATIONS,
+    CORRECTIONS,
+    OBJECTIVES,
+    build_correction,
+    register_aggregation,
+    register_correction,
+    register_objective,
+)
 
 __version__ = "0.1.0"
 
@@ -112,6 +122,7 @@ __all__ = [
     "aggregate_log_ratio",
     "alp_policy_loss",
     "build_correction",
+    "centered_logp",
     "chain",
     "constrained_logp",
     "coverage_metrics",
@@ -130,6 +141,7 @@ __all__ = [
     "icepop",
     "importance_correction",
     "importance_weights",
+    "ipo",
     "k1",
     "k2",
     "k3",
@@ -137,6 +149,8 @@ __all__ = [
     "ln_trm",
     "ln_trm_mask",
     "log_ratio",
+    "m2po",
+    "m2po_keep",
     "masked_mean",
     "masked_sum",
     "metric_names",
@@ -154,7 +168,10 @@ __all__ = [
     "register_objective",
     "replay_support_logp",
     "rloo_advantages",
+    "sampler_topk",
     "sampling_support_mask",
+    "score_center",
+    "score_center_topk",
     "sequence_log_ratio",
     "ser",
     "ser_mask",
@@ -165,6 +182,7 @@ __all__ = [
     "token_veto",
     "topk_kl_lower_bound",
     "topk_kl_upper_bound",
+    "topk_tail_gap",
     "trm",
     "trm_bounds",
     "trust_region_mask",

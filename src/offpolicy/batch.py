@@ -18,6 +18,8 @@ field                  shape        meaning
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -142,7 +144,7 @@ class LogProbBatch:
             raise ValueError("advantages is required here but the batch has none")
         return token_advantages(self.advantages, self.logp)
 
-    def nonempty(self) -> "LogProbBatch":
+    def nonempty(self) -> LogProbBatch:
         """This batch, or — when it has no row or no column (B = 0 or T = 0, e.g. after filtering) — a ``[max(B, 1),
         max(T, 1)]`` copy whose extra positions are masked, so every function sees an all-masked batch (see
         :func:`offpolicy.ratios.pad_nonempty`). Slice [B, T] results back with ``[:B, :T]``."""
@@ -150,15 +152,19 @@ class LogProbBatch:
             return self
         from offpolicy.ratios import pad_nonempty  # ratios imports this module
 
-        def pad(x: Tensor | None) -> Tensor | None:
-            return None if x is None else pad_nonempty(x, False if x.dtype == torch.bool else 0)
+        def pad(x: Tensor) -> Tensor:
+            return pad_nonempty(x, False if x.dtype == torch.bool else 0)
+
+        def pad_optional(x: Tensor | None) -> Tensor | None:
+            return None if x is None else pad(x)
 
         extras = {k: pad(v) if isinstance(v, Tensor) and v.shape[:2] == self.logp.shape else v
                   for k, v in self.extras.items()}
-        return replace(self, logp=pad(self.logp), old_logp=pad(self.old_logp), rollout_logp=pad(self.rollout_logp),
-                       mask=pad(self.mask), advantages=pad(self.advantages), token_divergence=pad(self.token_divergence),
+        return replace(self, logp=pad(self.logp), old_logp=pad_optional(self.old_logp),
+                       rollout_logp=pad_optional(self.rollout_logp), mask=pad(self.mask),
+                       advantages=pad_optional(self.advantages), token_divergence=pad_optional(self.token_divergence),
                        extras=extras)
 
-    def replace(self, **changes: Tensor | None) -> "LogProbBatch":
+    def replace(self, **changes: Any) -> LogProbBatch:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -27,7 +27,7 @@ forms are still valid, only looser.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn
 
 import torch
 import typer
@@ -27,7 +27,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from offpolicy.lab.mismatch import SOURCES as LAB_SOURCES  # plain Python: the lab's help text lists them
-from offpolicy.lab.settings import SETTINGS as LAB_SETTINGS, VARIANTS as LAB_VARIANTS
+from offpolicy.lab.settings import SETTINGS as LAB_SETTINGS
+from offpolicy.lab.settings import VARIANTS as LAB_VARIANTS
 
 _DEMO = LAB_SETTINGS["quick"]
 
@@ -55,7 +56,7 @@ def _console() -> Console:
     return console
 
 
-def _fail(console: Console, message: str) -> None:
+def _fail(console: Console, message: str) -> NoReturn:
     # escape: messages quote user text (task.name=a:b:c, run.out_dir=runs/[exp1]) that rich would read as markup
     console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)  # soft_wrap: one line, even in a log
     raise typer.Exit(code=2)
@@ -106,8 +107,8 @@ def presets() -> None:
 
 @app.command()
 def train(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (defaults if omitted)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="key.sub=value overrides, e.g. run.steps=100"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (defaults if omitted)."),
+    overrides: list[str] | None = typer.Argument(None, help="key.sub=value overrides, e.g. run.steps=100"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.out_dir."),
 ) -> None:
     """Train with one preset from a YAML config and key=value overrides. Models load from local paths only."""
@@ -136,16 +137,16 @@ def train(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("offpolicy-demo"), "--out", help="Folder for the runs, the report and the plots."),
-    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets (default: "
+    presets_: str | None = typer.Option(None, "--presets", help="Comma-separated presets (default: "
                                    f"{', '.join(_DEMO['presets'])})."),
-    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources (default: "
+    mismatch: str | None = typer.Option(None, "--mismatch", help="Comma-separated mismatch sources (default: "
                                            f"{', '.join(m for m in _DEMO['mismatches'] if m != 'none')}); the 'none' "
                                            "control is always added."),
-    seeds: Optional[int] = typer.Option(None, "--seeds", help=f"Seeds per preset × mismatch (default {_DEMO['seeds']})."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default "
+    seeds: int | None = typer.Option(None, "--seeds", help=f"Seeds per preset × mismatch (default {_DEMO['seeds']})."),
+    steps: int | None = typer.Option(None, "--steps", help="GRPO steps per run (default "
                                          f"{_DEMO['steps']})."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
+    jobs: int | None = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
+    overrides: list[str] | None = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
     """The lab's quick setting: naive vs a correction, on the fp32 control and a mismatching engine, with seeds.
 
@@ -160,28 +161,32 @@ def demo(
 def lab(
     setting: str = typer.Option("quick", "--setting", help="Named setting: "
                                f"{', '.join(LAB_SETTINGS)} (quick is the demo)."),
-    presets_: Optional[str] = typer.Option(None, "--presets", help="Comma-separated presets or variants "
+    presets_: str | None = typer.Option(None, "--presets", help="Comma-separated presets or variants "
                                    f"({', '.join(LAB_VARIANTS)}; default: the setting's)."),
-    mismatch: Optional[str] = typer.Option(None, "--mismatch", help="Comma-separated rollout-engine mismatch sources "
+    mismatch: str | None = typer.Option(None, "--mismatch", help="Comma-separated rollout-engine mismatch sources "
                                            f"({', '.join(LAB_SOURCES)}) or '+' combinations, e.g. bf16,int8+kv4; "
                                            "the 'none' control (fp32 engine) is always added."),
-    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (seeds 0 … n−1)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="GRPO steps per run (default: the setting's)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
+    seeds: int | None = typer.Option(None, "--seeds", help="Seeds per preset × mismatch (seeds 0 … n−1)."),
+    steps: int | None = typer.Option(None, "--steps", help="GRPO steps per run (default: the setting's)."),
+    jobs: int | None = typer.Option(None, "--jobs", help="Runs at a time (default: the number of cores)."),
     out: Path = typer.Option(Path("offpolicy-lab"), "--out", help="Sweep folder (runs, summary, report)."),
     report_only: bool = typer.Option(False, "--report-only", help="Only re-render the report of the sweep in --out."),
     keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
                                           help="Keep every checkpoint of a finished run (default: the final one)."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
+    executor: str = typer.Option("local", "--executor", help="Where the runs start: local (processes on this "
+                                 "machine) or ray (Ray actors; see docs/lab/ray.md)."),
+    address: str | None = typer.Option(None, "--address", help="--executor ray: an existing Ray cluster (auto, "
+                                          "host:6379, ray://host:10001; default: a local cluster for this sweep)."),
+    overrides: list[str] | None = typer.Argument(None, help="Extra key.sub=value trainer overrides for every run."),
 ) -> None:
     """Sweep presets × mismatch sources × seeds (one trainer process per run, resumable) and write the lab report."""
     _lab(out, setting, presets_, mismatch, seeds, steps, jobs, overrides, report_only=report_only,
-         keep_checkpoints=keep_checkpoints, title=None)
+         keep_checkpoints=keep_checkpoints, title=None, executor=executor, address=address)
 
 
-def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[str], seeds: Optional[int],
-         steps: Optional[int], jobs: Optional[int], overrides: Optional[list[str]], *, report_only: bool,
-         keep_checkpoints: bool, title: Optional[str]) -> None:
+def _lab(out: Path, setting: str, presets_: str | None, mismatch: str | None, seeds: int | None,
+         steps: int | None, jobs: int | None, overrides: list[str] | None, *, report_only: bool,
+         keep_checkpoints: bool, title: str | None, executor: str = "local", address: str | None = None) -> None:
     from offpolicy.lab.report import rich_table, write_report
     from offpolicy.lab.sweep import plan_sweep, run_sweep
 
@@ -189,10 +194,11 @@ def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[st
     result = None
     if not report_only:
         try:
+            runner = _lab_executor(executor, address)
             plan = plan_sweep(out, setting, presets=presets_, mismatches=mismatch, seeds=seeds, steps=steps,
                               overrides=list(overrides or []))
             t0 = time.perf_counter()
-            result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints)
+            result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints, executor=runner)
         except ValueError as err:
             _fail(console, str(err))
         except OSError as err:
@@ -211,6 +217,7 @@ def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[st
         except OSError as err:
             _fail(console, _os_error(err))
     console.print(rich_table(report.stats, title=title or f"offpolicy lab {report.stats.get('setting')!s}"))
+    console.print(f"[bold]{escape(report.stats['headline'])}[/bold]", soft_wrap=True)
     if report.stats["missing"]:
         console.print(f"[yellow]warning:[/yellow] {len(report.stats['missing'])} planned runs missing "
                       "(failed or not run yet); the table uses the finished runs")
@@ -224,13 +231,26 @@ def _lab(out: Path, setting: str, presets_: Optional[str], mismatch: Optional[st
         raise typer.Exit(code=1)
 
 
+def _lab_executor(executor: str, address: str | None):  # -> RayExecutor | None
+    """``--executor`` / ``--address`` → what ``run_sweep`` takes (None: local processes)."""
+    if executor not in ("local", "ray"):
+        raise ValueError(f"--executor must be local or ray, got {executor!r}")
+    if executor == "local":
+        if address is not None:
+            raise ValueError("--address names a Ray cluster: use it with --executor ray")
+        return None
+    from offpolicy.lab.ray_exec import RayExecutor
+
+    return RayExecutor(address)
+
+
 @app.command()
 def diagnose(
     metrics: list[Path] = typer.Argument(..., help="metrics.jsonl file(s) or run folders; or per-token dumps "
                                          "(offpolicy inspect's tokens.jsonl, verl's or TRL's tensors as .pt / "
                                          ".safetensors / .jsonl)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Folder for the PNG plots (default: next to the first file)."),
-    fail_above: Optional[str] = typer.Option(None, "--fail-above", help="Dumps only: CI gate, e.g. kl=1e-3,max_kl=0.05."),
+    out: Path | None = typer.Option(None, "--out", help="Folder for the PNG plots (default: next to the first file)."),
+    fail_above: str | None = typer.Option(None, "--fail-above", help="Dumps only: CI gate, e.g. kl=1e-3,max_kl=0.05."),
 ) -> None:
     """Summary table and plots (reward, train–infer KL, PPL gap, masked fraction) from metrics.jsonl files; the
     mismatch report (as offpolicy inspect's, without a model) from per-token dumps."""
@@ -266,19 +286,19 @@ def inspect_command(
     model: str = typer.Option("tiny", "--model", help="tiny or lab (embedded, warm-started), tiny-random, or a local "
                               "model directory (nothing is downloaded)."),
     out: Path = typer.Option(Path("offpolicy-inspect"), "--out", help="Folder for report.html/.json, PNGs, tokens.jsonl."),
-    rollout: Optional[list[str]] = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
+    rollout: list[str] | None = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
                                                 "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise) and/or key=value "
                                                 "pairs, e.g. 'bf16,weight_bits=4,quantize_layers=2'. Repeatable."),
-    trainer: Optional[list[str]] = typer.Option(None, "--trainer", help="Trainer spec: fp32 (default), bf16-autocast, "
+    trainer: list[str] | None = typer.Option(None, "--trainer", help="Trainer spec: fp32 (default), bf16-autocast, "
                                                 "fp16-autocast, bf16, fp16, and/or key=value pairs. One for every "
                                                 "--rollout, or one for all."),
     task: str = typer.Option("arithmetic", "--task", help="Prompt source: arithmetic, countdown or a .jsonl file."),
     prompts: int = typer.Option(64, "--prompts", min=1, help="Number of prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Tokens sampled per prompt (at most)."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sampling top-k."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Sampling top-p."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Sampling min-p."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sampling top-k."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Sampling top-p."),
+    min_p: float | None = typer.Option(None, "--min-p", help="Sampling min-p."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Sample exactly --max-new-tokens per prompt."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompts and the sampling."),
     topk: int = typer.Option(20, "--topk", min=1, help="Width of the top-k overlap and of the stored top-k log-probs."),
@@ -287,15 +307,15 @@ def inspect_command(
                                           "as divergent."),
     rollout_view: str = typer.Option("full", "--rollout-view", help="full (the engine's logits) or topk (only its "
                                      "top-k log-probs, as vLLM reports)."),
-    sample_with: Optional[str] = typer.Option(None, "--sample-with", help="Take the tokens from this engine spec and "
+    sample_with: str | None = typer.Option(None, "--sample-with", help="Take the tokens from this engine spec and "
                                               "let each --rollout score them: engines compared on identical "
                                               "sequences (a paired comparison)."),
     memory_budget_mb: int = typer.Option(2048, "--memory-budget-mb", min=16, help="Logits held at once (micro-batch "
                                          "size follows from it)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch intra-op threads (default: 1 for the "
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch intra-op threads (default: 1 for the "
                                           "embedded tiny models, whose matmuls are too small to share; torch's "
                                           "otherwise)."),
-    fail_above: Optional[str] = typer.Option(None, "--fail-above", help="CI gate, e.g. kl=1e-3,max_kl=0.05: exit 1 "
+    fail_above: str | None = typer.Option(None, "--fail-above", help="CI gate, e.g. kl=1e-3,max_kl=0.05: exit 1 "
                                              "when a report.json metric exceeds its bound."),
 ) -> None:
     """Measure a model's training–inference mismatch: full distributions, per layer, thresholds that check themselves."""
@@ -424,7 +444,7 @@ def _gate(console: Console, summaries: list[dict], bounds: dict | None) -> None:
     console.print(f"[green]ok[/green] within bounds: {', '.join(f'{k} ≤ {v:g}' for k, v in bounds.items())}")
 
 
-def _diagnose_dumps(console: Console, paths: list[Path], out: Optional[Path], fail_above: Optional[str]) -> None:
+def _diagnose_dumps(console: Console, paths: list[Path], out: Path | None, fail_above: str | None) -> None:
     """``offpolicy diagnose`` on per-token dumps (this project's, verl's, TRL's): the inspection report, no model."""
     from offpolicy.diagnose.dumps import measurements_from_dumps
     from offpolicy.inspect.gate import parse_bounds

@@ -30,7 +30,7 @@ The training logits carry gradient (∂KL/∂z = π − μ); the rollout's tenso
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -92,6 +92,18 @@ def _pair_stat(stat: str, rollout_logits: Tensor, logits: Tensor, temperature: f
     return getattr(stats, stat)
 
 
+@overload
+def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,
+                        temperature: float = ..., with_tv: Literal[False] = ...,
+                        memory_budget_bytes: int = ...) -> Tensor: ...
+
+
+@overload
+def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,
+                        temperature: float = ..., with_tv: Literal[True],
+                        memory_budget_bytes: int = ...) -> tuple[Tensor, Tensor]: ...
+
+
 def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,
                         temperature: float = 1.0, with_tv: bool = False,
                         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor | tuple[Tensor, Tensor]:
@@ -117,7 +129,11 @@ def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
     s = token_stats_from_logits(logits, _dummy_targets(logits), temperature=temperature,
                                 want=("kl", "tv") if with_tv else ("kl",), rollout_topk_logp=rollout_topk_logp,
                                 rollout_topk_ids=rollout_topk_ids, memory_budget_bytes=memory_budget_bytes)
-    return (s.kl, s.tv) if with_tv else s.kl
+    assert s.kl is not None  # requested
+    if with_tv:
+        assert s.tv is not None
+        return s.kl, s.tv
+    return s.kl
 
 
 @torch.no_grad()
@@ -210,9 +226,11 @@ def divergence_fields(logits: Tensor, mask: Tensor | None = None, *, rollout_log
         return {"token_divergence": None, "token_divergence_kind": "exact"}
     with torch.no_grad():
         if kind == "exact":
+            assert rollout_logits is not None  # what divergence_kind read
             d = token_kl(rollout_logits, logits, temperature=temperature, rollout_temperature=rollout_temperature,
                          memory_budget_bytes=memory_budget_bytes)
         else:
+            assert rollout_topk_logp is not None and rollout_topk_ids is not None
             d = topk_kl_lower_bound(rollout_topk_logp, rollout_topk_ids, logits, temperature=temperature,
                                     memory_budget_bytes=memory_budget_bytes)
     # A non-finite divergence at a valid token (π gives 0 mass where μ gives some) must still fail any threshold:

@@ -35,7 +35,8 @@ keeps one float tensor instead of every mask and clip condition (what makes the 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 from torch import Tensor

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +93,8 @@ def find_decoder_layers(model: nn.Module, layers_path: str | None = None) -> nn.
 
 def find_output_head(model: nn.Module) -> nn.Module:
     """The lm_head (``get_output_embeddings()`` for HF models, else an attribute named ``lm_head``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm: Any = model  # an HF model's get_output_embeddings (torch types module attributes as Tensor | Module)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if head is None:
         head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Module):
@@ -252,7 +254,7 @@ class LayerwisePerturbation(nn.Module):
     def is_enabled(self) -> bool:
         return self._enabled
 
-    def enabled(self, flag: bool = True) -> "LayerwisePerturbation":
+    def enabled(self, flag: bool = True) -> LayerwisePerturbation:
         """Switch the noise on (``True``) or off. Returns self."""
         if not self._handles and flag:
             raise ValueError("this LayerwisePerturbation was removed; its hooks are gone")
@@ -260,7 +262,7 @@ class LayerwisePerturbation(nn.Module):
         return self
 
     @contextmanager
-    def active(self, flag: bool = True) -> Iterator["LayerwisePerturbation"]:
+    def active(self, flag: bool = True) -> Iterator[LayerwisePerturbation]:
         """Context manager: noise on inside (``flag=False`` forces it off), previous state restored after."""
         before = self._enabled
         self.enabled(flag)
@@ -363,5 +365,5 @@ def alp_policy_loss(
         clip_low=low if clip_low is None else clip_low,
         clip_high=high if clip_high is None else clip_high,
         dual_clip=dual_clip,
-        aggregation=aggregation,  # type: ignore[arg-type]
+        aggregation=aggregation,
     )

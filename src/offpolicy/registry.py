@@ -21,15 +21,15 @@ chain(icepop(lower=0.5, upper=5.0, source='mismatch'), opsm(delta=0.5))
 >>> op.build_correction("tiss")
 Traceback (most recent call last):
 ...
-ValueError: unknown correction 'tiss'; registered: dvp_keep, geo_mask, icepop, importance, kl_rejection, ln_trm, mis, opsm, ser, tis, trm, veto
+ValueError: unknown correction 'tiss'; registered: dvp_keep, geo_mask, icepop, importance, kl_rejection, ln_trm, m2po, mis, opsm, ser, tis, trm, veto
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 
 if TYPE_CHECKING:
     from offpolicy.corrections.base import Correction
@@ -89,12 +89,12 @@ def _identity(entry: object) -> tuple[str, str]:
 # Corrections
 # ---------------------------------------------------------------------------------------------------------------------
 
-CORRECTIONS: Registry[Callable[..., "Correction"]] = Registry("correction")
+CORRECTIONS: Registry[Callable[..., Correction]] = Registry("correction")
 
 CorrectionSpec = Union[str, Mapping[str, Any], "Correction"]
 
 
-def register_correction(name: str) -> Callable[[Callable[..., "Correction"]], Callable[..., "Correction"]]:
+def register_correction(name: str) -> Callable[[Callable[..., Correction]], Callable[..., Correction]]:
     """Decorator: register a correction factory ``(**params) -> Correction`` under ``name``.
 
     >>> import torch, offpolicy as op
@@ -109,7 +109,7 @@ def register_correction(name: str) -> Callable[[Callable[..., "Correction"]], Ca
     >>> CORRECTIONS.unregister("halve")
     """
 
-    def decorator(factory: Callable[..., "Correction"]) -> Callable[..., "Correction"]:
+    def decorator(factory: Callable[..., Correction]) -> Callable[..., Correction]:
         return CORRECTIONS.register(name, factory)
 
     return decorator
@@ -143,7 +143,7 @@ def check_params(kind: str, name: str, fn: Callable[..., Any], params: Mapping[s
             raise ValueError(f"{kind} {name!r} has no parameter {key!r}; it takes: {', '.join(accepted) or 'none'}")
 
 
-def build_correction(spec: CorrectionSpec | list[CorrectionSpec] | tuple[CorrectionSpec, ...] | None) -> "Correction | None":
+def build_correction(spec: CorrectionSpec | Sequence[CorrectionSpec] | None) -> Correction | None:
     """A :class:`~offpolicy.Correction` from data: a name, ``{"name": …, **params}``, a ``Correction`` (returned as is),
     or a list of those (their :func:`~offpolicy.chain`; one element gives that correction itself, none gives None).
 
@@ -159,8 +159,7 @@ def build_correction(spec: CorrectionSpec | list[CorrectionSpec] | tuple[Correct
     if isinstance(spec, Correction):
         return spec
     if isinstance(spec, (list, tuple)):
-        parts = [build_correction(s) for s in spec]
-        parts = [p for p in parts if p is not None]
+        parts = [p for p in (build_correction(s) for s in spec) if p is not None]
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else chain(*parts)

@@ -367,7 +367,7 @@ def test_normalized_weights_average_one_over_valid_tokens_or_sequences(batch, ba
             w, _, _ = importance_weights(r, m, level=level, mode=mode, lower=lo, upper=hi, normalize=True)
             rows = m.any(-1)
             # one value per valid token, or (sequence levels) the weight of each non-empty sequence
-            values = (lambda x: x[m]) if level == "token" else (lambda x: x.amax(-1)[rows])
+            values = (lambda x: x[m]) if level == "token" else (lambda x, rows=rows: x.amax(-1)[rows])
             if values(w0).double().mean() > 1e-8:
                 assert values(w).double().mean().item() == pytest.approx(1.0, rel=1e-5)
             else:

@@ -188,7 +188,9 @@ def test_hot_path_functions_compile_fullgraph():
                      extras={"dvp_keep": torch.rand(2, 3, generator=g) > 0.3, "dvp_mass": torch.rand(2, 3, generator=g)})
     keep = dvp_keep()
     assert torch.equal(compiled(lambda b: keep(b).keep)(b), keep(b).keep)
-    support = (lambda z: sampling_support_mask(z, top_k=3, top_p=0.9, min_p=0.01))
+    def support(z):
+        return sampling_support_mask(z, top_k=3, top_p=0.9, min_p=0.01)
+
     assert torch.equal(compiled(support)(z), support(z))
     torch.testing.assert_close(compiled(lambda z, y: constrained_logp(z, y, 0.01).logp)(z, y),
                                constrained_logp(z, y, 0.01).logp)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from offpolicy.inspect.dump import DumpError, SCHEMA_VERSION, read_dump, write_dump
+from offpolicy.inspect.dump import SCHEMA_VERSION, DumpError, read_dump, write_dump
 from offpolicy.inspect.measurements import TokenData
 
 

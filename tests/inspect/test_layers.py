@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from offpolicy.inspect.layers import first_divergent, hook_points, layer_errors, layer_shares
 from offpolicy.inspect.measurements import LayerError

@@ -1,5 +1,6 @@
 """TRL adapter: key mapping, loss equality with offpolicy.policy_loss, and the GRPOTrainer subclass on a stand-in base."""
 
+import functools
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -277,7 +278,7 @@ def test_matches_trls_own_loss_and_gradient_for_each_loss_type_with_accumulation
     for loss_type, accumulation, max_len, extra in cases:
         trainer = make(loss_type, max_len, **extra)
         trainer.current_gradient_accumulation_steps = accumulation
-        theirs, g_theirs = loss_and_grad(trainer, lambda m, x: GRPOTrainer._compute_loss(trainer, m, x))
+        theirs, g_theirs = loss_and_grad(trainer, functools.partial(GRPOTrainer._compute_loss, trainer))
         ours, g_ours = loss_and_grad(trainer, trainer._compute_loss)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=loss_type)
         assert ((g_ours - g_theirs).norm() / g_theirs.norm()).item() < 1e-5, (loss_type, accumulation, extra)

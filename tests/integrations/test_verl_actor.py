@@ -301,9 +301,11 @@ def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
 
 
 def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, epochs: int = 1,
-           meta: dict | None = None, seen: list | None = None, rows: slice = slice(None)):
+           meta: dict | None = None, seen: list | None = None, rows: slice = slice(None), prepare=None,
+           output_keys: list | None = None):
     """One ``train_mini_batch`` of the whole batch in mini-batches of ``mini`` (two micro-batches each at ``mini=B``):
-    (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received."""
+    (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received,
+    ``output_keys`` the keys of each model output; ``prepare(data)`` may add fields to the batch."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -316,10 +318,14 @@ def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, ep
     def loss(model_output, data, dp_group=None):
         if seen is not None:
             seen.append(no_padding_2_padding(model_output["log_probs"], data).detach().float().clone())
+        if output_keys is not None:
+            output_keys.append(sorted(model_output))
         return ppo_loss(actor, model_output, data, dp_group)
 
     worker.set_loss_fn(loss)
     data = _batch(tensors, meta or {}, rows)
+    if prepare is not None:
+        data = prepare(data)
     tu.assign_non_tensor(data, global_batch_size=mini, mini_batch_size=mini, epochs=epochs, seed=0,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True, calculate_entropy=False)
     worker.grads.clear()
@@ -615,3 +621,160 @@ def test_plugin_engine_recipe_on_the_packed_path(model_path):
     got = torch.cat([t for t in logp.unbind()]).float() if logp.is_nested else logp.flatten().float()
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
     assert (got - torch.cat(plain)).abs().max() > 0.1  # the recipe changed them
+
+
+# Top-K TRM: the engine's KL(μ ‖ π_old) bounds from the rollout's top-K, in the old-log-prob forward only
+# ---------------------------------------------------------------------------------------------------------------
+
+TOPK = 4
+FAR = 2  # the sequence whose μ is far from π_old
+
+
+def _rollout_topk(z: torch.Tensor):
+    """μ = softmax((z + noise) / T) from π's logits ``z`` [B, R, V] (large noise on sequence FAR): its full log-probs
+    [B, R, V] and its top-K ``(logp, ids)`` [B, R, K], as vLLM returns them (normalised over the vocabulary)."""
+    noise = 0.05 * torch.randn(z.shape, generator=torch.Generator().manual_seed(5))
+    noise[FAR] *= 60
+    mu = ((z + noise) / TEMPERATURE).log_softmax(-1)
+    lp, ids = mu.topk(TOPK, dim=-1)
+    return mu, lp, ids
+
+
+def _with_topk(data, lp: torch.Tensor, ids: torch.Tensor, short: int | None = None):
+    """The batch with the top-K fields the agent loop stores (``sequence_topk`` per sample, nested like input_ids);
+    sample ``short`` gets one row too few (as verl's synthetic padding samples carry a real sample's fields)."""
+    from offpolicy.integrations.verl.topk import (
+        TOPK_IDS_FIELD,
+        TOPK_LOGP_FIELD,
+        sequence_topk,
+    )
+
+    attention_mask = _inputs()[1]
+    per_sample = [sequence_topk(int(attention_mask[i, :P].sum()), ids[i, :n].tolist(), lp[i, :n].tolist(), TOPK)
+                  for i, n in enumerate(LENGTHS.tolist())]
+    if short is not None:
+        per_sample[short] = tuple(t[:-1] for t in per_sample[short])
+    data[TOPK_LOGP_FIELD] = torch.nested.as_nested_tensor([s[0] for s in per_sample], layout=torch.jagged)
+    data[TOPK_IDS_FIELD] = torch.nested.as_nested_tensor([s[1] for s in per_sample], layout=torch.jagged)
+    return data
+
+
+@pytest.fixture(scope="module")
+def topk_worker(model_path, worker):
+    return make_worker(model_path, {"topk_logprobs": TOPK, "correction": {"name": "trm", "avg_kl": None}})
+
+
+def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(topk_worker, worker):
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from offpolicy.divergence import token_kl
+    from offpolicy.integrations.verl import apply_driver_correction, parse_settings
+    from offpolicy.integrations.verl.topk import (
+        KL_LOWER_FIELD,
+        KL_UPPER_FIELD,
+        topk_kl_bounds,
+    )
+
+    w = topk_worker
+    mask = _inputs()[1][:, P:]
+    z = _reference_logits(w)
+    mu, lp, ids = _rollout_topk(z)
+    # verl's _compute_old_log_prob: no grad, entropy on, the rollout temperature
+    meta = {"compute_loss": False, "calculate_entropy": True, "temperature": TEMPERATURE}
+    data = _with_topk(_batch({}, meta), lp, ids)
+    out = w.infer_batch(data)
+    lower, upper = (no_padding_2_padding(tu.get(out, key), data).float() * mask for key in (KL_LOWER_FIELD,
+                                                                                             KL_UPPER_FIELD))
+    v = z.shape[-1]
+    exp_lower, exp_upper = (b.reshape(B, R) * mask for b in topk_kl_bounds(z.reshape(-1, v), TEMPERATURE,
+                                                                            lp.reshape(-1, TOPK),
+                                                                            ids.reshape(-1, TOPK)))
+    torch.testing.assert_close(upper, exp_upper, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lower, exp_lower, rtol=1e-4, atol=1e-5)
+    exact = token_kl(mu, z, temperature=TEMPERATURE) * mask  # μ is known in full here: lower ≤ exact ≤ upper
+    assert (lower <= exact + 1e-5).all() and (exact <= upper + 1e-5).all()
+    assert (upper - lower)[mask.bool()].min() > 0  # K < V: the bounds are not tight
+    # the log-probs are verl's own (no recipe): the top-K only adds outputs
+    plain = infer_logp(worker, {"temperature": TEMPERATURE})
+    torch.testing.assert_close(no_padding_2_padding(tu.get(out, "log_probs"), data).float() * mask, plain,
+                               rtol=1e-5, atol=1e-5)
+
+    # TRM-Max on the certified bound, δ between the 4th and 5th of the eight sequences' maxima (a tiny random model
+    # is nearly uniform over 64 tokens: the certified tail term q_rest · log(p_rest / π_min) dominates the bound)
+    row_max = upper.max(-1).values
+    ranked = row_max.sort().values
+    delta = float((ranked[B // 2 - 1] + ranked[B // 2]) / 2)
+    settings = parse_settings({"correction": {"name": "trm", "max_kl": delta, "avg_kl": None},
+                               "topk_logprobs": TOPK})
+    old = infer_logp(worker, {"temperature": TEMPERATURE})
+    rollout = (mu.gather(-1, _inputs()[0][:, P:, None]).squeeze(-1)) * mask
+    kept = apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                    "advantages": torch.ones(B, R), "token_divergence": upper}, settings)[0]
+    expected = mask * (row_max <= delta)[:, None]  # the four sequences below δ kept, the four above masked
+    assert int((row_max <= delta).sum()) == B // 2
+    torch.testing.assert_close(kept["response_mask"], expected)
+
+    # the reference forward (no entropy) and the update forward (grad on) compute no bounds
+    ref = w.infer_batch(_with_topk(_batch({}, {"compute_loss": False, "temperature": TEMPERATURE}), lp, ids))
+    assert KL_UPPER_FIELD not in ref.keys()  # noqa: SIM118 - TensorDict keys
+    with torch.no_grad():
+        assert w.engine._wants_topk_bounds(data)
+    # a sample whose top-K does not fit its sequence (sample 3: 4 prompt + 1 response tokens): an error — unless it has no response token (verl's synthetic
+    # padding sample), which gets a point mass and leaves the other samples' bounds alone
+    with pytest.raises(ValueError, match="offpolicy_topk_ids: sample 3 has 4 rows for a sequence of 5 tokens"):
+        w.infer_batch(_with_topk(_batch({}, meta), lp, ids, short=3))
+    padded = _with_topk(_batch({}, meta), lp, ids, short=3)
+    no_response = [m * (i != 3) for i, m in enumerate(padded["response_mask"].unbind())]
+    padded["response_mask"] = torch.nested.as_nested_tensor(no_response, layout=torch.jagged)
+    upper_padded = no_padding_2_padding(tu.get(w.infer_batch(padded), KL_UPPER_FIELD), data).float() * mask
+    keep_rows = torch.arange(B) != 3
+    torch.testing.assert_close(upper_padded[keep_rows], upper[keep_rows], rtol=1e-5, atol=1e-6)
+    # the update (two mini-batches) runs with the top-K fields in the batch — verl hands the actor every field —
+    # and gives the metrics and gradients it gives without them; its forward computes no bounds
+    tensors = {"old_log_probs": old, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    keys: list = []
+    with_topk = _train(w, "vanilla", "token-mean", tensors, mini=B // 2, meta={"temperature": TEMPERATURE},
+                       prepare=lambda d: _with_topk(d, lp, ids), output_keys=keys)
+    without = _train(w, "vanilla", "token-mean", tensors, mini=B // 2, meta={"temperature": TEMPERATURE})
+    def learning(metrics):  # timing and memory differ between any two runs
+        return {k: v for k, v in metrics.items() if not (k.startswith("perf/") or k == "mfu")}
+
+    assert learning(with_topk[0]) == learning(without[0]) and "actor/pg_loss" in learning(without[0])
+    for a, b in zip(with_topk[1], without[1]):
+        torch.testing.assert_close(a, b)
+    assert keys and all(KL_UPPER_FIELD not in k for k in keys)
+
+
+def test_plugin_engine_top_k_bounds_on_the_packed_path(model_path):
+    """``use_remove_padding=True``: the bounds of each packed row equal ``topk_kl_bounds`` of the logits that row's
+    forward produced, at the top-K the batch carries for it (prompt rows: the point mass)."""
+    from verl.utils import tensordict_utils as tu
+
+    from offpolicy.integrations.verl.topk import (
+        KL_UPPER_FIELD,
+        TOPK_IDS_FIELD,
+        TOPK_LOGP_FIELD,
+        topk_kl_bounds,
+    )
+
+    w = make_worker(model_path, {"topk_logprobs": TOPK}, remove_padding=True)
+    _, lp, ids = _rollout_topk(_reference_logits(w))
+    data = _with_topk(_batch({}, {"compute_loss": False, "calculate_entropy": True, "temperature": TEMPERATURE}),
+                      lp, ids)
+    captured = []
+    hook = w.engine.module.lm_head.register_forward_hook(lambda m, args, out: captured.append(out.detach().float()))
+    try:
+        upper = tu.get(w.infer_batch(data), KL_UPPER_FIELD)
+    finally:
+        hook.remove()
+    expected, start = [], 0
+    for logits in captured:  # one packed forward per micro-batch
+        rows = range(start, start + MICRO)
+        top_lp = torch.cat([data[TOPK_LOGP_FIELD][i] for i in rows])
+        top_ids = torch.cat([data[TOPK_IDS_FIELD][i] for i in rows])
+        expected.append(topk_kl_bounds(logits.squeeze(0)[: top_ids.shape[0]], TEMPERATURE, top_lp, top_ids)[1])
+        start += MICRO
+    got = torch.cat([t for t in upper.unbind()]).float()
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-4, atol=1e-5)
+    assert got.shape[0] == int(data["input_ids"].offsets()[-1])

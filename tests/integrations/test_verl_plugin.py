@@ -247,9 +247,138 @@ def test_agent_loop_samples_under_the_recipe_and_carries_the_top_k():
     assert logps[0] == pytest.approx([-0.3, -3.0, -4.0])
     assert output.response_ids == RESPONSE and output.response_logprobs == [-0.5] * 4
 
+    # what verl's TransferQueue agent loop stores: as_dict(), stacked by verl's own list_of_dict_to_tensordict
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from offpolicy.integrations.verl.topk import TOPK_IDS_FIELD, TOPK_LOGP_FIELD
+
+    stored = list_of_dict_to_tensordict([output.as_dict(), output.as_dict()])
+    top_ids, top_lp = stored[TOPK_IDS_FIELD][0], stored[TOPK_LOGP_FIELD][0]
+    assert top_ids.shape == (len(PROMPT) + len(RESPONSE), K) and top_ids.dtype == torch.int64
+    # the engine's rolled layout: row len(PROMPT) − 1 + j predicts response token j
+    assert top_ids[len(PROMPT) - 1:-1, 0].tolist() == [102, 103, 104, 105]
+    torch.testing.assert_close(top_lp[len(PROMPT) - 1], torch.tensor([-0.3, -3.0, -4.0]))
+    assert top_lp[-1].tolist() == [0.0, -math.inf, -math.inf]  # the rows no response token uses: a point mass
+    assert "rollout_topk_ids" not in stored["extra_fields"][0]  # moved out of the non-tensor extra fields
+
     greedy = asyncio.run(loop.run({**verl_params, "temperature": 0.0}, raw_prompt=[]))
     assert "min_p" not in server.requests[2]["sampling_params"]  # validation's greedy requests stay greedy
     assert greedy.response_ids == RESPONSE
+
+
+def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
+    """``topk_logprobs`` + ``trm``: the plug-in trainer reads the engine's upper bound on KL(μ ‖ π_old) — a field laid
+    out as the engine's log-probs over prompt + response — cuts it to the response as verl's ``response_from_nested``
+    does, and TRM-Max masks every sequence with a token above δ."""
+    from omegaconf import OmegaConf
+
+    from offpolicy.integrations.verl import plugin
+    from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
+
+    delta = 0.05
+    correction = {"name": "trm", "max_kl": delta, "avg_kl": None}
+    monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": correction, "topk_logprobs": K}))
+    plugin.register_trainer()
+    cls = trainer_base.get_trainer_cls("offpolicy")
+    old, rollout, mask = _step_tensors()
+    upper = torch.full((B, R), 0.01)
+    upper[1, 2] = 0.2  # > δ: sequence 1 is masked
+    upper[4, 1] = 0.049  # just below δ: kept
+    upper[3, 4] = 0.5  # the last token of a full-length row: masked
+    n_prompt = 2
+    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]
+    rows = {}
+    for i, key in enumerate(keys):
+        n = LENGTHS[i]
+        scores = torch.zeros(n)
+        scores[-1] = SCORES[i]
+        # engine layout: row n_prompt − 1 + j holds response token j's value; the prompt rows hold junk (9.0)
+        seq = torch.cat([torch.full((n_prompt - 1,), 9.0), upper[i, :n], torch.tensor([9.0])])
+        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
+                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n],
+                     KL_UPPER_FIELD: seq, KL_LOWER_FIELD: torch.zeros(n_prompt + n)}
+    monkeypatch.setattr(trainer_base, "tq", StandInQueue(rows))
+    trainer = object.__new__(cls)
+    trainer.config = OmegaConf.create({
+        "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0,
+                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
+        "actor_rollout_ref": {"rollout": {"n": 3}},
+    })
+    metrics: dict = {}
+    trainer._compute_advantage(BatchMeta(keys=keys, partition_id="train"), metrics)
+    kept = torch.stack([torch.nn.functional.pad(rows[k]["response_mask"].float(), (0, R - LENGTHS[i]))
+                        for i, k in enumerate(keys)])
+    # by hand: row maxima over valid tokens 0.01, 0.2, 0.01, 0.5, 0.049, 0.01 → rows 1 and 3 out
+    torch.testing.assert_close(kept, mask * torch.tensor([1.0, 0, 1, 0, 1, 1])[:, None])
+    assert metrics["rollout_corr/trm/accept_rate"] == pytest.approx(4 / 6)
+    assert metrics["rollout_corr/trm/divergence_topk"] == 1.0
+    # the same through the function the trainer calls
+    direct = apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                      "advantages": torch.ones(B, R), "token_divergence": upper * mask},
+                                     parse_settings({"correction": correction, "topk_logprobs": K}))[0]
+    torch.testing.assert_close(direct["response_mask"], kept)
+    with pytest.raises(ValueError, match="token_divergence"):  # top-K on, no bounds (e.g. verl's bypass mode)
+        apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
+                                 "advantages": torch.ones(B, R)}, parse_settings({"correction": correction,
+                                                                                  "topk_logprobs": K}))
+    with pytest.raises(ValueError, match="offpolicy.topk_bound"):
+        parse_settings({"topk_bound": "exact"})
+
+
+def test_the_example_config_parses():
+    """``examples/verl_offpolicy.yaml``'s settings block, and its top-K TRM variant, are what the plug-in accepts."""
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "verl_offpolicy.yaml"
+    config = yaml.safe_load(path.read_text())
+    env = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert config["actor_rollout_ref"]["model"]["external_lib"] == env["VERL_USE_EXTERNAL_MODULES"]
+    settings = settings_from_text(env["OFFPOLICY_VERL"])
+    assert settings.sampling.min_p == 0.01 and settings.alp is not None and settings.topk_bound == "upper"
+    block = yaml.safe_load(env["OFFPOLICY_VERL"])
+    block["correction"].append({"name": "trm", "max_kl": 0.05, "avg_kl": None})
+    assert parse_settings({**block, "topk_logprobs": 20}).topk_logprobs == 20
+
+
+def test_sequence_topk_layout_and_errors():
+    from offpolicy.integrations.verl.topk import sequence_topk, topk_rows
+
+    # prompt of 3, response of 2 with K = 2: rows 2 and 3 hold the response tokens' top-K, rows 0, 1, 4 a point mass
+    lp, ids = sequence_topk(3, [[5, 9], [7, 1]], [[-0.1, -2.5], [-0.3, -1.5]], 2)
+    assert ids.tolist() == [[0, 1], [0, 1], [5, 9], [7, 1], [0, 1]]
+    assert lp[2].tolist() == pytest.approx([-0.1, -2.5]) and lp[4].tolist() == [0.0, -math.inf]
+    assert sequence_topk(2, [], [], 3)[1].shape == (2, 3)  # an empty response: the prompt rows only
+    with pytest.raises(ValueError, match="position 1"):
+        sequence_topk(3, [[5, 9], [7, 7]], [[-0.1, -2.5], [-0.3, -1.5]], 2)  # a repeated id
+    with pytest.raises(ValueError, match="n_prompt"):
+        sequence_topk(0, [[5]], [[-0.1]], 1)
+    with pytest.raises(ValueError, match="sample 1 has 2 rows for a sequence of 3"):
+        topk_rows([lp, lp[:2]], [ids, ids[:2]], [5, 3], [False, False])
+    out_lp, _ = topk_rows([lp, lp[:2]], [ids, ids[:2]], [5, 3], [False, True])  # a padding sample: a point mass
+    assert out_lp.shape == (8, 2) and out_lp[5:].tolist() == [[0.0, -math.inf]] * 3
+
+
+def test_topk_kl_bounds_chunked_and_per_row_temperature():
+    """Row chunks change nothing; a per-row temperature equals the float one row by row; lower ≤ exact ≤ upper."""
+    from offpolicy.divergence import token_kl
+    from offpolicy.integrations.verl.topk import topk_kl_bounds
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(37, 50, generator=g)
+    mu = torch.randn(37, 50, generator=g).log_softmax(-1)
+    lp, ids = mu.topk(5, dim=-1)
+    t = torch.rand(37, generator=g) + 0.5
+    whole, chunked = topk_kl_bounds(z, t, lp, ids), topk_kl_bounds(z, t, lp, ids, memory_budget_bytes=1)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    row = topk_kl_bounds(z[3:4], float(t[3]), lp[3:4], ids[3:4])
+    torch.testing.assert_close(torch.stack(row).squeeze(-1), torch.stack(whole)[:, 3])
+    exact = token_kl(mu, z / t[:, None])
+    assert (whole[0] <= exact + 1e-5).all() and (exact <= whole[1] + 1e-5).all()
+    with pytest.raises(ValueError, match="topk_logp"):
+        topk_kl_bounds(z, 1.0, lp[:3], ids)
 
 
 def test_top_k_parse_errors_name_the_field():

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offpolicy.kernels import DIFF_OUTPUTS, chunk_rows, fused_logp, fused_token_stats, row_chunks, token_stats_from_logits
+from offpolicy.kernels import (
+    DIFF_OUTPUTS,
+    chunk_rows,
+    fused_logp,
+    fused_token_stats,
+    row_chunks,
+    token_stats_from_logits,
+)
 
 ALL = ("logp", "entropy", "minp_logp", "minp_mass", "kl", "tv")
 
@@ -83,7 +90,7 @@ def test_gradcheck_logits_path():
     _, _, _, y, roll, tkl, tki = make()
     z = torch.randn(7, 13, dtype=torch.float64, requires_grad=True)
     for kw in ({"rollout_logits": roll}, {"rollout_topk_logp": tkl, "rollout_topk_ids": tki}):
-        def f(z):
+        def f(z, kw=kw):
             s = token_stats_from_logits(z, y, temperature=1.3, want=ALL, min_p_rho=0.1, memory_budget_bytes=500, **kw)
             return tuple(getattr(s, k) for k in ALL)
         assert torch.autograd.gradcheck(f, (z,))

@@ -162,11 +162,65 @@ def test_markdown_table(report):
     row = next(ln for ln in text.splitlines() if ln.startswith("| naive | bf16 | 3 |"))
     assert "| 0.200 [0.200–0.200] | 0.400 [0.300–0.500] |" in row
     assert "| 8 [8–50] |" in row  # gradient-norm maximum
-    verdict = next(ln for ln in text.splitlines() if ln.startswith("| naive | bf16 | ×"))
-    assert "growing" in verdict and "-0.300 lower (p = 0.1)" in verdict
-    verdict = next(ln for ln in text.splitlines() if ln.startswith("| mis | bf16 | ×"))
-    assert "bounded (flat)" in verdict and "+0.300 higher (p = 0.1)" in verdict and "+0.000 within noise" in verdict
+    # one verdict row per comparison, a cell per measure: reward first ¼, last ¼, drawdown, ‖∇‖ max, k3 KL
+    verdict = next(ln for ln in text.splitlines() if ln.startswith("| naive | bf16 | naive, none |"))
+    cells = [c.strip() for c in verdict.strip("|").split("|")]
+    assert cells[3:] == [
+        "+0.000 within noise",  # first ¼: 0.2 everywhere except naive/none s0 (0.2 too: (0.1 + 0.3) / 2)
+        "-0.300 lower (p = 0.1)",  # last ¼: 0.4 [0.3–0.5] vs 0.7 [0.6–0.8]
+        "+0.000 within noise",  # drawdown: 0.067 [0–0.067] vs 0 [0–0]: they touch at 0
+        "+0 within noise",  # ‖∇‖ max 8 [8–50] vs 8 [8–8]
+        "+2.89e-03 higher (p = 0.1)",  # k3: 2.89e-3 [1.42e-3–5.94e-3] vs 4.5e-14 [4.5e-14–4.5e-14]
+        "×8.2 [×2–×33]", "growing"]
+    rows = [ln for ln in text.splitlines() if ln.startswith("| mis | bf16 |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["3", "naive, bf16", "mis, none"]  # numbers, 2 verdict rows
+    assert "+0.300 higher (p = 0.1)" in rows[1] and "bounded (flat)" in rows[1]
+    # k3 of mis/bf16 (medians 1.00e-3) against naive/bf16 (2.89e-3): 1.19e-3 < 1.42e-3, apart
+    assert "-1.89e-03 lower (p = 0.1)" in rows[1]
+    assert "+0.000 within noise" in rows[2]  # last ¼ 0.7 [0.55–0.72] vs 0.7 [0.65–0.75]
+    assert "| naive | none | – | – | – | – | – | – | – | (control) |" in text
     assert "rollout_correction/kl" not in text  # the signed estimator is never reported
+
+
+def test_headline_names_every_separated_comparison(report):
+    stats = json.loads(report.stats_path.read_text())
+    found = [(f["preset"], f["mismatch"], f["versus"], f["field"], f["verdict"]) for f in stats["separated"]]
+    assert found == [  # 5 of the 20 comparisons (naive/bf16: 1 × 5, mis/none: 1 × 5, mis/bf16: 2 × 5)
+        ("naive", "bf16", "control", "reward_last", "lower"), ("naive", "bf16", "control", "k3_median", "higher"),
+        ("mis", "bf16", "naive", "reward_last", "higher"), ("mis", "bf16", "naive", "k3_median", "lower"),
+        ("mis", "bf16", "control", "k3_median", "higher")]
+    assert [f["better"] for f in stats["separated"]] == [False, False, True, True, False]
+    head = stats["headline"]
+    assert head.startswith("Separated over seeds (5 of 20 comparisons): naive on bf16 has a lower reward last ¼ "
+                           "than naive on the none control: 0.400 [0.300–0.500] vs 0.700 [0.600–0.800] (p = 0.1);")
+    assert "mis on bf16 has a lower k3 KL than naive on bf16: 1.00e-03 [8.40e-04–1.19e-03] vs" in head
+    assert head in report.table.read_text()
+    assert "Separated over seeds (5 of 20 comparisons)" in report.html.read_text()
+
+
+def test_headline_when_nothing_separates():
+    from offpolicy.lab.report import headline
+
+    c = st.compare([0.1, 0.3], [0.2, 0.4], "naive, x")  # overlap on [0.2, 0.3]
+    group = {"preset": "tis", "mismatch": "x", "versus": {"naive": {"reward_last": c}}}
+    assert headline({"groups": [group]}) == ("No measure separates over the seeds: all 1 comparisons (against naive "
+                                              "and against the control) are within noise.")
+
+
+def test_the_masked_fraction_is_drawn_only_when_something_masked(tmp_path):
+    out = make_sweep(tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["runs"] = [r for r in summary["runs"] if r["preset"] == "naive"]  # mis/bf16 is the one that masks
+    summary["plan"]["presets"] = ["naive"]
+    (out / "summary.json").write_text(json.dumps(summary))
+    rep = write_report(out)
+    assert [p.name for p in rep.plots] == ["overview.png", "reward.png", "k3_kl.png", "grad_norm.png",
+                                           "final_reward.png"]
+    assert "Masked / dropped token fraction" not in rep.html.read_text()
+    import matplotlib.image
+
+    # the overview has three rows of panels (reward, k3, gradient norm), not four: 2.7 in per row + 1 in, at 90 dpi
+    assert matplotlib.image.imread(rep.out / "plots" / "overview.png").shape[0] < 90 * (2.7 * 3 + 1.0) + 10
 
 
 def test_html_is_self_contained(report):
@@ -280,6 +334,25 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[:2] == (3000, 1280)
     assert pixels[..., :3].std() > 0.05  # tables and figures, not a blank page
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium installed")
+def test_tables_fit_a_1400_px_window(report, tmp_path):
+    # chromium prints the document's width in its title, read back from --dump-dom
+    page = tmp_path / "page.html"
+    script = ("<script>window.onload = () => { document.title = 'W' + document.documentElement.scrollWidth + "
+              "'x' + document.documentElement.clientWidth; };</script>")
+    page.write_text(report.html.read_text().replace("</body>", script + "</body>"))
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+           "--window-size=1400,2000", "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()]
+    dom = subprocess.run(cmd, capture_output=True, timeout=120, check=False, text=True).stdout
+    import re
+
+    found = re.search(r"<title>W(\d+)x(\d+)</title>", dom)
+    assert found, "chromium dumped no measured title"
+    scroll, inner = map(int, found.groups())
+    assert scroll <= inner, f"the page is {scroll} px wide in a {inner} px window: a table overflows"
 
 
 def test_controller_thresholds_get_their_figure(tmp_path):

@@ -215,8 +215,28 @@ def test_another_sweep_in_the_same_folder_is_refused(tmp_path, tiny_run, fake):
     out.mkdir()
     with (out / ".lab.lock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(ValueError, match="another `offpolicy lab` is running in"):
+        with pytest.raises(ValueError, match=r"sweep folder --out '.*' is in use by another process"):
             run_sweep(_plan(out, tiny_run), jobs=1, command=fake.command, prepare=_no_prepare)
+
+
+def test_a_live_sweep_is_named_and_a_killed_one_never_blocks(tmp_path, tiny_run, fake):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from offpolicy.folder_lock import FolderLock; "
+         "lock = FolderLock(sys.argv[1], '.lab.lock', 'sweep folder --out'); print('held', flush=True); "
+         "time.sleep(600)",
+         str(out)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"sweep folder --out '.*' is in use by pid {holder.pid} on host "):
+            run_sweep(_plan(out, tiny_run), jobs=1, command=fake.command, prepare=_no_prepare)
+        assert fake.events() == []  # refused before any run started
+    finally:
+        holder.kill()  # SIGKILL: its record stays in .lab.lock, its lock does not
+        holder.wait()
+    result = run_sweep(_plan(out, tiny_run), jobs=1, command=fake.command, prepare=_no_prepare)
+    assert result.complete
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-
 TINY = "{num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64, num_attention_heads: 2, num_key_value_heads: 1}"
 
 

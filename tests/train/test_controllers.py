@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from offpolicy.train.controllers import AcceptanceController, LRGuard, RatioBandController
 
-
 # -- AcceptanceController ------------------------------------------------------------------------------------------
 
 

@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 
+from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.tasks import RewardError
 from offpolicy.train.config import load_config
 from offpolicy.train.logging import read_metrics
 from offpolicy.train.loop import exact_token_kl, train
-from offpolicy.rollout.sampling import SamplingConfig
 
 PRESETS_TO_RUN = ["naive", "tis", "mis", "geo_mask", "icepop", "opsm", "trm", "dvp", "dvp_mis", "alp"]
 

@@ -22,10 +22,9 @@ Corrections are registered by name (:func:`offpolicy.register_correction`) and b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
@@ -48,12 +47,12 @@ class CorrectionResult:
         return zero_outside(self.weights.float(), self.keep)
 
     @staticmethod
-    def identity(batch: LogProbBatch) -> "CorrectionResult":
+    def identity(batch: LogProbBatch) -> CorrectionResult:
         """Weights 1 on valid tokens, keep = mask: what "no correction" means."""
         valid = batch.bool_mask
         return CorrectionResult(weights=float_mask(valid), keep=valid.clone(), metrics={}, weight_level=None)
 
-    def then(self, other: "CorrectionResult") -> "CorrectionResult":
+    def then(self, other: CorrectionResult) -> CorrectionResult:
         """Compose: weights multiply, masks AND, metrics merge (later names win)."""
         return CorrectionResult(
             weights=self.weights * other.weights,
@@ -86,7 +85,7 @@ class Correction:
     name: str
     fn: Callable[[LogProbBatch], CorrectionResult]
     config: dict[str, object] = field(default_factory=dict)
-    parts: tuple["Correction", ...] = ()  # set by chain(): the corrections it composes
+    parts: tuple[Correction, ...] = ()  # set by chain(): the corrections it composes
 
     def __call__(self, batch: LogProbBatch) -> CorrectionResult:
         if isinstance(batch, LogProbBatch) and batch.logp.numel() == 0:  # B = 0 or T = 0: as an all-masked batch

@@ -257,7 +257,7 @@ class _Weights(NamedTuple):
     finite: Tensor  # [B, T] bool: valid and the token's own log-ratio finite
     ratio: Tensor  # the ratio per token [B, T] (token level) or per sequence [B, 1]
     outside: Tensor  # the ratio outside [lower, upper], same shape as ratio
-    rows: "_Rows | None"  # the per-sequence decisions (sequence levels)
+    rows: _Rows | None  # the per-sequence decisions (sequence levels)
 
 
 class _Rows(NamedTuple):
@@ -311,7 +311,7 @@ def _inside(log_rho: Tensor, lower: float | None, upper: float | None) -> Tensor
     return inside
 
 
-def _batch_mean(weights: Tensor, m: Tensor, rows: "_Rows | None") -> Tensor:
+def _batch_mean(weights: Tensor, m: Tensor, rows: _Rows | None) -> Tensor:
     """verl's normaliser: the mean weight over valid tokens (token level) or over non-empty sequences, one weight each
     (sequence levels); 1 when it is ≤ 1e-8 (then the weights are left as they are)."""
     if rows is None:
@@ -346,6 +346,7 @@ def _importance(
         out = _weights(behaviour_log_ratio(batch, source, name), valid, level, mode, lo, hi, normalize)
         n_valid = count(valid)
         n = n_valid.clamp(min=1)
+        tokens: Tensor | int
         if out.rows is None:  # token level: the raw ratio over the tokens where it is defined (finite)
             defined, tokens, n_kept = out.finite, 1, count(out.keep)
         else:  # sequence levels: each defined sequence's ratio, once per valid token

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+import torch  # noqa: F401  (the doctests below use it)
 from torch import Tensor
 
 from offpolicy.batch import (

@@ -14,8 +14,8 @@ Masked sequences keep their place in the loss denominator (the paper normalises 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -24,7 +24,8 @@ support, which removes the bias that truncated sampling puts into every ratio π
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -107,6 +108,7 @@ def constrained_logp(logits: Tensor, targets: Tensor, rho: float = DEFAULT_RHO, 
     _check_rho(rho)
     s = token_stats_from_logits(logits, targets, temperature=temperature, want=("minp_logp", "minp_mass"),
                                 min_p_rho=rho, memory_budget_bytes=memory_budget_bytes)
+    assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
     return ConstrainedLogProbs(s.minp_logp, s.minp_inside, s.minp_mass)
 
 

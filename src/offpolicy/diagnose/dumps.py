@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -288,14 +289,14 @@ def concat_tokens(parts: list[TokenData]) -> TokenData:
                                        "kl_reverse", "tv", "topk_overlap", "eps_max", "topk_ids", "rollout_topk_logp",
                                        "trainer_topk_logp")}
     kl = cat("kl") if len(kinds) == 1 else None
-    adv = [p.advantages for p in parts]
-    prompts = [p.prompt_ids for p in parts]
+    adv = [p.advantages for p in parts if p.advantages is not None]  # kept when every part has them
+    prompts = [p.prompt_ids for p in parts if p.prompt_ids is not None]
     return TokenData(**kw, kl=kl, kl_kind=kinds.pop() if kl is not None else None,
-                     advantages=None if any(a is None for a in adv) else torch.cat(adv),
-                     prompt_ids=None if any(p is None for p in prompts) else sum(prompts, []))
+                     advantages=torch.cat(adv) if len(adv) == len(parts) else None,
+                     prompt_ids=sum(prompts, []) if len(prompts) == len(parts) else None)
 
 
-def load_dumps(paths: list[str | Path]) -> tuple[TokenData, list[str]]:
+def load_dumps(paths: Sequence[str | Path]) -> tuple[TokenData, list[str]]:
     """Every file read with :func:`read_any` and concatenated; returns ``(tokens, formats)``."""
     if not paths:
         raise ValueError("no dump files given")
@@ -321,7 +322,7 @@ def topk_kl_from_logprobs(rollout_topk_logp: torch.Tensor, trainer_topk_logp: to
     return (head + tail).clamp(min=0).float()
 
 
-def measurements_from_dumps(paths: list[str | Path]):  # -> Measurements
+def measurements_from_dumps(paths: Sequence[str | Path]):  # -> Measurements
     """The report's input from dump files alone: per-token data, no vocabulary, DVP grid or layers (those need the
     model). A dump with both sides' top-k log-probs but no KL gets the top-k lower bound (:func:`topk_kl_from_logprobs`).
     """

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +38,6 @@ import offpolicy as op
 from offpolicy.inspect.measurements import (
     HEAD_P,
     N_P_BINS,
-    P_BIN_EDGES,
     TAIL_P,
     DvpGrid,
     Measurements,
@@ -353,7 +353,8 @@ def compare_engines(
         if rollout.backend != "hf":
             raise ValueError("ignore_eos is implemented for the transformers engine only")
         roll_engine.eos_token_id = None  # a model without eos runs to max_new_tokens (HF engine contract)
-    vocab = model.config.vocab_size
+    model_config: Any = model.config  # a transformers config (torch types module attributes as Tensor | Module)
+    vocab = model_config.vocab_size
     t_max = sampling.max_new_tokens
     # ¾ of the budget for the micro-batch's logits, ¼ for the chunked kernels' scratch
     rows = micro_batch_rows(max(len(p) for p in prompt_ids), t_max, vocab, memory_budget_bytes * 3 // 4)
@@ -379,6 +380,7 @@ def compare_engines(
         t0 = time.perf_counter()
         per_pos, stats = _position_stats(mb, tau=tau, topk=topk, rhos=rhos, generator=gen, scratch=scratch)
         if stats is not None:
+            assert vocab_stats is not None  # both exist in the full view only
             vocab_stats = vocab_stats.merge(stats)
         if rhos and kept is not None:
             flat_r, flat_t = mb.flat_rollout, mb.flat_trainer
@@ -426,7 +428,7 @@ def _position_stats(mb: _MicroBatch, *, tau: float, topk: int, rhos: tuple[float
     targets = mb.ids[mask]
     per_pos: dict[str, Tensor] = {}
     if flat_r is not None:
-        kw = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": scratch}
+        kw: dict[str, Any] = {"temperature": tau, "rollout_temperature": tau, "memory_budget_bytes": scratch}
         per_pos["kl"] = op.token_kl(flat_r, flat_t, **kw)
         per_pos["kl_reverse"] = op.token_kl(flat_t, flat_r, **kw)
         per_pos["tv"] = op.token_tv(flat_r, flat_t, **kw)
@@ -434,6 +436,7 @@ def _position_stats(mb: _MicroBatch, *, tau: float, topk: int, rhos: tuple[float
                                          generator=generator, memory_budget_bytes=scratch)
         per_pos.update(extras)
         return per_pos, stats
+    assert mb.out.topk_logp is not None and mb.out.topk_ids is not None  # the top-k view
     r_lp, r_ids = mb.out.topk_logp[mask], mb.out.topk_ids[mask]
     kw = {"temperature": tau, "memory_budget_bytes": scratch}
     per_pos["kl"], per_pos["tv"] = op.topk_kl_lower_bound(r_lp, r_ids, flat_t, with_tv=True, **kw)
@@ -540,6 +543,7 @@ def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
         from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, connect_llamacpp
 
         if spec.backend == "server":
+            assert spec.server is not None  # EngineSpec sets backend="server" only from a server URL
             return connect_llamacpp(spec.server, vocab_size=model.config.vocab_size, tokenizer=tokenizer)
         if tokenizer is None:
             raise ValueError("--rollout backend=llamacpp needs the model's tokenizer (it is written into the GGUF)")

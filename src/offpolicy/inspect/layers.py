@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,13 +44,14 @@ def hook_points(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     >>> [name for name, _ in hook_points(build_tiny_model()[0])]
     ['embed', 'layer.0', 'layer.1', 'layer.2', 'layer.3', 'final_norm', 'logits']
     """
-    points = [("embed", model.get_input_embeddings())]
+    lm: Any = model  # an HF model (torch types module attributes as Tensor | Module)
+    points = [("embed", lm.get_input_embeddings())]
     points += [(f"layer.{i}", layer) for i, layer in enumerate(find_decoder_layers(model))]
     base = getattr(model, "base_model", model)
     norm = next((getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)), None)
     if norm is not None:
         points.append(("final_norm", norm))
-    points.append(("logits", model.get_output_embeddings()))
+    points.append(("logits", lm.get_output_embeddings()))
     return points
 
 
@@ -96,9 +98,14 @@ def layer_errors(rollout_engine, trainer_engine, prompt_ids: list[list[int]], co
                 score_tokens(trainer_engine.model, prompts, completions, dtype=trainer_autocast)
         for name in names:
             hr, ht = got_r[name], got_t[name]
-            if tuple(hr.shape[:2]) != tuple(attn.shape):
-                raise ValueError(f"hook point {name!r} returned shape {tuple(hr.shape)}, expected [B, L, ...]")
-            hr, ht = hr[attn].double(), ht[attn].double()
+            for h in (hr, ht):
+                if h.shape[0] != attn.shape[0] or h.shape[1] > attn.shape[1]:
+                    raise ValueError(f"hook point {name!r} returned shape {tuple(h.shape)}, expected [B, L, ...]")
+            # the scoring forwards compute logits only from the first completion position on (the trailing
+            # positions): compare the positions both sides returned
+            n = min(hr.shape[1], ht.shape[1])
+            keep = attn[:, attn.shape[1] - n:]
+            hr, ht = hr[:, hr.shape[1] - n:][keep].double(), ht[:, ht.shape[1] - n:][keep].double()
             diff_sq[name] += float((hr - ht).pow(2).sum())
             ref_sq[name] += float(ht.pow(2).sum())
     return [LayerError(name, (diff_sq[name] / ref_sq[name]) ** 0.5 if ref_sq[name] > 0 else 0.0) for name in names]

@@ -115,7 +115,7 @@ class VocabStats:
     scatter_abs_delta: list[float] = field(default_factory=list)
     scatter_eps_max: list[float] = field(default_factory=list)
 
-    def merge(self, other: "VocabStats") -> "VocabStats":
+    def merge(self, other: VocabStats) -> VocabStats:
         """The sum of two partial aggregates (micro-batches)."""
         return VocabStats(
             pairs=self.pairs + other.pairs, skipped_rows=self.skipped_rows + other.skipped_rows,

@@ -49,8 +49,8 @@ def _f(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _masked(x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    return None if x is None else x[mask].double()
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x[mask].double()
 
 
 def _bin_index(p: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def summarize(measured: Measurements) -> dict[str, Any]:
     r = t.log_ratio[m].double()
     finite = torch.isfinite(r)
     out: dict[str, Any] = {"report_version": REPORT_VERSION, "positions": n, "sequences": int(m.any(-1).sum())}
-    kl = _masked(t.kl, m)
+    kl = None if t.kl is None else _masked(t.kl, m)
     if kl is not None:
         out["kl_source"] = "exact" if t.kl_kind == "exact" else "topk lower bound"
     else:  # no distribution: the k3 estimator of KL(μ‖π) from the sampled tokens (unbiased under μ)
@@ -241,8 +241,9 @@ def plot_envelope(ax, measured: Measurements, summary: dict) -> None:
                  f"{env.get('corrected_violations', 0)}")
     elif measured.tokens.eps_max is not None:
         t = measured.tokens
+        eps_max = measured.tokens.eps_max
         ok = t.mask & torch.isfinite(t.log_ratio)
-        p, d, e = t.trainer_logp[ok].double().exp(), t.log_ratio[ok].double().abs(), t.eps_max[ok].double()
+        p, d, e = t.trainer_logp[ok].double().exp(), t.log_ratio[ok].double().abs(), eps_max[ok].double()
         label, title = "sampled tokens", "|Δ| vs p (sampled tokens) against the corrected Prop. 4.2 envelope"
     else:
         _no_data(ax, "no full logits: the envelope needs ε_max per position\n(run offpolicy inspect on the model)")

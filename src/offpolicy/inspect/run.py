@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def task_prompts(tokenizer, task: str, n: int, *, seed: int = 0) -> list[list[in
 
 def _layer_rows(model: torch.nn.Module, longest: int, budget: int) -> int:
     """Sequences per layer-pass batch: both engines' hidden states at every hook point plus their logits."""
-    cfg = model.config
+    cfg: Any = model.config  # a transformers config (torch types module attributes as Tensor | Module)
     points = len(find_decoder_layers(model)) + 3
     per_row = 4 * 2 * longest * (points * cfg.hidden_size + 2 * cfg.vocab_size)
     return max(1, budget // per_row)

@@ -40,8 +40,8 @@ q_rest · p / p_rest on the rest); tv → ½ p ⊙ (s − Σ s p), s = sign(p �
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -210,6 +210,7 @@ def _forward_chunk(logits: Tensor, targets: Tensor, cfg: _Config, rollout: Tenso
         out["minp_mass"] = safe_sum_exp / sum_exp
         out["minp_inside"] = target_logit >= threshold
     if cfg.kl_source == "logits":
+        assert rollout is not None  # kl_source="logits" is only set with rollout logits
         rollout_logits = _rollout_chunk(rollout, cfg, logits.dtype, scratch)
         rollout_max = rollout_logits.amax(dim=-1, keepdim=True)
         rollout_exp = torch.sub(rollout_logits, rollout_max, out=scratch.get("rollout_exp", logits)).exp_()
@@ -226,6 +227,7 @@ def _forward_chunk(logits: Tensor, targets: Tensor, cfg: _Config, rollout: Tenso
             out["tv"] = 0.5 * _rowdot(sign, diff)                   # ½ Σ |p − q|
             out["tv_sbar"] = _rowdot(sign, probs)                   # Σ sign(p − q) p, the TV gradient's baseline
     elif cfg.kl_source == "topk":
+        assert topk_logp is not None and topk_ids is not None  # kl_source="topk" is only set with both
         topk_logq = topk_logp.to(logits.dtype)
         topk_q = topk_logq.exp()
         topk_logp_train = logits.gather(1, topk_ids) - log_z
@@ -307,6 +309,7 @@ def _backward_tile(logits: Tensor, c0: int, targets: Tensor, cfg: _Config, stats
     rollout_probs: Tensor | None = None
     topk_coef: Tensor | None = None
     if cfg.kl_source == "logits" and ("kl" in grads or "tv" in grads):
+        assert rollout is not None
         rollout_logits = _rollout_chunk(rollout, cfg, logits.dtype, scratch)
         rollout_probs = torch.sub(rollout_logits, stats["lse_rollout"], out=scratch.get("rollout_probs", logits)).exp_()
         if "kl" in grads:
@@ -318,6 +321,7 @@ def _backward_tile(logits: Tensor, c0: int, targets: Tensor, cfg: _Config, stats
         if "kl" not in grads:
             rollout_probs = None
     elif cfg.kl_source == "topk" and ("kl" in grads or "tv" in grads):
+        assert topk_logp is not None and topk_ids is not None
         topk_q = topk_logp.to(logits.dtype).exp()
         q_rest, topk_p = stats["q_rest"], stats["p_ids"]
         p_rest = torch.exp(stats["lse_rest"] - log_z)
@@ -343,6 +347,7 @@ def _backward_tile(logits: Tensor, c0: int, targets: Tensor, cfg: _Config, stats
     if rollout_probs is not None:
         grad.addcmul_(rollout_probs, -grads["kl"])
     if topk_coef is not None:
+        assert topk_ids is not None
         _scatter_in_tile(grad, topk_ids, topk_coef, c0)
     _scatter_in_tile(grad, targets, target_coef, c0)
     return grad
@@ -391,7 +396,9 @@ def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, ro
         # min-p (needs the final max) and TV (needs both final normalisers) take a second pass over the tiles.
         row_blocks, col_slices = _tiles(n, vocab, cfg, itemsize)
         for a, b in row_blocks:
-            tile_fn = (lambda v0, v1, a=a, b=b: get_tile(a, b, v0, v1, scratch))
+            def tile_fn(v0: int, v1: int, a: int = a, b: int = b) -> Tensor:  # rows a:b, columns v0:v1
+                return get_tile(a, b, v0, v1, scratch)
+
             rollout_rows = _rows(rollout, a, b)
             stats_rows = _forward_online(tile_fn, col_slices, target_ids[a:b], cfg, rollout_rows, _rows(topk_logp, a, b),
                                          _rows(topk_ids, a, b), scratch)
@@ -424,22 +431,22 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
     """Same statistics as :func:`_forward_chunk` for logp / entropy / KL, streaming over vocabulary slices with
     running maxima and rescaled sums (the online softmax)."""
     n = targets.shape[0]
-    dtype = None
-    max_logit = sum_exp = sum_exp_logit = target_logit = None  # Σ e^{z − max}·z is the entropy's
-    rollout_max = rollout_sum_exp = kl_sum_q_d = kl_gap = None  # Σ e^{r − max_r}·d and S_r − S are the KL's
-    rest_max = rest_sum_exp = topk_logits = None  # the logits outside the rollout's top-k, and those inside
-    for v0, v1 in col_slices:
-        logits = tile_fn(v0, v1)
-        if dtype is None:
-            dtype = logits.dtype
-            full = (lambda val: torch.full((n, 1), val, dtype=dtype, device=logits.device))
-            max_logit, sum_exp, sum_exp_logit, target_logit = full(float("-inf")), full(0.0), full(0.0), full(0.0)
-            if cfg.kl_source == "logits":
-                rollout_max, rollout_sum_exp = full(float("-inf")), full(0.0)
-                kl_sum_q_d, kl_gap = full(0.0), full(0.0)
-            elif cfg.kl_source == "topk":
-                rest_max, rest_sum_exp = full(float("-inf")), full(0.0)
-                topk_logits = torch.zeros(topk_ids.shape, dtype=dtype, device=logits.device)
+    col_slices = list(col_slices)
+    first = tile_fn(*col_slices[0])  # its dtype and device start the running sums
+    dtype, device = first.dtype, first.device
+
+    def full(val: float) -> Tensor:
+        return torch.full((n, 1), val, dtype=dtype, device=device)
+
+    max_logit, sum_exp, sum_exp_logit, target_logit = full(float("-inf")), full(0.0), full(0.0), full(0.0)
+    # Σ e^{z − max}·z is the entropy's; Σ e^{r − max_r}·d and S_r − S (see _centred_kl) are the KL's
+    rollout_max, rollout_sum_exp = full(float("-inf")), full(0.0)
+    kl_sum_q_d, kl_gap = full(0.0), full(0.0)
+    # the logits outside the rollout's top-k, and those inside
+    rest_max, rest_sum_exp = full(float("-inf")), full(0.0)
+    topk_logits = torch.zeros(topk_ids.shape if topk_ids is not None else (n, 1), dtype=dtype, device=device)
+    for i, (v0, v1) in enumerate(col_slices):
+        logits = first if i == 0 else tile_fn(v0, v1)
         width = v1 - v0
         in_tile = (targets >= v0) & (targets < v1)
         target_logit = torch.where(in_tile, logits.gather(1, (targets - v0).clamp(0, width - 1)), target_logit)
@@ -448,6 +455,7 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
         if "entropy" in cfg.want:
             sum_exp_logit = sum_exp_logit * rescale + _rowdot(tile_exp, logits)
         if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
+            assert rollout is not None
             rollout_logits = _rollout_chunk(rollout[:, v0:v1], cfg, dtype, scratch)
             old_rollout_max, old_rollout_sum_exp = rollout_max, rollout_sum_exp
             rollout_max, rollout_sum_exp, rescale_rollout, rollout_exp = _online_update(
@@ -468,6 +476,7 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
             kl_gap = kl_gap + torch.where(d.abs() < 1, tile_exp * torch.expm1(d.clamp(-1, 1)),
                                           rollout_exp - tile_exp).sum(dim=-1, keepdim=True)
         elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
+            assert topk_ids is not None
             in_tile_ids = (topk_ids >= v0) & (topk_ids < v1)
             topk_logits = torch.where(in_tile_ids, logits.gather(1, (topk_ids - v0).clamp(0, width - 1)), topk_logits)
             rest_logits = torch.where(_tile_membership(topk_ids, v0, width),
@@ -483,6 +492,7 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
         e_q_d = kl_sum_q_d / rollout_sum_exp
         out["kl"] = torch.where(torch.isinf(e_q_d), e_q_d, e_q_d - torch.log1p(kl_gap / sum_exp))
     elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
+        assert topk_logp is not None
         topk_logq = topk_logp.to(dtype)
         topk_q = topk_logq.exp()
         zero = torch.zeros((), dtype=dtype)
@@ -520,6 +530,7 @@ def _forward_second_pass(tile_fn, col_slices, targets: Tensor, cfg: _Config, rol
                 dim=-1, keepdim=True)
         if want_tv:
             probs = torch.sub(logits, log_z, out=scratch.get("exp", logits)).exp_()
+            assert rollout is not None  # want_tv: kl_source="logits"
             rollout_logits = _rollout_chunk(rollout[:, v0:v1], cfg, logits.dtype, scratch)
             diff = torch.sub(rollout_logits, stats["lse_rollout"],
                              out=scratch.get("rollout_exp", logits)).exp_().neg_().add_(probs)  # p − q
@@ -559,7 +570,7 @@ def _grad_outputs(grads: tuple[Tensor | None, ...], valid: Tensor, cfg: _Config,
 
 class _FusedLinearStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rollout, topk_logp, topk_ids, cfg):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, rollout, topk_logp, topk_ids, cfg):
         dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
@@ -586,7 +597,7 @@ class _FusedLinearStats(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         hidden, weight, bias, target_ids, valid, rollout, topk_logp, topk_ids, *saved = ctx.saved_tensors
         cfg, dtype = ctx.cfg, ctx.dtype
         go = _grad_outputs(grads[: len(DIFF_OUTPUTS)], valid, cfg, dtype)
@@ -632,7 +643,7 @@ class _FusedLinearStats(torch.autograd.Function):
 
 class _LogitStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, rollout, topk_logp, topk_ids, cfg):  # type: ignore[override]
+    def forward(ctx, logits, targets, rollout, topk_logp, topk_ids, cfg):
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         inv_t = 1.0 / cfg.temperature
 
@@ -654,7 +665,7 @@ class _LogitStats(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         logits, target_ids, valid, rollout, topk_logp, topk_ids, *saved = ctx.saved_tensors
         cfg, dtype = ctx.cfg, ctx.dtype
         go = _grad_outputs(grads[: len(DIFF_OUTPUTS)], valid, cfg, dtype)
@@ -735,6 +746,7 @@ def _check_common(n: int, vocab: int, targets: Tensor, temperature: float, min_p
     if rollout_topk_logp is not None:
         if rollout_topk_logp.dim() != 2 or rollout_topk_logp.shape[0] != n or not rollout_topk_logp.is_floating_point():
             raise ValueError(f"rollout_topk_logp must be a float [{n}, K] tensor, got {tuple(rollout_topk_logp.shape)}")
+        assert rollout_topk_ids is not None  # given together (checked above)
         if rollout_topk_ids.shape != rollout_topk_logp.shape or rollout_topk_ids.dtype.is_floating_point:
             raise ValueError("rollout_topk_ids must be an integer tensor with rollout_topk_logp's shape")
         if rollout_topk_logp.shape[1] > vocab:
@@ -787,7 +799,9 @@ def fused_token_stats(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: 
     cfg = _Config(_resolve_want(want, min_p_rho, source), float(temperature),
                   math.log(min_p_rho) if min_p_rho is not None else 0.0, float(rollout_temperature), source,
                   int(ignore_index), int(memory_budget_bytes))
-    detach = (lambda t: None if t is None else t.detach())
+    def detach(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach()
+
     outs = _FusedLinearStats.apply(hidden, weight, bias, targets, detach(rollout_logits), detach(rollout_topk_logp),
                                    detach(rollout_topk_ids), cfg)
     return _to_stats(outs, cfg, (n,))
@@ -802,8 +816,10 @@ def fused_logp(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor 
     >>> fused_logp(h, w, torch.tensor([0, 3]))
     tensor([-1.3863, -1.3863])
     """
-    return fused_token_stats(hidden, weight, targets, bias=bias, temperature=temperature, want=("logp",),
+    logp = fused_token_stats(hidden, weight, targets, bias=bias, temperature=temperature, want=("logp",),
                              ignore_index=ignore_index, memory_budget_bytes=memory_budget_bytes).logp
+    assert logp is not None  # requested
+    return logp
 
 
 def token_stats_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0,
@@ -828,9 +844,11 @@ def token_stats_from_logits(logits: Tensor, targets: Tensor, *, temperature: flo
     if not isinstance(targets, Tensor) or tuple(targets.shape) != lead:
         raise ValueError(f"targets must have shape {lead}, got {getattr(targets, 'shape', type(targets))}")
     n = math.prod(lead)
-    flat = (lambda t: None if t is None else t.detach().reshape(n, t.shape[-1]))
+    def flat(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach().reshape(n, t.shape[-1])
+
     roll, tkl, tki = flat(rollout_logits), flat(rollout_topk_logp), flat(rollout_topk_ids)
-    for name, t, orig in (("rollout_logits", roll, rollout_logits), ("rollout_topk_logp", tkl, rollout_topk_logp)):
+    for name, orig in (("rollout_logits", rollout_logits), ("rollout_topk_logp", rollout_topk_logp)):
         if orig is not None and tuple(orig.shape[:-1]) != lead:
             raise ValueError(f"{name} must have leading shape {lead}, got {tuple(orig.shape)}")
     source = _check_common(n, vocab, targets.reshape(n), temperature, min_p_rho, roll, tkl, tki,

@@ -4,6 +4,7 @@
   ``int8``, ``int4``, ``kv8``, ``kv4``, ``noise``; ``a+b`` combinations) as trainer overrides;
 * :mod:`~offpolicy.lab.settings` — named settings (``quick``, ``full``): shared overrides + the default plan;
 * :mod:`~offpolicy.lab.sweep` — the runner: one trainer process per run, bounded parallelism, resume;
+* :mod:`~offpolicy.lab.ray_exec` — the same runner's runs as Ray actors (``run_sweep(plan, executor=RayExecutor())``);
 * :mod:`~offpolicy.lab.stats` / :mod:`~offpolicy.lab.plots` / :mod:`~offpolicy.lab.report` — the numbers over
   seeds, the figures, and ``report.html`` + ``lab_table.md`` + ``lab_stats.json``.
 
@@ -20,6 +21,7 @@ from offpolicy.lab.mismatch import (
     mismatch_overrides,
     mismatch_settings,
 )
+from offpolicy.lab.ray_exec import RayExecutor
 from offpolicy.lab.report import LabReport, write_report
 from offpolicy.lab.settings import SETTINGS, get_setting
 from offpolicy.lab.stats import load_run_metrics, run_stats, sweep_stats
@@ -37,6 +39,7 @@ __all__ = [
     "CONTROL",
     "LabReport",
     "PlannedRun",
+    "RayExecutor",
     "SETTINGS",
     "SOURCES",
     "SweepPlan",

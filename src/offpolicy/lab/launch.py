@@ -120,7 +120,7 @@ class Zygote:
     def alive(self) -> bool:
         return not self.dead and self.proc.poll() is None
 
-    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str], cwd: str) -> "ZygoteRun":
+    def start(self, argv: Sequence[str], log_path: Path, env: dict[str, str], cwd: str) -> ZygoteRun:
         """Fork a run: ``argv`` = ``["offpolicy", ...]`` or a script and its arguments."""
         request = json.dumps({"argv": list(argv), "log": str(log_path), "env": env, "cwd": cwd}) + "\n"
         with self._write:  # one request, one pid reply, in order

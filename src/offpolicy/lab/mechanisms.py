@@ -14,8 +14,9 @@ acceptance against length beside (1 − p)^T — come from ``offpolicy inspect``
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -1,7 +1,8 @@
 """Named, deterministic mismatch sources of the lab: how the rollout engine differs from the trainer.
 
-Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``) change how the engine computes; lag (``lag4``, ``lag8``)
-changes *which* weights it computes with — an asynchronous pipeline's engine samples with a policy a few updates old,
+Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``) change how the engine computes; lag (``lag1``, ``lag4``,
+``lag8``, ``lag16``, ``lag64``) changes *which* weights it computes with — an asynchronous pipeline's engine samples with
+a policy some updates old (``lagK``: synced every K steps, K ≥ 4; ``lag1``: every 2 steps, so at most 1 update old),
 the off-policy part of μ that the same corrections address (``bf16+lag8`` has both). Every source is a complete
 description of the rollout engine (dtype, KV cache, weight / KV-cache quantisation, logit noise, weight lag) as
 trainer config overrides, so a name means the same engine whatever the base setting says. ``none``
@@ -58,10 +59,17 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
              "bf16 engine, 4-bit per-channel fake-quantised decoder weights"),
     "kv8": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 8}, "bf16 engine, 8-bit KV cache"),
     "kv4": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 4}, "bf16 engine, 4-bit KV cache"),
+    "lag1": ({"rollout.sync_every": 2},
+             "fp32 engine synced every 2 steps: samples with weights up to 1 update old (asynchronous rollout)"),
     "lag4": ({"rollout.sync_every": 4},
              "fp32 engine synced every 4 steps: samples with weights up to 3 updates old (asynchronous rollout)"),
     "lag8": ({"rollout.sync_every": 8},
              "fp32 engine synced every 8 steps: samples with weights up to 7 updates old (asynchronous rollout)"),
+    "lag16": ({"rollout.sync_every": 16},
+              "fp32 engine synced every 16 steps: samples with weights up to 15 updates old (asynchronous rollout)"),
+    "lag64": ({"rollout.sync_every": 64},
+              "fp32 engine synced every 64 steps: samples with weights up to 63 updates old (a run shorter than 64 "
+              "steps never syncs: every rollout comes from the initial policy)"),
     "noise": ({"rollout.logit_noise": 0.3},
               "seeded Gaussian noise σ = 0.3 on the engine's logits (a synthetic stand-in; an extra, not a default)"),
     "gguf-f32": (_gguf("f32", "f32"),

@@ -124,7 +124,7 @@ def _panel(ax: Any, groups: dict, presets: Sequence[str], mismatch: str, curve: 
             below += band(groups[(preset, mismatch)], key, 1)[3]
     if floor is not None:
         ax.set_yscale("log")
-        if bottom is not None:
+        if bottom is not None and clip is not None:
             ax.set_ylim(bottom=bottom)
             raw = [b for b in below if math.isfinite(b)]
             if raw and max(raw) < clip:
@@ -143,7 +143,7 @@ def _legend_handles(presets: Sequence[str], colors: dict[str, str], control: str
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], color=colors[p], linewidth=2, label=p) for p in presets]
+    handles: list[Any] = [Line2D([], [], color=colors[p], linewidth=2, label=p) for p in presets]
     if control is not None:
         handles.append(Line2D([], [], color="black", linestyle="--", label=f"{control} on '{CONTROL}' (control)"))
     handles.append(Patch(color="0.6", alpha=0.3, label=f"band: min–max over {n_seeds} seeds; line: mean"))
@@ -161,10 +161,23 @@ def _seed_count(groups: dict) -> str:
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
 
 
+def drawn_curves(groups: dict[tuple[str, str], list[list[dict[str, Any]]]]) -> list[tuple]:
+    """The :data:`CURVES` worth drawing: the masked fraction only when some run masked something (a panel of zeros
+    says nothing the table does not).
+
+    >>> [c[1] for c in drawn_curves({("naive", "none"): [[{"correction/masked_frac": 0.0}]]})]
+    ['reward', 'k3_kl', 'grad_norm']
+    """
+    masked = any((row.get("correction/masked_frac") or 0.0) != 0.0
+                 for runs in groups.values() for rows in runs for row in rows)
+    return [c for c in CURVES if c[0] != "correction/masked_frac" or masked]
+
+
 def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], presets: Sequence[str],
                mismatches: Sequence[str], last_rewards: dict[tuple[str, str], list[float]],
                out_dir: str | Path) -> list[Path]:
-    """Write ``overview.png`` (metrics × mismatch panels), one PNG per curve metric and ``final_reward.png``.
+    """Write ``overview.png`` (metrics × mismatch panels), one PNG per curve metric (:func:`drawn_curves`) and
+    ``final_reward.png``.
 
     ``groups``: ``{(preset, mismatch): [rows of each seed]}``; ``last_rewards``: the last-quarter reward of each
     seed per group. Returns the written paths, the overview first.
@@ -182,14 +195,16 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
     window = _window(groups)
     control = _control_preset(presets, groups)
     handles = _legend_handles(presets, colors, control, _seed_count(groups))
-    smooth_note = f"reward, k3 and masked fraction: trailing mean over {window} steps" if window > 1 else ""
+    curves = drawn_curves(groups)
+    smoothed = ", ".join(c[1].replace("_", " ") for c in curves if c[5])  # reward, k3 kl[, masked frac]
+    smooth_note = f"{smoothed}: trailing mean over {window} steps" if window > 1 else ""
     written = []
 
     ncols = len(mismatches)
-    fig, axes = plt.subplots(len(CURVES), ncols, figsize=(3.6 * ncols + 0.6, 2.7 * len(CURVES) + 1.0),
+    fig, axes = plt.subplots(len(curves), ncols, figsize=(3.6 * ncols + 0.6, 2.7 * len(curves) + 1.0),
                              squeeze=False, sharex=True)
-    bottoms = {c[0]: _log_bottom(groups, c, window) if c[4] is not None else None for c in CURVES}
-    for i, curve in enumerate(CURVES):
+    bottoms = {c[0]: _log_bottom(groups, c, window) if c[4] is not None else None for c in curves}
+    for i, curve in enumerate(curves):
         for j, m in enumerate(mismatches):
             _panel(axes[i][j], groups, presets, m, curve, colors, window, control, bottoms[curve[0]])
             axes[i][j].set_title(f"{curve[2].split(' (')[0]} — {m}", fontsize=9)
@@ -205,7 +220,7 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
     written.append(save_figure(plt, fig, out / "overview.png",
                                rect=(0, 0.2 / fig.get_figheight(), 1, 1 - top / fig.get_figheight())))
 
-    for curve in CURVES:
+    for curve in curves:
         ncols_c = min(len(mismatches), 3)
         nrows = math.ceil(len(mismatches) / ncols_c)
         fig, axes = plt.subplots(nrows, ncols_c, figsize=(4.4 * ncols_c, 3.2 * nrows + 0.8), squeeze=False,

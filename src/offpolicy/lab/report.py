@@ -49,18 +49,20 @@ DEFINITIONS = [
                        "change over the run is ×exp(b · (last − first step)). growing: b > 0 in every seed and median "
                        f"change ≥ ×{st.GROWTH:g}; falling: b < 0 in every seed and median change ≤ ×{1 / st.GROWTH:g};"
                        " flat otherwise. The mismatch is 'bounded' unless it is growing."),
-    ("vs naive / vs control", "last-quarter reward against naive under the same mismatch, and against the same "
-                              f"preset under '{CONTROL}' (fp32 engine, no mismatch). Δ = difference of the medians "
+    ("vs naive / vs control", "every compared measure (" + ", ".join(n for _, n, _ in st.COMPARED) + ") against "
+                              "naive under the same mismatch, and against the same preset under "
+                              f"'{CONTROL}' (fp32 engine, no mismatch), by one rule. Δ = difference of the medians "
                               "over seeds. 'within noise': the two min–max ranges over seeds overlap. Otherwise "
                               "'higher' / 'lower' with p = 2 / C(n + m, n), the chance that ranges of n and m seeds "
                               "separate when the two settings do not differ (3 vs 3 seeds: p = 0.10). Fewer than 2 "
-                              "seeds on a side: no verdict."),
+                              "seeds on a side: no verdict. p is per comparison: with k comparisons in a table, about "
+                              "k · p of them separate by chance alone."),
 ]
 
 NUMBER_COLUMNS = [  # (stats field, header, format)
     ("reward_first", "reward first ¼", "{:.3f}"),
     ("reward_last", "reward last ¼", "{:.3f}"),
-    ("reward_drawdown", "reward drawdown", "{:.2f}"),
+    ("reward_drawdown", "reward drawdown", "{:.3f}"),
     ("k3_median", "k3 KL (nats/token)", "{:.2e}"),
     ("exact_kl_median", "exact KL (nats/token)", "{:.2e}"),
     ("ppl_gap_median", "PPL gap |Δ log PPL|", "{:.2e}"),
@@ -70,8 +72,8 @@ NUMBER_COLUMNS = [  # (stats field, header, format)
     ("masked_frac_mean", "masked fraction", "{:.3f}"),
     ("length_mean", "length (tokens)", "{:.1f}"),
 ]
-VERDICT_HEADERS = ["preset", "mismatch", "k3 change over the run", "mismatch trend", "reward last ¼ vs naive",
-                   f"vs control ('{CONTROL}')"]
+VERDICT_HEADERS = ["preset", "mismatch", "against", *[n for _, n, _ in st.COMPARED], "k3 change over the run",
+                   "mismatch trend"]
 
 
 @dataclass
@@ -117,10 +119,12 @@ def sweep_report_stats(out: str | Path) -> tuple[dict[str, Any], dict[str, list[
         "step_s_median": step_s,
         "definitions": dict(DEFINITIONS),
         "groups": groups,
+        "separated": st.separated(groups),
         "runs": {r["dir"]: {"preset": r["preset"], "mismatch": r["mismatch"], "seed": r["seed"], **per_run[r["dir"]]}
                  for r in runs},
         "missing": missing,
     }
+    lab["headline"] = headline(lab)
     return lab, rows
 
 
@@ -159,12 +163,21 @@ def fmt_spread(s: dict[str, Any], form: str) -> str:
     return f"{fmt(s['median'], form)} [{fmt(s['min'], form)}–{fmt(s['max'], form)}]"
 
 
-def fmt_comparison(c: dict[str, Any] | None) -> str:
+DIFF_FORMS = {"reward_first": "{:+.3f}", "reward_last": "{:+.3f}", "reward_drawdown": "{:+.3f}",
+              "grad_norm_max": "{:+.3g}", "k3_median": "{:+.2e}"}
+
+
+def fmt_comparison(c: dict[str, Any] | None, form: str = "{:+.3f}") -> str:
+    """``Δ verdict`` and ``(p = …)`` when separated.
+
+    >>> fmt_comparison({"diff": -1.13, "verdict": "lower", "within_noise": False, "chance": 0.1}, "{:+.3g}")
+    '-1.13 lower (p = 0.1)'
+    """
     if not c:
         return "–"
     if c["diff"] is None:
         return c["verdict"]
-    text = f"{c['diff']:+.3f} {c['verdict']}"
+    text = f"{form.format(c['diff'])} {c['verdict']}"
     return text if c["within_noise"] else f"{text} (p = {c['chance']:.2g})"
 
 
@@ -176,18 +189,58 @@ def fmt_trend(t: dict[str, Any]) -> tuple[str, str]:
     return cell, t["verdict"] if t["trend"] in ("growing", "n/a") else f"{t['verdict']} ({t['trend']})"
 
 
+def _against(g: dict[str, Any], against: str) -> str:
+    return f"naive, {g['mismatch']}" if against == "naive" else f"{g['preset']}, {CONTROL}"
+
+
 def table_rows(lab: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
-    """``(headers, rows)`` of the numbers table and of the verdict table."""
+    """``(headers, rows)`` of the numbers table and of the verdict table: one verdict row per comparison (against
+    naive, against the control) with a cell per :data:`~offpolicy.lab.stats.COMPARED` measure, and the group's
+    mismatch trend; a group compared with nothing (naive on the control) gets one row of dashes."""
     headers = ["preset", "mismatch", "seeds", *[h for _, h, _ in NUMBER_COLUMNS]]
     numbers, verdicts = [], []
     for g in lab["groups"]:
         numbers.append([g["preset"], g["mismatch"], str(len(g["seeds"])),
                         *[fmt_spread(g[k], form) for k, _, form in NUMBER_COLUMNS]])
         change, trend = fmt_trend(g["mismatch_trend"])
-        control = "(control)" if g["mismatch"] == CONTROL else fmt_comparison(g["vs_control"])
-        verdicts.append([g["preset"], g["mismatch"], change, trend if g["mismatch"] != CONTROL else "(control)",
-                         "–" if g["preset"] == "naive" else fmt_comparison(g["vs_naive"]), control])
+        if g["mismatch"] == CONTROL:
+            change, trend = "–", "(control)"
+        versus = g.get("versus") or {}
+        for i, against in enumerate(versus or [None]):
+            cells = ([fmt_comparison(versus[against][f], DIFF_FORMS[f]) for f, _, _ in st.COMPARED] if against
+                     else ["–"] * len(st.COMPARED))
+            verdicts.append([g["preset"], g["mismatch"], _against(g, against) if against else "–", *cells,
+                             change if i == 0 else "", trend if i == 0 else ""])
     return headers, numbers, VERDICT_HEADERS, verdicts
+
+
+def headline(lab: dict[str, Any]) -> str:
+    """One sentence naming every separated comparison (measure, groups, both ranges, p), or saying that none is.
+
+    >>> c = {"within_noise": False, "verdict": "lower", "diff": -1.13, "chance": 0.1, "range": [1.31, 1.37, 1.44],
+    ...      "ref_range": [1.9, 2.5, 10.4]}
+    >>> g = {"preset": "tis", "mismatch": "lag8", "versus": {"naive": {"grad_norm_max": c}}}
+    >>> print(headline({"groups": [g]}))  # doctest: +NORMALIZE_WHITESPACE
+    Separated over seeds (1 of 1 comparisons): tis on lag8 has a lower ‖∇‖ max than naive on lag8:
+    1.37 [1.31–1.44] vs 2.5 [1.9–10.4] (p = 0.1).
+    """
+    found = st.separated(lab["groups"])
+    total = sum(len(m) for g in lab["groups"] for m in (g.get("versus") or {}).values())
+    if not found:
+        return (f"No measure separates over the seeds: all {total} comparisons (against naive and against the "
+                "control) are within noise.")
+    forms = {f: form.replace("+", "") for f, form in DIFF_FORMS.items()}
+
+    def span(r: list[float], form: str) -> str:
+        return f"{form.format(r[1])} [{form.format(r[0])}–{form.format(r[2])}]"
+
+    parts = []
+    for f in found:
+        form = forms.get(f["field"], "{:.3g}")
+        other = f"naive on {f['mismatch']}" if f["versus"] == "naive" else f"{f['preset']} on the {CONTROL} control"
+        parts.append(f"{f['preset']} on {f['mismatch']} has a {f['verdict']} {f['name']} than {other}: "
+                     f"{span(f['range'], form)} vs {span(f['ref_range'], form)} (p = {f['chance']:.2g})")
+    return f"Separated over seeds ({len(found)} of {total} comparisons): " + "; ".join(parts) + "."
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -207,10 +260,12 @@ def markdown_tables(lab: dict[str, Any]) -> str:
                f"({', '.join(map(str, seeds))}), "
                f"{'/'.join(map(str, steps))} steps per run; each cell: median [min–max] over seeds.")
     rule = ("Trend: least-squares slope of ln k3 over the run, 'growing' = rising in every seed and ×"
-            f"{st.GROWTH:g} or more (median); comparisons: last-quarter reward, 'within noise' = the min–max ranges "
-            "over seeds overlap, else p = 2/C(n+m, n) is the chance of separated ranges without a real difference.")
+            f"{st.GROWTH:g} or more (median); comparisons: every measure by one rule, 'within noise' = the min–max "
+            "ranges over seeds overlap, else p = 2/C(n+m, n) is the chance of separated ranges without a real "
+            "difference.")
     missing = f"\n\nMissing runs: {len(lab['missing'])} (see lab_stats.json)." if lab["missing"] else ""
-    return f"{caption}\n\n{_md_table(headers, numbers)}\n\n{_md_table(vheaders, verdicts)}\n\n{rule}{missing}\n"
+    return (f"{caption}\n\n{_md_table(headers, numbers)}\n\n{_md_table(vheaders, verdicts)}\n\n{rule}\n\n"
+            f"**{headline(lab)}**{missing}\n")
 
 
 def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.table.Table
@@ -220,13 +275,15 @@ def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.ta
     from rich.markup import escape
     from rich.table import Table
 
-    chances = sorted({c["chance"] for g in lab["groups"] for c in (g["vs_naive"], g["vs_control"])
-                      if c and c.get("chance") is not None})
+    chances = sorted({c["chance"] for g in lab["groups"] for m in (g.get("versus") or {}).values()
+                      for c in m.values() if c.get("chance") is not None})
+    compared = ", ".join(n for _, n, _ in st.COMPARED)
     caption = ("reward ¼: mean over the first / last quarter of steps; drawdown: the worst seed's largest fall of the "
-               f"{st.DRAWDOWN_WINDOW}-step mean reward below its running maximum. vs: difference of medians; noise = the seeds' "
-               "min–max ranges overlap; higher / lower = they do not"
-               + (f" (chance without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)})" if chances
-                  else "") + ". Spreads and definitions: report.html")
+               f"{st.DRAWDOWN_WINDOW}-step mean reward below its running maximum. vs naive / vs control: each of "
+               f"{compared} tested by one rule — the measures whose min–max ranges over seeds do not overlap, with "
+               "their direction; noise = every range overlaps"
+               + (f" (chance of a separation without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)}"
+                  " per measure)" if chances else "") + ". Spreads and definitions: report.html")
     table = Table(title=escape(f"{title}: medians over seeds"), caption=escape(caption), box=box.SIMPLE_HEAD,
                   padding=(0, 1), pad_edge=False)
     for header in ("preset", "mismatch", "reward ¼\nfirst→last", "last ¼\nrange", "draw-\ndown", "k3 KL", "‖∇‖\nmax",
@@ -234,11 +291,17 @@ def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.ta
                    "k3\ntrend", "vs\nnaive", "vs\ncontrol"):
         table.add_column(header, justify="left" if header in ("preset", "mismatch") else "right", no_wrap=True)
 
-    def versus(c: dict[str, Any] | None) -> str:
-        if not c:
+    short = {"reward_first": "reward first", "reward_last": "reward last", "reward_drawdown": "drawdown",
+             "grad_norm_max": "‖∇‖ max", "k3_median": "k3"}
+
+    def versus(measures: dict[str, dict[str, Any]] | None) -> str:
+        if not measures:
             return "–"
-        verdict = "noise" if c["verdict"] == "within noise" else c["verdict"]
-        return verdict if c["diff"] is None else f"{c['diff']:+.3f} {verdict}"
+        if all(c["within_noise"] is None for c in measures.values()):
+            return "too few seeds"
+        apart = [f"{short.get(f, f)} {'↑' if c['diff'] > 0 else '↓'}" for f, c in measures.items()
+                 if c["within_noise"] is False]
+        return "\n".join(apart) if apart else "noise"
 
     for g in lab["groups"]:
         change, _ = fmt_trend(g["mismatch_trend"])
@@ -251,8 +314,8 @@ def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.ta
             fmt(g["masked_frac_mean"]["median"], "{:.3f}"),
             "(control)" if g["mismatch"] == CONTROL else
             g["mismatch_trend"]["trend"],
-            "–" if g["preset"] == "naive" else versus(g["vs_naive"]),
-            "–" if g["mismatch"] == CONTROL else versus(g["vs_control"]),
+            versus((g.get("versus") or {}).get("naive")),
+            versus((g.get("versus") or {}).get("control")),
         )
     return table
 
@@ -315,11 +378,13 @@ body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; mar
        max-width: 1250px; color: #222; line-height: 1.45; padding: 0 1em; }
 h1 { font-size: 1.6em; margin-bottom: 0.2em; }
 h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.82em; margin: 0.6em 0; }
-th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; white-space: nowrap; }
+table { border-collapse: collapse; font-size: 0.8em; margin: 0.6em 0; }
+th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
+th { white-space: normal; vertical-align: bottom; }  /* long headers wrap: the table fits 1400 px windows */
+.headline { font-weight: 600; background: #eef6ee; border-left: 4px solid #0a7d32; padding: 0.5em 1em; }
 th { background: #f4f4f4; } td:first-child, td:nth-child(2), th:first-child, th:nth-child(2) { text-align: left; }
 tr.control td { background: #fafafa; color: #555; }
-.lower { color: #b00020; font-weight: 600; } .higher { color: #0a7d32; font-weight: 600; }
+.apart { color: #1a4fa0; font-weight: 600; }  /* separated: higher or lower is good or bad by the measure */
 .growing { color: #b00020; font-weight: 600; }
 img { max-width: 100%; border: 1px solid #eee; } code { background: #f4f4f4; padding: 0 3px; }
 .note { color: #555; font-size: 0.9em; } dt { font-weight: 600; margin-top: 0.4em; } dd { margin-left: 1.5em; }
@@ -340,7 +405,7 @@ def _html_table(headers: list[str], rows: list[list[str]], control_col: int | No
         cls = ' class="control"' if control_col is not None and row[control_col] == CONTROL else ""
         cells = []
         for c in row:
-            klass = next((k for k in ("lower", "higher", "growing") if f" {k}" in f" {c}"), None)
+            klass = "apart" if "(p = " in c else ("growing" if c == "growing" else None)
             value, sep, rest = c.partition(" [")
             # "median [min–max]": the range on a second, quieter line keeps the table within the page
             text = (f"{html.escape(value)}<br><span class='range'>[{html.escape(rest)}</span>" if sep
@@ -367,6 +432,7 @@ def render_html(lab: dict[str, Any], plots: list[Path]) -> str:
         f"<title>offpolicy lab — {e(str(lab['setting']))}</title><style>{_CSS}</style></head><body>",
         f"<h1>offpolicy lab — setting <code>{e(str(lab['setting']))}</code></h1>",
         f"<p>{e(str(lab.get('description') or ''))}</p>",
+        f"<p class='headline'>{e(lab.get('headline') or headline(lab))}</p>",
         f"<p>{len(lab['presets'])} presets × {len(lab['mismatches'])} rollout engines × seeds {e(seeds)}; "
         f"{'/'.join(map(str, lab['steps']))} steps per run; median step time {fmt(lab['step_s_median'], '{:.2f}')} s "
         f"(one torch thread per run). The trainer always scores in fp32; the rollout engine differs as listed.</p>",
@@ -379,7 +445,8 @@ def render_html(lab: dict[str, Any], plots: list[Path]) -> str:
         "<h2>Numbers per preset × mismatch</h2><p class='note'>median [min–max] over seeds; definitions below.</p>",
         _html_table(headers, numbers),
         "<h2>Verdicts</h2>",
-        "<p class='note'>'within noise': the seeds' min–max ranges overlap; otherwise p is the chance of such a "
+        "<p class='note'>Each measure against naive on the same engine and against the same preset on the fp32 "
+        "control, by one rule: 'within noise': the seeds' min–max ranges overlap; otherwise p is the chance of such a "
         "separation between two settings that do not differ. 'bounded': the mismatch is not growing in every seed "
         f"by ×{st.GROWTH:g} or more.</p>",
         _html_table(vheaders, verdicts),

@@ -17,12 +17,14 @@ Definitions (the report prints the same text; tests check them against hand-comp
   fp32 rounding, |Δ log p| ≲ 1e-5); the fitted change over the run is ×exp(b · (last step − first step)).
   *growing*: b > 0 in every seed and the median fitted change ≥ ×2; *falling*: b < 0 in every seed and the median
   change ≤ ×0.5; otherwise *flat*. The mismatch is called **bounded** unless it is *growing*.
-* **reward comparisons** — last-quarter reward of a preset × mismatch against (a) naive under the same mismatch and
-  (b) the same preset under the ``none`` control (fp32 engine). Δ = difference of the medians over seeds. It is
-  **within noise** when the two min–max ranges over seeds overlap (max of the minima ≤ min of the maxima); otherwise
-  *higher* / *lower*. If the two presets did not differ at all, ranges of n and m seeds fail to overlap by chance
-  with probability 2 / C(n + m, n) (3 vs 3 seeds: 2/20 = 10 %), which the report prints beside each verdict.
-  With fewer than 2 seeds on a side no verdict is given.
+* **comparisons** — every measure of :data:`COMPARED` (reward first ¼, reward last ¼, reward drawdown, ‖∇‖ max,
+  k3 KL) of a preset × mismatch against (a) naive under the same mismatch and (b) the same preset under the ``none``
+  control (fp32 engine), one rule for all: Δ = difference of the medians over seeds. It is **within noise** when the
+  two min–max ranges over seeds overlap (max of the minima ≤ min of the maxima); otherwise *higher* / *lower*. If the
+  two settings did not differ at all, ranges of n and m seeds fail to overlap by chance with probability
+  2 / C(n + m, n) (3 vs 3 seeds: 2/20 = 10 %), which the report prints beside each verdict. With fewer than 2 seeds
+  on a side no verdict is given. The p is per comparison: among the several a table makes, one separates by chance
+  more often than p (the report says so beside the list of separated ones).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ GROWTH = 2.0  # the fitted change over the run that counts as growing (and 1/GRO
 
 # the per-run numbers summarised over seeds, in table order
 DRAWDOWN_WINDOW = 3  # steps of the trailing mean whose falls count as a drawdown (one step's batch noise averaged)
+
+# the per-run measures every group is compared on (against naive and against the control), in table order:
+# (field, name in the tables, +1 if higher is better / −1 if lower is better)
+COMPARED: tuple[tuple[str, str, int], ...] = (
+    ("reward_first", "reward first ¼", +1),
+    ("reward_last", "reward last ¼", +1),
+    ("reward_drawdown", "reward drawdown", -1),
+    ("grad_norm_max", "‖∇‖ max", -1),
+    ("k3_median", "k3 KL", -1),
+)
 
 RUN_FIELDS = ("reward_first", "reward_last", "reward_gain", "reward_drawdown", "k3_median", "exact_kl_median", "ppl_gap_median",
               "grad_norm_median", "grad_norm_p95", "grad_norm_max", "masked_frac_mean", "length_mean",
@@ -230,9 +242,18 @@ def mismatch_trend(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(values: Sequence[float | None], reference: Sequence[float | None], against: str) -> dict[str, Any]:
-    """Last-quarter rewards of one group against a reference group (the rule of the module docstring)."""
+    """One measure of a group (one value per seed) against a reference group, by the rule of the module docstring:
+    ``diff`` (median − median), ``verdict`` ("within noise" / "higher" / "lower" / "too few seeds"), ``chance``
+    (p = 2 / C(n + m, n)) and both groups' ``range`` / ``ref_range`` (min, median, max).
+
+    >>> c = compare([1.31, 1.37, 1.44], [1.9, 2.5, 10.4], "naive, lag8")  # disjoint: 1.44 < 1.9
+    >>> c["verdict"], round(c["diff"], 2), c["chance"]
+    ('lower', -1.13, 0.1)
+    """
     a, b = finite(values), finite(reference)
-    out: dict[str, Any] = {"against": against, "n": len(a), "n_ref": len(b)}
+    out: dict[str, Any] = {"against": against, "n": len(a), "n_ref": len(b),
+                           "range": [min(a), median(a), max(a)] if a else None,
+                           "ref_range": [min(b), median(b), max(b)] if b else None}
     if len(a) < 2 or len(b) < 2:
         return {**out, "diff": None, "verdict": "too few seeds", "within_noise": None, "chance": None}
     diff = median(a) - median(b)  # type: ignore[operator]
@@ -240,6 +261,13 @@ def compare(values: Sequence[float | None], reference: Sequence[float | None], a
     verdict = "within noise" if overlap else ("higher" if diff > 0 else "lower")
     return {**out, "diff": diff, "verdict": verdict, "within_noise": overlap,
             "chance": chance_of_separation(len(a), len(b))}
+
+
+def compare_measures(group: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]],
+                     against: str) -> dict[str, dict[str, Any]]:
+    """:func:`compare` on every :data:`COMPARED` measure: ``{field: comparison}`` from two groups' per-run stats."""
+    return {name: compare([r[name] for r in group], [r[name] for r in reference], against)
+            for name, _, _ in COMPARED}
 
 
 def sweep_stats(runs: Sequence[dict[str, Any]], per_run: dict[str, dict[str, Any]],
@@ -262,17 +290,36 @@ def sweep_stats(runs: Sequence[dict[str, Any]], per_run: dict[str, dict[str, Any
             for name in RUN_FIELDS:
                 entry[name] = spread([s[name] for s in stats])
             entry["mismatch_trend"] = mismatch_trend(stats)
-            last = [s["reward_last"] for s in stats]
 
-            def last_of(p: str, m: str) -> list[float | None]:
-                return [per_run[r["dir"]]["reward_last"] for r in groups.get((p, m), [])]
+            def stats_of(p: str, m: str) -> list[dict[str, Any]]:
+                return [per_run[r["dir"]] for r in groups.get((p, m), [])]
 
-            entry["vs_naive"] = (compare(last, last_of(reference, mismatch), f"naive, {mismatch}")
-                                 if reference is not None and preset != reference and groups.get((reference, mismatch))
-                                 else None)
-            entry["vs_control"] = (compare(last, last_of(preset, CONTROL), f"{preset}, {CONTROL}")
-                                   if mismatch != CONTROL and groups.get((preset, CONTROL)) else None)
+            # every measure against naive (same engine) and against the control (same preset, fp32 engine)
+            versus: dict[str, dict[str, dict[str, Any]]] = {}
+            if reference is not None and preset != reference and groups.get((reference, mismatch)):
+                versus["naive"] = compare_measures(stats, stats_of(reference, mismatch), f"naive, {mismatch}")
+            if mismatch != CONTROL and groups.get((preset, CONTROL)):
+                versus["control"] = compare_measures(stats, stats_of(preset, CONTROL), f"{preset}, {CONTROL}")
+            entry["versus"] = versus
+            entry["vs_naive"] = versus["naive"]["reward_last"] if "naive" in versus else None  # the README's column
+            entry["vs_control"] = versus["control"]["reward_last"] if "control" in versus else None
             out.append(entry)
+    return out
+
+
+def separated(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every comparison whose ranges over seeds do not overlap, in table order: the comparison's numbers
+    (:func:`compare`) with ``preset``, ``mismatch``, ``versus`` ("naive" / "control"), ``field``, ``name`` and
+    ``better`` (whether the difference goes the way :data:`COMPARED` prefers)."""
+    names = {f: (n, sign) for f, n, sign in COMPARED}
+    out = []
+    for g in groups:
+        for against, measures in g.get("versus", {}).items():
+            for name, c in measures.items():
+                if c["within_noise"] is False:
+                    label, sign = names[name]
+                    out.append({**c, "preset": g["preset"], "mismatch": g["mismatch"], "versus": against,
+                                "field": name, "name": label, "better": (c["diff"] > 0) == (sign > 0)})
     return out
 
 

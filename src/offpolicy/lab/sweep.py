@@ -22,6 +22,9 @@ How a sweep runs (:func:`run_sweep`):
    folder whose ``config.yaml`` differs from the plan (other than ``run.steps``) is refused, not mixed;
 5. a failed run is reported with its folder and the last line of its log; the others go on; the result lists it.
 
+One sweep per folder: a second `offpolicy lab` on the same ``OUT`` is refused with one line naming the live process
+that holds it (``OUT/.lab.lock``); a lock left by a killed sweep does not block.
+
 Ctrl-C: the first one lets every running run finish its step and checkpoint (the trainer's own Ctrl-C), starts no
 new run and writes the summary; a second one stops the runs at once. If the runner itself is killed, its runs are
 killed with it (Linux: ``PR_SET_PDEATHSIG``), so a restarted sweep never races an orphan in the same folder. Call it
@@ -40,18 +43,20 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from offpolicy.folder_lock import FolderLock
 from offpolicy.lab.launch import last_log_line, start_run, train_command
 from offpolicy.lab.mismatch import CONTROL, canonical_mismatch, describe_mismatch, engine_keys, mismatch_overrides
 from offpolicy.lab.settings import VARIANTS, get_setting, resolve_preset
 
 SUMMARY = "summary.json"
 RUN_LOG = "train.log"
+LOCK_FILE = ".lab.lock"  # the sweep folder's lock (its owner's pid, host and command)
 
 # Config keys the sweep sets per run, with the option that sets them (a user override of these would make the
 # folder names lie).
@@ -235,8 +240,13 @@ def _metrics_last_step(run_dir: Path) -> int | None:
             rows = read_metrics(path)
     except ValueError:
         return None
-    steps = [r.get("step") for r in rows]
-    if not steps or any(not isinstance(s, int) for s in steps) or steps != sorted(set(steps)):
+    steps: list[int] = []
+    for row in rows:
+        step = row.get("step")
+        if not isinstance(step, int):
+            return None
+        steps.append(step)
+    if not steps or steps != sorted(set(steps)):
         return None
     return steps[-1]
 
@@ -309,7 +319,7 @@ class _Running:
 
 
 def _launch(out: Path, run: PlannedRun, resume_from: int,
-            command: Callable[[Sequence[str], bool], list[str]] | None) -> _Running:
+            command: Callable[[Sequence[str], bool], list[str]] | None, executor: Any = None) -> _Running:
     run_dir = out / run.dir
     run_dir.mkdir(parents=True, exist_ok=True)
     resume = resume_from > 0
@@ -321,7 +331,8 @@ def _launch(out: Path, run: PlannedRun, resume_from: int,
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"# offpolicy lab: {when} {'resume from step ' + str(resume_from) if resume else 'start'}: "
                   f"{subprocess.list2cmdline(shown)}\n")
-    proc = start_run(argv, log_path, command=command is not None)
+    start = start_run if executor is None else executor.start
+    proc = start(argv, log_path, command=command is not None)
     return _Running(run, proc, time.perf_counter(), resume_from)
 
 
@@ -377,23 +388,10 @@ def read_summary(out: str | Path) -> dict[str, Any]:
 # -- the runner ------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _sweep_lock(out: Path) -> Iterator[None]:
-    """One sweep per folder at a time (two would run the same run twice into one folder)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    f = (out / ".lab.lock").open("w")
-    try:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise ValueError(f"another `offpolicy lab` is running in {str(out)!r}") from None
-        yield
-    finally:
-        f.close()
+def _sweep_lock(out: Path) -> FolderLock:
+    """One sweep per folder at a time (two would run the same run twice into one folder); a ``ValueError`` names the
+    live process that holds it. A lock left by a killed sweep does not block (:mod:`offpolicy.folder_lock`)."""
+    return FolderLock(out, LOCK_FILE, "sweep folder --out")
 
 
 class _Interrupts:
@@ -403,7 +401,7 @@ class _Interrupts:
         self.count = 0
         self._old: Any = None
 
-    def __enter__(self) -> "_Interrupts":
+    def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._handler)
         return self
@@ -447,7 +445,7 @@ def default_jobs() -> int:
 def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
               command: Callable[[Sequence[str], bool], list[str]] | None = None,
               prepare: Callable[[SweepPlan], Any] = prepare_models, keep_checkpoints: bool = False,
-              poll_s: float = 0.1, heartbeat_s: float = 60.0) -> SweepResult:
+              poll_s: float = 0.1, heartbeat_s: float = 60.0, executor: Any = None) -> SweepResult:
     """Run (or resume) the sweep ``plan`` into ``plan.out`` with at most ``jobs`` runs at a time (default: the cores).
 
     Each run is ``offpolicy train <overrides> [--resume]`` forked from a zygote that has the trainer imported
@@ -455,12 +453,13 @@ def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
     replaces that by a command line run as a subprocess (tests pass a fake trainer). ``prepare(plan)`` runs once before
     any run (default: build the embedded model). A finished run keeps only its final checkpoint unless
     ``keep_checkpoints``. ``console`` (rich) gets one line per start / finish / failure, and every ``heartbeat_s``
-    the step each running run has reached.
+    the step each running run has reached. ``executor``: where the runs start — None: on this machine
+    (:func:`offpolicy.lab.launch.start_run`); a :class:`offpolicy.lab.ray_exec.RayExecutor`: as Ray actors (``jobs``
+    then defaults to what the cluster's CPUs hold, and ``prepare`` runs on every node).
 
     Raises ``ValueError`` before any work when the folder holds runs of another config or another sweep is running.
     """
-    jobs = default_jobs() if jobs is None else jobs
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"--jobs must be an int >= 1, got {jobs!r}")
     out = plan.out
     try:
@@ -468,7 +467,9 @@ def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
     except OSError as err:
         raise ValueError(f"--out {str(out)!r} cannot be created: {err.strerror or err}") from None
     say = _printer(console)
-    with _sweep_lock(out):
+    with _sweep_lock(out), (executor if executor is not None else contextlib.nullcontext()):
+        if jobs is None:
+            jobs = default_jobs() if executor is None else executor.default_jobs()
         result = SweepResult(plan)
         todo: deque[tuple[PlannedRun, int]] = deque()
         for run in plan.runs:  # every folder checked before any work
@@ -488,18 +489,23 @@ def run_sweep(plan: SweepPlan, *, jobs: int | None = None, console: Any = None,
             f"{_n(len(plan.mismatches), 'mismatch source')} × {_n(len(plan.seeds), 'seed')} = "
             f"{_n(len(plan.runs), 'run')} of {plan.steps} steps, {jobs} at a time "
             f"→ {_esc(out)}  ({len(result.skipped)} finished, {n_resume} to resume, {len(todo) - n_resume} to start)")
+        if executor is not None:
+            say(f"  runs start on {_esc(executor.describe())}")
         if todo:
             t0 = time.perf_counter()
-            prepare(plan)
+            if executor is None:
+                prepare(plan)
+            else:
+                executor.prepare(plan, prepare)
             if time.perf_counter() - t0 > 1.0:
                 say(f"  embedded model ready in {time.perf_counter() - t0:.0f} s (cached for later runs)")
-        _run_all(result, todo, jobs, command, keep_checkpoints, poll_s, say, heartbeat_s)
+        _run_all(result, todo, jobs, command, keep_checkpoints, poll_s, say, heartbeat_s, executor)
         write_summary(result)
     return result
 
 
 def _run_all(result: SweepResult, todo: deque, jobs: int, command: Callable | None, keep_checkpoints: bool,
-             poll_s: float, say: Callable[[str], None], heartbeat_s: float = 60.0) -> None:
+             poll_s: float, say: Callable[[str], None], heartbeat_s: float = 60.0, executor: Any = None) -> None:
     out, total = result.plan.out, len(result.plan.runs)
     running: list[_Running] = []
     forwarded = 0
@@ -509,7 +515,7 @@ def _run_all(result: SweepResult, todo: deque, jobs: int, command: Callable | No
             while todo and len(running) < jobs and not interrupts.count:
                 run, step = todo.popleft()
                 try:
-                    running.append(_launch(out, run, step, command))
+                    running.append(_launch(out, run, step, command, executor))
                 except OSError as err:
                     result.failed.append(FailedRun(run, f"cannot start: {err}", None))
                     say(f"[red]failed[/red] {_esc(out / run.dir)}: cannot start: {_esc(err)}")

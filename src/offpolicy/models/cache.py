@@ -114,7 +114,7 @@ def load_model(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike 
 
 def _tiny(steps: int | None, seed: int | None) -> ModelRecipe:
     warm = {k: v for k, v in {"steps": steps, "seed": seed}.items() if v is not None}
-    return get_recipe("tiny").with_overrides(**warm)
+    return get_recipe("tiny").with_overrides(None, **warm)
 
 
 def tiny_model_dir(cache_dir: str | os.PathLike | None = None, *, steps: int | None = None,

@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,7 +141,7 @@ def export_gguf(model: torch.nn.Module, tokenizer, path: str | os.PathLike, *, w
     gguf = _import_gguf()
     weights = _check_weights("weights", weights)
     embeddings = _check_weights("embeddings", embeddings or (weights if weights in ("f32", "f16", "bf16") else "f16"))
-    cfg = model.config
+    cfg: Any = model.config  # a transformers PretrainedConfig (untyped attributes)
     arch = getattr(cfg, "model_type", None)
     if arch not in _ARCHES:
         raise ValueError(f"model: GGUF export knows {sorted(_ARCHES)} architectures, got model_type={arch!r}")

@@ -40,7 +40,7 @@ class ModelRecipe:
 
         return BUILTIN_TASKS[self.task_name](**self.task_args)
 
-    def with_overrides(self, config: dict[str, Any] | None = None, **warm: Any) -> "ModelRecipe":
+    def with_overrides(self, config: dict[str, Any] | None = None, **warm: Any) -> ModelRecipe:
         """This recipe with architecture overrides and warm-start fields replaced (``steps=5``)."""
         return replace(self, config={**self.config, **(config or {})}, warm=replace(self.warm, **warm))
 

@@ -15,10 +15,15 @@ name           per-token loss (A advantage, r ratio, sg stop-gradient)          
 ``sapo``       −(4/τ) σ(τ (r − 1)) A                                                       ``sapo.py``
 ``dppo_tv``    −A sg[min(r, C)] log π_θ · 1[binary TV inside the trust region]            ``dppo.py``
 ``dppo_kl``    −A sg[min(r, C)] log π_θ · 1[binary KL inside the trust region]            ``dppo.py``
+``ipo``        −A r 1[|π_θ(y) − μ(y)| ≤ δ] + τ_kl (log r)², r = π_θ/μ (prime-rl)          ``ipo.py``
 =============  ==========================================================================  =================
+
+Score centering (arXiv 2609.20807, ``score_centering.py``) is not an objective of its own: it changes the score that
+any objective differentiates (:func:`~offpolicy.objectives.score_centering.centered_logp`), from the sampler's
+distribution, which a token-level objective does not see; the reference trainer wires it (preset ``score_centering``).
 """
 
-from offpolicy.objectives import cispo, dppo, ppo, reinforce, sapo  # noqa: F401  (importing registers them)
+from offpolicy.objectives import cispo, dppo, ipo, ppo, reinforce, sapo, score_centering  # noqa: F401  (registers)
 from offpolicy.objectives.base import TokenInputs, TokenLoss
 
 __all__ = ["TokenInputs", "TokenLoss"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from offpolicy.ratios import LEVELS, count, keep_only
@@ -106,4 +105,4 @@ def check_dual_clip(dual_clip: object) -> float | None:
 def check_level(level: object) -> str:
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    return level  # type: ignore[return-value]
+    return level

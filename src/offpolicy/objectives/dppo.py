@@ -19,7 +19,7 @@ binary KL's second log.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

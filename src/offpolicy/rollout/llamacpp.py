@@ -382,7 +382,8 @@ class LlamaCppRolloutEngine(ServerRolloutEngine):
         self.sync_log: list[dict[str, float]] = []
         self._version = 0
         self.server: LlamaCppServer | None = None
-        vocab = int(model.config.vocab_size)
+        config: Any = model.config  # a transformers PretrainedConfig (untyped attributes)
+        vocab = int(config.vocab_size)
         path = self._export(model)
         self.server = LlamaCppServer(path, threads=threads, kv_cache_type=kv, n_ctx=n_ctx)
         super().__init__(self.server.url, LlamaCppProtocol(vocab), vocab_size=vocab, timeout=timeout,

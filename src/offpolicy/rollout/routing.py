@@ -48,7 +48,7 @@ torch.Size([1, 4, 2, 2])
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +75,7 @@ def route_dtype(num_experts: int) -> torch.dtype:
 
 
 def _num_experts(router: nn.Module) -> int:
-    return int(getattr(router, "num_experts", None) or router.weight.shape[0])
+    return int(getattr(router, "num_experts", None) or router.get_parameter("weight").shape[0])
 
 
 class _RouterHooks:
@@ -184,7 +184,7 @@ class replay_routes(_RouterHooks):  # noqa: N801  (a context manager used like a
         self.mode = mode
         self._counts: list[tuple[Tensor, Tensor]] = []  # (flipped, recorded) per router call, summed when read
         self._renormalises: dict[int, bool] = {}
-        self._targets: dict[int, tuple[Tensor, Tensor]] = {}
+        self._targets: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (router, tokens) → experts, has
         self._handles: list = []
 
     @property
@@ -209,7 +209,8 @@ class replay_routes(_RouterHooks):  # noqa: N801  (a context manager used like a
             if n_tokens % b:
                 raise ValueError(f"a router saw {n_tokens} tokens, not a multiple of the {b} rows given routes")
             width = n_tokens // b
-            k = self.routers[position].top_k
+            router: Any = self.routers[position]  # an MoE router module: its top_k is a plain int
+            k = int(router.top_k)
             experts = torch.zeros(b, width, k, dtype=torch.long, device=device)
             has = torch.zeros(b, width, dtype=torch.bool, device=device)
             for i, r in enumerate(self.routes):

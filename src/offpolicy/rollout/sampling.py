@@ -129,7 +129,8 @@ class SamplingConfig:
     @property
     def reads_history(self) -> tuple[str, ...]:
         """The active processors that read the token history (penalties; bad words longer than one token)."""
-        names = [n for n in ("repetition_penalty", "frequency_penalty", "presence_penalty") if n in self.processors]
+        names: list[str] = [n for n in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+                            if n in self.processors]
         if any(len(w) > 1 for w in self.bad_words_ids):
             names.insert(0, "bad_words")
         return tuple(names)
@@ -232,8 +233,10 @@ def apply_history_processors(x: Tensor, cfg: SamplingConfig, history: TokenHisto
     for word in cfg.bad_words_ids:
         banned = vocab_ids == word[-1]
         if len(word) > 1:
+            # a bad word longer than one token reads the history (checked above)
+            assert history is not None and history.context is not None
             prefix = torch.tensor(word[:-1], device=x.device)
-            banned = banned & (history.context[..., -len(prefix):] == prefix).all(-1, keepdim=True)  # type: ignore[union-attr]
+            banned = banned & (history.context[..., -len(prefix):] == prefix).all(-1, keepdim=True)
         x = torch.where(banned, neg_inf, x)
     if cfg.logit_bias:
         bias = torch.zeros(vocab, dtype=x.dtype, device=x.device)

@@ -8,13 +8,21 @@ used, so that log π_old − log μ measures only the numerical mismatch (the th
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import pad_ids
 from offpolicy.rollout.routing import replay_routes
-from offpolicy.rollout.sampling import SamplingConfig, completion_history, process_logits
+from offpolicy.rollout.sampling import (
+    SamplingConfig,
+    completion_history,
+    process_logits,
+)
 
 
 def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
@@ -26,6 +34,16 @@ def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
         device_type = next(model.parameters()).device.type
         return torch.autocast(device_type=device_type, dtype=dtype)
     raise ValueError(f"dtype {dtype} cannot be used with a {param_dtype} model (use the model's dtype, bf16 or fp16)")
+
+
+@functools.cache
+def _accepts_logits_to_keep(forward: Callable[..., Any]) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes transformers' ``logits_to_keep`` (logits of the last k positions only)."""
+    return _accepts_logits_to_keep(type(model).forward)
 
 
 def score_tokens(
@@ -63,10 +81,19 @@ def score_tokens(
         kwargs = {"past_key_values": past_key_values_factory(), "use_cache": True}
     else:
         kwargs = {"use_cache": False}
+    # Only the positions from the shortest prompt's last token on predict completion tokens: the output projection
+    # (and its backward) skips the rest — the same logits at the kept positions (up to the matmul's rounding). An
+    # index tensor, not an int: the int's slice of the hidden states is non-contiguous, and a matmul on it can copy
+    # the weight once per row.
+    skip = max(min((len(p) for p in prompt_ids), default=1) - 1, 0)
+    if skip > 0 and _keeps_logits(model):
+        kwargs["logits_to_keep"] = torch.arange(skip, ids.shape[1], device=device)
+    else:
+        skip = 0
     replay = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with _forward_context(model, dtype), replay:
         out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
-    logits = torch.gather(out.logits, 1, src[..., None].expand(b, t_max, out.logits.shape[-1])).float()
+    logits = torch.gather(out.logits, 1, (src - skip)[..., None].expand(b, t_max, out.logits.shape[-1])).float()
     history = None
     if cfg is not None and cfg.reads_history:  # penalties see the prompt and the completion tokens before each one
         history = completion_history(prompt_ids, completion_ids, logits.shape[-1], cfg, device)

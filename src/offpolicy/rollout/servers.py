@@ -184,7 +184,7 @@ class VLLMProtocol:
         from offpolicy.rollout.vllm import vllm_sampling
 
         kwargs, _ = vllm_sampling(cfg)
-        body = {"model": self.model, "prompt": list(prompt), "max_tokens": cfg.max_new_tokens, "seed": int(seed),
+        body: dict[str, Any] = {"model": self.model, "prompt": list(prompt), "max_tokens": cfg.max_new_tokens, "seed": int(seed),
                 "logprobs": max(cfg.logprobs_topk, 0), "return_tokens_as_token_ids": True,
                 "skip_special_tokens": True, "n": 1, "stream": False}
         body.update({k: v for k, v in kwargs.items() if v is not None})
@@ -364,6 +364,8 @@ def completions_to_output(prompt_ids: list[list[int]], parsed: list[ServerComple
             logp[i, :n] = torch.tensor(c.logp, dtype=torch.float64).float()
             mask[i, :n] = True
         if k > 0 and n:
+            assert topk_logp is not None and topk_ids is not None  # allocated above when k > 0
+            assert c.top_ids is not None and c.top_logp is not None, "parsed with k > 0: top-k lists are set"
             topk_logp[i, :n] = -math.inf
             for j in range(n):
                 m = min(k, len(c.top_ids[j]))

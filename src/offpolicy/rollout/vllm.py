@@ -140,7 +140,7 @@ class VLLMRolloutEngine:
         )
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
 
-    def _worker_model(self) -> torch.nn.Module:
+    def _worker_model(self) -> Any:  # vLLM's model (its load_weights is not torch.nn.Module's)
         """The nn.Module inside the (single, in-process) worker; the attribute path moved between vLLM versions."""
         executor = self.llm.llm_engine.model_executor
         worker = executor.driver_worker
@@ -207,7 +207,7 @@ def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bo
         for j, (tok, step) in enumerate(zip(completions[i], steps)):
             mask[i, j] = True
             logp[i, j] = step[tok].logprob  # the sampled token is always included
-            if k > 0:
+            if topk_ids is not None and topk_logp is not None:  # k > 0
                 ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]
                 for slot in range(k):
                     if slot < len(ranked):

@@ -99,7 +99,8 @@ def rng_state(generators: dict[str, torch.Generator] | None = None) -> tuple[dic
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state: Any = np.random.get_state()  # the legacy tuple (numpy's stubs also allow its dict form)
+        kind, keys, pos, has_gauss, gauss = state
         tensors["rng.numpy.keys"] = torch.from_numpy(keys.astype("int64"))
         meta["numpy"] = [kind, int(pos), int(has_gauss), float(gauss)]
     except ImportError:  # numpy is optional

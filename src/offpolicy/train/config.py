@@ -28,7 +28,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from offpolicy.train.presets import PRESET_PARAMETERS, PRESETS
 
-
 EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need no directory
 
 
@@ -129,8 +128,8 @@ class AlgorithmConfig(_Section):
     """
 
     preset: str = "naive"
-    corrections: list[Union[str, dict[str, Any]]] | None = None
-    objective: Union[str, dict[str, Any], None] = None
+    corrections: list[str | dict[str, Any]] | None = None
+    objective: str | dict[str, Any] | None = None
     level: Literal["token", "sequence", "geometric"] | None = None  # ratio level of the objective (GSPO-style)
     clip_low: float | None = Field(None, ge=0, le=1)  # 1: no lower bound (r ≥ 0), e.g. CISPO as MiniMax ran it
     clip_high: float | None = Field(None, ge=0)
@@ -304,7 +303,7 @@ class TrainConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _combinations(self) -> "TrainConfig":
+    def _combinations(self) -> TrainConfig:
         a = self.algorithm
         if a.preset == "alp" and not self.alp.enabled:
             raise ValueError("algorithm.preset='alp' needs alp.enabled=true (or use another preset)")
@@ -358,7 +357,7 @@ OBJECTIVE_DEFAULTS: dict[str, float] = {"clip_low": 0.2, "clip_high": 0.28}
 OBJECTIVE_KEYS = ("clip_low", "clip_high", "dual_clip", "level")
 
 
-def objective_call(cfg: "TrainConfig") -> tuple[str, dict[str, Any]]:
+def objective_call(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     """The objective the trainer runs and its parameters: ``algorithm.objective`` (or the preset's), its own
     parameters, the trainer's defaults and the preset's dual clip where the objective takes them, then the
     ``algorithm.clip_low`` / ``clip_high`` / ``dual_clip`` / ``level`` that are set. One of these keys set for an
@@ -465,10 +464,11 @@ def _set_override(tree: dict, key: str, text: str) -> None:
         if part not in fields:
             raise ValueError(f"unknown config key {key!r} (valid keys in {where!r}: {', '.join(_section_keys(cls))})")
         ann = fields[part].annotation
-        is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+        section = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         if depth == len(parts) - 1:
-            if is_section:
-                raise ValueError(f"config key {key!r} is a section; set one of its keys, e.g. {key}.{_section_keys(ann)[0]}=…")
+            if section is not None:
+                raise ValueError(f"config key {key!r} is a section; set one of its keys, e.g. "
+                                 f"{key}.{_section_keys(section)[0]}=…")
             if _is_text_field(ann):
                 node[part] = _parse_text(text, optional=ann not in (str, Path))
                 return
@@ -477,12 +477,12 @@ def _set_override(tree: dict, key: str, text: str) -> None:
             except yaml.YAMLError as err:
                 raise ValueError(f"override {key}={text!r} is not valid YAML: {_yaml_problem(err)}") from None
             return
-        if not is_section:
+        if section is None:
             raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: depth + 1])!r} is not a section")
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} must be a mapping")
-        cls = ann
+        cls = section
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -75,7 +75,7 @@ class Control:
                                     min_scale=c.lr_guard_min_scale, patience=c.lr_guard_patience)
 
     @classmethod
-    def build(cls, cfg: Any, state: Any) -> "Control | None":
+    def build(cls, cfg: Any, state: Any) -> Control | None:
         c = cfg.control
         if c.trm_acceptance is None and c.is_max_masked is None and not c.lr_guard:
             return None

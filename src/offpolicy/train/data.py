@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.tasks import Example, RewardError, compute_rewards as _checked_rewards, get_task
+from offpolicy.tasks import Example, RewardError, get_task
+from offpolicy.tasks import compute_rewards as _checked_rewards
 
 
 @dataclass(frozen=True)

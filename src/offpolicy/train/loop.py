@@ -25,9 +25,10 @@ from __future__ import annotations
 import inspect
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ def train(
     checkpoints the completed step and stops cleanly.
     """
     folder = RunFolder(cfg, resume)  # a bad out_dir or a checkpoint of another run fails before the model loads
-    with torch_threads(cfg.run.threads or torch.get_num_threads()):
+    with folder, torch_threads(cfg.run.threads or torch.get_num_threads()):  # the folder is ours until the end
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
         state = build_state(cfg, model=model, tokenizer=tokenizer, engine=engine, task=task)

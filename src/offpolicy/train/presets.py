@@ -16,6 +16,11 @@ trm        ``trm``: trust-region mask (arXiv 2512.23075): drop sequences with ma
 dvp        min-p constrained log-probs for π_θ, π_old, μ, ρ = e^-13 (arXiv 2512.23087)   ppo
 dvp_mis    dvp + ``mis`` (the paper's best)                                              ppo
 alp        learnable layerwise noise, unified ratio π_{θ,σ}/μ (arXiv 2603.19470)         bypass, dual-clip 10
+m2po       ``m2po``: drop the largest (log π_θ/μ)² among PPO's active quadrants until     ppo
+           the batch second moment ≤ 0.04 (arXiv 2510.01161, Alg. 1)
+ipo        none: prime-rl's IPO loss, mask |π_θ(y) − μ(y)| > 0.1 + 1e-3·(log π_θ/μ)²        ipo
+score_     the centred score ∇log p(y) − E_q[∇log p] from the sampler's full distribution   ppo
+centering  q (arXiv 2609.20807); ``score_centering_topk``: q's top-20 + proportional tail
 =========  =============================================================================  ==========================
 
 ``algorithm.corrections: [{name: icepop}, {name: opsm, delta: 0.5}]`` replaces a preset's corrections by any registered
@@ -51,6 +56,7 @@ PRESET_PARAMETERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trm_avg_kl": ("avg_kl", ("trm",)),
 }
 NONE_TURNS_OFF = ("trm_max_kl", "trm_avg_kl")
+SCORE_CENTERING_TOPK = 20  # the sampler's head size for score_centering_topk (vLLM's default max_logprobs is 20)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ class Preset:
 
     ``minp``: compute min-p constrained log-probs (DVP) for all three policies; ``divergence``: compute the per-token
     KL(μ‖π_old) from logits for the trust region (exact when the rollout's full logits exist, else the correction
-    falls back to k-estimators); ``alp``: the layerwise perturbation must be on.
+    falls back to k-estimators); ``alp``: the layerwise perturbation must be on; ``score_centering``: centre the
+    score on the sampler's distribution (``"exact"`` or ``"topk"``, :data:`SCORE_CENTERING_TOPK` ids).
     """
 
     name: str
@@ -85,6 +92,7 @@ class Preset:
     divergence: bool = False
     alp: bool = False
     dual_clip: float | None = None
+    score_centering: str | None = None  # "exact" (the sampler's full q) | "topk" (its top-k head, proportional tail)
 
     def correction_specs(self, algorithm: Any) -> list[dict[str, Any]]:
         """The preset's corrections as specs, tuned by the ``algorithm.*`` keys of :data:`PRESET_PARAMETERS`."""
@@ -98,7 +106,7 @@ class Preset:
             specs.append(spec)
         return specs
 
-    def correction(self, algorithm: Any) -> "Correction | None":
+    def correction(self, algorithm: Any) -> Correction | None:
         """The preset's own correction chain for these settings, plus the optional token veto (None = nothing)."""
         from offpolicy.registry import build_correction
 
@@ -123,7 +131,7 @@ def chain_specs(preset: Preset, algorithm: Any) -> list[dict[str, Any]]:
     return specs
 
 
-def build_chain(preset: Preset, algorithm: Any) -> "Correction | None":
+def build_chain(preset: Preset, algorithm: Any) -> Correction | None:
     """The trainer's correction (None when there is nothing to correct), from :func:`chain_specs`."""
     from offpolicy.registry import build_correction
 
@@ -145,6 +153,13 @@ PRESETS: dict[str, Preset] = {
         Preset("dvp_mis", "DVP + token masked importance sampling", ("mis",), minp=True),
         Preset("alp", "adaptive layerwise perturbation, unified ratio π_{θ,σ}/μ", objective="bypass", alp=True,
                dual_clip=10.0),
+        Preset("m2po", "second-moment trust region: drop the largest (log π_θ/μ)² until their mean ≤ 0.04 (M2PO)",
+               ("m2po",)),
+        Preset("ipo", "prime-rl's IPO: mask |π_θ(y) − μ(y)| > 0.1, penalty 1e-3·(log π_θ/μ)²", objective="ipo"),
+        Preset("score_centering", "centre the score on the sampler's full distribution: ∇log p(y) − E_q[∇log p]",
+               score_centering="exact"),
+        Preset("score_centering_topk", "score centering from the sampler's top-20 log-probs, proportional tail",
+               score_centering="topk"),
     )
 }
 

@@ -1,6 +1,10 @@
 """Everything about the run's folder, in one place: what a fresh run replaces, what ``--resume`` continues, the metrics
 log, checkpoints, the progress bar and the Ctrl-C contract — so that the training loop holds only the algorithm.
 
+* One writer per folder: a ``run.out_dir`` in use by a live process (another ``offpolicy train``, a sweep's run) is
+  refused with one line naming that process (:class:`offpolicy.folder_lock.FolderLock` on ``.run.lock``), before
+  anything in it is read or written; a lock left by a crashed or killed process never blocks a new run or
+  ``--resume``. The lock is held from :class:`RunFolder`'s construction to the end of its ``with`` block.
 * A fresh run into a used ``run.out_dir`` replaces the earlier run there (checkpoints, killed-save leftovers,
   TensorBoard events, the metrics log), with one :class:`RunReplacedWarning`; otherwise a later ``--resume`` would
   continue the earlier run's checkpoint under this run's config.
@@ -18,9 +22,11 @@ import os
 import signal
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from offpolicy.folder_lock import FolderLock
 from offpolicy.train.checkpoint import (
     checkpoint_files,
     latest_checkpoint,
@@ -32,6 +38,9 @@ from offpolicy.train.checkpoint import (
 from offpolicy.train.config import TrainConfig, config_to_yaml
 from offpolicy.train.logging import MetricLogger, to_floats
 
+# The lock file of a run folder (its owner's pid, host and command; see offpolicy.folder_lock).
+LOCK_FILE = ".run.lock"
+
 
 class RunReplacedWarning(UserWarning):
     """A fresh run replaced an earlier run's files in its ``run.out_dir`` (the demo silences it: that is its job)."""
@@ -41,16 +50,35 @@ class RunFolder:
     """``run.out_dir`` of one run. Build it first: a bad folder or a checkpoint of another run fails before any work.
 
     ``open(state)`` loads the checkpoint into the model / optimizer / ALP (or replaces an earlier run) and returns
-    the first step to run; ``session(...)`` wraps the steps (logging, checkpoints, progress, Ctrl-C).
+    the first step to run; ``session(...)`` wraps the steps (logging, checkpoints, progress, Ctrl-C). The folder is
+    locked from here to the end of ``with folder:`` (or :meth:`release`); a folder in use by another live process
+    raises ``ValueError`` naming it.
     """
 
     def __init__(self, cfg: TrainConfig, resume: bool | str | Path = False) -> None:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        self.resume_from = self._resume_checkpoint(resume) if resume else None
+        if resume and not self.ckpt_dir.is_dir():  # nothing to resume: say so without creating the folder
+            self._resume_checkpoint(resume)
         _writable_dir(self.out_dir)
+        self.lock = FolderLock(self.out_dir, LOCK_FILE, "run.out_dir")  # before reading or writing anything in it
+        try:
+            self.resume_from = self._resume_checkpoint(resume) if resume else None
+        except BaseException:
+            self.lock.release()
+            raise
         self.last_checkpoint: Path | None = self.resume_from
+
+    def release(self) -> None:
+        """Unlock the folder (another process may write it from now on)."""
+        self.lock.release()
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def open(self, state: Any) -> int:
         """Restore the checkpoint into ``state`` or replace an earlier run; write ``config.yaml``. Returns the step to
@@ -80,7 +108,7 @@ class RunFolder:
         return self.last_checkpoint
 
     @contextlib.contextmanager
-    def session(self, state: Any, start: int, console: Any = None) -> Iterator["Session"]:
+    def session(self, state: Any, start: int, console: Any = None) -> Iterator[Session]:
         """The steps of this run: the metrics log is opened (emptied, or cut after ``start``), Ctrl-C is deferred,
         a ``KeyboardInterrupt`` ends the run cleanly, and the last step is checkpointed."""
         logger = MetricLogger(self.out_dir, tensorboard=self.cfg.run.tensorboard)
@@ -116,14 +144,15 @@ class RunFolder:
         lie).
         """
         cfg = self.cfg
-        path = latest_checkpoint(self.ckpt_dir) if resume is True else Path(resume)
+        path = latest_checkpoint(self.ckpt_dir) if isinstance(resume, bool) else Path(resume)
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {str(self.ckpt_dir)!r}")
         info = read_checkpoint_info(path)  # names the file when it is corrupt or truncated
         stored = info.get("user", {})
         ours = {"algorithm.preset": cfg.algorithm.preset, "run.seed": cfg.run.seed}
         theirs = {"algorithm.preset": stored.get("preset"), "run.seed": stored.get("seed")}
-        differ = [f"{k}={theirs[k]!r} (now {ours[k]!r})" for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+        differ = [f"{k}={theirs[k]!r} (now {ours[k]!r})" for k in ours
+                  if theirs[k] is not None and theirs[k] != ours[k]]
         if differ:
             raise ValueError(f"--resume: checkpoint {str(path)!r} was written with {', '.join(differ)}; resume with "
                              "the same settings, or start a fresh run without --resume")
@@ -180,10 +209,12 @@ class Session:
         """Sync the step's metrics to floats (logged at ``run.log_every`` and at the last step), move the progress
         bar, checkpoint at ``run.checkpoint_every``. Returns the floats, with ``step``."""
         run, step = self.folder.cfg.run, self.steps_done
-        floats = self.logger.log(step, metrics) if step % run.log_every == 0 or step == run.steps else to_floats(metrics)
+        logged = step % run.log_every == 0 or step == run.steps
+        floats = self.logger.log(step, metrics) if logged else to_floats(metrics)
         floats["step"] = step
         if self._progress is not None:
-            description = f"{self.folder.cfg.algorithm.preset} reward {floats['reward/mean']:.3f} kl {floats[kl_key]:.2e}"
+            preset = self.folder.cfg.algorithm.preset
+            description = f"{preset} reward {floats['reward/mean']:.3f} kl {floats[kl_key]:.2e}"
             self._progress.update(self._task_id, advance=1, description=description)
         if run.checkpoint_every and step % run.checkpoint_every == 0:
             self.folder.checkpoint(self.state, step)
@@ -203,7 +234,7 @@ class _DeferredInterrupt:
         self.console = console
         self._old: Any = None
 
-    def __enter__(self) -> "_DeferredInterrupt":
+    def __enter__(self) -> _DeferredInterrupt:
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._handler)
         return self

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -238,11 +239,27 @@ class Scored:
     token_divergence: Tensor | None
     extras: dict[str, Tensor]
     theta_routes: Any
-    flip_rate: Tensor | None
+    flip_rate: float | None
+    sampler_logits: Tensor | None = None  # the engine's raw logits [B, T, V] (score centering's q)
+    # single pass (:func:`single_pass`): π_θ's log-probs ``[B, T]`` and DVP extras *with* their autograd graph — the
+    # same forward as π_old's, which the update uses instead of a second one; dropped once the update has used it
+    theta: tuple[Tensor, dict[str, Tensor]] | None = None
+
+
+def single_pass(state: TrainState) -> bool:
+    """Whether the update is one optimiser step over the whole batch from π_old's weights (``optim.minibatches`` =
+    ``optim.epochs`` = 1), without ALP noise or routing replay: then π_θ's forward is π_old's forward, so the
+    scoring keeps its graph and the update reuses it instead of running the same forward again (as TRL's
+    ``GRPOTrainer`` and verl do when generation and optimisation are aligned). Score centering needs the update's
+    own logits, which the scoring forward does not keep, so it always runs the second forward."""
+    cfg = state.cfg
+    return (cfg.optim.minibatches == 1 and cfg.optim.epochs == 1 and state.alp is None
+            and cfg.rollout.routing_replay == "none" and state.preset.score_centering is None)
 
 
 def score_step(state: TrainState, rollout: Rollout) -> Scored:
-    """π_old: one full forward of the trainer, no grad, ALP noise off — this is what μ is compared with.
+    """π_old: one full forward of the trainer, ALP noise off — this is what μ is compared with. No grad, except in a
+    single pass (:func:`single_pass`), where the update reuses this forward as π_θ's.
 
     Routing replay (mixture-of-experts, ``rollout.routing_replay``): ``r3`` routes π_old as the engine did, ``r2``
     records π_old's own routes for the π_θ forwards.
@@ -250,22 +267,34 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     cfg = state.cfg
     mode = cfg.rollout.routing_replay
     routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
-               if mode != "none" else contextlib.nullcontext())
-    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else contextlib.nullcontext()
-    with torch.no_grad(), routing as replayed, recorder as recorded:
+               if mode != "none" else None)
+    recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else None
+    reuse = single_pass(state)
+    with torch.set_grad_enabled(reuse), routing or contextlib.nullcontext(), recorder or contextlib.nullcontext():
         old_logp, mask, old_logits, extras = score_policy(
             state.model, rollout.prompt_ids, rollout.completions, state.sampling, dtype=DTYPES[cfg.model.dtype],
             dvp_rho=cfg.algorithm.dvp_rho if state.preset.minp else None, return_logits=state.preset.divergence)
+    theta = (old_logp, extras) if reuse else None
+    old_logp, extras = old_logp.detach(), {k: v.detach() for k, v in extras.items()}
+    old_logits = old_logits.detach() if old_logits is not None else None
     theta_routes = {"none": None, "r3": rollout.routed_experts}.get(mode)
-    if mode == "r2":
-        theta_routes = recorded.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
-    token_divergence = None
-    if state.preset.divergence and hasattr(state.engine, "score"):
-        # TRM's exact KL(μ‖π_old) needs the rollout engine's full logits: re-score with its numerics
-        roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling, return_logits=True)[2]
-        token_divergence = exact_token_kl(roll_logits.to(old_logp.device), old_logits, state.sampling)
+    if recorder is not None:
+        theta_routes = recorder.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
+    token_divergence = roll_logits = None
+    if (state.preset.divergence or state.preset.score_centering) and hasattr(state.engine, "score"):
+        # TRM's exact KL(μ‖π_old) and score centering's q need the rollout engine's full logits: re-score with its
+        # numerics (and its weights: a lagging engine's q is the stale policy's)
+        roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling,
+                                         return_logits=True)[2].to(old_logp.device)
+    if state.preset.divergence and roll_logits is not None:
+        assert old_logits is not None  # return_logits=state.preset.divergence
+        token_divergence = exact_token_kl(roll_logits, old_logits, state.sampling)
+    if state.preset.score_centering and roll_logits is None:
+        raise ValueError(f"algorithm.preset={state.cfg.algorithm.preset!r} needs the sampler's logits: the engine "
+                         f"{type(state.engine).__name__} has no score(..., return_logits=True)")
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
-                  replayed.flip_rate if mode != "none" else None)
+                  routing.flip_rate if routing is not None else None,
+                  roll_logits if state.preset.score_centering else None, theta)
 
 
 def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
@@ -293,8 +322,10 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
         logp, extras = adaptive_dvp_fields(logits, targets, mask, sampling)
     else:  # the paper's fixed ρ: pruned logits get −50, not −inf
         fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
-        logp, extras = fields["logp"], dict(fields["extras"])  # type: ignore[arg-type]
-    return logp, mask, (logits if return_logits else None), extras  # type: ignore[return-value]
+        fixed_logp, fixed_extras = fields["logp"], fields["extras"]
+        assert isinstance(fixed_logp, Tensor) and isinstance(fixed_extras, dict)
+        logp, extras = fixed_logp, dict(fixed_extras)
+    return logp, mask, (logits if return_logits else None), extras
 
 
 def adaptive_dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor,
@@ -361,19 +392,29 @@ def update_step(state: TrainState, rollout: Rollout, scored: Scored, seed: int) 
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             state.optimizer.step()
             updates.append({"loss/loss": loss.detach(), "loss/grad_norm": grad_norm.detach(), **metrics})
+    scored.theta = None  # the graph has served its one backward
     return updates
 
 
 def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor) -> LogProbBatch:
     """The :class:`LogProbBatch` of some rows, with π_θ from a forward with the ALP noise on (and routes replayed)."""
+    if scored.theta is not None:  # single pass: the scoring's forward, with its graph, is π_θ's
+        logp, extras = scored.theta
+        return LogProbBatch(logp=logp[rows], mask=scored.mask[rows], old_logp=scored.old_logp[rows],
+                            rollout_logp=scored.rollout_logp[rows], advantages=rollout.advantages[rows],
+                            token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows],
+                            extras={k: v[rows] for k, v in extras.items()})
     ids = rows.tolist()
     routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
         else contextlib.nullcontext()
     with state.alp.active() if state.alp is not None else contextlib.nullcontext(), routes:
-        logp, mask, _, extras = score_policy(
+        logp, mask, logits, extras = score_policy(
             state.model, [rollout.prompt_ids[i] for i in ids], [rollout.completions[i] for i in ids], state.sampling,
-            dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None)
+            dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None,
+            return_logits=state.preset.score_centering is not None)
     t = logp.shape[1]
+    if state.preset.score_centering is not None:
+        logp, extras = _score_centered(state, logp, logits, scored.sampler_logits[rows, :t], extras)  # type: ignore[index]
     return LogProbBatch(
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],
@@ -381,7 +422,40 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
     )
 
 
+def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler_logits: Tensor,
+                    extras: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """π_θ's log-probs carrying the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from the
+    sampler's full logits, or its top-k head with the proportional tail), and the per-token drift ½‖q − p‖₁ and
+    top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``)."""
+    from offpolicy.objectives.score_centering import (
+        centered_logp,
+        sampler_topk,
+        score_center,
+        score_center_topk,
+        topk_tail_gap,
+    )
+    from offpolicy.train.presets import SCORE_CENTERING_TOPK
+
+    temperature = state.sampling.temperature
+    if state.preset.score_centering == "topk":
+        ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+        center = score_center_topk(logits, ids, logq, temperature=temperature)
+    else:
+        center = score_center(logits, sampler_logits, temperature=temperature)
+    drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+    return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift,
+                                         "score_centering/topk_gap_tv": gap}
+
+
 def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    if state.preset.score_centering is not None:  # the drift term's size per position, over the valid tokens
+        loss, metrics = _loss_of(state, batch)
+        return loss, {**metrics, **{k: masked_mean(v, batch.mask) for k, v in batch.extras.items()
+                                    if k.startswith("score_centering/")}}
+    return _loss_of(state, batch)
+
+
+def _loss_of(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
     a = state.cfg.algorithm
     if state.alp is not None:  # ALP's unified ratio with the paper's clip range for its level
         return alp_policy_loss(batch, level=state.cfg.alp.level, correction=state.correction, clip_low=a.clip_low,

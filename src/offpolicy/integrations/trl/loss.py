@@ -84,7 +84,9 @@ def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[st
     ('ppo', {'clip_low': 0.2, 'clip_high': 0.28})
     """
     loss_type = getattr(args, "loss_type", None)
-    name, params = split_spec(objective if objective is not None else TRL_OBJECTIVES.get(loss_type, "ppo"), "objective")
+    name, params = split_spec(objective if objective is not None
+                              else TRL_OBJECTIVES.get(loss_type, "ppo") if loss_type is not None else "ppo",
+                              "objective")
     takes = OBJECTIVES[name].parameters()
     eps = getattr(args, "epsilon", 0.2)
     eps_high = getattr(args, "epsilon_high", None)

@@ -20,8 +20,10 @@ all); otherwise each chunk of rows builds its ``[rows, V]`` logits, replays the 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -77,7 +79,7 @@ def trl_sampling_recipe(args: Any) -> SamplingConfig:
     top_k = value["top_k"]
     top_p = value["top_p"]
     min_p = value["min_p"]
-    penalties = {k: float(extra[k]) for k in _VLLM_ONLY if k in extra} if engine == "vllm" else {}
+    penalties: dict[str, Any] = {k: float(extra[k]) for k in _VLLM_ONLY if k in extra} if engine == "vllm" else {}
     return SamplingConfig(
         max_new_tokens=int(getattr(args, "max_completion_length", 16) or 16),
         temperature=float(value["temperature"] if value["temperature"] is not None else 1.0),
@@ -186,14 +188,16 @@ def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: Samplin
         s = fused_token_stats(hidden, weight, targets, bias=bias, temperature=recipe.temperature, want=want,
                               min_p_rho=recipe.min_p, memory_budget_bytes=memory_budget_bytes)
         if recipe.min_p is None:
+            assert s.logp is not None  # requested in want
             return ReplayedLogProbs(s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp))
+        assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
         return ReplayedLogProbs(s.minp_logp, s.minp_inside, s.minp_mass.detach())
     # scratch per row: logits, z / T, support mask, sort values + indices, cumsum, and the history's two [rows, V]
     rows = chunk_rows(n, vocab, buffers=8, memory_budget_bytes=memory_budget_bytes)
     parts = []
     for a, b in row_chunks(n, rows):
         hist = history.chunk(a, b, vocab) if recipe.reads_history else None  # type: ignore[union-attr]
-        fn = (lambda h, w, bb, y=targets[a:b], hh=hist: _chunk_scores(h, w, bb, y, recipe, order, hh))
+        fn = functools.partial(_chunk_scores, targets=targets[a:b], recipe=recipe, order=order, history=hist)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             parts.append(checkpoint(fn, hidden[a:b], weight, bias, use_reentrant=False))
         else:

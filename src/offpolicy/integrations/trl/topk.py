@@ -12,7 +12,7 @@ trainer's hidden states: the coarse-grained lower bound and the certified upper 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

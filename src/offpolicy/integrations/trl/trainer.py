@@ -48,7 +48,13 @@ from offpolicy.integrations.trl.topk import (
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
-from offpolicy.perturbation import DEFAULT_INIT_STD, DEFAULT_LR, LayerwisePerturbation, alp_clip_defaults, alp_policy_loss
+from offpolicy.perturbation import (
+    DEFAULT_INIT_STD,
+    DEFAULT_LR,
+    LayerwisePerturbation,
+    alp_clip_defaults,
+    alp_policy_loss,
+)
 from offpolicy.ratios import masked_max, masked_mean
 from offpolicy.registry import CorrectionSpec, build_correction
 
@@ -95,7 +101,8 @@ def _with_min_p(args: tuple, kwargs: dict, rho: float) -> tuple[tuple, dict]:
 
 
 def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor, Tensor | None]:
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    wrapped: Any = model  # a transformers / PEFT model: its methods are not on ``torch.nn.Module``'s type
+    core = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
     head = core.get_output_embeddings()
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head, as TRL's fused head does
@@ -125,9 +132,10 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
     """
     if base is None:
         try:
-            from trl import GRPOTrainer as base  # type: ignore[no-redef]
+            from trl import GRPOTrainer
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError("OffPolicyGRPOTrainer needs TRL: pip install 'offpolicy[trl]'") from err
+        base = GRPOTrainer
 
     class OffPolicyGRPOTrainer(base):  # type: ignore[misc, valid-type]
         """``GRPOTrainer`` whose loss is :func:`offpolicy.policy_loss` with an offpolicy correction chain.
@@ -147,6 +155,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
         * ``topk_logprobs=K`` — K log-probs per token from vLLM, TRM's divergence from them (``topk_bound``:
           ``"upper"``, certified, or ``"lower"``); pair with ``correction="trm"``.
         """
+
+        _last_loaded_step: int  # TRL's: the global step whose weights the vLLM engine holds
 
         def __init__(
             self,
@@ -190,10 +200,10 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             # the generation batch's token normaliser applies only when the aggregation is TRL's own
             self._offpolicy_token_count = aggregation is None and loss_type in TOKEN_COUNT_NORMALISED
             if aggregation is None:
-                aggregation = TRL_LOSS_TYPES.get(loss_type, "token_mean")
+                aggregation = TRL_LOSS_TYPES.get(loss_type, "token_mean") if loss_type is not None else "token_mean"
             explicit = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
             params.update({k: v for k, v in explicit.items() if v is not None})
-            self.offpolicy_loss_kwargs = {"objective": {"name": name, **params}, "aggregation": aggregation}
+            self.offpolicy_loss_kwargs: dict[str, Any] = {"objective": {"name": name, **params}, "aggregation": aggregation}
             if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo: B · max_completion_length
                 self.offpolicy_loss_kwargs["max_tokens"] = getattr(train_args, "max_completion_length", None)
             # sampling replay / DVP
@@ -337,7 +347,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
         # -- the forward ------------------------------------------------------------------------------------------
         def _offpolicy_scores(self, model: Any, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *,
                               batch_size: int | None = None, compute_aux_loss: bool = False,
-                              topk: tuple[Tensor, Tensor] | None = None, **model_inputs: Any) -> Scores:
+                              topk: tuple[Tensor | None, Tensor | None] | None = None,
+                              **model_inputs: Any) -> Scores:
             """Per-token scores ``[B, T]`` of the completion tokens: TRL's model call (its fused head; labels all
             ignored when the replay recomputes the head) with the backbone's last hidden state captured, then the
             replayed log-probs and the top-k bounds from it, chunked."""
@@ -397,8 +408,10 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     mass = torch.ones(valid.shape, device=ids.device)
                 lower = upper = None
                 if topk is not None and topk[0] is not None:
+                    topk_ids = topk[1]
+                    assert topk_ids is not None  # stored with the log-probs (_generate_single_turn)
                     lp_k = topk[0][start:start + batch_size].reshape(n_all, -1)[rows]
-                    id_k = topk[1][start:start + batch_size].reshape(n_all, -1)[rows]
+                    id_k = topk_ids[start:start + batch_size].reshape(n_all, -1)[rows]
                     temperature = float(getattr(self.args, "temperature", 1.0) or 1.0)
                     lo, up = topk_divergence(h.detach(), weight.detach(), lp_k, id_k,
                                              bias=None if bias is None else bias.detach(), temperature=temperature,
@@ -411,8 +424,20 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 values = [getattr(p, name) for p in parts]
                 return None if values[0] is None else torch.cat(values)
 
-            aux = torch.stack([p.aux_loss for p in parts]).mean() if compute_aux_loss else None
-            return Scores(cat("logp"), cat("inside"), cat("mass"), cat("kl_lower"), cat("kl_upper"), aux)
+            def cat_present(name: str) -> Tensor:
+                out = cat(name)
+                assert out is not None, name  # set on every part
+                return out
+
+            aux: Tensor | None = None
+            if compute_aux_loss:
+                aux_losses: list[Tensor] = []
+                for p in parts:
+                    assert p.aux_loss is not None, "compute_aux_loss: the model returned no aux_loss"
+                    aux_losses.append(p.aux_loss)
+                aux = torch.stack(aux_losses).mean()
+            return Scores(cat_present("logp"), cat_present("inside"), cat_present("mass"), cat("kl_lower"),
+                          cat("kl_upper"), aux)
 
         # -- the loss ---------------------------------------------------------------------------------------------
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
@@ -421,7 +446,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             logits_to_keep = inputs["completion_ids"].size(1)
             aux_enabled = bool(getattr(self, "aux_loss_enabled", False))
             alp = self.offpolicy_alp
-            topk = (inputs.get(TOPK_LOGP_KEY), inputs.get(TOPK_IDS_KEY)) if self.offpolicy_topk else None
+            topk: tuple[Tensor | None, Tensor | None] | None = (
+                (inputs.get(TOPK_LOGP_KEY), inputs.get(TOPK_IDS_KEY)) if self.offpolicy_topk else None)
             custom = self.offpolicy_recipe is not None or topk is not None
             # ALP's noise: the update forward only (π_old and μ come from the unperturbed model)
             noisy = alp.active(model.training and torch.is_grad_enabled()) if alp is not None else nullcontext()
@@ -462,6 +488,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 metrics.update(alp.metrics())
             if topk is not None and s.kl_upper is not None:
                 m = batch.bool_mask
+                assert s.kl_lower is not None  # computed together with kl_upper
                 metrics.update({"topk/kl_lower_mean": masked_mean(s.kl_lower, m),
                                 "topk/kl_upper_mean": masked_mean(s.kl_upper, m),
                                 "topk/kl_upper_max": masked_max(s.kl_upper, m)})

@@ -16,6 +16,7 @@ from offpolicy.integrations.verl.loss import (
     verl_policy_loss_fn,
 )
 from offpolicy.integrations.verl.settings import VerlSettings, parse_settings
+from offpolicy.integrations.verl.topk import sequence_topk, topk_kl_bounds
 
 __all__ = [
     "NEWEST_VERL_RULES",
@@ -26,6 +27,8 @@ __all__ = [
     "parse_settings",
     "register_verl_policy_loss",
     "rollout_correction",
+    "sequence_topk",
+    "topk_kl_bounds",
     "verl_objective",
     "verl_policy_loss_fn",
 ]

@@ -12,16 +12,27 @@ asks the same server to score the finished sequence once more — ``max_tokens=1
 temperature — and parses the answer (:func:`topk_from_prompt_logprobs`) into
 ``extra_fields["rollout_topk_ids"]`` / ``["rollout_topk_logprobs"]`` ([response length][K] lists). That is a prefill
 forward, not the decode forward that sampled (see docs/frameworks/verl.md: unverified on a live server).
+
+The output is an :class:`OffPolicyAgentLoopOutput`, whose ``as_dict()`` — what verl 0.9's TransferQueue agent loop
+(``AgentLoopWorkerTQ._agent_loop_postprocess``) stores per sample — turns those lists into the tensors
+``offpolicy_topk_ids`` / ``offpolicy_topk_logp`` ``[prompt + response, K]`` (:func:`~.topk.sequence_topk`), fields of the
+training batch like ``teacher_logprobs``; the engine computes TRM's bounds from them (:mod:`.topk`). verl's legacy
+(DataProto) agent loop keeps ``extra_fields`` as non-tensor arrays: top-K TRM needs the v1 trainer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from verl.experimental.agent_loop.agent_loop import register
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
+from offpolicy.integrations.verl.topk import (
+    TOPK_IDS_FIELD,
+    TOPK_LOGP_FIELD,
+    sequence_topk,
+)
 
 AGENT_NAME = "offpolicy_agent"
 
@@ -70,6 +81,26 @@ def topk_from_prompt_logprobs(extra_fields: dict[str, Any], n_prompt: int, n_res
     return out_ids, out_logps
 
 
+class OffPolicyAgentLoopOutput(AgentLoopOutput):
+    """verl's ``AgentLoopOutput`` whose ``as_dict()`` also returns the top-K as training-batch tensors."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = super().as_dict()
+        extra = out.get("extra_fields") or {}
+        if "rollout_topk_ids" in extra:
+            k = int(extra.pop("rollout_topk_k"))
+            ids, logps = extra.pop("rollout_topk_ids"), extra.pop("rollout_topk_logprobs")
+            out[TOPK_LOGP_FIELD], out[TOPK_IDS_FIELD] = sequence_topk(int(out["prompts"].numel()), ids, logps, k)
+        return out
+
+
+def with_topk_output(output: AgentLoopOutput) -> OffPolicyAgentLoopOutput:
+    """``output`` as an :class:`OffPolicyAgentLoopOutput` (the same values; the same set fields, which
+    ``as_dict`` dumps)."""
+    values = {name: getattr(output, name) for name in type(output).model_fields}
+    return OffPolicyAgentLoopOutput.model_construct(_fields_set=set(output.model_fields_set), **values)
+
+
 @register(AGENT_NAME)
 class OffPolicyAgentLoop(SingleTurnAgentLoop):
     """verl's single-turn agent loop, sampling under the plug-in's recipe; top-K attached when asked."""
@@ -82,7 +113,11 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
         params = recipe_sampling_params(sampling_params, self.offpolicy)
         output = await super().run(params, priority=priority, **kwargs)
         k = self.offpolicy.topk_logprobs
-        if k > 0 and output.response_ids:
+        if k <= 0:
+            return output
+        ids: list[list[int]] = []
+        logps: list[list[float]] = []
+        if output.response_ids:
             score = {key: params[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in params}
             scored = await self.server_manager.generate(
                 request_id=f"offpolicy-topk-{id(output)}",
@@ -91,6 +126,7 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
             )
             ids, logps = topk_from_prompt_logprobs(scored.extra_fields, len(output.prompt_ids),
                                                    len(output.response_ids), k)
-            output.extra_fields["rollout_topk_ids"] = ids
-            output.extra_fields["rollout_topk_logprobs"] = logps
+        output = with_topk_output(output)
+        # every sample carries the fields (verl stacks a field only when all samples of a put have it)
+        output.extra_fields.update(rollout_topk_ids=ids, rollout_topk_logprobs=logps, rollout_topk_k=k)
         return output

@@ -8,7 +8,9 @@ plug-in's trainer, :class:`OffPolicyTrainer` (registered as ``trainer.v1.trainer
 ``response_mask · keep`` (a rejected token leaves the loss and its denominators, as verl's rejection does) and
 ``rollout_is_weights`` becomes the correction's weights (times verl's own, if ``algorithm.rollout_correction`` is also
 set), both written back to the TransferQueue as the nested fields verl's ``_compute_advantage`` writes. The metrics
-use verl's names (``rollout_corr/…``). The actor's loss (``vanilla`` or the plug-in's) multiplies by
+use verl's names (``rollout_corr/…``). With ``topk_logprobs``, the engine's bound on KL(μ ‖ π_old) per token (computed
+in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too and is the divergence ``trm`` tests —
+TRM on the engine's top-K (arXiv 2512.23075 §4). The actor's loss (``vanilla`` or the plug-in's) multiplies by
 ``rollout_is_weights``, as it does for verl's own correction.
 """
 
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from offpolicy.integrations.verl.loss import rollout_correction
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
+from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
 
 REQUIRED_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask", "advantages")
 
@@ -29,7 +32,8 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
     """The correction of ``settings`` on verl's padded step tensors [B, T]: ``(updates, metrics)``.
 
     ``batch`` holds ``old_log_probs``, ``rollout_log_probs``, ``response_mask``, ``advantages`` and optionally
-    ``rollout_is_weights`` (verl's own, multiplied in). ``updates`` = ``{"response_mask": mask · keep (mask's dtype),
+    ``rollout_is_weights`` (verl's own, multiplied in) and ``token_divergence`` (the engine's top-K bound on
+    KL(μ ‖ π_old), what ``trm`` then tests). ``updates`` = ``{"response_mask": mask · keep (mask's dtype),
     "rollout_is_weights": weights · mask · keep (float32)}``; metrics are 0-d tensors under verl's names.
 
     >>> from offpolicy.integrations.verl.settings import parse_settings
@@ -46,9 +50,13 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
     if settings.correction is None:
         raise ValueError("offpolicy.correction is not set: nothing to apply")
     mask = batch["response_mask"]
+    divergence = batch.get("token_divergence")
+    if settings.topk_logprobs > 0 and divergence is None:
+        raise ValueError("offpolicy.topk_logprobs is set but the batch has no token_divergence (the engine's top-K "
+                         "bounds): the old-log-prob forward did not run on the top-K (bypass mode?)")
     weights, keep, metrics = rollout_correction(batch["old_log_probs"].float(), batch["rollout_log_probs"].float(),
                                                 mask, settings.correction, advantages=batch["advantages"].float(),
-                                                naming=settings.naming)
+                                                naming=settings.naming, token_divergence=divergence)
     kept = mask.bool() & keep
     weights = weights.float() * kept
     if batch.get("rollout_is_weights") is not None:
@@ -63,7 +71,7 @@ def _metric_floats(metrics: dict[str, Any]) -> dict[str, float]:
 def make_trainer_class(base: type) -> type:
     """``base`` (a verl v1 ``PPOTrainer`` subclass) with the driver correction after ``_compute_advantage``."""
     from verl.trainer.ppo.v1 import trainer_base
-    from verl.workers.utils.padding import response_to_nested
+    from verl.workers.utils.padding import response_from_nested, response_to_nested
 
     class OffPolicyTrainer(base):  # type: ignore[valid-type, misc]
         """verl's trainer + :func:`apply_driver_correction` once the advantages are stored."""
@@ -79,8 +87,15 @@ def make_trainer_class(base: type) -> type:
             fields = list(REQUIRED_FIELDS)
             if self.config.algorithm.get("rollout_correction", None) is not None:
                 fields.append("rollout_is_weights")  # verl's own weights, when it computed them
+            bound = None
+            if settings.topk_logprobs > 0:  # the engine's bounds, laid out as its log_probs (prompt + response)
+                bound = KL_UPPER_FIELD if settings.topk_bound == "upper" else KL_LOWER_FIELD
+                fields.append(bound)
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             nested_mask = data["response_mask"]
+            if bound is not None:
+                data["token_divergence"] = response_from_nested(data.pop(bound), nested_mask)
+                fields[-1] = "token_divergence"
             padded = data.to_padded_tensor()
             tensors = {k: padded[k] for k in fields if k in padded.keys()}  # noqa: SIM118 - TensorDict keys
             updates, step_metrics = apply_driver_correction(tensors, settings)

@@ -21,7 +21,16 @@ exactly as the parent class. What it changes:
   not see it). Its gradient is averaged over the data-parallel group before each optimiser step (as FSDP averages the
   model's); it is saved to ``offpolicy_alp.pt`` beside verl's checkpoint and restored with it.
 
-The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe with it is refused at the first forward.
+* **Top-K TRM** (``topk_logprobs: K``): in the old-log-prob forward (no grad, ``calculate_entropy`` on — verl's
+  ``_compute_old_log_prob``; the reference forward asks for no entropy) of a batch that carries the rollout's top-K
+  (:data:`~offpolicy.integrations.verl.topk.TOPK_IDS_FIELD`, put there by the agent loop), the engine adds two
+  outputs laid out as ``log_probs``: the certified lower and upper bounds on KL(μ ‖ π_old) per token
+  (:func:`~offpolicy.integrations.verl.topk.topk_kl_bounds`), from the same logits at verl's temperature: π_old is
+  the full softmax(z / T), without the recipe's truncation. verl writes every output of the forward to the
+  TransferQueue; the driver reads them (:mod:`.driver`).
+
+The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
+forward.
 """
 
 from __future__ import annotations
@@ -36,6 +45,15 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
+from offpolicy.integrations.verl.topk import (
+    KL_LOWER_FIELD,
+    KL_UPPER_FIELD,
+    TOPK_IDS_FIELD,
+    TOPK_LOGP_FIELD,
+    point_mass,
+    topk_kl_bounds,
+    topk_rows,
+)
 from offpolicy.perturbation import LayerwisePerturbation
 
 ALP_CHECKPOINT = "offpolicy_alp.pt"
@@ -124,37 +142,70 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             with torch.no_grad():
                 self.alp.log_sigma.copy_(saved["log_sigma"])
 
-    # -- sampling recipe in every log-prob forward ---------------------------------------------------------------
+    # -- sampling recipe in every log-prob forward; top-K KL bounds in the old-log-prob forward --------------------
     def prepare_model_outputs(self, output: Any, output_args: dict, micro_batch: Any, logits_processor_func: Any):
-        if not self.offpolicy.sampling.active:
+        recipe, topk = self.offpolicy.sampling.active, self._wants_topk_bounds(micro_batch)
+        if not (recipe or topk):
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
-            raise ValueError("offpolicy.sampling needs the logits: set actor_rollout_ref.model.use_fused_kernels=False")
+            raise ValueError("offpolicy.sampling / topk_logprobs need the logits: set "
+                             "actor_rollout_ref.model.use_fused_kernels=False")
         # computed before the parent's, on the raw logits (the parent scales by temperature out of place)
-        ours = self._recipe_log_probs(output, output_args, micro_batch)
+        flat, temperature, unpad = self._flat_logits(output, output_args, micro_batch)
+        cu_seqlens = micro_batch["input_ids"].offsets()
+        extra: dict[str, Tensor] = {}
+        if recipe:
+            labels = output_args["input_ids_rmpad_rolled"]
+            ours = unpad(recipe_log_probs(flat, labels, temperature, self.offpolicy))
+        if topk:
+            lower, upper = self._topk_bounds(flat, temperature, micro_batch)
+            extra = {KL_LOWER_FIELD: torch.nested.nested_tensor_from_jagged(unpad(lower), cu_seqlens),
+                     KL_UPPER_FIELD: torch.nested.nested_tensor_from_jagged(unpad(upper), cu_seqlens)}
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-        if "log_probs" in model_output:
-            model_output["log_probs"] = ours
+        if recipe and "log_probs" in model_output:
+            model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(ours, cu_seqlens)
+        model_output.update(extra)
         return model_output
 
-    def _recipe_log_probs(self, output: Any, output_args: dict, micro_batch: Any) -> Tensor:
-        """Nested [bsz, j] log-probs under the recipe, laid out as the parent's ``log_probs``."""
+    def _wants_topk_bounds(self, micro_batch: Any) -> bool:
+        """The old-log-prob forward of a batch that carries the rollout's top-K: verl's ``_compute_old_log_prob``
+        asks for the entropy, the reference forward does not; the update forward runs with grad on."""
+        present = TOPK_IDS_FIELD in micro_batch.keys()  # noqa: SIM118 - TensorDict keys
+        return (self.offpolicy.topk_logprobs > 0 and present
+                and not torch.is_grad_enabled()
+                and bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)))
+
+    def _topk_bounds(self, flat: Tensor, temperature: Tensor, micro_batch: Any) -> tuple[Tensor, Tensor]:
+        """KL(μ ‖ π_old) bounds [rows of ``flat``] from the micro-batch's top-K (nested [bsz, j, K])."""
+        if getattr(self, "use_ulysses_sp", False):
+            raise ValueError("offpolicy.topk_logprobs is not supported with Ulysses sequence parallelism "
+                             "(ulysses_sequence_parallel_size > 1)")
+        lengths = micro_batch["input_ids"].offsets().diff().tolist()
+        mask = micro_batch.get("response_mask", None)
+        padding = [False] * len(lengths) if mask is None else [bool(m.sum() == 0) for m in mask.unbind()]
+        logp, ids = topk_rows(micro_batch[TOPK_LOGP_FIELD].unbind(), micro_batch[TOPK_IDS_FIELD].unbind(), lengths,
+                              padding)
+        pad = flat.shape[0] - ids.shape[0]  # the packed path's tail padding: point-mass rows, dropped by the caller
+        if pad:
+            filler_lp, filler_ids = point_mass(pad, ids.shape[1])
+            logp, ids = torch.cat([logp, filler_lp]), torch.cat([ids, filler_ids])
+        return topk_kl_bounds(flat, temperature, logp.to(flat.device), ids.to(flat.device))
+
+    def _flat_logits(self, output: Any, output_args: dict, micro_batch: Any) -> tuple[Tensor, Tensor, Any]:
+        """The forward's raw logits as rows [N (+ pad), V], the temperature per row [N (+ pad)], and the function
+        that turns a per-row result back into verl's flat layout (the packed path's padding dropped)."""
         from torch.distributed.tensor import DTensor
 
         logits = output.logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        labels = output_args["input_ids_rmpad_rolled"]
         cu_seqlens = micro_batch["input_ids"].offsets()
-        use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-        if use_rmpad:
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            pad_size = output_args["pad_size"]
             flat = logits.squeeze(0)  # (total_nnz [/ sp] + pad, V)
-            logp = recipe_log_probs(flat, labels, output_args["temperature_rmpad"], self.offpolicy)
-            logp = self._gather_and_unpad_packed(logp, output_args["pad_size"])
-        else:
-            lengths = cu_seqlens.diff().tolist()
-            flat = torch.cat([logits[i, :n] for i, n in enumerate(lengths)])
-            temperature = output_args["temperature"].float()
-            per_token = torch.repeat_interleave(temperature, cu_seqlens.diff().to(temperature.device))
-            logp = recipe_log_probs(flat, labels, per_token, self.offpolicy)
-        return torch.nested.nested_tensor_from_jagged(logp, cu_seqlens)
+            return flat, output_args["temperature_rmpad"], lambda x: self._gather_and_unpad_packed(x, pad_size)
+        lengths = cu_seqlens.diff().tolist()
+        flat = torch.cat([logits[i, :n] for i, n in enumerate(lengths)])
+        temperature = output_args["temperature"].float()
+        per_token = torch.repeat_interleave(temperature, cu_seqlens.diff().to(temperature.device))
+        return flat, per_token, lambda x: x

@@ -257,12 +257,14 @@ def rollout_correction(
     naming: str = "verl",
     prefix: str | None = None,
     diagnostics: bool = True,
+    token_divergence: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Apply an offpolicy correction to verl's batch tensors: ``(weights [B,T], keep [B,T] bool, metrics)``.
 
     π_θ is π_old here (the correction runs once per rollout, before the updates), so ``source="mismatch"`` and
-    ``source="total"`` agree. ``advantages`` ([B] or [B,T]) is needed by OPSM. ``correction`` is a Correction or
-    registered names (:func:`offpolicy.build_correction`). The metrics are the correction's, under the naming's prefix
+    ``source="total"`` agree. ``advantages`` ([B] or [B,T]) is needed by OPSM; ``token_divergence`` [B,T] (bounds
+    on KL(μ ‖ π_old) from the engine's top-K, :mod:`offpolicy.integrations.verl.topk`) is the divergence ``trm``
+    tests. ``correction`` is a Correction or registered names (:func:`offpolicy.build_correction`). The metrics are the correction's, under the naming's prefix
     (``prefix`` replaces it), and — ``diagnostics`` — the mismatch diagnostics of :func:`offpolicy.offpolicy_metrics`
     under ``naming`` (verl's ``rollout_corr/…`` names by default), as verl's own helper returns both.
 
@@ -286,6 +288,8 @@ def rollout_correction(
         mask=response_mask,
         advantages=advantages,
     )
+    if token_divergence is not None:  # KL(μ ‖ π_old) bounds from the engine's top-K: what ``trm`` tests
+        batch = batch.replace(token_divergence=token_divergence, token_divergence_kind="topk")
     result = correction(batch)  # type: ignore[operator]
     prefix = names.prefix if prefix is None else prefix
     metrics = {prefix + k: v for k, v in result.metrics.items()}

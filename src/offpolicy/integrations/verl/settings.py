@@ -17,7 +17,8 @@ which descends into every dict value.)::
 
 ``correction`` runs in the driver after the advantages; ``sampling`` is DVP's ρ (``min_p``) or, with ``top_k`` /
 ``top_p``, sampling replay (agent loop + engine); ``alp`` perturbs the update forward; ``topk_logprobs`` asks the
-server for K log-probs per token.
+server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM's divergence the certified
+``topk_bound: upper`` (default) or the coarse-grained ``lower`` bound on KL(μ ‖ π_old) from them.
 
 Every key is optional; an unknown key or a bad value is a ``ValueError`` naming it, raised when the block is read
 (the engine's construction, the driver's first step), not deep inside a step.
@@ -32,7 +33,7 @@ from typing import Any
 
 from offpolicy.registry import build_correction
 
-KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "naming")
+KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "naming")
 SAMPLING_KEYS = ("min_p", "top_k", "top_p")
 ALP_KEYS = ("init_std", "lr", "layers", "seed")
 
@@ -89,6 +90,7 @@ class VerlSettings:
     sampling: SamplingRecipe = field(default_factory=SamplingRecipe)
     alp: ALPSettings | None = None
     topk_logprobs: int = 0
+    topk_bound: str = "upper"
     naming: str = "verl"
 
     @property
@@ -124,7 +126,7 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     >>> parse_settings({"samplng": {}})
     Traceback (most recent call last):
     ...
-    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, naming
+    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, topk_bound, naming
     """
     block = _plain(block)
     if block is None:
@@ -163,11 +165,14 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
 
     k = block.get("topk_logprobs", 0) or 0
     _number("topk_logprobs", k, low=0, high=4096, integer=True)
+    bound = block.get("topk_bound", "upper")
+    if bound not in ("upper", "lower"):
+        raise ValueError(f"offpolicy.topk_bound must be 'upper' (certified) or 'lower', got {bound!r}")
     naming = block.get("naming", "verl")
     if naming not in ("verl", "offpolicy", "trl", "swift"):
         raise ValueError(f"offpolicy.naming must be one of verl, offpolicy, trl, swift; got {naming!r}")
     return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
-                        topk_logprobs=int(k), naming=naming)
+                        topk_logprobs=int(k), topk_bound=bound, naming=naming)
 
 
 ENV_VAR = "OFFPOLICY_VERL"

@@ -1,0 +1,199 @@
+"""Score centering (arXiv 2609.20807): remove the drift term of the policy gradient under a sampler/trainer mismatch.
+
+At a prefix sampled by q (the rollout engine) the policy-gradient update of the trainer p splits as
+
+    E_q[R ∇log p(y)] = E_q[R] · E_q[∇log p] + Cov_q(R, ∇log p)
+
+The first term distills p toward q (weighted by the prefix's expected reward) and compounds, because q is synced back
+from p; group-centred advantages do not remove it. Score centering replaces the score ∇log p(y) by the centred score
+∇log p(y) − E_q[∇log p], which makes that term exactly zero. In logit space z (p = softmax(z / T)):
+
+    ∇_z log p(y) = (onehot(y) − p) / T,     E_q[∇_z log p] = (q − p) / T,     centred: (onehot(y) − q) / T
+
+so the drift term's size at each position is q − p: its total variation ½‖q − p‖₁ is logged per step.
+
+As a surrogate: log p(y) − Σ_a sg(q_a) log p_a has the centred score as its gradient. :func:`centered_logp` adds that
+correction to log p(y) with value 0 (``logp − c + sg(c)``), so every objective and correction sees the same log-probs
+and a REINFORCE objective −A·logp becomes −A·(log p(y) − Σ_a sg(q_a) log p_a) in its gradient; it composes with any
+mask (a masked token has no gradient at all). No ratio, mask or clip of its own.
+
+Two ways to get c = Σ_a q_a log p_a, differentiable with respect to the trainer's logits:
+
+* :func:`score_center` — exact, from the sampler's full logits; row-chunked forward and backward (a custom autograd
+  function whose gradient is g·(q − p)/T), so no ``[N, V]`` temporary beyond a memory budget;
+* :func:`score_center_topk` — the peers' top-k rule (SkyRL PR #2244, Miles PR #3317, both open): q is known on its
+  top-k head H; the tail mass 1 − m_q (m_q = Σ_H q) is spread over the other tokens in proportion to p,
+  q̂_a = κ·p_a with κ = (1 − m_q)/(1 − m_p), m_p = Σ_H p. Because Σ_a p_a ∇log p_a = 0, the tail's contribution folds
+  into the head: E_q̂[∇log p] = Σ_{a∈H} (q_a − κ p_a) ∇log p_a, so only log p on H is needed. Its logit gradient is
+  q̂ − p exactly; the error against the exact centring is q − q̂, zero on H, whose size :func:`topk_tail_gap` measures.
+
+The peers' PRs are open and their code is not stored here; the proportional-tail formula above is the rule their
+descriptions name ("proportional-tail centered loss", "sampler-expected, calibration-weighted score"), derived here.
+
+Both distributions are the full tempered ones (temperature only, like :func:`~offpolicy.train.steps.exact_token_kl`):
+top-k / top-p truncation of two different logit sets cuts them at different tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+
+
+def _check_float_logits(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor) or x.dim() < 1 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a float [..., V] tensor, got {getattr(x, 'shape', type(x))}")
+    return x
+
+
+def _check_pair(logits: object, sampler_logits: object) -> tuple[Tensor, Tensor]:
+    z = _check_float_logits("logits", logits)
+    q = _check_float_logits("sampler_logits", sampler_logits)
+    if z.shape != q.shape:
+        raise ValueError(f"sampler_logits has shape {tuple(q.shape)} but logits has "
+                         f"{tuple(z.shape)}; they must match")
+    return z, q
+
+
+def _check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+class _ScoreCenter(torch.autograd.Function):
+    """c = Σ_a q_a log softmax(z/T)_a per row; ∂c/∂z = (q − p·Σq)/T. Row-chunked both ways."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, sampler_logits: Tensor, temperature: float, rows: int) -> Tensor:
+        n = logits.shape[0]
+        out = logits.new_empty(n, dtype=torch.float32)
+        for a, b in row_chunks(n, rows):
+            lp = torch.log_softmax(logits[a:b].float() / temperature, -1)
+            q = torch.softmax(sampler_logits[a:b].float() / temperature, -1)
+            out[a:b] = torch.where(q > 0, q * lp, torch.zeros_like(lp)).sum(-1)
+        ctx.save_for_backward(logits, sampler_logits)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, sampler_logits = ctx.saved_tensors
+        grad = torch.empty_like(logits, dtype=torch.float32)
+        for a, b in row_chunks(logits.shape[0], ctx.rows):
+            p = torch.softmax(logits[a:b].float() / ctx.temperature, -1)
+            q = torch.softmax(sampler_logits[a:b].float() / ctx.temperature, -1)
+            grad[a:b] = grad_out[a:b, None] * (q - p) / ctx.temperature  # Σ_a q_a = 1
+        return grad.to(logits.dtype), None, None, None
+
+
+def score_center(logits: Tensor, sampler_logits: Tensor, *, temperature: float = 1.0,
+                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """Exact c = Σ_a sg(q_a) log p_a per position, ``[..., V]`` → ``[...]`` float32, differentiable w.r.t. ``logits``
+    (gradient (q − p)/T per position: E_q[∇_z log p]). p = softmax(logits/T), q = softmax(sampler_logits/T), the
+    sampler's full distribution (−inf entries allowed). Row-chunked under ``memory_budget_bytes``.
+
+    >>> z = torch.tensor([0.0, 0.0], requires_grad=True)        # p = (½, ½)
+    >>> c = score_center(z, torch.tensor([0.75, 0.25]).log())   # q = (¾, ¼): c = ¾ log ½ + ¼ log ½ = log ½
+    >>> round(c.item(), 4), torch.autograd.grad(c, z)[0]        # ∂c/∂z = q − p
+    (-0.6931, tensor([ 0.2500, -0.2500]))
+    """
+    logits, sampler_logits = _check_pair(logits, sampler_logits)
+    t = _check_temperature(temperature)
+    shape, vocab = logits.shape[:-1], logits.shape[-1]
+    flat, flat_q = logits.reshape(-1, vocab), sampler_logits.detach().reshape(-1, vocab)
+    rows = chunk_rows(flat.shape[0], vocab, buffers=3, memory_budget_bytes=memory_budget_bytes)
+    return _ScoreCenter.apply(flat, flat_q, t, rows).reshape(shape)
+
+
+def score_center_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """The proportional-tail estimate c = Σ_{a∈H} sg(q_a − κ p_a) log p_a per position (module docstring), from the
+    sampler's top-k head only: ``topk_ids`` ``[..., K]`` (distinct ids per position) and ``topk_logq`` ``[..., K]`` its
+    normalised log-probs; ``logits`` ``[..., V]`` the trainer's, differentiable. Gradient w.r.t. the logits: (q̂ − p)/T.
+
+    >>> z = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)   # p = ⅓ each
+    >>> q = torch.tensor([0.6, 0.3, 0.1])                      # head H = {0}: m_q = 0.6, m_p = ⅓, κ = 0.4/(2/3) = 0.6
+    >>> c = score_center_topk(z, torch.tensor([0]), q[:1].log())
+    >>> torch.autograd.grad(c, z)[0]   # q̂ − p = (0.6, 0.6·⅓, 0.6·⅓) − ⅓ = (0.2667, −0.1333, −0.1333)
+    tensor([ 0.2667, -0.1333, -0.1333])
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [..., V] tensor, got {type(logits).__name__}")
+    if not isinstance(topk_ids, Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("topk_ids must be an integer [..., K] tensor")
+    if not isinstance(topk_logq, Tensor) or topk_logq.shape != topk_ids.shape:
+        raise ValueError(f"topk_logq must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                         f"{getattr(topk_logq, 'shape', type(topk_logq))}")
+    if topk_ids.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)} but logits has {tuple(logits.shape)}: the "
+                         "leading dimensions must match")
+    t = _check_temperature(temperature)
+    lp = torch.log_softmax(logits.float() / t, -1)
+    lp_head = lp.gather(-1, topk_ids.long())
+    q_head = topk_logq.detach().float().exp()
+    tail_q = (1.0 - q_head.sum(-1, keepdim=True)).clamp(min=0.0)
+    # p's tail mass from its own logits (not 1 − Σ_H p, which is rounding noise when H holds nearly everything)
+    in_head = torch.zeros_like(lp, dtype=torch.bool).scatter_(-1, topk_ids.long(), True)
+    tail_p = torch.logsumexp(lp.detach().masked_fill(in_head, float("-inf")), -1, keepdim=True).exp()
+    kappa = torch.where(tail_p > 0, tail_q / tail_p.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    weight = q_head - kappa * lp_head.detach().exp()
+    return (weight * lp_head).sum(-1)
+
+
+def centered_logp(logp: Tensor, center: Tensor) -> Tensor:
+    """log p(y) with the centred score as its gradient: ``logp − c + sg(c)`` (value exactly ``logp``; ``[B, T]``).
+
+    >>> z = torch.tensor([0.0, 0.0], requires_grad=True)
+    >>> logp = torch.log_softmax(z, -1)[0]                        # y = token 0
+    >>> lc = centered_logp(logp, score_center(z, torch.tensor([1.0, 0.0]).log()))  # q = onehot(0) = onehot(y)
+    >>> lc.item() == logp.item(), torch.autograd.grad(lc, z)[0]   # onehot(y) − q = 0: nothing left to learn
+    (True, tensor([0., 0.]))
+    """
+    if not isinstance(center, Tensor) or center.shape != logp.shape:
+        raise ValueError(f"center must have logp's shape {tuple(logp.shape)}, got {getattr(center, 'shape', None)}")
+    return logp + (center.detach() - center)
+
+
+def sampler_topk(sampler_logits: Tensor, k: int, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """The sampler's top-k head ``(ids, normalised log-probs)`` ``[..., K]`` from its full logits (what a vLLM /
+    SGLang engine returns with ``logprobs=k``)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    logq = torch.log_softmax(sampler_logits.detach().float() / _check_temperature(temperature), -1)
+    values, ids = logq.topk(min(k, logq.shape[-1]), dim=-1)
+    return ids, values
+
+
+@torch.no_grad()
+def topk_tail_gap(logits: Tensor, sampler_logits: Tensor, k: int, *, temperature: float = 1.0,
+                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, Tensor]:
+    """``(drift, gap)`` per position ``[...]``: drift = ½‖q − p‖₁, the size of the term score centering removes (its
+    logit-space direction is q − p); gap = ½‖q − q̂‖₁, the part the top-k proportional tail gets wrong (the top-k
+    centring's logit gradient differs from the exact one by exactly q − q̂, which is 0 on the head). Row-chunked.
+
+    >>> p_logits = torch.zeros(3)                                # p = ⅓ each
+    >>> q_logits = torch.tensor([0.6, 0.3, 0.1]).log()
+    >>> drift, gap = topk_tail_gap(p_logits, q_logits, 1)        # q̂ = (0.6, 0.2, 0.2), κ = 0.4/(2/3)
+    >>> round(drift.item(), 4), round(gap.item(), 4)            # ½(0.2667 + 0.0333 + 0.2333);  ½(0.1 + 0.1)
+    (0.2667, 0.1)
+    """
+    logits, sampler_logits = _check_pair(logits, sampler_logits)
+    t = _check_temperature(temperature)
+    shape, vocab = logits.shape[:-1], logits.shape[-1]
+    flat, flat_q = logits.reshape(-1, vocab), sampler_logits.reshape(-1, vocab)
+    drift = flat.new_empty(flat.shape[0], dtype=torch.float32)
+    gap = torch.empty_like(drift)
+    for a, b in row_chunks(flat.shape[0], chunk_rows(flat.shape[0], vocab, buffers=4,
+                                                     memory_budget_bytes=memory_budget_bytes)):
+        p = torch.softmax(flat[a:b].float() / t, -1)
+        q = torch.softmax(flat_q[a:b].float() / t, -1)
+        head = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(min(k, vocab), -1).indices, True)
+        tail_q, tail_p = (q * ~head).sum(-1, keepdim=True), (p * ~head).sum(-1, keepdim=True)
+        q_hat = torch.where(head, q, tail_q / tail_p.clamp(min=torch.finfo(torch.float32).tiny) * p)
+        drift[a:b] = 0.5 * (q - p).abs().sum(-1)
+        gap[a:b] = 0.5 * (q - q_hat).abs().sum(-1)
+    return drift.reshape(shape), gap.reshape(shape)

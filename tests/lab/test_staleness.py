@@ -1,0 +1,101 @@
+"""The staleness verdict on a hand-made sweep folder with known last-quarter rewards, and the stale setting's plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offpolicy.lab.mismatch import mismatch_overrides
+from offpolicy.lab.settings import get_setting
+from offpolicy.lab.staleness import largest_lag_within_noise, markdown_table, plot_staleness, staleness_report
+
+STEPS = 8  # quarter = 2 steps: the last-quarter reward is the mean of steps 7 and 8
+# last-quarter reward per seed (both last steps hold it)
+LAST = {
+    ("naive", "none"): [0.80, 0.85, 0.90],
+    ("naive", "lag4"): [0.82, 0.86, 0.88],   # overlaps [0.80, 0.90]: within noise
+    ("naive", "lag16"): [0.50, 0.55, 0.60],  # below: lower
+    ("naive", "lag64"): [0.85, 0.86, 0.87],  # within noise again, but the method broke at lag16
+    ("m2po", "lag4"): [0.70, 0.75, 0.79],    # max 0.79 < 0.80: lower already at lag4
+    ("m2po", "lag16"): [0.80, 0.81, 0.82],
+}
+
+
+def _write_sweep(root):
+    runs = []
+    for (preset, mismatch), lasts in LAST.items():
+        for seed, last in enumerate(lasts):
+            d = root / "runs" / f"{preset}__{mismatch}__s{seed}"
+            d.mkdir(parents=True)
+            rows = []
+            for t in range(1, STEPS + 1):
+                reward = last if t > STEPS - 2 else 0.1 * t
+                row = {"step": t, "reward/mean": reward, "rollout_correction/k3_kl": 1e-3, "loss/grad_norm": 1.0 + t,
+                       "correction/masked_frac": 0.0}
+                if preset == "m2po":
+                    row["score_centering/drift_tv"] = 0.1
+                rows.append(row)
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            if (preset, mismatch) != ("m2po", "lag16"):  # the trainer's evaluated reward: 0.01 above the engine's
+                (d / "eval.json").write_text(json.dumps({"step": STEPS, "reward": last + 0.01, "samples": 64}))
+            runs.append({"preset": preset, "mismatch": mismatch, "seed": seed, "dir": f"runs/{d.name}", "steps": STEPS})
+    summary = {"runs": runs, "plan": {"seeds": [0, 1, 2], "steps": STEPS, "runs": runs}}
+    (root / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_on_a_known_sweep(tmp_path):
+    _write_sweep(tmp_path)
+    report = staleness_report(tmp_path)
+    t = report["table"]
+    assert t["naive|lag4"]["vs_control"]["verdict"] == "within noise"
+    assert t["naive|lag16"]["vs_control"]["verdict"] == "lower"
+    assert t["naive|lag16"]["vs_control"]["diff"] == pytest.approx(0.55 - 0.85)
+    assert t["m2po|lag4"]["vs_control"]["verdict"] == "lower"
+    # naive stays within noise up to lag4 and breaks at lag16 (lag64 is not counted: it broke before)
+    assert report["largest_within_noise"] == {"naive": "lag4", "m2po": None}
+    numbers = t["naive|lag16"]["numbers"]
+    assert numbers["reward_last"] == {"median": 0.55, "min": 0.5, "max": 0.6, "n": 3}
+    assert numbers["grad_norm_max"]["median"] == 9.0 and numbers["drift_tv"]["n"] == 0
+    assert t["m2po|lag4"]["numbers"]["drift_tv"]["median"] == pytest.approx(0.1)
+    md = markdown_table(report)
+    # first quarter: steps 1–2 at 0.1, 0.2 → 0.15
+    assert "| naive | 16 | 3 | 0.560 [0.510–0.610] | 0.150 [0.150–0.150] | 0.550 [0.500–0.600] |" in md
+    assert "-0.300 lower | -0.300 lower" in md and "(control)" in md
+    assert t["naive|lag4"]["eval_vs_control"]["verdict"] == "within noise"
+    assert t["m2po|lag16"]["eval_vs_control"]["verdict"] == "too few seeds"  # no eval.json there
+    assert report["largest_within_noise_eval"] == {"naive": "lag4", "m2po": None}
+    png = plot_staleness(report, tmp_path / "staleness.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_largest_lag_skips_missing_lags():
+    assert largest_lag_within_noise({"lag64": {"within_noise": True}, "lag4": {"within_noise": True}}) == "lag64"
+    assert largest_lag_within_noise({"lag1": {"within_noise": False}}) is None
+
+
+def test_stale_setting_and_lag_sources():
+    s = get_setting("stale")
+    assert s["presets"] == ["naive", "tis", "m2po", "ipo", "score_centering"]
+    assert s["mismatches"] == ["none", "lag1", "lag4", "lag8", "lag16", "lag64"] and s["seeds"] >= 3
+    assert "rollout.sync_every=2" in mismatch_overrides("lag1")
+    assert "rollout.sync_every=64" in mismatch_overrides("lag64")
+    with pytest.raises(ValueError, match="lag1"):
+        mismatch_overrides("lag1+lag16")  # two lags set the same field
+
+
+def test_evaluate_run_scores_the_trainer_weights_on_fixed_prompts(tmp_path, tiny_run):
+    from offpolicy.lab.staleness import evaluate_run
+    from offpolicy.train.config import load_config
+    from offpolicy.train.loop import train
+
+    cfg = load_config(None, [*tiny_run, "task.name=pattern", f"run.out_dir={tmp_path}", "run.steps=1",
+                             "run.progress=false",
+                             "run.tensorboard=false", "rollout.sync_every=4"])
+    train(cfg)
+    first = evaluate_run(tmp_path, prompts=2)
+    assert first["step"] == 1.0 and first["samples"] == 2 * cfg.algorithm.group_size and 0.0 <= first["reward"] <= 1.0
+    assert json.loads((tmp_path / "eval.json").read_text()) == first
+    assert evaluate_run(tmp_path, prompts=2) == first  # the same prompts and sampling seed every time
+    with pytest.raises(ValueError, match="no checkpoint"):
+        evaluate_run(tmp_path / "nothing")
