@@ -62,8 +62,8 @@ def test_settings_are_plain_and_valid(tmp_path):
         controlled = len(s.get("control_presets", s["presets"]))
         assert len(plan.runs) == (len(s["presets"]) * (len(s["mismatches"]) - 1) + controlled) * s["seeds"]
         cfg = planned_config(plan.runs[0])
-        assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == ("lab", "pattern",
-                                                                                     {"length": 32}, 1)
+        task = "free_digits" if name == "real_free" else "pattern"  # real_free: the task with free digits
+        assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == ("lab", task, {"length": 32}, 1)
 
 
 def test_plan(tmp_path):

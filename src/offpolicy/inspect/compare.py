@@ -267,12 +267,6 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
         t1 = time.perf_counter()
         trainer_logp, _, trainer_logits = _score(train_engine.model, prompts, out.completion_ids, sampling, autocast)
         t2 = time.perf_counter()
-        if sampler is None and view == "full" and getattr(roll_engine, "reports_full_distribution", False):
-            # log μ is normalised (log Z = 0) while the trainer's logits carry log Z ≈ 10: the float32 KL kernel
-            # then cancels two terms of that size (a ~5e-5 nats floor, measured). The comparison is shift-invariant,
-            # so give μ the trainer's normaliser: the two logit sets then agree term by term.
-            rollout_logits = rollout_logits + sampling.temperature * torch.logsumexp(
-                trainer_logits.float() / sampling.temperature, -1, keepdim=True)
         mask = out.mask
         ids = torch.tensor([c + [0] * (mask.shape[1] - len(c)) for c in out.completion_ids],
                            dtype=torch.long).reshape(mask.shape)

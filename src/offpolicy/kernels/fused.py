@@ -165,6 +165,25 @@ def _rollout_chunk(rollout: Tensor, cfg: _Config, dtype: torch.dtype, scratch: _
     return out.mul_(1.0 / cfg.rollout_temperature) if cfg.rollout_temperature != 1.0 else out
 
 
+def _centred_kl(rollout_logits: Tensor, rollout_max: Tensor, rollout_exp: Tensor, rollout_sum_exp: Tensor,
+                logits: Tensor, max_logit: Tensor, exp_shifted: Tensor, sum_exp: Tensor, scratch: _Scratch) -> Tensor:
+    """KL(q‖p) of full rows from their shifted exponentials, in a form where a shift of the logits cancels exactly.
+
+    With d = (r − max r) − (z − max z) per token: Σ q (r − z) − lse_r + lse = E_q[d] − log(S_r / S), and
+    S_r − S = Σ e^{z − max z} expm1(d). A shift r = z + c gives d ≡ 0 (up to the rounding of z + c) and KL 0 to
+    ~1e-12; the textbook Σ q (r − z) − lse_r + lse subtracts two normalisers of size |z| and keeps a float32
+    floor of ~3e-5 nats on a real model's logits. 0·(−inf) where q = 0 reads 0; π(a) = 0 < μ(a) gives +inf.
+    """
+    d = torch.sub(rollout_logits, rollout_max, out=scratch.get("tmp", logits)).sub_(logits).add_(max_logit)
+    q_zero = torch.eq(rollout_exp, 0, out=scratch.get("mask", logits, torch.bool))
+    e_q_d = _rowdot(rollout_exp, d.masked_fill(q_zero, 0.0)) / rollout_sum_exp
+    # e^{r − max r} − e^{z − max z}: through expm1 where the two are close (|d| < 1: the cancellation), directly
+    # elsewhere (no cancellation; and e^{z − max z}·expm1(d) could read 0·inf where z is very negative)
+    gap = torch.where(d.abs() < 1, exp_shifted * torch.expm1(d.clamp(-1, 1)), rollout_exp - exp_shifted)
+    log_ratio = torch.log1p(gap.sum(dim=-1, keepdim=True) / sum_exp)
+    return torch.where(torch.isinf(e_q_d), e_q_d, e_q_d - log_ratio)
+
+
 def _forward_chunk(logits: Tensor, targets: Tensor, cfg: _Config, rollout: Tensor | None, topk_logp: Tensor | None,
                    topk_ids: Tensor | None, scratch: _Scratch) -> dict[str, Tensor]:
     """Statistics of one chunk of logits ``z`` [n, V] (owned; may be overwritten). Returns [n, 1] tensors."""
@@ -199,10 +218,8 @@ def _forward_chunk(logits: Tensor, targets: Tensor, cfg: _Config, rollout: Tenso
         rollout_log_z = rollout_max + rollout_sum_exp.log()
         out["lse_rollout"] = rollout_log_z
         if "kl" in want:
-            # KL(q‖p) = Σ q (r − z) − lse_r + lse; 0·(−inf) where q = 0 must read 0, not NaN.
-            diff = torch.sub(rollout_logits, logits, out=scratch.get("tmp", logits))
-            diff.masked_fill_(torch.eq(rollout_exp, 0, out=scratch.get("mask", logits, torch.bool)), 0.0)
-            out["kl"] = _rowdot(rollout_exp, diff) / rollout_sum_exp - rollout_log_z + log_z
+            out["kl"] = _centred_kl(rollout_logits, rollout_max, rollout_exp, rollout_sum_exp, logits, max_logit,
+                                    exp_shifted, sum_exp, scratch)
         if "tv" in want:
             probs = torch.div(exp_shifted, sum_exp, out=scratch.get("tmp", logits))
             diff = torch.div(rollout_exp, rollout_sum_exp, out=rollout_exp).neg_().add_(probs)  # p − q (q is done)
@@ -394,6 +411,11 @@ def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, ro
     return stats, valid, target_ids
 
 
+def _finite(running_max: Tensor) -> Tensor:
+    """A running maximum with −inf (nothing seen yet, or all −inf) read as 0, as :func:`_online_update` shifts."""
+    return torch.where(torch.isfinite(running_max), running_max, torch.zeros((), dtype=running_max.dtype))
+
+
 def _online_update(running_max: Tensor, running_sum: Tensor, tile: Tensor, exp_out: Tensor):
     """Merge a tile into a running (max, Σ e^{x − max}) pair; returns (max, sum, the factor rescaling other running
     sums to the new max, e^{tile − max})."""
@@ -417,8 +439,9 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
         return torch.full((n, 1), val, dtype=dtype, device=device)
 
     max_logit, sum_exp, sum_exp_logit, target_logit = full(float("-inf")), full(0.0), full(0.0), full(0.0)
-    # Σ e^{z − max}·z is the entropy's; Σ e^{r − max_r}·(r − z) is the KL's
-    rollout_max, rollout_sum_exp, rollout_weighted_diff = full(float("-inf")), full(0.0), full(0.0)
+    # Σ e^{z − max}·z is the entropy's; Σ e^{r − max_r}·d and S_r − S (see _centred_kl) are the KL's
+    rollout_max, rollout_sum_exp = full(float("-inf")), full(0.0)
+    kl_sum_q_d, kl_gap = full(0.0), full(0.0)
     # the logits outside the rollout's top-k, and those inside
     rest_max, rest_sum_exp = full(float("-inf")), full(0.0)
     topk_logits = torch.zeros(topk_ids.shape if topk_ids is not None else (n, 1), dtype=dtype, device=device)
@@ -427,17 +450,31 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
         width = v1 - v0
         in_tile = (targets >= v0) & (targets < v1)
         target_logit = torch.where(in_tile, logits.gather(1, (targets - v0).clamp(0, width - 1)), target_logit)
+        old_max, old_sum_exp = max_logit, sum_exp
         max_logit, sum_exp, rescale, tile_exp = _online_update(max_logit, sum_exp, logits, scratch.get("exp", logits))
         if "entropy" in cfg.want:
             sum_exp_logit = sum_exp_logit * rescale + _rowdot(tile_exp, logits)
         if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
             assert rollout is not None
             rollout_logits = _rollout_chunk(rollout[:, v0:v1], cfg, dtype, scratch)
+            old_rollout_max, old_rollout_sum_exp = rollout_max, rollout_sum_exp
             rollout_max, rollout_sum_exp, rescale_rollout, rollout_exp = _online_update(
                 rollout_max, rollout_sum_exp, rollout_logits, scratch.get("rollout_exp", logits))
-            diff = torch.sub(rollout_logits, logits, out=scratch.get("tmp", logits))
-            diff.masked_fill_(torch.eq(rollout_exp, 0, out=scratch.get("mask", logits, torch.bool)), 0.0)
-            rollout_weighted_diff = rollout_weighted_diff * rescale_rollout + _rowdot(rollout_exp, diff)
+            # the centred KL of _centred_kl, streamed: Σ q d and S_r − S, both relative to the running maxima;
+            # when a maximum moves, d moves by the change of (max z − max r) and the gap is carried exactly
+            shift = _finite(rollout_max) - _finite(old_rollout_max) - (_finite(max_logit) - _finite(old_max))
+            kl_sum_q_d = torch.where(old_rollout_sum_exp > 0, (kl_sum_q_d - old_rollout_sum_exp * shift)
+                                     * rescale_rollout, 0.0)
+            carried = torch.where(old_sum_exp > 0, rescale * torch.expm1(
+                (old_rollout_max - _finite(rollout_max)) - (old_max - _finite(max_logit))) * old_sum_exp, 0.0)
+            kl_gap = kl_gap * rescale_rollout + torch.where(old_rollout_sum_exp > 0, carried,
+                                                            -old_sum_exp * rescale)
+            d = torch.sub(rollout_logits, _finite(rollout_max), out=scratch.get("tmp", logits)).sub_(logits).add_(
+                _finite(max_logit))
+            q_zero = torch.eq(rollout_exp, 0, out=scratch.get("mask", logits, torch.bool))
+            kl_sum_q_d = kl_sum_q_d + _rowdot(rollout_exp, d.masked_fill(q_zero, 0.0))
+            kl_gap = kl_gap + torch.where(d.abs() < 1, tile_exp * torch.expm1(d.clamp(-1, 1)),
+                                          rollout_exp - tile_exp).sum(dim=-1, keepdim=True)
         elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
             assert topk_ids is not None
             in_tile_ids = (topk_ids >= v0) & (topk_ids < v1)
@@ -452,7 +489,8 @@ def _forward_online(tile_fn, col_slices, targets: Tensor, cfg: _Config, rollout:
     if cfg.kl_source == "logits" and cfg.want & {"kl", "tv"}:
         rollout_log_z = rollout_max + rollout_sum_exp.log()
         out["lse_rollout"] = rollout_log_z
-        out["kl"] = rollout_weighted_diff / rollout_sum_exp - rollout_log_z + log_z
+        e_q_d = kl_sum_q_d / rollout_sum_exp
+        out["kl"] = torch.where(torch.isinf(e_q_d), e_q_d, e_q_d - torch.log1p(kl_gap / sum_exp))
     elif cfg.kl_source == "topk" and cfg.want & {"kl", "tv"}:
         assert topk_logp is not None
         topk_logq = topk_logp.to(dtype)

@@ -10,6 +10,12 @@ is the control: an fp32 engine (μ = π up to fp32 rounding, k3 KL ≈ 1e-14 per
 it and changes what its name says. ``"a+b"`` combines sources (``int8+kv4``: bf16 engine, int8 weights, 4-bit KV
 cache); two sources that set the same field differently cannot be combined.
 
+The ``gguf-*`` sources are a real inference engine, not a simulation: the trainer's weights exported as GGUF and
+served by llama.cpp's own kernels (``rollout.engine=llamacpp``, the ``llamacpp`` extra), re-exported at every step.
+``gguf-f32`` (F32 weights and KV cache) is the real engine's control: only the kernels differ from the trainer's;
+``gguf-q8_0`` / ``gguf-q4_0`` are llama.cpp's block-quantised weights beside the simulated ``int8`` / ``int4``, and
+``-kv8`` / ``-kv4`` add its quantised KV cache. A ``gguf-*`` source is a whole engine: it combines with nothing.
+
 >>> mismatch_overrides("int8+kv4")[:3]
 ['rollout.dtype=bfloat16', 'rollout.kv_cache=true', 'rollout.kv_cache_bits=4']
 >>> canonical_mismatch("kv4+int8")
@@ -34,7 +40,14 @@ ENGINE_BASE: dict[str, Any] = {
     "rollout.weight_bits": None,
     "rollout.logit_noise": 0.0,
     "rollout.sync_every": 1,
+    "rollout.engine": "hf",
+    "rollout.llamacpp.weights": "q8_0",
+    "rollout.llamacpp.kv_cache_type": None,
 }
+
+
+def _gguf(weights: str, kv: str) -> dict[str, Any]:
+    return {"rollout.engine": "llamacpp", "rollout.llamacpp.weights": weights, "rollout.llamacpp.kv_cache_type": kv}
 
 # name → (what it changes in ENGINE_BASE, one-line description). Order = canonical order of a combination.
 SOURCES: dict[str, tuple[dict[str, Any], str]] = {
@@ -59,7 +72,17 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
               "steps never syncs: every rollout comes from the initial policy)"),
     "noise": ({"rollout.logit_noise": 0.3},
               "seeded Gaussian noise σ = 0.3 on the engine's logits (a synthetic stand-in; an extra, not a default)"),
+    "gguf-f32": (_gguf("f32", "f32"),
+                 "llama.cpp, F32 GGUF weights and F32 KV cache: real kernels, no rounding (the real engine's control)"),
+    "gguf-f16": (_gguf("f16", "f16"), "llama.cpp, F16 GGUF weights, F16 KV cache (llama.cpp's default cache)"),
+    "gguf-q8_0": (_gguf("q8_0", "f16"), "llama.cpp, Q8_0 GGUF weights (8-bit blocks of 32), F16 KV cache"),
+    "gguf-q4_0": (_gguf("q4_0", "f16"), "llama.cpp, Q4_0 GGUF weights (4-bit blocks of 32), F16 KV cache"),
+    "gguf-q8_0-kv8": (_gguf("q8_0", "q8_0"), "llama.cpp, Q8_0 GGUF weights, q8_0 KV cache"),
+    "gguf-q4_0-kv4": (_gguf("q4_0", "q4_0"), "llama.cpp, Q4_0 GGUF weights, q4_0 KV cache"),
 }
+
+# Sources that are a whole real engine (combined with nothing)
+REAL_ENGINES = tuple(name for name in SOURCES if name.startswith("gguf-"))
 
 # Sources a user names explicitly; no setting runs them by default (logit noise is not a real engine's numerics).
 EXTRAS = ("noise",)
@@ -81,6 +104,9 @@ def parse_mismatch(name: str) -> tuple[str, ...]:
         raise ValueError(f"mismatch {name!r} names a source twice")
     if len(parts) > 1 and CONTROL in parts:
         raise ValueError(f"mismatch {name!r}: '{CONTROL}' is the control and cannot be combined")
+    real = [p for p in parts if p in REAL_ENGINES]
+    if len(parts) > 1 and real:
+        raise ValueError(f"mismatch {name!r}: {real[0]!r} is a whole llama.cpp engine and cannot be combined")
     order = list(SOURCES)
     return tuple(sorted(parts, key=order.index))
 

@@ -11,7 +11,7 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'stale']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'stale']
 """
 
 from __future__ import annotations
@@ -68,6 +68,29 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "overrides": [*LAB_BASE],
         "presets": ["naive", "tis", "mis", "trm", "dvp_mis", "alp"],
         "mismatches": ["none", "int4+kv4", "lag8"],
+        "seeds": 3,
+        "steps": 100,
+    },
+    # a real inference engine: llama.cpp's own kernels on GGUF exports (re-exported every step) beside the torch
+    # simulation of the same quantisation, each with naive, truncated IS and a masking family
+    "real": {
+        "description": "llama.cpp Q8_0 / Q4_0 weights (+ q4_0 KV cache) against the simulated int8 / int4 (+ kv4), "
+                       "naive vs TIS vs MIS, naive on the fp32 control",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "mis"],
+        "mismatches": ["none", "gguf-q8_0", "int8", "gguf-q4_0", "int4", "gguf-q4_0-kv4", "int4+kv4"],
+        "control_presets": ["naive"],  # on the fp32 engine the IS weights are 1: TIS / MIS would repeat naive
+        "seeds": 3,
+        "steps": 100,
+    },
+    # the same engines on a task whose best policy keeps uncertain tokens (offpolicy.tasks.free_digits: a quarter of
+    # the answer's digits are free, nine right choices each), so the numeric mismatch cannot vanish as it learns
+    "real_free": {
+        "description": "free_digits (a quarter of the digits free): llama.cpp Q4_0 + q4_0 KV vs simulated int4 + kv4",
+        "overrides": [*[o for o in LAB_BASE if not o.startswith("task.name=")], "task.name=free_digits"],
+        "presets": ["naive", "tis", "mis"],
+        "mismatches": ["none", "gguf-q4_0-kv4", "int4+kv4"],
+        "control_presets": ["naive"],
         "seeds": 3,
         "steps": 100,
     },

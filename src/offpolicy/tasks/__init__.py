@@ -1,4 +1,4 @@
-"""Built-in verifiable tasks (arithmetic, countdown, pattern), JSONL tasks and reward validation."""
+"""Built-in verifiable tasks (arithmetic, countdown, pattern, free_digits), JSONL tasks and reward validation."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ from typing import Any
 from offpolicy.tasks.arithmetic import ArithmeticTask
 from offpolicy.tasks.base import Example, RewardError, RewardFn, Task, check_rewards, compute_rewards
 from offpolicy.tasks.countdown import CountdownTask, safe_eval
+from offpolicy.tasks.free_digits import FreeDigitsTask
 from offpolicy.tasks.jsonl import JsonlTask, exact_match_reward
 from offpolicy.tasks.pattern import PatternTask
 
-BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "pattern": PatternTask}
+BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "pattern": PatternTask,
+                 "free_digits": FreeDigitsTask}
 # A small JSONL task shipped as package data: the format example for ``--task path.jsonl``.
 EXAMPLE_JSONL = Path(__file__).parent / "data" / "times_table.jsonl"
 
 
 def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None, **options: Any) -> Task:
-    """A built-in task by name ("arithmetic", "countdown", "pattern") or a :class:`JsonlTask` from a ``.jsonl`` path.
+    """A built-in task by name ("arithmetic", "countdown", "pattern", "free_digits") or a :class:`JsonlTask` from a
+    ``.jsonl`` path.
 
     ``reward_fn`` replaces the JSONL task's default exact match; built-in tasks have their own reward and
     reject one (ValueError) rather than silently ignoring it. ``options`` are a built-in task's arguments
@@ -28,7 +31,7 @@ def get_task(name_or_path: str | Path, reward_fn: RewardFn | None = None, **opti
     >>> get_task("sudoku")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown', 'pattern'] or a path to a .jsonl file
+    ValueError: unknown task 'sudoku': use one of ['arithmetic', 'countdown', ...] or a path to a .jsonl file
     """
     key = str(name_or_path)
     if key in BUILTIN_TASKS:
@@ -51,6 +54,7 @@ __all__ = [
     "ArithmeticTask",
     "CountdownTask",
     "Example",
+    "FreeDigitsTask",
     "JsonlTask",
     "PatternTask",
     "RewardError",

@@ -71,10 +71,30 @@ class SamplingSection(_Section):
     max_new_tokens: int = Field(16, ge=1)
 
 
-class RolloutConfig(_Section):
-    """The inference engine whose numerics differ from the trainer's (bf16 + KV cache by default)."""
+class LlamaCppSection(_Section):
+    """llama.cpp's own server as the rollout engine (``rollout.engine: llamacpp``; the ``llamacpp`` extra): the
+    trainer's model exported as GGUF with ``weights`` (f32, f16, bf16, q8_0, q4_0), a KV cache of ``kv_cache_type``
+    (None: f32 for F32 weights, else llama.cpp's f16; q8_0 / q4_0 are a real quantised cache), ``threads`` CPU
+    threads (None: the run's). Weights are synced by export + server restart every step."""
 
-    engine: Literal["hf"] = "hf"
+    weights: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "q8_0"
+    kv_cache_type: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] | None = None
+    threads: int | None = Field(None, ge=1)
+
+
+# rollout fields that only the transformers engine reads: set with rollout.engine=llamacpp they would be ignored
+_HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "logit_noise": 0.0, "sync_every": 1,
+                   "routing_replay": "none"}
+
+
+class RolloutConfig(_Section):
+    """The inference engine whose numerics differ from the trainer's (bf16 + KV cache by default).
+
+    ``engine``: ``hf`` (transformers in this process; ``dtype``, ``kv_cache``, ``kv_cache_bits``, ``weight_bits``,
+    ``logit_noise`` simulate a serving stack's numerics) or ``llamacpp`` (llama.cpp's real kernels, set in the
+    ``llamacpp`` section; the simulation fields must stay at their defaults and ``dtype`` is not read)."""
+
+    engine: Literal["hf", "llamacpp"] = "hf"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     kv_cache: bool = True
     kv_cache_bits: int | None = None
@@ -87,6 +107,16 @@ class RolloutConfig(_Section):
     # routes in the π_θ forwards (offpolicy.rollout.routing)
     routing_replay: Literal["none", "r2", "r3"] = "none"
     sampling: SamplingSection = Field(default_factory=SamplingSection)
+    llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> "RolloutConfig":
+        if self.engine == "llamacpp":
+            for key, default in _HF_ENGINE_ONLY.items():
+                if getattr(self, key) != default:
+                    raise ValueError(f"rollout.{key}={getattr(self, key)!r} only applies to rollout.engine=hf; the "
+                                     "llama.cpp engine's numerics are set in rollout.llamacpp (weights, kv_cache_type)")
+        return self
 
 
 class AlgorithmConfig(_Section):

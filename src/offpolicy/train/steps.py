@@ -144,10 +144,16 @@ def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
     return model, tok
 
 
-def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFRolloutEngine
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFRolloutEngine | LlamaCppRolloutEngine
     from offpolicy.rollout.hf import HFRolloutEngine
 
     r = cfg.rollout
+    if r.engine == "llamacpp":  # real kernels: the model as GGUF in an in-process llama-server, re-exported per sync
+        from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine
+
+        ll = r.llamacpp
+        return LlamaCppRolloutEngine(model, tokenizer, weights=ll.weights, kv_cache_type=ll.kv_cache_type,
+                                     threads=ll.threads or cfg.run.threads)
     return HFRolloutEngine(
         model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
         logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none",
