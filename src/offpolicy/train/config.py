@@ -110,7 +110,7 @@ class RolloutConfig(_Section):
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
 
     @model_validator(mode="after")
-    def _engine_fields(self) -> "RolloutConfig":
+    def _engine_fields(self) -> RolloutConfig:
         if self.engine == "llamacpp":
             for key, default in _HF_ENGINE_ONLY.items():
                 if getattr(self, key) != default:
