@@ -90,8 +90,23 @@ def trainer_base():
     return trainer_base
 
 
-def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_base, monkeypatch):
+def _compute_advantage(cls, trainer_base, monkeypatch, queue, keys) -> dict:
+    """Run ``cls._compute_advantage`` (GRPO, n = 3) on the stand-in queue; the metrics it logged."""
     from omegaconf import OmegaConf
+
+    monkeypatch.setattr(trainer_base, "tq", queue)
+    trainer = object.__new__(cls)  # the method under test reads only the config (and the queue)
+    trainer.config = OmegaConf.create({
+        "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0,
+                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
+        "actor_rollout_ref": {"rollout": {"n": 3}},
+    })
+    metrics: dict = {}
+    trainer._compute_advantage(BatchMeta(keys=keys, partition_id="train"), metrics)
+    return metrics
+
+
+def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_base, monkeypatch):
 
     from offpolicy.integrations.verl import plugin
 
@@ -110,16 +125,7 @@ def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_ba
         rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
                      "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n]}
     queue = StandInQueue(rows)
-    monkeypatch.setattr(trainer_base, "tq", queue)
-
-    trainer = object.__new__(cls)  # the method under test reads only the config (and the queue)
-    trainer.config = OmegaConf.create({
-        "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0,
-                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
-        "actor_rollout_ref": {"rollout": {"n": 3}},
-    })
-    metrics: dict = {}
-    trainer._compute_advantage(BatchMeta(keys=keys, partition_id="train"), metrics)
+    metrics = _compute_advantage(cls, trainer_base, monkeypatch, queue, keys)
 
     def stored(field):
         return torch.stack([torch.nn.functional.pad(rows[k][field].float(), (0, R - len(rows[k][field])))
@@ -270,7 +276,6 @@ def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
     """``topk_logprobs`` + ``trm``: the plug-in trainer reads the engine's upper bound on KL(μ ‖ π_old) — a field laid
     out as the engine's log-probs over prompt + response — cuts it to the response as verl's ``response_from_nested``
     does, and TRM-Max masks every sequence with a token above δ."""
-    from omegaconf import OmegaConf
 
     from offpolicy.integrations.verl import plugin
     from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
@@ -297,15 +302,7 @@ def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
         rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
                      "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n],
                      KL_UPPER_FIELD: seq, KL_LOWER_FIELD: torch.zeros(n_prompt + n)}
-    monkeypatch.setattr(trainer_base, "tq", StandInQueue(rows))
-    trainer = object.__new__(cls)
-    trainer.config = OmegaConf.create({
-        "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0,
-                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
-        "actor_rollout_ref": {"rollout": {"n": 3}},
-    })
-    metrics: dict = {}
-    trainer._compute_advantage(BatchMeta(keys=keys, partition_id="train"), metrics)
+    metrics = _compute_advantage(cls, trainer_base, monkeypatch, StandInQueue(rows), keys)
     kept = torch.stack([torch.nn.functional.pad(rows[k]["response_mask"].float(), (0, R - LENGTHS[i]))
                         for i, k in enumerate(keys)])
     # by hand: row maxima over valid tokens 0.01, 0.2, 0.01, 0.5, 0.049, 0.01 → rows 1 and 3 out
