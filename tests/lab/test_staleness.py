@@ -76,7 +76,8 @@ def test_largest_lag_skips_missing_lags():
 
 def test_stale_setting_and_lag_sources():
     s = get_setting("stale")
-    assert s["presets"] == ["naive", "tis", "m2po", "ipo", "score_centering"]
+    assert s["presets"] == ["naive", "tis", "m2po", "m2po_tau0p2", "m2po_areal", "ipo", "score_centering",
+                            "score_centering_reinforce"]
     assert s["mismatches"] == ["none", "lag1", "lag4", "lag8", "lag16", "lag64"] and s["seeds"] >= 3
     assert "rollout.sync_every=2" in mismatch_overrides("lag1")
     assert "rollout.sync_every=64" in mismatch_overrides("lag64")
@@ -99,3 +100,21 @@ def test_evaluate_run_scores_the_trainer_weights_on_fixed_prompts(tmp_path, tiny
     assert evaluate_run(tmp_path, prompts=2) == first  # the same prompts and sampling seed every time
     with pytest.raises(ValueError, match="no checkpoint"):
         evaluate_run(tmp_path / "nothing")
+
+
+def test_stale_variants_build_the_method_they_name():
+    from offpolicy.lab.settings import resolve_preset
+    from offpolicy.train.config import load_config
+    from offpolicy.train.presets import PRESETS, build_chain
+
+    def params(name):
+        preset, extra = resolve_preset(name)
+        cfg = load_config(None, [f"algorithm.preset={preset}", *extra])
+        return cfg, build_chain(PRESETS[preset], cfg.algorithm)
+
+    cfg, corr = params("m2po_tau0p2")
+    assert corr.config["threshold"] == 0.2 and corr.config["quadrants"] is True
+    cfg, corr = params("m2po_areal")
+    assert corr.config == {"threshold": 0.04, "quadrants": False, "source": "mismatch"}
+    cfg, _ = params("score_centering_reinforce")
+    assert cfg.algorithm.objective == "reinforce" and cfg.algorithm.preset == "score_centering"

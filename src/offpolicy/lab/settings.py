@@ -94,13 +94,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "seeds": 3,
         "steps": 100,
     },
-    # staleness: methods made for stale data against naive and TIS, from 1 to 64 updates old. 20 steps (what fits on
-    # two shared cores; on-policy the reward is ≈ 0.8 by then): lag16 syncs once (step 16), lag64 never — its
-    # rollouts all come from the initial policy, up to 19 steps = 76 optimiser updates old
+    # staleness: methods made for stale data against naive and TIS, from 1 to 64 updates old, with M2PO at a looser
+    # bound and in AReaL's form, and score centering on the paper's REINFORCE surrogate. 20 steps (what fits on two
+    # cores; on-policy the reward is ≈ 0.8 by then): lag16 syncs once (step 16), lag64 never — its rollouts all come
+    # from the initial policy, up to 19 steps = 76 optimiser updates old
     "stale": {
         "description": "naive, TIS, M2PO, IPO and score centering on engines that lag by 1 to 64 updates",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "tis", "m2po", "ipo", "score_centering"],
+        "presets": ["naive", "tis", "m2po", "m2po_tau0p2", "m2po_areal", "ipo", "score_centering",
+                    "score_centering_reinforce"],
         "mismatches": ["none", "lag1", "lag4", "lag8", "lag16", "lag64"],
         "control_presets": ["naive"],  # the fp32 on-policy control
         "seeds": 3,
@@ -122,6 +124,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "naive_lrguard": ("naive", ["control.lr_guard=true", "control.lr_guard_window=16", "control.lr_guard_patience=32"]),
     # the guard's control: the same halving every 16 steps down to 5 %, on a fixed schedule instead of the mismatch
     "naive_lrstep": ("naive", ["optim.schedule=step", "optim.step_every=16", "optim.min_lr_scale=0.05"]),
+    # M2PO's bound five times looser than the paper's τ = 0.04: does the second-moment mask learn once it drops less?
+    "m2po_tau0p2": ("m2po", ["algorithm.corrections=[{name: m2po, threshold: 0.2}]"]),
+    # AReaL's M2PO: every valid token a candidate, r from the proximal policy π_old over μ (the mismatch alone)
+    "m2po_areal": ("m2po", ["algorithm.corrections=[{name: m2po, quadrants: false, source: mismatch}]"]),
+    # score centering on the ratio-free REINFORCE surrogate the paper writes (no PPO clip): −A·(log p(y) − E_q[log p])
+    "score_centering_reinforce": ("score_centering", ["algorithm.objective=reinforce"]),
 }
 
 
