@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,7 +43,20 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_EVENTS", str(path))
     monkeypatch.setenv("FAKE_STEP_S", "0.02")
     monkeypatch.delenv("FAKE_FAIL", raising=False)
-    return SimpleNamespace(command=fake_command, events=lambda: read_events(path), path=FAKE)
+    events = lambda: read_events(path)  # noqa: E731
+
+    def ctrl_c_after_starts(n: int, timeout_s: float = 60.0) -> None:
+        """In a background thread: once ``n`` fake runs have started, SIGINT this process only (the sweep runner),
+        as a terminal's Ctrl-C would reach it."""
+        def press() -> None:
+            deadline = time.time() + timeout_s
+            while sum(e["event"] == "start" for e in events()) < n and time.time() < deadline:
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=press, daemon=True).start()
+
+    return SimpleNamespace(command=fake_command, events=events, path=FAKE, ctrl_c_after_starts=ctrl_c_after_starts)
 
 
 @pytest.fixture

@@ -112,13 +112,7 @@ def test_ray_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_p
     out = tmp_path / "out"
     plan = _plan(out, tiny_run, presets="naive,mis", mismatches="none", steps=40)  # 4 runs of 4 s
 
-    def press_ctrl_c():
-        deadline = time.time() + 60
-        while sum(e["event"] == "start" for e in fake.events()) < 2 and time.time() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)  # to the runner only, as a terminal's Ctrl-C would be
-
-    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    fake.ctrl_c_after_starts(2)
     result = run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare, poll_s=0.01,
                        executor=_env(cluster))
     ev = fake.events()

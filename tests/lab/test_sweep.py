@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -126,13 +125,7 @@ def test_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_path,
     out = tmp_path / "out"
     plan = _plan(out, tiny_run, presets="naive,mis", mismatches="none", steps=40)  # 4 runs of 4 s
 
-    def press_ctrl_c():
-        deadline = time.time() + 30
-        while sum(e["event"] == "start" for e in fake.events()) < 2 and time.time() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)  # to the runner only, as a terminal's Ctrl-C would be
-
-    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    fake.ctrl_c_after_starts(2)
     result = run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare, poll_s=0.01)
     ev = fake.events()
     assert result.interrupted and not result.failed and not result.done

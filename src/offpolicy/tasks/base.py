@@ -112,3 +112,17 @@ def parse_int(text: str) -> int | None:
     if not body or not body.isascii() or not body.isdigit():
         return None
     return int(s)
+
+
+def check_int_options(*fields: tuple[str, Any, int, int]) -> None:
+    """A task's integer options: each ``(name, value, low, high)`` must be an int in ``[low, high]`` (bools are not).
+
+    >>> check_int_options(("length", 32, 1, 512))
+    >>> check_int_options(("period", 0, 1, 16))
+    Traceback (most recent call last):
+    ...
+    ValueError: period must be an int in [1, 16], got 0
+    """
+    for name, value, low, high in fields:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")

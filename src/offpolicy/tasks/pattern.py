@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from offpolicy.tasks.base import Example
+from offpolicy.tasks.base import Example, check_int_options
 
 DIGITS = "0123456789"
 
@@ -62,9 +62,7 @@ class PatternTask:
     name: str = "pattern"
 
     def __post_init__(self) -> None:
-        for field, value, low, high in (("length", self.length, 1, 512), ("period", self.period, 1, 16)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{field} must be an int in [{low}, {high}], got {value!r}")
+        check_int_options(("length", self.length, 1, 512), ("period", self.period, 1, 16))
 
     @property
     def alphabet(self) -> str:
