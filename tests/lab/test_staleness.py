@@ -67,6 +67,8 @@ def test_report_on_a_known_sweep(tmp_path):
     assert report["largest_within_noise_eval"] == {"naive": "lag4", "m2po": None}
     png = plot_staleness(report, tmp_path / "staleness.png")
     assert png.stat().st_size > 10_000
+    only = plot_staleness(report, tmp_path / "naive_only.png", presets=["naive"])  # one line fewer: another picture
+    assert only.stat().st_size > 10_000 and only.read_bytes() != png.read_bytes()
 
 
 def test_largest_lag_skips_missing_lags():

@@ -159,9 +159,15 @@ def _verdict(v: dict[str, Any] | None) -> str:
     return f"{v['diff']:+.3f} {v['verdict']}" if v["diff"] is not None else v["verdict"]
 
 
-def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
+# The figure's two panels: the five methods, then the variants beside their base method (naive as the reference)
+MAIN_PRESETS = ("naive", "tis", "m2po", "ipo", "score_centering")
+VARIANT_PRESETS = ("naive", "m2po", "m2po_tau0p2", "m2po_areal", "score_centering", "score_centering_reinforce")
+
+
+def plot_staleness(report: dict[str, Any], path: str | Path, presets: Sequence[str] | None = None) -> Path:
     """Two panels against the lag (log axis, sync period in steps): last-quarter reward and worst drawdown, median
-    over seeds with min–max bars, one line per preset; the control's range as a grey band."""
+    over seeds with min–max bars, one line per preset (``presets``: only these, in the report's order); the control's
+    range as a grey band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,6 +176,7 @@ def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
     from offpolicy.lab.plots import preset_colors, save_figure
 
     colors = preset_colors(report["presets"])
+    shown = [p for p in report["presets"] if presets is None or p in presets]
     lags = [m for m in report["mismatches"] if m != CONTROL]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     control = report["table"].get(f"naive|{CONTROL}")
@@ -181,8 +188,8 @@ def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
         if control is not None and control["numbers"][key]["n"]:
             c = control["numbers"][key]
             ax.axhspan(c["min"], c["max"], color="0.85", label="control (naive, fp32 engine): min–max")
-        for i, preset in enumerate(report["presets"]):
-            pts = [(lag_of(m) * (1 + 0.04 * (i - 2)), report["table"][f"{preset}|{m}"]["numbers"][key]) for m in lags
+        for i, preset in enumerate(shown):
+            pts = [(lag_of(m) * (1 + 0.04 * (i - len(shown) / 2)), report["table"][f"{preset}|{m}"]["numbers"][key]) for m in lags
                    if f"{preset}|{m}" in report["table"]]
             pts = [(x, s) for x, s in pts if s["n"]]
             if not pts:
@@ -285,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"- {p}: {report['largest_within_noise_eval'][p] or 'none'} | {report['largest_within_noise'][p] or 'none'}"
         for p in report["presets"])
     (out / "staleness_table.md").write_text(text + "\n")
-    plot_staleness(report, out / "staleness.png")
+    plot_staleness(report, out / "staleness.png", MAIN_PRESETS)
+    if any(p not in MAIN_PRESETS for p in report["presets"]):
+        plot_staleness(report, out / "staleness_variants.png", VARIANT_PRESETS)
     print(text)
 
 
