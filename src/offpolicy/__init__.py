@@ -74,6 +74,7 @@ from offpolicy.objectives.score_centering import (
     sampler_topk,
     score_center,
     score_center_topk,
+    topk_drift_tv,
     topk_tail_gap,
 )
 
@@ -182,6 +183,7 @@ __all__ = [
     "token_veto",
     "topk_kl_lower_bound",
     "topk_kl_upper_bound",
+    "topk_drift_tv",
     "topk_tail_gap",
     "trm",
     "trm_bounds",

@@ -17,6 +17,7 @@ from offpolicy.objectives.score_centering import (
     sampler_topk,
     score_center,
     score_center_topk,
+    topk_drift_tv,
     topk_tail_gap,
 )
 
@@ -122,6 +123,51 @@ def test_gap_by_hand_and_k_equal_v_is_exact():
     assert topk_tail_gap(p, q, 3)[1].item() == pytest.approx(0.0, abs=1e-7)
 
 
+def test_head_drift_by_hand_on_four_tokens():
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    q = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    # exact ½‖q − p‖₁ = ½(0.1 + 0.3 + 0.1 + 0.1) = 0.3
+    assert topk_tail_gap(p, q.log(), 1)[0].item() == pytest.approx(0.3, abs=1e-6)
+    # H = {0}: ½(|0.5 − 0.4| + |m_p − m_q|) = ½(0.1 + |0.4 − 0.5|) = 0.1 — below the exact 0.3: off H, q − p is
+    # (−0.3, 0.1, 0.1), whose signs the proportional tail cannot see
+    one = topk_drift_tv(p, torch.tensor([0]), q[:1].log())
+    assert one.item() == pytest.approx(0.1, abs=1e-6)
+    # H = {0, 2, 3} covers q's support (q_1 = 0): ½(0.1 + 0.1 + 0.1 + |0.7 − 1|) = 0.3 = the exact drift
+    full = topk_drift_tv(p, torch.tensor([0, 2, 3]), q[[0, 2, 3]].log())
+    assert full.item() == pytest.approx(0.3, abs=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), v=st.integers(2, 12), k=st.integers(1, 12),
+       temperature=st.sampled_from([0.5, 1.0, 1.7]))
+def test_head_drift_is_a_lower_bound_exact_at_k_equal_v_and_zero_on_policy(seed, v, k, temperature):
+    g = torch.Generator().manual_seed(seed)
+    z, zq = torch.randn(3, v, generator=g) * 2, torch.randn(3, v, generator=g) * 2
+    k = min(k, v)
+    ids, logq = sampler_topk(zq, k, temperature=temperature)  # the tempered head, as an engine reports it
+    est = topk_drift_tv(z, ids, logq, temperature=temperature)
+    exact = topk_tail_gap(z, zq, v, temperature=temperature)[0]
+    assert bool((est <= exact + 1e-6).all())
+    if k == v:
+        torch.testing.assert_close(est, exact, atol=1e-6, rtol=0)
+    on_policy = topk_drift_tv(zq, ids, logq, temperature=temperature)  # q = p
+    assert float(on_policy.abs().max()) < 1e-6
+
+
+def test_unreported_slots_are_not_in_the_head():
+    # an engine whose truncation kept 2 of 4 tokens reports them and leaves K − 2 slots at −inf (id 0 as filler):
+    # the head is the whole support of the truncated q = (0.75, 0, 0.25, 0), so κ = 0 and the gradient is q − p
+    z = torch.zeros(4, requires_grad=True)  # p = ¼ each
+    ids = torch.tensor([0, 2, 0, 0])
+    logq = torch.tensor([0.75, 0.25, 0.0, 0.0]).log()
+    c = score_center_topk(z, ids, logq)
+    torch.testing.assert_close(torch.autograd.grad(c, z)[0], torch.tensor([0.5, -0.25, 0.0, -0.25]))
+    # the same number as the head without the empty slots
+    assert c.item() == pytest.approx(score_center_topk(z.detach(), ids[:2], logq[:2]).item(), abs=1e-7)
+    # drift: ½(|0.75 − 0.25| + |0.25 − 0.25| + |m_p − m_q|) = ½(0.5 + 0 + |0.5 − 1|) = 0.5 = ½‖q − p‖₁
+    assert topk_drift_tv(z.detach(), ids, logq).item() == pytest.approx(0.5, abs=1e-6)
+
+
 def test_errors():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="sampler_logits"):
@@ -136,3 +182,7 @@ def test_errors():
         centered_logp(torch.zeros(2, 3), torch.zeros(2, 2))
     with pytest.raises(ValueError, match="k must"):
         sampler_topk(z, 0)
+    with pytest.raises(ValueError, match="topk_logq"):
+        topk_drift_tv(z, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="temperature"):
+        topk_drift_tv(z, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1), temperature=-1.0)

@@ -59,15 +59,14 @@ def lag_label(mismatch: str) -> str:
 def group_numbers(rows_per_seed: Sequence[Sequence[dict[str, Any]]],
                   evals: Sequence[float | None] | None = None) -> dict[str, dict[str, Any]]:
     """Every :data:`COLUMNS` number of one preset × mismatch as :func:`~offpolicy.lab.stats.spread` over seeds; the
-    score-centering drift and top-k gap are each run's mean over steps, ``final_eval`` the trainer's evaluated reward
-    (:func:`evaluate_run`; absent: n = 0)."""
+    score-centering drift and top-k gap are each run's mean over steps (absent — the gap on a server engine, which
+    reports only q's head — : n = 0), ``final_eval`` the trainer's evaluated reward (:func:`evaluate_run`; absent: n = 0)."""
     per_seed = []
     for i, rows in enumerate(rows_per_seed):
         s = run_stats(rows)
         s["final_eval"] = evals[i] if evals is not None else None
-        s["drift_tv"] = mean(series(rows, "score_centering/drift_tv")) if "score_centering/drift_tv" in rows[0] else None
-        s["topk_gap_tv"] = mean(series(rows, "score_centering/topk_gap_tv")) if "score_centering/topk_gap_tv" in rows[0] \
-            else None
+        for key in ("drift_tv", "topk_gap_tv"):  # a run that did not log one (no preset, no full q) has no number
+            s[key] = mean(series(rows, f"score_centering/{key}"))
         per_seed.append(s)
     return {key: spread([s[key] for s in per_seed]) for key, _, _ in COLUMNS}
 

@@ -26,6 +26,9 @@ Two ways to get c = Σ_a q_a log p_a, differentiable with respect to the trainer
   q̂_a = κ·p_a with κ = (1 − m_q)/(1 − m_p), m_p = Σ_H p. Because Σ_a p_a ∇log p_a = 0, the tail's contribution folds
   into the head: E_q̂[∇log p] = Σ_{a∈H} (q_a − κ p_a) ∇log p_a, so only log p on H is needed. Its logit gradient is
   q̂ − p exactly; the error against the exact centring is q − q̂, zero on H, whose size :func:`topk_tail_gap` measures.
+  A serving engine (vLLM, SGLang, llama.cpp) reports that head itself — its processed top-K log-probs at each sampled
+  position (``SamplingConfig.logprobs_topk``) — so the trainer centres on the sampling decode's own numbers, and
+  :func:`topk_drift_tv` estimates the drift ½‖q̂ − p‖₁ without the full q.
 
 The peers' PRs are open and their code is not stored here; the proportional-tail formula above is the rule their
 descriptions name ("proportional-tail centered loss", "sampler-expected, calibration-weighted score"), derived here.
@@ -110,17 +113,7 @@ def score_center(logits: Tensor, sampler_logits: Tensor, *, temperature: float =
     return _ScoreCenter.apply(flat, flat_q, t, rows).reshape(shape)
 
 
-def score_center_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """The proportional-tail estimate c = Σ_{a∈H} sg(q_a − κ p_a) log p_a per position (module docstring), from the
-    sampler's top-k head only: ``topk_ids`` ``[..., K]`` (distinct ids per position) and ``topk_logq`` ``[..., K]`` its
-    normalised log-probs; ``logits`` ``[..., V]`` the trainer's, differentiable. Gradient w.r.t. the logits: (q̂ − p)/T.
-
-    >>> z = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)   # p = ⅓ each
-    >>> q = torch.tensor([0.6, 0.3, 0.1])                      # head H = {0}: m_q = 0.6, m_p = ⅓, κ = 0.4/(2/3) = 0.6
-    >>> c = score_center_topk(z, torch.tensor([0]), q[:1].log())
-    >>> torch.autograd.grad(c, z)[0]   # q̂ − p = (0.6, 0.6·⅓, 0.6·⅓) − ⅓ = (0.2667, −0.1333, −0.1333)
-    tensor([ 0.2667, -0.1333, -0.1333])
-    """
+def _check_head(logits: object, topk_ids: object, topk_logq: object) -> tuple[Tensor, Tensor, Tensor]:
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [..., V] tensor, got {type(logits).__name__}")
     if not isinstance(topk_ids, Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -131,17 +124,69 @@ def score_center_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, te
     if topk_ids.shape[:-1] != logits.shape[:-1]:
         raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)} but logits has {tuple(logits.shape)}: the "
                          "leading dimensions must match")
-    t = _check_temperature(temperature)
-    lp = torch.log_softmax(logits.float() / t, -1)
-    lp_head = lp.gather(-1, topk_ids.long())
-    q_head = topk_logq.detach().float().exp()
+    return logits, topk_ids, topk_logq
+
+
+def _head(lp: Tensor, topk_ids: Tensor, topk_logq: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(lp_head, q_head, reported, tail_p, tail_q)`` of the head H: log p and q on the K slots, which slots hold a
+    token (a −inf slot is one the engine did not report: fewer than K tokens survived its truncation), and the two
+    tails 1 − m_p, 1 − m_q ``[..., 1]`` (detached)."""
+    reported = topk_logq.detach() > float("-inf")
+    # an unreported slot points at the slot-0 token (always reported if any is), so it marks nothing new as in H
+    ids = torch.where(reported, topk_ids, topk_ids[..., :1]).long()
+    lp_head = lp.gather(-1, ids)
+    q_head = torch.where(reported, topk_logq.detach().float().exp(), 0.0)
     tail_q = (1.0 - q_head.sum(-1, keepdim=True)).clamp(min=0.0)
     # p's tail mass from its own logits (not 1 − Σ_H p, which is rounding noise when H holds nearly everything)
-    in_head = torch.zeros_like(lp, dtype=torch.bool).scatter_(-1, topk_ids.long(), True)
+    in_head = torch.zeros_like(lp, dtype=torch.bool).scatter_(-1, ids, True)
     tail_p = torch.logsumexp(lp.detach().masked_fill(in_head, float("-inf")), -1, keepdim=True).exp()
+    return lp_head, q_head, reported, tail_p, tail_q
+
+
+def score_center_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """The proportional-tail estimate c = Σ_{a∈H} sg(q_a − κ p_a) log p_a per position (module docstring), from the
+    sampler's top-k head only: ``topk_ids`` ``[..., K]`` (distinct ids per position) and ``topk_logq`` ``[..., K]`` its
+    normalised log-probs of the *tempered* sampler, log softmax(z_q/T) — what a serving engine reports as processed
+    log-probs (temperature applied), passed as they are; ``logits`` ``[..., V]`` the trainer's raw logits,
+    differentiable, divided by ``temperature`` here. Gradient w.r.t. the logits: (q̂ − p)/T. A −inf entry of
+    ``topk_logq`` is a slot the engine left empty (its truncation kept fewer than K tokens): not part of H.
+
+    >>> z = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)   # p = ⅓ each
+    >>> q = torch.tensor([0.6, 0.3, 0.1])                      # head H = {0}: m_q = 0.6, m_p = ⅓, κ = 0.4/(2/3) = 0.6
+    >>> c = score_center_topk(z, torch.tensor([0]), q[:1].log())
+    >>> torch.autograd.grad(c, z)[0]   # q̂ − p = (0.6, 0.6·⅓, 0.6·⅓) − ⅓ = (0.2667, −0.1333, −0.1333)
+    tensor([ 0.2667, -0.1333, -0.1333])
+    """
+    logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
+    t = _check_temperature(temperature)
+    lp_head, q_head, reported, tail_p, tail_q = _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
     kappa = torch.where(tail_p > 0, tail_q / tail_p.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    weight = q_head - kappa * lp_head.detach().exp()
+    weight = torch.where(reported, q_head - kappa * lp_head.detach().exp(), 0.0)
     return (weight * lp_head).sum(-1)
+
+
+@torch.no_grad()
+def topk_drift_tv(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """The drift ½‖q̂ − p‖₁ per position ``[...]`` from the sampler's head only (same arguments as
+    :func:`score_center_topk`): the proportional-tail estimate of ½‖q − p‖₁ when q is known on H alone.
+
+    Off H, q̂_a = κ p_a with κ = (1 − m_q)/(1 − m_p), so Σ_{a∉H} |q̂_a − p_a| = |κ − 1|·(1 − m_p) = |m_p − m_q|:
+
+        ½‖q̂ − p‖₁ = ½(Σ_{a∈H} |q_a − p_a| + |m_p − m_q|)        (m = head mass)
+
+    It never exceeds the exact drift (Σ_{a∉H} |q_a − p_a| ≥ |Σ_{a∉H} (q_a − p_a)| = |m_p − m_q|, the triangle
+    inequality) and equals it when H covers q's support (then q = 0 off H, m_q = 1 and both tails are 1 − m_p).
+
+    >>> p_logits = torch.zeros(4)                                  # p = ¼ each
+    >>> q = torch.tensor([0.5, 0.3, 0.2, 0.0])                     # H = {0, 1}: m_q = 0.8, m_p = 0.5
+    >>> round(topk_drift_tv(p_logits, torch.tensor([0, 1]), q[:2].log()).item(), 4)  # ½(0.25 + 0.05 + 0.3)
+    0.3
+    """
+    logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
+    t = _check_temperature(temperature)
+    lp_head, q_head, reported, tail_p, tail_q = _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
+    head = torch.where(reported, (q_head - lp_head.exp()).abs(), 0.0).sum(-1)
+    return 0.5 * (head + (tail_p - tail_q).abs()[..., 0])
 
 
 def centered_logp(logp: Tensor, center: Tensor) -> Tensor:

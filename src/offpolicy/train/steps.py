@@ -32,7 +32,7 @@ from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import sequence_logprobs
 from offpolicy.train.config import TrainConfig, objective_call
 from offpolicy.train.data import Prompt, compute_rewards, load_task, step_prompts
-from offpolicy.train.presets import PRESETS, Preset, chain_specs
+from offpolicy.train.presets import PRESETS, SCORE_CENTERING_TOPK, Preset, chain_specs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -169,12 +169,16 @@ def sampling_config(cfg: TrainConfig) -> SamplingConfig:
         # V'_S) and by the trainer to its logits (π^mp over V_S) — both policies constrained, as in the paper.
         min_p = max(min_p or 0.0, cfg.algorithm.dvp_rho)
     top_p = s.top_p if s.top_p < 1.0 else None
+    # score_centering_topk: the engine reports q's top-K head at each sampled position (a server's logprobs=K; the
+    # transformers engine takes it from the same processed log-probs it samples from, without touching the sampling)
+    topk = SCORE_CENTERING_TOPK if PRESETS[cfg.algorithm.preset].score_centering == "topk" else 0
     if cfg.algorithm.dvp_coverage is not None:
         # entropy-adaptive safe set: top-p(1 − ε) ∩ min-p(ρ) — HF's order (top-p, then min-p) is the intersection,
         # because min-p compares p(a) / max p, which renormalising after top-p does not change
         top_p = 1.0 - cfg.algorithm.dvp_coverage
     return SamplingConfig(
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None, top_p=top_p, min_p=min_p,
+        logprobs_topk=topk,
     )
 
 
@@ -205,6 +209,8 @@ class Rollout:
     advantages: Tensor
     routed_experts: Any
     seconds: float
+    topk_ids: Tensor | None = None  # [B, T, K] the engine's top-K ids / processed log-probs (sampling.logprobs_topk)
+    topk_logp: Tensor | None = None
 
 
 def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True) -> Rollout:
@@ -222,7 +228,8 @@ def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True) -> 
     seconds = time.perf_counter() - t0
     rewards = compute_rewards(state.task, prompts, a.group_size, out.texts, out.completion_ids)
     return Rollout(prompts, prompt_ids, out.completion_ids, out.logp, rewards, state.advantage_fn(rewards, a.group_size),
-                   getattr(out, "routed_experts", None), seconds)
+                   getattr(out, "routed_experts", None), seconds, topk_ids=getattr(out, "topk_ids", None),
+                   topk_logp=getattr(out, "topk_logp", None))
 
 
 # -- 2. scoring --------------------------------------------------------------------------------------------------------
@@ -241,6 +248,7 @@ class Scored:
     theta_routes: Any
     flip_rate: float | None
     sampler_logits: Tensor | None = None  # the engine's raw logits [B, T, V] (score centering's q)
+    sampler_head: tuple[Tensor, Tensor] | None = None  # else q's head from the rollout: ids, log q [B, T, K]
     # single pass (:func:`single_pass`): π_θ's log-probs ``[B, T]`` and DVP extras *with* their autograd graph — the
     # same forward as π_old's, which the update uses instead of a second one; dropped once the update has used it
     theta: tuple[Tensor, dict[str, Tensor]] | None = None
@@ -289,12 +297,17 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     if state.preset.divergence and roll_logits is not None:
         assert old_logits is not None  # return_logits=state.preset.divergence
         token_divergence = exact_token_kl(roll_logits, old_logits, state.sampling)
+    head = None
     if state.preset.score_centering and roll_logits is None:
-        raise ValueError(f"algorithm.preset={state.cfg.algorithm.preset!r} needs the sampler's logits: the engine "
-                         f"{type(state.engine).__name__} has no score(..., return_logits=True)")
+        if state.preset.score_centering != "topk" or rollout.topk_ids is None or rollout.topk_logp is None:
+            raise ValueError(f"algorithm.preset={state.cfg.algorithm.preset!r} needs the sampler's logits: the engine "
+                             f"{type(state.engine).__name__} has no score(..., return_logits=True) (score_centering_topk "
+                             "centres on the top-K log-probs a server engine reports)")
+        # a server engine: q's head is the sampling decode's own top-K (processed: tempered, as the centring expects)
+        head = (rollout.topk_ids.to(old_logp.device), rollout.topk_logp.to(old_logp.device))
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
                   routing.flip_rate if routing is not None else None,
-                  roll_logits if state.preset.score_centering else None, theta)
+                  roll_logits if state.preset.score_centering else None, theta=theta, sampler_head=head)
 
 
 def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completions: list[list[int]],
@@ -414,8 +427,14 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
             return_logits=state.preset.score_centering is not None)
     t = logp.shape[1]
     if state.preset.score_centering is not None:
-        assert logits is not None and scored.sampler_logits is not None  # return_logits and score_step's q
-        logp, extras = _score_centered(state, logp, logits, scored.sampler_logits[rows, :t], extras)
+        assert logits is not None  # return_logits
+        q: Tensor | tuple[Tensor, Tensor]
+        if scored.sampler_logits is not None:
+            q = scored.sampler_logits[rows, :t]
+        else:
+            assert scored.sampler_head is not None  # score_step sets one of the two
+            q = (scored.sampler_head[0][rows, :t], scored.sampler_head[1][rows, :t])
+        logp, extras = _score_centered(state, logp, logits, q, extras)
     return LogProbBatch(
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],
@@ -423,21 +442,29 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
     )
 
 
-def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler_logits: Tensor,
+def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
                     extras: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """π_θ's log-probs carrying the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from the
     sampler's full logits, or its top-k head with the proportional tail), and the per-token drift ½‖q − p‖₁ and
-    top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``)."""
+    top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
+    of a re-score, or a server's head ``(ids, log q)`` ``[B, T, K]``: then the drift is the proportional-tail estimate
+    ½‖q̂ − p‖₁ and the tail error, which needs the full q, is not logged."""
     from offpolicy.objectives.score_centering import (
         centered_logp,
         sampler_topk,
         score_center,
         score_center_topk,
+        topk_drift_tv,
         topk_tail_gap,
     )
-    from offpolicy.train.presets import SCORE_CENTERING_TOPK
 
     temperature = state.sampling.temperature
+    if isinstance(sampler, tuple):  # the engine's own top-K, already tempered
+        ids, logq = sampler
+        center = score_center_topk(logits, ids, logq, temperature=temperature)
+        drift = topk_drift_tv(logits.detach(), ids, logq, temperature=temperature)
+        return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift}
+    sampler_logits = sampler
     if state.preset.score_centering == "topk":
         ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
         center = score_center_topk(logits, ids, logq, temperature=temperature)
