@@ -35,6 +35,7 @@ from offpolicy.integrations.trl.loss import (
     _loss_mask,
     _refuse_unreproduced,
     batch_from_trl_inputs,
+    needs_rollout_logp,
     trl_objective,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp, trl_engine, trl_sampling_recipe
@@ -193,6 +194,10 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             train_args = getattr(self, "args", None)
             name, params = trl_objective(train_args, objective)
             _refuse_unreproduced(train_args, name)
+            self.offpolicy_needs_rollout = needs_rollout_logp(correction, name)
+            if self.offpolicy_needs_rollout and not getattr(train_args, "use_vllm", False):
+                raise ValueError(f"use_vllm: {', '.join(self.offpolicy_needs_rollout)} need the engine's log-probs μ, "
+                                 "which TRL has only from vLLM (HF generate gives none); set use_vllm=True")
             self.offpolicy_correction = correction
             self.offpolicy_metric_naming = metric_naming
             self.offpolicy_budget = memory_budget_bytes
@@ -462,6 +467,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                         model, input_ids, attention_mask, logits_to_keep, compute_entropy=False,
                         compute_aux_loss=aux_enabled, **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS},
                     )
+            if self.offpolicy_needs_rollout and inputs.get("sampling_per_token_logps") is None:
+                raise ValueError(f"sampling_per_token_logps: {', '.join(self.offpolicy_needs_rollout)} need vLLM's "
+                                 "log-probs μ and TRL's batch has none (a rollout_func without logprobs?)")
             batch = batch_from_trl_inputs(per_token_logps, inputs)
             extra: dict[str, Any] = {}
             if self.offpolicy_recipe is not None:
