@@ -159,7 +159,7 @@ def test_without_vllm_m2po_and_ipo_are_refused(tmp_path, kw, named):
     # HF generate gives TRL no μ: the batch would fall back to μ = π_old and M2PO / IPO would silently do nothing
     model, tok = build_tiny_model(seed=0)
     args = _args(tmp_path, use_vllm=False)
-    with pytest.raises(ValueError, match=f"use_vllm: {named} need the engine's log-probs") as err:
+    with pytest.raises(ValueError, match=f"use_vllm: the engine's log-probs μ.* are read by {named}; set use_vllm=True") as err:
         OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_data(), processing_class=tok,
                              **kw)
     assert "\n" not in str(err.value)
@@ -170,6 +170,6 @@ def test_a_batch_without_mu_is_refused_in_the_loss(tmp_path, stub_vllm, stub_vll
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, objective="ipo")
     out = trainer._generate_and_score_completions([_data()[i] for i in range(2)] * 2)
     out["sampling_per_token_logps"] = None
-    with pytest.raises(ValueError, match="sampling_per_token_logps: ipo need"):
+    with pytest.raises(ValueError, match="sampling_per_token_logps: TRL's batch has no vLLM log-probs μ, which ipo read"):
         trainer._compute_loss(trainer.model, out)
 

@@ -846,9 +846,9 @@ def test_plugin_engine_gives_m2po_total_the_rollout_log_probs(mu_worker, current
     assert min(ours_metrics["m2po/masked_frac"]) > 0
 
 
-def test_mu_reading_loss_on_verls_own_engine_is_refused(worker, current_logp):
+def test_mu_reading_loss_on_verls_own_engine_is_refused(worker, mu_worker, current_logp):
     # verl's own engine does not hand the loss μ: the plug-in's IPO names what is missing instead of running without
-    with pytest.raises(ValueError, match="rollout_log_probs: ipo need μ"):
+    with pytest.raises(ValueError, match="rollout_log_probs: μ, read by ipo"):
         _train(worker, "offpolicy_ipo_test", "token-mean", {
             "old_log_probs": current_logp, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous(),
             "rollout_log_probs": _mu(current_logp)})

@@ -399,7 +399,7 @@ def test_plugin_registers_the_policy_losses():
     assert {"offpolicy", "offpolicy_cispo", "offpolicy_sapo", "offpolicy_dppo_tv", "offpolicy_gspo"} <= set(names)
     # these read μ, which verl's policy-loss call does not carry: the plug-in's engine supplies it (test_verl_actor)
     assert {"offpolicy_ipo", "offpolicy_bypass", "offpolicy_m2po"} <= set(names)
-    with pytest.raises(ValueError, match="rollout_log_probs: ipo need μ"):  # called without the engine: refused
+    with pytest.raises(ValueError, match="rollout_log_probs: μ, read by ipo"):  # called without the engine: refused
         get_policy_loss_fn("offpolicy_ipo")(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3))
     old, new = torch.zeros(1, 3), torch.tensor([[0.5, 0.0, -0.5]], requires_grad=True)
     loss, metrics = get_policy_loss_fn("offpolicy")(old, new, torch.ones(1, 3), torch.ones(1, 3), "token-mean",

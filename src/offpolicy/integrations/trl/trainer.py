@@ -196,8 +196,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             _refuse_unreproduced(train_args, name)
             self.offpolicy_needs_rollout = needs_rollout_logp(correction, name)
             if self.offpolicy_needs_rollout and not getattr(train_args, "use_vllm", False):
-                raise ValueError(f"use_vllm: {', '.join(self.offpolicy_needs_rollout)} need the engine's log-probs μ, "
-                                 "which TRL has only from vLLM (HF generate gives none); set use_vllm=True")
+                raise ValueError("use_vllm: the engine's log-probs μ, which TRL has only from vLLM (HF generate "
+                                 f"gives none), are read by {', '.join(self.offpolicy_needs_rollout)}; set use_vllm=True")
             self.offpolicy_correction = correction
             self.offpolicy_metric_naming = metric_naming
             self.offpolicy_budget = memory_budget_bytes
@@ -468,8 +468,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                         compute_aux_loss=aux_enabled, **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS},
                     )
             if self.offpolicy_needs_rollout and inputs.get("sampling_per_token_logps") is None:
-                raise ValueError(f"sampling_per_token_logps: {', '.join(self.offpolicy_needs_rollout)} need vLLM's "
-                                 "log-probs μ and TRL's batch has none (a rollout_func without logprobs?)")
+                raise ValueError("sampling_per_token_logps: TRL's batch has no vLLM log-probs μ, which "
+                                 f"{', '.join(self.offpolicy_needs_rollout)} read (a rollout_func without logprobs?)")
             batch = batch_from_trl_inputs(per_token_logps, inputs)
             extra: dict[str, Any] = {}
             if self.offpolicy_recipe is not None:

@@ -245,8 +245,8 @@ def verl_policy_loss_fn(
             raise ValueError(f"loss_agg_mode must be one of {tuple(VERL_AGGREGATIONS)}, got {loss_agg_mode!r}")
         mu = _ROLLOUT_LOGP.get()
         if needs_mu and mu is None:
-            raise ValueError(f"rollout_log_probs: {', '.join(needs_mu)} need μ in verl's policy loss; it reaches the loss "
-                             "only through the plug-in's engine (external_lib=offpolicy.integrations.verl.plugin) "
+            raise ValueError(f"rollout_log_probs: μ, read by {', '.join(needs_mu)} in verl's policy loss, reaches the "
+                             "loss only through the plug-in's engine (external_lib=offpolicy.integrations.verl.plugin) "
                              "with rollout_log_probs in the batch (rollout.calculate_log_probs=True)")
         if mu is not None and mu.shape != log_prob.shape:
             raise ValueError(f"rollout_log_probs: shape {tuple(mu.shape)} differs from log_prob's "
