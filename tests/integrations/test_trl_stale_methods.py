@@ -173,3 +173,57 @@ def test_a_batch_without_mu_is_refused_in_the_loss(tmp_path, stub_vllm, stub_vll
     with pytest.raises(ValueError, match="sampling_per_token_logps: TRL's batch has no vLLM log-probs μ, which ipo read"):
         trainer._compute_loss(trainer.model, out)
 
+
+
+def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_vllm_client):
+    # score centering (arXiv 2609.20807) from the stub server's top-4: train() runs it and logs the head's mass; on one
+    # TRL generation batch _compute_loss has the value of the uncentred loss and the gradient of a reference built from
+    # the model's full logits: log p(y) − c + sg(c), c = score_center_topk(logits, top-4 ids, top-4 log q)
+    from offpolicy.objectives.score_centering import centered_logp, score_center_topk
+
+    k = 4
+    trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, topk_logprobs=k, score_centering=True,
+                       objective="reinforce")
+    trainer.train()
+    head = _logged(trainer, "offpolicy/score_centering/head_mass_q")
+    assert len(head) == 2 and all(0.0 < h < 1.0 for h in head)
+
+    out = trainer._generate_and_score_completions([_data()[i] for i in range(2)] * 2)
+    t = out["completion_ids"].shape[1]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    mask = out["completion_mask"]
+    lp_k, id_k = out["offpolicy_topk_logp"], out["offpolicy_topk_ids"]
+
+    def reference(centre):
+        logits = trainer.model(input_ids=ids, attention_mask=att).logits[:, -t - 1:-1].float()  # temperature 1
+        logp = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"][..., None]).squeeze(-1)
+        if centre:
+            valid = mask.bool()
+            c = torch.zeros_like(logp).masked_scatter(valid, score_center_topk(logits[valid], id_k[valid], lp_k[valid]))
+            logp = centered_logp(logp, c)
+        batch = LogProbBatch(logp=logp, mask=mask, rollout_logp=out["sampling_per_token_logps"],
+                             advantages=out["advantages"])
+        return policy_loss(batch, objective="reinforce", aggregation="token_mean")[0]
+
+    ours, g_ours = _loss_and_grad(trainer.model, lambda: trainer._compute_loss(trainer.model, dict(out)))
+    ref, g_ref = _loss_and_grad(trainer.model, lambda: reference(True))
+    plain, g_plain = _loss_and_grad(trainer.model, lambda: reference(False))
+    torch.testing.assert_close(ours, plain, atol=1e-6, rtol=1e-5)  # centring leaves the value alone
+    # the centring's own part of the gradient (small on this near-uniform model: q̂ − p against onehot(y) − p)
+    # equals the reference's
+    d_ours, d_ref = g_ours - g_plain, g_ref - g_plain
+    assert d_ref.norm() > 1e-4 * g_plain.norm()
+    assert ((d_ours - d_ref).norm() / d_ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"score_centering": True}, "set topk_logprobs=K"),
+    ({"score_centering": True, "topk_logprobs": 4, "sampling_replay": True}, "not with sampling_replay"),
+    ({"score_centering": "yes", "topk_logprobs": 4}, "must be a bool"),
+])
+def test_score_centering_settings_are_checked(tmp_path, kw, match):
+    model, tok = build_tiny_model(seed=0)
+    with pytest.raises(ValueError, match=f"score_centering.*{match}"):
+        OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=_args(tmp_path), train_dataset=_data(),
+                             processing_class=tok, **kw)
