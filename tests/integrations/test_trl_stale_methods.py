@@ -22,6 +22,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
 
+NOISE = 0.5  # the stub engine's seeded logit noise: a mismatch large enough to mask (bf16 alone is ~1e-3 nats)
+
 
 def _data():
     return datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)])
@@ -58,7 +60,7 @@ class _Capture(OffPolicyGRPOTrainer):
 def _trainer(tmp_path, stub_vllm, stub_vllm_client, *, args=None, **kw):
     torch.manual_seed(0)
     model, tok = build_tiny_model(seed=0)
-    stub_vllm["client"] = stub_vllm_client(model, tok)
+    stub_vllm["client"] = stub_vllm_client(model, tok, logit_noise=NOISE)
     _Capture.seen = []
     return _Capture(model=model, reward_funcs=_reward, args=args or _args(tmp_path), train_dataset=_data(),
                     processing_class=tok, **kw)
@@ -66,11 +68,11 @@ def _trainer(tmp_path, stub_vllm, stub_vllm_client, *, args=None, **kw):
 
 @pytest.mark.parametrize(("source", "quadrants"), [("total", True), ("mismatch", False)])
 def test_m2po_runs_in_trls_train_and_masks_the_mismatch(tmp_path, stub_vllm, stub_vllm_client, source, quadrants):
-    # the stub's bf16 engine vs the fp32 trainer: log μ − log π_old ≈ 0.5 … 1.2 per token on this random model, so
-    # (log r)² averages about τ = 0.6 and M2PO drops tokens where it is above. "total" = the paper (π_θ/μ, PPO's active quadrants); "mismatch" without quadrants = AReaL's form
+    # the stub engine's logit noise (σ = 0.5) puts log π − log μ at about ±0.5 per token: M2 ≈ 0.2 > τ = 0.04 (the
+    # paper's default), so M2PO drops tokens. "total" = the paper (π_θ/μ, PPO's active quadrants); "mismatch" without quadrants = AReaL's form
     # (π_old/μ over every token), which needs TRL's π_old forward: num_iterations = 2 makes TRL compute it
     iterations = 2 if source == "mismatch" else 1
-    tau = 0.6
+    tau = 0.04
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, args=_args(tmp_path, num_iterations=iterations),
                        correction={"name": "m2po", "threshold": tau, "source": source, "quadrants": quadrants})
     trainer.train()
@@ -100,8 +102,8 @@ def _loss_and_grad(model, loss_fn):
 
 
 @pytest.mark.parametrize(("correction", "objective", "flag"), [
-    ({"name": "m2po", "threshold": 0.3, "quadrants": False}, None, "m2po/masked_frac"),
-    (None, {"name": "ipo", "threshold": 2e-4}, "loss/ipo_masked"),
+    ({"name": "m2po", "quadrants": False}, None, "m2po/masked_frac"),
+    (None, {"name": "ipo", "threshold": 1e-4}, "loss/ipo_masked"),
 ])
 def test_loss_and_gradient_equal_policy_loss_on_trls_batch(tmp_path, stub_vllm, stub_vllm_client, correction,
                                                            objective, flag):
@@ -138,10 +140,10 @@ def test_loss_and_gradient_equal_policy_loss_on_trls_batch(tmp_path, stub_vllm, 
 
 
 def test_ipo_runs_in_trls_train_with_the_engines_mu(tmp_path, stub_vllm, stub_vllm_client):
-    # IPO, δ = 2e-4: on this near-uniform random model p ≈ 2.5e-4 and p_μ ≈ 5.5e-4 (the stub engine's μ sits ~0.8
-    # nats above π), so |p − p_μ| straddles δ: tokens are masked in each step (not all); the penalty τ_kl·(log π_θ/μ)² keeps every token; the trainer's weights move
+    # IPO, δ = 1e-4: on this near-uniform random model p ≈ 2.5e-4 and the engine's logit noise moves p_μ by a few
+    # 1e-5 … 3e-4, so |p − p_μ| straddles δ: tokens are masked in each step (not all); the penalty τ_kl·(log π_θ/μ)² keeps every token; the trainer's weights move
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client,
-                       objective={"name": "ipo", "threshold": 2e-4, "kl_tau": 1e-3})
+                       objective={"name": "ipo", "threshold": 1e-4, "kl_tau": 1e-3})
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     masked = _logged(trainer, "offpolicy/loss/ipo_masked")
