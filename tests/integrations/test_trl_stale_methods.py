@@ -1,8 +1,10 @@
-"""M2PO (arXiv 2510.01161) and IPO (prime-rl's ``ipo`` loss) inside TRL's real ``GRPOTrainer.train()`` on CPU.
+"""M2PO (arXiv 2510.01161), IPO (prime-rl's ``ipo`` loss) and score centering on vLLM's top-K (arXiv 2609.20807)
+inside TRL's real ``GRPOTrainer.train()`` on CPU.
 
 μ exists in TRL only on its vLLM path (``sampling_per_token_logps``), so these run against the stub vLLM server
-client of ``conftest.py`` (offpolicy's HF engine in bfloat16: a real numeric mismatch with the fp32 trainer). Without
-vLLM both methods are refused (there is no μ; the batch's fallback μ = π_old would make them silent no-ops).
+client of ``conftest.py`` (offpolicy's HF engine in bfloat16 with seeded logit noise: a real mismatch with the fp32
+trainer). Without vLLM, M2PO and IPO are refused (there is no μ; the batch's fallback μ = π_old would make them
+silent no-ops).
 
 Skipped when TRL is not installed; they call TRL 1.16's internal methods, as the adapter overrides them."""
 
