@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from offpolicy.models.tiny import build_tiny_model
-from offpolicy.rollout.sampling import SamplingConfig
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl")
@@ -208,79 +207,14 @@ def test_alp_noise_in_the_update_only_sigma_learns_saved_apart_and_restored(tmp_
     assert len(at_start) == 1 and torch.equal(at_start[0], sigma1)
 
 
-class _StubVLLMClient:
-    """TRL's ``VLLMClient`` as ``trl vllm-serve`` answers it, backed by offpolicy's HF rollout engine in bfloat16
-    (a real numeric mismatch with the fp32 trainer): weights pushed by ``update_named_params``, completions with
-    vLLM's log-prob layout (per token the top-K by rank, plus the sampled token when it is not among them)."""
-
-    def __init__(self, model, tok, logprobs_mode="processed_logprobs"):
-        from offpolicy.rollout.hf import HFRolloutEngine
-
-        self.engine = HFRolloutEngine(model, tokenizer=tok)
-        self.mode = logprobs_mode
-        self.synced: list[str] = []
-        self.sampled: list[list[float]] = []
-        self.top1: list[list[float]] = []
-
-    def get_server_info(self):
-        return {"model_config": {"logprobs_mode": self.mode}}
-
-    def update_named_params(self, metadata, params):
-        own = dict(self.engine.model.named_parameters())
-        for name, value in params:
-            self.synced.append(name)
-            with torch.no_grad():
-                own[name].copy_(value)
-
-    def reset_prefix_cache(self):
-        pass
-
-    def generate(self, prompts, features=None, n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0,
-                 min_p=0.0, max_tokens=16, logprobs=0, structured_outputs_regex=None, generation_kwargs=None):
-        k = max(int(logprobs or 0), 1)
-        cfg = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k or None,
-                             top_p=top_p if top_p < 1 else None, min_p=min_p or None, logprobs_topk=k)
-        rows = [p for p in prompts for _ in range(n)]
-        out = self.engine.generate(rows, cfg, seed=len(self.sampled))
-        lps, ids = [], []
-        for i, completion in enumerate(out.completion_ids):
-            row_lp, row_ids = [], []
-            for t, y in enumerate(completion):
-                top_ids = out.topk_ids[i, t, :k].tolist()
-                top_lp = out.topk_logp[i, t, :k].tolist()
-                if y not in top_ids:  # vLLM adds the sampled token after the top-K
-                    top_ids.append(y)
-                    top_lp.append(float(out.logp[i, t]))
-                row_ids.append(top_ids)
-                row_lp.append(top_lp)
-            lps.append(row_lp)
-            ids.append(row_ids)
-            self.sampled.append(out.logp[i, : len(completion)].tolist())
-            self.top1.append(out.topk_logp[i, : len(completion), 0].tolist())
-        return {"prompt_ids": prompts, "completion_ids": out.completion_ids, "logprobs": lps, "logprob_token_ids": ids}
-
-
-@pytest.fixture
-def stub_vllm(monkeypatch):
-    import trl.generation.vllm_generation as vg
-
-    holder = {}
-
-    def init(self):
-        self.vllm_client = holder["client"]
-
-    monkeypatch.setattr(vg.VLLMGeneration, "_init_vllm", init)
-    return holder
-
-
 @pytest.mark.parametrize("dvp_rho", [None, 0.05])
-def test_topk_trm_through_a_stub_vllm_server(tmp_path, stub_vllm, dvp_rho):
+def test_topk_trm_through_a_stub_vllm_server(tmp_path, stub_vllm, stub_vllm_client, dvp_rho):
     # vLLM (server mode) asked for K = 4 log-probs per token: μ is the sampled token's entry (not the top-1's, which
     # TRL keeps), the top-4 reach the loss through TRL's batch, TRM uses the certified upper bound; ALP on too, to
     # check that the weight sync never sends σ
     torch.manual_seed(0)
     model, tok = build_tiny_model(seed=0)
-    stub_vllm["client"] = client = _StubVLLMClient(model, tok)
+    stub_vllm["client"] = client = stub_vllm_client(model, tok)
     args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False,
                  temperature=1.0, max_steps=2)
     seen = []
@@ -317,9 +251,9 @@ def test_topk_trm_through_a_stub_vllm_server(tmp_path, stub_vllm, dvp_rho):
         assert len(_logged(trainer, "offpolicy/dvp/outside_frac")) == 2
 
 
-def test_a_raw_logprobs_vllm_server_is_refused(tmp_path, stub_vllm):
+def test_a_raw_logprobs_vllm_server_is_refused(tmp_path, stub_vllm, stub_vllm_client):
     model, tok = build_tiny_model(seed=0)
-    stub_vllm["client"] = _StubVLLMClient(model, tok, logprobs_mode="raw_logprobs")
+    stub_vllm["client"] = stub_vllm_client(model, tok, logprobs_mode="raw_logprobs")
     args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="logprobs_mode"):
         OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_data(), processing_class=tok)

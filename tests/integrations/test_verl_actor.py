@@ -778,3 +778,77 @@ def test_plugin_engine_top_k_bounds_on_the_packed_path(model_path):
     got = torch.cat([t for t in upper.unbind()]).float()
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-4, atol=1e-5)
     assert got.shape[0] == int(data["input_ids"].offsets()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# μ in the policy loss: verl's ppo_loss passes the policy loss no rollout log-probs; the plug-in's engine hands the
+# micro-batch's rollout_log_probs to the plug-in's losses (IPO, M2PO on log π_θ − log μ)
+# ---------------------------------------------------------------------------------------------------------------
+
+IPO_DELTA = 0.005  # p ≈ 1/64 on this model; μ = π·e^(±0.5) moves p by up to ~0.01, so the band splits the tokens
+
+
+@pytest.fixture(scope="module")
+def mu_worker(model_path, worker):
+    """The plug-in's engine with no recipe / ALP / top-K (the loss-side μ only) and two of its losses."""
+    w = make_worker(model_path, {})
+    register_verl_policy_loss("offpolicy_ipo_test", objective={"name": "ipo", "threshold": IPO_DELTA, "kl_tau": 0.0})
+    register_verl_policy_loss("offpolicy_m2po_test", correction={"name": "m2po", "threshold": 0.05, "source": "total",
+                                                                 "quadrants": False})
+    return w
+
+
+def _mu(current: torch.Tensor) -> torch.Tensor:
+    mask = _inputs()[1][:, P:]
+    return (current + 0.5 * torch.randn(B, R, generator=torch.Generator().manual_seed(11))) * mask
+
+
+def test_plugin_engine_gives_ipo_the_rollout_log_probs(mu_worker, current_logp):
+    # IPO (kl_tau = 0) in verl's actor path with μ from the batch; its gradient −A·(π_θ/μ)·1[|p − p_μ| ≤ δ]·∇log π_θ is
+    # verl's own vanilla loss at ratio 1 (old = π_θ) with rollout_is_weights = (π_θ/μ)·1[|p − p_μ| ≤ δ]. π_old is
+    # deliberately something else: IPO never reads it (prime-rl has no π_old)
+    mask = _inputs()[1][:, P:].bool()
+    mu = _mu(current_logp)
+    advantages = ADVANTAGES[:, None].expand(B, R).contiguous()
+    inside = ((current_logp.exp() - mu.exp()).abs() <= IPO_DELTA) & mask
+    assert 0 < int(inside.sum()) < int(mask.sum())
+    ours_metrics, ours_grad = _train(mu_worker, "offpolicy_ipo_test", "token-mean", {
+        "old_log_probs": _old_logp(current_logp, True), "advantages": advantages, "rollout_log_probs": mu})
+    weights = (current_logp - mu).exp() * inside
+    verl_metrics, verl_grad = _train(mu_worker, "vanilla", "token-mean", {
+        "old_log_probs": current_logp, "advantages": advantages, "rollout_is_weights": weights})
+    assert verl_grad.abs().max() > 1e-3
+    torch.testing.assert_close(ours_grad, verl_grad, rtol=1e-4, atol=1e-6)
+    assert ours_metrics["actor/pg_loss"] == pytest.approx(verl_metrics["actor/pg_loss"], rel=1e-4)
+    per_micro = [float((mask & ~inside)[r].sum() / mask[r].sum()) for r in (slice(0, MICRO), slice(MICRO, B))]
+    assert ours_metrics["loss/ipo_masked"] == pytest.approx([sum(per_micro) / 2], rel=1e-5)  # verl: micro-batch mean
+
+
+def test_plugin_engine_gives_m2po_total_the_rollout_log_probs(mu_worker, current_logp):
+    # PPO + M2PO on log π_θ − log μ (arXiv 2510.01161; quadrants off), selected per micro-batch — the loss sees one
+    # micro-batch at a time: equal to verl's vanilla with the kept tokens as rollout_is_weights (dropped tokens stay
+    # in the token-mean denominator, as in offpolicy.policy_loss)
+    from offpolicy import LogProbBatch
+    from offpolicy.corrections.m2po import m2po
+
+    mask = _inputs()[1][:, P:]
+    mu = _mu(current_logp)
+    advantages = ADVANTAGES[:, None].expand(B, R).contiguous()
+    keep = torch.cat([m2po(threshold=0.05, source="total", quadrants=False)(
+        LogProbBatch(logp=current_logp[r], rollout_logp=mu[r], mask=mask[r])).keep for r in (slice(0, 4), slice(4, 8))])
+    assert 0 < int((mask.bool() & ~keep).sum()) < int(mask.sum())
+    ours_metrics, ours_grad = _train(mu_worker, "offpolicy_m2po_test", "token-mean", {
+        "old_log_probs": current_logp, "advantages": advantages, "rollout_log_probs": mu})
+    verl_metrics, verl_grad = _train(mu_worker, "vanilla", "token-mean", {
+        "old_log_probs": current_logp, "advantages": advantages, "rollout_is_weights": keep.float()})
+    torch.testing.assert_close(ours_grad, verl_grad, rtol=1e-4, atol=1e-6)
+    assert ours_metrics["actor/pg_loss"] == pytest.approx(verl_metrics["actor/pg_loss"], rel=1e-4)
+    assert min(ours_metrics["m2po/masked_frac"]) > 0
+
+
+def test_mu_reading_loss_on_verls_own_engine_is_refused(worker, mu_worker, current_logp):
+    # verl's own engine does not hand the loss μ: the plug-in's IPO names what is missing instead of running without
+    with pytest.raises(ValueError, match="rollout_log_probs: μ, read by ipo"):
+        _train(worker, "offpolicy_ipo_test", "token-mean", {
+            "old_log_probs": current_logp, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous(),
+            "rollout_log_probs": _mu(current_logp)})

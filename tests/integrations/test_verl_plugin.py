@@ -390,14 +390,17 @@ def test_top_k_parse_errors_name_the_field():
     assert math.isfinite(topk_from_prompt_logprobs(_prompt_logprobs_rows(5), 3, 2, K)[1][0][0])
 
 
-def test_plugin_registers_the_policy_losses_that_need_no_mu():
+def test_plugin_registers_the_policy_losses():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     from offpolicy.integrations.verl import plugin
 
     names = plugin.registered()["policy_loss"].split(", ")
     assert {"offpolicy", "offpolicy_cispo", "offpolicy_sapo", "offpolicy_dppo_tv", "offpolicy_gspo"} <= set(names)
-    assert "offpolicy_bypass" not in names  # reads μ, which verl's policy-loss signature does not carry
+    # these read μ, which verl's policy-loss call does not carry: the plug-in's engine supplies it (test_verl_actor)
+    assert {"offpolicy_ipo", "offpolicy_bypass", "offpolicy_m2po"} <= set(names)
+    with pytest.raises(ValueError, match="rollout_log_probs: μ, read by ipo"):  # called without the engine: refused
+        get_policy_loss_fn("offpolicy_ipo")(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3))
     old, new = torch.zeros(1, 3), torch.tensor([[0.5, 0.0, -0.5]], requires_grad=True)
     loss, metrics = get_policy_loss_fn("offpolicy")(old, new, torch.ones(1, 3), torch.ones(1, 3), "token-mean",
                                                      {"clip_ratio": 0.2})
@@ -422,3 +425,48 @@ def test_corrected_writes_a_dataproto_in_place():
     torch.testing.assert_close(data.batch["response_mask"], expected["response_mask"])
     torch.testing.assert_close(data.batch["rollout_is_weights"], expected["rollout_is_weights"])
     assert metrics and all(isinstance(v, float) for v in metrics.values())
+
+
+@pytest.mark.parametrize(("quadrants", "tau"), [(False, 0.05), (True, 0.12)], ids=["areal", "quadrants"])
+def test_m2po_in_the_driver_after_verls_advantages(trainer_base, monkeypatch, quadrants, tau):
+    # M2PO in AReaL's form (log π_old − log μ: the driver has both) through verl's real _compute_advantage: the
+    # stored mask drops the tokens with the largest (log π_old − log μ)² — among PPO's active quadrants of verl's own
+    # advantages when quadrants=True — until the second moment of the rest is ≤ τ (arXiv 2510.01161, Algorithm 1).
+    # The 23 valid tokens: M2 = 0.533 (one (log r)² = 9); the 10 non-candidates alone have 1.21 / 10, so with quadrants
+    # τ = 0.12 is reachable: drop 9 → 3.26 / 22 = 0.148, drop 0.845 → 2.41 / 21 = 0.115 ≤ 0.12: two dropped
+    from offpolicy.integrations.verl import plugin
+
+    correction = {"name": "m2po", "threshold": tau, "source": "mismatch", "quadrants": quadrants}
+    monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": correction}))
+    cls = trainer_base.get_trainer_cls(plugin.register_trainer())
+    old, rollout, mask = _step_tensors()
+    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]
+    rows = {}
+    for i, key in enumerate(keys):
+        n = LENGTHS[i]
+        scores = torch.zeros(n)
+        scores[-1] = SCORES[i]
+        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
+                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n]}
+    metrics = _compute_advantage(cls, trainer_base, monkeypatch, StandInQueue(rows), keys)
+
+    def stored(field):
+        return torch.stack([torch.nn.functional.pad(rows[k][field].float(), (0, R - len(rows[k][field])))
+                            for k in keys])
+
+    kept, valid = stored("response_mask").bool(), mask.bool()
+    dropped = valid & ~kept
+    m2 = (old - rollout) ** 2
+    a = stored("advantages")
+    candidates = valid if not quadrants else valid & (((a > 0) & (old > rollout)) | ((a < 0) & (old < rollout)))
+    assert bool((dropped <= candidates).all()) and 0 < int(dropped.sum()) < int(candidates.sum())
+    assert float(m2[kept].mean()) <= tau < float(m2[valid].mean())
+    # the fewest: every dropped token's (log r)² ≥ every kept candidate's, and keeping back the smallest dropped one
+    # would break the bound
+    assert float(m2[dropped].min()) >= float(m2[kept & candidates].max())
+    smallest = m2[dropped].min()
+    assert float((m2[kept].sum() + smallest) / (kept.sum() + 1)) > tau
+    assert metrics["rollout_corr/m2po/masked_frac"] == pytest.approx(float(dropped.sum() / valid.sum()))
+    if quadrants:
+        assert int(dropped.sum()) == 2
+    torch.testing.assert_close(stored("rollout_is_weights"), kept.float())

@@ -29,10 +29,13 @@ The seed methods, each one argument (``docs/frameworks/trl.md`` has the full pag
 * ``topk_logprobs=K`` with ``correction="trm"`` (or ``"ln_trm"``) — TRM (arXiv 2512.23075) on vLLM's top-K: the
   sampled token's log-prob taken by id (TRL keeps the top-1's), the top-K carried in TRL's batch, the per-token
   divergence the certified upper bound (``topk_bound="upper"``) or the coarse-grained lower bound.
+* ``topk_logprobs=K, score_centering=True`` — score centering (arXiv 2609.20807) on vLLM's top-K with the
+  proportional tail: π_θ's log-probs carry the centred score (value unchanged) for every objective and correction.
 
 TRL's names map as follows: ``sampling_per_token_logps`` (vLLM's log-probs) is μ = ``rollout_logp``;
 ``old_per_token_logps`` is π_old (TRL leaves it out when there is a single update per generation — then π_old = π_θ
-detached, as in TRL); without vLLM there is no separate μ and μ = π_old (every correction is then the identity).
+detached, as in TRL); without vLLM there is no separate μ and μ = π_old (every correction is then the identity), so
+the methods that exist only to act on μ — ``m2po``, and objectives that read μ (``ipo``, ``bypass``) — are refused.
 TRL's own IS correction must be off (``vllm_importance_sampling_correction=False``) when an offpolicy correction is
 given, or the mismatch would be corrected twice; the subclass refuses it (TRL's default ``sequence_mask`` at 3.0 is
 ``mis(level="sequence", upper=3.0)``). A vLLM server whose ``logprobs_mode`` is not ``processed_logprobs`` is refused
@@ -52,9 +55,15 @@ from __future__ import annotations
 from typing import Any
 
 from offpolicy.integrations.trl.alp import allreduce_sigma_grad
-from offpolicy.integrations.trl.loss import TRL_LOSS_TYPES, batch_from_trl_inputs, trl_objective, trl_policy_loss
+from offpolicy.integrations.trl.loss import (
+    TRL_LOSS_TYPES,
+    batch_from_trl_inputs,
+    needs_rollout_logp,
+    trl_objective,
+    trl_policy_loss,
+)
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
-from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence
+from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
 from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
 
 __all__ = [
@@ -64,10 +73,12 @@ __all__ = [
     "allreduce_sigma_grad",
     "batch_from_trl_inputs",
     "make_offpolicy_grpo_trainer",
+    "needs_rollout_logp",
     "pad_topk",
     "replay_logp",
     "sampled_token_logprobs",
     "topk_divergence",
+    "topk_score_center",
     "trl_objective",
     "trl_policy_loss",
     "trl_sampling_recipe",

@@ -6,7 +6,8 @@ log-prob, which is the sampled token's only when K = 0. :func:`sampled_token_log
 entry by id and keeps the top-K for the divergence; :func:`pad_topk` makes ``[B, T, K]`` tensors that travel in
 TRL's batch dict (shuffled and split with it); :func:`topk_divergence` gives KL(μ‖π) per token from them and the
 trainer's hidden states: the coarse-grained lower bound and the certified upper bound of
-:mod:`offpolicy.divergence`, in row chunks (no ``[N, V]`` tensor).
+:mod:`offpolicy.divergence`, in row chunks (no ``[N, V]`` tensor); :func:`topk_score_center` gives score centering's
+top-k centre (arXiv 2609.20807) from the same data, differentiable, in row chunks recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+from offpolicy.objectives.score_centering import score_center_topk
 
 TOPK_LOGP_KEY = "offpolicy_topk_logp"
 TOPK_IDS_KEY = "offpolicy_topk_ids"
@@ -128,3 +131,33 @@ def topk_divergence(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(lower), torch.cat(upper)
+
+
+def _center_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, topk_logp: Tensor, topk_ids: Tensor,
+                  temperature: float) -> Tensor:
+    z = hidden.float() @ weight.float().T
+    if bias is not None:
+        z = z + bias.float()
+    return score_center_topk(z, topk_ids, topk_logp, temperature=temperature)
+
+
+def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids: Tensor, *,
+                      bias: Tensor | None = None, temperature: float = 1.0,
+                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """Score centering's centre c = Σ_{a∈H} sg(q_a − κ p_a) log p_a per row ``[N]``
+    (:func:`~offpolicy.objectives.score_centering.score_center_topk`, the proportional tail) from the engine's top-k
+    ``topk_logp`` / ``topk_ids`` [N, K] and the trainer's logits ``hidden`` [N, H] × ``weight`` [V, H] (+ ``bias``)
+    at ``temperature``; differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (logit gradient (q̂ − p)/T). Rows are
+    chunked within ``memory_budget_bytes`` and each chunk's ``[rows, V]`` logits are recomputed in the backward pass.
+
+    >>> # W = I, so z = h = 0 and p = ⅓ each; the engine's head H = {0}, q_0 = 0.6: κ = 0.4/(2/3) = 0.6, q̂ = (0.6, 0.2, 0.2)
+    >>> h = torch.zeros(1, 3, requires_grad=True)
+    >>> c = topk_score_center(h, torch.eye(3), torch.tensor([[0.6]]).log(), torch.tensor([[0]]))
+    >>> torch.autograd.grad(c.sum(), h)[0]   # q̂ − p
+    tensor([[ 0.2667, -0.1333, -0.1333]])
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    out = [checkpoint(_center_chunk, hidden[a:b], weight, bias, topk_logp[a:b], topk_ids[a:b], temperature,
+                      use_reentrant=False)
+           for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=4, memory_budget_bytes=memory_budget_bytes))]
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)

@@ -35,6 +35,7 @@ from offpolicy.integrations.trl.loss import (
     _loss_mask,
     _refuse_unreproduced,
     batch_from_trl_inputs,
+    needs_rollout_logp,
     trl_objective,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp, trl_engine, trl_sampling_recipe
@@ -44,10 +45,12 @@ from offpolicy.integrations.trl.topk import (
     pad_topk,
     sampled_token_logprobs,
     topk_divergence,
+    topk_score_center,
 )
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
+from offpolicy.objectives.score_centering import centered_logp
 from offpolicy.perturbation import (
     DEFAULT_INIT_STD,
     DEFAULT_LR,
@@ -64,7 +67,8 @@ ALP_KEYS = ("init_std", "lr", "layers", "layers_path", "seed", "level")
 @dataclass
 class Scores:
     """One forward's per-token outputs ``[B, T]``: the log-probs (replayed when the recipe is on), whether the token
-    is inside the trainer's support, the retained mass, the top-k KL bounds (None without top-k), the MoE aux loss."""
+    is inside the trainer's support, the retained mass, the top-k KL bounds (None without top-k), the MoE aux loss,
+    score centering's top-k centre (None unless asked)."""
 
     logp: Tensor
     inside: Tensor
@@ -72,6 +76,7 @@ class Scores:
     kl_lower: Tensor | None
     kl_upper: Tensor | None
     aux_loss: Tensor | None
+    center: Tensor | None = None
 
 
 def _check_alp(alp: Any) -> dict[str, Any] | None:
@@ -85,6 +90,19 @@ def _check_alp(alp: Any) -> dict[str, Any] | None:
     if unknown:
         raise ValueError(f"alp has unknown keys {unknown}; choose from {ALP_KEYS}")
     return dict(alp)
+
+
+def _check_score_centering(on: Any, topk: int, replay: bool, alp: dict[str, Any] | None) -> None:
+    if not isinstance(on, bool):
+        raise ValueError(f"score_centering must be a bool, got {on!r}")
+    if not on:
+        return
+    if not topk:
+        raise ValueError("score_centering: needs the sampler's top-K log-probs; set topk_logprobs=K (vLLM)")
+    if replay:
+        raise ValueError("score_centering: centres the full tempered π_θ; not with sampling_replay / dvp_rho")
+    if alp is not None:
+        raise ValueError("score_centering: not combined with alp (ALP's noisy forward is not centred)")
 
 
 def _with_min_p(args: tuple, kwargs: dict, rho: float) -> tuple[tuple, dict]:
@@ -154,6 +172,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
           noise in the update forward only, ALP's unified-ratio loss at ``level`` (token by default).
         * ``topk_logprobs=K`` — K log-probs per token from vLLM, TRM's divergence from them (``topk_bound``:
           ``"upper"``, certified, or ``"lower"``); pair with ``correction="trm"``.
+        * ``score_centering=True`` (with ``topk_logprobs=K``) — score centering (arXiv 2609.20807) on vLLM's top-K
+          with the proportional tail: π_θ's log-probs carry the centred score ∇log π_θ(y) − E_q̂[∇log π_θ] (value
+          unchanged), for every objective and correction.
         """
 
         _last_loaded_step: int  # TRL's: the global step whose weights the vLLM engine holds
@@ -173,6 +194,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             alp: bool | dict[str, Any] | None = None,
             topk_logprobs: int = 0,
             topk_bound: str = "upper",
+            score_centering: bool = False,
             memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
             **kwargs: Any,
         ) -> None:
@@ -187,12 +209,17 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             if not (isinstance(memory_budget_bytes, int) and memory_budget_bytes > 0):
                 raise ValueError(f"memory_budget_bytes must be an int > 0, got {memory_budget_bytes!r}")
             alp_cfg = _check_alp(alp)
+            _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None, alp_cfg)
             if dvp_rho is not None:
                 args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
             super().__init__(*args, **kwargs)
             train_args = getattr(self, "args", None)
             name, params = trl_objective(train_args, objective)
             _refuse_unreproduced(train_args, name)
+            self.offpolicy_needs_rollout = needs_rollout_logp(correction, name)
+            if self.offpolicy_needs_rollout and not getattr(train_args, "use_vllm", False):
+                raise ValueError("use_vllm: the engine's log-probs μ, which TRL has only from vLLM (HF generate "
+                                 f"gives none), are read by {', '.join(self.offpolicy_needs_rollout)}; set use_vllm=True")
             self.offpolicy_correction = correction
             self.offpolicy_metric_naming = metric_naming
             self.offpolicy_budget = memory_budget_bytes
@@ -214,6 +241,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             # top-k TRM
             self.offpolicy_topk = topk_logprobs
             self.offpolicy_topk_bound = topk_bound
+            self.offpolicy_score_centering = score_centering
             self._offpolicy_pending_topk: tuple | None = None
             if topk_logprobs:
                 self._check_topk(train_args)
@@ -406,7 +434,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     logp = out.log_probs[:, -t_len:]
                     inside = torch.ones_like(valid)
                     mass = torch.ones(valid.shape, device=ids.device)
-                lower = upper = None
+                lower = upper = center = None
                 if topk is not None and topk[0] is not None:
                     topk_ids = topk[1]
                     assert topk_ids is not None  # stored with the log-probs (_generate_single_turn)
@@ -418,7 +446,11 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                                              memory_budget_bytes=self.offpolicy_budget)
                     lower = lo.new_zeros(n_all).index_copy(0, rows, lo).reshape(valid.shape)
                     upper = up.new_zeros(n_all).index_copy(0, rows, up).reshape(valid.shape)
-                parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None)))
+                    if self.offpolicy_score_centering:  # differentiable: the update forward's centre
+                        c = topk_score_center(h, weight, lp_k, id_k, bias=bias, temperature=temperature,
+                                              memory_budget_bytes=self.offpolicy_budget)
+                        center = c.new_zeros(n_all).index_copy(0, rows, c).reshape(valid.shape)
+                parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None), center))
 
             def cat(name: str) -> Tensor | None:
                 values = [getattr(p, name) for p in parts]
@@ -437,7 +469,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     aux_losses.append(p.aux_loss)
                 aux = torch.stack(aux_losses).mean()
             return Scores(cat_present("logp"), cat_present("inside"), cat_present("mass"), cat("kl_lower"),
-                          cat("kl_upper"), aux)
+                          cat("kl_upper"), aux, cat("center"))
 
         # -- the loss ---------------------------------------------------------------------------------------------
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
@@ -462,6 +494,11 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                         model, input_ids, attention_mask, logits_to_keep, compute_entropy=False,
                         compute_aux_loss=aux_enabled, **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS},
                     )
+            if self.offpolicy_needs_rollout and inputs.get("sampling_per_token_logps") is None:
+                raise ValueError("sampling_per_token_logps: TRL's batch has no vLLM log-probs μ, which "
+                                 f"{', '.join(self.offpolicy_needs_rollout)} read (a rollout_func without logprobs?)")
+            if custom and s.center is not None:  # score centering: same value, centred score as gradient
+                per_token_logps = centered_logp(per_token_logps, s.center)
             batch = batch_from_trl_inputs(per_token_logps, inputs)
             extra: dict[str, Any] = {}
             if self.offpolicy_recipe is not None:
@@ -492,6 +529,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 metrics.update({"topk/kl_lower_mean": masked_mean(s.kl_lower, m),
                                 "topk/kl_upper_mean": masked_mean(s.kl_upper, m),
                                 "topk/kl_upper_max": masked_max(s.kl_upper, m)})
+                if s.center is not None and topk[0] is not None:  # how much of q the top-K holds (the rest: κ·p)
+                    metrics["score_centering/head_mass_q"] = masked_mean(topk[0].exp().sum(-1), m)
             for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
                 self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))
             if inputs.get("sampling_per_token_logps") is not None and inputs.get("old_per_token_logps") is not None:

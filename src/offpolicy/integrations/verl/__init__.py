@@ -12,6 +12,7 @@ from offpolicy.integrations.verl.loss import (
     VERL_PARAMETERS,
     register_verl_policy_loss,
     rollout_correction,
+    rollout_log_probs_in_loss,
     verl_objective,
     verl_policy_loss_fn,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "parse_settings",
     "register_verl_policy_loss",
     "rollout_correction",
+    "rollout_log_probs_in_loss",
     "sequence_topk",
     "topk_kl_bounds",
     "verl_objective",

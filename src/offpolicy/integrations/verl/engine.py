@@ -21,6 +21,10 @@ exactly as the parent class. What it changes:
   not see it). Its gradient is averaged over the data-parallel group before each optimiser step (as FSDP averages the
   model's); it is saved to ``offpolicy_alp.pt`` beside verl's checkpoint and restored with it.
 
+* **μ in the policy loss**: verl's ``ppo_loss`` calls the policy loss without the rollout log-probs; around every
+  ``forward_step`` that computes a loss, the engine hands the micro-batch's ``rollout_log_probs`` (padded like
+  ``old_log_probs``) to the plug-in's policy losses (:func:`~offpolicy.integrations.verl.loss.rollout_log_probs_in_loss`),
+  so that ``offpolicy_ipo``, ``offpolicy_bypass`` and a loss with ``m2po(source="total")`` see μ.
 * **Top-K TRM** (``topk_logprobs: K``): in the old-log-prob forward (no grad, ``calculate_entropy`` on — verl's
   ``_compute_old_log_prob``; the reference forward asks for no entropy) of a batch that carries the rollout's top-K
   (:data:`~offpolicy.integrations.verl.topk.TOPK_IDS_FIELD`, put there by the agent loop), the engine adds two
@@ -44,6 +48,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
+from offpolicy.integrations.verl.loss import rollout_log_probs_in_loss
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 from offpolicy.integrations.verl.topk import (
     KL_LOWER_FIELD,
@@ -83,6 +88,14 @@ def recipe_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float
     return logp
 
 
+def rollout_log_probs(micro_batch: Any) -> Tensor | None:
+    """μ of a micro-batch, padded [B, T] as verl's ``ppo_loss`` pads ``old_log_probs`` (both response-level fields
+    of the same batch), or None when the batch has no ``rollout_log_probs``."""
+    if "rollout_log_probs" not in micro_batch.keys():  # noqa: SIM118 - TensorDict keys
+        return None
+    return micro_batch.select("response_mask", "rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
+
+
 class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
     """``FSDPEngineWithLMHead`` + the plug-in's sampling recipe and ALP (see the module docstring)."""
 
@@ -105,10 +118,12 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         return optimizer
 
     def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        mu = rollout_log_probs(micro_batch) if loss_function is not None else None
         if self.alp is None:
-            return super().forward_step(micro_batch, loss_function, forward_only)
+            with rollout_log_probs_in_loss(mu):
+                return super().forward_step(micro_batch, loss_function, forward_only)
         noisy = not forward_only and torch.is_grad_enabled() and self.module.training
-        with self.alp.active(noisy):
+        with self.alp.active(noisy), rollout_log_probs_in_loss(mu):
             return super().forward_step(micro_batch, loss_function, forward_only)
 
     def optimizer_step(self) -> float:

@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -49,6 +51,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
+from offpolicy.integrations.trl.loss import needs_rollout_logp
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
 from offpolicy.ratios import masked_mean
@@ -63,6 +66,29 @@ VERL_AGGREGATIONS: dict[str, str] = {
     "seq-mean-token-sum-norm": "token_sum",
 }
 NEWEST_VERL_RULES = (0, 9, 1)  # the agg_loss rules used when verl is not installed and no version is given
+
+# μ of the micro-batch whose loss is being computed: verl's ``ppo_loss`` calls the policy loss without the rollout
+# log-probs, so the plug-in's engine (:class:`~offpolicy.integrations.verl.engine.OffPolicyFSDPEngine`) sets it around
+# its ``forward_step`` from the micro-batch's ``rollout_log_probs`` field
+_ROLLOUT_LOGP: ContextVar[Tensor | None] = ContextVar("offpolicy_verl_rollout_logp", default=None)
+
+
+@contextmanager
+def rollout_log_probs_in_loss(rollout_log_probs: Tensor | None) -> Iterator[None]:
+    """Inside, policy losses built by :func:`verl_policy_loss_fn` read ``rollout_log_probs`` [B, T] (laid out as
+    the ``old_log_prob`` verl passes them) as μ; None: no μ.
+
+    >>> fn = verl_policy_loss_fn(objective={"name": "ipo", "kl_tau": 0.0})
+    >>> with rollout_log_probs_in_loss(torch.log(torch.tensor([[0.45]]))):   # |0.5 − 0.45| ≤ 0.1: −1 · 0.5/0.45
+    ...     loss, m = fn(torch.zeros(1, 1), torch.log(torch.tensor([[0.5]])), torch.ones(1, 1), torch.ones(1, 1))
+    >>> round(loss.item(), 4), m["loss/ipo_masked"]
+    (-1.1111, 0.0)
+    """
+    token = _ROLLOUT_LOGP.set(rollout_log_probs)
+    try:
+        yield
+    finally:
+        _ROLLOUT_LOGP.reset(token)
 
 
 def _version_tuple(version: str) -> tuple[int, int, int]:
@@ -179,8 +205,11 @@ def verl_policy_loss_fn(
     (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``) plus every offpolicy metric. ``legacy_tuple=True`` returns verl's older
     4-tuple ``(loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` instead.
 
-    ``correction`` runs on (π_θ, π_old) only — verl gives the loss no μ — so use it for staleness-side corrections; put
-    μ-side corrections in :func:`rollout_correction`. ``objective`` is a registered name (``ppo``, ``cispo``,
+    verl's loss gives the policy loss no μ; the plug-in's engine supplies the micro-batch's ``rollout_log_probs``
+    (:func:`rollout_log_probs_in_loss`), so that ``correction`` may read μ (``m2po(source="total")``: log π_θ − log μ)
+    and ``objective`` may be one that reads it (``ipo``, ``bypass``); such a loss without μ raises. A correction here
+    runs per micro-batch (M2PO's batch-level selection too); corrections that need only π_old and μ belong in the
+    driver (:func:`rollout_correction`), once per step. ``objective`` is a registered name (``ppo``, ``cispo``,
     ``dppo_tv``, ``sapo``, a plug-in's …) or ``{"name": ..., **params}``; verl's actor config sets the parameters it
     takes (:func:`verl_objective`). Corrections may be given by name too (:func:`offpolicy.build_correction`).
 
@@ -200,7 +229,8 @@ def verl_policy_loss_fn(
     else:
         rules = _installed_verl_version() or NEWEST_VERL_RULES
     correction = correction if isinstance(correction, Correction) else build_correction(correction)
-    verl_objective(objective, None)  # an unknown objective or parameter fails here, not in the first step
+    spec = verl_objective(objective, None)  # an unknown objective or parameter fails here, not in the first step
+    needs_mu = needs_rollout_logp(correction, spec["name"])
 
     def compute_policy_loss(
         old_log_prob: Tensor,
@@ -213,7 +243,16 @@ def verl_policy_loss_fn(
     ) -> Any:
         if loss_agg_mode not in VERL_AGGREGATIONS:
             raise ValueError(f"loss_agg_mode must be one of {tuple(VERL_AGGREGATIONS)}, got {loss_agg_mode!r}")
-        batch = LogProbBatch(logp=log_prob, old_logp=old_log_prob, mask=response_mask, advantages=advantages)
+        mu = _ROLLOUT_LOGP.get()
+        if needs_mu and mu is None:
+            raise ValueError(f"rollout_log_probs: μ, read by {', '.join(needs_mu)} in verl's policy loss, reaches the "
+                             "loss only through the plug-in's engine (external_lib=offpolicy.integrations.verl.plugin) "
+                             "with rollout_log_probs in the batch (rollout.calculate_log_probs=True)")
+        if mu is not None and mu.shape != log_prob.shape:
+            raise ValueError(f"rollout_log_probs: shape {tuple(mu.shape)} differs from log_prob's "
+                             f"{tuple(log_prob.shape)}")
+        batch = LogProbBatch(logp=log_prob, old_logp=old_log_prob, mask=response_mask, advantages=advantages,
+                             rollout_logp=None if mu is None else mu.to(log_prob.device).float())
         result = correction(batch) if correction is not None else None
         if rollout_is_weights is not None:
             external = CorrectionResult(rollout_is_weights.detach().float(), batch.bool_mask, {})

@@ -4,9 +4,10 @@ verl imports ``external_lib`` in every process that builds the model config — 
 agent-loop worker and each training worker — so importing this module is the one switch. It registers, in verl's own
 registries:
 
-* the policy losses ``offpolicy`` (PPO) and ``offpolicy_<objective>`` for every registered objective
+* the policy losses ``offpolicy`` (PPO), ``offpolicy_<objective>`` for every registered objective
   (``actor_rollout_ref.actor.policy_loss.loss_mode=offpolicy_cispo`` …; verl's actor config sets the clip range and
-  aggregation);
+  aggregation) and ``offpolicy_m2po`` (PPO with M2PO's mask on log π_θ − log μ, arXiv 2510.01161, τ = 0.04); those
+  that read μ (``offpolicy_ipo``, ``offpolicy_bypass``, ``offpolicy_m2po``) get it from the engine below;
 * the training engine :class:`~offpolicy.integrations.verl.engine.OffPolicyFSDPEngine` for FSDP / FSDP2 language
   models on the current device and vendor (``EngineRegistry`` looks a (device, vendor) entry up before verl's own
   device-only one); it is verl's engine unchanged until the settings ask for a sampling recipe or ALP;
@@ -81,19 +82,20 @@ def install() -> dict[str, str]:
 
 
 def _policy_loss() -> str:
-    """``offpolicy`` (PPO) and ``offpolicy_<objective>`` for every registered objective that needs no μ (verl's loss
-    signature does not carry the rollout log-probs): cispo, sapo, dppo_tv, dppo_kl, gspo, reinforce, ppo …"""
+    """``offpolicy`` (PPO), ``offpolicy_<objective>`` for every registered objective (cispo, sapo, dppo_tv, dppo_kl,
+    gspo, reinforce, ipo, bypass …) and ``offpolicy_m2po`` (PPO + ``m2po(source="total")``). The ones that read μ
+    need the plug-in's engine, which hands the loss the micro-batch's ``rollout_log_probs``."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     from offpolicy.integrations.verl.loss import register_verl_policy_loss
     from offpolicy.registry import OBJECTIVES
 
-    without_mu = [name for name in OBJECTIVES if "rollout_logp" not in OBJECTIVES[name].inputs_read(True)
-                  and "rollout_logp" not in OBJECTIVES[name].inputs_read(False)]
-    names = {"offpolicy": "ppo", **{f"offpolicy_{name}": name for name in without_mu}}
-    for loss_name, objective in names.items():
+    names: dict[str, dict] = {"offpolicy": {"objective": "ppo"},
+                              **{f"offpolicy_{name}": {"objective": name} for name in OBJECTIVES},
+                              "offpolicy_m2po": {"objective": "ppo", "correction": {"name": "m2po", "source": "total"}}}
+    for loss_name, kwargs in names.items():
         if loss_name not in POLICY_LOSS_REGISTRY:
-            register_verl_policy_loss(loss_name, objective=objective)
+            register_verl_policy_loss(loss_name, **kwargs)
     return ", ".join(names)
 
 
