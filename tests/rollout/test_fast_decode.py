@@ -141,3 +141,42 @@ def test_no_deprecated_cache_keyword(tiny, batch):
         warnings.simplefilter("always")
         engine.generate(batch[:2], SamplingConfig(max_new_tokens=3), seed=0)
     assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_scoring_by_row_index_equals_the_gather(tiny):
+    """score_tokens picks each completion position's logits by indexing rows; the earlier code gathered them with a
+    [B, T, V] index. Same log-probs and same gradients, bitwise (a copy either way; the backward adds each
+    gradient once into zeros)."""
+    from offpolicy.rollout.base import pad_ids
+    from offpolicy.rollout.sampling import process_logits
+    from offpolicy.rollout.scoring import sequence_logprobs
+
+    model, tok = tiny
+    prompts = [tok(t)["input_ids"] for t in ("12+34=", "5-7=", "Use 3 5 7 to make 22:")]
+    completions = [[21, 22, 23, 2], [24], [25, 26]]
+    cfg = SamplingConfig(temperature=0.7)
+
+    def grads():
+        return [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    logp, mask = sequence_logprobs(model, prompts, completions, cfg)
+    logp.sum().backward()
+    new = (logp.detach(), grads())
+
+    # the earlier code, step by step: the same forward (logits from the shortest prompt's last position on)
+    model.zero_grad()
+    ids, attn = pad_ids([p + c for p, c in zip(prompts, completions)], 0, side="right")
+    p_len, t = torch.tensor([len(p) for p in prompts]), max(map(len, completions))
+    src = (p_len[:, None] - 1 + torch.arange(t)[None, :]).clamp(max=ids.shape[1] - 1)
+    targets = torch.gather(ids, 1, (src + 1).clamp(max=ids.shape[1] - 1))
+    skip = min(map(len, prompts)) - 1
+    out = model(input_ids=ids, attention_mask=attn.long(), use_cache=False,
+                logits_to_keep=torch.arange(skip, ids.shape[1]))
+    logits = torch.gather(out.logits, 1, (src - skip)[..., None].expand(3, t, out.logits.shape[-1]))
+    old = torch.gather(process_logits(logits, cfg), -1, targets[..., None]).squeeze(-1)
+    old = torch.where(mask, old, torch.zeros_like(old))
+    old.sum().backward()
+    assert torch.equal(new[0], old.detach())
+    assert all(torch.equal(a, b) for a, b in zip(new[1], grads()))
+    model.zero_grad()

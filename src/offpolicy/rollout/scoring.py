@@ -97,7 +97,9 @@ def score_tokens(
     replay = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with _forward_context(model, dtype), replay:
         out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
-    logits = torch.gather(out.logits, 1, (src - skip)[..., None].expand(b, t_max, out.logits.shape[-1])).float()
+    # rows × positions by indexing: a copy of whole [V] rows (a gather with a [B, T, V] index reads an index per logit,
+    # and its backward scatters per logit — together ~4 ms of the tiny model's 32 × 16 scoring, for the same values)
+    logits = out.logits[torch.arange(b, device=device)[:, None], src - skip].float()
     history = None
     if cfg is not None and cfg.reads_history:  # penalties see the prompt and the completion tokens before each one
         history = completion_history(prompt_ids, completion_ids, logits.shape[-1], cfg, device)
