@@ -29,13 +29,25 @@ _PLAIN_DECODERS = frozenset({"llama", "qwen2", "qwen3"})
 
 def cache_keyword(forward: Any) -> str:
     """The keyword a transformers forward takes its KV cache by: ``cache`` (transformers ≥ 5.2x), else the older
-    ``past_key_values`` (read once from the signature, so that no step passes the deprecated name)."""
+    ``past_key_values`` (read once from the signature, so that no step passes the deprecated name).
+
+    >>> cache_keyword(lambda input_ids, cache=None: None), cache_keyword(lambda input_ids, past_key_values=None: None)
+    ('cache', 'past_key_values')
+    """
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class DecodeStep:
     """``step(ids [B, 1], attn [B, L] bool, pos [B, 1], cache)`` → float32 logits ``[B, V]`` of the next token, where
     ``attn`` covers the cached positions and this one and ``cache`` holds the first L − 1 positions (it is extended).
+
+    >>> from offpolicy.models.tiny import build_tiny_model
+    >>> model, _ = build_tiny_model()
+    >>> DecodeStep.build(model) is None  # transformers' default attention here is sdpa: not rebuilt
+    True
+    >>> model.set_attn_implementation("eager")
+    >>> type(DecodeStep.build(model)).__name__
+    'DecodeStep'
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -43,7 +55,6 @@ class DecodeStep:
         self.base = lm.model
         self.layers = list(self.base.layers)[: lm.config.num_hidden_layers]
         self.lm_head = lm.lm_head
-        self.dtype = self.base.embed_tokens.weight.dtype
         self.cache_kw = cache_keyword(type(self.layers[0]).forward)
 
     @staticmethod
