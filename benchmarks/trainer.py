@@ -1,12 +1,14 @@
 """Throughput of offpolicy's GRPO training step on the tiny model (and, if TRL is installed, the ratio vs TRL).
 
-    python benchmarks/trainer.py [--steps 3] [--batch 32] [--new-tokens 16] [--preset mis]
+    python benchmarks/trainer.py [--steps 3] [--batch 32] [--new-tokens 16] [--preset mis] [--phases]
 
 Prints tokens/s (completion tokens per wall-second) for
   * the update phase alone (π_old fp32 forward + π_θ forward/backward/AdamW step on a fixed rollout batch), and
   * a full step (bf16 KV-cache rollout + rewards + advantages + update) through ``offpolicy.train.train``.
 If ``trl`` is importable, TRL's ``GRPOTrainer`` runs the same model, prompts, group size and completion length and
 the ratio offpolicy/TRL is printed; otherwise it says how to install it (``pip install 'offpolicy[trl]'``).
+``--phases`` prints instead the CPU seconds (``time.process_time()``: little moved by other processes on a shared
+machine) of each phase of offpolicy's step — rollout, scoring, update, metrics — step by step.
 Short by design (a few steps): it shares two CPU cores with everything else.
 """
 
@@ -83,6 +85,39 @@ def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: s
     return sum(tokens) / step_s
 
 
+def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str) -> None:
+    """CPU seconds of each phase of :mod:`offpolicy.train.steps`, per step (the first step warms up and is left out
+    of the mean)."""
+    from offpolicy.train.config import load_config
+    from offpolicy.train.steps import build_state, metrics_step, rollout_step, score_step, step_seed, update_step
+
+    group = 4
+    cfg = load_config(None, [
+        f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // group, 1)}",
+        f"algorithm.group_size={group}", f"rollout.sampling.max_new_tokens={new_tokens}",
+        *(["alp.enabled=true"] if preset == "alp" else []),
+    ])
+    state = build_state(cfg, model=model, tokenizer=tok)
+    names = ("rollout", "scoring", "update", "metrics")
+    rows = []
+    for step in range(steps + 1):
+        seed = step_seed(cfg.run.seed, step)
+        marks = [time.process_time()]
+        rollout = rollout_step(state, seed)
+        marks.append(time.process_time())
+        scored = score_step(state, rollout)
+        marks.append(time.process_time())
+        updates = update_step(state, rollout, scored, seed)
+        marks.append(time.process_time())
+        _ = {k: float(v) for k, v in metrics_step(state, rollout, scored, updates, started=0.0).items()}  # the sync
+        marks.append(time.process_time())
+        rows.append([b - a for a, b in zip(marks, marks[1:])])
+        print(f"  step {step}: " + ", ".join(f"{n} {t:.3f}" for n, t in zip(names, rows[-1]))
+              + f", total {marks[-1] - marks[0]:.3f} CPU s" + (" (warm-up)" if step == 0 else ""))
+    mean = [sum(r[i] for r in rows[1:]) / steps for i in range(len(names))]
+    print("mean CPU s per step: " + ", ".join(f"{n} {t:.3f}" for n, t in zip(names, mean)) + f", total {sum(mean):.3f}")
+
+
 def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> float:
     """Tokens/s of TRL's GRPOTrainer on the same model and batch shape (only when trl is importable)."""
     from datasets import Dataset
@@ -121,12 +156,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads for both trainers (on a machine shared with other work, 1 avoids spinning)")
     ap.add_argument("--repeat", type=int, default=1, help="measure offpolicy and TRL this many times, alternating")
+    ap.add_argument("--phases", action="store_true", help="only CPU seconds per phase of offpolicy's step")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = _model()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny model: {n_params / 1e6:.2f} M parameters, batch {a.batch} × ≤{a.new_tokens} new tokens, "
           f"preset {a.preset}, {a.threads} threads")
+    if a.phases:
+        bench_phases(model, tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
+        return
     upd = bench_update(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
     print(f"offpolicy update phase (π_old fwd + π_θ fwd/bwd + AdamW): {upd:,.0f} tokens/s")
     try:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
+from offpolicy.rollout.decode import DecodeStep, cache_keyword
 from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
 from offpolicy.rollout.sampling import SamplingConfig, TokenHistory, process_logits, sample_tokens, topk_logprobs
 from offpolicy.rollout.scoring import score_tokens
@@ -107,6 +108,9 @@ class HFRolloutEngine:
         lm_head_fp32: float32 output projection (TRL's ``cast_lm_head_to_fp32``), see the module docstring.
         attn_implementation: attention kernel of the engine's copy ("eager", "sdpa"; None keeps the model's).
         record_routes: return each token's routed experts (MoE models only; ``ValueError`` otherwise).
+        fast_decode: run the KV-cached decoding steps through :class:`~offpolicy.rollout.decode.DecodeStep` where
+            the model allows it (bitwise the same logits, less per-step overhead); False calls ``model(...)`` every
+            step — the reference the fast path is tested against.
         tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
             tokenizer's, then the model config's.
 
@@ -134,6 +138,7 @@ class HFRolloutEngine:
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         record_routes: bool = False,
+        fast_decode: bool = True,
     ) -> None:
         self.dtype = _as_dtype(dtype)
         _check_bits("kv_cache_bits", kv_cache_bits)
@@ -166,6 +171,8 @@ class HFRolloutEngine:
         if self.record_routes:
             find_routers(self.model)  # a dense model has nothing to record: say so now, not after generating
         self.sync_weights(model)
+        self._cache_kw = cache_keyword(type(self.model).forward)  # once: `past_key_values` is deprecated in 5.2x
+        self._decode_step = DecodeStep.build(self.model) if fast_decode else None
 
     # -- weights ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -203,12 +210,12 @@ class HFRolloutEngine:
             input_ids=ids,
             attention_mask=attn.long(),
             position_ids=pos,
-            past_key_values=cache,
             use_cache=cache is not None,
             # the last position by index, not logits_to_keep=1: that slice of a multi-token (prefill) forward is
             # non-contiguous, and a matmul on it copies the lm_head weight once per row (measured 60-70 ms vs
             # 10-15 ms for the tiny model's 32-row prefill; the same logits up to the matmul's rounding)
             logits_to_keep=torch.tensor([ids.shape[1] - 1], device=ids.device),
+            **{self._cache_kw: cache},
         )
         return out.logits[:, -1].float()  # the engine-dtype lm_head matmul happened; only now float32
 
@@ -240,9 +247,11 @@ class HFRolloutEngine:
         history = None  # what the penalties and multi-token bad words see: the prompt, then each sampled token
         recorder = RouteRecorder(self.model, batch_size=b) if self.record_routes else None
         route_blocks: list[Tensor] = []  # [B, new columns, L, k] per step: the routes of the positions forwarded for the first time
-        for _ in range(cfg.max_new_tokens):
+        for step in range(cfg.max_new_tokens):
             with recorder if recorder is not None else contextlib.nullcontext():
-                if self.kv_cache:
+                if self.kv_cache and self._decode_step is not None and step > 0:  # one new token per row
+                    logits = self._decode_step(step_ids, attn, step_pos, cache)
+                elif self.kv_cache:
                     logits = self._logits(step_ids, attn, step_pos, cache)
                 else:
                     # Full forward every step; a fresh (possibly quantised) cache only replays KV quantisation.

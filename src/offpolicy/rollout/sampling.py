@@ -224,6 +224,8 @@ def apply_history_processors(x: Tensor, cfg: SamplingConfig, history: TokenHisto
     if needs and history is None:
         raise ValueError(f"{needs[0]} reads the token history (the prompt and the earlier completion tokens): pass "
                          "history= (offpolicy.rollout.sampling.completion_history for scoring)")
+    if not (cfg.bad_words_ids or cfg.logit_bias or needs):
+        return x
     vocab = x.shape[-1]
     used = [k for k, _ in cfg.logit_bias] + [t for w in cfg.bad_words_ids for t in w]
     if used and max(used) >= vocab:

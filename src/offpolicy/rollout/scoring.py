@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.rollout.base import pad_ids
+from offpolicy.rollout.decode import cache_keyword
 from offpolicy.rollout.routing import replay_routes
 from offpolicy.rollout.sampling import (
     SamplingConfig,
@@ -39,6 +40,9 @@ def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
 @functools.cache
 def _accepts_logits_to_keep(forward: Callable[..., Any]) -> bool:
     return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+_cache_keyword = functools.cache(cache_keyword)  # once per model class
 
 
 def _keeps_logits(model: torch.nn.Module) -> bool:
@@ -78,7 +82,7 @@ def score_tokens(
     targets = torch.gather(ids, 1, (src + 1).clamp(max=max(ids.shape[1] - 1, 0)))
     # A fresh cache per forward only replays the engine's KV quantisation; scoring itself never reuses one.
     if past_key_values_factory is not None:
-        kwargs = {"past_key_values": past_key_values_factory(), "use_cache": True}
+        kwargs = {_cache_keyword(type(model).forward): past_key_values_factory(), "use_cache": True}
     else:
         kwargs = {"use_cache": False}
     # Only the positions from the shortest prompt's last token on predict completion tokens: the output projection
@@ -93,7 +97,9 @@ def score_tokens(
     replay = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with _forward_context(model, dtype), replay:
         out = model(input_ids=ids, attention_mask=attn.long(), **kwargs)
-    logits = torch.gather(out.logits, 1, (src - skip)[..., None].expand(b, t_max, out.logits.shape[-1])).float()
+    # rows × positions by indexing: a copy of whole [V] rows (a gather with a [B, T, V] index reads an index per logit,
+    # and its backward scatters per logit — together ~4 ms of the tiny model's 32 × 16 scoring, for the same values)
+    logits = out.logits[torch.arange(b, device=device)[:, None], src - skip].float()
     history = None
     if cfg is not None and cfg.reads_history:  # penalties see the prompt and the completion tokens before each one
         history = completion_history(prompt_ids, completion_ids, logits.shape[-1], cfg, device)
