@@ -34,10 +34,10 @@ def test_kv_quantisation_only_in_the_chosen_layers(tiny):
     engine = HFRolloutEngine(model, dtype="float32", kv_cache_bits=4, quantize_layers=[1])
     cache = engine._new_cache()
     ids = torch.tensor([[1, 19, 13, 21]])
-    engine.model(input_ids=ids, past_key_values=cache, use_cache=True)
+    engine.model(input_ids=ids, use_cache=True, **{engine._cache_kw: cache})
     plain = HFRolloutEngine(model, dtype="float32")._new_cache()
     plain_engine = HFRolloutEngine(model, dtype="float32")
-    plain_engine.model(input_ids=ids, past_key_values=plain, use_cache=True)
+    plain_engine.model(input_ids=ids, use_cache=True, **{plain_engine._cache_kw: plain})
     k0, k1 = cache.layers[0].keys, cache.layers[1].keys
     assert torch.equal(k0, plain.layers[0].keys)  # layer 0 stores what an unquantised engine stores
     assert torch.equal(k1, fake_quantize(k1, 4))  # layer 1's keys lie on the int4 grid …
