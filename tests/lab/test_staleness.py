@@ -8,7 +8,13 @@ import pytest
 
 from offpolicy.lab.mismatch import mismatch_overrides
 from offpolicy.lab.settings import get_setting
-from offpolicy.lab.staleness import largest_lag_within_noise, markdown_table, plot_staleness, staleness_report
+from offpolicy.lab.staleness import (
+    largest_lag_within_noise,
+    markdown_table,
+    plot_staleness,
+    staleness_report,
+    verdict_table,
+)
 
 STEPS = 8  # quarter = 2 steps: the last-quarter reward is the mean of steps 7 and 8
 # last-quarter reward per seed (both last steps hold it)
@@ -65,6 +71,8 @@ def test_report_on_a_known_sweep(tmp_path):
     assert t["naive|lag4"]["eval_vs_control"]["verdict"] == "within noise"
     assert t["m2po|lag16"]["eval_vs_control"]["verdict"] == "too few seeds"  # no eval.json there
     assert report["largest_within_noise_eval"] == {"naive": "lag4", "m2po": None}
+    assert report["largest_not_below"] == {"naive": "lag4", "m2po": None}
+    assert "| naive | lag4 | lag4 | lag4 | lag4 |" in verdict_table(report)
     png = plot_staleness(report, tmp_path / "staleness.png")
     assert png.stat().st_size > 10_000
     only = plot_staleness(report, tmp_path / "naive_only.png", presets=["naive"])  # one line fewer: another picture
@@ -74,6 +82,11 @@ def test_report_on_a_known_sweep(tmp_path):
 def test_largest_lag_skips_missing_lags():
     assert largest_lag_within_noise({"lag64": {"within_noise": True}, "lag4": {"within_noise": True}}) == "lag64"
     assert largest_lag_within_noise({"lag1": {"within_noise": False}}) is None
+    # separated above the control: not within noise, but not a break either
+    above = {"lag1": {"within_noise": True}, "lag4": {"within_noise": False, "verdict": "higher"},
+             "lag16": {"within_noise": False, "verdict": "lower"}}
+    assert largest_lag_within_noise(above) == "lag1"
+    assert largest_lag_within_noise(above, or_higher=True) == "lag4"
 
 
 def test_stale_setting_and_lag_sources():

@@ -82,18 +82,23 @@ def cell(s: dict[str, Any], fmt: str) -> str:
     return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}–{fmt.format(s['max'])}]"
 
 
-def largest_lag_within_noise(verdicts: dict[str, dict[str, Any]]) -> str | None:
+def largest_lag_within_noise(verdicts: dict[str, dict[str, Any]], *, or_higher: bool = False) -> str | None:
     """The largest lag (by sync period) whose verdict against the control is *within noise* while every smaller lag's
-    is too — where the method has not yet broken; None when even the smallest lag is separated. Missing lags are
-    skipped.
+    is too — where the method has not yet broken; None when even the smallest lag is separated. ``or_higher``: a lag
+    separated *above* the control counts as holding too (the method is not below the control there). Missing lags
+    are skipped.
 
     >>> largest_lag_within_noise({"lag1": {"within_noise": True}, "lag4": {"within_noise": True},
     ...                           "lag16": {"within_noise": False}, "lag64": {"within_noise": True}})
     'lag4'
+    >>> above = {"lag1": {"within_noise": False, "verdict": "higher"}, "lag4": {"within_noise": True}}
+    >>> largest_lag_within_noise(above), largest_lag_within_noise(above, or_higher=True)
+    (None, 'lag4')
     """
     best = None
     for mismatch in sorted(verdicts, key=lag_of):
-        if not verdicts[mismatch].get("within_noise"):
+        v = verdicts[mismatch]
+        if not (v.get("within_noise") or (or_higher and v.get("verdict") == "higher")):
             break
         best = mismatch
     return best
@@ -127,14 +132,16 @@ def staleness_report(out: str | Path) -> dict[str, Any]:
             entry["vs_control"] = compare([run_stats(x)["reward_last"] for x in per_seed], control, "naive, none")
             entry["eval_vs_control"] = compare(evals[(preset, mismatch)], control_eval, "naive, none")
         table[f"{preset}|{mismatch}"] = entry
-    largest: dict[str, str | None] = {}
-    largest_eval: dict[str, str | None] = {}
+    largest: dict[str, dict[str, str | None]] = {name: {} for name in (
+        "largest_within_noise", "largest_within_noise_eval", "largest_not_below", "largest_not_below_eval")}
     for preset in presets:
-        for key, into in (("vs_control", largest), ("eval_vs_control", largest_eval)):
+        for key, suffix in (("vs_control", ""), ("eval_vs_control", "_eval")):
             verdicts = {m: table[f"{preset}|{m}"][key] for m in mismatches if m != CONTROL and f"{preset}|{m}" in table}
-            into[preset] = largest_lag_within_noise(verdicts) if verdicts else None
-    return {"presets": presets, "mismatches": mismatches, "table": table, "largest_within_noise": largest,
-            "largest_within_noise_eval": largest_eval, "steps": summary["plan"]["steps"] if "plan" in summary else None}
+            largest["largest_within_noise" + suffix][preset] = largest_lag_within_noise(verdicts) if verdicts else None
+            largest["largest_not_below" + suffix][preset] = \
+                largest_lag_within_noise(verdicts, or_higher=True) if verdicts else None
+    return {"presets": presets, "mismatches": mismatches, "table": table, **largest,
+            "steps": summary["plan"]["steps"] if "plan" in summary else None}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -150,6 +157,19 @@ def markdown_table(report: dict[str, Any]) -> str:
             verdicts = [_verdict(entry.get("eval_vs_control")), _verdict(entry.get("vs_control"))]
             lines.append("| " + " | ".join([preset, lag_label(mismatch), str(entry["seeds"]), *cells, *verdicts]) + " |")
     return "\n".join(lines)
+
+
+def verdict_table(report: dict[str, Any]) -> str:
+    """Per preset, the largest lag that holds against the control: within noise, and within noise or above it (a
+    separation upwards is not a break), for the trainer's evaluated reward and the lab's last-quarter reward."""
+    lines = ["| method | within noise: final reward (eval) | within noise: last ¼ | not below: final reward (eval) "
+             "| not below: last ¼ |", "|---|---|---|---|---|"]
+    for p in report["presets"]:
+        cells = [report[k][p] or "none" for k in ("largest_within_noise_eval", "largest_within_noise",
+                                                   "largest_not_below_eval", "largest_not_below")]
+        lines.append("| " + " | ".join([p, *cells]) + " |")
+    return "Largest lag that holds against the fp32 on-policy control (every smaller lag holding too):\n\n" + \
+        "\n".join(lines)
 
 
 def _verdict(v: dict[str, Any] | None) -> str:
@@ -286,10 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = staleness_report(args[0])
     out = Path(args[1])
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown_table(report) + "\n\nLargest lag within noise of the control (trainer's final reward, evaluated" \
-        " | the lab's last-quarter reward of the engine's rollouts):\n\n" + "\n".join(
-        f"- {p}: {report['largest_within_noise_eval'][p] or 'none'} | {report['largest_within_noise'][p] or 'none'}"
-        for p in report["presets"])
+    text = markdown_table(report) + "\n\n" + verdict_table(report)
     (out / "staleness_table.md").write_text(text + "\n")
     plot_staleness(report, out / "staleness.png", MAIN_PRESETS)
     if any(p not in MAIN_PRESETS for p in report["presets"]):
