@@ -78,6 +78,20 @@ def _step_tensors():
     return old, rollout, mask
 
 
+def _step_rows(old, rollout, extra=lambda i, n: {}):
+    """The step's rows as verl's queue holds them, keyed ``{uid}_{session}_{turn}`` (one session each): the response
+    mask, the reward on the last token, π_old and μ, plus ``extra(i, n)`` per row."""
+    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]
+    rows = {}
+    for i, key in enumerate(keys):
+        n = LENGTHS[i]
+        scores = torch.zeros(n)
+        scores[-1] = SCORES[i]
+        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
+                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n], **extra(i, n)}
+    return keys, rows
+
+
 @pytest.fixture(scope="module")
 def trainer_base():
     """verl's v1 trainer module; ``transfer_queue`` stubbed for the import when it is not installed."""
@@ -116,14 +130,7 @@ def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_ba
     assert issubclass(cls, trainer_base.get_trainer_cls("sync"))
 
     old, rollout, mask = _step_tensors()
-    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]  # verl's "{uid}_{session}_{turn}": one session each
-    rows = {}
-    for i, key in enumerate(keys):
-        n = LENGTHS[i]
-        scores = torch.zeros(n)
-        scores[-1] = SCORES[i]
-        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
-                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n]}
+    keys, rows = _step_rows(old, rollout)
     queue = StandInQueue(rows)
     metrics = _compute_advantage(cls, trainer_base, monkeypatch, queue, keys)
 
@@ -291,17 +298,12 @@ def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
     upper[4, 1] = 0.049  # just below δ: kept
     upper[3, 4] = 0.5  # the last token of a full-length row: masked
     n_prompt = 2
-    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]
-    rows = {}
-    for i, key in enumerate(keys):
-        n = LENGTHS[i]
-        scores = torch.zeros(n)
-        scores[-1] = SCORES[i]
+    def engine_rows(i, n):
         # engine layout: row n_prompt − 1 + j holds response token j's value; the prompt rows hold junk (9.0)
         seq = torch.cat([torch.full((n_prompt - 1,), 9.0), upper[i, :n], torch.tensor([9.0])])
-        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
-                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n],
-                     KL_UPPER_FIELD: seq, KL_LOWER_FIELD: torch.zeros(n_prompt + n)}
+        return {KL_UPPER_FIELD: seq, KL_LOWER_FIELD: torch.zeros(n_prompt + n)}
+
+    keys, rows = _step_rows(old, rollout, engine_rows)
     metrics = _compute_advantage(cls, trainer_base, monkeypatch, StandInQueue(rows), keys)
     kept = torch.stack([torch.nn.functional.pad(rows[k]["response_mask"].float(), (0, R - LENGTHS[i]))
                         for i, k in enumerate(keys)])
@@ -440,14 +442,7 @@ def test_m2po_in_the_driver_after_verls_advantages(trainer_base, monkeypatch, qu
     monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": correction}))
     cls = trainer_base.get_trainer_cls(plugin.register_trainer())
     old, rollout, mask = _step_tensors()
-    keys = [f"{uid}_{i}_0" for i, uid in enumerate(UIDS)]
-    rows = {}
-    for i, key in enumerate(keys):
-        n = LENGTHS[i]
-        scores = torch.zeros(n)
-        scores[-1] = SCORES[i]
-        rows[key] = {"uid": UIDS[i], "response_mask": torch.ones(n), "rm_scores": scores,
-                     "old_log_probs": old[i, :n], "rollout_log_probs": rollout[i, :n]}
+    keys, rows = _step_rows(old, rollout)
     metrics = _compute_advantage(cls, trainer_base, monkeypatch, StandInQueue(rows), keys)
 
     def stored(field):
