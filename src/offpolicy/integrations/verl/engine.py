@@ -33,6 +33,13 @@ exactly as the parent class. What it changes:
   the full softmax(z / T), without the recipe's truncation. verl writes every output of the forward to the
   TransferQueue; the driver reads them (:mod:`.driver`).
 
+* **Score centering** (``score_centering: true`` with ``topk_logprobs: K``, arXiv 2609.20807): in the update forward
+  (grad on) of a batch that carries the rollout's top-K, ``log_probs`` becomes
+  ``centered_logp(log_probs, score_center_topk(z / T, ids, logq))`` on every row (prompt rows hold a point mass and
+  are dropped by verl like their log-probs): the value is verl's own, the gradient the centred score's
+  (:mod:`offpolicy.objectives.score_centering`; the top-K's log-probs are the tempered sampler's, z / T is verl's
+  temperature). Row-chunked with activation checkpointing, so the extra ``[N, V]`` float32 work is a chunk at a time.
+
 The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
 forward.
 """
@@ -59,6 +66,8 @@ from offpolicy.integrations.verl.topk import (
     topk_kl_bounds,
     topk_rows,
 )
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+from offpolicy.objectives.score_centering import centered_logp, score_center_topk
 from offpolicy.perturbation import LayerwisePerturbation
 
 ALP_CHECKPOINT = "offpolicy_alp.pt"
@@ -160,10 +169,11 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
     # -- sampling recipe in every log-prob forward; top-K KL bounds in the old-log-prob forward --------------------
     def prepare_model_outputs(self, output: Any, output_args: dict, micro_batch: Any, logits_processor_func: Any):
         recipe, topk = self.offpolicy.sampling.active, self._wants_topk_bounds(micro_batch)
-        if not (recipe or topk):
+        center = self._wants_score_centering(micro_batch)
+        if not (recipe or topk or center):
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
-            raise ValueError("offpolicy.sampling / topk_logprobs need the logits: set "
+            raise ValueError("offpolicy.sampling / topk_logprobs / score_centering need the logits: set "
                              "actor_rollout_ref.model.use_fused_kernels=False")
         # computed before the parent's, on the raw logits (the parent scales by temperature out of place)
         flat, temperature, unpad = self._flat_logits(output, output_args, micro_batch)
@@ -176,9 +186,15 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             lower, upper = self._topk_bounds(flat, temperature, micro_batch)
             extra = {KL_LOWER_FIELD: torch.nested.nested_tensor_from_jagged(unpad(lower), cu_seqlens),
                      KL_UPPER_FIELD: torch.nested.nested_tensor_from_jagged(unpad(upper), cu_seqlens)}
+        if center:
+            centre = unpad(self._topk_center(flat, temperature, micro_batch))
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if recipe and "log_probs" in model_output:
             model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(ours, cu_seqlens)
+        if center and "log_probs" in model_output:
+            logp = model_output["log_probs"].values()
+            model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(
+                centered_logp(logp, centre.to(logp.dtype)), cu_seqlens)
         model_output.update(extra)
         return model_output
 
@@ -190,8 +206,18 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
                 and not torch.is_grad_enabled()
                 and bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)))
 
-    def _topk_bounds(self, flat: Tensor, temperature: Tensor, micro_batch: Any) -> tuple[Tensor, Tensor]:
-        """KL(μ ‖ π_old) bounds [rows of ``flat``] from the micro-batch's top-K (nested [bsz, j, K])."""
+    def _wants_score_centering(self, micro_batch: Any) -> bool:
+        """The update forward (grad on) with ``score_centering``; its batch must carry the rollout's top-K."""
+        if not (self.offpolicy.score_centering and torch.is_grad_enabled()):
+            return False
+        if TOPK_IDS_FIELD not in micro_batch.keys():  # noqa: SIM118 - TensorDict keys
+            raise ValueError(f"offpolicy.score_centering: the update batch has no {TOPK_IDS_FIELD} (the agent loop "
+                             "writes it when topk_logprobs > 0 and the server returns top-K log-probs)")
+        return True
+
+    def _topk_head(self, flat: Tensor, micro_batch: Any) -> tuple[Tensor, Tensor]:
+        """The micro-batch's top-K (nested [bsz, j, K]) as rows ``(logp, ids)`` aligned with ``flat`` [N (+ pad), V]:
+        the packed path's tail padding gets point-mass rows (dropped by the caller's ``unpad``)."""
         if getattr(self, "use_ulysses_sp", False):
             raise ValueError("offpolicy.topk_logprobs is not supported with Ulysses sequence parallelism "
                              "(ulysses_sequence_parallel_size > 1)")
@@ -200,11 +226,32 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         padding = [False] * len(lengths) if mask is None else [bool(m.sum() == 0) for m in mask.unbind()]
         logp, ids = topk_rows(micro_batch[TOPK_LOGP_FIELD].unbind(), micro_batch[TOPK_IDS_FIELD].unbind(), lengths,
                               padding)
-        pad = flat.shape[0] - ids.shape[0]  # the packed path's tail padding: point-mass rows, dropped by the caller
+        pad = flat.shape[0] - ids.shape[0]
         if pad:
             filler_lp, filler_ids = point_mass(pad, ids.shape[1])
             logp, ids = torch.cat([logp, filler_lp]), torch.cat([ids, filler_ids])
-        return topk_kl_bounds(flat, temperature, logp.to(flat.device), ids.to(flat.device))
+        return logp.to(flat.device), ids.to(flat.device)
+
+    def _topk_bounds(self, flat: Tensor, temperature: Tensor, micro_batch: Any) -> tuple[Tensor, Tensor]:
+        """KL(μ ‖ π_old) bounds [rows of ``flat``] from the micro-batch's top-K."""
+        logp, ids = self._topk_head(flat, micro_batch)
+        return topk_kl_bounds(flat, temperature, logp, ids)
+
+    def _topk_center(self, flat: Tensor, temperature: Tensor, micro_batch: Any, *,
+                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+        """Score centering's c = Σ_{a∈H} sg(q_a − κ p_a) log p_a [rows of ``flat``], p = softmax(flat / T),
+        differentiable w.r.t. ``flat``; row chunks recomputed in the backward (no [N, V] float32 copy kept)."""
+        logq, ids = self._topk_head(flat, micro_batch)
+        t = temperature.float().clamp(min=1e-8).reshape(-1, 1)
+
+        def chunk(z: Tensor, t_rows: Tensor, ids_rows: Tensor, logq_rows: Tensor) -> Tensor:
+            # the engine's top-K are the tempered sampler's log-probs: the logits go in already divided by T
+            return score_center_topk(z.float() / t_rows, ids_rows, logq_rows, temperature=1.0)
+
+        rows = chunk_rows(flat.shape[0], flat.shape[1], buffers=4, memory_budget_bytes=memory_budget_bytes)
+        parts = [torch.utils.checkpoint.checkpoint(chunk, flat[a:b], t[a:b], ids[a:b], logq[a:b], use_reentrant=False)
+                 for a, b in row_chunks(flat.shape[0], rows)]
+        return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
 
     def _flat_logits(self, output: Any, output_args: dict, micro_batch: Any) -> tuple[Tensor, Tensor, Any]:
         """The forward's raw logits as rows [N (+ pad), V], the temperature per row [N (+ pad)], and the function

@@ -18,7 +18,9 @@ which descends into every dict value.)::
 ``correction`` runs in the driver after the advantages; ``sampling`` is DVP's ρ (``min_p``) or, with ``top_k`` /
 ``top_p``, sampling replay (agent loop + engine); ``alp`` perturbs the update forward; ``topk_logprobs`` asks the
 server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM's divergence the certified
-``topk_bound: upper`` (default) or the coarse-grained ``lower`` bound on KL(μ ‖ π_old) from them.
+``topk_bound: upper`` (default) or the coarse-grained ``lower`` bound on KL(μ ‖ π_old) from them;
+``score_centering: true`` (needs ``topk_logprobs``) centres the score in the update forward on the engine's top-K
+(arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`).
 
 Every key is optional; an unknown key or a bad value is a ``ValueError`` naming it, raised when the block is read
 (the engine's construction, the driver's first step), not deep inside a step.
@@ -33,7 +35,7 @@ from typing import Any
 
 from offpolicy.registry import build_correction
 
-KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "naming")
+KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming")
 SAMPLING_KEYS = ("min_p", "top_k", "top_p")
 ALP_KEYS = ("init_std", "lr", "layers", "seed")
 
@@ -91,6 +93,7 @@ class VerlSettings:
     alp: ALPSettings | None = None
     topk_logprobs: int = 0
     topk_bound: str = "upper"
+    score_centering: bool = False
     naming: str = "verl"
 
     @property
@@ -123,10 +126,10 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     >>> s = parse_settings({"sampling": {"min_p": 0.01}, "alp": {}})
     >>> s.sampling.dvp_only, s.alp.init_std
     (True, 0.0001)
-    >>> parse_settings({"samplng": {}})
+    >>> parse_settings({"samplng": {}})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, topk_bound, naming
+    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, ..., naming
     """
     block = _plain(block)
     if block is None:
@@ -168,11 +171,21 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     bound = block.get("topk_bound", "upper")
     if bound not in ("upper", "lower"):
         raise ValueError(f"offpolicy.topk_bound must be 'upper' (certified) or 'lower', got {bound!r}")
+    centering = block.get("score_centering", False)
+    if not isinstance(centering, bool):
+        raise ValueError(f"offpolicy.score_centering must be true or false, got {centering!r}")
+    if centering and not k:
+        raise ValueError("offpolicy.score_centering needs the engine's top-K: set topk_logprobs: K (K >= 1)")
+    if centering and (alp is not None or any(v is not None for v in (min_p, top_k, top_p))):
+        # the centre is Σ q̂ log p of the full tempered p: a recipe's truncated log-probs or ALP's noisy forward
+        # would need their own centre (not built)
+        raise ValueError("offpolicy.score_centering cannot be combined with sampling (DVP / replay) or alp")
     naming = block.get("naming", "verl")
     if naming not in ("verl", "offpolicy", "trl", "swift"):
         raise ValueError(f"offpolicy.naming must be one of verl, offpolicy, trl, swift; got {naming!r}")
     return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
-                        topk_logprobs=int(k), topk_bound=bound, naming=naming)
+                        topk_logprobs=int(k), topk_bound=bound, score_centering=centering,
+                        naming=naming)
 
 
 ENV_VAR = "OFFPOLICY_VERL"
