@@ -131,3 +131,15 @@ def test_centring_without_the_top_k_in_the_batch_is_refused(workers):
     tensors = {"old_log_probs": old, "advantages": h.ADVANTAGES[:, None].expand(h.B, h.R).contiguous()}
     with pytest.raises(ValueError, match="score_centering: the update batch has no offpolicy_topk_ids"):
         h._train(centring, "vanilla", "token-mean", tensors, meta={"temperature": T})
+
+
+def test_centring_on_the_packed_path(model_path, workers):
+    """``use_remove_padding=True``: the packed rows get their own top-K (prompt rows a point mass); same gradient."""
+    plain, _ = workers
+    packed = h.make_worker(model_path, {"topk_logprobs": K, "score_centering": True}, remove_padding=True)
+    z = h._reference_logits(plain)
+    noise = 0.5 * torch.randn(z.shape, generator=torch.Generator().manual_seed(6))
+    lp, ids = ((z + noise) / T).log_softmax(-1).topk(K, dim=-1)
+    old = h.infer_logp(plain, {"temperature": T})
+    _, grad = _train(packed, lp, ids, old)
+    torch.testing.assert_close(grad, _reference_grad(model_path, lp, ids, centre=True), rtol=1e-4, atol=1e-6)
