@@ -7,7 +7,7 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 (``offpolicy lab --setting quick --presets naive,mis --steps 30 optim.lr=1e-4``).
 
 >>> get_setting("quick")["steps"]
-24
+21
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
