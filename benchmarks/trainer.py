@@ -1,12 +1,16 @@
 """Throughput of offpolicy's GRPO training step on the tiny model (and, if TRL is installed, the ratio vs TRL).
 
-    python benchmarks/trainer.py [--steps 3] [--batch 32] [--new-tokens 16] [--preset mis] [--phases]
+    python benchmarks/trainer.py [--steps 6] [--batch 32] [--new-tokens 16] [--preset mis] [--threads 2]
+                                 [--repeat R] [--phases]
 
 Prints tokens/s (completion tokens per wall-second) for
   * the update phase alone (π_old fp32 forward + π_θ forward/backward/AdamW step on a fixed rollout batch), and
-  * a full step (bf16 KV-cache rollout + rewards + advantages + update) through ``offpolicy.train.train``.
-If ``trl`` is importable, TRL's ``GRPOTrainer`` runs the same model, prompts, group size and completion length and
-the ratio offpolicy/TRL is printed; otherwise it says how to install it (``pip install 'offpolicy[trl]'``).
+  * a full step (bf16 KV-cache rollout + rewards + advantages + update) through ``offpolicy.train.train``: the
+    wall clock of a (2 + steps)-step ``train()`` call minus that of a 2-step one, so each trainer's one-off set-up
+    cancels and every per-step cost counts.
+If ``trl`` is importable, ``GRPOTrainer.train()`` is timed the same way on the same model, prompts, group size and
+completion length and the ratio offpolicy/TRL is printed; otherwise it says how to install it
+(``pip install 'offpolicy[trl]'``).
 ``--phases`` prints instead the CPU seconds (``time.process_time()``: little moved by other processes on a shared
 machine) of each phase of offpolicy's step — rollout, scoring, update, metrics — step by step.
 Short by design (a few steps): it shares two CPU cores with everything else.
@@ -18,6 +22,7 @@ import argparse
 import copy
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,8 +70,10 @@ def bench_update(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
     return n_tokens * steps / (time.perf_counter() - t0)
 
 
-def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str) -> float:
-    """Tokens/s of full GRPO steps (rollout + update) through the trainer."""
+def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str,
+               extra: tuple[str, ...] = ()) -> tuple[int, float]:
+    """(completion tokens, wall seconds) of one whole ``offpolicy.train.train`` call of ``steps`` GRPO steps, with
+    ``extra`` trainer overrides."""
     from offpolicy.train.config import load_config
     from offpolicy.train.loop import train
 
@@ -76,16 +83,17 @@ def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: s
             f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // group, 1)}",
             f"algorithm.group_size={group}", f"rollout.sampling.max_new_tokens={new_tokens}", f"run.steps={steps}",
             f"run.out_dir={out}", "run.progress=false", "run.tensorboard=false",
-            *(["alp.enabled=true"] if preset == "alp" else []),
+            *(["alp.enabled=true"] if preset == "alp" else []), *extra,
         ])
+        t0 = time.perf_counter()
         res = train(cfg, model=model, tokenizer=tok)
-    tokens = [h["time/tokens_per_s"] * h["time/step_s"] for h in res.history]
-    step_s, rollout_s = sum(h["time/step_s"] for h in res.history), sum(h["time/rollout_s"] for h in res.history)
-    print(f"  offpolicy step: {step_s / len(res.history):.3f} s, of which rollout {rollout_s / len(res.history):.3f} s")
-    return sum(tokens) / step_s
+        dt = time.perf_counter() - t0
+    tokens = sum(round(h["time/tokens_per_s"] * h["time/step_s"]) for h in res.history)
+    return tokens, dt
 
 
-def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str) -> None:
+def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str,
+                 extra: tuple[str, ...] = ()) -> None:
     """CPU seconds of each phase of :mod:`offpolicy.train.steps`, per step (the first step warms up and is left out
     of the mean)."""
     from offpolicy.train.config import load_config
@@ -95,7 +103,7 @@ def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
     cfg = load_config(None, [
         f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // group, 1)}",
         f"algorithm.group_size={group}", f"rollout.sampling.max_new_tokens={new_tokens}",
-        *(["alp.enabled=true"] if preset == "alp" else []),
+        *(["alp.enabled=true"] if preset == "alp" else []), *extra,
     ])
     state = build_state(cfg, model=model, tokenizer=tok)
     names = ("rollout", "scoring", "update", "metrics")
@@ -118,8 +126,9 @@ def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
     print("mean CPU s per step: " + ", ".join(f"{n} {t:.3f}" for n, t in zip(names, mean)) + f", total {sum(mean):.3f}")
 
 
-def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> float:
-    """Tokens/s of TRL's GRPOTrainer on the same model and batch shape (only when trl is importable)."""
+def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> tuple[int, float]:
+    """(completion tokens, wall seconds) of one whole ``GRPOTrainer.train()`` call of ``steps`` steps on the same
+    model and batch shape (only when trl is importable)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -139,17 +148,27 @@ def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=group,
                           max_completion_length=new_tokens, max_steps=steps, logging_steps=1000, report_to=[],
-                          use_cpu=True, save_strategy="no", bf16=False)
+                          use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
         t0 = time.perf_counter()
         trainer.train()
         dt = time.perf_counter() - t0
-    return seen["tokens"] / dt
+    return seen["tokens"], dt
+
+
+def marginal_rate(run: Callable[[int], tuple[int, float]], short: int, long: int) -> tuple[float, float]:
+    """(completion tokens/s, seconds per step) of the steps a ``long``-step run adds to a ``short``-step one: the
+    difference of two whole runs, so that each trainer's one-off set-up (building the engine, the data loader, …)
+    cancels and every per-step cost (logging, metrics files, the optimiser) counts — the same rule for both."""
+    tokens_short, t_short = run(short)
+    tokens_long, t_long = run(long)
+    return (tokens_long - tokens_short) / (t_long - t_short), (t_long - t_short) / (long - short)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6,
+                    help="steps timed (the difference of a 2-step and a (2 + steps)-step run); --phases: steps shown")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--preset", default="mis")
@@ -157,14 +176,17 @@ def main() -> None:
                     help="torch threads for both trainers (on a machine shared with other work, 1 avoids spinning)")
     ap.add_argument("--repeat", type=int, default=1, help="measure offpolicy and TRL this many times, alternating")
     ap.add_argument("--phases", action="store_true", help="only CPU seconds per phase of offpolicy's step")
+    ap.add_argument("--compile", action="store_true",
+                    help="offpolicy's engine with rollout.compile=true (its one-off compilation is set-up: it cancels)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = _model()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny model: {n_params / 1e6:.2f} M parameters, batch {a.batch} × ≤{a.new_tokens} new tokens, "
           f"preset {a.preset}, {a.threads} threads")
+    extra = ("rollout.compile=true",) if a.compile else ()
     if a.phases:
-        bench_phases(model, tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
+        bench_phases(model, tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset, extra=extra)
         return
     upd = bench_update(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps, preset=a.preset)
     print(f"offpolicy update phase (π_old fwd + π_θ fwd/bwd + AdamW): {upd:,.0f} tokens/s")
@@ -174,26 +196,36 @@ def main() -> None:
         trl = None
         print("TRL is not installed, so no TRL comparison; install it with  pip install 'offpolicy[trl]'  "
               "(or pip install trl) and run this script again.")
-    if trl is not None:  # one untimed step of each first: TRL's first train() pays its lazy set-up (measured 3.9×)
-        bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=1, preset=a.preset)
+    # one untimed step of each first: TRL's first train() pays a lazy set-up (measured 3.9×), a compiled engine its
+    # compilation (later engines reuse it)
+    bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=1, preset=a.preset,
+               extra=extra)
+    if trl is not None:
         bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=1)
+    short, long = 2, 2 + a.steps
+    print(f"full steps: the steps {long} add to {short} (wall clock of whole train() calls, set-up cancels)")
     ratios = []
     for _ in range(a.repeat):
-        full = bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps,
-                          preset=a.preset)
-        print(f"offpolicy full GRPO step (bf16 KV-cache rollout + update):  {full:,.0f} tokens/s")
+        full, full_s = marginal_rate(
+            lambda n: bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=n,
+                                 preset=a.preset, extra=extra), short, long)
+        print(f"offpolicy full GRPO step (bf16 KV-cache rollout + update{', compiled' if a.compile else ''}):  "
+              f"{full:,.0f} tokens/s ({full_s:.3f} s/step)")
         if trl is None:
             continue
         try:
-            ref = bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=a.steps)
+            ref, ref_s = marginal_rate(
+                lambda n: bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=n),
+                short, long)
         except Exception as err:  # TRL's API moves fast; report instead of crashing the benchmark
             print(f"TRL GRPOTrainer could not run here: {err!r}")
             return
-        print(f"TRL GRPOTrainer full step:                               {ref:,.0f} tokens/s")
+        print(f"TRL GRPOTrainer full step:                               {ref:,.0f} tokens/s ({ref_s:.3f} s/step)")
         ratios.append(full / ref)
         print(f"ratio offpolicy / TRL (full step): {full / ref:.2f}×")
     if len(ratios) > 1:
         print(f"ratio offpolicy / TRL over {len(ratios)} repeats: {min(ratios):.2f}–{max(ratios):.2f}×")
+
 
 if __name__ == "__main__":
     main()

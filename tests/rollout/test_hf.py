@@ -64,6 +64,11 @@ def test_seeded_and_reproducible(tiny, prompts):
     c = engine.generate(prompts, CFG, seed=4)
     assert a.completion_ids == b.completion_ids and torch.equal(a.logp, b.logp)
     assert a.completion_ids != c.completion_ids
+    # the other sampler: as reproducible, and other tokens from the same seed (it uses the generator differently)
+    fast = HFRolloutEngine(model, tokenizer=tok, sampler="inverse_cdf")
+    d, e = fast.generate(prompts, CFG, seed=3), fast.generate(prompts, CFG, seed=3)
+    assert d.completion_ids == e.completion_ids and torch.equal(d.logp, e.logp)
+    assert d.completion_ids != a.completion_ids
 
 
 @pytest.mark.parametrize(
@@ -77,11 +82,12 @@ def test_seeded_and_reproducible(tiny, prompts):
         {"dtype": "float32", "kv_cache_bits": 4, "weight_bits": 8},
     ],
 )
-def test_logp_equals_direct_rescore(sharp, prompts, kwargs):
+@pytest.mark.parametrize("sampler", ["multinomial", "inverse_cdf"])
+def test_logp_equals_direct_rescore(sharp, prompts, kwargs, sampler):
     """μ from generation == the same tokens re-scored with the engine's model, dtype and processing."""
     model, tok = sharp
     cfg = SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=50)
-    engine = HFRolloutEngine(model, tokenizer=tok, **kwargs)
+    engine = HFRolloutEngine(model, tokenizer=tok, sampler=sampler, **kwargs)
     out = engine.generate(prompts, cfg, seed=0)
     # Measured on CPU: 0 in bf16, ≈4e-7 in fp16 and 1e-6..1e-5 in fp32: KV-cache decoding and a full forward
     # sum in different orders (bf16's coarse grid hides it), and the ×30 logits of `sharp` scale that up.
@@ -181,9 +187,10 @@ def test_sync_weights_follows_the_trainer(tiny, prompts):
     assert next(trainer.parameters()).dtype == torch.float32
 
 
-def test_sampling_frequencies_match_reported_probabilities(sharp, tiny):
+@pytest.mark.parametrize("sampler", ["multinomial", "inverse_cdf"])
+def test_sampling_frequencies_match_reported_probabilities(sharp, tiny, sampler):
     model, tok = sharp
-    engine = HFRolloutEngine(model, dtype="float32", tokenizer=tok)
+    engine = HFRolloutEngine(model, dtype="float32", tokenizer=tok, sampler=sampler)
     cfg = SamplingConfig(max_new_tokens=1, temperature=4.0, top_k=4, logprobs_topk=4)
     n = 2000
     out = engine.generate([tok("7+8=")["input_ids"]] * n, cfg, seed=0)
@@ -203,6 +210,7 @@ def test_bad_arguments_are_named(tiny, prompts):
         ({"kv_cache_bits": 1}, "kv_cache_bits"),
         ({"weight_bits": 32}, "weight_bits"),
         ({"logit_noise": -1.0}, "logit_noise"),
+        ({"sampler": "gumbel"}, "sampler"),
     ]:
         with pytest.raises(ValueError, match=name):
             HFRolloutEngine(model, **kwargs)

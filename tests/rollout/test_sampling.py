@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy.rollout.sampling import SamplingConfig, process_logits, sample_tokens, topk_logprobs
+from offpolicy.rollout.sampling import SamplingConfig, inverse_cdf, process_logits, sample_tokens, topk_logprobs
 
 NEG_INF = float("-inf")
 
@@ -112,14 +112,84 @@ def test_processed_distribution_properties(seed, temperature, top_k, top_p, min_
         assert (kept.sum(-1) <= top_k).all()  # continuous random logits: no ties
 
 
-def test_sample_tokens_respects_support_and_frequencies():
+@pytest.mark.parametrize("method", ["inverse_cdf", "multinomial"])
+def test_sample_tokens_respects_support_and_frequencies(method):
     g = torch.Generator().manual_seed(0)
     lp = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]])).expand(20_000, 4)
-    ids = sample_tokens(lp, g)
+    ids = sample_tokens(lp, g, method)
     freq = torch.bincount(ids, minlength=4).float() / 20_000
     # binomial sd of p=0.7 at n=20000 is 0.0032; 0.015 is > 4 sd
     torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1, 0.0]), atol=0.015, rtol=0)
     assert freq[3] == 0
+
+
+def test_inverse_cdf_frequencies_match_a_vocabulary_sized_distribution():
+    # 4,099 tokens with log-normal-ish probabilities; 200,000 draws split over 8 buckets of the sorted vocabulary.
+    # Each bucket's count is binomial: sd = sqrt(n p (1 − p)) ≤ sqrt(200000 · 0.25) ≈ 224, so 5 sd ≤ 1,120 draws,
+    # i.e. 0.0056 in frequency; a float32 running sum or an off-by-one in the search would shift a bucket by more
+    g = torch.Generator().manual_seed(1)
+    lp = torch.log_softmax(torch.randn(4099, generator=g) * 2.0, -1)
+    ids = sample_tokens(lp.expand(200_000, -1), g, "inverse_cdf")
+    order = torch.argsort(lp)
+    bucket_of = torch.empty(4099, dtype=torch.long)
+    bucket_of[order] = torch.arange(4099) * 8 // 4099
+    freq = torch.bincount(bucket_of[ids], minlength=8).double() / 200_000
+    expected = torch.zeros(8, dtype=torch.float64).index_add_(0, bucket_of, lp.double().exp())
+    torch.testing.assert_close(freq, expected, atol=0.0056, rtol=0)
+
+
+def test_inverse_cdf_by_hand():
+    # p = (0.5, 0, 0.25, 0.25): c = (0.5, 0.5, 0.75, 1.0), S = 1; the first a with c_a > u·S
+    p = torch.tensor([[0.5, 0.0, 0.25, 0.25]])
+    u = torch.tensor([[0.0], [0.4999], [0.5], [0.7499], [0.75], [1.0 - 2**-53]], dtype=torch.float64)
+    assert inverse_cdf(p.expand(6, 4), u).tolist() == [0, 0, 2, 2, 3, 3]
+    # unnormalised p scales u: p = (2, 6), S = 8 → u = 0.25 lands at c = 2 exactly → the next token
+    assert inverse_cdf(torch.tensor([[2.0, 6.0]]), torch.tensor([[0.25]], dtype=torch.float64)).tolist() == [1]
+
+
+def test_inverse_cdf_reaches_a_tail_token_behind_a_large_mass():
+    # p = (0.5, 1e-9, 0.5): in float32 0.5 + 1e-9 rounds to 0.5 (spacing 6e-8) and the 1e-9 token could never be
+    # drawn; the float64 running sum keeps its interval [0.5, 0.5 + 1e-9) of S = 1 + 1e-9
+    p = torch.tensor([[0.5, 1e-9, 0.5]])
+    tiny = float(p[0, 1].double())  # the float32 value of 1e-9, exact in float64
+    total = 1.0 + tiny
+
+    def pick(mass_before_u: float) -> int:
+        return int(inverse_cdf(p, torch.tensor([[mass_before_u / total]], dtype=torch.float64)))
+
+    assert [pick(0.5 - tiny), pick(0.5 + 0.5 * tiny), pick(0.5 + 1.01 * tiny)] == [0, 1, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1e-30, 1e-12, 1e-6, 0.3, 1.0, 7.0]), min_size=1, max_size=12),
+       st.floats(0.0, 1.0, exclude_max=True))
+def test_inverse_cdf_never_picks_a_zero_probability_token(probs, u):
+    if sum(probs) == 0:
+        probs = [*probs[:-1], 1.0]
+    p = torch.tensor([probs])
+    for x in (u, 0.0, 1.0 - 2**-53):  # the largest float64 below 1: u·S may round up to S
+        a = inverse_cdf(p, torch.tensor([[x]], dtype=torch.float64)).item()
+        assert 0 <= a < len(probs) and p[0, a] > 0
+
+
+def test_sample_tokens_is_seeded_and_draws_one_uniform_per_row():
+    lp = torch.log_softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), -1)
+    first = sample_tokens(lp, torch.Generator().manual_seed(3))
+    assert torch.equal(first, sample_tokens(lp, torch.Generator().manual_seed(3)))
+    g = torch.Generator().manual_seed(3)
+    sample_tokens(lp, g)
+    reference = torch.Generator().manual_seed(3)
+    torch.rand((5, 1), generator=reference, dtype=torch.float64)
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=reference))
+
+
+def test_sample_tokens_errors_name_the_problem():
+    with pytest.raises(ValueError, match="method"):
+        sample_tokens(torch.zeros(1, 3), method="gumbel")
+    with pytest.raises(ValueError, match="logp"):
+        sample_tokens(torch.tensor([[0.0, float("nan")]]))
+    with pytest.raises(ValueError, match="logp"):
+        sample_tokens(torch.full((1, 3), NEG_INF))
 
 
 def test_topk_logprobs_shows_neg_inf_when_support_is_small():

@@ -64,6 +64,7 @@ def test_unknown_key_in_yaml_is_named(tmp_path):
         (["optim.minibatches=100"], "optim.minibatches"),
         (["algorithm.is_lower=3", "algorithm.is_upper=2"], "is_lower"),
         (["rollout.sampling.temperature=0"], "temperature"),
+        (["rollout.sampler=gumbel"], "rollout.sampler"),
         (["alp.layers=middle"], "alp.layers"),
         (["algorithm.preset=alp", "alp.enabled=true", "algorithm.objective=ppo"], "algorithm.objective"),
         (["algorithm.preset=alp", "alp.enabled=true", "algorithm.level=token"], "algorithm.level"),
@@ -79,6 +80,17 @@ def test_unknown_key_in_yaml_is_named(tmp_path):
 def test_impossible_combinations_fail_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_the_trainers_engine_draws_with_the_configured_sampler():
+    from offpolicy.lab.settings import LAB_BASE
+    from offpolicy.models.tiny import build_tiny_model
+    from offpolicy.train.steps import build_engine
+
+    model, tok = build_tiny_model()
+    assert build_engine(load_config(None, []), model, tok).sampler == "inverse_cdf"  # the trainer's default
+    assert build_engine(load_config(None, ["rollout.sampler=multinomial"]), model, tok).sampler == "multinomial"
+    assert "rollout.sampler=multinomial" in LAB_BASE  # the lab's recorded runs drew with torch.multinomial
 
 
 def test_missing_config_file():

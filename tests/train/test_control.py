@@ -81,9 +81,11 @@ def test_control_needs_its_correction():
 
 def test_controlled_run_logs_its_thresholds_and_resumes_exactly(tmp_path, tiny_pair, make_overrides, varying_task):
     model0, tok = tiny_pair
-    # 2-bit engine weights: a mean token KL around TRM's avg threshold 0.001, so that threshold moves
+    # 2-bit engine weights: a mean token KL around TRM's avg threshold 0.001, so that threshold moves; the sampler of
+    # the trajectory on which the guard was measured to act
     extra = {"control__trm_acceptance": 0.7, "control__lr_guard": "true", "control__lr_guard_window": 2,
-             "control__lr_guard_rise": 1.01, "control__window": 2, "rollout__weight_bits": 2}
+             "control__lr_guard_rise": 1.01, "control__window": 2, "rollout__weight_bits": 2,
+             "rollout__sampler": "multinomial"}
     straight = train(load_config(None, make_overrides(tmp_path / "a", "trm", steps=4, **extra)),
                      model=copy.deepcopy(model0), tokenizer=tok, task=varying_task())
     hist = straight.history

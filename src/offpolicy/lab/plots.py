@@ -22,8 +22,12 @@ PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_ma
                  "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79",
                  # variants with a controller: the light shade of their preset's colour
                  "naive_lrguard": "#ff9896", "naive_lrstep": "#c49c94", "mis_band": "#9edae5", "trm_adaptive": "#98df8a",
-                 "dvp_mis_adaptive": "#c5b0d5"}
-_SPARE = ("#7f7f7f", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94")
+                 "dvp_mis_adaptive": "#c5b0d5",
+                 # the stale-rollout methods (M2PO, IPO, score centering) and their variants
+                 "m2po": "#7b4173", "m2po_tau0p2": "#a55194", "m2po_areal": "#ce6dbd", "ipo": "#637939",
+                 "score_centering": "#8c6d31", "score_centering_reinforce": "#e7ba52"}
+# no grey here: grey is the control's band
+_SPARE = ("#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#dbdb8d")
 
 # (metric key, file stem, title, y label, log axis floor or None, smoothed)
 CURVES: tuple[tuple[str, str, str, str, float | None, bool], ...] = (

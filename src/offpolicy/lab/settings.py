@@ -35,6 +35,7 @@ LAB_BASE = [
     "run.tensorboard=false",
     "run.progress=false",
     "run.checkpoint_every=25",
+    "rollout.sampler=multinomial",  # the sampler the lab's recorded runs drew with (the trainer's default is faster)
 ]
 
 SETTINGS: dict[str, dict[str, Any]] = {

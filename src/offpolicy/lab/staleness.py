@@ -252,7 +252,8 @@ def evaluate_run(run_dir: str | Path, *, prompts: int = 8, seed: int = EVAL_SEED
         raise ValueError(f"{str(run)!r} has no checkpoint to evaluate")
     cfg = load_config(run / "config.yaml", [f"task.prompts_per_step={prompts}", "rollout.dtype=float32",
                                             "rollout.kv_cache_bits=null", "rollout.weight_bits=null",
-                                            "rollout.logit_noise=0.0", "rollout.sync_every=1"])
+                                            "rollout.logit_noise=0.0", "rollout.sync_every=1",
+                                            "rollout.sampler=multinomial"])
     state = build_state(cfg)
     info = load_checkpoint(checkpoint, model=state.model, restore_rng=False)
     rollout = rollout_step(state, step_seed(seed, 0), sync_weights=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +41,14 @@ from torch import Tensor
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.decode import DecodeStep, cache_keyword
 from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
-from offpolicy.rollout.sampling import SamplingConfig, TokenHistory, process_logits, sample_tokens, topk_logprobs
+from offpolicy.rollout.sampling import (
+    SAMPLERS,
+    SamplingConfig,
+    TokenHistory,
+    process_logits,
+    sample_tokens,
+    topk_logprobs,
+)
 from offpolicy.rollout.scoring import score_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +103,18 @@ def _quantized_cache_class():
     return FakeQuantKVCache
 
 
+def _compiled(step: DecodeStep | None):
+    """``torch.compile`` of the decoding step (weights are graph inputs: :meth:`HFRolloutEngine.sync_weights`'s
+    in-place copies reach it)."""
+    if step is None:
+        raise ValueError("compile=True needs the fast decoding path (fast_decode=True, eager attention, a Llama / "
+                         "Qwen2 / Qwen3 model under transformers >= 5: offpolicy.rollout.decode)")
+    device = step.lm_head.weight.device
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise ValueError("compile=True on CPU needs a C++ compiler on PATH (torch.compile's CPU backend builds C++)")
+    return torch.compile(step.__call__, dynamic=True)
+
+
 class HFRolloutEngine:
     """Sampling engine on a private low-precision copy of a transformers causal LM.
 
@@ -111,6 +131,14 @@ class HFRolloutEngine:
         fast_decode: run the KV-cached decoding steps through :class:`~offpolicy.rollout.decode.DecodeStep` where
             the model allows it (bitwise the same logits, less per-step overhead); False calls ``model(...)`` every
             step — the reference the fast path is tested against.
+        sampler: how a token is drawn from the processed distribution, ``multinomial`` (``torch.multinomial``, one
+            exponential draw per vocabulary entry) or ``inverse_cdf`` (one uniform per row against the float64
+            running sum; the trainer's default, ~18× cheaper on CPU): see :func:`~offpolicy.rollout.sampling.
+            sample_tokens`. Both are exact; a seed draws other tokens under each.
+        compile: run the decoding steps through ``torch.compile`` (dynamic shapes: one compilation for every batch
+            size and cache length; ~20 s once per engine on two CPU cores, a C++ compiler needed on CPU). Fused
+            kernels round differently from eager ones, so μ is the compiled engine's own — as a serving engine's
+            compiled graph is — and :meth:`score` (eager) re-scores it to within the dtype's rounding, not bitwise.
         tokenizer: optional, only used to decode ``texts``. ``eos_token_id`` / ``pad_token_id`` default to the
             tokenizer's, then the model config's.
 
@@ -139,8 +167,13 @@ class HFRolloutEngine:
         pad_token_id: int | None = None,
         record_routes: bool = False,
         fast_decode: bool = True,
+        sampler: str = "multinomial",
+        compile: bool = False,
     ) -> None:
         self.dtype = _as_dtype(dtype)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        self.sampler = sampler
         _check_bits("kv_cache_bits", kv_cache_bits)
         _check_bits("weight_bits", weight_bits)
         if not (isinstance(logit_noise, (int, float)) and logit_noise >= 0 and logit_noise == logit_noise):
@@ -173,6 +206,10 @@ class HFRolloutEngine:
         self.sync_weights(model)
         self._cache_kw = cache_keyword(type(self.model).forward)  # once: `past_key_values` is deprecated in 5.2x
         self._decode_step = DecodeStep.build(self.model) if fast_decode else None
+        if compile:
+            if self.record_routes:
+                raise ValueError("compile=True with record_routes=True: the route recorder's hooks need eager steps")
+            self._decode_step = _compiled(self._decode_step)
 
     # -- weights ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -265,7 +302,7 @@ class HFRolloutEngine:
             if cfg.reads_history and history is None:
                 history = TokenHistory.start(prompt_ids, logits.shape[-1], cfg, device)
             lp = process_logits(logits, cfg, history)
-            nxt = sample_tokens(lp, gen)
+            nxt = sample_tokens(lp, gen, self.sampler)
             valid = ~finished
             nxt = torch.where(valid, nxt, torch.full_like(nxt, self.pad_token_id))
             if history is not None:

@@ -84,7 +84,7 @@ class LlamaCppSection(_Section):
 
 # rollout fields that only the transformers engine reads: set with rollout.engine=llamacpp they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "logit_noise": 0.0, "sync_every": 1,
-                   "routing_replay": "none"}
+                   "routing_replay": "none", "compile": False}
 
 
 class RolloutConfig(_Section):
@@ -106,6 +106,14 @@ class RolloutConfig(_Section):
     # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
     # routes in the π_θ forwards (offpolicy.rollout.routing)
     routing_replay: Literal["none", "r2", "r3"] = "none"
+    # how the transformers engine draws a token: inverse_cdf (one uniform per row against the float64 running sum)
+    # or multinomial (torch.multinomial, one exponential draw per vocabulary entry: the lab's recorded runs). Both
+    # exact; a seed draws other tokens under each (offpolicy.rollout.sampling.sample_tokens). llama.cpp samples in
+    # its server and does not read it
+    sampler: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
+    # the transformers engine's decoding steps through torch.compile: ~20 s once per run on two CPU cores, then
+    # each decoding step a third faster on the tiny model (docs/benchmarks.md); μ is the compiled kernels' own
+    compile: bool = False
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
 

@@ -156,7 +156,8 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFR
                                      threads=ll.threads or cfg.run.threads)
     return HFRolloutEngine(
         model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
-        logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none",
+        logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none", sampler=r.sampler,
+        compile=r.compile,
     )
 
 
