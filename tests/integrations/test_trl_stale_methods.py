@@ -21,19 +21,11 @@ if not trl.__version__.startswith("1.16"):
     pytest.skip(f"overrides TRL 1.16's internal methods; installed {trl.__version__}", allow_module_level=True)
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl_toy import toy_dataset, varied_reward  # noqa: E402  (tests/support)
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
 
 NOISE = 0.5  # the stub engine's seeded logit noise: a mismatch large enough to mask (bf16 alone is ~1e-3 nats)
-
-
-def _data():
-    return datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)])
-
-
-def _reward(completions, answer, **kwargs):
-    # varied rewards, so that the advantages (and M2PO's quadrants) are not all zero
-    return [float(len(c)) % 3 + float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
 
 
 def _args(tmp_path, **kw):
@@ -64,7 +56,7 @@ def _trainer(tmp_path, stub_vllm, stub_vllm_client, *, args=None, **kw):
     model, tok = build_tiny_model(seed=0)
     stub_vllm["client"] = stub_vllm_client(model, tok, logit_noise=NOISE)
     _Capture.seen = []
-    return _Capture(model=model, reward_funcs=_reward, args=args or _args(tmp_path), train_dataset=_data(),
+    return _Capture(model=model, reward_funcs=varied_reward, args=args or _args(tmp_path), train_dataset=toy_dataset(),
                     processing_class=tok, **kw)
 
 
@@ -113,7 +105,7 @@ def test_loss_and_gradient_equal_policy_loss_on_trls_batch(tmp_path, stub_vllm, 
     # offpolicy.policy_loss on a LogProbBatch built by hand from TRL's tensors (π_θ from TRL's own forward), in value
     # and gradient; loss_type bnpo = token_mean, divided by TRL's accumulation steps (1 here)
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, correction=correction, objective=objective)
-    data = _data()
+    data = toy_dataset()
     out = trainer._generate_and_score_completions([data[i] for i in range(2)] * 2)
     t = out["completion_ids"].shape[1]
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
@@ -164,7 +156,7 @@ def test_without_vllm_m2po_and_ipo_are_refused(tmp_path, kw, named):
     model, tok = build_tiny_model(seed=0)
     args = _args(tmp_path, use_vllm=False)
     with pytest.raises(ValueError, match=f"use_vllm: the engine's log-probs μ.* are read by {named}; set use_vllm=True") as err:
-        OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_data(), processing_class=tok,
+        OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(), processing_class=tok,
                              **kw)
     assert "\n" not in str(err.value)
 
@@ -172,7 +164,7 @@ def test_without_vllm_m2po_and_ipo_are_refused(tmp_path, kw, named):
 def test_a_batch_without_mu_is_refused_in_the_loss(tmp_path, stub_vllm, stub_vllm_client):
     # the vLLM path without log-probs (a rollout_func that returns none): the loss names the missing field
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, objective="ipo")
-    out = trainer._generate_and_score_completions([_data()[i] for i in range(2)] * 2)
+    out = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 2)
     out["sampling_per_token_logps"] = None
     with pytest.raises(ValueError, match="sampling_per_token_logps: TRL's batch has no vLLM log-probs μ, which ipo read"):
         trainer._compute_loss(trainer.model, out)
@@ -192,7 +184,7 @@ def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_
     head = _logged(trainer, "offpolicy/score_centering/head_mass_q")
     assert len(head) == 2 and all(0.0 < h < 1.0 for h in head)
 
-    out = trainer._generate_and_score_completions([_data()[i] for i in range(2)] * 2)
+    out = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 2)
     t = out["completion_ids"].shape[1]
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
@@ -229,5 +221,5 @@ def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_
 def test_score_centering_settings_are_checked(tmp_path, kw, match):
     model, tok = build_tiny_model(seed=0)
     with pytest.raises(ValueError, match=f"score_centering.*{match}"):
-        OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=_args(tmp_path), train_dataset=_data(),
+        OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=_args(tmp_path), train_dataset=toy_dataset(),
                              processing_class=tok, **kw)

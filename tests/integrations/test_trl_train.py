@@ -19,17 +19,9 @@ if not trl.__version__.startswith("1.16"):
     pytest.skip(f"overrides TRL 1.16's internal methods; installed {trl.__version__}", allow_module_level=True)
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl_toy import toy_dataset, varied_reward  # noqa: E402  (tests/support)
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
-
-
-def _data():
-    return datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)])
-
-
-def _reward(completions, answer, **kwargs):
-    # varied rewards, so that the advantages (and the gradients) are not all zero
-    return [float(len(c)) % 3 + float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
 
 
 def _args(tmp_path, **kw):
@@ -70,7 +62,7 @@ def test_dvp_with_hf_generate_samples_inside_the_trainers_safe_set(tmp_path):
     torch.manual_seed(0)
     model, tok = build_tiny_model(seed=0)
     _Probe.probes = []
-    trainer = _Probe(model=model, reward_funcs=_reward, args=_args(tmp_path, temperature=0.25), train_dataset=_data(),
+    trainer = _Probe(model=model, reward_funcs=varied_reward, args=_args(tmp_path, temperature=0.25), train_dataset=toy_dataset(),
                      processing_class=tok, dvp_rho=0.2)
     assert trainer.args.min_p == 0.2 and trainer.generation_config.min_p == 0.2  # the engine got ρ
     trainer.train()
@@ -92,7 +84,7 @@ def test_replay_of_top_k_top_p_and_repetition_penalty_in_trls_loop(tmp_path):
     _Probe.probes = []
     data = datasets.Dataset.from_list([{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6, 14)])
     args = _args(tmp_path, temperature=0.5, top_k=40, top_p=0.9, repetition_penalty=1.3)
-    trainer = _Probe(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok,
+    trainer = _Probe(model=model, reward_funcs=varied_reward, args=args, train_dataset=data, processing_class=tok,
                      sampling_replay=True, memory_budget_bytes=2**20)
     assert trainer.offpolicy_recipe.processors == ("repetition_penalty", "temperature", "top_k", "top_p")
     trainer.train()
@@ -107,10 +99,10 @@ def test_replay_without_a_recipe_equals_trls_own_log_probs_and_loss(tmp_path):
     # states equals TRL's fused head — the per-token log-probs (π_old's forward) and _compute_loss's value and gradient
     torch.manual_seed(0)
     model, tok = build_tiny_model(seed=0)
-    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=_args(tmp_path, temperature=0.7),
-                                   train_dataset=_data(), processing_class=tok, sampling_replay=True)
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=_args(tmp_path, temperature=0.7),
+                                   train_dataset=toy_dataset(), processing_class=tok, sampling_replay=True)
     assert trainer.offpolicy_recipe.processors == ("temperature",)
-    out = trainer._generate_and_score_completions([_data()[i] for i in range(2)] * 2)
+    out = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 2)
     ids, att, t = _ids(out)
     with torch.no_grad():
         ours = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, t)[0]
@@ -160,7 +152,7 @@ def test_alp_noise_in_the_update_only_sigma_learns_saved_apart_and_restored(tmp_
     model, tok = build_tiny_model(seed=0)
     _CountNoise.noisy = {"generation": 0, "update": 0, "old_equals_clean": []}
     args = _args(tmp_path, num_iterations=2, max_steps=2, save_strategy="steps", save_steps=1)
-    trainer = _CountNoise(model=model, reward_funcs=_reward, args=args, train_dataset=_data(), processing_class=tok,
+    trainer = _CountNoise(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(), processing_class=tok,
                           alp={"init_std": 0.05, "lr": 0.05, "seed": 0})
     alp = trainer.offpolicy_alp
     real_noisy = alp._noisy
@@ -191,8 +183,8 @@ def test_alp_noise_in_the_update_only_sigma_learns_saved_apart_and_restored(tmp_
     sigma1 = torch.load(ckpt1 / "offpolicy_alp.pt", weights_only=True)["state_dict"]["log_sigma"]
     assert not torch.equal(sigma1, init)
     model2, _ = build_tiny_model(seed=0)
-    resumed = OffPolicyGRPOTrainer(model=model2, reward_funcs=_reward, args=_args(tmp_path, max_steps=1),
-                                   train_dataset=_data(), processing_class=tok, alp={"init_std": 0.05, "lr": 0.05})
+    resumed = OffPolicyGRPOTrainer(model=model2, reward_funcs=varied_reward, args=_args(tmp_path, max_steps=1),
+                                   train_dataset=toy_dataset(), processing_class=tok, alp={"init_std": 0.05, "lr": 0.05})
     assert torch.equal(resumed.offpolicy_alp.log_sigma.detach(), init)
     from transformers import TrainerCallback
 
@@ -225,7 +217,7 @@ def test_topk_trm_through_a_stub_vllm_server(tmp_path, stub_vllm, stub_vllm_clie
             seen.append(out)
             return out
 
-    trainer = Capture(model=model, reward_funcs=_reward, args=args, train_dataset=_data(), processing_class=tok,
+    trainer = Capture(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(), processing_class=tok,
                       topk_logprobs=4, correction={"name": "trm", "max_kl": 0.05, "avg_kl": None},
                       alp={"init_std": 0.01}, dvp_rho=dvp_rho)
     assert trainer.vllm_generation.logprobs == 4
@@ -256,4 +248,4 @@ def test_a_raw_logprobs_vllm_server_is_refused(tmp_path, stub_vllm, stub_vllm_cl
     stub_vllm["client"] = stub_vllm_client(model, tok, logprobs_mode="raw_logprobs")
     args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="logprobs_mode"):
-        OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_data(), processing_class=tok)
+        OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(), processing_class=tok)

@@ -13,9 +13,10 @@ import threading
 import time
 
 import pytest
+from lab_plans import no_prepare, small_plan  # tests/support
 
 from offpolicy.lab.ray_exec import RayExecutor, forwarded_env
-from offpolicy.lab.sweep import plan_sweep, read_summary, run_state, run_sweep
+from offpolicy.lab.sweep import read_summary, run_state, run_sweep
 
 ray = pytest.importorskip("ray")
 
@@ -39,19 +40,6 @@ def _env(executor):
     return executor
 
 
-def _no_prepare(plan):
-    return None
-
-
-def _plan(out, tiny_run, **kw):
-    kw.setdefault("presets", "naive,mis")
-    kw.setdefault("mismatches", "bf16")
-    kw.setdefault("seeds", 2)
-    kw.setdefault("steps", 3)
-    extra = kw.pop("extra", [])
-    return plan_sweep(out, "quick", overrides=[*tiny_run, *extra], **kw)
-
-
 def _numbers(path):
     """A run's metrics without its timings (the only fields that differ between two identical runs)."""
     rows = [json.loads(x) for x in path.read_text().splitlines()]
@@ -70,8 +58,8 @@ def test_a_ray_sweep_equals_the_local_sweep_run_for_run(tmp_path, tiny_run, clus
     """Real trainer runs (2 runs of 2 steps): the same files, the same numbers, through Ray as locally."""
     local, remote = tmp_path / "local", tmp_path / "ray"
     kw = {"presets": "naive", "mismatches": "bf16", "seeds": 1, "steps": 2, "extra": ["run.threads=1"]}
-    done_local = run_sweep(_plan(local, tiny_run, **kw), jobs=2)
-    done_ray = run_sweep(_plan(remote, tiny_run, **kw), jobs=2, executor=_env(cluster))
+    done_local = run_sweep(small_plan(local, tiny_run, **kw), jobs=2)
+    done_ray = run_sweep(small_plan(remote, tiny_run, **kw), jobs=2, executor=_env(cluster))
     assert done_local.complete and done_ray.complete, [f.error for f in done_ray.failed]
     assert _summary(local) == _summary(remote)
     runs = [r["dir"] for r in read_summary(local)["runs"]]
@@ -88,8 +76,8 @@ def test_a_ray_sweep_equals_the_local_sweep_run_for_run(tmp_path, tiny_run, clus
 def test_ray_sweep_contract_failures_and_retry(tmp_path, tiny_run, fake, monkeypatch, cluster):
     monkeypatch.setenv("FAKE_FAIL", "mis")
     local, remote = tmp_path / "local", tmp_path / "ray"
-    run_sweep(_plan(local, tiny_run), jobs=2, command=fake.command, prepare=_no_prepare)
-    result = run_sweep(_plan(remote, tiny_run), jobs=2, command=fake.command, prepare=_no_prepare,
+    run_sweep(small_plan(local, tiny_run), jobs=2, command=fake.command, prepare=no_prepare)
+    result = run_sweep(small_plan(remote, tiny_run), jobs=2, command=fake.command, prepare=no_prepare,
                        executor=_env(cluster))
     assert {r.preset for r in result.done} == {"naive"} and len(result.done) == 4
     assert [(f.error, f.returncode) for f in result.failed] == \
@@ -100,7 +88,7 @@ def test_ray_sweep_contract_failures_and_retry(tmp_path, tiny_run, fake, monkeyp
         assert _numbers(remote / r["dir"] / "metrics.jsonl") == _numbers(local / r["dir"] / "metrics.jsonl")
     monkeypatch.delenv("FAKE_FAIL")  # a rerun retries the failed runs only
     before = len(fake.events())
-    again = run_sweep(_plan(remote, tiny_run), jobs=2, command=fake.command, prepare=_no_prepare,
+    again = run_sweep(small_plan(remote, tiny_run), jobs=2, command=fake.command, prepare=no_prepare,
                       executor=_env(cluster))
     assert again.complete and len(again.skipped) == 4
     assert {e["name"].split("__")[0] for e in fake.events()[before:]} == {"mis"}
@@ -110,10 +98,10 @@ def test_ray_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_p
                                                                             cluster):
     monkeypatch.setenv("FAKE_STEP_S", "0.1")
     out = tmp_path / "out"
-    plan = _plan(out, tiny_run, presets="naive,mis", mismatches="none", steps=40)  # 4 runs of 4 s
+    plan = small_plan(out, tiny_run, presets="naive,mis", mismatches="none", steps=40)  # 4 runs of 4 s
 
     fake.ctrl_c_after_starts(2)
-    result = run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare, poll_s=0.01,
+    result = run_sweep(plan, jobs=2, command=fake.command, prepare=no_prepare, poll_s=0.01,
                        executor=_env(cluster))
     ev = fake.events()
     assert result.interrupted and not result.failed and not result.done
@@ -124,7 +112,7 @@ def test_ray_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_p
         assert 0 < step < 40 and run_state(out, next(r for r in plan.runs if r.name == name)) == ("partial", step)
 
     monkeypatch.setenv("FAKE_STEP_S", "0.001")
-    again = run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare, poll_s=0.01, executor=_env(cluster))
+    again = run_sweep(plan, jobs=2, command=fake.command, prepare=no_prepare, poll_s=0.01, executor=_env(cluster))
     assert again.complete
     resumed = {e["name"]: e["resume"] for e in fake.events()[len(ev):] if e["event"] == "start"}
     assert resumed == {r.name: r.name in stopped_at for r in plan.runs}
@@ -133,7 +121,7 @@ def test_ray_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_p
 def test_a_run_whose_actor_dies_is_a_failure_that_a_rerun_resumes(tmp_path, tiny_run, fake, monkeypatch, cluster):
     monkeypatch.setenv("FAKE_STEP_S", "0.1")
     out = tmp_path / "out"
-    plan = _plan(out, tiny_run, presets="naive", mismatches="none", seeds=1, steps=40)
+    plan = small_plan(out, tiny_run, presets="naive", mismatches="none", seeds=1, steps=40)
     executor = _env(cluster)
 
     def kill_the_actor():  # as a lost node would: the actor's process dies, the run with it
@@ -145,13 +133,13 @@ def test_a_run_whose_actor_dies_is_a_failure_that_a_rerun_resumes(tmp_path, tiny
         ray.kill(executor.last_run.actor)
 
     threading.Thread(target=kill_the_actor, daemon=True).start()
-    result = run_sweep(plan, jobs=1, command=fake.command, prepare=_no_prepare, poll_s=0.01, executor=executor)
+    result = run_sweep(plan, jobs=1, command=fake.command, prepare=no_prepare, poll_s=0.01, executor=executor)
     assert not result.done and len(result.failed) == 1
     failure = result.failed[0]
     assert failure.returncode == -signal.SIGKILL
     assert failure.error.startswith("killed by SIGKILL; last log line: error: the Ray actor of this run died: ")
     assert run_state(out, plan.runs[0])[0] == "partial"
-    again = run_sweep(plan, jobs=1, command=fake.command, prepare=_no_prepare, poll_s=0.01, executor=_env(cluster))
+    again = run_sweep(plan, jobs=1, command=fake.command, prepare=no_prepare, poll_s=0.01, executor=_env(cluster))
     assert again.complete and [e["resume"] for e in fake.events() if e["event"] == "start"] == [False, True]
 
 

@@ -11,19 +11,11 @@ import sys
 import time
 
 import pytest
+from lab_plans import no_prepare, small_plan  # tests/support
 from rich.console import Console
 
 from offpolicy.lab.sweep import config_conflicts, plan_sweep, planned_config, read_summary, run_state, run_sweep
 from offpolicy.train.config import config_to_yaml
-
-
-def _plan(out, tiny_run, **kw):
-    kw.setdefault("presets", "naive,mis")
-    kw.setdefault("mismatches", "bf16")
-    kw.setdefault("seeds", 2)
-    kw.setdefault("steps", 3)
-    extra = kw.pop("extra", [])
-    return plan_sweep(out, "quick", overrides=[*tiny_run, *extra], **kw)
 
 
 def _max_overlap(events: list[dict]) -> int:
@@ -36,15 +28,11 @@ def _max_overlap(events: list[dict]) -> int:
     return peak
 
 
-def _no_prepare(plan):
-    return None
-
-
 @pytest.mark.parametrize("jobs", [2, 3])
 def test_never_more_than_jobs_runs_at_once(tmp_path, tiny_run, fake, monkeypatch, jobs):
     monkeypatch.setenv("FAKE_STEP_S", "0.1")  # 0.3 s per run: long enough to overlap whenever the runner lets them
-    plan = _plan(tmp_path / "out", tiny_run)  # 2 presets × (none, bf16) × 2 seeds = 8 runs
-    result = run_sweep(plan, jobs=jobs, command=fake.command, prepare=_no_prepare, poll_s=0.01)
+    plan = small_plan(tmp_path / "out", tiny_run)  # 2 presets × (none, bf16) × 2 seeds = 8 runs
+    result = run_sweep(plan, jobs=jobs, command=fake.command, prepare=no_prepare, poll_s=0.01)
     ev = fake.events()
     assert len(result.done) == 8 and not result.failed
     assert sorted(e["name"] for e in ev if e["event"] == "start") == sorted(r.name for r in plan.runs)
@@ -58,7 +46,7 @@ def test_models_are_prepared_once_before_any_run(tmp_path, tiny_run, fake):
         assert fake.events() == []  # nothing started yet
         calls.append(time.time())
 
-    result = run_sweep(_plan(tmp_path / "out", tiny_run), jobs=2, command=fake.command, prepare=prepare)
+    result = run_sweep(small_plan(tmp_path / "out", tiny_run), jobs=2, command=fake.command, prepare=prepare)
     assert len(calls) == 1 and len(result.done) == 8
     assert min(e["t"] for e in fake.events()) > calls[0]
 
@@ -81,7 +69,7 @@ def test_failed_run_is_named_and_the_others_finish(tmp_path, tiny_run, fake, mon
     monkeypatch.setenv("FAKE_FAIL", "mis")
     out = tmp_path / "out"
     buf = io.StringIO()
-    result = run_sweep(_plan(out, tiny_run), jobs=2, command=fake.command, prepare=_no_prepare,
+    result = run_sweep(small_plan(out, tiny_run), jobs=2, command=fake.command, prepare=no_prepare,
                        console=Console(file=buf, width=300))
     assert {r.preset for r in result.done} == {"naive"} and len(result.done) == 4
     assert {f.run.preset for f in result.failed} == {"mis"} and len(result.failed) == 4
@@ -97,15 +85,15 @@ def test_failed_run_is_named_and_the_others_finish(tmp_path, tiny_run, fake, mon
     # the next sweep retries the failed runs only
     monkeypatch.delenv("FAKE_FAIL")
     before = len(fake.events())
-    again = run_sweep(_plan(out, tiny_run), jobs=2, command=fake.command, prepare=_no_prepare)
+    again = run_sweep(small_plan(out, tiny_run), jobs=2, command=fake.command, prepare=no_prepare)
     assert again.complete and len(again.skipped) == 4
     assert {e["name"].split("__")[0] for e in fake.events()[before:]} == {"mis"}
 
 
 def test_summary_contract(tmp_path, tiny_run, fake):
     out = tmp_path / "out"
-    plan = _plan(out, tiny_run)
-    run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare)
+    plan = small_plan(out, tiny_run)
+    run_sweep(plan, jobs=2, command=fake.command, prepare=no_prepare)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["setting"] == "quick" and summary["complete"] is True
     assert [r["dir"] for r in summary["runs"]] == [r.dir for r in plan.runs]  # plan order
@@ -123,10 +111,10 @@ def test_summary_contract(tmp_path, tiny_run, fake):
 def test_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_path, tiny_run, fake, monkeypatch):
     monkeypatch.setenv("FAKE_STEP_S", "0.1")
     out = tmp_path / "out"
-    plan = _plan(out, tiny_run, presets="naive,mis", mismatches="none", steps=40)  # 4 runs of 4 s
+    plan = small_plan(out, tiny_run, presets="naive,mis", mismatches="none", steps=40)  # 4 runs of 4 s
 
     fake.ctrl_c_after_starts(2)
-    result = run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare, poll_s=0.01)
+    result = run_sweep(plan, jobs=2, command=fake.command, prepare=no_prepare, poll_s=0.01)
     ev = fake.events()
     assert result.interrupted and not result.failed and not result.done
     started = [e["name"] for e in ev if e["event"] == "start"]
@@ -139,7 +127,7 @@ def test_ctrl_c_checkpoints_the_running_runs_then_a_rerun_resumes_them(tmp_path,
         assert 0 < step < 40 and run_state(out, next(r for r in plan.runs if r.name == name)) == ("partial", step)
 
     monkeypatch.setenv("FAKE_STEP_S", "0.001")
-    again = run_sweep(plan, jobs=2, command=fake.command, prepare=_no_prepare, poll_s=0.01)
+    again = run_sweep(plan, jobs=2, command=fake.command, prepare=no_prepare, poll_s=0.01)
     assert again.complete
     resumed = {e["name"]: e["resume"] for e in fake.events()[len(ev):] if e["event"] == "start"}
     assert resumed == {r.name: r.name in stopped_at for r in plan.runs}
@@ -158,20 +146,20 @@ def _alive(pid: int) -> bool:
 
 def test_a_folder_of_another_config_is_refused_before_any_work(tmp_path, tiny_run, fake):
     out = tmp_path / "out"
-    plan = _plan(out, tiny_run)
+    plan = small_plan(out, tiny_run)
     run = plan.runs[3]
     (out / run.dir).mkdir(parents=True)
     (out / run.dir / "config.yaml").write_text(config_to_yaml(planned_config(run)))
     assert config_conflicts(out, run) == []
-    other = _plan(out, tiny_run, extra=["optim.lr=0.5"])
+    other = small_plan(out, tiny_run, extra=["optim.lr=0.5"])
     conflicts = config_conflicts(out, other.runs[3])
     assert conflicts == ["optim.lr=0.001 (planned 0.5)"]
     with pytest.raises(ValueError, match=r"run folder '.*naive__bf16__s1' holds a run of another config "
                                          r"\(optim\.lr=0\.001 \(planned 0\.5\)\)"):
-        run_sweep(other, jobs=2, command=fake.command, prepare=_no_prepare)
+        run_sweep(other, jobs=2, command=fake.command, prepare=no_prepare)
     assert fake.events() == []
     # what does not change a run's numbers may differ: a longer sweep continues the same runs
-    assert config_conflicts(out, _plan(out, tiny_run, steps=9).runs[3]) == []
+    assert config_conflicts(out, small_plan(out, tiny_run, steps=9).runs[3]) == []
     # a config written before a key existed: the missing key counts as its default
     import yaml
 
@@ -179,12 +167,12 @@ def test_a_folder_of_another_config_is_refused_before_any_work(tmp_path, tiny_ru
     del saved["optim"]["schedule"]
     (out / run.dir / "config.yaml").write_text(yaml.safe_dump(saved))
     assert config_conflicts(out, run) == []
-    stepped = _plan(out, tiny_run, extra=["optim.schedule=cosine"])
+    stepped = small_plan(out, tiny_run, extra=["optim.schedule=cosine"])
     assert config_conflicts(out, stepped.runs[3]) == ["optim.schedule='constant' (planned 'cosine')"]
 
 
 def test_run_state(tmp_path, tiny_run):
-    plan = _plan(tmp_path, tiny_run, steps=3)
+    plan = small_plan(tmp_path, tiny_run, steps=3)
     run = plan.runs[0]
     d = tmp_path / run.dir
     assert run_state(tmp_path, run) == ("new", 0)
@@ -209,7 +197,7 @@ def test_another_sweep_in_the_same_folder_is_refused(tmp_path, tiny_run, fake):
     with (out / ".lab.lock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ValueError, match=r"sweep folder --out '.*' is in use by another process"):
-            run_sweep(_plan(out, tiny_run), jobs=1, command=fake.command, prepare=_no_prepare)
+            run_sweep(small_plan(out, tiny_run), jobs=1, command=fake.command, prepare=no_prepare)
 
 
 def test_a_live_sweep_is_named_and_a_killed_one_never_blocks(tmp_path, tiny_run, fake):
@@ -223,12 +211,12 @@ def test_a_live_sweep_is_named_and_a_killed_one_never_blocks(tmp_path, tiny_run,
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ValueError, match=rf"sweep folder --out '.*' is in use by pid {holder.pid} on host "):
-            run_sweep(_plan(out, tiny_run), jobs=1, command=fake.command, prepare=_no_prepare)
+            run_sweep(small_plan(out, tiny_run), jobs=1, command=fake.command, prepare=no_prepare)
         assert fake.events() == []  # refused before any run started
     finally:
         holder.kill()  # SIGKILL: its record stays in .lab.lock, its lock does not
         holder.wait()
-    result = run_sweep(_plan(out, tiny_run), jobs=1, command=fake.command, prepare=_no_prepare)
+    result = run_sweep(small_plan(out, tiny_run), jobs=1, command=fake.command, prepare=no_prepare)
     assert result.complete
 
 
@@ -236,7 +224,7 @@ def test_a_live_sweep_is_named_and_a_killed_one_never_blocks(tmp_path, tiny_run,
 def test_real_runs_resume_a_half_finished_sweep(tmp_path, tiny_run):
     """Real trainer runs: finished runs are left alone, a killed one continues from its checkpoint."""
     out = tmp_path / "out"
-    plan = _plan(out, tiny_run, presets="naive", mismatches="none", extra=["run.checkpoint_every=1"])
+    plan = small_plan(out, tiny_run, presets="naive", mismatches="none", extra=["run.checkpoint_every=1"])
     first = run_sweep(plan, jobs=2, keep_checkpoints=True)
     assert first.complete, [f.error for f in first.failed]
     done_run, killed_run = plan.runs
@@ -332,8 +320,8 @@ def test_runs_die_with_the_runner(tmp_path, fake, monkeypatch):
 def test_heartbeat_names_the_running_runs_and_their_step(tmp_path, tiny_run, fake, monkeypatch):
     monkeypatch.setenv("FAKE_STEP_S", "0.1")
     buf = io.StringIO()
-    run_sweep(_plan(tmp_path / "out", tiny_run, presets="naive", mismatches="none", seeds=1, steps=5), jobs=1,
-              command=fake.command, prepare=_no_prepare, console=Console(file=buf, width=300), heartbeat_s=0.2,
+    run_sweep(small_plan(tmp_path / "out", tiny_run, presets="naive", mismatches="none", seeds=1, steps=5), jobs=1,
+              command=fake.command, prepare=no_prepare, console=Console(file=buf, width=300), heartbeat_s=0.2,
               poll_s=0.01)
     beats = [ln for ln in buf.getvalue().splitlines() if ln.startswith("  running: ")]
     assert beats and all(ln.startswith("  running: naive__none__s0 step ") and ln.endswith("/5; 0/1 done, 0 waiting")
