@@ -1,7 +1,7 @@
 """Throughput of offpolicy's GRPO training step on the tiny model (and, if TRL is installed, the ratio vs TRL).
 
     python benchmarks/trainer.py [--steps 6] [--batch 32] [--new-tokens 16] [--preset mis] [--threads 2]
-                                 [--repeat R] [--phases]
+                                 [--repeat R] [--compile] [--trl-compile] [--phases]
 
 Prints tokens/s (completion tokens per wall-second) for
   * the update phase alone (π_old fp32 forward + π_θ forward/backward/AdamW step on a fixed rollout batch), and
@@ -126,9 +126,9 @@ def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
     print("mean CPU s per step: " + ", ".join(f"{n} {t:.3f}" for n, t in zip(names, mean)) + f", total {sum(mean):.3f}")
 
 
-def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> tuple[int, float]:
+def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int, compile: bool = False) -> tuple[int, float]:
     """(completion tokens, wall seconds) of one whole ``GRPOTrainer.train()`` call of ``steps`` steps on the same
-    model and batch shape (only when trl is importable)."""
+    model and batch shape (only when trl is importable); ``compile``: TRL's ``torch_compile=True``."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -148,7 +148,8 @@ def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int) -> tuple[i
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=group,
                           max_completion_length=new_tokens, max_steps=steps, logging_steps=1000, report_to=[],
-                          use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True)
+                          use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True,
+                          torch_compile=compile)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
         t0 = time.perf_counter()
         trainer.train()
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="only CPU seconds per phase of offpolicy's step")
     ap.add_argument("--compile", action="store_true",
                     help="offpolicy's engine with rollout.compile=true (its one-off compilation is set-up: it cancels)")
+    ap.add_argument("--trl-compile", action="store_true", help="TRL with torch_compile=True (its training forward)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = _model()
@@ -200,8 +202,9 @@ def main() -> None:
     # compilation (later engines reuse it)
     bench_full(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=1, preset=a.preset,
                extra=extra)
-    if trl is not None:
-        bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=1)
+    if trl is not None:  # a compiled TRL recompiles once more for the longer run's shapes: warm both lengths up
+        for n in (1, 2 + a.steps) if a.trl_compile else (1,):
+            bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=n, compile=a.trl_compile)
     short, long = 2, 2 + a.steps
     print(f"full steps: the steps {long} add to {short} (wall clock of whole train() calls, set-up cancels)")
     ratios = []
@@ -215,12 +218,13 @@ def main() -> None:
             continue
         try:
             ref, ref_s = marginal_rate(
-                lambda n: bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=n),
-                short, long)
+                lambda n: bench_trl(copy.deepcopy(model), tok, batch=a.batch, new_tokens=a.new_tokens, steps=n,
+                                    compile=a.trl_compile), short, long)
         except Exception as err:  # TRL's API moves fast; report instead of crashing the benchmark
             print(f"TRL GRPOTrainer could not run here: {err!r}")
             return
-        print(f"TRL GRPOTrainer full step:                               {ref:,.0f} tokens/s ({ref_s:.3f} s/step)")
+        print(f"TRL GRPOTrainer full step{' (torch_compile)' if a.trl_compile else ''}:  "
+              f"{ref:,.0f} tokens/s ({ref_s:.3f} s/step)")
         ratios.append(full / ref)
         print(f"ratio offpolicy / TRL (full step): {full / ref:.2f}×")
     if len(ratios) > 1:
