@@ -132,9 +132,11 @@ class HFRolloutEngine:
             the model allows it (bitwise the same logits, less per-step overhead); False calls ``model(...)`` every
             step — the reference the fast path is tested against.
         sampler: how a token is drawn from the processed distribution, ``multinomial`` (``torch.multinomial``, one
-            exponential draw per vocabulary entry) or ``inverse_cdf`` (one uniform per row against the float64
-            running sum; the trainer's default, ~18× cheaper on CPU): see :func:`~offpolicy.rollout.sampling.
-            sample_tokens`. Both are exact; a seed draws other tokens under each.
+            exponential draw per vocabulary entry; the default here, so that seeded results recorded with this
+            class — the lab model's warm start, ``inspect`` — stay as they were) or ``inverse_cdf`` (one uniform per
+            row against the float64 running sum; ~18× cheaper on CPU, the trainer's ``rollout.sampler`` default):
+            see :func:`~offpolicy.rollout.sampling.sample_tokens`. Both are exact; a seed draws other tokens under
+            each.
         compile: run the decoding steps through ``torch.compile`` (dynamic shapes: one compilation for every batch
             size and cache length; ~20 s once per engine on two CPU cores, a C++ compiler needed on CPU). Fused
             kernels round differently from eager ones, so μ is the compiled engine's own — as a serving engine's
