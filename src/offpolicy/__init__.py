@@ -65,7 +65,7 @@ from offpolicy.divergence import (
     topk_kl_upper_bound,
 )
 from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_stats_from_logits
-from offpolicy.losses import policy_loss
+from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
 from offpolicy.objectives import TokenInputs, TokenLoss
 from offpolicy.objectives.ipo import ipo
@@ -163,6 +163,7 @@ __all__ = [
     "opsm",
     "opsm_decomposition",
     "opsm_mask",
+    "needs_rollout_logp",
     "policy_loss",
     "register_aggregation",
     "register_correction",

@@ -221,6 +221,33 @@ def resolve_objective(objective: str | Mapping[str, Any], **shortcuts: Any) -> t
     return spec, params
 
 
+# corrections that exist only to act on μ: where a framework has no μ (μ = π_old) they would silently do nothing
+NEEDS_ROLLOUT_CORRECTIONS = ("m2po",)
+
+
+def _leaves(correction: Correction | None) -> list[Correction]:
+    if correction is None:
+        return []
+    return [c for part in correction.parts for c in _leaves(part)] if correction.parts else [correction]
+
+
+def needs_rollout_logp(correction: Correction | None, objective: str) -> list[str]:
+    """The methods among ``correction`` (a chain's parts too) and ``objective`` that need the engine's log-probs μ
+    (the M2PO mask, an objective registered with ``reads=("rollout_logp",)`` such as IPO): what a framework
+    adapter must refuse when it has no μ to give.
+
+    >>> from offpolicy.registry import build_correction
+    >>> needs_rollout_logp(build_correction(["icepop", "m2po"]), "ipo")
+    ['m2po', 'ipo']
+    >>> needs_rollout_logp(None, "ppo")
+    []
+    """
+    names = [c.name for c in _leaves(correction) if c.name in NEEDS_ROLLOUT_CORRECTIONS]
+    if "rollout_logp" in OBJECTIVES[objective].inputs_read(correction is not None):
+        names.append(objective)
+    return names
+
+
 def _check_batch(batch: LogProbBatch, spec: Objective, corrected: bool, max_tokens: object) -> None:
     if not isinstance(batch, LogProbBatch):
         raise ValueError(f"batch must be a LogProbBatch, got {type(batch).__name__}")

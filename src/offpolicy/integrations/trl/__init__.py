@@ -58,13 +58,13 @@ from offpolicy.integrations.trl.alp import allreduce_sigma_grad
 from offpolicy.integrations.trl.loss import (
     TRL_LOSS_TYPES,
     batch_from_trl_inputs,
-    needs_rollout_logp,
     trl_objective,
     trl_policy_loss,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
 from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
+from offpolicy.losses import needs_rollout_logp
 
 __all__ = [
     "ENGINE_ORDERS",

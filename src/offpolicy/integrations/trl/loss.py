@@ -105,32 +105,6 @@ _MODEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_atte
                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-# corrections that exist only to act on μ: with μ = π_old (no vLLM in TRL) they would silently do nothing
-NEEDS_ROLLOUT_CORRECTIONS = ("m2po",)
-
-
-def _leaves(correction: Correction | None) -> list[Correction]:
-    if correction is None:
-        return []
-    return [c for part in correction.parts for c in _leaves(part)] if correction.parts else [correction]
-
-
-def needs_rollout_logp(correction: Correction | None, objective: str) -> list[str]:
-    """The methods among ``correction`` (a chain's parts too) and ``objective`` that need the engine's log-probs μ
-    (the M2PO mask, an objective registered with ``reads=("rollout_logp",)`` such as IPO).
-
-    >>> from offpolicy.registry import build_correction
-    >>> needs_rollout_logp(build_correction(["icepop", "m2po"]), "ipo")
-    ['m2po', 'ipo']
-    >>> needs_rollout_logp(None, "ppo")
-    []
-    """
-    names = [c.name for c in _leaves(correction) if c.name in NEEDS_ROLLOUT_CORRECTIONS]
-    if "rollout_logp" in OBJECTIVES[objective].inputs_read(correction is not None):
-        names.append(objective)
-    return names
-
-
 def _refuse_unreproduced(args: Any, objective: str) -> None:
     """Raise for GRPOConfig settings whose effect on TRL's loss this subclass does not reproduce (silently ignoring
     them would train something else than the config says)."""

@@ -35,7 +35,6 @@ from offpolicy.integrations.trl.loss import (
     _loss_mask,
     _refuse_unreproduced,
     batch_from_trl_inputs,
-    needs_rollout_logp,
     trl_objective,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp, trl_engine, trl_sampling_recipe
@@ -48,7 +47,7 @@ from offpolicy.integrations.trl.topk import (
     topk_score_center,
 )
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.losses import policy_loss
+from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
 from offpolicy.objectives.score_centering import centered_logp
 from offpolicy.perturbation import (

@@ -51,8 +51,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.integrations.trl.loss import needs_rollout_logp
-from offpolicy.losses import policy_loss
+from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
 from offpolicy.ratios import masked_mean
 from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
