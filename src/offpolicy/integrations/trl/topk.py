@@ -17,10 +17,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, checkpointed_row_chunks, chunk_rows, row_chunks
 from offpolicy.objectives.score_centering import score_center_topk
 
 TOPK_LOGP_KEY = "offpolicy_topk_logp"
@@ -133,7 +132,7 @@ def topk_divergence(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids:
     return torch.cat(lower), torch.cat(upper)
 
 
-def _center_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, topk_logp: Tensor, topk_ids: Tensor,
+def _center_chunk(hidden: Tensor, topk_logp: Tensor, topk_ids: Tensor, weight: Tensor, bias: Tensor | None,
                   temperature: float) -> Tensor:
     z = hidden.float() @ weight.float().T
     if bias is not None:
@@ -156,8 +155,5 @@ def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_id
     >>> torch.autograd.grad(c.sum(), h)[0]   # q̂ − p
     tensor([[ 0.2667, -0.1333, -0.1333]])
     """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    out = [checkpoint(_center_chunk, hidden[a:b], weight, bias, topk_logp[a:b], topk_ids[a:b], temperature,
-                      use_reentrant=False)
-           for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=4, memory_budget_bytes=memory_budget_bytes))]
-    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+    return checkpointed_row_chunks(_center_chunk, (hidden, topk_logp, topk_ids), (weight, bias, temperature),
+                                   width=weight.shape[0], buffers=4, memory_budget_bytes=memory_budget_bytes)

@@ -66,7 +66,7 @@ from offpolicy.integrations.verl.topk import (
     topk_kl_bounds,
     topk_rows,
 )
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, checkpointed_row_chunks
 from offpolicy.objectives.score_centering import centered_logp, score_center_topk
 from offpolicy.perturbation import LayerwisePerturbation
 
@@ -103,6 +103,12 @@ def rollout_log_probs(micro_batch: Any) -> Tensor | None:
     if "rollout_log_probs" not in micro_batch.keys():  # noqa: SIM118 - TensorDict keys
         return None
     return micro_batch.select("response_mask", "rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
+
+
+def _tempered_center(z: Tensor, t: Tensor, ids: Tensor, logq: Tensor) -> Tensor:
+    """Score centering's top-K centre of logit rows ``z`` [n, V] at per-row temperature ``t`` [n, 1]: the engine's
+    top-K are the tempered sampler's log-probs, so the logits go in already divided by T."""
+    return score_center_topk(z.float() / t, ids, logq, temperature=1.0)
 
 
 class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
@@ -243,15 +249,8 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         differentiable w.r.t. ``flat``; row chunks recomputed in the backward (no [N, V] float32 copy kept)."""
         logq, ids = self._topk_head(flat, micro_batch)
         t = temperature.float().clamp(min=1e-8).reshape(-1, 1)
-
-        def chunk(z: Tensor, t_rows: Tensor, ids_rows: Tensor, logq_rows: Tensor) -> Tensor:
-            # the engine's top-K are the tempered sampler's log-probs: the logits go in already divided by T
-            return score_center_topk(z.float() / t_rows, ids_rows, logq_rows, temperature=1.0)
-
-        rows = chunk_rows(flat.shape[0], flat.shape[1], buffers=4, memory_budget_bytes=memory_budget_bytes)
-        parts = [torch.utils.checkpoint.checkpoint(chunk, flat[a:b], t[a:b], ids[a:b], logq[a:b], use_reentrant=False)
-                 for a, b in row_chunks(flat.shape[0], rows)]
-        return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+        return checkpointed_row_chunks(_tempered_center, (flat, t, ids, logq), width=flat.shape[1], buffers=4,
+                                       memory_budget_bytes=memory_budget_bytes)
 
     def _flat_logits(self, output: Any, output_args: dict, micro_batch: Any) -> tuple[Tensor, Tensor, Any]:
         """The forward's raw logits as rows [N (+ pad), V], the temperature per row [N (+ pad)], and the function
