@@ -21,7 +21,7 @@ if not trl.__version__.startswith("1.16"):
     pytest.skip(f"overrides TRL 1.16's internal methods; installed {trl.__version__}", allow_module_level=True)
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl_toy import toy_dataset, varied_reward  # noqa: E402  (tests/support)
+from trl_toy import logged, toy_dataset, varied_reward  # noqa: E402  (tests/support)
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
 
@@ -34,10 +34,6 @@ def _args(tmp_path, **kw):
                 seed=0, use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False, temperature=1.0,
                 loss_type="bnpo")
     return GRPOConfig(**{**base, **kw})
-
-
-def _logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 class _Capture(OffPolicyGRPOTrainer):
@@ -70,9 +66,9 @@ def test_m2po_runs_in_trls_train_and_masks_the_mismatch(tmp_path, stub_vllm, stu
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, args=_args(tmp_path, num_iterations=iterations),
                        correction={"name": "m2po", "threshold": tau, "source": source, "quadrants": quadrants})
     trainer.train()
-    masked = _logged(trainer, "offpolicy/m2po/masked_frac")
-    candidates = _logged(trainer, "offpolicy/m2po/candidate_frac")
-    before, after = _logged(trainer, "offpolicy/m2po/m2_before"), _logged(trainer, "offpolicy/m2po/m2_after")
+    masked = logged(trainer, "offpolicy/m2po/masked_frac")
+    candidates = logged(trainer, "offpolicy/m2po/candidate_frac")
+    before, after = logged(trainer, "offpolicy/m2po/m2_before"), logged(trainer, "offpolicy/m2po/m2_after")
     assert len(masked) == 2 and any(m > 0.0 for m in masked) and all(m < 1.0 for m in masked)
     for m, c, b, a in zip(masked, candidates, before, after):
         assert m <= c  # only candidates are dropped
@@ -140,7 +136,7 @@ def test_ipo_runs_in_trls_train_with_the_engines_mu(tmp_path, stub_vllm, stub_vl
                        objective={"name": "ipo", "threshold": 1e-4, "kl_tau": 1e-3})
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
-    masked = _logged(trainer, "offpolicy/loss/ipo_masked")
+    masked = logged(trainer, "offpolicy/loss/ipo_masked")
     assert len(masked) == 2 and all(m > 0.0 for m in masked) and min(masked) < 1.0
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
     assert all(out["sampling_per_token_logps"] is not None for out in trainer.seen)  # vLLM's μ reached the loss
@@ -181,7 +177,7 @@ def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, topk_logprobs=k, score_centering=True,
                        objective="reinforce")
     trainer.train()
-    head = _logged(trainer, "offpolicy/score_centering/head_mass_q")
+    head = logged(trainer, "offpolicy/score_centering/head_mass_q")
     assert len(head) == 2 and all(0.0 < h < 1.0 for h in head)
 
     out = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 2)

@@ -19,7 +19,7 @@ if not trl.__version__.startswith("1.16"):
     pytest.skip(f"overrides TRL 1.16's internal methods; installed {trl.__version__}", allow_module_level=True)
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl_toy import toy_dataset, varied_reward  # noqa: E402  (tests/support)
+from trl_toy import logged, toy_dataset, varied_reward  # noqa: E402  (tests/support)
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
 
@@ -35,10 +35,6 @@ def _ids(out):
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     return ids, att, out["completion_ids"].shape[1]
-
-
-def _logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 class _Probe(OffPolicyGRPOTrainer):
@@ -70,9 +66,9 @@ def test_dvp_with_hf_generate_samples_inside_the_trainers_safe_set(tmp_path):
     for inside, mask, mass in trainer.probes:
         assert bool(inside[mask].all())
         assert 0.0 < float(mass[mask].mean()) < 0.999
-    assert _logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
-    assert all(m < 0.999 for m in _logged(trainer, "offpolicy/dvp/mass_mean"))
-    assert len(_logged(trainer, "offpolicy/loss/ratio_mean")) == 2
+    assert logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
+    assert all(m < 0.999 for m in logged(trainer, "offpolicy/dvp/mass_mean"))
+    assert len(logged(trainer, "offpolicy/loss/ratio_mean")) == 2
 
 
 def test_replay_of_top_k_top_p_and_repetition_penalty_in_trls_loop(tmp_path):
@@ -90,8 +86,8 @@ def test_replay_of_top_k_top_p_and_repetition_penalty_in_trls_loop(tmp_path):
     trainer.train()
     for inside, mask, mass in trainer.probes:
         assert bool(inside[mask].all()) and float(mass[mask].max()) <= 1.0
-    assert _logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
-    assert all(m < 1.0 for m in _logged(trainer, "offpolicy/dvp/mass_mean"))
+    assert logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
+    assert all(m < 1.0 for m in logged(trainer, "offpolicy/dvp/mass_mean"))
 
 
 def test_replay_without_a_recipe_equals_trls_own_log_probs_and_loss(tmp_path):
@@ -169,7 +165,7 @@ def test_alp_noise_in_the_update_only_sigma_learns_saved_apart_and_restored(tmp_
     assert any(g.get("name") == "alp" for g in trainer.optimizer.param_groups)
     assert not torch.equal(alp.log_sigma.detach(), init)  # σ got a gradient and moved
     assert alp.log_sigma.grad is None  # dropped after each optimiser step (the Trainer zeroes only the model's)
-    sigma_logged = _logged(trainer, "offpolicy/alp/sigma_mean")
+    sigma_logged = logged(trainer, "offpolicy/alp/sigma_mean")
     assert len(sigma_logged) == 2 and sigma_logged[0] == pytest.approx(0.05, rel=0.2)
     # save_pretrained: the model's own tensors, no σ
     from safetensors.torch import load_file
@@ -234,13 +230,13 @@ def test_topk_trm_through_a_stub_vllm_server(tmp_path, stub_vllm, stub_vllm_clie
     assert bool((sampled[mask] != top1[mask]).any())  # what TRL's lp[0] would have been: a different value
     lp, ids = seen[0]["offpolicy_topk_logp"], seen[0]["offpolicy_topk_ids"]
     assert lp.shape == ids.shape == (*mask.shape, 4)
-    assert _logged(trainer, "offpolicy/trm/divergence_topk") == [1.0, 1.0]
-    lower, upper = _logged(trainer, "offpolicy/topk/kl_lower_mean"), _logged(trainer, "offpolicy/topk/kl_upper_mean")
+    assert logged(trainer, "offpolicy/trm/divergence_topk") == [1.0, 1.0]
+    lower, upper = logged(trainer, "offpolicy/topk/kl_lower_mean"), logged(trainer, "offpolicy/topk/kl_upper_mean")
     assert all(0.0 <= lo <= up and math.isfinite(up) for lo, up in zip(lower, upper))
-    assert len(_logged(trainer, "offpolicy/trm/accept_rate")) == 2
+    assert len(logged(trainer, "offpolicy/trm/accept_rate")) == 2
     if dvp_rho is not None:  # the engine got min_p = ρ; the trainer replays it in vLLM's order
         assert trainer.vllm_generation.min_p == dvp_rho and trainer.offpolicy_order == ("min_p", "top_k", "top_p")
-        assert len(_logged(trainer, "offpolicy/dvp/outside_frac")) == 2
+        assert len(logged(trainer, "offpolicy/dvp/outside_frac")) == 2
 
 
 def test_a_raw_logprobs_vllm_server_is_refused(tmp_path, stub_vllm, stub_vllm_client):

@@ -1,4 +1,5 @@
-"""The toy GRPO data of the TRL ``train()`` tests (importable by name: ``pythonpath`` in pyproject.toml)."""
+"""The toy GRPO data of the TRL ``train()`` tests, and what they read back from TRL's log (importable by name:
+``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,8 @@ def toy_dataset():
 def varied_reward(completions, answer, **kwargs):
     """Rewards that vary within a group, so that the advantages (and the gradients) are not all zero."""
     return [float(len(c)) % 3 + float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
+
+
+def logged(trainer, key):
+    """Every value TRL logged under ``key`` during ``trainer.train()``, in step order."""
+    return [h[key] for h in trainer.state.log_history if key in h]
