@@ -70,6 +70,16 @@ def bench_update(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
     return n_tokens * steps / (time.perf_counter() - t0)
 
 
+GROUP = 4  # samples per prompt, both trainers
+
+
+def _step_overrides(preset: str, batch: int, new_tokens: int, extra: tuple[str, ...]) -> list[str]:
+    """The trainer overrides of a benchmarked step: the tiny model, ``batch`` completions in groups of ``GROUP``."""
+    return [f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // GROUP, 1)}",
+            f"algorithm.group_size={GROUP}", f"rollout.sampling.max_new_tokens={new_tokens}",
+            *(["alp.enabled=true"] if preset == "alp" else []), *extra]
+
+
 def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: str,
                extra: tuple[str, ...] = ()) -> tuple[int, float]:
     """(completion tokens, wall seconds) of one whole ``offpolicy.train.train`` call of ``steps`` GRPO steps, with
@@ -77,14 +87,9 @@ def bench_full(model, tok, *, batch: int, new_tokens: int, steps: int, preset: s
     from offpolicy.train.config import load_config
     from offpolicy.train.loop import train
 
-    group = 4
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(None, [
-            f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // group, 1)}",
-            f"algorithm.group_size={group}", f"rollout.sampling.max_new_tokens={new_tokens}", f"run.steps={steps}",
-            f"run.out_dir={out}", "run.progress=false", "run.tensorboard=false",
-            *(["alp.enabled=true"] if preset == "alp" else []), *extra,
-        ])
+        cfg = load_config(None, [*_step_overrides(preset, batch, new_tokens, extra), f"run.steps={steps}",
+                                 f"run.out_dir={out}", "run.progress=false", "run.tensorboard=false"])
         t0 = time.perf_counter()
         res = train(cfg, model=model, tokenizer=tok)
         dt = time.perf_counter() - t0
@@ -99,12 +104,7 @@ def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
     from offpolicy.train.config import load_config
     from offpolicy.train.steps import build_state, metrics_step, rollout_step, score_step, step_seed, update_step
 
-    group = 4
-    cfg = load_config(None, [
-        f"algorithm.preset={preset}", "model.path=tiny-random", f"task.prompts_per_step={max(batch // group, 1)}",
-        f"algorithm.group_size={group}", f"rollout.sampling.max_new_tokens={new_tokens}",
-        *(["alp.enabled=true"] if preset == "alp" else []), *extra,
-    ])
+    cfg = load_config(None, _step_overrides(preset, batch, new_tokens, extra))
     state = build_state(cfg, model=model, tokenizer=tok)
     names = ("rollout", "scoring", "update", "metrics")
     rows = []
@@ -135,7 +135,6 @@ def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int, compile: b
     from offpolicy.tasks import get_task
 
     task = get_task("arithmetic")
-    group = 4
     ex = task.examples(batch * steps, seed=0)
     data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in ex])
     seen = {"tokens": 0}
@@ -146,7 +145,7 @@ def bench_trl(model, tok, *, batch: int, new_tokens: int, steps: int, compile: b
         return task.reward(completions, answer=answer)
 
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=group,
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, num_generations=GROUP,
                           max_completion_length=new_tokens, max_steps=steps, logging_steps=1000, report_to=[],
                           use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True,
                           torch_compile=compile)
