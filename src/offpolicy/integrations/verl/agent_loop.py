@@ -10,7 +10,7 @@ engine samples from the same truncated distribution the trainer's engine scores 
 Top-K (``topk_logprobs: K``): verl 0.9.1's vLLM server sets ``logprobs`` to 0 (the sampled token only), so the loop
 asks the same server to score the finished sequence once more — ``max_tokens=1``, ``prompt_logprobs=K``, the same
 temperature — and parses the answer (:func:`topk_from_prompt_logprobs`) into
-``extra_fields["rollout_topk_ids"]`` / ``["rollout_topk_logprobs"]`` ([response length][K] lists). That is a prefill
+``extra_fields["rollout_topk_ids"]`` / ``["rollout_topk_logprobs"]`` (lists of response length × K). That is a prefill
 forward, not the decode forward that sampled (see docs/frameworks/verl.md: unverified on a live server).
 
 The output is an :class:`OffPolicyAgentLoopOutput`, whose ``as_dict()`` — what verl 0.9's TransferQueue agent loop

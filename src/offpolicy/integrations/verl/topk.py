@@ -43,7 +43,7 @@ KL_UPPER_FIELD = "offpolicy_topk_kl_upper"
 
 def sequence_topk(n_prompt: int, ids: Sequence[Sequence[int]], logps: Sequence[Sequence[float]],
                   k: int) -> tuple[Tensor, Tensor]:
-    """The response's top-K ``ids`` / ``logps`` ([response length][K] lists) as ``(logp, ids)`` tensors
+    """The response's top-K ``ids`` / ``logps`` (lists of response length × K) as ``(logp, ids)`` tensors
     ``[n_prompt + response length, K]`` (float32, int64) in the engine's rolled layout (see the module docstring).
 
     >>> lp, ids = sequence_topk(2, [[7, 8], [9, 1]], [[-0.1, -3.0], [-0.2, -4.0]], 2)
