@@ -5,6 +5,12 @@ else ``~/.cache/offpolicy``, and ``hash`` covers everything that changes the wei
 vocab size, warm-start task and recipe). The directory is written under a temporary name and renamed into place, so
 a reader never sees a half-written model and two concurrent builders (parallel lab runs) do not corrupt each other:
 the second one's rename loses and its identical copy is discarded.
+
+The default recipes (``tiny`` and ``lab``) ship with the package, built once (``scripts/ship_models.py``), in
+``offpolicy/models/data/<name>-<hash>``: a first use copies them into the cache instead of warm-starting. A warm start
+is deterministic on one machine but not across CPUs (float reductions differ between instruction sets), so shipped
+weights make the embedded models — and every number measured on them — the same on every machine, and spare a fresh
+machine the two minutes of building. Other recipes (architecture or warm-start overrides) are built on first use.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from offpolicy.models.warm_start import evaluate_reward, torch_threads, warm_sta
 
 CACHE_ENV = "OFFPOLICY_CACHE"
 INFO_FILE = "offpolicy_tiny.json"
+SHIPPED_DIR = Path(__file__).parent / "data"
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -69,6 +76,7 @@ def model_path(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike 
 
     ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)`` load it; its
     ``offpolicy_tiny.json`` records the recipe and the warm-start numbers (loss, seconds, sampled reward, accuracy).
+    A recipe that ships with the package (:func:`shipped_dir`) is copied, not built, unless ``force``.
     """
     recipe = get_recipe(recipe)
     final = model_dir(recipe, cache_dir)
@@ -77,14 +85,11 @@ def model_path(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        model, tokenizer = build_tiny_model(seed=recipe.warm.seed, **recipe.config)
-        task = recipe.task()
-        stats = warm_start(model, tokenizer, task=task, recipe=recipe.warm)
-        with torch_threads(1):
-            stats.update(evaluate_reward(model, tokenizer, task=task, n=256))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / INFO_FILE).write_text(json.dumps({"recipe": _description(recipe), "stats": stats}, indent=2))
+        shipped = shipped_dir(recipe)
+        if shipped is not None and not force:
+            shutil.copytree(shipped, tmp, dirs_exist_ok=True)
+        else:
+            build_model(recipe, tmp)
         if force and final.is_dir():
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
             os.replace(final, trash / "old")
@@ -99,6 +104,31 @@ def model_path(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def build_model(recipe: str | ModelRecipe, out: str | os.PathLike) -> Path:
+    """Warm-start ``recipe``'s model from its seed and write it (weights, tokenizer, ``offpolicy_tiny.json``) into
+    ``out``, an existing directory. Deterministic on one machine; see the module docstring for across machines."""
+    recipe, out = get_recipe(recipe), Path(out)
+    model, tokenizer = build_tiny_model(seed=recipe.warm.seed, **recipe.config)
+    task = recipe.task()
+    stats = warm_start(model, tokenizer, task=task, recipe=recipe.warm)
+    with torch_threads(1):
+        stats.update(evaluate_reward(model, tokenizer, task=task, n=256))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / INFO_FILE).write_text(json.dumps({"recipe": _description(recipe), "stats": stats}, indent=2))
+    return out
+
+
+def shipped_dir(recipe: str | ModelRecipe) -> Path | None:
+    """The package's copy of ``recipe``'s model (same ``<name>-<hash>`` as :func:`model_dir`), or None.
+
+    >>> shipped_dir("lab") is not None, shipped_dir(get_recipe("lab").with_overrides(steps=3))
+    (True, None)
+    """
+    path = SHIPPED_DIR / model_dir(recipe, "/").name
+    return path if (path / INFO_FILE).is_file() else None
 
 
 def load_model(recipe: str | ModelRecipe = "tiny", cache_dir: str | os.PathLike | None = None, *,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,26 +55,12 @@ class WarmStartRecipe:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
 
 
-# Threads of the warm start: it runs alone (the lab builds its model before any run starts), and two threads take
-# 0.52 s per lab-model step against 0.96 s for one on a quiet 2-core machine, with bit-identical weights (each output
-# element of a matmul is reduced by one thread in the same order), so the cached model does not depend on it.
+# Threads of the warm start, fixed whatever the machine's load or core count: a matmul's float reduction order can
+# depend on the thread count (seen on an AVX-512 machine: different weights with one and two threads), so a thread
+# count picked from the load would make the cached model depend on how busy the machine was while it was built.
+# Two threads take 0.52 s per lab-model step against 0.96 s for one on a quiet 2-core machine. The default recipes'
+# weights ship with the package (offpolicy/models/data), so no machine rebuilds them: see models.cache.
 WARM_START_THREADS = 2
-
-
-def warm_start_threads() -> int:
-    """:data:`WARM_START_THREADS`, or one when the machine is already busy: with every core taken by other processes
-    (1-minute load average ≥ the number of cores), a second OpenMP thread mostly spin-waits for the first — measured
-    11 % of a core for a two-thread warm start at load 22 on 2 cores. The weights do not depend on it (above).
-
-    >>> 1 <= warm_start_threads() <= WARM_START_THREADS
-    True
-    """
-    cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0] >= cores
-    except OSError:  # no load average on this platform
-        busy = False
-    return 1 if busy else min(WARM_START_THREADS, cores)
 
 
 @contextlib.contextmanager
@@ -130,7 +115,7 @@ def warm_start(model: torch.nn.Module, tokenizer, *, task=None, recipe: WarmStar
     task = ArithmeticTask() if task is None else task
     if recipe.smoothing > 0 and not hasattr(task, "alphabet"):
         raise ValueError(f"smoothing needs a task with an alphabet; {task.name!r} has none")
-    with torch_threads(warm_start_threads()):
+    with torch_threads(WARM_START_THREADS):
         return _train(model, tokenizer, task, recipe)
 
 
