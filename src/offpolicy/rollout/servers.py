@@ -49,9 +49,10 @@ class ServerError(ValueError):
     and the field."""
 
 
-def post_json(url: str, body: dict | None, *, timeout: float, what: str) -> Any:
-    """POST ``body`` as JSON (GET when ``body`` is None) and return the decoded answer; :class:`ServerError` naming
-    ``what`` (the request) on a refused connection, a timeout, an HTTP error status or malformed JSON."""
+def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_bytes: bool = False) -> Any:
+    """POST ``body`` as JSON (GET when ``body`` is None) and return the decoded answer (its bytes if ``as_bytes``);
+    :class:`ServerError` naming ``what`` (the request) on a refused connection, a timeout, an HTTP error status or
+    malformed JSON."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                  method="GET" if body is None else "POST")
@@ -68,6 +69,8 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str) -> Any:
         if isinstance(reason, (TimeoutError, socket.timeout)):
             raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
         raise ServerError(f"{what}: cannot reach {url} ({reason})") from None
+    if as_bytes:
+        return raw
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
