@@ -132,13 +132,23 @@ def test_outputs_that_cannot_be_created_exit_2_naming_the_path(tmp_path):
     assert res.exit_code == 2 and "--out" in res.output and "a_file/plots" in res.output
 
 
-def test_reusing_an_out_dir_warns_and_resume_checks_the_run(tmp_path):
-    # Expected: a fresh run into a used folder prints one warning line naming it; --resume of another preset exits 2
-    # naming algorithm.preset; --resume at run.steps says there is nothing to do.
+def test_reusing_an_out_dir_needs_overwrite_and_resume_checks_the_run(tmp_path):
+    # Expected: a fresh run into a folder holding a finished run exits 2 with one line naming the folder and what it
+    # holds, leaving every file as it was; with --overwrite it replaces the run with one warning line naming it;
+    # --resume of another preset exits 2 naming algorithm.preset; --resume at run.steps says there is nothing to do.
     out = tmp_path / "run"
     args = ["train", *SMALL, "run.tensorboard=false", f"run.out_dir={out}", "run.steps=1"]
     assert runner.invoke(app, [*args, "algorithm.preset=mis"]).exit_code == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".run.lock"}
     res = runner.invoke(app, [*args, "algorithm.preset=tis"])
+    assert res.exit_code == 2, res.output
+    line = " ".join(res.output.split())  # rich wraps long lines at the terminal's width
+    assert (f"run.out_dir '{out}' holds a finished run (preset 'mis', seed 0, step 1 of 1; 1 checkpoint, "
+            "1 metrics row): pass --overwrite to replace it, --resume to continue it") in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".run.lock"} == before
+    res = runner.invoke(app, [*args, "algorithm.preset=tis", "--overwrite", "--resume"])
+    assert res.exit_code == 2 and "pass one of them" in res.output
+    res = runner.invoke(app, [*args, "algorithm.preset=tis", "--overwrite"])
     assert res.exit_code == 0 and f"warning: run.out_dir '{out}' holds an earlier run" in res.output
     res = runner.invoke(app, [*args, "algorithm.preset=mis", "run.steps=2", "--resume"])
     assert res.exit_code == 2 and "algorithm.preset='tis' (now 'mis')" in res.output

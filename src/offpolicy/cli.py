@@ -110,6 +110,8 @@ def train(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (defaults if omitted)."),
     overrides: list[str] | None = typer.Argument(None, help="key.sub=value overrides, e.g. run.steps=100"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.out_dir."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace the run that run.out_dir holds (refused without this flag)."),
 ) -> None:
     """Train with one preset from a YAML config and key=value overrides. Models load from local paths only."""
     from offpolicy.train.config import load_config
@@ -124,7 +126,7 @@ def train(
                   f"steps={cfg.run.steps} → {escape(cfg.run.out_dir)}", soft_wrap=True)
     with _warnings_on(console):
         try:
-            result = run_train(cfg, resume=resume, console=console)
+            result = run_train(cfg, resume=resume, overwrite=overwrite, console=console)
         except ValueError as err:
             _fail(console, str(err))
         except OSError as err:  # a disk that fills up or a folder that turns read-only mid-run

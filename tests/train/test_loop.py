@@ -46,15 +46,16 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
         assert rows[0]["trm/divergence_exact"] == 1.0 and rows[0]["mismatch/token_kl_exact_mean"] >= 0
 
 
-def test_a_fresh_run_into_an_existing_out_dir_starts_a_new_log(tmp_path, fresh, make_overrides, varying_task):
-    # without --resume, a second run in the same folder replaces metrics.jsonl (appending would give 4 rows, and the
+def test_an_overwriting_run_into_an_existing_out_dir_starts_a_new_log(tmp_path, fresh, make_overrides, varying_task):
+    # with --overwrite, a second run in the same folder replaces metrics.jsonl (appending would give 4 rows, and the
     # demo's summary would read the first run's first row and the second run's last)
     from offpolicy.train.loop import RunReplacedWarning
 
     model, tok = fresh
     train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok, task=varying_task())
     with pytest.warns(RunReplacedWarning):  # the second run replaces the first (see the test below)
-        train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok, task=varying_task())
+        train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok,
+              task=varying_task(), overwrite=True)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
@@ -205,9 +206,10 @@ def _runner(tmp_path, tiny_pair, make_overrides, varying_task):
     """run(preset, steps, resume=False, **overrides): a short run into tmp_path from the same initial weights."""
     model0, tok = tiny_pair
 
-    def run(preset="naive", steps=2, resume=False, **extra):
+    def run(preset="naive", steps=2, resume=False, overwrite=False, **extra):
         cfg = load_config(None, make_overrides(tmp_path, preset, steps=steps, **extra))
-        return train(cfg, model=copy.deepcopy(model0), tokenizer=tok, task=varying_task(), resume=resume)
+        return train(cfg, model=copy.deepcopy(model0), tokenizer=tok, task=varying_task(), resume=resume,
+                     overwrite=overwrite)
 
     return run
 
@@ -216,8 +218,8 @@ def _files(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_fresh_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tiny_pair, make_overrides, varying_task):
-    # Expected: a fresh run into a folder holding an earlier run removes that run's checkpoints (and killed-save
+def test_an_overwriting_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tiny_pair, make_overrides, varying_task):
+    # Expected: an overwriting run into a folder holding an earlier run removes that run's checkpoints (and killed-save
     # leftovers, and TensorBoard event files) with one warning naming the folder: with only metrics.jsonl emptied, a
     # later --resume would continue the *earlier* run's step-4 checkpoint (metrics steps [1, 2, 3, 5]).
     from offpolicy.train.loop import RunReplacedWarning
@@ -231,7 +233,7 @@ def test_a_fresh_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tiny_pair,
     tb.mkdir()
     (tb / "events.out.tfevents.123.host.1.0").write_bytes(b"old run")
     with pytest.warns(RunReplacedWarning, match=re.escape(repr(str(tmp_path)))):
-        run("tis", 2, run__checkpoint_every=1)
+        run("tis", 2, overwrite=True, run__checkpoint_every=1)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000001.safetensors", "step_00000002.safetensors"]
     assert not any(tb.iterdir())
     # --resume now continues this run: one more step after its step 2, and the log holds steps 1..3 once

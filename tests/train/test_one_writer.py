@@ -84,6 +84,6 @@ def test_a_killed_run_never_blocks_the_next_run_or_resume(tmp_path, make_overrid
 
     from offpolicy.train import load_config, train  # a fresh run in this process: the folder is free too
 
-    result = train(load_config(None, make_overrides(out, steps=1)))
+    result = train(load_config(None, make_overrides(out, steps=1)), overwrite=True)
     assert result.steps_done == 1 and _steps(out) == [1]
     assert (out / ".run.lock").read_text() == ""

@@ -33,7 +33,7 @@ from typing import Any
 
 def train_command(overrides: Sequence[str], resume: bool) -> list[str]:
     """The command line of one run in a fresh interpreter (what a run is; the zygote runs the same command)."""
-    return [sys.executable, "-m", "offpolicy.cli", "train", *overrides, *(["--resume"] if resume else [])]
+    return [sys.executable, "-m", "offpolicy.cli", "train", *overrides, "--resume" if resume else "--overwrite"]
 
 
 def child_env() -> dict[str, str]:

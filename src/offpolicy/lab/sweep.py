@@ -324,7 +324,7 @@ def _launch(out: Path, run: PlannedRun, resume_from: int,
     run_dir.mkdir(parents=True, exist_ok=True)
     resume = resume_from > 0
     argv = (command(run.overrides, resume) if command is not None
-            else ["train", *run.overrides, *(["--resume"] if resume else [])])
+            else ["train", *run.overrides, "--resume" if resume else "--overwrite"])  # the sweep owns its folders
     log_path = run_dir / RUN_LOG
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     shown = argv if command is not None else train_command(run.overrides, resume)

@@ -77,6 +77,7 @@ def train(
     cfg: TrainConfig,
     *,
     resume: bool | str | Path = False,
+    overwrite: bool = False,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     engine: Any = None,
@@ -85,8 +86,9 @@ def train(
     on_step_end: Callable[..., None] | None = None,
 ) -> TrainResult:
     """Run ``cfg.run.steps`` GRPO steps (see the module docstring). ``resume=True`` continues from the latest
-    checkpoint in ``out_dir/checkpoints`` (or from the given file). ``model`` / ``tokenizer`` / ``engine`` / ``task``
-    replace what the config would build (tests, notebooks).
+    checkpoint in ``out_dir/checkpoints`` (or from the given file). A folder that holds an earlier run is refused
+    (``ValueError`` naming it and what it holds) unless ``overwrite=True``, which replaces that run. ``model`` /
+    ``tokenizer`` / ``engine`` / ``task`` replace what the config would build (tests, notebooks).
 
     ``on_step_end(step, metrics)`` — or ``on_step_end(step, metrics, state)`` — runs after each completed step with
     its metrics as floats; with the :class:`~offpolicy.train.steps.TrainState` it may change the next steps
@@ -94,7 +96,7 @@ def train(
     rate again at the start of every step). A ``KeyboardInterrupt`` raised there (or a Ctrl-C)
     checkpoints the completed step and stops cleanly.
     """
-    folder = RunFolder(cfg, resume)  # a bad out_dir or a checkpoint of another run fails before the model loads
+    folder = RunFolder(cfg, resume, overwrite)  # a bad out_dir or a checkpoint of another run fails before the model loads
     with folder, torch_threads(cfg.run.threads or torch.get_num_threads()):  # the folder is ours until the end
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)

@@ -5,8 +5,10 @@ log, checkpoints, the progress bar and the Ctrl-C contract — so that the train
   refused with one line naming that process (:class:`offpolicy.folder_lock.FolderLock` on ``.run.lock``), before
   anything in it is read or written; a lock left by a crashed or killed process never blocks a new run or
   ``--resume``. The lock is held from :class:`RunFolder`'s construction to the end of its ``with`` block.
-* A fresh run into a used ``run.out_dir`` replaces the earlier run there (checkpoints, killed-save leftovers,
-  TensorBoard events, the metrics log), with one :class:`RunReplacedWarning`; otherwise a later ``--resume`` would
+* Nothing lost: a fresh run into a ``run.out_dir`` that holds an earlier run (its checkpoints, metrics or TensorBoard
+  logs) is refused with one line naming the folder and what it holds, before the model loads — unless
+  ``--overwrite`` (``overwrite=True``): then the earlier run's files (checkpoints, killed-save leftovers, TensorBoard
+  events, the metrics log) are replaced, with one :class:`RunReplacedWarning`; a later ``--resume`` would otherwise
   continue the earlier run's checkpoint under this run's config.
 * ``--resume`` refuses a checkpoint of another preset or seed and one past ``run.steps``, and rewrites the metrics
   after the checkpoint's step; both checks run before the model loads.
@@ -55,15 +57,22 @@ class RunFolder:
     raises ``ValueError`` naming it.
     """
 
-    def __init__(self, cfg: TrainConfig, resume: bool | str | Path = False) -> None:
+    def __init__(self, cfg: TrainConfig, resume: bool | str | Path = False, overwrite: bool = False) -> None:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
+        if resume and overwrite:
+            raise ValueError("--resume continues the run in run.out_dir and --overwrite replaces it: pass one of them")
         if resume and not self.ckpt_dir.is_dir():  # nothing to resume: say so without creating the folder
             self._resume_checkpoint(resume)
         _writable_dir(self.out_dir)
         self.lock = FolderLock(self.out_dir, LOCK_FILE, "run.out_dir")  # before reading or writing anything in it
         try:
+            if not resume and not overwrite:
+                earlier = describe_earlier_run(self.out_dir)
+                if earlier is not None:
+                    raise ValueError(f"run.out_dir {str(self.out_dir)!r} holds {earlier}: pass --overwrite to replace "
+                                     "it, --resume to continue it, or choose another run.out_dir")
             self.resume_from = self._resume_checkpoint(resume) if resume else None
         except BaseException:
             self.lock.release()
@@ -170,9 +179,67 @@ class RunFolder:
         if not stale and not (metrics.is_file() and metrics.stat().st_size > 0):
             return
         warnings.warn(f"run.out_dir {str(self.out_dir)!r} holds an earlier run: replacing its metrics, checkpoints "
-                      "and TensorBoard logs (use --resume to continue it instead)", RunReplacedWarning, stacklevel=4)
+                      "and TensorBoard logs (--overwrite)", RunReplacedWarning, stacklevel=4)
         for p in stale:
             p.unlink(missing_ok=True)
+
+
+def describe_earlier_run(out_dir: str | Path) -> str | None:
+    """What a run folder holds from an earlier run, in a few words (None when there is nothing a fresh run would
+    replace: no checkpoint, no metrics row, no TensorBoard event file).
+
+    "a finished run (preset 'tis', seed 0, step 50 of 50; 3 checkpoints, 50 metrics rows, TensorBoard logs)"; a run
+    whose last checkpoint is before its configured ``run.steps`` is "an unfinished run". Damaged files are counted,
+    never read beyond their header: describing a folder must not fail on what it describes.
+    """
+    out = Path(out_dir)
+    checkpoints = checkpoint_files(out / "checkpoints")
+    metrics = out / "metrics.jsonl"
+    rows = _count_lines(metrics)
+    events = sorted((out / "tensorboard").glob("events.out.tfevents.*"))
+    if not checkpoints and not rows and not events:
+        return None
+    held = [f"{len(checkpoints)} checkpoint{'s' * (len(checkpoints) != 1)}"] if checkpoints else []
+    if rows:
+        held.append(f"{rows} metrics row{'s' * (rows != 1)}")
+    if events:
+        held.append("TensorBoard logs")
+    identity, kind = [], "an earlier run"
+    if checkpoints:
+        try:
+            info = read_checkpoint_info(checkpoints[-1])
+        except ValueError:
+            info = {}
+        user, step = info.get("user", {}), info.get("step")
+        if user.get("preset") is not None:
+            identity.append(f"preset {user['preset']!r}")
+        if user.get("seed") is not None:
+            identity.append(f"seed {user['seed']}")
+        planned = _configured_steps(out / "config.yaml")
+        if isinstance(step, int):
+            identity.append(f"step {step}" + (f" of {planned}" if planned else ""))
+            if planned:
+                kind = "a finished run" if step >= planned else "an unfinished run"
+    return f"{kind} ({', '.join(identity) + '; ' if identity else ''}{', '.join(held)})"
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def _configured_steps(config_yaml: Path) -> int | None:
+    """``run.steps`` of the earlier run's ``config.yaml`` (None when absent or unreadable)."""
+    try:
+        import yaml
+
+        steps = (yaml.safe_load(config_yaml.read_text(encoding="utf-8")) or {}).get("run", {}).get("steps")
+    except Exception:  # missing, unreadable, damaged YAML, not a mapping: the folder is described without its plan
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 class Session:
