@@ -46,6 +46,7 @@ from offpolicy.integrations.trl.topk import (
     topk_divergence,
     topk_score_center,
 )
+from offpolicy.integrations.versions import check_versions
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
@@ -197,6 +198,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
             **kwargs: Any,
         ) -> None:
+            check_versions("trl", "torch", user="offpolicy's TRL trainer")  # before TRL's own init can fail on it
             check_naming(metric_naming)
             correction = correction if isinstance(correction, Correction) else build_correction(correction)
             if dvp_rho is not None and not (isinstance(dvp_rho, (int, float)) and 0 < dvp_rho <= 1):
@@ -213,6 +215,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
             super().__init__(*args, **kwargs)
             train_args = getattr(self, "args", None)
+            if getattr(train_args, "use_vllm", False):
+                check_versions("vllm", user="offpolicy's TRL trainer")
             name, params = trl_objective(train_args, objective)
             _refuse_unreproduced(train_args, name)
             self.offpolicy_needs_rollout = needs_rollout_logp(correction, name)

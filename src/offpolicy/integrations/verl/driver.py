@@ -1,7 +1,7 @@
 """Driver-side corrections for verl: once per step, where the advantages exist, written back as verl's helper does.
 
 verl 0.9's v1 trainer calls its own ``compute_rollout_correction_and_add_to_batch`` in ``_compute_advantage`` *before*
-the advantages are computed, so a correction that reads them (OPSM, arXiv 2512.01374 eq. 9) cannot run there. The
+the advantages are computed, so a correction that reads them (OPSM, arXiv 2512.02556 §3.1) cannot run there. The
 plug-in's trainer, :class:`OffPolicyTrainer` (registered as ``trainer.v1.trainer_mode=offpolicy`` — verl's
 ``register_trainer`` extension point; it is verl's ``sync`` trainer with one method extended), runs verl's whole
 ``_compute_advantage`` first and then :func:`apply_driver_correction` on the stored fields: ``response_mask`` becomes

@@ -8,7 +8,7 @@ exactly as the parent class. What it changes:
 * **Sampling recipe** (``sampling: {min_p | top_k | top_p}``): ``prepare_model_outputs`` — the one function verl runs
   for the old-log-prob forward (eval, no grad) *and* the update forward (train) — returns log π^recipe(y) instead of
   log softmax(z / T)_y: with ``min_p`` only, DVP's constrained log-prob over the trainer's own min-p safe set
-  (:func:`~offpolicy.corrections.vocabulary.constrained_logp`, arXiv 2604.18700 Def 5.2, chunked over rows); with
+  (:func:`~offpolicy.corrections.vocabulary.constrained_logp`, arXiv 2512.23087 Def 5.2, chunked over rows); with
   ``top_k`` / ``top_p``, π_θ renormalised on the support vLLM's filters leave
   (:func:`~offpolicy.corrections.vocabulary.replay_support_logp`, vLLM's order min-p → top-k → top-p). The
   temperature is verl's own (``micro_batch["temperature"]``, per sample allowed). A sampled token outside the

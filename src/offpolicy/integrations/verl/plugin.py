@@ -65,7 +65,11 @@ def register_trainer(name: str = "offpolicy", base: str = "sync") -> str:
 
 
 def install() -> dict[str, str]:
-    """Register every part that imports here; returns :func:`registered`."""
+    """Register every part that imports here; returns :func:`registered`. Warns once per process when verl, vLLM or
+    torch is installed outside the versions the plug-in was tested with (:mod:`offpolicy.integrations.versions`)."""
+    from offpolicy.integrations.versions import check_versions
+
+    check_versions("verl", "vllm", "torch", user="offpolicy's verl plug-in")
     parts = {
         "policy_loss": lambda: _policy_loss(),
         "engine": register_engine,

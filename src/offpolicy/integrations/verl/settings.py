@@ -44,7 +44,7 @@ ALP_KEYS = ("init_std", "lr", "layers", "seed")
 class SamplingRecipe:
     """The engine's truncation (temperature comes from verl's own ``rollout.temperature``).
 
-    ``min_p`` alone is DVP's ρ (arXiv 2604.18700 Defs 5.1–5.2, the trainer scores over its own min-p safe set);
+    ``min_p`` alone is DVP's ρ (arXiv 2512.23087 Defs 5.1–5.2, the trainer scores over its own min-p safe set);
     ``top_k`` / ``top_p`` (with or without ``min_p``) is sampling-support replay — the trainer renormalises π_θ on the
     support the engine's filters leave, in vLLM's order (min-p, top-k, top-p).
     """
