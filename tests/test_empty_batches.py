@@ -25,7 +25,8 @@ def _all_masked_like(shape):
 
 def _presets():
     return [op.tis(), op.mis(level="geometric"), op.geo_mask(), op.icepop(), op.opsm(delta=0.1), op.veto(), op.trm(),
-            op.ln_trm(), op.ser(), op.kl_rejection("seq_max_k2", upper=0.1), op.kl_rejection("token_k3", upper=0.1)]
+            op.ln_trm(), op.ser(), op.kl_rejection("seq_max_k2", upper=0.1), op.kl_rejection("token_k3", upper=0.1),
+            op.gated_is(), op.gated_is(level="geometric", gating="binary_kl")]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

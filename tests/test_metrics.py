@@ -339,6 +339,26 @@ def test_the_same_numbers_under_each_frameworks_names():
     assert torch.equal(trl["sampling/importance_sampling_ratio/min"], swift["is_weight_min"])
     with pytest.raises(ValueError, match="naming"):
         offpolicy_metrics(train, rollout, mask, naming="wandb")
+    # OpenRLHF's and Tinker's names: the same numbers again
+    for naming in ("openrlhf", "tinker"):
+        named = offpolicy_metrics(train, rollout, mask, weights, naming=naming)
+        assert list(named) == list(metric_names(naming)) and len(set(named)) == len(swift)
+        for name in swift:
+            assert torch.equal(named[NAMINGS[naming].key(name)], swift[name])
+    assert metric_names("openrlhf")[0] == "train/vllm_kl"
+
+
+def test_tinkers_kl_sample_train_v1_and_v2_by_hand():
+    # Tinker cookbook: v1 = mean(sampler logp − trainer logp), v2 = ½ mean((sampler − trainer)²) over generated tokens
+    # trainer (−1, −2 | −0.5, pad), sampler (−1.5, −1 | −0.5, pad): differences μ − π = (−0.5, 1, 0)
+    # v1 = (−0.5 + 1 + 0)/3 = 0.166667; v2 = ½ (0.25 + 1 + 0)/3 = 0.208333
+    train = torch.tensor([[-1.0, -2.0], [-0.5, 7.0]])
+    rollout = torch.tensor([[-1.5, -1.0], [-0.5, float("nan")]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    m = offpolicy_metrics(train, rollout, mask, naming="tinker")
+    assert m["optim/kl_sample_train_v1"].item() == pytest.approx(0.5 / 3)
+    assert m["optim/kl_sample_train_v2"].item() == pytest.approx(1.25 / 6)
+    assert m["optim/k3_kl"].item() > 0  # names Tinker has no metric for keep ours under its prefix
 
 
 def test_weight_extremes_and_log_prob_differences_by_hand():

@@ -15,9 +15,15 @@ tensor([[ True, False]])
 from offpolicy.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from offpolicy.batch import LogProbBatch
 
+# Binary (sampled-token) divergences
+from offpolicy.binary import bernoulli_kl, bernoulli_tv
+
 # Full-distribution methods: divergences, fused kernels, bounds
 from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
+
+# Divergence-gated importance sampling (OpenRLHF's is_correction_*)
+from offpolicy.corrections.gated import gate, gated_is
 
 # Importance-sampling corrections (TIS / MIS / IcePop)
 from offpolicy.corrections.importance import geo_mask, icepop, importance_correction, importance_weights, mis, tis
@@ -122,6 +128,8 @@ __all__ = [
     "TokenStats",
     "aggregate_log_ratio",
     "alp_policy_loss",
+    "bernoulli_kl",
+    "bernoulli_tv",
     "build_correction",
     "centered_logp",
     "chain",
@@ -135,6 +143,8 @@ __all__ = [
     "dvp_fields",
     "dvp_keep",
     "find_decoder_layers",
+    "gate",
+    "gated_is",
     "fused_logp",
     "fused_token_stats",
     "geo_mask",

@@ -10,6 +10,7 @@ name (prefix + …)          definition
 =========================  ================================================================================================
 ``kl``                     E_V[log μ − log π]            direct estimator of KL(μ‖π) under μ-samples (can be < 0)
 ``k3_kl``                  E_V[ρ − log ρ − 1]            Schulman's k3, ≥ 0 (log ρ clamped ±20)
+``k2_kl``                  E_V[½ (log π − log μ)²]        Schulman's k2, ≥ 0 (Tinker's ``kl_sample_train_v2``)
 ``training_ppl``           E_S[exp(−(1/|y_i|) Σ_t log π)]  per-sequence PPL, then averaged (verl / ms-swift)
 ``training_log_ppl``       E_S[−(1/|y_i|) Σ_t log π]
 ``rollout_ppl``            E_S[exp(−(1/|y_i|) Σ_t log μ)]
@@ -33,15 +34,19 @@ name (prefix + …)          definition
 =========================  ================================================================================================
 
 w is ``weights`` (the correction weights actually applied) or, when None, the raw token ratio ρ_t. Empty input
-(no valid token) gives the on-policy values: kl = k3 = χ² = 0, PPLs and ppl_ratio = 1, log-PPLs = 0, ess = 1,
+(no valid token) gives the on-policy values: kl = k3 = k2 = χ² = 0, PPLs and ppl_ratio = 1, log-PPLs = 0, ess = 1,
 weight and raw ratio stats = 1, |r| stats 0, fractions 0 (accepted_frac 1) — finite, never NaN. Sequences without a
 valid token are left out of E_S (verl averages them in as PPL 1).
 
 Names (``naming=``): ``swift`` (the default, ms-swift's ``rollout_correction/<name>``), ``verl`` (verl's
 ``rollout_corr/<name>``, with verl's own names where it has the metric: ``chi2_seq`` is the product there and ours
 is ``chi2_seq_geometric``, ``ess`` → ``rollout_is_eff_sample_size``, ``is_weight_*`` → ``rollout_is_*``,
-``masked_frac`` → ``rollout_rs_masked_fraction``) and ``trl`` (``sampling/<name>``, with TRL's
-``sampling_logp_difference/mean|max`` and ``importance_sampling_ratio/mean|min|max``). :data:`NAMINGS` has the tables.
+``masked_frac`` → ``rollout_rs_masked_fraction``), ``trl`` (``sampling/<name>``, with TRL's
+``sampling_logp_difference/mean|max`` and ``importance_sampling_ratio/mean|min|max``), ``openrlhf`` (``train/<name>``
+as OpenRLHF logs, ``kl`` → ``vllm_kl``: its mean of log μ − log π_old) and ``tinker`` (``optim/<name>``, as the
+Tinker cookbook logs, ``kl`` → ``kl_sample_train_v1``: the mean of the sampler's minus the trainer's log-prob, and
+``k2_kl`` → ``kl_sample_train_v2``: half their mean squared difference). Names a framework has no metric for keep
+ours under its prefix. :data:`NAMINGS` has the tables.
 
 Differences from ms-swift worth knowing: ms-swift's ``ess`` uses the weights clamped to the threshold band *before*
 masking, ours uses the weights you pass (pass the truncated-only weights to reproduce it); its ``clipped_frac`` counts
@@ -78,7 +83,7 @@ from offpolicy.ratios import (
 )
 
 METRIC_NAMES: tuple[str, ...] = (
-    "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "kl", "k3_kl", "k2_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
     "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
     "chi2_seq_product", "ess", "is_weight_mean", "is_weight_max", "is_weight_min", "clipped_frac", "raw_ratio_mean",
     "raw_ratio_max", "raw_ratio_min", "logp_abs_diff_mean", "logp_abs_diff_max", "masked_frac", "accepted_frac",
@@ -109,6 +114,8 @@ NAMINGS: dict[str, Naming] = {
         "is_weight_mean": "importance_sampling_ratio/mean", "is_weight_min": "importance_sampling_ratio/min",
         "is_weight_max": "importance_sampling_ratio/max",
     }),
+    "openrlhf": Naming("train/", {"kl": "vllm_kl"}),
+    "tinker": Naming("optim/", {"kl": "kl_sample_train_v1", "k2_kl": "kl_sample_train_v2"}),
 }  # fmt: skip
 
 
@@ -145,7 +152,8 @@ def offpolicy_metrics(
         mask: [B, T] 1 for response tokens that count.
         weights: optional [B, T] correction weights actually applied, or the :class:`CorrectionResult` itself (its
             ``coefficient`` = weights · keep is used, and its ``weight_level``).
-        naming: ``swift`` (``rollout_correction/…``), ``verl`` (``rollout_corr/…``) or ``trl`` (``sampling/…``).
+        naming: ``swift`` (``rollout_correction/…``), ``verl`` (``rollout_corr/…``), ``trl`` (``sampling/…``),
+            ``openrlhf`` (``train/…``) or ``tinker`` (``optim/…``).
         prefix: replaces the naming's prefix (``""`` gives bare names).
         level: level of ``weights`` (``token``/``sequence``/``geometric``): ``clipped_frac`` compares them with the
             raw ratio at this level. Default: the result's own (a chain of several levels compares at ``token``),
@@ -239,6 +247,7 @@ def _mismatch(pi: Tensor, t: _Tokens) -> dict[str, Tensor]:
     return {
         "kl": -t.r.sum() / t.n,
         "k3_kl": (expm1 - t.r_safe).sum() / t.n,  # Σ (ρ − 1 − log ρ)
+        "k2_kl": 0.5 * (t.r * t.r).sum() / t.n,  # Σ ½ (log ρ)², unclamped (Tinker's v2 squares the raw difference)
         "training_ppl": or_one(seq_mean(torch.exp(-mean_pi))),
         "training_log_ppl": seq_mean(-mean_pi),
         "rollout_ppl": or_one(seq_mean(torch.exp(-mean_mu))),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
+from offpolicy.corrections.gated import gated_is
 from offpolicy.corrections.importance import geo_mask, icepop, importance_correction, mis, tis
 from offpolicy.corrections.sequence_masks import opsm, veto
 from offpolicy.corrections.trust_region import ln_trm, ser, trm
@@ -98,6 +99,10 @@ PRESETS = [
     trm(max_kl=0.02, avg_kl=0.005),
     ln_trm(eps=0.01, delta=0.01, threshold=0.1),
     ser(threshold=0.1),
+    gated_is(level="geometric", gating="binary_kl", upper=0.01),
+    gated_is(gating="tv", upper=0.02, name="gated_tv"),
+    gated_is(level="sequence", lower=0.5, upper=2.0, name="gated_seq"),
+    gated_is(mode="truncate", lower=0.8, upper=1.25, source="total", name="gated_clip"),
 ]
 
 
@@ -139,7 +144,8 @@ def test_chain_equals_one_by_one(random_batch, seed, b, t, scale, idx):
 # properties every preset must have
 # ---------------------------------------------------------------------------------------------------------------------
 
-DEFAULTS = [tis(), tis(normalize=True), mis(), mis(level="sequence"), geo_mask(), icepop(), opsm(), veto(), trm(), ln_trm(), ser()]
+DEFAULTS = [tis(), tis(normalize=True), mis(), mis(level="sequence"), geo_mask(), icepop(), opsm(), veto(), trm(), ln_trm(), ser(),
+            gated_is()]
 
 
 @settings(max_examples=30, deadline=None)

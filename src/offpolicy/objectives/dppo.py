@@ -13,8 +13,13 @@ p_old = π_old(y_t),
 An outside token is masked — no gradient — only when the update pushes it further out, as PPO's clip does. C
 (``ratio_cap``) truncates the importance weight (the paper's §5.4 recommends a large one; None = no cap beyond the
 library's e^20). Defaults are the authors' run script: δ = 0.15 (TV), δ = 0.05 (KL), no cap. The same losses as verl's
-``dppo_tv`` / ``dppo_kl`` (``clip_ratio_low`` / ``high`` = δ, ``clip_ratio_c`` = C), including its 1e-8 guard in the
-binary KL's second log.
+``dppo_tv`` / ``dppo_kl`` (``clip_ratio_low`` / ``high`` = δ, ``clip_ratio_c`` = C).
+
+The binary KL is :func:`offpolicy.binary.bernoulli_kl`: exact to float32's relative accuracy and ≥ 0 for nearby
+policies, where verl's textbook form cancels to ±6e-8 (negative on 13 of 65 pairs with |Δ log p| ≤ 1e-6 in
+``benchmarks/binary_kl_roundoff.py``). Where verl adds 1e-8 inside its second log against log 0 at p = 1, the
+probabilities are clamped at 1 − 1e-8 here (a clamp keeps it a KL, ≥ 0; the additive guard does not); the two agree
+to float32 precision wherever 1 − p ≫ 1e-8.
 """
 
 from __future__ import annotations
@@ -24,27 +29,32 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from offpolicy.binary import bernoulli_kl, bernoulli_tv
 from offpolicy.objectives.base import TokenInputs, TokenLoss, check_nonnegative, check_positive
 from offpolicy.ratios import LOG_RATIO_BOUND
 from offpolicy.registry import register_objective
 
-BINARY_KL_EPS = 1e-8  # verl's guard against log(0) when a probability reaches 1
+BINARY_KL_EPS = 1e-8  # probabilities are clamped at 1 − 1e-8 (verl guards log(0) at p = 1 with +1e-8 instead)
 
 
 def binary_tv(logp: Tensor, old_logp: Tensor) -> Tensor:
     """p − p_old, the signed total variation between the binary distributions (p, 1 − p) and (p_old, 1 − p_old), from
-    the log-probs of the sampled token."""
-    return torch.exp(logp) - torch.exp(old_logp)
+    the log-probs of the sampled token (float32, as p_old·expm1(log p − log p_old): no cancellation).
+
+    >>> binary_tv(torch.tensor(0.6).log(), torch.tensor(0.5).log())
+    tensor(0.1000)
+    """
+    return bernoulli_tv(old_logp, logp)
 
 
 def binary_kl(logp: Tensor, old_logp: Tensor) -> Tensor:
-    """KL((p_old, 1 − p_old) ‖ (p, 1 − p)) from the log-probs of the sampled token, with verl's 1e-8 in the second log.
+    """KL((p_old, 1 − p_old) ‖ (p, 1 − p)) from the log-probs of the sampled token, float32, ≥ 0
+    (:func:`offpolicy.binary.bernoulli_kl` with both probabilities at most 1 − 1e-8).
 
     >>> round(binary_kl(torch.tensor(0.5).log(), torch.tensor(0.25).log()).item(), 6)  # 0.25 log 0.5 + 0.75 log 1.5
     0.130812
     """
-    p, p_old = torch.exp(logp), torch.exp(old_logp)
-    return p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + BINARY_KL_EPS) / (1 - p + BINARY_KL_EPS))
+    return bernoulli_kl(old_logp, logp, max_prob=1.0 - BINARY_KL_EPS)
 
 
 def _dppo(x: TokenInputs, inside: Callable[[Tensor, Tensor, Tensor], Tensor], ratio_cap: float | None) -> TokenLoss:

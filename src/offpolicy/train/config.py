@@ -262,7 +262,7 @@ class RunConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
     threads: int | None = Field(None, ge=1)
-    metric_naming: Literal["swift", "verl", "trl"] = "swift"  # the mismatch diagnostics under whose names
+    metric_naming: Literal["swift", "verl", "trl", "openrlhf", "tinker"] = "swift"  # the diagnostics under whose names
 
     @field_validator("device")
     @classmethod
