@@ -86,6 +86,9 @@ from offpolicy.objectives.score_centering import (
 
 # Adaptive Layerwise Perturbation
 from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss, find_decoder_layers
+
+# The mismatch by position in the sequence
+from offpolicy.position import mismatch_by_position, position_bin_edges, position_metrics
 from offpolicy.ratios import (
     LEVELS,
     LOG_RATIO_BOUND,
@@ -168,6 +171,7 @@ __all__ = [
     "minp_mask_logits",
     "minp_safe_set",
     "mis",
+    "mismatch_by_position",
     "mismatch_envelope",
     "offpolicy_metrics",
     "opsm",
@@ -175,6 +179,8 @@ __all__ = [
     "opsm_mask",
     "needs_rollout_logp",
     "policy_loss",
+    "position_bin_edges",
+    "position_metrics",
     "register_aggregation",
     "register_correction",
     "register_objective",

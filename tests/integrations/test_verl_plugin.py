@@ -150,6 +150,31 @@ def test_plugin_trainer_applies_the_correction_after_verls_advantages(trainer_ba
     assert all(k.startswith("rollout_corr/") for k in expected_metrics)
 
 
+def test_plugin_trainer_applies_the_binary_kl_gate_by_name(trainer_base, monkeypatch):
+    # FlashREINFORCE's trust region by name in the plug-in's settings: gated_is on the sequence-mean binary KL between
+    # μ and π_old. The step's sequence means are 0.023, 0.386, 0.259, 0.013, 0.029, 0.023: δ = 0.1 drops rows 1
+    # and 2, and every kept token keeps its own ratio π_old/μ as verl's rollout_is_weights
+    from offpolicy.integrations.verl import plugin
+
+    gate = {"name": "gated_is", "level": "geometric", "gating": "binary_kl", "upper": 0.1}
+    monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": gate}))
+    assert plugin.register_trainer() == "offpolicy"
+    cls = trainer_base.get_trainer_cls("offpolicy")
+    old, rollout, mask = _step_tensors()
+    keys, rows = _step_rows(old, rollout)
+    metrics = _compute_advantage(cls, trainer_base, monkeypatch, StandInQueue(rows), keys)
+
+    def stored(field):
+        return torch.stack([torch.nn.functional.pad(rows[k][field].float(), (0, R - len(rows[k][field])))
+                            for k in keys])
+
+    kept_rows = stored("response_mask").sum(-1) > 0
+    assert kept_rows.tolist() == [True, False, False, True, True, True]
+    rho = torch.exp(old - rollout)
+    torch.testing.assert_close(stored("rollout_is_weights"), rho * stored("response_mask"))
+    assert metrics["rollout_corr/gated_is/filter_frac"] == pytest.approx(2 / 6)
+
+
 def test_opsm_in_the_driver_reads_the_advantages():
     # OPSM drops a sequence only when A < 0 and its mismatch KL exceeds δ: the same tensors with the advantages'
     # signs flipped keep a different set of sequences

@@ -25,6 +25,7 @@ from offpolicy.corrections.base import Correction
 from offpolicy.losses import policy_loss
 from offpolicy.metrics import NAMINGS, offpolicy_metrics
 from offpolicy.perturbation import LayerwisePerturbation, alp_policy_loss
+from offpolicy.position import position_metrics
 from offpolicy.ratios import masked_mean
 from offpolicy.registry import build_correction
 from offpolicy.rollout.routing import RouteRecorder, replay_routes
@@ -501,8 +502,9 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
                  started: float) -> dict[str, Tensor | float]:
     """The step's metrics (tensors, synced once by the caller): the mismatch diagnostics between π_old and μ under
     ``run.metric_naming`` (with the correction chain's result at π_old), the minibatches' mean loss metrics
-    (which include each correction's own), rewards, response length, TRM's exact KL, the masked fraction, ALP's σ,
-    MoE routing flips and timings."""
+    (which include each correction's own), rewards, response length, TRM's exact KL, the mismatch per position bin
+    (``mismatch/by_position/…``, :func:`offpolicy.position.position_metrics`), the masked fraction, ALP's σ, MoE
+    routing flips and timings."""
     naming = state.cfg.run.metric_naming
     mask = scored.mask
     at_old = LogProbBatch(logp=scored.old_logp, mask=mask, old_logp=scored.old_logp, rollout_logp=scored.rollout_logp,
@@ -522,6 +524,8 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     metrics["response/length_mean"] = mask.float().sum(-1).mean()
     metrics["mismatch/token_kl_exact_mean"] = (masked_mean(scored.token_divergence, mask)
                                               if scored.token_divergence is not None else torch.tensor(float("nan")))
+    # the same mismatch per position bin of the response: does it grow with depth? (exact KL where TRM computed it)
+    metrics.update(position_metrics(scored.old_logp, scored.rollout_logp, mask, token_kl=scored.token_divergence))
     metrics["correction/masked_frac"] = (1.0 - masked_mean((corrected.coefficient != 0).float(), mask)
                                          if corrected is not None else torch.zeros(()))
     if state.alp is not None:
