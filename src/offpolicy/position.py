@@ -106,7 +106,7 @@ def mismatch_by_position(
         check_same_shape("token_kl", token_kl, "train_logp", train_logp)
     rows, cols = train_logp.shape
     device = train_logp.device
-    position = torch.arange(cols, device=device).expand(rows, cols)
+    position = torch.arange(cols, device=device).expand(rows, cols).contiguous()
     if start is not None:
         if tuple(start.shape) != (rows,):
             raise ValueError(f"start must be [B={rows}] (each row's prompt length), got {tuple(start.shape)}")

@@ -16,6 +16,8 @@ Figures (each also embedded in the HTML as base64):
 * ``scatter.png`` — π_train against π_infer of sampled tokens with Pearson r (ALP Fig. 10).
 * ``trm_acceptance.png`` — TRM acceptance against δ (max and avg tests) and against length with (1 − p)^T.
 * ``layers.png`` — relative error per hooked point, the threshold and the first divergent layer.
+* ``depth.png`` — the mismatch by position in the response (k3, ½r², the per-token KL, |Δ log p| per doubling bin:
+  :mod:`offpolicy.inspect.depth`; ``by_position`` in ``report.json``).
 * ``overview.png`` — six key panels in one picture (the README shows it).
 """
 
@@ -31,13 +33,14 @@ from typing import Any
 import torch
 
 import offpolicy as op
+from offpolicy.inspect.depth import depth_rows, depth_summary, plot_depth
 from offpolicy.inspect.layers import LAYER_THRESHOLD, first_divergent, layer_shares
 from offpolicy.inspect.measurements import HEAD_P, N_P_BINS, P_BIN_EDGES, TAIL_P, Measurements
 from offpolicy.inspect.recommend import preset_effects, recommend, trm_divergence
 
 REPORT_VERSION = 1
 SAMPLED_TAIL_P = 1e-2  # Prop. 4.3's "tail" for sampled tokens: π < 1%
-FIGURES = ("overview", "envelope", "prop43_sign", "quantile_envelope", "scatter", "trm_acceptance", "layers")
+FIGURES = ("overview", "envelope", "prop43_sign", "quantile_envelope", "scatter", "trm_acceptance", "layers", "depth")
 
 
 def _f(x: Any) -> float | None:
@@ -67,7 +70,8 @@ def summarize(measured: Measurements) -> dict[str, Any]:
     sampled tokens), ``tail_head_source`` ("vocabulary" or "sampled tokens"), ``envelope`` (Prop. 4.2 counts),
     ``sampled_tail`` (Prop. 4.3), ``pearson_r``, ``ess``, ``chi2_token``, ``chi2_seq``, ``k3_kl``,
     ``largest_share_layer``, ``layer_threshold``, ``presets`` (each correction at its defaults), ``dvp_grid`` (retained
-    mass and kept tokens at every ρ of the grid), ``checks``, ``meta``.
+    mass and kept tokens at every ρ of the grid), ``by_position`` (the mismatch per position bin,
+    :func:`offpolicy.inspect.depth.depth_summary`), ``checks``, ``meta``.
     """
     t = measured.tokens
     m = t.mask
@@ -106,6 +110,7 @@ def summarize(measured: Measurements) -> dict[str, Any]:
     out["recommended"] = recommend(measured)
     out["dvp_grid"] = _dvp_grid(measured)
     out["presets"] = preset_effects(t)
+    out["by_position"] = depth_summary(measured)
     out["checks"] = {
         "capture_max_abs_error": measured.meta.get("capture_max_abs_error"),
         "corrected_envelope_violations": None if measured.vocab is None else measured.vocab.corrected_violations,
@@ -479,6 +484,9 @@ def write_figures(measured: Measurements, summary: dict, out_dir: Path) -> dict[
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     plot_trm(axes[0], axes[1], measured, summary)
     save(fig, "trm_acceptance")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    plot_depth(axes[0], axes[1], summary)
+    save(fig, "depth")
     fig, axes = plt.subplots(2, 3, figsize=(16, 9), layout="constrained")
     plot_envelope(axes[0, 0], measured, summary)
     plot_error_by_p(axes[0, 1], measured, summary)
@@ -538,6 +546,9 @@ _CAPTIONS = {
     "trm_acceptance": "TRM acceptance against δ for the max and avg tests (70 % marked), and against length with the "
                       "i.i.d. prediction (1 − p)^T.",
     "layers": "Relative error of the hidden states at each hooked point; red: the first above the threshold.",
+    "depth": "The mismatch by position in the response (doubling bins): k3 and ½r² of the sampled token and the "
+             "per-token KL(μ‖π) of the full distributions (left, log axes); mean |log π − log μ| and the signed mean "
+             "log μ − log π, Tinker's kl_sample_train_v1 (right). Does it grow with depth?",
 }
 
 
@@ -576,6 +587,7 @@ def write_html(summary: dict, figures: dict[str, Path], path: Path) -> None:
         + _table(["correction", "setting", "tokens masked", "sequences dropped", "tokens truncated"], preset_rows),
         ("<h2>Per-layer relative error</h2>" + _table(["point", "relative error", "share"], layer_rows))
         if layer_rows else "<h2>Per-layer relative error</h2><p>not measured (no model)</p>",
+        "<h2>Mismatch by position in the response</h2>" + _table(*depth_rows(summary)),
         "<h2>Figures</h2>" + "".join(imgs),
     ]
     style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"
