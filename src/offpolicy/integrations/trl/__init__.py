@@ -32,6 +32,9 @@ The seed methods, each one argument (``docs/frameworks/trl.md`` has the full pag
 * ``topk_logprobs=K, score_centering=True`` — score centering (arXiv 2609.20807) on vLLM's top-K with the
   proportional tail: π_θ's log-probs carry the centred score (value unchanged) for every objective and correction.
 
+Without vLLM, :func:`engine_rollout` makes one of offpolicy's own rollout engines (bf16 + KV cache, llama.cpp, a
+lagging copy) TRL's ``rollout_func``: its log-probs are μ, a real mismatch on any machine.
+
 TRL's names map as follows: ``sampling_per_token_logps`` (vLLM's log-probs) is μ = ``rollout_logp``;
 ``old_per_token_logps`` is π_old (TRL leaves it out when there is a single update per generation — then π_old = π_θ
 detached, as in TRL); without vLLM there is no separate μ and μ = π_old (every correction is then the identity), so
@@ -62,6 +65,7 @@ from offpolicy.integrations.trl.loss import (
     trl_policy_loss,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
+from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
 from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
 from offpolicy.losses import needs_rollout_logp
@@ -72,11 +76,13 @@ __all__ = [
     "TRL_LOSS_TYPES",
     "allreduce_sigma_grad",
     "batch_from_trl_inputs",
+    "engine_rollout",
     "make_offpolicy_grpo_trainer",
     "needs_rollout_logp",
     "pad_topk",
     "replay_logp",
     "sampled_token_logprobs",
+    "sampling_from_trl",
     "topk_divergence",
     "topk_score_center",
     "trl_objective",

@@ -220,9 +220,11 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             name, params = trl_objective(train_args, objective)
             _refuse_unreproduced(train_args, name)
             self.offpolicy_needs_rollout = needs_rollout_logp(correction, name)
-            if self.offpolicy_needs_rollout and not getattr(train_args, "use_vllm", False):
-                raise ValueError("use_vllm: the engine's log-probs μ, which TRL has only from vLLM (HF generate "
-                                 f"gives none), are read by {', '.join(self.offpolicy_needs_rollout)}; set use_vllm=True")
+            has_mu = getattr(train_args, "use_vllm", False) or getattr(self, "rollout_func", None) is not None
+            if self.offpolicy_needs_rollout and not has_mu:
+                raise ValueError("use_vllm: the engine's log-probs μ, which TRL has only from vLLM or a rollout_func "
+                                 f"(HF generate gives none), are read by {', '.join(self.offpolicy_needs_rollout)}; set "
+                                 "use_vllm=True or pass rollout_func=engine_rollout(...)")
             self.offpolicy_correction = correction
             self.offpolicy_metric_naming = metric_naming
             self.offpolicy_budget = memory_budget_bytes
@@ -536,9 +538,12 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     metrics["score_centering/head_mass_q"] = masked_mean(topk[0].exp().sum(-1), m)
             for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
                 self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))
-            if inputs.get("sampling_per_token_logps") is not None and inputs.get("old_per_token_logps") is not None:
-                mismatch = offpolicy_metrics(inputs["old_per_token_logps"], inputs["sampling_per_token_logps"],
-                                             _loss_mask(inputs), naming=self.offpolicy_metric_naming)
+            old = inputs.get("old_per_token_logps")
+            if old is None and self.offpolicy_alp is None:  # one update per generation: π_old is π_θ detached (TRL)
+                old = per_token_logps.detach()  # (under ALP π_θ carries the noise: no noise-free π_old to compare)
+            if inputs.get("sampling_per_token_logps") is not None and old is not None:
+                mismatch = offpolicy_metrics(old, inputs["sampling_per_token_logps"], _loss_mask(inputs),
+                                             naming=self.offpolicy_metric_naming)
                 for name, value in mismatch.items():
                     self._metrics[mode][name].append(float(value))
             return loss
