@@ -154,6 +154,25 @@ class VLLMRolloutEngine:
         )
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
 
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer, *, dtype: str = "bfloat16", **kwargs: Any
+                   ) -> VLLMRolloutEngine:
+        """An engine on ``model``'s current weights: written (with ``tokenizer``) to a temporary directory that vLLM
+        loads, then removed. The reference trainer builds its vLLM engine this way, so the engine starts on the
+        trainer's model whatever it was loaded from."""
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="offpolicy-vllm-")
+        try:
+            model.save_pretrained(folder)  # type: ignore[operator]  # a transformers model
+            tokenizer.save_pretrained(folder)
+            return cls(folder, dtype=dtype, tokenizer=tokenizer, **kwargs)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    full_logits = False  # score() gives the sampled tokens' log-probs, not [B, T, V] logits (TRM's exact KL)
+
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Send ``model``'s state dict to vLLM (cast there to its dtype), then drop cached prefixes."""
@@ -205,13 +224,14 @@ def _worker(llm: Any) -> Any:
 def push_weights(llm: Any, named_tensors) -> None:
     """Load ``(name, tensor)`` pairs (checkpoint names, any dtype) into an in-process ``vllm.LLM`` through the
     worker's ``reload_weights`` and reset its prefix cache. Works on vLLM's CPU and GPU backends; give every tensor
-    of the state dict (a tied output head under its own name too)."""
-    weights = [(name, t.detach()) for name, t in named_tensors]
+    of the state dict (a tied output head under its own name too). ``named_tensors`` is consumed once, lazily (an
+    iterator that gathers or merges each tensor in place — TRL's — stays valid)."""
     worker = _worker(llm)
+    weights = ((name, t.detach()) for name, t in named_tensors)  # lazily: a gathered / merged tensor is read in place
     if hasattr(worker, "reload_weights"):
-        worker.reload_weights(weights_iterator=iter(weights))
+        worker.reload_weights(weights_iterator=weights)
     else:  # vLLM before reload_weights existed: the model's own loader (fails on the CPU backend)
-        worker.model_runner.model.load_weights(iter(weights))
+        worker.model_runner.model.load_weights(weights)
     llm.reset_prefix_cache()
 
 

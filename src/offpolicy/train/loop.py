@@ -116,7 +116,7 @@ def train(
                     if is_scheduled(cfg.optim):  # the schedule's rate, times the LR guard's cut if one is on
                         guard = state.control.lr_scale if state.control is not None else 1.0
                         state.set_lr(lr_at(cfg.optim, step, cfg.run.steps) * guard)
-                    rollout = rollout_step(state, seed, sync_weights=step % cfg.rollout.sync_every == 0)
+                    rollout = rollout_step(state, seed, sync_weights=step % cfg.rollout.sync_every == 0, step=step)
                     scored = score_step(state, rollout)
                     updates = update_step(state, rollout, scored, seed)
                     metrics = metrics_step(state, rollout, scored, updates, started=started)

@@ -13,7 +13,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from offpolicy.registry import build_correction
 from offpolicy.rollout.routing import RouteRecorder, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import sequence_logprobs
+from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 from offpolicy.train.config import TrainConfig, objective_call
 from offpolicy.train.data import Prompt, compute_rewards, load_task, step_prompts
 from offpolicy.train.presets import PRESETS, SCORE_CENTERING_TOPK, Preset, chain_specs
@@ -63,6 +64,7 @@ class TrainState:
     last_rollout: Rollout | None = None
     last_scored: Scored | None = None
     control: Any = None  # the closed-loop controllers (offpolicy.train.control.Control) when cfg.control asks
+    sync_check: SyncCheck | None = None  # every weight sync verified (rollout.sync_check)
 
     @property
     def preset(self) -> Preset:
@@ -109,12 +111,20 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
         groups.append(alp.param_group(lr=cfg.alp.lr))
     specs = chain_specs(PRESETS[cfg.algorithm.preset], cfg.algorithm)
     objective, objective_params = objective_call(cfg)
+    action = cfg.rollout.sync_check_action
+    sync_check = None
+    if action != "off":
+        if not callable(getattr(engine, "score", None)):
+            raise ValueError(f"rollout.sync_check={cfg.rollout.sync_check!r}: the engine {type(engine).__name__} cannot "
+                             "score given tokens (no score()), so its syncs cannot be checked; set rollout.sync_check=off")
+        sync_check = SyncCheck(factor=cfg.rollout.sync_check_factor, max_baseline=cfg.rollout.sync_check_max_baseline,
+                               on_failure=action)
     return TrainState(
         cfg=cfg, model=model, tokenizer=tokenizer, task=task if task is not None else load_task(cfg.task),
         engine=engine, sampling=sampling_config(cfg),
         optimizer=torch.optim.AdamW(groups, betas=cfg.optim.betas), alp=alp, correction_specs=specs,
         correction=build_correction(specs), objective=objective, objective_params=objective_params,
-        advantage_fn=advantage_fn(cfg.algorithm.advantage),
+        advantage_fn=advantage_fn(cfg.algorithm.advantage), sync_check=sync_check,
     )
 
 
@@ -155,6 +165,13 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFR
         ll = r.llamacpp
         return LlamaCppRolloutEngine(model, tokenizer, weights=ll.weights, kv_cache_type=ll.kv_cache_type,
                                      threads=ll.threads or cfg.run.threads)
+    if r.engine == "vllm":  # vLLM's kernels, paged KV cache and sampler in this process, started on the model's weights
+        from offpolicy.rollout.vllm import VLLMRolloutEngine
+
+        sampling = sampling_config(cfg)
+        return VLLMRolloutEngine.from_model(model, tokenizer, dtype=r.dtype, kv_cache_dtype=r.vllm.kv_cache_dtype,
+                                            max_model_len=r.vllm.max_model_len, seed=cfg.run.seed,
+                                            max_logprobs=max(20, sampling.logprobs_topk))
     return HFRolloutEngine(
         model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
         logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none", sampler=r.sampler,
@@ -213,25 +230,33 @@ class Rollout:
     seconds: float
     topk_ids: Tensor | None = None  # [B, T, K] the engine's top-K ids / processed log-probs (sampling.logprobs_topk)
     topk_logp: Tensor | None = None
+    sync_metrics: dict[str, float] = field(default_factory=dict)  # sync/* of this step's weight sync check
 
 
-def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True) -> Rollout:
+def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True, step: int | None = None) -> Rollout:
     """Sample with the inference engine's numerics, score with the task's verifier (a reward that raises or is NaN
     stops the run naming the sample), and turn the rewards into advantages over each group. ``sync_weights=False``:
     the engine keeps the weights of its last sync (``rollout.sync_every > 1``, as an asynchronous rollout pipeline
-    samples with a policy some updates old — off-policy data the corrections see)."""
+    samples with a policy some updates old — off-policy data the corrections see). With ``state.sync_check``, the
+    first rollout's first rows become the probe and every later sync is checked against it (``step`` names it)."""
     t0 = time.perf_counter()
     a = state.cfg.algorithm
     prompts = step_prompts(state.task, state.tokenizer, state.cfg.task.prompts_per_step, seed)
     prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
+    check, sync_metrics = state.sync_check, {}
     if sync_weights:
         state.engine.sync_weights(state.model)
+        if check is not None and check.baseline is not None:
+            sync_metrics = check.after_sync(state.engine, state.model, what=f"step {'?' if step is None else step + 1}'s weight sync")
     out = state.engine.generate(prompt_ids, state.sampling, seed=seed)
+    if check is not None and check.baseline is None:  # the first rollout: same weights on both sides, no update yet
+        sync_metrics = check.calibrate(state.engine, state.model,
+                                       SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
     seconds = time.perf_counter() - t0
     rewards = compute_rewards(state.task, prompts, a.group_size, out.texts, out.completion_ids)
     return Rollout(prompts, prompt_ids, out.completion_ids, out.logp, rewards, state.advantage_fn(rewards, a.group_size),
                    getattr(out, "routed_experts", None), seconds, topk_ids=getattr(out, "topk_ids", None),
-                   topk_logp=getattr(out, "topk_logp", None))
+                   topk_logp=getattr(out, "topk_logp", None), sync_metrics=sync_metrics)
 
 
 # -- 2. scoring --------------------------------------------------------------------------------------------------------
@@ -291,7 +316,8 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     if recorder is not None:
         theta_routes = recorder.pop_rows([len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completions)])
     token_divergence = roll_logits = None
-    if (state.preset.divergence or state.preset.score_centering) and hasattr(state.engine, "score"):
+    if ((state.preset.divergence or state.preset.score_centering) and hasattr(state.engine, "score")
+            and getattr(state.engine, "full_logits", True)):
         # TRM's exact KL(μ‖π_old) and score centering's q need the rollout engine's full logits: re-score with its
         # numerics (and its weights: a lagging engine's q is the stale policy's)
         roll_logits = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling,
@@ -534,6 +560,7 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     metrics["time/step_s"] = step_seconds
     metrics["time/rollout_s"] = rollout.seconds
     metrics["time/tokens_per_s"] = float(mask.sum()) / max(step_seconds, 1e-9)
+    metrics.update(rollout.sync_metrics)
     return metrics
 
 
