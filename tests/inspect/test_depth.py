@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from offpolicy.inspect import Measurements, TokenData, write_report
-from offpolicy.inspect.depth import depth_summary, depth_table, main
+from offpolicy.inspect.depth import depth_summary
+from offpolicy.inspect.depth_table import depth_table, main
 
 
 def _growing(kl_kind: str | None = "exact") -> Measurements:
@@ -35,7 +36,7 @@ def test_summary_by_hand():
     # bin [32, 64): t = 32 … 39, mean 35.5: |r| 35.5e-3; the per-token KL 35.5e-6 (source "exact")
     assert d["logp_abs_diff_mean"][3] == pytest.approx(35.5e-3, rel=1e-4)
     assert d["token_kl"][3] == pytest.approx(35.5e-6, rel=1e-4) and d["token_kl_source"] == "exact"
-    assert d["prompt_length_mean"] == 2.0
+    assert d["prompt_length_mean"] == 2.0 and d["nll"] == [1.0] * 4  # −log π = 1 everywhere
     # deepest bin with ≥ 20 tokens over the first: |r| 35.5 / 3.5 = 10.14; ½r² ≈ (mean t² ratio) 1261.25/17.5 = 72.07
     assert d["deepest_over_first"]["logp_abs_diff_mean"] == pytest.approx(35.5 / 3.5, rel=1e-3)
     assert d["deepest_over_first"]["k2_kl"] == pytest.approx((sum(x * x for x in range(32, 40)) / 8)
@@ -53,7 +54,7 @@ def test_report_has_the_profile_the_figure_and_the_table(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["by_position"]["tokens"] == [32, 32, 52, 24]
     html = (tmp_path / "report.html").read_text()
     assert "Mismatch by position in the response" in html and "32–63" in html
-    # the engines' table from report.json files (what `python -m offpolicy.inspect.depth` prints)
+    # the engines' table from report.json files (what `python -m offpolicy.inspect.depth_table` prints)
     table = depth_table({"a": summary, "b": summary}).splitlines()
     assert table[0].startswith("| engine | positions | tokens | k3 KL") and len(table) == 2 + 2 * 4
     assert table[2].startswith("| a | 0–7 | 32 |")

@@ -66,3 +66,23 @@ def test_inspect_a_running_server_gives_top_k_bounds(sharp, tmp_path):
         inspect_engines(model, [tok("1=")["input_ids"]], parse_spec("backend=llamacpp", "rollout"),
                         parse_spec("fp32", "trainer"), SamplingConfig(max_new_tokens=2, top_k=5), tokenizer=tok,
                         layers=False, dvp_rhos=None)
+
+
+def test_inspect_llamacpp_ignore_eos_samples_max_new_tokens_and_keeps_the_raw_mu(sharp):
+    # ignore_eos (long answers for the depth profile): llama-server bans end-of-generation tokens when sampling; the
+    # log-probs it reports stay the raw distribution's, so F32 weights still agree with the trainer to float32 resolution
+    from offpolicy.rollout.llamacpp import LlamaCppProtocol
+
+    body = LlamaCppProtocol(10, ignore_eos=True).request([1, 2], SamplingConfig(max_new_tokens=3), seed=0)
+    assert body["ignore_eos"] is True and LlamaCppProtocol(10).request([1], SamplingConfig(), seed=0)["ignore_eos"] is False
+    model, tok = sharp
+    prompts = [tok(t)["input_ids"] for t in ("12+34=", "Use 3 5 7 to make 22:")]
+    m = inspect_engines(model, prompts, parse_spec("backend=llamacpp,weights=f32", "rollout"), parse_spec("fp32", "trainer"),
+                        SamplingConfig(max_new_tokens=24), tokenizer=tok, layers=False, dvp_rhos=None, ignore_eos=True)
+    assert m.tokens.lengths.tolist() == [24, 24] and m.meta["sampling"]["ignore_eos"] is True
+    assert abs(float(m.tokens.kl[m.tokens.mask].mean())) < 1e-6
+    from offpolicy.inspect.compare import compare_engines
+
+    with pytest.raises(ValueError, match="ignore_eos is implemented for the transformers and llama.cpp engines only"):
+        compare_engines(model, prompts, parse_spec("backend=vllm", "rollout"), parse_spec("fp32", "trainer"),
+                        SamplingConfig(max_new_tokens=2), engines=(object(), object()), ignore_eos=True)

@@ -350,9 +350,13 @@ def compare_engines(
     roll_engine, train_engine = engines or (_rollout_engine(model, rollout, tokenizer, model_path, topk),
                                             build_engine(model, trainer))
     if ignore_eos:
-        if rollout.backend != "hf":
-            raise ValueError("ignore_eos is implemented for the transformers engine only")
-        roll_engine.eos_token_id = None  # a model without eos runs to max_new_tokens (HF engine contract)
+        protocol = getattr(roll_engine, "protocol", None)
+        if rollout.backend == "hf":
+            roll_engine.eos_token_id = None  # a model without eos runs to max_new_tokens (HF engine contract)
+        elif rollout.backend in ("llamacpp", "server") and hasattr(protocol, "ignore_eos"):
+            protocol.ignore_eos = True  # llama-server bans end-of-generation tokens when sampling (long answers)
+        else:
+            raise ValueError("ignore_eos is implemented for the transformers and llama.cpp engines only")
     model_config: Any = model.config  # a transformers config (torch types module attributes as Tensor | Module)
     vocab = model_config.vocab_size
     t_max = sampling.max_new_tokens

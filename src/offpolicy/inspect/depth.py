@@ -11,34 +11,35 @@ their profiles as one table::
     offpolicy inspect --model lab --task pattern --ignore-eos --max-new-tokens 200 --rollout bf16 --out depth/bf16
     offpolicy inspect --model lab --task pattern --ignore-eos --max-new-tokens 200 \\
         --rollout backend=llamacpp,weights=q8_0 --out depth/q8_0
-    python -m offpolicy.inspect.depth depth/*/report.json      # one Markdown table, a row per engine and bin
+    python -m offpolicy.inspect.depth_table depth/*/report.json      # one Markdown table, a row per engine and bin
 """
 
 from __future__ import annotations
 
-import json
-import math
-import sys
-from pathlib import Path
 from typing import Any
+
+import torch
 
 from offpolicy.inspect.measurements import Measurements
 from offpolicy.position import mismatch_by_position
 
 MIN_TOKENS = 20  # a bin with fewer tokens is reported but not used for the deepest-over-first ratio
 TABLE_STATS = (("k3_kl", "k3 KL", "{:.2e}"), ("token_kl", "KL(μ‖π)", "{:.2e}"), ("k2_kl", "½ r² (Tinker v2)", "{:.2e}"),
-               ("kl", "mean μ − π (Tinker v1)", "{:+.2e}"), ("logp_abs_diff_mean", "mean |Δ log p|", "{:.2e}"))
+               ("kl", "mean μ − π (Tinker v1)", "{:+.2e}"), ("logp_abs_diff_mean", "mean |Δ log p|", "{:.2e}"),
+               ("nll", "−log π", "{:.3f}"))
 
 
 def depth_summary(measured: Measurements) -> dict[str, Any]:
     """The ``by_position`` part of ``report.json``: ``edges`` and ``bins`` (labels), per bin ``tokens``, ``kl``
     (mean log μ − log π), ``k2_kl``, ``k3_kl``, ``logp_abs_diff_mean`` and ``token_kl`` (the per-token KL(μ‖π) of
-    the full distributions, ``token_kl_source`` "exact" or "topk lower bound"; null without logits), the mean prompt
-    length, and ``deepest_over_first``: each statistic in the deepest bin with ≥ 20 tokens over its value in the first
+    the full distributions, ``token_kl_source`` "exact" or "topk lower bound"; null without logits), ``nll`` (mean
+    −log π of the sampled tokens: the policy's uncertainty, which the mismatch follows), the mean prompt length, and ``deepest_over_first``: each statistic in the deepest bin with ≥ 20 tokens over its value in the first
     bin (> 1: the mismatch grows with depth; null when a value is 0 or there is one such bin)."""
     t = measured.tokens
     profile = mismatch_by_position(t.trainer_logp, t.rollout_logp, t.mask, token_kl=t.kl)
     stats = {name: [float(v) for v in values.tolist()] for name, values in profile.stats.items()}
+    # the policy's own uncertainty per bin, mean −log π (the mismatch follows it: a confident token has little to lose)
+    stats["nll"] = _per_bin_mean(-t.trainer_logp.double(), t.mask & torch.isfinite(t.log_ratio), profile.edges)
     token_kl = stats.pop("kl_exact", None)
     out: dict[str, Any] = {
         "unit": "response position (0 = the first generated token)", "edges": profile.edges,
@@ -56,6 +57,15 @@ def depth_summary(measured: Measurements) -> dict[str, Any]:
         else:
             ratios[name] = values[enough[-1]] / values[enough[0]]
     out["deepest_over_first"] = ratios
+    return out
+
+
+def _per_bin_mean(x: torch.Tensor, valid: torch.Tensor, edges: list[int]) -> list[float]:
+    """Mean of ``x`` [B, T] over the ``valid`` positions of each response-position bin (0 where empty)."""
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = valid[:, lo:hi]
+        out.append(float(x[:, lo:hi][sel].mean()) if bool(sel.any()) else 0.0)
     return out
 
 
@@ -117,48 +127,3 @@ def depth_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         row += [depth[name][i] for name, _, _ in TABLE_STATS if depth.get(name) is not None]
         rows.append(row)
     return headers, rows
-
-
-def depth_table(summaries: dict[str, dict[str, Any]]) -> str:
-    """A Markdown table of several inspections' profiles: one row per engine and bin (``summaries``: label → the
-    ``report.json`` dict)."""
-    lines = ["| engine | positions | tokens | " + " | ".join(label for _, label, _ in TABLE_STATS) + " |",
-             "|---|---|---|" + "---|" * len(TABLE_STATS)]
-    for label, summary in summaries.items():
-        depth = summary.get("by_position")
-        if not depth:
-            continue
-        for i, (lo, hi) in enumerate(zip(depth["edges"][:-1], depth["edges"][1:])):
-            if depth["tokens"][i] == 0:
-                continue
-            cells = []
-            for name, _, fmt in TABLE_STATS:
-                value = None if depth.get(name) is None else depth[name][i]
-                cells.append("–" if value is None or not math.isfinite(value) else fmt.format(value))
-            lines.append(f"| {label} | {lo}–{hi - 1} | {depth['tokens'][i]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _engine_label(summary: dict[str, Any], path: Path) -> str:
-    meta = summary.get("meta") or {}
-    return (meta.get("rollout") or {}).get("description") or path.parent.name
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m offpolicy.inspect.depth REPORT.json …``: the profiles of several inspections as one table."""
-    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
-    if not paths:
-        print(__doc__)
-        return 2
-    summaries = {}
-    for p in paths:
-        summary = json.loads(p.read_text())
-        if "by_position" not in summary:
-            raise ValueError(f"{p}: no by_position in this report (written by an older offpolicy inspect?)")
-        summaries[f"{_engine_label(summary, p)} ({p.parent.name})"] = summary
-    sys.stdout.write(depth_table(summaries))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -87,8 +87,11 @@ class LlamaCppProtocol:
     name = "llama.cpp"
     path = "/completion"
 
-    def __init__(self, vocab_size: int | None = None) -> None:
+    def __init__(self, vocab_size: int | None = None, *, ignore_eos: bool = False) -> None:
         self.vocab_size = vocab_size
+        # llama-server's ignore_eos: end-of-generation tokens get a −inf bias when sampling, so every answer runs to
+        # n_predict; the log-probs it reports stay the raw distribution's (EOS mass included), as the trainer scores
+        self.ignore_eos = bool(ignore_eos)
 
     def applied(self, cfg: SamplingConfig) -> SamplingConfig:
         llamacpp_sampling(cfg)
@@ -98,7 +101,8 @@ class LlamaCppProtocol:
         # llama.cpp seeds are uint32 and 0xFFFFFFFF means "random": wrap below it
         return {"prompt": list(prompt), "n_predict": cfg.max_new_tokens, "seed": int(seed) % 0xFFFFFFFF,
                 "n_probs": max(cfg.logprobs_topk, 1), "post_sampling_probs": bool(cfg.processors),
-                "cache_prompt": False, "return_tokens": True, "stream": False, **llamacpp_sampling(cfg)}
+                "cache_prompt": False, "return_tokens": True, "stream": False, **llamacpp_sampling(cfg),
+                "ignore_eos": self.ignore_eos}
 
     def parse(self, answer: Any, cfg: SamplingConfig, *, where: str, vocab_size: int | None) -> ServerCompletion:
         return parse_llamacpp_completion(answer, cfg, where=where, vocab_size=vocab_size or self.vocab_size)
