@@ -92,7 +92,7 @@ def test_largest_lag_skips_missing_lags():
 def test_stale_setting_and_lag_sources():
     s = get_setting("stale")
     assert s["presets"] == ["naive", "tis", "m2po", "m2po_tau0p2", "m2po_areal", "ipo", "score_centering",
-                            "score_centering_reinforce"]
+                            "score_centering_reinforce", "mis", "icepop", "kl_gate", "kl_gate_seq"]
     assert s["mismatches"] == ["none", "lag1", "lag4", "lag8", "lag16", "lag64"] and s["seeds"] >= 3
     assert "rollout.sync_every=2" in mismatch_overrides("lag1")
     assert "rollout.sync_every=64" in mismatch_overrides("lag64")
@@ -133,3 +133,8 @@ def test_stale_variants_build_the_method_they_name():
     assert corr.config == {"threshold": 0.04, "quadrants": False, "source": "mismatch"}
     cfg, _ = params("score_centering_reinforce")
     assert cfg.algorithm.objective == "reinforce" and cfg.algorithm.preset == "score_centering"
+    cfg, corr = params("kl_gate")
+    assert repr(corr) == ("gated_is(level='token', mode='mask', gating='binary_kl', lower=None, upper=0.005, "
+                          "source='mismatch')") and cfg.algorithm.preset == "naive"
+    _, corr = params("kl_gate_seq")
+    assert corr.config["level"] == "geometric" and corr.config["upper"] == 0.005

@@ -25,7 +25,9 @@ PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_ma
                  "dvp_mis_adaptive": "#c5b0d5",
                  # the stale-rollout methods (M2PO, IPO, score centering) and their variants
                  "m2po": "#7b4173", "m2po_tau0p2": "#a55194", "m2po_areal": "#ce6dbd", "ipo": "#637939",
-                 "score_centering": "#8c6d31", "score_centering_reinforce": "#e7ba52"}
+                 "score_centering": "#8c6d31", "score_centering_reinforce": "#e7ba52",
+                 # the binary-KL rollout gates (gated_is): token level, sequence mean
+                 "kl_gate": "#3182bd", "kl_gate_seq": "#08519c"}
 # no grey here: grey is the control's band
 _SPARE = ("#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#dbdb8d")
 

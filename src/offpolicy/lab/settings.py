@@ -76,9 +76,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # simulation of the same quantisation, each with naive, truncated IS and a masking family
     "real": {
         "description": "llama.cpp Q8_0 / Q4_0 weights (+ q4_0 KV cache) against the simulated int8 / int4 (+ kv4), "
-                       "naive vs TIS vs MIS, naive on the fp32 control",
+                       "naive vs TIS vs MIS, IcePop and the binary-KL gates, naive on the fp32 control",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "tis", "mis"],
+        "presets": ["naive", "tis", "mis", "icepop", "kl_gate", "kl_gate_seq"],
         "mismatches": ["none", "gguf-q8_0", "int8", "gguf-q4_0", "int4", "gguf-q4_0-kv4", "int4+kv4"],
         "control_presets": ["naive"],  # on the fp32 engine the IS weights are 1: TIS / MIS would repeat naive
         "seeds": 3,
@@ -96,14 +96,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "steps": 100,
     },
     # staleness: methods made for stale data against naive and TIS, from 1 to 64 updates old, with M2PO at a looser
-    # bound and in AReaL's form, and score centering on the paper's REINFORCE surrogate. 20 steps (what fits on two
+    # bound and in AReaL's form, score centering on the paper's REINFORCE surrogate, and the rollout gates (MIS,
+    # IcePop, the binary-KL gates at token and sequence level) on the same engines. 20 steps (what fits on two
     # cores; on-policy the reward is ≈ 0.8 by then): lag16 syncs once (step 16), lag64 never — its rollouts all come
     # from the initial policy, up to 19 steps = 76 optimiser updates old
     "stale": {
-        "description": "naive, TIS, M2PO, IPO and score centering on engines that lag by 1 to 64 updates",
+        "description": "naive, TIS, M2PO, IPO, score centering, MIS, IcePop and the binary-KL gates on engines that "
+                       "lag by 1 to 64 updates",
         "overrides": [*LAB_BASE],
         "presets": ["naive", "tis", "m2po", "m2po_tau0p2", "m2po_areal", "ipo", "score_centering",
-                    "score_centering_reinforce"],
+                    "score_centering_reinforce", "mis", "icepop", "kl_gate", "kl_gate_seq"],
         "mismatches": ["none", "lag1", "lag4", "lag8", "lag16", "lag64"],
         "control_presets": ["naive"],  # the fp32 on-policy control
         "seeds": 3,
@@ -131,6 +133,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "m2po_areal": ("m2po", ["algorithm.corrections=[{name: m2po, quadrants: false, source: mismatch}]"]),
     # score centering on the ratio-free REINFORCE surrogate the paper writes (no PPO clip): −A·(log p(y) − E_q[log p])
     "score_centering_reinforce": ("score_centering", ["algorithm.objective=reinforce"]),
+    # the divergence gate (OpenRLHF's is_correction_gating=binary_kl) at FlashREINFORCE's δ = 5e-3 on the binary KL
+    # between μ and π_old: per token, and on the sequence's mean (FlashREINFORCE's trust region); kept tokens keep ρ_t
+    "kl_gate": ("naive", ["algorithm.corrections=[{name: gated_is, gating: binary_kl, upper: 0.005}]"]),
+    "kl_gate_seq": ("naive", ["algorithm.corrections=[{name: gated_is, level: geometric, gating: binary_kl, "
+                              "upper: 0.005}]"]),
 }
 
 
