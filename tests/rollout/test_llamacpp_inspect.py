@@ -81,8 +81,3 @@ def test_inspect_llamacpp_ignore_eos_samples_max_new_tokens_and_keeps_the_raw_mu
                         SamplingConfig(max_new_tokens=24), tokenizer=tok, layers=False, dvp_rhos=None, ignore_eos=True)
     assert m.tokens.lengths.tolist() == [24, 24] and m.meta["sampling"]["ignore_eos"] is True
     assert abs(float(m.tokens.kl[m.tokens.mask].mean())) < 1e-6
-    from offpolicy.inspect.compare import compare_engines
-
-    with pytest.raises(ValueError, match="ignore_eos is implemented for the transformers and llama.cpp engines only"):
-        compare_engines(model, prompts, parse_spec("backend=vllm", "rollout"), parse_spec("fp32", "trainer"),
-                        SamplingConfig(max_new_tokens=2), engines=(object(), object()), ignore_eos=True)
