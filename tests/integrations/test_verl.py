@@ -35,6 +35,48 @@ def test_dual_clip_binds():
     assert all(type(v) is float for v in metrics.values())  # as verl's own losses (its driver averages with numpy)
 
 
+def test_verls_metrics_beyond_e20_by_hand():
+    # old = 0; logp = (−25, 25, 0.5, −0.5); A = (1, −1, 1, −1); ε = 0.2, c = 1.1. verl clamps log r to ±20 first:
+    # ppo_kl = −mean(−20, 20, 0.5, −0.5) = 0 (unclamped it would be 0 as well: check the fractions instead)
+    # pg_clipfrac: token 0 (A > 0, r = e^−20 < 0.8) is not clipped for its sign; token 1 (A < 0, r = e^20) neither;
+    #   token 2 (A > 0, r = 1.65 > 1.2) and token 3 (A < 0, r = 0.61 < 0.8) are → 2/4
+    # pg_clipfrac_lower: A < 0 and max(r, clip r) > 1.1: token 1 (e^20) only → 1/4
+    # offpolicy's own clipfrac_low / _high also count token 0 (no gradient below e^−20): 3/4, not verl's
+    fn = verl_policy_loss_fn()
+    logp = torch.tensor([[-25.0, 25.0, 0.5, -0.5]], requires_grad=True)
+    _, metrics = fn(torch.zeros(1, 4), logp, torch.tensor([[1.0, -1.0, 1.0, -1.0]]), torch.ones(1, 4), "token-sum",
+                    {"clip_ratio": 0.2, "clip_ratio_c": 1.1})
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.25)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    # offpolicy's "held" tokens: 0 (below e^−20), 2 (high), 3 (low); token 1 is the dual clip's
+    assert metrics["loss/clipfrac_low"] + metrics["loss/clipfrac_high"] == pytest.approx(0.75)
+    _, shifted = fn(torch.zeros(1, 2), torch.tensor([[-30.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2))
+    assert shifted["actor/ppo_kl"] == pytest.approx((20.0 + 1.0) / 2)  # clamped at 20, not (30 + 1)/2
+
+
+@pytest.mark.parametrize("clip", [(0.2, 0.2, 3.0), (0.2, 0.28, 1.1), (0.1, 0.3, 1.5)])
+def test_ppo_metrics_equal_verls_vanilla_on_large_log_ratios(clip):
+    # verl's own compute_policy_loss_vanilla on the same tensors, log r up to ±50 (beyond its ±20 clamp), A of
+    # both signs and some zeros, a ragged mask
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    from omegaconf import OmegaConf
+
+    low, high, c = clip
+    g = torch.Generator().manual_seed(11)
+    old = -torch.rand(6, 9, generator=g) * 3
+    logp = old + 100 * (torch.rand(6, 9, generator=g) - 0.5) * (torch.rand(6, 9, generator=g) > 0.5)
+    advantages = torch.randn(6, 9, generator=g) * (torch.rand(6, 9, generator=g) > 0.2)
+    mask = (torch.arange(9)[None] < torch.tensor([9, 3, 7, 1, 9, 5])[:, None]).float()
+    config = OmegaConf.create({"clip_ratio": low, "clip_ratio_low": low, "clip_ratio_high": high,
+                               "clip_ratio_c": c, "global_batch_info": {}})
+    _, theirs = core_algos.compute_policy_loss_vanilla(old, logp, advantages, mask, "token-mean", config)
+    _, ours = verl_policy_loss_fn()(old, logp, advantages, mask, "token-mean", config)
+    assert ((logp - old).abs() * mask).max() > 20  # the case the clamp decides
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), key
+
+
 def test_rollout_is_weights_multiply_and_legacy_tuple():
     # on-policy (r = 1), A = 1, weights (2, 0.5): token-mean of -(w·A) = -(2 + 0.5)/2 = -1.25
     fn = verl_policy_loss_fn(legacy_tuple=True)

@@ -302,10 +302,11 @@ def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
 
 def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, epochs: int = 1,
            meta: dict | None = None, seen: list | None = None, rows: slice = slice(None), prepare=None,
-           output_keys: list | None = None):
+           output_keys: list | None = None, clip_ratio_c: float = 3.0):
     """One ``train_mini_batch`` of the whole batch in mini-batches of ``mini`` (two micro-batches each at ``mini=B``):
     (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received,
-    ``output_keys`` the keys of each model output; ``prepare(data)`` may add fields to the batch."""
+    ``output_keys`` the keys of each model output; ``prepare(data)`` may add fields to the batch; ``clip_ratio_c``
+    is the dual clip."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -313,7 +314,7 @@ def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, ep
 
     actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=mini,
                             ppo_micro_batch_size_per_gpu=MICRO, loss_agg_mode=agg, policy_loss={"loss_mode": loss_mode},
-                            clip_ratio=0.2, clip_ratio_c=3.0)
+                            clip_ratio=0.2, clip_ratio_c=clip_ratio_c)
 
     def loss(model_output, data, dp_group=None):
         if seen is not None:
@@ -475,6 +476,38 @@ def test_every_metric_equals_vanillas_over_several_mini_batches(worker, current_
         assert ours_metrics[key] == pytest.approx(verl_metrics[key], rel=1e-4, abs=1e-6), key
     kl = verl_metrics["actor/ppo_kl"]
     assert len(kl) == 4 and abs(kl[1] - kl[0]) > 1e-3  # the later mini-batches see moved weights
+
+
+def test_metrics_equal_vanillas_when_the_policy_moves_beyond_e20(worker, current_logp):
+    """token-sum, two mini-batches, a dual clip that binds (clip_ratio_c 1.1) and a step large enough (lr 1) that the
+    second mini-batch sees tokens with |log π_θ − log π_old| > 20. verl's vanilla clamps log r to ±20 before its
+    ``ppo_kl`` and counts in ``pg_clipfrac`` only the tokens PPO's clip changes for their advantage's sign; the
+    adapter once reported the unclamped mean and offpolicy's "held" tokens (a token beyond e^±20 counted whatever
+    its advantage), so from the second mini-batch on it read e.g. ppo_kl 11.2 against verl's 8.8 and pg_clipfrac
+    0.56 against 0.28 while the loss and the gradient agreed."""
+    tensors = {"old_log_probs": _old_logp(current_logp, True),
+               "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    seen: list = []
+    with _learning(worker, 1.0) as restore:
+        worker.engine.optimizer.state.clear()  # a fresh Adam: the step's size does not depend on earlier tests
+        verl_metrics, verl_grads = _train(worker, "vanilla", "token-sum", tensors, mini=4, seen=seen,
+                                          clip_ratio_c=1.1)
+        restore()
+        worker.engine.optimizer.state.clear()
+        ours_metrics, ours_grads = _train(worker, "offpolicy_test", "token-sum", tensors, mini=4, clip_ratio_c=1.1)
+    for ours, theirs in zip(ours_grads, verl_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert ours_metrics[key] == pytest.approx(verl_metrics[key], rel=1e-5, abs=1e-7), key
+    assert verl_metrics["actor/pg_clipfrac_lower"][0] > 0  # the dual clip binds
+    # the case the metrics diverged on: the second mini-batch (rows 4–7) has tokens beyond ±20, so the clamped and
+    # the unclamped means differ there, and verl's ppo_kl is the clamped one
+    old, mask = tensors["old_log_probs"][4:], _inputs()[1][4:, P:].bool()
+    log_r = (seen[1] - old)[mask]
+    assert log_r.abs().max() > 20
+    unclamped, clamped = (-log_r).mean().item(), (-log_r.clamp(-20, 20)).mean().item()
+    assert abs(unclamped - clamped) > 0.5
+    assert verl_metrics["actor/ppo_kl"][1] == pytest.approx(clamped, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
-from offpolicy.ratios import masked_mean
+from offpolicy.ratios import LOG_RATIO_BOUND
 from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
 
 # verl loss_agg_mode → the offpolicy aggregation computed before :func:`_verl_scale` rescales it to verl's agg_loss
@@ -190,6 +190,52 @@ def verl_objective(objective: str | dict[str, Any], config: Any) -> dict[str, An
     return {**spec, **params}
 
 
+# objectives whose ratio is π_θ/π_old per token under PPO's clip: verl's vanilla metrics apply to them as they stand
+VANILLA_METRIC_OBJECTIVES = frozenset({"ppo", "decoupled"})
+
+
+@torch.no_grad()
+def verl_vanilla_metrics(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                         spec: dict[str, Any] | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` as verl 0.9.1's ``compute_policy_loss_vanilla`` computes them
+    (``verl/trainer/ppo/core_algos.py``), 0-d float32, from [B, T] tensors; ``spec`` is the objective's
+    (``clip_low``, ``clip_high``, ``dual_clip``), None for ``ppo_kl`` alone (the fractions are then 0).
+
+    verl clamps log r = log π_θ − log π_old to ±20 *before* both metrics: ``ppo_kl`` is the mean of −clamp(log r)
+    and ``pg_clipfrac`` counts a token only where PPO's clip changes its surrogate for the sign of its advantage —
+    A > 0 and r > 1 + ε_high, or A < 0 and r < 1 − ε_low, on the clamped r. offpolicy's own ``loss/clipfrac_*``
+    also count a token whose |log r| > 20 whatever its advantage (it has no gradient: "held"), and its ``ppo_kl``
+    would not clamp; the two agree until the policy moves by more than e^20 on a token, which a large step does
+    (the second mini-batch of a ``token-sum`` run at a high learning rate). ``pg_clipfrac_lower``: A < 0 and
+    max(r, clip(r)) > ``clip_ratio_c``. Means over ``response_mask`` as verl's ``masked_mean`` (Σ / (count + 1e−8)).
+
+    >>> old, new = torch.zeros(1, 3), torch.tensor([[-25.0, 0.5, -0.5]])   # r = e^−25 (A > 0), e^0.5, e^−0.5
+    >>> fr, kl, low = verl_vanilla_metrics(old, new, torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3),
+    ...                                    {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0})
+    >>> round(fr.item(), 4), round(kl.item(), 4), low.item()   # clipped: tokens 1 (A>0, r>1.2), 2 (A<0, r<0.8)
+    (0.6667, 6.6667, 0.0)
+    """
+    mask = response_mask.bool()
+    denominator = mask.sum().float() + 1e-8
+    log_r = (log_prob.detach().float() - old_log_prob.float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ppo_kl = (-log_r * mask).sum() / denominator
+    zero = torch.zeros((), dtype=torch.float32, device=log_r.device)
+    if spec is None:
+        return zero, ppo_kl, zero
+    a = advantages.float()
+    ratio = torch.exp(log_r)
+    eps_low = float(spec.get("clip_low", 0.2))
+    high = spec.get("clip_high")
+    eps_high = eps_low if high is None else float(high)
+    unclipped, clipped = -a * ratio, -a * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg_clipfrac = (torch.gt(clipped, unclipped).float() * mask).sum() / denominator
+    c = spec.get("dual_clip")
+    if c is None:
+        return pg_clipfrac, ppo_kl, zero
+    dual = torch.gt(torch.maximum(unclipped, clipped), -a * float(c)) & (a < 0)
+    return pg_clipfrac, ppo_kl, (dual.float() * mask).sum() / denominator
+
+
 def verl_policy_loss_fn(
     *,
     correction: Correction | CorrectionSpec | list[CorrectionSpec] | None = None,
@@ -260,9 +306,14 @@ def verl_policy_loss_fn(
                                     aggregation=VERL_AGGREGATIONS[loss_agg_mode])
         info = _config_value(config, "global_batch_info", None) or {}
         loss = loss * _verl_scale(loss_agg_mode, response_mask, dict(info), rules)
-        ppo_kl = masked_mean(old_log_prob.float() - log_prob.detach().float(), response_mask)
-        pg_clipfrac = metrics["loss/clipfrac_low"] + metrics["loss/clipfrac_high"]
-        pg_clipfrac_lower = metrics["loss/dual_clip_frac"]
+        spec_now = verl_objective(objective, config)
+        if spec_now["name"] in VANILLA_METRIC_OBJECTIVES and spec_now.get("level", "token") == "token":
+            pg_clipfrac, ppo_kl, pg_clipfrac_lower = verl_vanilla_metrics(
+                old_log_prob, log_prob, advantages, response_mask, spec_now)
+        else:  # verl's ppo_kl; the clip fractions as the objective counts them
+            ppo_kl = verl_vanilla_metrics(old_log_prob, log_prob, advantages, response_mask, None)[1]
+            pg_clipfrac = metrics["loss/clipfrac_low"] + metrics["loss/clipfrac_high"]
+            pg_clipfrac_lower = metrics["loss/dual_clip_frac"]
         if legacy_tuple:
             return loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
         verl_names = {"actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": pg_clipfrac_lower}
