@@ -91,6 +91,51 @@ def test_topk_bound_hand_value():
     assert topk_kl_upper_bound(lq[:1], torch.tensor([0]), z).item() == pytest.approx(0.693147, abs=1e-6)
 
 
+def test_capped_upper_bound_hand_value_where_the_cap_binds():
+    # μ = (0.4, 0.2, 0.2, 0.2), π uniform, top-1 = token 0 (q = 0.4): the tail holds q_R = 0.6, but no tail token can
+    # exceed the cap 0.4, so the worst tail is (0.4, 0.2, 0): head 0.4 log(0.4/0.25) = 0.4 · 0.470004 = 0.188001,
+    # tail 0.188001 + 0.2 log(0.2/0.25) = 0.188001 − 0.044629 = 0.143373 → upper 0.331374
+    # (the uncapped bound, all 0.6 on one token: 0.188001 + 0.6 log(0.6/0.25) = 0.188001 + 0.525281 = 0.713283);
+    # exact = 0.188001 + 3 · 0.2 log(0.8) = 0.188001 − 0.133886 = 0.054115
+    lq, z = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), torch.zeros(4)
+    assert topk_kl_upper_bound(lq[:1], torch.tensor([0]), z).item() == pytest.approx(0.331374, abs=1e-5)
+    assert token_kl(lq, z).item() == pytest.approx(0.054115, abs=1e-6)
+
+
+def _uncapped_upper(lq_k, ids, z):
+    """The bound without the cap: head terms + q_R · log(q_R / π_min) over the tail (float64)."""
+    lp = torch.log_softmax(z.double(), -1)
+    head = (lq_k.exp() * (lq_k - lp.gather(-1, ids))).sum(-1)
+    q_rest = (1 - lq_k.exp().sum(-1)).clamp(min=0)
+    p_min = lp.scatter(-1, ids, math.inf).amin(-1)
+    return head + torch.where(q_rest > 0, q_rest * (q_rest.clamp(min=1e-300).log() - p_min), torch.zeros_like(q_rest))
+
+
+@settings(max_examples=60, deadline=None)
+@given(v=st.integers(3, 40), k=st.integers(1, 39), scale=st.floats(0.1, 6.0), seed=st.integers(0, 10_000))
+def test_capped_upper_bound_is_sound_no_looser_and_attained(v, k, scale, seed):
+    k = min(k, v - 1)
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(torch.randn(3, v, generator=g, dtype=torch.float64) * scale, -1)
+    z = torch.randn(3, v, generator=g, dtype=torch.float64) * scale
+    top = lq.topk(k, -1)
+    upper = topk_kl_upper_bound(top.values, top.indices, z)
+    assert torch.all(upper >= token_kl(lq, z) - 1e-9)                               # sound
+    assert torch.all(upper <= _uncapped_upper(top.values, top.indices, z) + 1e-9)  # never looser than uncapped
+    # attained: the μ* with the same top-k whose tail puts the cap c on π's least likely tail tokens, the remainder on
+    # the next, has exactly KL(μ*‖π) = upper — no certified bound from this top-k can be smaller
+    lp = torch.log_softmax(z, -1)
+    for row in range(3):
+        ids, q = top.indices[row], top.values[row].exp()
+        c, q_rest = float(q.min()), float(1 - q.sum())
+        tail = [j for j in lp[row].argsort().tolist() if j not in set(ids.tolist())]
+        mu = torch.zeros(v, dtype=torch.float64)
+        mu[ids] = q
+        for rank, j in enumerate(tail):
+            mu[j] = min(max(q_rest - rank * c, 0.0), c)
+        assert token_kl(mu.log(), z[row]).item() == pytest.approx(upper[row].item(), rel=1e-6, abs=1e-9)
+
+
 def test_topk_rest_mass_is_accurate_when_topk_covers_almost_everything():
     # π puts 1 − 1e-9 on token 0; the complement's logsumexp keeps p_rest ≈ 1e-9 (1 − Σ p_i in fp32 would be 0,
     # making the bound +inf whenever μ has any rest mass).

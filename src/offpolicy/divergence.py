@@ -30,6 +30,7 @@ The training logits carry gradient (∂KL/∂z = π − μ); the rollout's tenso
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
@@ -139,19 +140,33 @@ def topk_kl_lower_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
 @torch.no_grad()
 def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, logits: Tensor, *,
                         temperature: float = 1.0, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
-    """Upper bound on KL(μ ‖ π) from μ's top-k only: lower bound + q_rest · log(p_rest / min_{j∈rest} π(j)).
+    """Certified upper bound on KL(μ ‖ π) from μ's top-k only: the head's exact terms plus the largest tail term
+    that any μ consistent with the top-k allows.
 
-    The gap KL_exact − KL_topk = q_rest · KL(μ(·|rest) ‖ π(·|rest)) is largest when μ puts all its tail mass on π's
-    least likely tail token, where it equals q_rest · log(p_rest / π_min). So a TRM test "keep iff upper ≤ δ" is
-    *sound* (every kept sequence satisfies the exact test; the rest mass 1 − Σ q_i is taken at the worst end of what
-    the rounding of the given log-probs allows, :func:`~offpolicy.kernels.fused.rest_mass_bounds`) with top-k data alone —
-    conservative when π has a long, very unlikely tail. Shapes as :func:`topk_kl_lower_bound`; no gradient.
+    What the top-k says about μ's tail R (the other V − k tokens): its mass is q_R = 1 − Σ_i q_i, and no tail token is
+    more likely than the k-th: μ_j ≤ c = min_i q_i (the k entries are μ's *k most likely* tokens, as an engine's
+    top-k log-probs are). KL(μ‖π) = Σ_head q_i log(q_i/p_i) + Σ_R μ_j log(μ_j/π_j), and the tail term is convex in
+    μ, so its largest value over {0 ≤ μ_j ≤ c, Σ_R μ_j = q_R} is at a vertex: c on each of π's ⌊q_R/c⌋ least likely
+    tail tokens, the remainder on the next one. That is the bound — the exact supremum given the top-k, so no
+    certified test from top-k data can be tighter. (Without the cap it would be q_R · log(q_R / π_min): all tail mass
+    on π's least likely token, up to 10× looser at k ≥ 20 on the embedded models under live vLLM.) The rest mass
+    and the cap are taken at the worst ends of what the rounding of the given log-probs allows
+    (:func:`~offpolicy.kernels.fused.rest_mass_bounds`), so "keep iff upper ≤ δ" is a *sound* TRM test: every kept
+    sequence satisfies the exact test. It is vacuous when the tail is heavy — q_R times the log-ratio of the k-th
+    probability to π's least likely tail tokens (often 10–20 nats) above δ — and then only a larger k helps
+    (:mod:`offpolicy.topk_advice` says which). Shapes as :func:`topk_kl_lower_bound`; no gradient.
 
-    >>> # μ = (½, ¼, ¼), π = (¼, ¼, ½), top-1 = token 0: lower 0.1438; rest {1, 2}: p_rest = ¾, π_min = ¼,
-    >>> # upper = 0.1438 + ½ log(¾ / ¼) = 0.1438 + 0.5493 = 0.6931 ≥ exact 0.1733
+    >>> # μ = (½, ¼, ¼), π = (¼, ¼, ½), top-1 = token 0 (cap ½ ≥ q_R = ½: all tail mass may sit on token 1, π = ¼):
+    >>> # upper = ½ log(½/¼) + ½ log(½/¼) = 0.6931 ≥ exact 0.1733
     >>> q = torch.tensor([0.5, 0.25, 0.25]).log(); z = torch.tensor([0.25, 0.25, 0.5]).log()
     >>> topk_kl_upper_bound(q[:1], torch.tensor([0]), z)
     tensor(0.6931)
+    >>> # μ = (0.4, 0.2, 0.2, 0.2), π uniform, top-1: q_R = 0.6 but each tail token ≤ 0.4, so the worst tail is
+    >>> # (0.4, 0.2, 0): 0.4 log(0.4/0.25) + 0.4 log(0.4/0.25) + 0.2 log(0.2/0.25) = 0.1880 + 0.1880 − 0.0446 = 0.3314
+    >>> # (uncapped: 0.1880 + 0.6 log(0.6/0.25) = 0.7133); exact = lower = 0.0541
+    >>> q = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(); z = torch.zeros(4)
+    >>> topk_kl_upper_bound(q[:1], torch.tensor([0]), z), token_kl(q, z)
+    (tensor(0.3314), tensor(0.0541))
     """
     lower = topk_kl_lower_bound(rollout_topk_logp, rollout_topk_ids, logits, temperature=temperature,
                                 memory_budget_bytes=memory_budget_bytes)
@@ -160,21 +175,72 @@ def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
     ids = rollout_topk_ids.reshape(-1, k)
     lq = rollout_topk_logp.reshape(-1, k)
     gap = []
-    rows = max(1, memory_budget_bytes // (3 * 8 * vocab))
+    rows = max(1, memory_budget_bytes // (8 * 8 * vocab))
     for a in range(0, z_all.shape[0], rows):
         z = z_all[a:a + rows].double() / temperature
         lse = z.logsumexp(dim=-1, keepdim=True)
         log_p_rest = z.scatter(1, ids[a:a + rows], float("-inf")).logsumexp(dim=-1, keepdim=True) - lse
-        log_p_min = z.scatter_(1, ids[a:a + rows], float("inf")).amin(dim=-1, keepdim=True) - lse
+        log_p_tail = z.scatter_(1, ids[a:a + rows], float("inf")) - lse  # log π on the tail, +inf on the head
         # the lower bound's tail is f(q) = q log(q / p_rest) at its chosen q (fused.topk_rest_mass); the exact tail
-        # is at most g(q) = q log(q / π_min) at the true rest mass q, which lies in [lo, hi] (rest_mass_bounds). g is
-        # convex, so its largest value there is at an end of the interval: upper = lower − f(q_chosen) + max g.
+        # is at most the capped vertex value at the true rest mass, which lies in [lo, hi] (rest_mass_bounds)
         lo, hi = rest_mass_bounds(lq[a:a + rows], vocab)
         chosen = topk_rest_mass((lo, hi), log_p_rest, torch.float64)
         has_rest = torch.isfinite(log_p_rest)  # an empty complement: no tail at all
-        g_max = torch.maximum(_xlog(lo, log_p_min), _xlog(hi, log_p_min))
-        gap.append(torch.where(has_rest, g_max - _xlog(chosen, log_p_rest), torch.zeros_like(lo)).squeeze(-1))
+        tail = capped_tail_max(log_p_tail, topk_cap(lq[a:a + rows]), lo, hi)
+        gap.append(torch.where(has_rest, tail - _xlog(chosen, log_p_rest), torch.zeros_like(lo)).squeeze(-1))
     return lower + torch.cat(gap).reshape(lower.shape).to(lower.dtype)
+
+
+def topk_cap(topk_logp: Tensor) -> Tensor:
+    """The largest probability a token outside μ's top-k can have, ``[N, 1]`` float64: the smallest finite given
+    probability, raised by its rounding (a log-prob of dtype eps is off by up to |lq|·eps/2); 1 (no cap) for a row
+    with no finite entry.
+
+    >>> topk_cap(torch.tensor([[0.0, -1.0, -float("inf")]], dtype=torch.float64))  # e^-1 · (1 + 1·eps64/2)
+    tensor([[0.3679]], dtype=torch.float64)
+    """
+    lq = topk_logp.double()
+    finite = torch.isfinite(lq)
+    lq_min = torch.where(finite, lq, torch.full_like(lq, math.inf)).amin(dim=-1, keepdim=True)
+    slack = 0.5 * torch.finfo(topk_logp.dtype).eps * lq_min.abs() + 8 * torch.finfo(torch.float64).eps
+    cap = (lq_min + slack).exp().clamp(max=1.0)
+    return torch.where(finite.any(dim=-1, keepdim=True), cap, torch.ones_like(cap))
+
+
+def _capped_tail(log_p_sorted: Tensor, cap: Tensor, q: Tensor, n_rest: Tensor) -> Tensor:
+    """Σ_j w_j log(w_j / π_j) with w_j = clamp(q − j·cap, 0, cap) over π's tail sorted ascending ``[N, V]`` (+inf
+    after the ``n_rest`` tail tokens); +inf where q does not fit (q > n_rest · cap)."""
+    j = torch.arange(log_p_sorted.shape[-1], dtype=torch.float64, device=log_p_sorted.device)
+    w = torch.minimum((q - j * cap).clamp(min=0.0), cap)
+    inside = j < n_rest
+    term = torch.where((w > 0) & inside, w * (w.clamp(min=1e-300).log() - log_p_sorted.clamp(max=0.0)),
+                       torch.zeros_like(w))
+    fits = q <= n_rest * cap * (1 + 1e-12)
+    return torch.where(fits, term.sum(dim=-1, keepdim=True), torch.full_like(q, math.inf))
+
+
+def capped_tail_max(log_p_tail: Tensor, cap: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """max Σ_{j∈R} μ_j log(μ_j / π_j) over 0 ≤ μ_j ≤ ``cap`` and lo ≤ Σ_R μ_j ≤ hi, per row ``[N, 1]`` float64.
+
+    ``log_p_tail`` [N, V]: log π on the tail tokens, +inf on the head. The objective is convex, so the maximum is at a
+    vertex of that polytope: every μ_j at 0 or ``cap`` but one, the sum at ``lo`` or ``hi`` — or all at 0 / ``cap``
+    with the sum m·cap inside [lo, hi]; the vertex puts the largest masses on π's least likely tokens. Capped at the
+    uncapped bound max(lo, hi)·log(·/π_min), which it never exceeds when the inputs are consistent.
+
+    >>> # tail π = (¼, ¼, ½) (and a head token at +inf), cap 0.4, rest mass exactly 0.6: (0.4, 0.2, 0) on (¼, ¼, ½)
+    >>> lp = torch.tensor([[0.25, 0.25, 0.5, 1.0]], dtype=torch.float64).log(); lp[0, 3] = float("inf")
+    >>> m = torch.tensor([[0.6]], dtype=torch.float64)
+    >>> capped_tail_max(lp, torch.tensor([[0.4]], dtype=torch.float64), m, m)  # 0.1880 − 0.0446
+    tensor([[0.1434]], dtype=torch.float64)
+    """
+    log_p_sorted = log_p_tail.sort(dim=-1).values
+    n_rest = torch.isfinite(log_p_tail).sum(dim=-1, keepdim=True).to(torch.float64)
+    log_p_min = log_p_sorted[:, :1]
+    uncapped = torch.maximum(_xlog(lo, log_p_min), _xlog(hi, log_p_min))
+    best = torch.maximum(_capped_tail(log_p_sorted, cap, lo, n_rest), _capped_tail(log_p_sorted, cap, hi, n_rest))
+    m_cap = torch.floor(hi / cap) * cap  # a vertex with every mass at the cap, if its sum falls inside [lo, hi]
+    inner = torch.where(m_cap >= lo, _capped_tail(log_p_sorted, cap, m_cap, n_rest), torch.full_like(lo, -math.inf))
+    return torch.minimum(torch.maximum(best, inner), uncapped)
 
 
 def _xlog(q: Tensor, log_b: Tensor) -> Tensor:
