@@ -106,8 +106,8 @@ def plot_depth(ax_kl, ax_abs, summary: dict[str, Any]) -> None:
     ax_abs.plot(x, series("logp_abs_diff_mean"), "o-", label="mean |log π − log μ|", markersize=4)
     ax_abs.plot(x, series("kl"), "s--", label="mean log μ − log π (Tinker v1)", markersize=4)
     ax_abs.axhline(0, color="k", linewidth=0.6)
-    for xi, n in zip(x, [depth["tokens"][i] for i in keep]):
-        ax_abs.annotate(f"{n}", (xi, 0), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=6,
+    for xi, n in zip(x, [depth["tokens"][i] for i in keep]):  # token counts along the bottom edge
+        ax_abs.annotate(f"{n}", (xi, 0.02), xycoords=ax_abs.get_xaxis_transform(), ha="center", fontsize=6,
                         color="0.4")
     ax_abs.set_xscale("log")
     ax_abs.set_xlabel("position in the response (bin centre + 1); grey: tokens per bin")
