@@ -265,3 +265,19 @@ def test_needs_the_rollout_log_probs():
     with pytest.raises(ValueError, match="gated_is needs rollout_logp"):
         gated_is()(b)
     assert LN(1.0) == 0.0
+
+
+def test_its_masked_fraction_under_each_frameworks_name(random_batch):
+    # what each framework calls the masked fraction of the applied correction is 1 − gated_is/kept_frac (at token
+    # level also OpenRLHF's is_filter_ratio = gated_is/filter_frac)
+    from offpolicy import offpolicy_metrics
+
+    batch = random_batch(3, 4, 12, 0.5)
+    r = gated_is(gating="binary_kl", upper=1e-3)(batch)
+    masked = 1.0 - r.metrics["gated_is/kept_frac"].item()
+    assert 0.0 < masked < 1.0
+    assert r.metrics["gated_is/filter_frac"].item() == pytest.approx(masked)
+    for naming, key in (("verl", "rollout_corr/rollout_rs_masked_fraction"), ("swift", "rollout_correction/masked_frac"),
+                        ("trl", "sampling/masked_frac"), ("openrlhf", "train/masked_frac")):
+        m = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, r, naming=naming)
+        assert m[key].item() == pytest.approx(masked), naming
