@@ -108,6 +108,7 @@ from offpolicy.registry import (
     register_correction,
     register_objective,
 )
+from offpolicy.topk_advice import TopKAdvice, topk_advice
 
 __version__ = "0.1.0"
 
@@ -129,6 +130,7 @@ __all__ = [
     "TokenInputs",
     "TokenLoss",
     "TokenStats",
+    "TopKAdvice",
     "aggregate_log_ratio",
     "alp_policy_loss",
     "bernoulli_kl",
@@ -198,6 +200,7 @@ __all__ = [
     "token_stats_from_logits",
     "token_tv",
     "token_veto",
+    "topk_advice",
     "topk_kl_lower_bound",
     "topk_kl_upper_bound",
     "topk_drift_tv",

@@ -19,10 +19,12 @@ q_rest · KL(μ(·|rest) ‖ π(·|rest)): whatever μ does *inside* the tail is
   the coarse-grained trust region, so Theorem 4.2's hypothesis D_tok,max ≤ δ (and with it B* and the monotone
   improvement guarantee) is **not** certified. A *rejection* is always sound: KL_topk > δ implies KL_exact > δ.
 * The same holds for TRM-Avg (means of lower bounds are lower bounds).
-* The unseen part is at most q_rest · log(p_rest / min_{j∈rest} π(j)) (all of μ's tail mass on π's least likely
-  tail token; KL(a‖b) ≤ max_j log(1/b_j)) — small when q_rest is small, which is why a large k makes the test
+* The unseen part is at most what μ's tail could contribute if it sat where π is least likely — no tail token
+  above the k-th probability, so the tail mass q_rest fills π's least likely tokens up to that cap (at most
+  q_rest · log(p_rest / min_{j∈rest} π(j))) — small when q_rest is small, which is why a large k makes the test
   nearly exact in practice. :func:`topk_kl_upper_bound` adds it: "keep iff upper ≤ δ" is a sound (certified,
-  conservative) TRM-Max test from top-k data alone.
+  conservative) TRM-Max test from top-k data alone; :mod:`offpolicy.topk_advice` says when it is vacuous (the
+  slack alone above δ) and which k would help.
 
 Every function works on ``[..., V]`` logits (e.g. [B, T, V]) and returns ``[...]`` float32 (float64 in → float64).
 The training logits carry gradient (∂KL/∂z = π − μ); the rollout's tensors are data.
@@ -237,6 +239,9 @@ def capped_tail_max(log_p_tail: Tensor, cap: Tensor, lo: Tensor, hi: Tensor) -> 
     n_rest = torch.isfinite(log_p_tail).sum(dim=-1, keepdim=True).to(torch.float64)
     log_p_min = log_p_sorted[:, :1]
     uncapped = torch.maximum(_xlog(lo, log_p_min), _xlog(hi, log_p_min))
+    # the tail cannot hold more than n_rest · cap: the rounding interval ends there (lo beyond it: inconsistent
+    # inputs, and _capped_tail's +inf leaves the uncapped bound)
+    hi = torch.maximum(torch.minimum(hi, n_rest * cap), lo)
     best = torch.maximum(_capped_tail(log_p_sorted, cap, lo, n_rest), _capped_tail(log_p_sorted, cap, hi, n_rest))
     m_cap = torch.floor(hi / cap) * cap  # a vertex with every mass at the cap, if its sum falls inside [lo, hi]
     inner = torch.where(m_cap >= lo, _capped_tail(log_p_sorted, cap, m_cap, n_rest), torch.full_like(lo, -math.inf))
