@@ -61,7 +61,7 @@ def expm1_minus_x(x: Tensor) -> Tensor:
 def _u_minus_log1p_u(u: Tensor, log1p_u: Tensor) -> Tensor:
     """g(u) = u − log(1 + u) ≥ 0, with log(1 + u) given (computed without forming 1 + u); series for |u| < 0.05."""
     series = u * u * (0.5 + u * (-1 / 3 + u * (0.25 + u * (-0.2 + u * (1 / 6 + u * (-1 / 7 + u / 8))))))
-    return torch.where(u.abs() < _G_SERIES, series, u - log1p_u)
+    return torch.where(u.abs() < _G_SERIES, series, u - log1p_u)  # the caller uses the series branch only
 
 
 def bernoulli_kl(log_q: Tensor, log_p: Tensor, *, min_prob: float = 0.0, max_prob: float = 1.0) -> Tensor:
@@ -91,11 +91,13 @@ def bernoulli_kl(log_q: Tensor, log_p: Tensor, *, min_prob: float = 0.0, max_pro
     # then dominates: nothing cancels)
     term_q = torch.where(d > -LOG_RATIO_BOUND, q * expm1_minus_x(-d), (p - q) + q * d)
     q_minus_p = torch.where(d.abs() < 1.0, -q * torch.expm1(-d), q - p)  # q·(1 − e^−d), exact for nearby policies
-    u = q_minus_p / one_minus_q  # (q − p)/(1 − q)
-    # log(1 + u) = log((1 − p)/(1 − q)): log1p of the accurate u, except near u = −1 (p → 1), where the rounding of u
-    # could cross −1 and the ratio of the two accurate complements is the better-conditioned form
-    log1p_u = torch.where(u > -0.5, torch.log1p(u), torch.log(one_minus_p / one_minus_q))
-    term_rest = one_minus_q * _u_minus_log1p_u(u, log1p_u)
+    u = q_minus_p / one_minus_q  # (q − p)/(1 − q); overflows to ±inf only when 1 − q is denormal
+    # log(1 + u) = log((1 − p)/(1 − q)): log1p of the accurate u for |u| < 1, else the difference of the two accurate
+    # complements' logs (near u = −1 the rounding of u could cross −1; for a large u, 1 + u may overflow)
+    log1p_u = torch.where((u > -0.5) & (u < 1.0), torch.log1p(u), torch.log(one_minus_p) - torch.log(one_minus_q))
+    # (1 − q)·g(u) = (q − p) − (1 − q)·log(1 + u): from the series near u = 0, else written out (finite for any u)
+    term_rest = torch.where(u.abs() < _G_SERIES, one_minus_q * _u_minus_log1p_u(u, log1p_u),
+                            q_minus_p - one_minus_q * log1p_u)
     # q = 1 (a = 0, no clamp): the second term's limit is q − p = 1 − p; q = 0 (a = −inf): KL = −log(1 − p)
     term_rest = torch.where(one_minus_q > 0, term_rest, one_minus_p)
     kl = torch.where(q > 0, term_q + term_rest, -torch.log(one_minus_p))
