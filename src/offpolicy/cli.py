@@ -370,14 +370,16 @@ def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling,
     from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
 
     t0 = time.perf_counter()
+    local = model_path if Path(model_path).is_dir() else None
     if model_path in ("tiny", "lab"):
         from offpolicy.models import get_recipe, model_dir
+        from offpolicy.models import model_path as embedded_path
 
         if not model_dir(get_recipe(model_path)).is_dir():
             console.print(f"[bold]warm start[/bold] of the embedded {model_path} model (cached after the first run) …")
+        local = str(embedded_path(model_path))  # its directory, for an engine that loads it itself (vLLM)
     model, tokenizer = load_model(model_path)
     prompt_ids = task_prompts(tokenizer, task, prompts, seed=seed)
-    local = model_path if Path(model_path).is_dir() else None
     summaries = []
     for rollout, trainer in pairs:
         folder = out if len(pairs) == 1 else out / f"{rollout.name}__{trainer.name}".replace("/", "_")

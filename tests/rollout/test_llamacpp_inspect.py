@@ -21,12 +21,17 @@ def test_specs_parse_and_refuse():
     assert parse_spec("backend=llamacpp,weights=q8_0", "rollout").describe() == "llama.cpp Q8_0 weights + f16 KV cache"
     assert parse_spec("backend=llamacpp,weights=f16,kv_cache_bits=32", "rollout").describe().endswith("+ f32 KV cache")
     served = parse_spec("server=http://127.0.0.1:8080", "rollout")
-    assert served.backend == "server" and served.describe() == "llama-server at http://127.0.0.1:8080"
+    assert served.backend == "server" and served.describe() == "a server at http://127.0.0.1:8080"
+    vllm = parse_spec("server=http://127.0.0.1:8000,protocol=vllm", "rollout")
+    assert vllm.describe() == "vllm server at http://127.0.0.1:8000"
+    assert parse_spec("backend=vllm,kv_cache_dtype=fp8", "rollout").describe() == "vLLM bfloat16 + fp8 KV cache"
     for text, message in (("backend=llamacpp,weights=q5_k", "weights must be one of"),
                           ("backend=llamacpp,kv_cache_bits=6", "kv_cache_bits with backend=llamacpp"),
                           ("backend=llamacpp,weight_bits=4", "weight_bits is a simulated knob"),
                           ("bf16,weights=q8_0", "add backend=llamacpp"),
-                          ("server=localhost:80", "http:// URL")):
+                          ("server=localhost:80", "http:// URL"),
+                          ("server=http://h:1,protocol=tgi", "protocol must be one of"),
+                          ("bf16,kv_cache_dtype=fp8", "add backend=vllm")):
         with pytest.raises(ValueError, match=message):
             parse_spec(text, "rollout")
     with pytest.raises(ValueError, match="add backend=llamacpp"):

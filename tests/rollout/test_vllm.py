@@ -1,4 +1,5 @@
 import importlib.util
+import sys
 import math
 from types import SimpleNamespace
 
@@ -13,9 +14,9 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_GPU = torch.cuda.is_available()
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed: the missing-dependency message cannot be triggered")
-def test_clear_import_error_without_vllm(tmp_path):
-    with pytest.raises(ImportError, match=r"pip install 'offpolicy\[vllm\]'.*HFRolloutEngine"):
+def test_clear_import_error_without_vllm(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
+    with pytest.raises(ImportError, match=r"pip install 'offpolicy\[vllm\]'.*install_vllm_cpu.sh"):
         VLLMRolloutEngine(tmp_path)
 
 

@@ -339,24 +339,31 @@ def compare_engines(
                          "each row's token history, which offpolicy inspect does not replay; inspect without them")
     if not (isinstance(dvp_coverage, (int, float)) and 0 < dvp_coverage <= 1):
         raise ValueError(f"dvp_coverage must be in (0, 1], got {dvp_coverage!r}")
-    view = "topk" if rollout.backend in ("vllm", "server") else rollout_view
-    if sample_with is not None and (view != "full" or rollout.logit_noise or sample_with.backend != "hf"):
+    if sample_with is not None and (rollout_view != "full" or rollout.logit_noise or sample_with.backend != "hf"
+                                    or rollout.backend != "hf"):
         raise ValueError("sample_with needs a transformers rollout engine with full logits and no logit noise (a "
                          "full forward cannot replay the noise), and a transformers sampler")
+    roll_engine, train_engine = engines or (
+        _rollout_engine(model, rollout, tokenizer, model_path, topk, full=rollout_view == "full"),
+        build_engine(model, trainer))
+    # an engine outside this process (vLLM, a server) shows its full distribution only where it returns K = V
+    full_capable = rollout.backend in ("hf", "llamacpp") or getattr(roll_engine, "reports_full_distribution", False)
+    view = rollout_view if full_capable else "topk"
     truncated = sampling.top_k is not None or sampling.top_p is not None or sampling.min_p is not None
-    if (view == "topk" or rollout.backend == "llamacpp") and truncated:
-        raise ValueError("a top-k comparison needs untruncated sampling (top_k, top_p, min_p unset): the bound compares "
-                         "the rollout's top-k log-probs with the trainer's full tempered distribution")
-    roll_engine, train_engine = engines or (_rollout_engine(model, rollout, tokenizer, model_path, topk),
-                                            build_engine(model, trainer))
+    if (view == "topk" or rollout.backend != "hf") and truncated:
+        raise ValueError("a comparison against a real engine's reported log-probs needs untruncated sampling (top_k, "
+                         "top_p, min_p unset): it reads the rollout's log-probs against the trainer's full tempered "
+                         "distribution")
     if ignore_eos:
         protocol = getattr(roll_engine, "protocol", None)
         if rollout.backend == "hf":
             roll_engine.eos_token_id = None  # a model without eos runs to max_new_tokens (HF engine contract)
-        elif rollout.backend in ("llamacpp", "server") and hasattr(protocol, "ignore_eos"):
-            protocol.ignore_eos = True  # llama-server bans end-of-generation tokens when sampling (long answers)
+        elif rollout.backend == "vllm":
+            setattr(roll_engine, "ignore_eos", True)  # noqa: B010 - vLLM's SamplingParams.ignore_eos
+        elif rollout.backend in ("llamacpp", "server") and protocol is not None and hasattr(protocol, "ignore_eos"):
+            protocol.ignore_eos = True  # llama-server bans end-of-generation tokens; vLLM's server takes ignore_eos
         else:
-            raise ValueError("ignore_eos is implemented for the transformers and llama.cpp engines only")
+            raise ValueError("ignore_eos is implemented for the transformers, vLLM and llama.cpp engines only")
     model_config: Any = model.config  # a transformers config (torch types module attributes as Tensor | Module)
     vocab = model_config.vocab_size
     t_max = sampling.max_new_tokens
@@ -519,36 +526,59 @@ def _score(model, prompts, completions, sampling, autocast):
         return score_tokens(model, prompts, completions, sampling, dtype=autocast, return_logits=True)
 
 
-def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, topk: int):
+def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, topk: int, *, full: bool = True):
     if spec.backend == "hf":
         return build_engine(model, spec, tokenizer)
-    if spec.backend in ("llamacpp", "server"):
+    if spec.backend == "llamacpp":
         return _llamacpp_engine(model, spec, tokenizer)
-    # vLLM: GPU only, a local model directory, and only its top-k log-probs come back.
+    if spec.backend == "server":
+        return _server_engine(model, spec, tokenizer)
+    # vLLM in this process: the model's directory (or a copy of the model written for it); the full distribution
+    # at every sampled position when asked for (max_logprobs=-1), else its top-k log-probs
     unsupported = [name for name in ("kv_cache_bits", "weight_bits", "quantize_layers") if getattr(spec, name)]
     if spec.lm_head_fp32 or spec.logit_noise or unsupported or not spec.kv_cache:
-        raise ValueError("--rollout backend=vllm takes dtype only (vLLM's own quantisation and KV-cache dtype are "
-                         "vLLM settings); the simulated knobs are for the transformers engine")
-    if model_path is None:
-        raise ValueError("--rollout backend=vllm needs --model to be a local model directory")
+        raise ValueError("--rollout backend=vllm takes dtype and kv_cache_dtype only (vLLM's own settings); the "
+                         "simulated knobs are for the transformers engine")
     from offpolicy.rollout.vllm import VLLMRolloutEngine
 
+    kwargs: dict[str, Any] = {"dtype": spec.dtype, "max_logprobs": -1 if full else topk, "seed": 0}
+    if spec.kv_cache_dtype is not None:
+        kwargs["kv_cache_dtype"] = spec.kv_cache_dtype
     try:
-        return VLLMRolloutEngine(model_path, dtype=spec.dtype, max_logprobs=topk, tokenizer=tokenizer)
-    except ImportError as err:  # no vLLM (or no GPU build of it): one line, as for any other bad setting
+        if model_path is not None:
+            return VLLMRolloutEngine(model_path, tokenizer=tokenizer, **kwargs)
+        if tokenizer is None:
+            raise ValueError("--rollout backend=vllm needs the model's tokenizer or a local model directory")
+        return VLLMRolloutEngine.from_model(model, tokenizer, **kwargs)
+    except ImportError as err:  # no vLLM: one line, as for any other bad setting
         raise ValueError(f"--rollout backend=vllm: {err}") from None
 
 
+def _server_engine(model, spec: EngineSpec, tokenizer):
+    """A running vLLM, SGLang or llama.cpp server (protocol given or detected); a vLLM server that returns K = V
+    log-probs (started with ``--max-logprobs -1``) reports the full distribution."""
+    from offpolicy.rollout.servers import ServerError, VLLMProtocol, connect_server, post_json
+
+    assert spec.server is not None  # EngineSpec sets backend="server" only from a server URL
+    vocab = model.config.vocab_size
+    engine = connect_server(spec.server, protocol=spec.protocol, vocab_size=vocab, tokenizer=tokenizer)
+    if isinstance(engine.protocol, VLLMProtocol):
+        body = {"model": engine.protocol.model, "prompt": [0], "max_tokens": 1, "logprobs": vocab, "temperature": 1.0}
+        try:
+            post_json(engine.url + "/v1/completions", body, timeout=engine.timeout, what="vLLM full-vocabulary probe")
+            engine.reports_full_distribution = True  # type: ignore[attr-defined]
+        except ServerError:  # the server caps K (--max-logprobs): top-k bounds instead
+            engine.reports_full_distribution = False  # type: ignore[attr-defined]
+    return engine
+
+
 def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
-    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp), or a running one (server=URL)."""
+    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp)."""
     from offpolicy.inspect.specs import LLAMACPP_KV
 
     try:
-        from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, connect_llamacpp
+        from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine
 
-        if spec.backend == "server":
-            assert spec.server is not None  # EngineSpec sets backend="server" only from a server URL
-            return connect_llamacpp(spec.server, vocab_size=model.config.vocab_size, tokenizer=tokenizer)
         if tokenizer is None:
             raise ValueError("--rollout backend=llamacpp needs the model's tokenizer (it is written into the GGUF)")
         kv = LLAMACPP_KV.get(spec.kv_cache_bits) if spec.kv_cache_bits is not None else None

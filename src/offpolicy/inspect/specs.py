@@ -29,6 +29,7 @@ DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16", "f16": "float16",
 }  # fmt: skip
 BACKENDS = ("hf", "vllm", "llamacpp", "server")
+SERVER_PROTOCOLS = ("vllm", "sglang", "llamacpp")  # offpolicy.rollout.servers.SERVER_PROTOCOLS
 GGUF_WEIGHTS = ("f32", "f16", "bf16", "q8_0", "q4_0")  # offpolicy.models.gguf.GGUF_WEIGHTS (no gguf import here)
 LLAMACPP_KV = {32: "f32", 16: "f16", 8: "q8_0", 4: "q4_0"}  # kv_cache_bits → llama.cpp's KV cache type
 
@@ -45,13 +46,16 @@ class EngineSpec:
     * ``lm_head_fp32``: float32 output projection (TRL ``cast_lm_head_to_fp32``, SGLang/prime-rl ``enable_fp32_lm_head``).
     * ``logit_noise``: rollout only — additive Gaussian noise on the logits (σ).
     * ``attn_implementation``: attention kernel ("eager" reproduces generation in a full forward; "sdpa" does not).
-    * ``backend``: "hf" (any transformers causal LM, full logits), "vllm" (GPU; top-k log-probs only), "llamacpp"
-      (llama.cpp's server on a GGUF export of the model: real kernels, the full distribution since K = V) or
-      "server" (a llama-server already running at ``server``; top-k log-probs).
+    * ``backend``: "hf" (any transformers causal LM, full logits), "vllm" (vLLM in this process, GPU or its CPU
+      build: the full distribution with ``max_logprobs=-1``, top-k log-probs otherwise), "llamacpp" (llama.cpp's
+      server on a GGUF export of the model: real kernels, the full distribution since K = V) or "server" (a vLLM,
+      SGLang or llama.cpp server already running at ``server``: the full distribution where it returns K = V).
     * ``weights``: llamacpp only — the GGUF weight type (f32, f16, bf16, q8_0, q4_0; default f32); its
       ``kv_cache_bits`` are llama.cpp's KV cache types (32 f32, 16 f16, 8 q8_0, 4 q4_0; default f32 for F32
       weights, else f16).
-    * ``server``: the URL of a running llama-server (sets ``backend="server"``).
+    * ``server``: the URL of a running server (sets ``backend="server"``); ``protocol``: "vllm", "sglang" or
+      "llamacpp" (None: detected from the server's answers).
+    * ``kv_cache_dtype``: vllm only — vLLM's ``kv_cache_dtype`` ("auto", "fp8", …).
 
     >>> EngineSpec(dtype="bf16", weight_bits=4, quantize_layers=(2,)).describe()
     'bfloat16 + KV cache + int4 weights (layers 2)'
@@ -70,6 +74,8 @@ class EngineSpec:
     backend: str = "hf"
     weights: str | None = None
     server: str | None = None
+    protocol: str | None = None
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.server is not None and self.backend == "hf":
@@ -100,6 +106,11 @@ class EngineSpec:
             _check_llamacpp(self)
         elif self.weights is not None or self.server is not None:
             raise ValueError("weights / server are llama.cpp settings: add backend=llamacpp (or give server=URL)")
+        if self.protocol is not None and (self.backend != "server" or self.protocol not in SERVER_PROTOCOLS):
+            raise ValueError(f"protocol must be one of {', '.join(SERVER_PROTOCOLS)} with server=URL, got "
+                             f"{self.protocol!r}")
+        if self.kv_cache_dtype is not None and self.backend != "vllm":
+            raise ValueError("kv_cache_dtype is vLLM's setting: add backend=vllm (kv_cache_bits simulates one)")
 
     def describe(self) -> str:
         """A short human description, e.g. ``bfloat16 + KV cache + int8 weights``."""
@@ -107,7 +118,10 @@ class EngineSpec:
             kv = LLAMACPP_KV.get(self.kv_cache_bits or 0, "f32" if (self.weights or "f32") == "f32" else "f16")
             return f"llama.cpp {(self.weights or 'f32').upper()} weights + {kv} KV cache"
         if self.backend == "server":
-            return f"llama-server at {self.server}"
+            return f"{self.protocol or 'a'} server at {self.server}"
+        if self.backend == "vllm":
+            kv = f" + {self.kv_cache_dtype} KV cache" if self.kv_cache_dtype not in (None, "auto") else ""
+            return f"vLLM {self.dtype}{kv}"
         parts = [self.dtype if self.autocast is None else f"{self.dtype} weights, {self.autocast} autocast"]
         if self.backend != "hf":
             parts.append(self.backend)
@@ -135,7 +149,7 @@ def _check_llamacpp(spec: EngineSpec) -> None:
     """The fields a llama.cpp engine takes: GGUF weights and a KV cache type; the simulated knobs are refused."""
     name = spec.backend
     if name == "server" and not (isinstance(spec.server, str) and spec.server.startswith(("http://", "https://"))):
-        raise ValueError(f"server must be an http:// URL of a running llama-server, got {spec.server!r}")
+        raise ValueError(f"server must be an http:// URL of a running server, got {spec.server!r}")
     if name == "llamacpp" and spec.server is not None:
         raise ValueError("backend=llamacpp starts its own server; give server=URL alone to use a running one")
     if spec.weights is not None and (name == "server" or spec.weights not in GGUF_WEIGHTS):
@@ -283,7 +297,7 @@ def build_engine(model: torch.nn.Module, spec: EngineSpec, tokenizer=None):  # -
 
     if spec.backend != "hf":
         raise ValueError(f"build_engine builds the transformers engine; backend={spec.backend!r} is built by "
-                         "offpolicy.inspect.compare (vLLM needs a local model directory and a GPU)")
+                         "offpolicy.inspect.compare")
     return HFRolloutEngine(
         model, dtype=spec.dtype, kv_cache=spec.kv_cache, kv_cache_bits=spec.kv_cache_bits,
         weight_bits=spec.weight_bits, logit_noise=spec.logit_noise,

@@ -20,8 +20,10 @@ What each server reports, and what the client therefore refuses:
   :mod:`offpolicy.rollout.vllm` (min-p with top-p refused).
 * SGLang: ``meta_info.output_token_logprobs`` = ``[logprob, id, text]`` after temperature but before top-k/top-p/
   min-p, so :class:`SGLangProtocol` refuses truncation (μ would not be the distribution sampled from).
-* Both are written from their documented formats and sources and checked against recorded answers only: **not run
-  against a live vLLM or SGLang server** (neither runs on this project's CPU machines).
+* vLLM's client runs against a live vLLM 0.32 server (PyPI's CPU build) in tests/vllm/, and every recorded vLLM
+  answer in the tests is checked once against the live answer to the same request. SGLang's is written from its
+  documented format and source and checked against recorded answers only: **not run against a live SGLang server**
+  (SGLang's kernels need CUDA; it does not run on this project's CPU machines).
 
 Weight reload: vLLM (dev mode, ``VLLM_SERVER_DEV_MODE=1``) ``/pause`` → ``/collective_rpc`` ``reload_weights`` →
 ``/reset_prefix_cache`` → ``/resume``; SGLang ``/update_weights_from_disk``. Both read the weights from a model
@@ -32,10 +34,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -163,13 +167,13 @@ def _vllm_logprob(value: Any, where: str) -> float:
 
 
 class VLLMProtocol:
-    """vLLM's OpenAI completions endpoint (``vllm serve … --logprobs-mode processed_logprobs``). Unverified against a
-    live server (module docstring)."""
+    """vLLM's OpenAI completions endpoint (``python -m vllm.entrypoints.openai.api_server … --logprobs-mode
+    processed_logprobs``), checked against a live vLLM 0.32 server (CPU build) in tests/vllm/."""
 
     name = "vllm"
     path = "/v1/completions"
 
-    def __init__(self, model: str, *, logprobs_mode: str = "processed_logprobs") -> None:
+    def __init__(self, model: str, *, logprobs_mode: str = "processed_logprobs", ignore_eos: bool = False) -> None:
         if logprobs_mode != "processed_logprobs":
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: vLLM reports the raw softmax unless started with "
                              "--logprobs-mode processed_logprobs, and μ must be the distribution sampled from; start "
@@ -177,6 +181,7 @@ class VLLMProtocol:
         if not isinstance(model, str) or not model:
             raise ValueError("model must be the served model's name (vLLM's --served-model-name or path)")
         self.model = model
+        self.ignore_eos = bool(ignore_eos)  # vLLM's extra parameter: sample past eos up to max_tokens
 
     def applied(self, cfg: SamplingConfig) -> SamplingConfig:
         from offpolicy.rollout.vllm import vllm_sampling
@@ -190,6 +195,8 @@ class VLLMProtocol:
         body: dict[str, Any] = {"model": self.model, "prompt": list(prompt), "max_tokens": cfg.max_new_tokens, "seed": int(seed),
                 "logprobs": max(cfg.logprobs_topk, 0), "return_tokens_as_token_ids": True,
                 "skip_special_tokens": True, "n": 1, "stream": False}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         body.update({k: v for k, v in kwargs.items() if v is not None})
         if body.get("logit_bias"):
             body["logit_bias"] = {str(k): v for k, v in body["logit_bias"].items()}
@@ -200,6 +207,37 @@ class VLLMProtocol:
 
     def reload_weights(self, url: str, path: str, *, timeout: float) -> None:
         vllm_reload_weights(url, path, timeout=timeout)
+
+    def score_request(self, prompt: list[int], completion: list[int]) -> dict:
+        """One token of generation after ``prompt + completion`` with the prompt's log-probs: vLLM's teacher-forced
+        distribution at every position (raw log-softmax, temperature 1)."""
+        return {"model": self.model, "prompt": list(prompt) + list(completion), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "seed": 0, "n": 1, "stream": False}
+
+    def parse_score(self, answer: Any, prompt: list[int], completion: list[int], *, where: str) -> list[float]:
+        return parse_vllm_prompt_logprobs(answer, list(prompt) + list(completion), len(prompt), where=where)
+
+
+def parse_vllm_prompt_logprobs(answer: Any, ids: list[int], start: int, *, where: str = "request") -> list[float]:
+    """The log-probs of ``ids[start:]`` from a vLLM answer's ``choices[0].prompt_logprobs`` (entry j: the
+    distribution that predicted token j, ``None`` at j = 0; keys are token ids as strings).
+
+    >>> a = {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -0.5, "rank": 1}},
+    ...      {"9": {"logprob": -2.0, "rank": 3}, "4": {"logprob": -0.1, "rank": 1}}]}]}
+    >>> parse_vllm_prompt_logprobs(a, [1, 7, 9], 1)
+    [-0.5, -2.0]
+    """
+    choice = get_field(get_field(answer, "choices", f"{where}: answer", list), 0, f"{where}: answer.choices", dict)
+    w = f"{where}: answer.choices[0].prompt_logprobs"
+    entries = get_field(choice, "prompt_logprobs", f"{where}: answer.choices[0]", list)
+    if len(entries) != len(ids):
+        raise ServerError(f"{w}: {len(entries)} entries for a prompt of {len(ids)} tokens")
+    out = []
+    for j in range(max(start, 1), len(ids)):
+        entry = get_field(entries, j, w, dict)
+        value = get_field(get_field(entry, str(ids[j]), f"{w}[{j}]", dict), "logprob", f"{w}[{j}][{ids[j]!r}]")
+        out.append(_vllm_logprob(value, f"{w}[{j}][{ids[j]!r}].logprob"))
+    return out
 
 
 def _truncation_width(cfg: SamplingConfig) -> int | None:
@@ -410,6 +448,31 @@ class ServerRolloutEngine:
         raise ValueError(f"sync_weights: a {self.protocol.name} server at {self.url} cannot take tensors; save the "
                          "model where the server reads it and call reload_weights(path)")
 
+    full_logits = False  # score() gives the sampled tokens' log-probs, not [B, T, V] logits
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+              cfg: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs ``[B, T]`` (0 at padding) and mask of given completions under the server's numerics, teacher-
+        forced (vLLM: prompt log-probs, the raw distribution at temperature 1; ``cfg`` must be None). What
+        :mod:`offpolicy.rollout.sync_check` compares with the trainer after a reload."""
+        request = getattr(self.protocol, "score_request", None)
+        if request is None:
+            raise ValueError(f"score: the {self.protocol.name} protocol cannot score given tokens")
+        if cfg is not None:
+            raise ValueError("cfg: a server's prompt log-probs are the raw distribution; score with cfg=None")
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but completion_ids has {len(completion_ids)}")
+        t = max((len(c) for c in completion_ids), default=0)
+        logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
+        for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+            what = f"{self.protocol.name} scoring request {i} ({self.protocol.path})"
+            answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
+                               what=what)
+            values = self.protocol.parse_score(answer, list(p), list(c), where=what)  # type: ignore[attr-defined]
+            logp[i, : len(values)] = torch.tensor(values)
+            mask[i, : len(values)] = True
+        return logp, mask
+
     def reload_weights(self, path: str) -> None:
         """Make the server load new weights from ``path`` (a directory or file on the server's disk)."""
         reload = getattr(self.protocol, "reload_weights", None)
@@ -447,7 +510,13 @@ class ServerRolloutEngine:
 def vllm_reload_weights(url: str, path: str, *, timeout: float) -> None:
     """vLLM dev-mode reload (``VLLM_SERVER_DEV_MODE=1``): pause, ``reload_weights`` in every worker (from the
     model directory the server was started on — overwrite it with ``path``'s files first), reset the prefix cache
-    so no KV computed with the old weights is reused, resume. Unverified against a live server."""
+    so no KV computed with the old weights is reused, resume.
+
+    Every call answers 200 — also when the reload left part of the model behind: with tied embeddings a checkpoint
+    stores the head once, and vLLM's CPU backend (which keeps a repacked copy of the head) then keeps the old head
+    (measured on the tiny model: 0.24 nats per token from the new model). Write the checkpoint with
+    :func:`write_reload_checkpoint`, which stores the head under its own name too, and check the reload with
+    :class:`~offpolicy.rollout.sync_check.SyncCheck` (``offpolicy inspect --check-sync``)."""
     for step, body in (("/pause", {}), ("/collective_rpc", {"method": "reload_weights"}),
                        ("/reset_prefix_cache", {}), ("/resume", {})):
         post_json(url + step, body, timeout=timeout, what=f"vllm weight reload {step}")
@@ -461,3 +530,68 @@ def sglang_reload_weights(url: str, path: str, *, timeout: float) -> None:
     if not (isinstance(answer, dict) and answer.get("success") is True):
         raise ServerError(f"sglang /update_weights_from_disk: answer.success is not true: {str(answer)[:200]}")
 
+
+
+def write_reload_checkpoint(model: torch.nn.Module, folder: str | Path) -> Path:
+    """Write ``model``'s weights into ``folder/model.safetensors`` for a server to reload, every tensor of the state
+    dict under its own name — a tied output head as ``lm_head.weight`` too, which ``save_pretrained`` leaves out and
+    without which vLLM's CPU backend keeps its old head (:func:`vllm_reload_weights`). Written to a temporary file
+    and renamed, so a server never reads half a checkpoint."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} is not a directory (the model directory the server was started on)")
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in model.state_dict().items()}
+    tmp = folder / ".model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / "model.safetensors")
+    return folder / "model.safetensors"
+
+
+SERVER_PROTOCOLS = ("vllm", "sglang", "llamacpp")
+
+
+def detect_protocol(url: str, *, timeout: float = 10.0) -> str:
+    """Which server answers at ``url``: ``"llamacpp"`` (``GET /props``), ``"sglang"`` (``GET /get_model_info``) or
+    ``"vllm"`` (``GET /v1/models`` with ``owned_by: "vllm"``); :class:`ServerError` naming the URL otherwise."""
+    url = url.rstrip("/")
+    for protocol, path in (("llamacpp", "/props"), ("sglang", "/get_model_info")):
+        try:
+            post_json(url + path, None, timeout=timeout, what=f"protocol detection GET {path}")
+            return protocol
+        except ServerError:
+            pass
+    try:
+        models = post_json(url + "/v1/models", None, timeout=timeout, what="protocol detection GET /v1/models")
+    except ServerError as err:
+        raise ServerError(f"{url}: no llama.cpp (/props), SGLang (/get_model_info) or vLLM (/v1/models) server "
+                          f"answers ({err})") from None
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("owned_by") == "vllm":
+        return "vllm"
+    raise ServerError(f"{url}: /v1/models answered, but not as vLLM (owned_by is not 'vllm'); give the protocol")
+
+
+def served_model(url: str, *, timeout: float = 10.0) -> str:
+    """The first model id a vLLM (OpenAI) server lists at ``/v1/models``."""
+    models = post_json(url.rstrip("/") + "/v1/models", None, timeout=timeout, what="GET /v1/models")
+    try:
+        return str(models["data"][0]["id"])
+    except (KeyError, IndexError, TypeError):
+        raise ServerError(f"{url}/v1/models: answer.data[0].id is missing: {str(models)[:200]}") from None
+
+
+def connect_server(url: str, *, protocol: str | None = None, vocab_size: int | None = None, timeout: float = 120.0,
+                   tokenizer=None) -> ServerRolloutEngine:
+    """The engine interface on a running vLLM, SGLang or llama.cpp server at ``url`` (``protocol`` None: detected
+    by :func:`detect_protocol`)."""
+    protocol = protocol or detect_protocol(url)
+    if protocol not in SERVER_PROTOCOLS:
+        raise ValueError(f"protocol must be one of {SERVER_PROTOCOLS}, got {protocol!r}")
+    if protocol == "llamacpp":
+        from offpolicy.rollout.llamacpp import connect_llamacpp
+
+        return connect_llamacpp(url, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer)
+    proto: ServerProtocol = VLLMProtocol(served_model(url)) if protocol == "vllm" else SGLangProtocol()
+    return ServerRolloutEngine(url, proto, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer)

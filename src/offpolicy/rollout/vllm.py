@@ -153,6 +153,14 @@ class VLLMRolloutEngine:
             **llm_kwargs,
         )
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.max_logprobs = int(max_logprobs)
+        self.ignore_eos = False  # sample past eos up to max_new_tokens (offpolicy inspect's long answers)
+
+    @property
+    def reports_full_distribution(self) -> bool:
+        """With ``max_logprobs=-1`` vLLM returns the whole vocabulary's log-probs at every sampled position when
+        asked for K = V (``offpolicy inspect`` then measures the exact KL instead of top-k bounds)."""
+        return self.max_logprobs == -1
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, *, dtype: str = "bfloat16", **kwargs: Any
@@ -200,14 +208,18 @@ class VLLMRolloutEngine:
                 **processors,
                 logprobs=max(cfg.logprobs_topk, 0),  # 0 still returns the sampled token's log-prob
                 seed=int(seed) + i,
-                detokenize=True,
-                skip_special_tokens=True,
+                # the texts are decoded below with the trainer's tokenizer; vLLM's detokenizer would also decode
+                # every top-K entry (2.5× the time with the full vocabulary)
+                detokenize=False,
+                ignore_eos=self.ignore_eos,
             )
             for i in range(len(prompt_ids))
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
-        return _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes, sampling=applied)
+        out = _to_output(prompt_ids, results, cfg.logprobs_topk, routes=self.record_routes, sampling=applied)
+        out.texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in out.completion_ids]
+        return out
 
 
 def _worker(llm: Any) -> Any:
