@@ -58,7 +58,8 @@ def engine_rollout(engine: RolloutEngine, *, sync_every: int = 1, seed: int = 0)
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
     if not (hasattr(engine, "generate") and hasattr(engine, "sync_weights")):
         raise ValueError(f"engine must be an offpolicy rollout engine (generate, sync_weights), got {type(engine).__name__}")
-    state = {"calls": 0, "synced_at": None}
+    calls = [0]  # generations so far (the next seed is seed + calls)
+    synced_at: list[int | None] = [None]  # the step whose weights the engine holds
 
     def rollout(prompts: list, trainer: Any) -> dict[str, list]:
         if any(not isinstance(p, str) for p in prompts):
@@ -66,13 +67,13 @@ def engine_rollout(engine: RolloutEngine, *, sync_every: int = 1, seed: int = 0)
                              "conversational prompt needs the chat template applied in your dataset)")
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         due = step - step % sync_every  # the step whose weights the engine should hold
-        if state["synced_at"] != due:
+        if synced_at[0] != due:
             engine.sync_weights(trainer.model)
-            state["synced_at"] = due
+            synced_at[0] = due
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        out = engine.generate(prompt_ids, sampling_from_trl(trainer.args), seed=seed + state["calls"])
-        state["calls"] += 1
+        out = engine.generate(prompt_ids, sampling_from_trl(trainer.args), seed=seed + calls[0])
+        calls[0] += 1
         logprobs = [out.logp[i, : len(c)].tolist() for i, c in enumerate(out.completion_ids)]
         return {"prompt_ids": prompt_ids, "completion_ids": [list(c) for c in out.completion_ids], "logprobs": logprobs}
 
