@@ -1,0 +1,42 @@
+"""What a package index and a wheel need, checked without building one (scripts/check_wheel.sh builds and installs
+it): every data file of the package is covered by the package-data patterns (the shipped model weights sit one folder
+deeper than a ``*`` reaches), and the metadata names its license file and classifiers."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _data_files() -> set[Path]:
+    src = ROOT / "src" / "offpolicy"
+    return {p for p in src.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts}
+
+
+def test_every_data_file_of_the_package_goes_into_the_wheel():
+    src = ROOT / "src" / "offpolicy"
+    patterns = PROJECT["tool"]["setuptools"]["package-data"]["offpolicy"]
+    covered = {p for pattern in patterns for p in src.glob(pattern) if p.is_file()}
+    data = _data_files()
+    assert any(p.name == "model.safetensors" for p in data) and any(p.suffix == ".jsonl" for p in data)
+    assert sorted(str(p.relative_to(src)) for p in data - covered) == []
+
+
+def test_the_metadata_a_package_index_shows():
+    project = PROJECT["project"]
+    assert project["license"] == "Apache-2.0" and (ROOT / project["license-files"][0]).is_file()
+    assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")[:200]
+    assert any(c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"])
+    assert not any(c.startswith("License ::") for c in project["classifiers"])  # PEP 639: the expression only
+    assert project["readme"] == "README.md" and project["scripts"]["offpolicy"] == "offpolicy.cli:main"
+
+
+def test_the_wheel_check_is_an_executable_script():
+    script = ROOT / "scripts" / "check_wheel.sh"
+    text = script.read_text(encoding="utf-8")
+    assert os.access(script, os.X_OK)
+    assert "-m build" in text and "demo --help" in text and "shipped_dir" in text
