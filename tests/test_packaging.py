@@ -5,9 +5,11 @@ deeper than a ``*`` reaches), and the metadata names its license file and classi
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
