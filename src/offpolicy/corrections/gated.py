@@ -23,9 +23,10 @@ binary-KL gate's default bound 5e-3 is FlashREINFORCE's quick start (``is_correc
 
 Differences from OpenRLHF worth knowing: its [0, δ] test rejected tokens whose float32 binary KL came out ≈ −4e-8
 (PR #1354); here the KL is ≥ 0 by construction. Its survivors' weight e^(b − a) is not clamped; here log ρ is clamped
-to ±20 (the library's rule). A token with a non-finite log-prob is dropped (its sequence too at sequence levels),
-where OpenRLHF's NaN statistic drops it the same way but a NaN weight could survive at sequence level. OpenRLHF's
-``is_filter_ratio`` at ``seq`` level averages over every row; ``<name>/filter_frac`` here over non-empty sequences.
+to ±20 (the library's rule). A token with a non-finite log-prob is dropped (its sequence too at sequence levels), as
+OpenRLHF's NaN statistic drops it in mask mode; in its clip mode the NaN ratio becomes the coefficient (a NaN loss),
+here the token is dropped. OpenRLHF's ``is_filter_ratio`` at ``seq`` level averages over every row;
+``<name>/filter_frac`` here over non-empty sequences.
 """
 
 from __future__ import annotations
