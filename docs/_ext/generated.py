@@ -66,18 +66,19 @@ def versions(prefix: str = "") -> str:
 
 
 def glossary_diagnostics(prefix: str = "") -> str:
-    from offpolicy.glossary import DIAGNOSTICS, diagnostic_names
+    from offpolicy.glossary import DIAGNOSTICS
     from offpolicy.metrics import NAMINGS
 
-    names = list(NAMINGS)
-    header = {"swift": "trainer / ms-swift", "verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF",
+    header = {"swift": "the trainer (default), ms-swift", "verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF",
               "tinker": "Tinker"}
-    rows = ["| metric | " + " | ".join(header.get(n, n) for n in names) + " | meaning | measured here |",
-            "|---|" + "---|" * len(names) + "---|---|"]
+    rows = ["| metric | meaning | measured here |", "|---|---|---|"]
     for name, (means, measured) in DIAGNOSTICS.items():
-        keys = diagnostic_names(name)
-        rows.append(f"| **{name}** | " + " | ".join(f"`{keys[n]}`" for n in names)
-                    + f" | {_cell(means)} | {_cell(measured) or '–'} |")
+        rows.append(f"| **{name}** | {_cell(means)} | {_cell(measured) or '–'} |")
+    rows += ["", "Each framework's key is its prefix and the metric's name, except where it has a name of its own:", "",
+             "| naming | prefix | its own names |", "|---|---|---|"]
+    for naming, n in NAMINGS.items():
+        own = ", ".join(f"{k} → `{n.prefix}{v}`" for k, v in n.renames.items()) or "–"
+        rows.append(f"| {header.get(naming, naming)} (`{naming}`) | `{n.prefix}` | {_cell(own)} |")
     return "\n".join(rows)
 
 
