@@ -32,6 +32,7 @@ directory on the server's disk (:meth:`ServerRolloutEngine.reload_weights`).
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -68,6 +69,8 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_byte
         raise ServerError(f"{what}: {url} answered HTTP {err.code}: {detail}") from None
     except TimeoutError:
         raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
+    except http.client.HTTPException as err:  # the server died while answering (incomplete read, bad status line)
+        raise ServerError(f"{what}: {url} broke off its answer ({type(err).__name__}: {err})") from None
     except (urllib.error.URLError, ConnectionError, OSError) as err:
         reason = getattr(err, "reason", err)
         if isinstance(reason, (TimeoutError, socket.timeout)):
@@ -428,12 +431,14 @@ class ServerRolloutEngine:
         timeout: seconds per request.
         tokenizer: optional, decodes ``texts`` when the server sends none.
 
-    ``sync_weights`` cannot push tensors into a remote server: write the model where the server reads it and call
-    :meth:`reload_weights` (the llama.cpp engine that owns its server does both).
+    ``sync_weights`` cannot push tensors into a remote server: it writes the model into ``weights_dir`` — the model
+    directory the server was started on, on a disk both can read — with :func:`write_reload_checkpoint`, then
+    calls :meth:`reload_weights` (without ``weights_dir`` it refuses). The llama.cpp engine that owns its server
+    exports and restarts instead.
     """
 
     def __init__(self, url: str, protocol: ServerProtocol, *, vocab_size: int | None = None, timeout: float = 120.0,
-                 tokenizer=None) -> None:
+                 tokenizer=None, weights_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
         if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
@@ -443,12 +448,22 @@ class ServerRolloutEngine:
         self.vocab_size = vocab_size
         self.timeout = float(timeout)
         self.tokenizer = tokenizer
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        raise ValueError(f"sync_weights: a {self.protocol.name} server at {self.url} cannot take tensors; save the "
-                         "model where the server reads it and call reload_weights(path)")
+        if self.weights_dir is None:
+            raise ValueError(f"sync_weights: a {self.protocol.name} server at {self.url} cannot take tensors; give "
+                             "weights_dir (the model directory the server was started on) or save the model where "
+                             "the server reads it and call reload_weights(path)")
+        write_reload_checkpoint(model, self.weights_dir)
+        self.reload_weights(str(self.weights_dir))
 
     full_logits = False  # score() gives the sampled tokens' log-probs, not [B, T, V] logits
+
+    @property
+    def scores_tokens(self) -> bool:
+        """Whether :meth:`score` works with this protocol (vLLM's prompt log-probs)."""
+        return hasattr(self.protocol, "score_request")
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
               cfg: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -583,15 +598,19 @@ def served_model(url: str, *, timeout: float = 10.0) -> str:
 
 
 def connect_server(url: str, *, protocol: str | None = None, vocab_size: int | None = None, timeout: float = 120.0,
-                   tokenizer=None) -> ServerRolloutEngine:
+                   tokenizer=None, weights_dir: str | os.PathLike | None = None) -> ServerRolloutEngine:
     """The engine interface on a running vLLM, SGLang or llama.cpp server at ``url`` (``protocol`` None: detected
-    by :func:`detect_protocol`)."""
+    by :func:`detect_protocol`); ``weights_dir``: where :meth:`ServerRolloutEngine.sync_weights` writes the model
+    for the server to reload."""
     protocol = protocol or detect_protocol(url)
     if protocol not in SERVER_PROTOCOLS:
         raise ValueError(f"protocol must be one of {SERVER_PROTOCOLS}, got {protocol!r}")
     if protocol == "llamacpp":
         from offpolicy.rollout.llamacpp import connect_llamacpp
 
-        return connect_llamacpp(url, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer)
+        engine = connect_llamacpp(url, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer)
+        engine.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        return engine
     proto: ServerProtocol = VLLMProtocol(served_model(url)) if protocol == "vllm" else SGLangProtocol()
-    return ServerRolloutEngine(url, proto, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer)
+    return ServerRolloutEngine(url, proto, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer,
+                               weights_dir=weights_dir)

@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 SYNC_CHECK_ACTIONS = ("error", "warn")
 
 
-class SyncCheckError(RuntimeError):
-    """The engine's log-probs after a weight sync are far from the trainer's: the sync did not take."""
+class SyncCheckError(ValueError):
+    """The engine's log-probs after a weight sync are far from the trainer's: the sync did not take (a ValueError,
+    so that the CLI reports it in one line like any other bad state of the run's inputs)."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,20 @@ class VLLMSection(_Section):
     max_model_len: int | None = Field(None, ge=1)  # None: the model's max_position_embeddings
 
 
+class ServerSection(_Section):
+    """A running inference server as the rollout engine (``rollout.engine: server``): vLLM (started with
+    ``--logprobs-mode processed_logprobs``, and ``VLLM_SERVER_DEV_MODE=1`` for the reload endpoints), SGLang or
+    llama.cpp at ``url`` (``protocol`` None: detected). Each sync writes the model into ``weights_dir`` — the model
+    directory the server was started on, on a disk both reach — and asks the server to reload it. A server that
+    stops answering stops the run with one line naming the request; ``--resume`` continues once it is back (a new
+    ``url`` is allowed)."""
+
+    url: str | None = None
+    protocol: Literal["vllm", "sglang", "llamacpp"] | None = None
+    weights_dir: str | None = None
+    timeout: float = Field(120.0, gt=0)
+
+
 # rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "logit_noise": 0.0, "sync_every": 1,
                    "routing_replay": "none", "compile": False}
@@ -102,10 +116,11 @@ class RolloutConfig(_Section):
 
     ``engine``: ``hf`` (transformers in this process; ``dtype``, ``kv_cache``, ``kv_cache_bits``, ``weight_bits``,
     ``logit_noise`` simulate a serving stack's numerics), ``llamacpp`` (llama.cpp's real kernels, set in the
-    ``llamacpp`` section; the simulation fields must stay at their defaults and ``dtype`` is not read) or ``vllm``
-    (vLLM's kernels in this process, in ``dtype``; the ``vllm`` section)."""
+    ``llamacpp`` section; the simulation fields must stay at their defaults and ``dtype`` is not read), ``vllm``
+    (vLLM's kernels in this process, in ``dtype``; the ``vllm`` section) or ``server`` (a running vLLM, SGLang or
+    llama.cpp server; the ``server`` section)."""
 
-    engine: Literal["hf", "llamacpp", "vllm"] = "hf"
+    engine: Literal["hf", "llamacpp", "vllm", "server"] = "hf"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     kv_cache: bool = True
     kv_cache_bits: int | None = None
@@ -127,24 +142,31 @@ class RolloutConfig(_Section):
     compile: bool = False
     # every weight sync verified (offpolicy.rollout.sync_check): the engine and the trainer score the first rollout's
     # first rows after each sync; a gap above sync_check_factor × the gap after the first sync fails. auto: error
-    # for an engine outside this process's control (vllm, llamacpp), off for the transformers engine (its sync is a
-    # tensor copy)
+    # for an engine outside this process's control that can score given tokens (vllm, a vLLM server), off for the
+    # transformers engine (its sync is a tensor copy) and llama.cpp (no teacher-forced scoring; its sync restarts
+    # the server on a fresh export)
     sync_check: Literal["auto", "error", "warn", "off"] = "auto"
     sync_check_factor: float = Field(4.0, gt=1)
     sync_check_max_baseline: float = Field(0.05, gt=0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
     vllm: VLLMSection = Field(default_factory=VLLMSection)
+    server: ServerSection = Field(default_factory=ServerSection)
 
     @model_validator(mode="after")
     def _engine_fields(self) -> RolloutConfig:
         if self.engine != "hf":
             section = {"llamacpp": "rollout.llamacpp (weights, kv_cache_type)",
-                       "vllm": "rollout.dtype and rollout.vllm (kv_cache_dtype)"}[self.engine]
+                       "vllm": "rollout.dtype and rollout.vllm (kv_cache_dtype)",
+                       "server": "the server's own settings"}[self.engine]
             for key, default in _HF_ENGINE_ONLY.items():
                 if getattr(self, key) != default:
                     raise ValueError(f"rollout.{key}={getattr(self, key)!r} only applies to rollout.engine=hf; the "
                                      f"{self.engine} engine's numerics are set in {section}")
+        if self.engine == "server" and not (self.server.url and self.server.weights_dir):
+            raise ValueError("rollout.engine=server needs rollout.server.url (the running server) and "
+                             "rollout.server.weights_dir (the model directory it was started on, where each sync "
+                             "writes the weights)")
         return self
 
     @property

@@ -112,9 +112,12 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
     specs = chain_specs(PRESETS[cfg.algorithm.preset], cfg.algorithm)
     objective, objective_params = objective_call(cfg)
     action = cfg.rollout.sync_check_action
+    can_score = callable(getattr(engine, "score", None)) and getattr(engine, "scores_tokens", True)
+    if cfg.rollout.sync_check == "auto" and not can_score:
+        action = "off"  # llama.cpp's protocol has no teacher-forced scoring; its sync is an export and a restart
     sync_check = None
     if action != "off":
-        if not callable(getattr(engine, "score", None)):
+        if not can_score:
             raise ValueError(f"rollout.sync_check={cfg.rollout.sync_check!r}: the engine {type(engine).__name__} cannot "
                              "score given tokens (no score()), so its syncs cannot be checked; set rollout.sync_check=off")
         sync_check = SyncCheck(factor=cfg.rollout.sync_check_factor, max_baseline=cfg.rollout.sync_check_max_baseline,
@@ -165,6 +168,14 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFR
         ll = r.llamacpp
         return LlamaCppRolloutEngine(model, tokenizer, weights=ll.weights, kv_cache_type=ll.kv_cache_type,
                                      threads=ll.threads or cfg.run.threads)
+    if r.engine == "server":  # a running server, synced through a checkpoint in the directory it reloads from
+        from offpolicy.rollout.servers import connect_server
+
+        sv = r.server
+        assert sv.url is not None and sv.weights_dir is not None  # RolloutConfig's validator
+        model_config: Any = model.config  # a transformers config
+        return connect_server(sv.url, protocol=sv.protocol, vocab_size=model_config.vocab_size, timeout=sv.timeout,
+                              tokenizer=tokenizer, weights_dir=sv.weights_dir)
     if r.engine == "vllm":  # vLLM's kernels, paged KV cache and sampler in this process, started on the model's weights
         from offpolicy.rollout.vllm import VLLMRolloutEngine
 
