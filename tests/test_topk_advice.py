@@ -54,7 +54,7 @@ def test_advice_on_a_heavy_tail_is_vacuous_and_suggests_the_k_that_covers_it():
     advice = topk_advice(lower, upper, mask, top.values, max_kl=0.05, avg_kl=0.001, own_slack=own, ks=ks)
     assert advice.vacuous and advice.certifiable == 0.0
     assert advice.head_mass == pytest.approx(0.9, rel=1e-5) and advice.slack == pytest.approx(0.4094, rel=1e-3)
-    assert advice.suggested_k == 8
+    assert advice.suggested_k == 8 and advice.suggested_k_max_only == 8
     assert "topk_logprobs=8" in advice.message() and "avg_kl=None" in advice.message()
     # the same data at K = 8 is informative (nothing to suggest)
     top8 = lp.topk(8, -1)
@@ -96,7 +96,17 @@ def test_bad_shapes_are_refused():
 
 def test_message_without_a_suggestion_names_the_other_ways_out():
     msg = TopKAdvice(8, 0.05, None, 0.5, 3.0, 0.0, None).message()
-    assert "vacuous" in msg and "No larger K" in msg and "topk_bound='lower'" in msg and "test the maximum only" not in msg
+    assert "vacuous" in msg and "No larger K" in msg and "topk_bound='lower'" in msg and "maximum only" not in msg
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert TopKAdvice(8, 0.05, None, 0.999, 0.001, 1.0).message().endswith("of the sequences.")
+
+
+def test_a_max_test_that_would_pass_alone_is_named():
+    # slack 0.003 on every token: max 0.003 ≤ 0.05 passes, mean 0.003 > 0.001 fails — the average test alone is what
+    # rejects everything (TRM's default pair under live vLLM at K = 20)
+    slack = torch.full((2, 3), 0.003)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    a = topk_advice(torch.zeros(2, 3), slack, m, torch.full((2, 3, 1), -0.01), max_kl=0.05, avg_kl=0.001)
+    assert a.vacuous and a.certifiable == 0.0 and a.certifiable_max_only == 1.0
+    assert "avg_kl=None (at this K it could keep 100 %)" in a.message()

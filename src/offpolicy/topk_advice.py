@@ -45,6 +45,8 @@ class TopKAdvice:
     slack: float  # upper − lower, nats per token: the price of not seeing μ's tail
     certifiable: float  # the fraction of sequences the certified test could keep at best
     suggested_k: int | None = None  # the smallest K' at which ≥ 90 % would be (None: not estimated or none found)
+    suggested_k_max_only: int | None = None  # the same for the max test alone (avg_kl=None), when avg_kl is set
+    certifiable_max_only: float | None = None  # what the max test alone could keep at this K, when avg_kl is set
 
     @property
     def vacuous(self) -> bool:
@@ -53,12 +55,13 @@ class TopKAdvice:
     def message(self) -> str:
         """One paragraph for the user: what the bound can do at this K, and what to change.
 
-        >>> print(TopKAdvice(8, 0.05, 0.001, 0.958, 0.58, 0.0, 32).message())  # doctest: +NORMALIZE_WHITESPACE
+        >>> print(TopKAdvice(8, 0.05, 0.001, 0.958, 0.58, 0.0, 2048, 32).message())  # doctest: +NORMALIZE_WHITESPACE
         TRM on the engine's top-8: the certified upper bound is vacuous here. The engine's top-8 holds 95.8 % of μ;
         the rest, placed where π is least likely, adds 0.58 nats per token to the bound whatever the mismatch, so
         the test (max_kl=0.05, avg_kl=0.001) could keep at most 0 % of the sequences. With the trainer's π standing
-        in for μ, topk_logprobs=32 would make 90 % certifiable. Or test the maximum only (avg_kl=None), or use
-        topk_bound='lower' (never rejects a sequence the exact test keeps, but certifies nothing).
+        in for μ, topk_logprobs=2048 would make 90 % certifiable. Or test the maximum only, avg_kl=None
+        (topk_logprobs=32 would do for it), or use topk_bound='lower' (never rejects a sequence the exact test
+        keeps, but certifies nothing).
         """
         state = "vacuous here" if self.vacuous else "informative here"
         text = (f"TRM on the engine's top-{self.k}: the certified upper bound is {state}. The engine's top-{self.k} "
@@ -73,9 +76,16 @@ class TopKAdvice:
                      f"{100 * SUGGEST_AT:.0f} % certifiable.")
         else:
             text += " No larger K was estimated to help."
-        avg = " Or test the maximum only (avg_kl=None), or use" if self.avg_kl is not None else " Or use"
-        return text + (f"{avg} topk_bound='lower' (never rejects a sequence the exact test keeps, but certifies "
-                       "nothing).")
+        if self.avg_kl is not None:
+            alone = ""
+            if self.certifiable_max_only is not None and self.certifiable_max_only >= VACUOUS_BELOW:
+                alone = f" (at this K it could keep {100 * self.certifiable_max_only:.0f} %)"
+            elif self.suggested_k_max_only is not None:
+                alone = f" (topk_logprobs={self.suggested_k_max_only} would do for it)"
+            text += f" Or test the maximum only, avg_kl=None{alone}, or use"
+        else:
+            text += " Or use"
+        return text + " topk_bound='lower' (never rejects a sequence the exact test keeps, but certifies nothing)."
 
 
 def certifiable_fraction(slack: Tensor, mask: Tensor, *, max_kl: float | None, avg_kl: float | None) -> float:
@@ -136,8 +146,9 @@ def topk_advice(lower: Tensor, upper: Tensor, mask: Tensor, topk_logp: Tensor, *
                 avg_kl: float | None, own_slack: Tensor | None = None, ks: Sequence[int] = ()) -> TopKAdvice:
     """The diagnostic of the module docstring for one batch: ``lower`` / ``upper`` ``[B, T]`` the top-K bounds,
     ``topk_logp`` ``[B, T, K]`` the engine's top-K log-probs, ``mask`` ``[B, T]`` the valid tokens, TRM's thresholds;
-    ``own_slack`` ``[len(ks), B, T]`` (:func:`own_topk_slack` at the same positions, any value at padding) gives
-    the suggested K.
+    ``own_slack`` ``[len(ks), b, T]`` (:func:`own_topk_slack` at the positions of the first b ≤ B sequences, any
+    value at padding) gives the suggested K — for the test as configured and, if both thresholds are set, for the
+    max test alone.
 
     >>> lo, up = torch.zeros(1, 2), torch.tensor([[0.3, 0.8]]); m = torch.ones(1, 2, dtype=torch.bool)
     >>> lp = torch.tensor([[[-0.1], [-0.2]]])
@@ -154,15 +165,27 @@ def topk_advice(lower: Tensor, upper: Tensor, mask: Tensor, topk_logp: Tensor, *
     n = m.sum().clamp(min=1)
     head = topk_logp.float().exp().sum(dim=-1)
     certifiable = certifiable_fraction(slack, m, max_kl=max_kl, avg_kl=avg_kl)
-    suggested = None
+    suggested = suggested_max = None
     if own_slack is not None:
-        if own_slack.shape != (len(ks), *m.shape):
-            raise ValueError(f"own_slack must be [len(ks)={len(ks)}, B, T] = {(len(ks), *m.shape)}, got "
-                             f"{tuple(own_slack.shape)}")
-        for k2, s in zip(ks, own_slack):
-            if certifiable_fraction(s, m, max_kl=max_kl, avg_kl=avg_kl) >= SUGGEST_AT:
-                suggested = int(k2)
-                break
+        b = own_slack.shape[1] if own_slack.dim() == 3 else -1
+        if own_slack.dim() != 3 or own_slack.shape[0] != len(ks) or not 0 < b <= m.shape[0] \
+                or own_slack.shape[2] != m.shape[1]:
+            raise ValueError(f"own_slack must be [len(ks)={len(ks)}, b ≤ {m.shape[0]}, {m.shape[1]}] (the first b "
+                             f"sequences), got {tuple(own_slack.shape)}")
+        suggested = _first_k(own_slack, m[:b], ks, max_kl, avg_kl)
+        if avg_kl is not None and max_kl is not None:
+            suggested_max = _first_k(own_slack, m[:b], ks, max_kl, None)
+    max_only = certifiable_fraction(slack, m, max_kl=max_kl, avg_kl=None) \
+        if avg_kl is not None and max_kl is not None else None
     return TopKAdvice(k=int(topk_logp.shape[-1]), max_kl=max_kl, avg_kl=avg_kl,
                       head_mass=float((head * m).sum() / n), slack=float((slack * m).sum() / n),
-                      certifiable=certifiable, suggested_k=suggested)
+                      certifiable=certifiable, suggested_k=suggested, suggested_k_max_only=suggested_max,
+                      certifiable_max_only=max_only)
+
+
+def _first_k(own_slack: Tensor, mask: Tensor, ks: Sequence[int], max_kl: float | None,
+             avg_kl: float | None) -> int | None:
+    for k2, s in zip(ks, own_slack):
+        if certifiable_fraction(s, mask, max_kl=max_kl, avg_kl=avg_kl) >= SUGGEST_AT:
+            return int(k2)
+    return None

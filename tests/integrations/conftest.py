@@ -36,6 +36,14 @@ class StubVLLMClient:
     def reset_prefix_cache(self):
         pass
 
+    def get_sequence_logprobs(self, sequences, prompt_lengths, top_logprobs=100, temperature=1.0, **kwargs):
+        """The engine's teacher-forced log-probs of each sequence's completion (what the sync check reads), in
+        TRL's ``actual_logprobs`` layout ``(B, T_i, 1)``."""
+        prompts = [list(s[:n]) for s, n in zip(sequences, prompt_lengths)]
+        completions = [list(s[n:]) for s, n in zip(sequences, prompt_lengths)]
+        logp = self.engine.score(prompts, completions)[0]
+        return {"actual_logprobs": [[[float(v)] for v in logp[i, :len(c)]] for i, c in enumerate(completions)]}
+
     def generate(self, prompts, features=None, n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0,
                  min_p=0.0, max_tokens=16, logprobs=0, structured_outputs_regex=None, generation_kwargs=None):
         k = int(logprobs or 0)

@@ -19,3 +19,14 @@ def varied_reward(completions, answer, **kwargs):
 def logged(trainer, key):
     """Every value TRL logged under ``key`` during ``trainer.train()``, in step order."""
     return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def arithmetic_dataset(n: int = 8, seed: int = 0):
+    """``n`` prompts of the built-in arithmetic task (what the embedded tiny model was trained on: it answers them with
+    a spread of numbers, so a group's rewards vary), with their answers."""
+    import datasets
+
+    from offpolicy.tasks import get_task
+
+    return datasets.Dataset.from_list([{"prompt": e.prompt, "answer": e.answer}
+                                       for e in get_task("arithmetic").examples(n, seed=seed)])

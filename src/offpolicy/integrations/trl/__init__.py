@@ -68,6 +68,7 @@ from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sa
 from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
 from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
+from offpolicy.integrations.trl.vllm_sync import extra_llm_kwargs, install_vllm_sync
 from offpolicy.losses import needs_rollout_logp
 
 __all__ = [
@@ -77,6 +78,8 @@ __all__ = [
     "allreduce_sigma_grad",
     "batch_from_trl_inputs",
     "engine_rollout",
+    "extra_llm_kwargs",
+    "install_vllm_sync",
     "make_offpolicy_grpo_trainer",
     "needs_rollout_logp",
     "pad_topk",

