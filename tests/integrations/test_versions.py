@@ -55,6 +55,7 @@ def test_the_installed_versions_are_read_from_the_metadata():
     assert versions.installed_version("no-such-package-here") is None
 
 
+@pytest.mark.slow  # importing TRL and building its trainer: ~10 s on 2 quiet cores, ~20 s on shared ones
 def test_the_trl_trainer_warns_outside_the_matrix(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
