@@ -1,6 +1,6 @@
 import importlib.util
-import sys
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
