@@ -293,3 +293,87 @@ def test_a_warning_when_16_bit_hidden_states_round_the_noise_away():
     with large.active(), warnings.catch_warnings():
         warnings.simplefilter("error")
         net(h)
+
+
+class _Mix(nn.Module):
+    """A layer with weights (so that its backward needs the saved, noisy input): h ↦ tanh(W h)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h))
+
+
+class _CheckpointedMix(_Mix):
+    """The same layer re-run in the backward pass (activation checkpointing, as HF's gradient checkpointing wraps a
+    decoder layer's ``__call__``: its pre-hooks run inside the checkpoint)."""
+
+    reentrant = False
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(super().__call__, h, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("seed", [0, None])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_replays_the_forwards_noise(seed, reentrant):
+    # The checkpointed layers re-run inside backward, after active() is left: the re-run must add the very noise the
+    # forward added, so that loss and gradients (of the weights and of log σ) equal the uncheckpointed model's.
+    def run(layer_cls):
+        torch.manual_seed(0)
+        net = nn.Module()
+        net.layers = nn.ModuleList([layer_cls(4) for _ in range(3)])
+        for p in net.layers.parameters():
+            p.data = torch.linspace(-0.5, 0.5, p.numel()).reshape(p.shape)  # the same weights in both models
+        alp = LayerwisePerturbation(net, init_std=0.3, seed=seed)
+        x = torch.linspace(-1, 1, 8).reshape(2, 4).requires_grad_(reentrant)
+        torch.manual_seed(1)  # the global RNG the unseeded noise draws from
+        with alp.active():
+            h = x
+            for layer in net.layers:
+                h = layer(h)
+        loss = (h * torch.arange(8.0).reshape(2, 4)).sum()
+        loss.backward()
+        grads = [p.grad.clone() for p in net.layers.parameters()] + [alp.log_sigma.grad.clone()]
+        with torch.no_grad():  # noise off again afterwards: a clean forward equals the noise-free function
+            clean = x
+            for layer in net.layers:
+                clean = layer(clean)
+        return loss.detach(), grads, clean, alp
+
+    _CheckpointedMix.reentrant = reentrant
+    loss, grads, clean, _ = run(_Mix)
+    loss_ckpt, grads_ckpt, clean_ckpt, alp = run(_CheckpointedMix)
+    assert float(loss_ckpt) == pytest.approx(float(loss), rel=1e-6)
+    for g, g_ckpt in zip(grads, grads_ckpt):
+        torch.testing.assert_close(g_ckpt, g)
+    assert float(grads[-1].abs().sum()) > 0  # σ got a gradient
+    torch.testing.assert_close(clean_ckpt, clean)
+    assert not any(alp._drawn)  # every recorded draw was replayed once
+
+
+@pytest.mark.parametrize("same_input", [False, True])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_forward_that_drew_no_noise_stays_clean(reentrant, same_input):
+    # a noisy forward that is never re-run (no backward), then a clean checkpointed forward — of another input, or of
+    # the same one (its memory now belongs to the new forward: the old record is dropped): the clean forward's re-run
+    # in backward adds nothing
+    torch.manual_seed(0)
+    _CheckpointedMix.reentrant = reentrant
+    net = nn.Module()
+    net.layers = nn.ModuleList([_CheckpointedMix(4)])
+    alp = LayerwisePerturbation(net, init_std=0.3, seed=0)
+    x = torch.ones(2, 4, requires_grad=reentrant)
+    stale = x if same_input else torch.full((2, 4), 2.0)
+    with alp.active(), torch.no_grad():
+        net.layers[0](stale)  # a noisy forward whose backward never runs
+    assert sum(map(len, alp._drawn)) == 1
+    net.layers[0](x).sum().backward()  # (a reentrant checkpoint supports .backward(), not autograd.grad)
+    grad = net.layers[0].lin.weight.grad
+    want = torch.autograd.grad(_Mix.forward(net.layers[0], x).sum(), net.layers[0].lin.weight)[0]
+    torch.testing.assert_close(grad, want)
+    assert sum(map(len, alp._drawn)) == (0 if same_input else 1)
+    with alp.active():  # switching the noise on drops every record
+        assert not any(alp._drawn)

@@ -24,6 +24,14 @@ for the π_θ forward of an update::
 
 σ lives in this module (not in the model), so ``model.state_dict()`` / ``save_pretrained`` stay clean; save
 ``alp.state_dict()`` (just ``log_sigma``) next to it.
+
+Activation checkpointing (TRL's default ``gradient_checkpointing=True``, verl's ``enable_gradient_checkpointing``)
+re-runs each decoder layer, hooks included, inside the backward pass — after ``active()`` has been left. Each noisy
+draw therefore records where the layer's input lives (its memory address and layout) and the state of the generator
+it came from (a few bytes to 5 KB, not the noise); a hook that runs inside a backward pass on that same memory (the
+checkpoint keeps the input; FSDP's hooks may hand the layer a new tensor object on it) replays the draw, so the
+re-run sees the very noise the forward saw, and a re-run of a forward that drew none stays clean. A later forward
+on the same memory drops the record (that input is gone), and switching the noise on drops them all.
 """
 
 from __future__ import annotations
@@ -100,6 +108,12 @@ def find_output_head(model: nn.Module) -> nn.Module:
     if not isinstance(head, nn.Module):
         raise ValueError(f"model {type(model).__name__} has no output head (lm_head); cannot use target='logits'")
     return head
+
+
+def _where(h: Tensor) -> tuple:
+    """Where ``h`` lives: device, memory address, offset, shape and strides — the same for the tensor a checkpoint
+    re-runs a layer on (the input it kept, a detached alias of it, or a new tensor object FSDP's hooks make on it)."""
+    return (str(h.device), h.untyped_storage().data_ptr(), h.storage_offset(), tuple(h.shape), h.stride())
 
 
 class LayerwisePerturbation(nn.Module):
@@ -181,6 +195,8 @@ class LayerwisePerturbation(nn.Module):
         self._precision_checked = False  # see _warn_if_noise_rounds_away
         self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        # per hooked module: (where its input lives, generator state) of each noisy draw a checkpoint may re-run
+        self._drawn: list[list[tuple[tuple, Tensor]]] = [[] for _ in targets]
         if self.target == "logits":  # on the head's output: i.i.d. logit noise, not a rank-H image of hidden noise
             self._handles = [targets[0].register_forward_hook(self._output_hook)]
         else:
@@ -207,13 +223,49 @@ class LayerwisePerturbation(nn.Module):
             self._generators[key] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[key]
 
+    def _rng_state(self, device: torch.device) -> Tensor:
+        """The state the next draw on ``device`` starts from: the private generator's, else the global one's."""
+        generator = self._generator(device)
+        if generator is not None:
+            return generator.get_state()
+        if device.type == "cpu":
+            return torch.get_rng_state()
+        return torch.get_device_module(device.type).get_rng_state(device)
+
     def _noisy(self, h: Tensor, i: int) -> Tensor:
-        eps = torch.randn(h.shape, generator=self._generator(h.device), device=h.device, dtype=torch.float32)
+        """h + σ_i ε with a fresh ε."""
+        return self._add_noise(h, i, self._generator(h.device))
+
+    def _replayed(self, h: Tensor, i: int, state: Tensor) -> Tensor:
+        """h + σ_i ε with the ε a generator in the recorded ``state`` draws (a checkpoint re-run's noise)."""
+        generator = torch.Generator(device=h.device)
+        generator.set_state(state)
+        return self._add_noise(h, i, generator)
+
+    def _add_noise(self, h: Tensor, i: int, generator: torch.Generator | None) -> Tensor:
+        eps = torch.randn(h.shape, generator=generator, device=h.device, dtype=torch.float32)
         sigma = self.log_sigma[i].exp()
         noisy = h.float() + sigma * eps
         if h.dtype in (torch.bfloat16, torch.float16) and not self._precision_checked:
             self._warn_if_noise_rounds_away(h, noisy)
         return noisy.to(h.dtype)
+
+    def _hooked(self, h: Tensor, i: int) -> Tensor | None:
+        """What hook ``i`` puts in place of ``h``: None (no noise), a fresh draw, or — inside a backward pass, where
+        activation checkpointing re-runs the layer on the input it kept — the draw its forward made (module
+        docstring)."""
+        drawn, key = self._drawn[i], _where(h)
+        if torch._C._current_graph_task_id() != -1:  # a backward pass is running: this is a checkpoint's re-run
+            for k, (where, state) in enumerate(drawn):
+                if where == key:
+                    del drawn[k]
+                    return self._replayed(h, i, state)
+            return None  # its forward drew no noise
+        drawn[:] = [(where, state) for where, state in drawn if where != key]  # that input's memory is reused
+        if not self._enabled:
+            return None
+        drawn.append((key, self._rng_state(h.device)))
+        return self._noisy(h, i)
 
     def _warn_if_noise_rounds_away(self, h: Tensor, noisy: Tensor) -> None:
         """Once: warn when casting back to a 16-bit hidden state erases most of the noise. At the paper's σ = 1e-4
@@ -232,22 +284,24 @@ class LayerwisePerturbation(nn.Module):
 
     def _make_hook(self, i: int):  # noqa: ANN202 - torch hook signature
         def hook(module: nn.Module, args: tuple, kwargs: dict):  # noqa: ANN202
-            if not self._enabled:
+            if not self._enabled and not any(self._drawn):
                 return None
             if args and isinstance(args[0], Tensor):
-                return (self._noisy(args[0], i), *args[1:]), kwargs
+                noisy = self._hooked(args[0], i)
+                return None if noisy is None else ((noisy, *args[1:]), kwargs)
             if isinstance(kwargs.get("hidden_states"), Tensor):
-                return args, {**kwargs, "hidden_states": self._noisy(kwargs["hidden_states"], i)}
+                noisy = self._hooked(kwargs["hidden_states"], i)
+                return None if noisy is None else (args, {**kwargs, "hidden_states": noisy})
             raise ValueError(f"ALP hook on {type(module).__name__}: no hidden-state tensor in its inputs")
 
         return hook
 
     def _output_hook(self, module: nn.Module, args: tuple, output: object):  # noqa: ANN202 - torch hook signature
-        if not self._enabled:
+        if not self._enabled and not any(self._drawn):
             return None
         if not isinstance(output, Tensor):
             raise ValueError(f"ALP logits hook on {type(module).__name__}: its output is not a tensor")
-        return self._noisy(output, 0)
+        return self._hooked(output, 0)
 
     # -- switching -----------------------------------------------------------------------------------------------
     @property
@@ -258,6 +312,9 @@ class LayerwisePerturbation(nn.Module):
         """Switch the noise on (``True``) or off. Returns self."""
         if not self._handles and flag:
             raise ValueError("this LayerwisePerturbation was removed; its hooks are gone")
+        if flag and not self._enabled:  # a new noisy forward: earlier draws no checkpoint re-ran are stale
+            for drawn in self._drawn:
+                drawn.clear()
         self._enabled = bool(flag)
         return self
 
