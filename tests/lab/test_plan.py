@@ -54,7 +54,7 @@ def test_settings_are_plain_and_valid(tmp_path):
     quick = get_setting("quick")
     quick["presets"].append("x")  # a copy: the module's dict stays as it is
     assert "x" not in SETTINGS["quick"]["presets"]
-    assert SETTINGS["quick"]["steps"] == 21 and SETTINGS["full"]["steps"] == 100
+    assert SETTINGS["quick"]["steps"] == 16 and SETTINGS["full"]["steps"] == 100
     for name, s in SETTINGS.items():
         assert s["seeds"] >= 3 and "none" in s["mismatches"]
         assert not any(m in SOURCES and m == "noise" for m in s["mismatches"])  # logit noise is only an extra

@@ -58,6 +58,30 @@ DEFINITIONS = [
                               "seeds on a side: no verdict. p is per comparison: with k comparisons in a table, about "
                               "k · p of them separate by chance alone."),
 ]
+# the same definition under the paired rule (a setting with "rule": "paired"; stats.compare_paired)
+PAIRED_VERSUS = ("vs naive / vs control", "every compared measure (" + ", ".join(n for _, n, _ in st.COMPARED) + ") "
+                 "against naive under the same mismatch, and against the same preset under "
+                 f"'{CONTROL}' (fp32 engine, no mismatch), seed by seed: the same seed draws the same prompts (and, "
+                 "until an engine's first sync, the same samples). Δ = median of the per-seed differences. 'higher' / "
+                 "'lower': the difference has that sign in every seed both ran, with p = 2 / 2ⁿ, the chance that n "
+                 "seeds agree when the two settings do not differ (6 seeds: p = 0.031); 'within noise': the seeds "
+                 "disagree or one ties. Fewer than 2 seeds: no verdict. p is per comparison: with k comparisons in "
+                 "a table, about k · p of them separate by chance alone.")
+
+
+def definitions(rule: str = "ranges") -> list[tuple[str, str]]:
+    """The report's definitions (name, text), the comparison's under ``rule`` (:data:`offpolicy.lab.stats.RULES`)."""
+    return [PAIRED_VERSUS if rule == "paired" and name == PAIRED_VERSUS[0] else (name, text)
+            for name, text in DEFINITIONS]
+
+
+def setting_rule(setting: Any) -> str:
+    """The comparison rule of a named lab setting (``"ranges"`` unless the setting says ``"rule"``; ``"ranges"`` for
+    a name that is not a setting)."""
+    from offpolicy.lab.settings import SETTINGS
+
+    chosen = SETTINGS.get(setting) if isinstance(setting, str) else None
+    return str((chosen or {}).get("rule", "ranges"))
 
 NUMBER_COLUMNS = [  # (stats field, header, format)
     ("reward_first", "reward first ¼", "{:.3f}"),
@@ -99,7 +123,8 @@ def sweep_report_stats(out: str | Path) -> tuple[dict[str, Any], dict[str, list[
     presets = _ordered(plan.get("presets"), [r["preset"] for r in runs])
     mismatches = _ordered(plan.get("mismatches"), [r["mismatch"] for r in runs])
     per_run = {r["dir"]: st.run_stats(rows[r["dir"]]) for r in runs}
-    groups = st.sweep_stats(runs, per_run, presets, mismatches)
+    rule = setting_rule(summary.get("setting"))
+    groups = st.sweep_stats(runs, per_run, presets, mismatches, rule)
     finished = {r["dir"] for r in runs}
     failed = {f["dir"]: f for f in summary.get("failed", []) if isinstance(f, dict) and "dir" in f}
     missing = [{**r, "status": "failed" if r["dir"] in failed else "not run",
@@ -117,7 +142,8 @@ def sweep_report_stats(out: str | Path) -> tuple[dict[str, Any], dict[str, list[
         "steps": sorted({s["steps"] for s in per_run.values()}),
         "overrides": plan.get("overrides", []),
         "step_s_median": step_s,
-        "definitions": dict(DEFINITIONS),
+        "rule": rule,
+        "definitions": dict(definitions(rule)),
         "groups": groups,
         "separated": st.separated(groups),
         "runs": {r["dir"]: {"preset": r["preset"], "mismatch": r["mismatch"], "seed": r["seed"], **per_run[r["dir"]]}
@@ -238,7 +264,8 @@ def headline(lab: dict[str, Any]) -> str:
     for f in found:
         form = forms.get(f["field"], "{:.3g}")
         other = f"naive on {f['mismatch']}" if f["versus"] == "naive" else f"{f['preset']} on the {CONTROL} control"
-        parts.append(f"{f['preset']} on {f['mismatch']} has a {f['verdict']} {f['name']} than {other}: "
+        seeds = f" in each of the {f['n']} seeds" if f.get("rule") == "paired" else ""
+        parts.append(f"{f['preset']} on {f['mismatch']} has a {f['verdict']} {f['name']} than {other}{seeds}: "
                      f"{span(f['range'], form)} vs {span(f['ref_range'], form)} (p = {f['chance']:.2g})")
     return f"Separated over seeds ({len(found)} of {total} comparisons): " + "; ".join(parts) + "."
 
@@ -259,10 +286,12 @@ def markdown_tables(lab: dict[str, Any]) -> str:
     caption = (f"Lab setting `{lab['setting']}`: {len(seeds)} seed{'s' if len(seeds) != 1 else ''} "
                f"({', '.join(map(str, seeds))}), "
                f"{'/'.join(map(str, steps))} steps per run; each cell: median [min–max] over seeds.")
+    compared = ("seed by seed, 'within noise' = the per-seed differences disagree in sign or one ties, else p = "
+                "2/2ⁿ is the chance that n seeds agree without a real difference." if lab.get("rule") == "paired" else
+                "'within noise' = the min–max ranges over seeds overlap, else p = 2/C(n+m, n) is the chance of "
+                "separated ranges without a real difference.")
     rule = ("Trend: least-squares slope of ln k3 over the run, 'growing' = rising in every seed and ×"
-            f"{st.GROWTH:g} or more (median); comparisons: every measure by one rule, 'within noise' = the min–max "
-            "ranges over seeds overlap, else p = 2/C(n+m, n) is the chance of separated ranges without a real "
-            "difference.")
+            f"{st.GROWTH:g} or more (median); comparisons: every measure by one rule, " + compared)
     missing = f"\n\nMissing runs: {len(lab['missing'])} (see lab_stats.json)." if lab["missing"] else ""
     return (f"{caption}\n\n{_md_table(headers, numbers)}\n\n{_md_table(vheaders, verdicts)}\n\n{rule}\n\n"
             f"**{headline(lab)}**{missing}\n")
@@ -280,8 +309,11 @@ def rich_table(lab: dict[str, Any], title: str = "offpolicy lab"):  # -> rich.ta
     compared = ", ".join(n for _, n, _ in st.COMPARED)
     caption = ("reward ¼: mean over the first / last quarter of steps; drawdown: the worst seed's largest fall of the "
                f"{st.DRAWDOWN_WINDOW}-step mean reward below its running maximum. vs naive / vs control: each of "
-               f"{compared} tested by one rule — the measures whose min–max ranges over seeds do not overlap, with "
-               "their direction; noise = every range overlaps"
+               f"{compared} tested by one rule — "
+               + ("the measures higher (or lower) in every seed than the reference's run of the same seed, with "
+                  "their direction; noise = the seeds disagree or tie" if lab.get("rule") == "paired" else
+                  "the measures whose min–max ranges over seeds do not overlap, with their direction; noise = every "
+                  "range overlaps")
                + (f" (chance of a separation without a real difference: p = {', '.join(f'{c:.2g}' for c in chances)}"
                   " per measure)" if chances else "") + ". Spreads and definitions: report.html")
     table = Table(title=escape(f"{title}: medians over seeds"), caption=escape(caption), box=box.SIMPLE_HEAD,
@@ -426,7 +458,8 @@ def render_html(lab: dict[str, Any], plots: list[Path]) -> str:
               "use the finished runs only — see the end of this page.</p>")
     engines = "".join(f"<tr><td>{e(m)}</td><td style='text-align:left'>{e(d)}</td></tr>"
                       for m, d in lab["engines"].items())
-    defs = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in DEFINITIONS)
+    defs = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>"
+                   for k, v in (lab.get("definitions") or dict(DEFINITIONS)).items())
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>offpolicy lab — {e(str(lab['setting']))}</title><style>{_CSS}</style></head><body>",
@@ -446,8 +479,11 @@ def render_html(lab: dict[str, Any], plots: list[Path]) -> str:
         _html_table(headers, numbers),
         "<h2>Verdicts</h2>",
         "<p class='note'>Each measure against naive on the same engine and against the same preset on the fp32 "
-        "control, by one rule: 'within noise': the seeds' min–max ranges overlap; otherwise p is the chance of such a "
-        "separation between two settings that do not differ. 'bounded': the mismatch is not growing in every seed "
+        "control, by one rule: "
+        + ("seed by seed; 'within noise': the per-seed differences disagree in sign or one ties; otherwise p is the "
+           "chance that every seed agrees" if lab.get("rule") == "paired" else
+           "'within noise': the seeds' min–max ranges overlap; otherwise p is the chance of such a separation")
+        + " between two settings that do not differ. 'bounded': the mismatch is not growing in every seed "
         f"by ×{st.GROWTH:g} or more.</p>",
         _html_table(vheaders, verdicts),
     ]

@@ -4,11 +4,12 @@ A setting is one plain dict: ``overrides`` (trainer ``key=value``, as on the ``o
 ``presets`` (preset names, or :data:`VARIANTS`: a preset with a closed-loop controller on), ``mismatches`` (names of :mod:`offpolicy.lab.mismatch`; the ``none`` control is always added),
 ``seeds`` (how many: seeds 0 … n−1), ``steps``, optionally ``control_presets`` (the presets that also run on the
 ``none`` control; default all) and ``control_mismatches`` (more engines that are controls, where only those presets
-run: vLLM in fp32 beside its bf16). The command line overrides each part
+run: vLLM in fp32 beside its bf16) and ``rule``, how groups are compared (:data:`offpolicy.lab.stats.RULES`: min–max
+``ranges`` over seeds, the default, or ``paired`` seed by seed). The command line overrides each part
 (``offpolicy lab --setting quick --presets naive,mis --steps 30 optim.lr=1e-4``).
 
->>> get_setting("quick")["steps"]
-21
+>>> get_setting("quick")["steps"], get_setting("quick")["seeds"]
+(16, 6)
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...

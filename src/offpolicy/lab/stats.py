@@ -25,6 +25,13 @@ Definitions (the report prints the same text; tests check them against hand-comp
   2 / C(n + m, n) (3 vs 3 seeds: 2/20 = 10 %), which the report prints beside each verdict. With fewer than 2 seeds
   on a side no verdict is given. The p is per comparison: among the several a table makes, one separates by chance
   more often than p (the report says so beside the list of separated ones).
+* **paired comparisons** — a setting may pair the runs by seed instead (``"rule": "paired"`` in
+  :mod:`offpolicy.lab.settings`; the demo's ``quick`` does): the same seed draws the same prompts, and until an
+  engine's first sync the same samples, so much of the spread over seeds is shared by the two groups. Each measure is
+  compared seed by seed over the seeds both groups ran: **higher** / **lower** when the difference has the same
+  sign in every seed, **within noise** when the seeds disagree or one ties; Δ = the median of the per-seed
+  differences. If the two settings did not differ, each difference would be positive or negative with probability ½
+  independently, and all n agree by chance with probability 2 / 2ⁿ (6 seeds: 2/64 ≈ 3 %).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.lab.mismatch import CONTROL
+
+RULES = ("ranges", "paired")  # how two groups are compared (module docstring): min–max ranges, or seed by seed
 
 REQUIRED = ("reward/mean", "rollout_correction/k3_kl", "loss/grad_norm", "correction/masked_frac")
 OPTIONAL = ("rollout_correction/log_ppl_abs_diff", "mismatch/token_kl_exact_mean", "response/length_mean",
@@ -166,6 +175,16 @@ def chance_of_separation(n: int, m: int) -> float:
     return 2 / math.comb(n + m, n)
 
 
+def chance_of_same_sign(n: int) -> float:
+    """P(n paired differences all share one sign) when each is positive or negative with probability ½,
+    independently = 2 / 2ⁿ (the two-sided sign test at its most extreme outcome).
+
+    >>> chance_of_same_sign(6)  # 2 / 64
+    0.03125
+    """
+    return 2 / 2**n
+
+
 # -- per run, per group ----------------------------------------------------------------------------------------------
 
 
@@ -251,7 +270,7 @@ def compare(values: Sequence[float | None], reference: Sequence[float | None], a
     ('lower', -1.13, 0.1)
     """
     a, b = finite(values), finite(reference)
-    out: dict[str, Any] = {"against": against, "n": len(a), "n_ref": len(b),
+    out: dict[str, Any] = {"against": against, "rule": "ranges", "n": len(a), "n_ref": len(b),
                            "range": [min(a), median(a), max(a)] if a else None,
                            "ref_range": [min(b), median(b), max(b)] if b else None}
     if len(a) < 2 or len(b) < 2:
@@ -263,17 +282,55 @@ def compare(values: Sequence[float | None], reference: Sequence[float | None], a
             "chance": chance_of_separation(len(a), len(b))}
 
 
+def compare_paired(values: Sequence[float | None], reference: Sequence[float | None], against: str) -> dict[str, Any]:
+    """One measure of a group against a reference group seed by seed (``values[i]`` and ``reference[i]`` come from
+    the same seed), by the paired rule of the module docstring: ``diff`` (the median of the per-seed differences),
+    ``verdict`` ("higher" / "lower" when every difference has that sign, else "within noise"; "too few seeds" under
+    2 pairs), ``chance`` (p = 2 / 2ⁿ), ``wins`` (seeds where the group is higher), ``n`` pairs and both groups'
+    ``range`` / ``ref_range`` (min, median, max). A seed where either value is missing or not finite is left out.
+
+    >>> c = compare_paired([0.50, 0.40, 0.62], [0.35, 0.38, 0.45], "naive, lag8")  # +0.15, +0.02, +0.17
+    >>> c["verdict"], round(c["diff"], 2), c["wins"], c["chance"]
+    ('higher', 0.15, 3, 0.25)
+    >>> compare_paired([0.50, 0.40, 0.62], [0.35, 0.40, 0.45], "x")["verdict"]  # a tie in the second seed
+    'within noise'
+    """
+    if len(values) != len(reference):
+        raise ValueError(f"compare_paired: {len(values)} values against {len(reference)} reference values "
+                         "(one per seed on each side)")
+    pairs = [(float(a), float(b)) for a, b in zip(values, reference)
+             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+    out: dict[str, Any] = {"against": against, "rule": "paired", "n": len(pairs), "n_ref": len(pairs),
+                           "range": [min(a), median(a), max(a)] if a else None,
+                           "ref_range": [min(b), median(b), max(b)] if b else None,
+                           "wins": sum(x > y for x, y in pairs)}
+    if len(pairs) < 2:
+        return {**out, "diff": None, "verdict": "too few seeds", "within_noise": None, "chance": None}
+    diffs = [x - y for x, y in pairs]
+    verdict = ("higher" if all(d > 0 for d in diffs) else "lower" if all(d < 0 for d in diffs)
+               else "within noise")
+    return {**out, "diff": median(diffs), "verdict": verdict, "within_noise": verdict == "within noise",
+            "chance": chance_of_same_sign(len(pairs))}
+
+
 def compare_measures(group: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]],
-                     against: str) -> dict[str, dict[str, Any]]:
-    """:func:`compare` on every :data:`COMPARED` measure: ``{field: comparison}`` from two groups' per-run stats."""
-    return {name: compare([r[name] for r in group], [r[name] for r in reference], against)
+                     against: str, rule: str = "ranges") -> dict[str, dict[str, Any]]:
+    """:func:`compare` (``rule="ranges"``) or :func:`compare_paired` (``"paired"``: the two lists hold the same
+    seeds in the same order) on every :data:`COMPARED` measure: ``{field: comparison}`` from two groups' per-run
+    stats."""
+    test = compare_paired if rule == "paired" else compare
+    return {name: test([r[name] for r in group], [r[name] for r in reference], against)
             for name, _, _ in COMPARED}
 
 
 def sweep_stats(runs: Sequence[dict[str, Any]], per_run: dict[str, dict[str, Any]],
-                presets: Sequence[str], mismatches: Sequence[str]) -> list[dict[str, Any]]:
+                presets: Sequence[str], mismatches: Sequence[str], rule: str = "ranges") -> list[dict[str, Any]]:
     """One entry per preset × mismatch present in ``runs`` (summary records; ``per_run`` keyed by their ``dir``):
-    every :data:`RUN_FIELDS` number as median [min–max] over seeds, the mismatch trend, and the two comparisons."""
+    every :data:`RUN_FIELDS` number as median [min–max] over seeds, the mismatch trend, and the two comparisons by
+    ``rule`` (:data:`RULES`; ``"paired"`` compares the seeds both groups ran, seed by seed)."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {list(RULES)}, got {rule!r}")
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["preset"], r["mismatch"]), []).append(r)
@@ -291,15 +348,21 @@ def sweep_stats(runs: Sequence[dict[str, Any]], per_run: dict[str, dict[str, Any
                 entry[name] = spread([s[name] for s in stats])
             entry["mismatch_trend"] = mismatch_trend(stats)
 
-            def stats_of(p: str, m: str) -> list[dict[str, Any]]:
-                return [per_run[r["dir"]] for r in groups.get((p, m), [])]
+            def versus_group(p: str, m: str, against: str, members: list[dict[str, Any]] = members,
+                             stats: list[dict[str, Any]] = stats) -> dict[str, dict[str, Any]]:
+                others = groups.get((p, m), [])
+                if rule == "paired":  # the seeds both groups ran, in seed order
+                    by_seed = {r["seed"]: per_run[r["dir"]] for r in others}
+                    mine = [(r["seed"], s) for r, s in zip(members, stats) if r["seed"] in by_seed]
+                    return compare_measures([s for _, s in mine], [by_seed[k] for k, _ in mine], against, rule)
+                return compare_measures(stats, [per_run[r["dir"]] for r in others], against)
 
             # every measure against naive (same engine) and against the control (same preset, fp32 engine)
             versus: dict[str, dict[str, dict[str, Any]]] = {}
             if reference is not None and preset != reference and groups.get((reference, mismatch)):
-                versus["naive"] = compare_measures(stats, stats_of(reference, mismatch), f"naive, {mismatch}")
+                versus["naive"] = versus_group(reference, mismatch, f"naive, {mismatch}")
             if mismatch != CONTROL and groups.get((preset, CONTROL)):
-                versus["control"] = compare_measures(stats, stats_of(preset, CONTROL), f"{preset}, {CONTROL}")
+                versus["control"] = versus_group(preset, CONTROL, f"{preset}, {CONTROL}")
             entry["versus"] = versus
             entry["vs_naive"] = versus["naive"]["reward_last"] if "naive" in versus else None  # the README's column
             entry["vs_control"] = versus["control"]["reward_last"] if "control" in versus else None
