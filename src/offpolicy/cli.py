@@ -319,6 +319,10 @@ def inspect_command(
                                           "otherwise)."),
     fail_above: str | None = typer.Option(None, "--fail-above", help="CI gate, e.g. kl=1e-3,max_kl=0.05: exit 1 "
                                              "when a report.json metric exceeds its bound."),
+    check_sync: float | None = typer.Option(None, "--check-sync", help="Only check that the engine holds --model's "
+                                            "weights (after a reload): an error when the mean |Δ log p| on a probe "
+                                            "exceeds this many nats per token (the engine's own numerics set it: "
+                                            "1e-3 for an fp32 engine, 0.05 for bf16); no report."),
 ) -> None:
     """Measure a model's training–inference mismatch: full distributions, per layer, thresholds that check themselves."""
     from offpolicy.inspect.gate import parse_bounds
@@ -342,6 +346,10 @@ def inspect_command(
             raise ValueError(f"--layer-threshold must be a finite number > 0, got {layer_threshold!r}")
     except ValueError as err:
         _fail(console, str(err))
+    if check_sync is not None:
+        _check_sync(console, model, rollouts, task=task, prompts=prompts, seed=seed, tolerance=check_sync,
+                    max_new_tokens=max_new_tokens)
+        return
     _make_dir(console, out, "--out")
     threads_before = torch.get_num_threads()
     if threads is None and model in ("tiny", "lab", "tiny-random"):
@@ -360,6 +368,33 @@ def inspect_command(
     finally:
         torch.set_num_threads(threads_before)
     _gate(console, summaries, bounds)
+
+
+def _check_sync(console: Console, model_path: str, rollouts, *, task: str, prompts: int, seed: int,  # noqa: ANN001
+                tolerance: float, max_new_tokens: int) -> None:
+    """``inspect --check-sync``: does each engine hold the model's weights? A probe (8 of the task's prompts, answered
+    by the engine) scored by the engine and by the trainer; one line per engine, exit 1 on the first that does not."""
+    from offpolicy.inspect.compare import _rollout_engine
+    from offpolicy.inspect.run import load_model, task_prompts
+    from offpolicy.rollout.sampling import SamplingConfig
+    from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
+
+    try:
+        if not tolerance > 0:
+            raise ValueError(f"--check-sync must be a number of nats > 0, got {tolerance!r}")
+        model, tokenizer = load_model(model_path)
+        local = str(Path(model_path)) if Path(model_path).is_dir() else None
+        prompt_ids = task_prompts(tokenizer, task, min(prompts, 8), seed=seed)
+        for spec in rollouts:
+            engine = _rollout_engine(model, spec, tokenizer, local, 1, full=False)
+            out = engine.generate(prompt_ids, SamplingConfig(max_new_tokens=min(max_new_tokens, 32)), seed=seed)
+            check = SyncCheck(max_baseline=tolerance)
+            metrics = check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+            console.print(f"sync OK: {spec.describe()} holds {model_path}'s weights: mean |Δ log p| "
+                          f"{metrics['sync/gap']:.3g} nats per token ≤ {tolerance:g} on "
+                          f"{check.probe.n_tokens if check.probe else 0} probe tokens", soft_wrap=True)
+    except ValueError as err:
+        _fail(console, str(err))
 
 
 def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling, *, task: str, prompts: int,  # noqa: ANN001

@@ -30,7 +30,17 @@ def model_copy(tmp_path):
     return folder
 
 
-def test_a_reload_that_leaves_the_tied_head_behind_is_caught(model_copy, vllm_cache):
+def _check_sync_cli(model_dir, url):
+    from typer.testing import CliRunner
+
+    from offpolicy.cli import app
+
+    # an fp32 server against the fp32 trainer: round-off is ~1e-6, so 1e-3 nats per token already means other weights
+    return CliRunner().invoke(app, ["inspect", "--model", str(model_dir), "--rollout", f"server={url}",
+                                    "--check-sync", "1e-3"])
+
+
+def test_a_reload_that_leaves_the_tied_head_behind_is_caught(model_copy, vllm_cache, tmp_path):
     from offpolicy.models import load_model
 
     model, tok = load_model("tiny")
@@ -49,9 +59,16 @@ def test_a_reload_that_leaves_the_tied_head_behind_is_caught(model_copy, vllm_ca
         engine.reload_weights(str(model_copy))  # pause, reload_weights, reset_prefix_cache, resume: all 200
         with pytest.raises(SyncCheckError, match="reload from save_pretrained"):
             check.after_sync(engine, model, what="reload from save_pretrained")
+        trainer_dir = tmp_path / "trainer"  # the trainer's side of `offpolicy inspect --check-sync`: the new weights
+        model.save_pretrained(trainer_dir)
+        tok.save_pretrained(trainer_dir)
+        res = _check_sync_cli(trainer_dir, server.url)
+        assert res.exit_code != 0 and "hold different models" in res.output, res.output
         write_reload_checkpoint(model, model_copy)  # every tensor under its own name, lm_head.weight included
         engine.reload_weights(str(model_copy))
         assert check.after_sync(engine, model, what="reload with the head")["sync/ok"] == 1.0
+        res = _check_sync_cli(trainer_dir, server.url)
+        assert res.exit_code == 0 and "sync OK" in res.output, res.output
 
 
 def _train(out, url, weights_dir, *extra):
