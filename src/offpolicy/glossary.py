@@ -95,6 +95,20 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("time/rollout_s", "seconds the step spent sampling", "", "trainer"),
     Entry("time/step_s", "seconds of the whole step", "", "trainer"),
     Entry("time/tokens_per_s", "sampled tokens per second of the step", "", "trainer"),
+    # -- the weight-sync check (offpolicy.rollout.sync_check; rollout.engine vllm / server) ----------------------------
+    Entry("sync/gap", "mean |log p_engine − log p_trainer| on the probe after this step's weight sync",
+          "vLLM bf16 vs the fp32 trainer: 0.008–0.015 nats; fp32: < 1e-6", "trainer"),
+    Entry("sync/baseline", "the same gap with the same weights on both sides (the run's first sync)",
+          "vLLM bf16 on the lab model: 0.015; above 0.05 is an error (different models)", "trainer"),
+    Entry("sync/ratio", "sync/gap ÷ sync/baseline", "0.4–1.4 on healthy syncs; fails above 4", "trainer"),
+    Entry("sync/stale_fraction", "β: how far back towards the previous sync's weights the engine is (0 took the new "
+          "weights, 1 kept the old)", "−0.08 to 0.01 on healthy syncs; fails above 0.5 once resolved", "trainer"),
+    Entry("sync/step_rms", "how much the update moved the probe's log-probs (root mean square), β's resolution",
+          "", "trainer"),
+    Entry("sync/ok", "1 when the sync passed both tests, 0 when it failed (with rollout.sync_check=warn)", "1",
+          "trainer"),
+    Entry("sync/seconds", "seconds the check took (two forwards of the probe)",
+          "lab model: 0.3–0.8 s under load", "trainer"),
     # -- the loss --------------------------------------------------------------------------------------------------
     Entry("loss/loss", "the policy loss of the step", "", "trainer"),
     Entry("loss/grad_norm", "gradient norm before clipping (clipped at optim.max_grad_norm)",
