@@ -271,13 +271,14 @@ def _agent_loop(server):
 def test_agent_loop_samples_under_the_recipe_and_carries_the_top_k():
     server = StubServer()
     loop = _agent_loop(server)
-    verl_params = {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    # temperature 1: vLLM's prompt log-probs (the top-K) are the raw model's, the sampler's only at T = 1
+    verl_params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
     output = asyncio.run(loop.run(dict(verl_params), priority=0, raw_prompt=[{"role": "user", "content": "hi"}]))
 
     generate, score = server.requests
     assert generate["sampling_params"] == {**verl_params, "min_p": 0.05, "top_k": 20}
     assert score["prompt_ids"] == PROMPT + RESPONSE  # the finished sequence, scored once
-    assert score["sampling_params"] == {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "min_p": 0.05,
+    assert score["sampling_params"] == {"temperature": 1.0, "top_k": 20, "top_p": 1.0, "min_p": 0.05,
                                         "max_tokens": 1, "prompt_logprobs": K}
     # response token j is predicted by row len(PROMPT) − 1 + j: its top id is 100 + 2 + j
     ids, logps = output.extra_fields["rollout_topk_ids"], output.extra_fields["rollout_topk_logprobs"]
@@ -302,6 +303,11 @@ def test_agent_loop_samples_under_the_recipe_and_carries_the_top_k():
     greedy = asyncio.run(loop.run({**verl_params, "temperature": 0.0}, raw_prompt=[]))
     assert "min_p" not in server.requests[2]["sampling_params"]  # validation's greedy requests stay greedy
     assert greedy.response_ids == RESPONSE
+
+    sent = len(server.requests)
+    with pytest.raises(ValueError, match="temperature 0.8.*raw model's at temperature 1"):
+        asyncio.run(loop.run({**verl_params, "temperature": 0.8}, raw_prompt=[]))
+    assert len(server.requests) == sent  # refused before anything is generated
 
 
 def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):

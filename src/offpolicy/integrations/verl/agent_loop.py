@@ -8,10 +8,15 @@ offpolicy_agent``. It is verl's single-turn loop with :func:`recipe_sampling_par
 engine samples from the same truncated distribution the trainer's engine scores (:mod:`.engine`).
 
 Top-K (``topk_logprobs: K``): verl 0.9.1's vLLM server sets ``logprobs`` to 0 (the sampled token only), so the loop
-asks the same server to score the finished sequence once more — ``max_tokens=1``, ``prompt_logprobs=K``, the same
-temperature — and parses the answer (:func:`topk_from_prompt_logprobs`) into
-``extra_fields["rollout_topk_ids"]`` / ``["rollout_topk_logprobs"]`` (lists of response length × K). That is a prefill
-forward, not the decode forward that sampled (see docs/frameworks/verl.md: unverified on a live server).
+asks the same server to score the finished sequence once more — ``max_tokens=1``, ``prompt_logprobs=K`` — and parses
+the answer (:func:`topk_from_prompt_logprobs`) into ``extra_fields["rollout_topk_ids"]`` / ``["rollout_topk_logprobs"]``
+(lists of response length × K). vLLM computes prompt log-probs from the raw logits: no temperature, no top-k / top-p /
+min-p, whatever the request says (vLLM 0.32 ``vllm/v1/worker/gpu_model_runner.py``, "prompt tokens skip sampling
+processors"; checked on a live server in tests/vllm/test_verl_live.py). So the top-K is the raw model's at
+temperature 1 — the sampler's distribution only when the rollout samples at temperature 1 (a recipe's truncation is
+not in it, as it is not in π_old's bounds either). A sampling request at another temperature with ``topk_logprobs`` is
+refused (:func:`check_topk_temperature`); greedy requests (validation) are scored as they are. The scoring request is
+a prefill forward, not the decode forward that sampled: on the live CPU server in float32 the two agree to ~1e-5.
 
 The output is an :class:`OffPolicyAgentLoopOutput`, whose ``as_dict()`` — what verl 0.9's TransferQueue agent loop
 (``AgentLoopWorkerTQ._agent_loop_postprocess``) stores per sample — turns those lists into the tensors
@@ -52,6 +57,26 @@ def recipe_sampling_params(sampling_params: dict[str, Any], settings: VerlSettin
         return out
     out.update(settings.sampling.sampling_params())
     return out
+
+
+def check_topk_temperature(sampling_params: dict[str, Any]) -> None:
+    """Refuse top-K scoring of a rollout sampled at a temperature other than 1 (greedy, 0, is allowed).
+
+    vLLM's ``prompt_logprobs`` are log softmax of the raw logits whatever the request's temperature, so at T ≠ 1 they
+    are not the distribution that sampled, and the engine's bounds (π_old at verl's temperature) and score centering
+    would compare two different distributions.
+
+    >>> check_topk_temperature({"temperature": 1.0})
+    >>> check_topk_temperature({"temperature": 0.7})
+    Traceback (most recent call last):
+    ...
+    ValueError: offpolicy.topk_logprobs: the rollout samples at temperature 0.7, but vLLM's prompt_logprobs (the top-K) are the raw model's at temperature 1: set actor_rollout_ref.rollout.temperature=1.0 or topk_logprobs: 0
+    """
+    t = float(sampling_params.get("temperature", 1.0))
+    if t not in (0.0, 1.0):
+        raise ValueError(f"offpolicy.topk_logprobs: the rollout samples at temperature {t:g}, but vLLM's "
+                         "prompt_logprobs (the top-K) are the raw model's at temperature 1: set "
+                         "actor_rollout_ref.rollout.temperature=1.0 or topk_logprobs: 0")
 
 
 def topk_from_prompt_logprobs(extra_fields: dict[str, Any], n_prompt: int, n_response: int,
@@ -111,8 +136,10 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
         params = recipe_sampling_params(sampling_params, self.offpolicy)
-        output = await super().run(params, priority=priority, **kwargs)
         k = self.offpolicy.topk_logprobs
+        if k > 0:
+            check_topk_temperature(params)  # before the generation: the first request of a run fails
+        output = await super().run(params, priority=priority, **kwargs)
         if k <= 0:
             return output
         ids: list[list[int]] = []

@@ -30,15 +30,16 @@ exactly as the parent class. What it changes:
   (:data:`~offpolicy.integrations.verl.topk.TOPK_IDS_FIELD`, put there by the agent loop), the engine adds two
   outputs laid out as ``log_probs``: the certified lower and upper bounds on KL(μ ‖ π_old) per token
   (:func:`~offpolicy.integrations.verl.topk.topk_kl_bounds`), from the same logits at verl's temperature: π_old is
-  the full softmax(z / T), without the recipe's truncation. verl writes every output of the forward to the
-  TransferQueue; the driver reads them (:mod:`.driver`).
+  the full softmax(z / T), without the recipe's truncation. From vLLM the top-K is the raw model's (prompt log-probs
+  skip the sampler), so the agent loop accepts it only from a rollout at T = 1, where the two agree. verl writes
+  every output of the forward to the TransferQueue; the driver reads them (:mod:`.driver`).
 
 * **Score centering** (``score_centering: true`` with ``topk_logprobs: K``, arXiv 2609.20807): in the update forward
   (grad on) of a batch that carries the rollout's top-K, ``log_probs`` becomes
   ``centered_logp(log_probs, score_center_topk(z / T, ids, logq))`` on every row (prompt rows hold a point mass and
   are dropped by verl like their log-probs): the value is verl's own, the gradient the centred score's
-  (:mod:`offpolicy.objectives.score_centering`; the top-K's log-probs are the tempered sampler's, z / T is verl's
-  temperature). Row-chunked with activation checkpointing, so the extra ``[N, V]`` float32 work is a chunk at a time.
+  (:mod:`offpolicy.objectives.score_centering`; the top-K's log-probs are taken as the tempered sampler's, z / T is
+  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1). Row-chunked with activation checkpointing, so the extra ``[N, V]`` float32 work is a chunk at a time.
 
 The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
 forward.
