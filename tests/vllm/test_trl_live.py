@@ -6,7 +6,9 @@ tied output head behind.
 
 Two processes (tests/vllm/scripts/trl_colocate.py): the methods on a bf16 engine (the real mismatch, ≈ 80 s on two
 idle cores), the sync check's catch and the sampler order on an fp32 engine (its gap is round-off, so a head one
-Adam step behind stands out; ≈ 60 s)."""
+Adam step behind stands out; ≈ 60 s). Server mode (tests/vllm/scripts/trl_server.py) against a live fp32 server of
+its own: TRL's own server mode fails on a CPU trainer; the weights through files instead, every sync checked
+(≈ 70 s with the server's start)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "trl_colocate.py"
+SERVER_SCRIPT = Path(__file__).parent / "scripts" / "trl_server.py"
 METHODS = ["trl_is", "dvp", "trm8", "trm20_max", "m2po", "ipo", "centering"]
 
 
@@ -112,3 +115,35 @@ def test_the_check_stops_a_sync_that_leaves_the_tied_head_behind(fp32):
     assert broken["error"] is not None and broken["error"].startswith("vLLM weight sync at step")
     assert "did not take" in broken["error"]
     assert broken["failed_at_step"] >= 1  # the first sync after an update (the first sync is verified and passes)
+
+
+@pytest.fixture(scope="module")
+def server_runs(run_vllm_script, vllm_servers):
+    # a server of its own (the reloads change its weights): fp32, so the sync check's baseline is round-off
+    server = vllm_servers.get("tiny", "float32", extra_args=("--max-num-seqs", "16"))
+    proc = run_vllm_script(SERVER_SCRIPT, server.url)
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_trls_own_server_mode_cannot_sync_from_a_cpu_trainer(server_runs):
+    # TRL 1.16 opens an NCCL group with the server in GRPOTrainer.__init__: without the server's
+    # --weight-transfer-config it refuses at once; with it, init_communicator raises NotImplementedError on a CPU
+    # device (checked by hand: vLLM's CPU build starts with that flag, but every weight-transfer backend is CUDA's)
+    assert server_runs["trl_plain"].startswith("RuntimeError") and "weight-transfer" in server_runs["trl_plain"]
+
+
+def test_server_mode_syncs_through_files_and_checks_every_sync(server_runs):
+    ok = server_runs["ok"]
+    assert ok["file_sync"] and ok["error"] is None and ok["moved"]
+    assert len(ok["log"]["sync/ok"]) == 4 and all(v == 1.0 for v in ok["log"]["sync/ok"])
+    assert all(g < 1e-4 for g in ok["log"]["sync/gap"])  # fp32 server against the fp32 trainer, after each reload
+    assert max(ok["log"]["sync/step_rms"]) > 0.05  # and the weights did move between syncs
+    # μ from the server: TRL's IS ratio is round-off away from 1 (fp32 on both sides)
+    assert all(abs(r - 1) < 1e-3 for r in ok["log"]["sampling/importance_sampling_ratio/mean"])
+
+
+def test_server_mode_check_stops_a_reload_that_leaves_the_head_behind(server_runs):
+    broken = server_runs["head_left_behind"]
+    assert broken["file_sync"] and broken["error"] is not None and "did not take" in broken["error"]
+    assert broken["failed_at_step"] >= 1
+

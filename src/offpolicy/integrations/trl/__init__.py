@@ -68,11 +68,12 @@ from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sa
 from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
 from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
-from offpolicy.integrations.trl.vllm_sync import extra_llm_kwargs, install_vllm_sync
+from offpolicy.integrations.trl.vllm_sync import FileSync, extra_llm_kwargs, install_vllm_sync, server_sync_choice
 from offpolicy.losses import needs_rollout_logp
 
 __all__ = [
     "ENGINE_ORDERS",
+    "FileSync",
     "OffPolicyGRPOTrainer",
     "TRL_LOSS_TYPES",
     "allreduce_sigma_grad",
@@ -86,6 +87,7 @@ __all__ = [
     "replay_logp",
     "sampled_token_logprobs",
     "sampling_from_trl",
+    "server_sync_choice",
     "topk_divergence",
     "topk_score_center",
     "trl_objective",

@@ -52,10 +52,13 @@ from offpolicy.integrations.trl.topk import (
     topk_score_center,
 )
 from offpolicy.integrations.trl.vllm_sync import (
+    FileSync,
     TRLSyncCheck,
     check_sync_setting,
     extra_llm_kwargs,
     install_vllm_sync,
+    server_sync_choice,
+    uses_files,
     vllm_on_cpu,
 )
 from offpolicy.integrations.versions import check_versions
@@ -223,10 +226,25 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
         * ``alp=True`` or ``{"init_std", "lr", "layers", "layers_path", "seed", "level"}`` — ALP (arXiv 2603.19470):
           noise in the update forward only, ALP's unified-ratio loss at ``level`` (token by default).
         * ``topk_logprobs=K`` — K log-probs per token from vLLM, TRM's divergence from them (``topk_bound``:
-          ``"upper"``, certified, or ``"lower"``); pair with ``correction="trm"``.
+          ``"upper"``, certified, or ``"lower"``); pair with ``correction="trm"``. With the certified bound,
+          ``topk/head_mass``, ``topk/slack_mean`` and ``topk/certifiable_frac`` are logged, and one warning says when
+          the bound is vacuous at this K — its slack alone fails TRM's test — and which K would help
+          (:mod:`offpolicy.topk_advice`).
         * ``score_centering=True`` (with ``topk_logprobs=K``) — score centering (arXiv 2609.20807) on vLLM's top-K
           with the proportional tail: π_θ's log-probs carry the centred score ∇log π_θ(y) − E_q̂[∇log π_θ] (value
           unchanged), for every objective and correction.
+
+        With vLLM (``use_vllm=True``), every weight sync is checked (:mod:`~offpolicy.integrations.trl.vllm_sync`):
+
+        * ``sync_check`` — ``"error"`` (default: a sync after which the engine is far from the trainer raises
+          ``SyncCheckError`` naming the step), ``"warn"``, a ``SyncCheck``, or None; its numbers are logged as
+          ``sync/gap``, ``sync/baseline``, ``sync/ok``, ``sync/seconds``, ``sync/push_seconds``.
+        * ``vllm_kwargs`` — extra ``vllm.LLM`` arguments for TRL's colocated engine (``dtype``, ``max_logprobs``…);
+          on vLLM's CPU build ``enforce_eager=True`` by default, and the colocate sync goes through
+          ``reload_weights`` (TRL's ``load_weights`` fails there).
+        * ``vllm_server_sync`` — server mode: ``"auto"`` (TRL's NCCL transfer on a CUDA trainer, else files),
+          ``"nccl"``, or ``"files"``: the weights written to ``vllm_weights_dir`` (a temporary folder by default; the
+          server must read it) and reloaded through vLLM's dev-mode endpoints.
         """
 
         _last_loaded_step: int  # TRL's: the global step whose weights the vLLM engine holds
@@ -250,6 +268,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
             sync_check: str | SyncCheck | None = "error",
             vllm_kwargs: dict[str, Any] | None = None,
+            vllm_server_sync: str = "auto",
+            vllm_weights_dir: str | None = None,
             **kwargs: Any,
         ) -> None:
             check_versions("trl", "torch", user="offpolicy's TRL trainer")  # before TRL's own init can fail on it
@@ -268,7 +288,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             if dvp_rho is not None:
                 args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
             check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine
-            with extra_llm_kwargs(_colocate_llm_kwargs(_grpo_args(args, kwargs), vllm_kwargs, topk_logprobs)):
+            cfg = _grpo_args(args, kwargs)
+            with extra_llm_kwargs(_colocate_llm_kwargs(cfg, vllm_kwargs, topk_logprobs)), \
+                    server_sync_choice(cfg, vllm_server_sync):
                 super().__init__(*args, **kwargs)
             train_args = getattr(self, "args", None)
             if getattr(train_args, "use_vllm", False):
@@ -325,7 +347,8 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             # the vLLM weight sync: through reload_weights on the CPU backend, verified after every sync
             self.offpolicy_sync: TRLSyncCheck | None = None
             if getattr(train_args, "use_vllm", False) and hasattr(getattr(self, "vllm_generation", None), "sync_weights"):
-                self.offpolicy_sync = install_vllm_sync(self, sync_check)
+                file_sync = FileSync(self.vllm_generation, vllm_weights_dir) if uses_files(self.vllm_generation) else None
+                self.offpolicy_sync = install_vllm_sync(self, sync_check, files=file_sync)
 
         # -- construction helpers --------------------------------------------------------------------------------
         def _check_topk(self, train_args: Any) -> None:

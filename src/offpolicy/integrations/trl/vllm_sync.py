@@ -8,21 +8,31 @@ weight for oneDNN after loading and leaves a parameter without ``weight_loader``
 the worker's ``reload_weights`` (:func:`offpolicy.rollout.vllm.push_weights`), every tied alias under its own name.
 
 :class:`TRLSyncCheck` runs :class:`offpolicy.rollout.sync_check.SyncCheck` around TRL's syncs: it measures the
-engine–trainer gap on a fixed probe before the first sync (both hold the checkpoint's weights; if they do not —
-the trainer's model was changed after loading — right after the first sync instead), then after every sync; a sync that did not take raises :class:`~offpolicy.rollout.sync_check.SyncCheckError` naming the step (or, with
-``"warn"``, logs it). The engine scores the probe through vLLM's prompt log-probs: the in-process ``LLM`` in colocate
-mode, the server's ``/v1/completions`` (TRL's ``VLLMClient.get_sequence_logprobs``) in server mode.
+engine–trainer gap on a fixed probe before the first sync (both hold the checkpoint's weights; if they do not — the
+trainer's model was changed after loading — right after the first sync instead), then after every sync; a sync that
+did not take raises :class:`~offpolicy.rollout.sync_check.SyncCheckError` naming the step (or, with ``"warn"``,
+logs it). The engine scores the probe through vLLM's prompt log-probs: the in-process ``LLM`` in colocate mode, the
+server's ``/v1/completions`` (TRL's ``VLLMClient.get_sequence_logprobs``) in server mode.
 
-What the check can see: the engine against the trainer's *current* weights. A sync that fails while the weights
-barely move (one step at a small learning rate) leaves a gap inside the engine's own numerical noise (bf16 ≈ 0.01
-nats per token on the embedded models); the drift then accumulates over later syncs and is caught once it exceeds
-``factor × baseline``. An fp32 engine (baseline ≈ 1e-6, threshold the 1e-3 floor) sees far smaller failures.
+Server mode on a CPU trainer: TRL 1.16 opens an NCCL group with the server in ``GRPOTrainer.__init__``
+(``VLLMClient.init_communicator``), which raises on a device that is not CUDA — every weight-transfer backend of
+vLLM 0.32 (``nccl``, ``ipc``, …) is CUDA's — and refuses a server started without ``--weight-transfer-config``.
+:func:`server_sync_choice` skips the group there and :class:`FileSync` sends the weights through a folder the server
+reads (vLLM's dev-mode ``reload_weights(weights_path=...)``).
+
+What the check can see: the engine against the trainer's *current* weights, at the engine's own noise. A tied head
+left behind is a few per cent of one Adam step on the probe: at lr 1e-3 on the embedded tiny model about 0.006 nats
+per token — 6× the fp32 engine's threshold (its 1e-3 floor; caught at the first sync after the update), but under a
+bf16 engine's (4× its ≈ 0.01 baseline: not flagged until the head has fallen further behind). A sync that misses
+most of the weights is caught at once on either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +44,7 @@ from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncChec
 logger = logging.getLogger(__name__)
 
 PROBE_ROWS, PROBE_PROMPT, PROBE_COMPLETION = 4, 8, 16
+SERVER_SYNCS = ("auto", "nccl", "files")
 
 
 def vllm_on_cpu() -> bool:
@@ -97,6 +108,84 @@ def colocate_sync(generation: Any) -> None:
         generation.llm.wake_up(tags=["weights"])
         generation._llm_weights_sleeping = False
     push_weights(generation.llm, trl_named_weights(generation))
+
+
+def check_server_sync(setting: str) -> str:
+    """``vllm_server_sync``: ``"auto"`` (files when the trainer is not on a CUDA device — TRL's NCCL transfer needs
+    one — else TRL's own), ``"nccl"`` (TRL's own), ``"files"`` (:class:`FileSync`)."""
+    if setting not in SERVER_SYNCS:
+        raise ValueError(f"vllm_server_sync must be one of {SERVER_SYNCS}, got {setting!r}")
+    return setting
+
+
+@contextlib.contextmanager
+def server_sync_choice(cfg: Any, setting: str) -> Iterator[None]:
+    """While TRL's ``GRPOTrainer.__init__`` runs in server mode, decide how weights will reach the server when TRL
+    opens its NCCL group (``VLLMClient.init_communicator``, which raises on a CPU trainer and without the server's
+    ``--weight-transfer-config``): with ``"files"``, or ``"auto"`` on a device that is not CUDA, the group is not
+    opened and the client is marked (:func:`uses_files`) for :class:`FileSync`; otherwise TRL opens it as usual."""
+    check_server_sync(setting)
+    if setting == "nccl" or not (getattr(cfg, "use_vllm", False) and getattr(cfg, "vllm_mode", None) == "server"):
+        yield
+        return
+    from trl.generation.vllm_client import VLLMClient
+
+    original = VLLMClient.init_communicator
+
+    def choose(self: Any, device: Any = 0) -> None:
+        kind = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if setting == "files" or kind.type != "cuda":
+            self.communicator = None
+            self.offpolicy_file_sync = True
+            return
+        original(self, device)
+
+    setattr(VLLMClient, "init_communicator", choose)  # noqa: B010 - restored below
+    try:
+        yield
+    finally:
+        setattr(VLLMClient, "init_communicator", original)  # noqa: B010
+
+
+def uses_files(generation: Any) -> bool:
+    """Whether :func:`server_sync_choice` chose :class:`FileSync` for this ``VLLMGeneration``."""
+    return bool(getattr(getattr(generation, "vllm_client", None), "offpolicy_file_sync", False))
+
+
+class FileSync:
+    """Server mode without NCCL: every tensor TRL would broadcast (:func:`trl_named_weights`, the tied head under
+    its own name) is written to ``folder/model.safetensors`` (a temporary file, renamed), then the server reloads
+    it — vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/pause``, ``/collective_rpc`` with
+    ``reload_weights(weights_path=folder)``, ``/reset_prefix_cache``, ``/resume``. The server must read ``folder``
+    (same machine or a shared file system); 0.5–1 s for the tiny model on CPU. Every process takes part in TRL's
+    gathers; the main process writes and calls."""
+
+    def __init__(self, generation: Any, folder: str | os.PathLike | None = None) -> None:
+        self.generation = generation
+        self.folder = str(folder) if folder is not None else tempfile.mkdtemp(prefix="offpolicy-vllm-weights-")
+        os.makedirs(self.folder, exist_ok=True)
+
+    def __call__(self) -> None:
+        from safetensors.torch import save_file
+
+        from offpolicy.rollout.servers import post_json
+
+        main = bool(getattr(self.generation.accelerator, "is_main_process", True))
+        tensors = {}
+        for name, tensor in trl_named_weights(self.generation):
+            if main:  # a tied alias shares memory with its first name: safetensors wants separate storage
+                tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+        if not main:
+            return
+        tmp = os.path.join(self.folder, ".model.safetensors.tmp")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(self.folder, "model.safetensors"))
+        url = self.generation.vllm_client.base_url
+        for step, body in (("/pause", {}),
+                           ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder}}),
+                           ("/reset_prefix_cache", {}), ("/resume", {})):
+            post_json(url + step, body, timeout=float(getattr(self.generation, "server_timeout", 240.0)),
+                      what=f"vLLM weight reload {step}")
 
 
 class ColocateScorer:
@@ -231,12 +320,13 @@ def _eval(model: torch.nn.Module) -> Iterator[None]:
         model.train(training)
 
 
-def install_vllm_sync(trainer: Any, sync_check: str | SyncCheck | None = "error") -> TRLSyncCheck:
+def install_vllm_sync(trainer: Any, sync_check: str | SyncCheck | None = "error", *,
+                      files: FileSync | None = None) -> TRLSyncCheck:
     """Replace ``trainer.vllm_generation.sync_weights`` (a TRL 1.16 ``GRPOTrainer`` with ``use_vllm=True``; TRL calls
     it before each step's first generation) with TRL's own push — or :func:`colocate_sync` on vLLM's CPU backend,
     where TRL's ``load_weights`` fails — wrapped in the sync check (``sync_check``: see :func:`check_sync_setting`),
-    whose numbers go to TRL's log as ``sync/…``. ``OffPolicyGRPOTrainer`` calls it itself; use it on a plain
-    ``GRPOTrainer``::
+    whose numbers go to TRL's log as ``sync/…``; ``files`` (server mode): push through :class:`FileSync` instead of
+    TRL's NCCL transfer. ``OffPolicyGRPOTrainer`` calls it itself; use it on a plain ``GRPOTrainer``::
 
         with extra_llm_kwargs({"enforce_eager": True}):
             trainer = GRPOTrainer(..., args=GRPOConfig(..., use_vllm=True, vllm_mode="colocate"))
@@ -248,7 +338,9 @@ def install_vllm_sync(trainer: Any, sync_check: str | SyncCheck | None = "error"
     if isinstance(generation.sync_weights, TRLSyncCheck):
         raise ValueError("trainer: its vLLM sync is already wrapped by install_vllm_sync")
     check = check_sync_setting(sync_check)
-    if generation.mode == "colocate" and vllm_on_cpu():
+    if files is not None:
+        push: Any = files
+    elif generation.mode == "colocate" and vllm_on_cpu():
         def push() -> None:
             colocate_sync(generation)
     else:
