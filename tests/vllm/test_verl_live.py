@@ -1,10 +1,11 @@
-"""The verl plug-in's rollout path against live vLLM: verl 0.9.1's own vLLM server (``vLLMHttpServer`` in a Ray actor,
-vLLM's ``AsyncLLM`` inside) on vLLM's CPU build, the tiny model in float32, reached through verl's own client and load
-balancer — the requests the stub in tests/integrations/test_verl_plugin.py records are replayed against it, and the
-plug-in's agent loop runs end to end; then verl's weight sync into the same server.
+"""The verl plug-in's rollout path against live vLLM: verl 0.9.1's own rollout stack (``LLMServerManager``, standalone:
+``vLLMReplica`` → ``vLLMHttpServer`` in a Ray actor, vLLM's ``AsyncLLM`` inside, the load balancer and
+``LLMServerClient``) on vLLM's CPU build with the tiny model in float32. The requests the stub in
+tests/integrations/test_verl_plugin.py records are replayed against it, the plug-in's agent loop runs end to end
+through verl's client, then verl's weight sync goes into the same server, judged by the sync check.
 
-One script run for the module (tests/vllm/scripts/verl_server.py, ≈ 2–4 min on two busy cores: Ray, then vLLM's
-start-up; each request then takes well under a second)."""
+One script run for the module (tests/vllm/scripts/verl_server.py: ≈ 4–6 min on two busy cores — Ray, vLLM's start-up,
+the first request, a 20 s wait on verl's stuck sync; every other request well under a second)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def live(run_vllm_script):
 
 
 def test_verls_own_vllm_server_starts_on_cpu_and_answers(live):
-    assert live["startup_s"] > 0
+    assert live["startup_s"] > 0 and live["server_actor"] == "vLLMReplica"
     gen = live["generate"]
     assert gen["fields"] == gen["stub_fields"]  # both verl's TokenOutput
     assert 1 <= len(gen["token_ids"]) <= 8 and gen["stop_reason"] == "completed"  # response_length 8

@@ -1,6 +1,8 @@
-"""verl 0.9.1's own vLLM server (``vLLMHttpServer``, a Ray actor running vLLM's ``AsyncLLM``) on vLLM's CPU build, with
-the embedded tiny model in float32; the plug-in's agent loop through verl's own client (``LLMServerClient`` + its load
-balancer); verl's weight sync (``ServerAdapter.update_weights``). Prints ``RESULT {json}``.
+"""verl 0.9.1's own rollout stack on vLLM's CPU build — ``LLMServerManager`` in standalone mode: a Ray resource pool,
+a ``CheckpointEngineWorker``, ``vLLMReplica``'s server actor ``vLLMHttpServer`` (vLLM's ``AsyncLLM`` inside), the
+global load balancer and the ``LLMServerClient`` that agent loops call — with the embedded tiny model in float32; the
+plug-in's agent loop through that client; verl's weight sync (``ServerAdapter.update_weights``) into the same server,
+judged by the sync check. Prints ``RESULT {json}``.
 
 Run by tests/vllm/test_verl_live.py (vLLM must not live inside the pytest process). What a CPU machine lacks:
 
@@ -9,6 +11,9 @@ Run by tests/vllm/test_verl_live.py (vLLM must not live inside the pytest proces
   ``ValueError: vllm version None not supported``. A metadata-only alias (a ``vllm-<version>+cpu.dist-info`` folder
   on ``PYTHONPATH``, no code) answers that look-up; the ``+cpu`` matters: vLLM's own platform detection reads the same
   distribution's version and picks the CPU platform only when it contains ``cpu``.
+* verl's resource pool asks Ray for a GPU per replica (``ValueError: Total available GPUs 0 is less than total desired
+  GPUs 1``, ``verl/single_controller/ray/base.py``): Ray is started with one logical GPU, which vLLM's CPU build
+  never touches.
 * verl's device layer falls back to CUDA without an accelerator; the weight sender needs the CPU platform of
   tests/integrations/test_verl_actor.py (shared memory instead of CUDA IPC, as on NPUs).
 
@@ -54,16 +59,28 @@ def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"[-3000:]
 
 
-async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
-    import ray
-    import torch
+def rollout_config(path: str):
+    """verl's trainer config (its generated defaults) with the rollout set for one CPU replica of the tiny model in
+    float32: ``actor_rollout_ref.{rollout, model}``, what ``LLMServerManager`` reads."""
+    import verl
     from omegaconf import OmegaConf
+
+    full = OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+    rollout = OmegaConf.create(OmegaConf.to_container(full.actor_rollout_ref.rollout, resolve=True))
+    rollout.update(name="vllm", nnodes=1, n_gpus_per_node=1, tensor_model_parallel_size=1, enforce_eager=True,
+                   load_format="auto", enable_sleep_mode=False, free_cache_engine=False, max_model_len=256,
+                   prompt_length=8, response_length=8, dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
+                   skip_tokenizer_init=False, seed=0)
+    model = OmegaConf.create(OmegaConf.to_container(full.actor_rollout_ref.model, resolve=True))
+    model.path = path
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": rollout, "model": model}})
+
+
+async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
+    import torch
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
-    from verl.workers.config import HFModelConfig, RolloutConfig
-    from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.replica import RolloutMode
-    from verl.workers.rollout.router import get_router_handle
-    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.llm_server import LLMServerManager
 
     from offpolicy.integrations.verl.agent_loop import topk_from_prompt_logprobs
     from offpolicy.integrations.verl.engine import recipe_log_probs
@@ -73,24 +90,17 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
 
     stub = load_test_module("verl_plugin_stub", TESTS / "integrations" / "test_verl_plugin.py")
     k = stub.K
-    path = str(model_path("tiny"))
-    rollout = RolloutConfig(name="vllm", tensor_model_parallel_size=1, enforce_eager=True, load_format="auto",
-                            enable_sleep_mode=False, free_cache_engine=False, max_model_len=256, prompt_length=8,
-                            response_length=8, dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
-                            skip_tokenizer_init=False, seed=0)
-    hf_config = HFModelConfig(path=path)
+    config = rollout_config(str(model_path("tiny")))
     start = time.perf_counter()
-    # as vLLMReplica.launch_servers names and starts it (standalone mode: no training workers to colocate with)
-    server = ray.remote(vLLMHttpServer).options(name="vllm_server_0_0", max_concurrency=64, num_cpus=0).remote(
-        config=rollout, model_config=hf_config, rollout_mode=RolloutMode.STANDALONE, workers=[], replica_rank=0,
-        node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="")
-    await server.launch_server.remote()
-    address, port = await server.get_server_address.remote()
+    # verl's own rollout stack, standalone mode: a resource pool, a CheckpointEngineWorker, vLLMReplica's server
+    # actor (vLLMHttpServer, vLLM's AsyncLLM inside), the global load balancer, and the client agent loops get
+    manager = await LLMServerManager.create(config)
+    client = manager.get_client()
     result["startup_s"] = time.perf_counter() - start
+    result["server_actor"] = type(manager.rollout_replicas[0]).__name__
     print(f"verl's vLLM server is up after {result['startup_s']:.0f} s", flush=True)
-    # verl's own client and load balancer, as LLMServerManager.get_client builds them
-    balancer = get_router_handle(servers={f"{address}:{port}": server})
-    client = LLMServerClient(OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}), balancer)
+    rollout = manager.rollout_replicas[0].config
+    hf_config = HFModelConfig(path=str(model_path("tiny")))
 
     model, _ = load_model("tiny")
     model = model.float().eval()
@@ -266,7 +276,8 @@ if __name__ == "__main__":
     env_keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR",
                 "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OFFPOLICY_CACHE", "PYTHONPATH")
     env = {key: os.environ[key] for key in env_keys if key in os.environ}
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 1024**2, runtime_env={"env_vars": env},
+    # one logical GPU: verl's resource pool asks Ray for one per replica (vLLM's CPU build ignores the device ids)
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, object_store_memory=100 * 1024**2, runtime_env={"env_vars": env},
              namespace="offpolicy-verl-live")
     result: dict = {}
     try:
