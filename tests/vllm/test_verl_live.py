@@ -18,6 +18,8 @@ import pytest
 if importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None:
     pytest.skip("verl (with ray) is not installed: verl's own vLLM server cannot run", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # ≈ 5 min for the module, nearly all of it the script's start-up (module docstring)
+
 SCRIPT = Path(__file__).parent / "scripts" / "verl_server.py"
 K = 3  # the stub's K
 
