@@ -275,24 +275,3 @@ def test_logits_path_with_minus_inf_logits_matches_the_pruned_vocabulary():
     assert torch.isfinite(gi).all()
     torch.testing.assert_close(gi[:, :6], gr)
     assert torch.all(gi[:, 6:] == 0)
-
-
-@pytest.mark.parametrize("budget", [4 * 7 * 2, 4 * 7 * 3, 2**20])  # 2 rows, 3 rows, all 11 rows per chunk
-def test_checkpointed_row_chunks_equals_one_pass_in_value_and_gradient(budget):
-    from offpolicy.kernels.chunking import checkpointed_row_chunks
-
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(11, 7, generator=g, requires_grad=True)
-    w = torch.randn(7, generator=g, requires_grad=True)
-    ids = torch.randint(0, 7, (11,), generator=g)
-
-    def stat(z_rows, ids_rows, weight):  # a per-row statistic with a [rows, 7] intermediate: logsumexp − z_y, weighted
-        return torch.logsumexp(z_rows * weight, -1) - (z_rows * weight).gather(-1, ids_rows[:, None]).squeeze(-1)
-
-    chunked = checkpointed_row_chunks(stat, (z, ids), (w,), width=7, buffers=1, memory_budget_bytes=budget)
-    whole = stat(z, ids, w)
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
-    grads = torch.autograd.grad(chunked.sum(), (z, w))
-    torch.testing.assert_close(grads, torch.autograd.grad(whole.sum(), (z, w)), rtol=1e-6, atol=1e-6)
-    empty = checkpointed_row_chunks(stat, (z[:0], ids[:0]), (w,), width=7, buffers=1)
-    assert empty.shape == (0,) and empty.dtype == torch.float32

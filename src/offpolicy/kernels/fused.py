@@ -27,7 +27,7 @@ chunks when at least ``ROW_PATH_MIN_ROWS`` rows fit (one pass); otherwise it str
 max / rescaled sums, plus a second pass for min-p (needs the final max) and exact TV (needs both normalisers). The
 backward is always 2-D tiled, so each slice of ∂W is written once per row block. All softmax arithmetic is float32
 (float64 if the inputs are float64, which is what ``gradcheck`` needs) whatever the input dtype; bf16/fp16 weights
-are up-cast once (a [V, H] float32 copy). The min-p safe set is fixed during backpropagation (DVP §5.5). Targets
+are up-cast one vocabulary slice at a time, as each tile needs it (never a [V, H] float32 copy). The min-p safe set is fixed during backpropagation (DVP §5.5). Targets
 equal to ``ignore_index`` give 0 for every output and no gradient. The rollout's tensors are data: no gradient.
 
 Gradients w.r.t. z (p = softmax(z), onehot at y; each is multiplied by its output's incoming gradient):
@@ -572,13 +572,12 @@ class _FusedLinearStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, rollout, topk_logp, topk_ids, cfg):
         dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
-        w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         inv_t = 1.0 / cfg.temperature
 
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
-            h, weight_slice = hidden[a:c].to(dtype), w[v0:v1]
-            logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, w.device)
+            h, weight_slice = hidden[a:c].to(dtype), weight[v0:v1].to(dtype)  # a 16-bit head: this slice up-cast
+            logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, weight.device)
             if b is None:
                 logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)
             else:  # a −inf bias entry (masked vocabulary) must not turn 0 · z into NaN
@@ -605,7 +604,6 @@ class _FusedLinearStats(torch.autograd.Function):
         if not go or not (need_h or need_w or need_b):
             return (None,) * 8
         stats = dict(zip(ctx.keys, saved))
-        w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         inv_t = 1.0 / cfg.temperature
         grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
@@ -619,7 +617,7 @@ class _FusedLinearStats(torch.autograd.Function):
             stats_rows = {k: v[a:c] for k, v in stats.items()}
             grads_rows = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
-                weight_slice = w[v0:v1]
+                weight_slice = weight[v0:v1].to(dtype)  # a 16-bit head: this slice up-cast, no [V, H] copy
                 logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, hidden.device)
                 if b is None:
                     logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)

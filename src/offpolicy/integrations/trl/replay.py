@@ -15,23 +15,22 @@ filters leave (after the penalties), i.e. the engine's processed log-prob μ eva
 it is the fused kernel (:func:`offpolicy.kernels.fused_token_stats`: DVP's min-p statistics, no ``[N, V]`` tensor at
 all); otherwise each chunk of rows builds its ``[rows, V]`` logits, replays the filters with
 :func:`offpolicy.corrections.vocabulary.replay_support_logp`, and is recomputed in the backward pass
-(activation checkpointing), so at most one chunk's ``[rows, V]`` scratch is alive at a time.
+(:func:`offpolicy.kernels.row_maps.head_row_map`), so at most one chunk's ``[rows, V]`` scratch is alive at a time.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from offpolicy.corrections.vocabulary import SUPPORT_ORDER, replay_support_logp
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.fused import fused_token_stats
+from offpolicy.kernels.row_maps import head_row_map
 from offpolicy.rollout.sampling import TRUNCATION_ORDER, SamplingConfig, TokenHistory, apply_history_processors
 
 # the filter order of each engine TRL can generate with
@@ -145,11 +144,9 @@ class ReplayedLogProbs(NamedTuple):
     mass: Tensor
 
 
-def _chunk_scores(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, recipe: SamplingConfig,
-                  order: Sequence[str], history: TokenHistory | None) -> tuple[Tensor, Tensor, Tensor]:
-    z = h.float() @ weight.float().T
-    if bias is not None:
-        z = z + bias.float()
+def _chunk_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str],
+                  history: TokenHistory | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, inside, mass) of one chunk's float32 logits ``z`` [rows, V]."""
     if recipe.reads_history:
         z = apply_history_processors(z, recipe, history)
     logp, inside = replay_support_logp(z, targets, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
@@ -179,7 +176,7 @@ def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: Samplin
     """
     if sorted(order) != sorted(SUPPORT_ORDER):
         raise ValueError(f"order must be a permutation of {SUPPORT_ORDER}, got {tuple(order)!r}")
-    n, vocab = hidden.shape[0], weight.shape[0]
+    vocab = weight.shape[0]
     if recipe.reads_history and history is None:
         raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
     if recipe.top_k is None and recipe.top_p is None and not recipe.reads_history and not recipe.logit_bias \
@@ -192,18 +189,10 @@ def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: Samplin
             return ReplayedLogProbs(s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp))
         assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
         return ReplayedLogProbs(s.minp_logp, s.minp_inside, s.minp_mass.detach())
-    # scratch per row: logits, z / T, support mask, sort values + indices, cumsum, and the history's two [rows, V]
-    rows = chunk_rows(n, vocab, buffers=8, memory_budget_bytes=memory_budget_bytes)
-    parts = []
-    for a, b in row_chunks(n, rows):
+    def scores(z: Tensor, a: int, b: int) -> tuple[Tensor, Tensor, Tensor]:
         hist = history.chunk(a, b, vocab) if recipe.reads_history else None  # type: ignore[union-attr]
-        fn = functools.partial(_chunk_scores, targets=targets[a:b], recipe=recipe, order=order, history=hist)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            parts.append(checkpoint(fn, hidden[a:b], weight, bias, use_reentrant=False))
-        else:
-            parts.append(fn(hidden[a:b], weight, bias))
-    if not parts:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return ReplayedLogProbs(empty, torch.zeros(0, dtype=torch.bool, device=hidden.device), empty)
-    logp, inside, mass = (torch.cat(x) for x in zip(*parts))
+        return _chunk_scores(z, targets[a:b], recipe, order, hist)
+
+    # scratch per row: logits, z / T, support mask, sort values + indices, cumsum, and the history's two [rows, V]
+    logp, inside, mass = head_row_map(scores, hidden, weight, bias, buffers=8, memory_budget_bytes=memory_budget_bytes)
     return ReplayedLogProbs(logp, inside, mass)

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, checkpointed_row_chunks, chunk_rows, row_chunks
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+from offpolicy.kernels.row_maps import head_logits, head_row_map
 from offpolicy.objectives.score_centering import score_center_topk
 from offpolicy.topk_advice import own_topk_slack
 
@@ -122,23 +123,13 @@ def topk_divergence(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids:
     n, vocab = hidden.shape[0], weight.shape[0]
     lower, upper = [], []
     for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=8, memory_budget_bytes=memory_budget_bytes)):
-        z = hidden[a:b].float() @ weight.float().T
-        if bias is not None:
-            z = z + bias.float()
+        z = head_logits(hidden[a:b], weight, bias, slice_bytes=memory_budget_bytes // 4)
         lower.append(topk_kl_lower_bound(topk_logp[a:b], topk_ids[a:b], z, temperature=temperature))
         upper.append(topk_kl_upper_bound(topk_logp[a:b], topk_ids[a:b], z, temperature=temperature))
     if not lower:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(lower), torch.cat(upper)
-
-
-def _center_chunk(hidden: Tensor, topk_logp: Tensor, topk_ids: Tensor, weight: Tensor, bias: Tensor | None,
-                  temperature: float) -> Tensor:
-    z = hidden.float() @ weight.float().T
-    if bias is not None:
-        z = z + bias.float()
-    return score_center_topk(z, topk_ids, topk_logp, temperature=temperature)
 
 
 def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids: Tensor, *,
@@ -148,7 +139,8 @@ def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_id
     (:func:`~offpolicy.objectives.score_centering.score_center_topk`, the proportional tail) from the engine's top-k
     ``topk_logp`` / ``topk_ids`` [N, K] and the trainer's logits ``hidden`` [N, H] × ``weight`` [V, H] (+ ``bias``)
     at ``temperature``; differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (logit gradient (q̂ − p)/T). Rows are
-    chunked within ``memory_budget_bytes`` and each chunk's ``[rows, V]`` logits are recomputed in the backward pass.
+    chunked within ``memory_budget_bytes`` and each chunk's ``[rows, V]`` logits are recomputed in the backward pass
+    (:func:`offpolicy.kernels.row_maps.head_row_map`).
 
     >>> # W = I, so z = h = 0 and p = ⅓ each; the engine's head H = {0}, q_0 = 0.6: κ = 0.4/(2/3) = 0.6, q̂ = (0.6, 0.2, 0.2)
     >>> h = torch.zeros(1, 3, requires_grad=True)
@@ -156,8 +148,10 @@ def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_id
     >>> torch.autograd.grad(c.sum(), h)[0]   # q̂ − p
     tensor([[ 0.2667, -0.1333, -0.1333]])
     """
-    return checkpointed_row_chunks(_center_chunk, (hidden, topk_logp, topk_ids), (weight, bias, temperature),
-                                   width=weight.shape[0], buffers=4, memory_budget_bytes=memory_budget_bytes)
+    def centre(z: Tensor, a: int, b: int) -> tuple[Tensor]:
+        return (score_center_topk(z, topk_ids[a:b], topk_logp[a:b], temperature=temperature),)
+
+    return head_row_map(centre, hidden, weight, bias, buffers=4, memory_budget_bytes=memory_budget_bytes)[0]
 
 
 @torch.no_grad()

@@ -67,7 +67,8 @@ from offpolicy.integrations.verl.topk import (
     topk_kl_bounds,
     topk_rows,
 )
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, checkpointed_row_chunks
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.kernels.row_maps import logits_row_map
 from offpolicy.objectives.score_centering import centered_logp, score_center_topk
 from offpolicy.perturbation import LayerwisePerturbation
 
@@ -75,9 +76,12 @@ ALP_CHECKPOINT = "offpolicy_alp.pt"
 VLLM_ORDER = ("min_p", "top_k", "top_p")
 
 
-def recipe_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float, settings: VerlSettings) -> Tensor:
+def recipe_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float, settings: VerlSettings, *,
+                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
     """log π^recipe(labels) from ``logits`` [N, V] (raw, before temperature), ``labels`` [N], ``temperature`` a float
-    or [N] per token: float32 [N], differentiable w.r.t. ``logits``.
+    or [N] per token: float32 [N], differentiable w.r.t. ``logits``. Row-chunked within ``memory_budget_bytes``
+    (:func:`offpolicy.kernels.row_maps.logits_row_map`): no float32 or tempered copy of the whole logits, and the
+    gradient is the logits' own ``[N, V]``.
 
     >>> from offpolicy.integrations.verl.settings import parse_settings
     >>> # z = (2, 0, −30), ρ = 1e−6 prunes token 2: log π^mp(1) = −log(e² + 1) = −2.1269
@@ -86,16 +90,20 @@ def recipe_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float
     tensor([-2.1269])
     """
     recipe = settings.sampling
-    z = logits.float()
-    if isinstance(temperature, Tensor):
-        z = z / temperature.float().clamp(min=1e-8).reshape(-1, 1)
-    elif temperature != 1.0:
-        z = z / float(temperature)
-    if recipe.dvp_only:
-        return constrained_logp(z, labels, rho=recipe.min_p).logp  # type: ignore[arg-type]
-    logp, _ = replay_support_logp(z, labels, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                                  order=VLLM_ORDER)
-    return logp
+    n = logits.shape[0]
+    t = (temperature.float().clamp(min=1e-8).reshape(-1, 1).expand(n, 1) if isinstance(temperature, Tensor)
+         else torch.full((n, 1), float(temperature), device=logits.device))
+
+    def chunk(z: Tensor, a: int, b: int) -> tuple[Tensor]:
+        z = z / t[a:b]
+        if recipe.dvp_only:
+            return (constrained_logp(z, labels[a:b], rho=recipe.min_p).logp,)  # type: ignore[arg-type]
+        logp, _ = replay_support_logp(z, labels[a:b], top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
+                                      order=VLLM_ORDER)
+        return (logp,)
+
+    # scratch per row (replay): z / T, support mask, sort values + indices, softmax, cumsum, the masked logits
+    return logits_row_map(chunk, logits, buffers=8, memory_budget_bytes=memory_budget_bytes)[0]
 
 
 def rollout_log_probs(micro_batch: Any) -> Tensor | None:
@@ -250,8 +258,11 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         differentiable w.r.t. ``flat``; row chunks recomputed in the backward (no [N, V] float32 copy kept)."""
         logq, ids = self._topk_head(flat, micro_batch)
         t = temperature.float().clamp(min=1e-8).reshape(-1, 1)
-        return checkpointed_row_chunks(_tempered_center, (flat, t, ids, logq), width=flat.shape[1], buffers=4,
-                                       memory_budget_bytes=memory_budget_bytes)
+
+        def centre(z: Tensor, a: int, b: int) -> tuple[Tensor]:
+            return (_tempered_center(z, t[a:b], ids[a:b], logq[a:b]),)
+
+        return logits_row_map(centre, flat, buffers=4, memory_budget_bytes=memory_budget_bytes)[0]
 
     def _flat_logits(self, output: Any, output_args: dict, micro_batch: Any) -> tuple[Tensor, Tensor, Any]:
         """The forward's raw logits as rows [N (+ pad), V], the temperature per row [N (+ pad)], and the function

@@ -1,0 +1,167 @@
+"""Per-row statistics of full logit rows, one row chunk at a time, differentiated chunk by chunk.
+
+Some statistics need whole ``[rows, V]`` logit rows and are written with ordinary tensor operations that autograd
+differentiates (sampling replay's truncated support, score centering's top-K centre). Over ``N`` rows of a 150k
+vocabulary they must not build an ``[N, V]`` tensor, and the gradient must not cost more than the logits' own:
+
+* :func:`head_row_map` — from hidden states ``h`` [N, H] and the lm_head ``W`` [V, H] (+ bias): each chunk's logits
+  ``z = h Wᵀ + b`` in float32, ``fn(z, a, b)``; the backward recomputes ``z`` per chunk, takes ∂fn/∂z from autograd
+  and pushes it through the matmul itself, into one float32 ∂W (and ∂h, ∂b) accumulated in place. (Autograd through
+  a checkpointed ``h[a:b] @ W.T`` would allocate a fresh ``[V, H]`` gradient for every chunk, accumulate it in W's
+  dtype — bf16 sums lose digits chunk by chunk — and an ``[N, H]`` zero tensor for every slice of ``h``.) A 16-bit
+  head is up-cast one vocabulary slice (a quarter of the budget) at a time, never as a whole ``[V, H]`` float32
+  copy; each chunk re-reads it, which costs time on such a head (V·H conversions per chunk) but no memory.
+* :func:`logits_row_map` — from logits already materialised ``[N, V]`` (verl's engine hands them over): each chunk
+  ``fn(logits[a:b], a, b)``; the backward writes each chunk's ∂fn/∂z into one ``[N, V]`` gradient of the logits'
+  dtype (the logits' own gradient, which their producer needs anyway), not a zero-padded ``[N, V]`` per chunk.
+
+``fn(z, a, b)`` gets the chunk's float32 logits ``z`` [b − a, V] (differentiable) and its row range, and returns a
+tuple whose first entry is the differentiable result ``[b − a]`` and whose other entries (any number, ``[b − a]``,
+no gradient) ride along. The maps return the same tuple over all N rows. ``fn`` must be deterministic: the backward
+calls it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
+
+RowFn = Callable[[Tensor, int, int], tuple[Tensor, ...]]
+
+
+def _slices(weight: Tensor, slice_bytes: int) -> list[tuple[int, int]]:
+    """Vocabulary slices of ``weight`` [V, H] whose float32 copy fits in ``slice_bytes``."""
+    return row_chunks(weight.shape[0], max(1, slice_bytes // (4 * max(weight.shape[1], 1))))
+
+
+def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                slice_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES // 4) -> Tensor:
+    """``hidden`` [n, H] × ``weight`` [V, H]ᵀ (+ ``bias`` [V]) as float32 [n, V]; a 16-bit ``weight`` is up-cast one
+    vocabulary slice of at most ``slice_bytes`` at a time (float32 arithmetic, no float32 copy of the whole head).
+
+    >>> head_logits(torch.ones(1, 2, dtype=torch.bfloat16), torch.tensor([[1.0, 2.0], [3.0, 4.0]]).bfloat16())
+    tensor([[3., 7.]])
+    """
+    h = hidden.float()
+    if weight.dtype == torch.float32:
+        z = h @ weight.T
+    else:
+        z = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
+        for v0, v1 in _slices(weight, slice_bytes):
+            torch.mm(h, weight[v0:v1].float().T, out=z[:, v0:v1])
+    return z if bias is None else z.add_(bias.float())
+
+
+def _outputs(fn: RowFn, z: Tensor, a: int, b: int) -> tuple[Tensor, ...]:
+    out = fn(z, a, b)
+    if not isinstance(out, tuple) or not out:
+        raise ValueError("fn must return a tuple (differentiable [rows], *other [rows])")
+    return out
+
+
+class _HeadRowMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, chunks, slice_bytes, hidden, weight, bias):
+        parts = []
+        for a, b in chunks:
+            with torch.no_grad():
+                z = head_logits(hidden[a:b], weight, bias, slice_bytes=slice_bytes)
+                parts.append(_outputs(fn, z, a, b))
+        ctx.fn, ctx.chunks, ctx.slice_bytes = fn, chunks, slice_bytes
+        ctx.save_for_backward(hidden, weight, bias)
+        outs = tuple(torch.cat(x) for x in zip(*parts))
+        ctx.mark_non_differentiable(*outs[1:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        hidden, weight, bias = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[3:6]
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if need_b and bias is not None else None
+        slices = _slices(weight, ctx.slice_bytes)
+        for a, b in ctx.chunks:
+            z = head_logits(hidden[a:b], weight, bias, slice_bytes=ctx.slice_bytes).requires_grad_()
+            with torch.enable_grad():
+                out = _outputs(ctx.fn, z, a, b)[0]
+            (gz,) = torch.autograd.grad(out, z, grad[a:b].to(out.dtype))
+            h = hidden[a:b].float()
+            for v0, v1 in slices:
+                g = gz[:, v0:v1]
+                if grad_h is not None:
+                    grad_h[a:b].addmm_(g, weight[v0:v1].float())
+                if grad_w is not None:
+                    grad_w[v0:v1].addmm_(g.T, h)
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+        return (None, None, None, None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype))
+
+
+class _LogitsRowMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, chunks, logits):
+        parts = []
+        for a, b in chunks:
+            with torch.no_grad():
+                parts.append(_outputs(fn, logits[a:b].float(), a, b))
+        ctx.fn, ctx.chunks = fn, chunks
+        ctx.save_for_backward(logits)
+        outs = tuple(torch.cat(x) for x in zip(*parts))
+        ctx.mark_non_differentiable(*outs[1:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        (logits,) = ctx.saved_tensors
+        grad_z = torch.empty_like(logits)
+        for a, b in ctx.chunks:
+            z = logits[a:b].detach().float().requires_grad_()
+            with torch.enable_grad():
+                out = _outputs(ctx.fn, z, a, b)[0]
+            (gz,) = torch.autograd.grad(out, z, grad[a:b].to(out.dtype))
+            grad_z[a:b] = gz
+        return None, None, grad_z
+
+
+def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, buffers: int,
+                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, ...]:
+    """``fn`` over row chunks of the logits ``hidden`` [N, H] × ``weight`` [V, H]ᵀ (+ ``bias``), chunks sized so that
+    ``buffers`` float32 ``[rows, V]`` tensors fit in ``memory_budget_bytes``; differentiable w.r.t. ``hidden``,
+    ``weight`` and ``bias`` through the first output (module docstring).
+
+    >>> h = torch.tensor([[1.0], [2.0], [3.0]], requires_grad=True); w = torch.tensor([[1.0], [0.0]])
+    >>> lse, zmax = head_row_map(lambda z, a, b: (z.logsumexp(-1), z.amax(-1)), h, w, buffers=1,
+    ...                          memory_budget_bytes=8)   # one row per chunk
+    >>> zmax.tolist(), torch.autograd.grad(lse.sum(), h)[0].flatten().tolist()  # ∂lse/∂h = softmax(z)·w = σ(h)
+    ([1.0, 2.0, 3.0], [0.7310585975646973, 0.8807970285415649, 0.9525741338729858])
+    """
+    n = hidden.shape[0]
+    chunks = row_chunks(n, chunk_rows(n, weight.shape[0], buffers=buffers, memory_budget_bytes=memory_budget_bytes))
+    chunks = chunks or [(0, 0)]  # no rows: fn once on an empty chunk gives the outputs' structure
+    return _HeadRowMap.apply(fn, chunks, max(memory_budget_bytes // 4, 1), hidden, weight, bias)
+
+
+def logits_row_map(fn: RowFn, logits: Tensor, *, buffers: int,
+                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, ...]:
+    """``fn`` over row chunks of ``logits`` [N, V] (each chunk up-cast to float32), chunks sized so that ``buffers``
+    float32 ``[rows, V]`` tensors fit in ``memory_budget_bytes``; differentiable w.r.t. ``logits`` through the first
+    output, the gradient written chunk by chunk into one tensor like ``logits``.
+
+    >>> z = torch.tensor([[0.0, 0.0], [1.0, 0.0]], requires_grad=True)
+    >>> (lse,) = logits_row_map(lambda x, a, b: (x.logsumexp(-1),), z, buffers=1, memory_budget_bytes=8)
+    >>> torch.autograd.grad(lse.sum(), z)[0]   # softmax of each row
+    tensor([[0.5000, 0.5000],
+            [0.7311, 0.2689]])
+    """
+    n = logits.shape[0]
+    chunks = row_chunks(n, chunk_rows(n, logits.shape[1], buffers=buffers, memory_budget_bytes=memory_budget_bytes))
+    chunks = chunks or [(0, 0)]  # no rows: fn once on an empty chunk gives the outputs' structure
+    return _LogitsRowMap.apply(fn, chunks, logits)
