@@ -21,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "trl_colocate.py"
 SERVER_SCRIPT = Path(__file__).parent / "scripts" / "trl_server.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_vllm.py"
 METHODS = ["trl_is", "dvp", "trm8", "trm20_max", "m2po", "ipo", "centering"]
 
 
@@ -146,4 +147,17 @@ def test_server_mode_check_stops_a_reload_that_leaves_the_head_behind(server_run
     broken = server_runs["head_left_behind"]
     assert broken["file_sync"] and broken["error"] is not None and "did not take" in broken["error"]
     assert broken["failed_at_step"] >= 1
+
+
+def test_the_first_trl_vllm_example_runs_and_says_what_each_method_did(run_vllm_script):
+    # examples/trl_vllm.py as a user runs it: colocate, the tiny model, TIS + TRM on vLLM's top-20, the sync check
+    out = run_vllm_script(EXAMPLE, "--steps", "2").stdout
+    assert "TRL + vLLM (colocate, bf16 engine, fp32 trainer), TIS + TRM on vLLM's top-20" in out
+    table = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert [row[0] for row in table] == ["1", "2"]
+    assert "sync check: 2 syncs, all passed" in out
+    assert "TIS: capped" in out and "TRM: kept" in out
+    assert "the certified upper bound is informative here" in out
+    seconds = int(out.rsplit("finished in ", 1)[1].split()[0])
+    assert seconds < 180  # the example's promise on a CPU machine
 

@@ -104,6 +104,11 @@ if __name__ == "__main__":
         from vllm import SamplingParams
 
         model, tok = load_model("tiny")
+        if "llm" not in built:  # run alone: the engine TRL would build
+            from offpolicy.models import model_path
+
+            built["llm"] = original_llm(model=str(model_path("tiny")), dtype=dtype, max_logprobs=-1, enforce_eager=True,
+                                        logprobs_mode="processed_logprobs", max_model_len=128, seed=0)
         push_weights(built["llm"], model.state_dict().items())
         prompts = [tok(row["prompt"])["input_ids"] for row in arithmetic_dataset(32, seed=1)]
         recipe = dict(temperature=0.9, top_k=20, top_p=0.7, min_p=0.15)
