@@ -494,14 +494,18 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 att = attention_mask[start:start + batch_size]
                 labels = ids.masked_fill(att == 0, -100)
                 labels[:, :-t_len] = -100
-                if recipe is not None:  # the replay recomputes the head: TRL's fused head scores nothing
-                    labels = torch.full_like(ids, -100)
-                extra = {"output_router_logits": True} if compute_aux_loss else {}
+                extra: dict[str, Any] = {"output_router_logits": True} if compute_aux_loss else {}
+                if recipe is not None:
+                    # the replay recomputes the head: the model's own forward with one position's logits (TRL's
+                    # fused head would score every position off CUDA, where it does not drop the ignored labels)
+                    extra.update(fused_lm_head=False, logits_to_keep=1, use_cache=False)
+                else:
+                    extra.update(fused_lm_head=True, labels=labels)
                 handle = backbone.register_forward_hook(grab)
                 try:
                     autocast = self.accelerator.autocast() if hasattr(self, "accelerator") else nullcontext()
                     with autocast:
-                        out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True, **extra)
+                        out = model(input_ids=ids, attention_mask=att, **extra)
                 finally:
                     handle.remove()
                 valid = att[:, -t_len:].bool()
