@@ -79,6 +79,25 @@ def test_report_on_a_known_sweep(tmp_path):
     assert only.stat().st_size > 10_000 and only.read_bytes() != png.read_bytes()
 
 
+def test_the_command_draws_a_figure_per_group_of_presets_it_finds(tmp_path, capsys):
+    # naive and m2po are both main presets: one figure; a sweep with a gate adds the gates' figure
+    from offpolicy.lab.staleness import main
+
+    _write_sweep(tmp_path / "sweep")
+    main([str(tmp_path / "sweep"), str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["staleness.png"]
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    for run in summary["runs"]:
+        if run["preset"] == "m2po":
+            new = run["dir"].replace("m2po", "kl_gate")
+            (tmp_path / "sweep" / run["dir"]).rename(tmp_path / "sweep" / new)
+            run["preset"], run["dir"] = "kl_gate", new
+    (tmp_path / "sweep" / "summary.json").write_text(json.dumps(summary))
+    main([str(tmp_path / "sweep"), str(tmp_path / "out2")])
+    assert sorted(p.name for p in (tmp_path / "out2").glob("*.png")) == ["staleness.png", "staleness_gates.png"]
+    assert "| kl_gate | 4 | 3 |" in (tmp_path / "out2" / "staleness_table.md").read_text()
+
+
 def test_largest_lag_skips_missing_lags():
     assert largest_lag_within_noise({"lag64": {"within_noise": True}, "lag4": {"within_noise": True}}) == "lag64"
     assert largest_lag_within_noise({"lag1": {"within_noise": False}}) is None

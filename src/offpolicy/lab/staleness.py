@@ -181,6 +181,8 @@ def _verdict(v: dict[str, Any] | None) -> str:
 # The figure's two panels: the five methods, then the variants beside their base method (naive as the reference)
 MAIN_PRESETS = ("naive", "tis", "m2po", "ipo", "score_centering")
 VARIANT_PRESETS = ("naive", "m2po", "m2po_tau0p2", "m2po_areal", "score_centering", "score_centering_reinforce")
+# the rollout gates on the same engines: the ratio masks and the binary-KL gates (gated_is), naive as the reference
+GATE_PRESETS = ("naive", "tis", "mis", "icepop", "kl_gate", "kl_gate_seq")
 
 
 def plot_staleness(report: dict[str, Any], path: str | Path, presets: Sequence[str] | None = None) -> Path:
@@ -292,7 +294,8 @@ def topk_gap_table(trainer_logits: Any, sampler_logits: Any, mask: Any, ks: Sequ
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m offpolicy.lab.staleness SWEEP_DIR DOCS_DIR``: write ``staleness_table.md`` and ``staleness.png``."""
+    """``python -m offpolicy.lab.staleness SWEEP_DIR DOCS_DIR``: write ``staleness_table.md`` and ``staleness.png``
+    (and ``staleness_variants.png`` / ``staleness_gates.png`` when the sweep has those presets)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--evaluate"]:  # evaluate every finished run that has no eval.json yet
         from offpolicy.lab.stats import load_sweep
@@ -310,8 +313,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = markdown_table(report) + "\n\n" + verdict_table(report)
     (out / "staleness_table.md").write_text(text + "\n")
     plot_staleness(report, out / "staleness.png", MAIN_PRESETS)
-    if any(p not in MAIN_PRESETS for p in report["presets"]):
-        plot_staleness(report, out / "staleness_variants.png", VARIANT_PRESETS)
+    for name, shown in (("staleness_variants", VARIANT_PRESETS), ("staleness_gates", GATE_PRESETS)):
+        if any(p in shown and p not in MAIN_PRESETS for p in report["presets"]):
+            plot_staleness(report, out / f"{name}.png", shown)
     print(text)
 
 
