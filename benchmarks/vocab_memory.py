@@ -110,24 +110,28 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
         tk_lp, tk_ids = _topk_inputs(n, v, k, gen)
     temperature = torch.ones(n)  # verl hands the engine a per-token temperature; TRL a float
 
-    # every import before the baseline, so that module memory does not count as the arm's
-    from trl.kernels import ChunkedLogProbFunction
-    from verl.utils.experimental.torch_functional import FusedLinearForPPO
-    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
-    from verl.workers.engine.fsdp.transformer_impl import _scale_logits_by_temperature
-
-    from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp
-    from offpolicy.integrations.trl.topk import topk_divergence, topk_score_center
-    from offpolicy.integrations.verl.engine import _tempered_center, recipe_log_probs
-    from offpolicy.integrations.verl.settings import parse_settings
-    from offpolicy.integrations.verl.topk import topk_kl_bounds
+    # every import before the baseline, so that module memory does not count as the arm's (one side's modules only)
     from offpolicy.kernels import fused_logp, fused_token_stats
-    from offpolicy.kernels.chunking import checkpointed_row_chunks
     from offpolicy.objectives.score_centering import centered_logp
-    from offpolicy.rollout.sampling import SamplingConfig
 
-    dvp = parse_settings({"sampling": {"min_p": MIN_P}})
-    replay = parse_settings({"sampling": {"top_k": TOP_K, "top_p": TOP_P}})
+    if arm in TRL_ARMS:
+        from trl.kernels import ChunkedLogProbFunction
+
+        from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp
+        from offpolicy.integrations.trl.topk import topk_divergence, topk_score_center
+        from offpolicy.rollout.sampling import SamplingConfig
+    else:
+        from verl.utils.experimental.torch_functional import FusedLinearForPPO
+        from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+        from verl.workers.engine.fsdp.transformer_impl import _scale_logits_by_temperature
+
+        from offpolicy.integrations.verl.engine import _tempered_center, recipe_log_probs
+        from offpolicy.integrations.verl.settings import parse_settings
+        from offpolicy.integrations.verl.topk import topk_kl_bounds
+        from offpolicy.kernels.row_maps import logits_row_map
+
+        dvp = parse_settings({"sampling": {"min_p": MIN_P}})
+        replay = parse_settings({"sampling": {"top_k": TOP_K, "top_p": TOP_P}})
 
     def trl_head():
         logp, _entropy, *_ = ChunkedLogProbFunction.apply(hid, w, None, y, 1.0, 32768, None, 1.0,
@@ -182,8 +186,8 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
         if arm == "verl_center":
             logits = verl_logits()
             t = temperature.reshape(-1, 1)
-            centre = checkpointed_row_chunks(_tempered_center, (logits, t, tk_ids, tk_lp), width=v, buffers=4,
-                                             memory_budget_bytes=budget)
+            (centre,) = logits_row_map(lambda z, a, b: (_tempered_center(z, t[a:b], tk_ids[a:b], tk_lp[a:b]),),
+                                       logits, buffers=4, memory_budget_bytes=budget)  # as the engine's _topk_center
             return centered_logp(logprobs_from_logits(logits, y), centre.to(torch.float32))
         raise ValueError(f"unknown arm {arm!r}")
 

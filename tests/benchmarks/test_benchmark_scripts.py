@@ -1,0 +1,49 @@
+"""The benchmark scripts that a CI or GPU run relies on, run on tiny shapes on CPU: benchmarks/gpu.py (everything but
+the CUDA timings and memory), benchmarks/vocab_memory.py (two arms, each in its own subprocess)."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # the tiny random model in bf16 and fp32: 57 s at load average 8–13 on 2 cores
+def test_gpu_script_runs_on_cpu_and_writes_one_json(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = _script("gpu").main(["--device", "cpu", "--quick", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["shape"] == result["shape"] and saved["shape"]["vocab"] == 1000
+    arms = saved["kernels"]["32"]
+    assert {"naive", "op_logp", "op_logp_entropy", "op_dvp"} <= set(arms)
+    for name, row in arms.items():
+        assert "error" not in row, (name, row)
+        assert row["time_s"] > 0 and row["peak_mib"] is None  # no allocator peak off CUDA
+    # offpolicy's kernels take float32 logits of the bf16 inputs: they match the exact log-probs; the naive path
+    # rounds its logits to bf16 first
+    assert arms["op_logp"]["max_abs_diff"] < 1e-4 and arms["op_logp_entropy"]["max_abs_diff"] < 1e-4
+    assert "max_abs_diff" not in arms["op_dvp"]
+    m = saved["mismatch"]
+    assert m["tokens"] > 0 and 0 < m["mean_abs_dlogp"] <= m["max_abs_dlogp"] and m["mean_k3"] >= 0
+
+
+@pytest.mark.slow  # two subprocesses importing torch and TRL: 92 s at load average 8–13 on 2 cores
+def test_vocab_memory_script_reports_ratios_to_the_baseline():
+    results = _script("vocab_memory").run_arms(["trl_head", "op_center"], n=64, h=16, v=500, k=4, dtype="fp32",
+                                               reps=1, budget_mib=1.0, threads=1, echo=lambda *a: None)
+    for arm, r in results.items():
+        assert "error" not in r, (arm, r)
+        assert r["extra_mib"] >= 0 and r["cpu_s"] > 0
+    assert "mem_ratio" not in results["trl_head"]
+    assert math.isclose(results["op_center"]["mem_ratio"],
+                        results["op_center"]["extra_mib"] / max(results["trl_head"]["extra_mib"], 1e-9))
