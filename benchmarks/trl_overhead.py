@@ -8,8 +8,11 @@ Every arm trains the same model (a fresh copy) on the same prompts with the same
 path (``use_vllm=True, vllm_mode="server"``), which is where TRL has the engine's log-probs μ that every correction
 reads, with the server answered in-process by offpolicy's HF engine in bfloat16 (:class:`EngineClient`: TRL's
 ``VLLMClient`` calls, the vLLM log-prob layout; a live vLLM does not run on this CPU). Generation is therefore the
-same engine for every arm. ``steps_per_generation=2`` (two optimiser steps per generation batch), so TRL computes
-π_old in a scoring forward for every arm, as it does for any off-policy step.
+same engine for every arm; it samples at temperature 1 without truncation, except in the sampling-replay arm, which
+samples with top-k 50 / top-p 0.95 (what it replays). ``steps_per_generation=2`` (two optimiser steps per generation
+batch), so TRL computes π_old in a scoring forward for every arm, as it does for any off-policy step. The adapter's
+check of each weight sync (``sync_check``, on by default) is off: it is not a method's cost, and
+``benchmarks/trl_sync_check_cost.py`` measures it.
 
 Phases, from wrappers around TRL's own methods: *generation* — ``_generate_single_turn`` (the engine call and the
 weight sync); *scoring* — the rest of ``_generate_and_score_completions`` (π_old forward, rewards, advantages);
@@ -43,11 +46,12 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "m2po": {"correction": "m2po"},
     "ipo": {"objective": "ipo"},
     "dvp": {"dvp_rho": 1e-3},
-    "replay": {"sampling_replay": True},
+    "replay": {"sampling_replay": True},  # with top-k 50 / top-p 0.95 (REPLAY_RECIPE), which it replays
     "topk_trm": {"topk_logprobs": 8, "correction": "trm"},
     "score_centering": {"topk_logprobs": 8, "score_centering": True},
     "alp": {"alp": True},
 }
+REPLAY_RECIPE = {"top_k": 50, "top_p": 0.95}  # the engine's truncation in the replay arm (the others sample plainly)
 GOALS = {"trl_is_equiv": 1.03, "tis": 1.03, "icepop": 1.03, "opsm": 1.03, "m2po": 1.03, "ipo": 1.03, "topk_trm": 1.03,
          "dvp": 1.15, "replay": 1.15, "score_centering": 1.15, "alp": 1.10}
 
@@ -177,8 +181,9 @@ def run_arm(arm: str, base_model, tok, *, batch: int, new_tokens: int, cycles: i
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=GROUP,
                       steps_per_generation=spg, max_completion_length=new_tokens, max_steps=steps,
                       logging_steps=10_000, report_to=[], use_cpu=True, save_strategy="no", bf16=False,
-                      disable_tqdm=True, seed=0, beta=0.0, loss_type="dapo", temperature=1.0, top_k=50, top_p=0.95,
-                      use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=kw is None)
+                      disable_tqdm=True, seed=0, beta=0.0, loss_type="dapo", temperature=1.0,
+                      use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=kw is None,
+                      **(REPLAY_RECIPE if arm == "replay" else {}))
     model = copy.deepcopy(base_model)
     _use_engine_client(model, tok)
     clock = PhaseClock()
@@ -191,8 +196,10 @@ def run_arm(arm: str, base_model, tok, *, batch: int, new_tokens: int, cycles: i
             clock.end()
 
     cls = GRPOTrainer if kw is None else OffPolicyGRPOTrainer
+    # the adapter's check of each weight sync is its own cost (benchmarks/trl_sync_check_cost.py), not a method's
+    extra = {} if kw is None else {"sync_check": None, **kw}
     trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                  callbacks=[Steps()], **(kw or {}))
+                  callbacks=[Steps()], **extra)
     clock.wrap(trainer, "_generate_single_turn", clock.gen)
     clock.wrap(trainer, "_generate_and_score_completions", clock.gen_score)
     trainer.train()
