@@ -156,3 +156,24 @@ def test_separated_exactly_when_every_seed_agrees(ps):
     assert (c["verdict"] == "higher") == all(x > y for x, y in zip(a, b))
     assert (c["verdict"] == "lower") == all(x < y for x, y in zip(a, b))
     assert c["chance"] == 2 / 2 ** len(ps) and c["wins"] == sum(x > y for x, y in zip(a, b))
+
+
+def test_the_per_seed_figure_joins_each_seed(tmp_path, monkeypatch):
+    """final_reward.png under the paired rule: one grey line per seed from naive's dot to TIS's on lag8 (4 seeds);
+    under the ranges rule no line."""
+    from offpolicy.lab import plots
+
+    drawn = {}
+    real = plots.save_figure
+
+    def keep(plt, fig, path, **kw):
+        drawn[path.name] = [line.get_ydata().tolist() for ax in fig.axes for line in ax.lines
+                            if line.get_color() == "0.6"]
+        return real(plt, fig, path, **kw)
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    write_report(make_sweep(tmp_path / "paired", "quick"))
+    assert sorted(drawn["final_reward.png"]) == sorted(
+        [[n, t] for n, t in zip(LAST[("naive", "lag8")], LAST[("tis", "lag8")])])
+    write_report(make_sweep(tmp_path / "ranges", "synthetic"))
+    assert drawn["final_reward.png"] == []

@@ -181,12 +181,14 @@ def drawn_curves(groups: dict[tuple[str, str], list[list[dict[str, Any]]]]) -> l
 
 def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], presets: Sequence[str],
                mismatches: Sequence[str], last_rewards: dict[tuple[str, str], list[float]],
-               out_dir: str | Path) -> list[Path]:
+               out_dir: str | Path, seeds: dict[tuple[str, str], list[int]] | None = None) -> list[Path]:
     """Write ``overview.png`` (metrics × mismatch panels), one PNG per curve metric (:func:`drawn_curves`) and
     ``final_reward.png``.
 
     ``groups``: ``{(preset, mismatch): [rows of each seed]}``; ``last_rewards``: the last-quarter reward of each
-    seed per group. Returns the written paths, the overview first.
+    seed per group; ``seeds``: the seed of each of those values, given when the sweep compares seed by seed (the
+    paired rule): ``final_reward.png`` then joins each seed's dots across the presets of a mismatch source. Returns
+    the written paths, the overview first.
     """
     import matplotlib
 
@@ -249,7 +251,7 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
         written.append(save_figure(plt, fig, out / f"{curve[1]}.png",
                                    rect=(0, 0, 1, 1 - (0.4 + 0.2 * math.ceil(len(handles) / ncol)) / h)))
 
-    written.append(_final_reward(plt, last_rewards, presets, mismatches, colors, out / "final_reward.png"))
+    written.append(_final_reward(plt, last_rewards, presets, mismatches, colors, out / "final_reward.png", seeds))
     controls = _controls(plt, groups, presets, mismatches, colors, out / "controls.png")
     pairs = _variant_pairs(plt, groups, presets, mismatches, colors, window, out / "variants.png")
     return written + [p for p in (controls, pairs) if p is not None]
@@ -331,25 +333,36 @@ def _share_y(axes: Sequence[Any]) -> None:
 
 
 def _final_reward(plt: Any, last_rewards: dict[tuple[str, str], list[float]], presets: Sequence[str],
-                  mismatches: Sequence[str], colors: dict[str, str], path: Path) -> Path:
-    """Each seed's last-quarter reward as a dot, the median as a bar, presets side by side per mismatch source."""
+                  mismatches: Sequence[str], colors: dict[str, str], path: Path,
+                  seeds: dict[tuple[str, str], list[int]] | None = None) -> Path:
+    """Each seed's last-quarter reward as a dot, the median as a bar, presets side by side per mismatch source; with
+    ``seeds`` (the paired rule) a grey line joins each seed's dots within a mismatch source."""
     fig, ax = plt.subplots(figsize=(max(5.0, 1.0 + 0.45 * len(presets) * len(mismatches)), 3.8))
     width = 0.8 / max(1, len(presets))
     for j, m in enumerate(mismatches):
+        by_seed: dict[int, list[tuple[float, float]]] = {}  # seed → its (x, reward) in preset order
         for i, p in enumerate(presets):
+            x = j + (i - (len(presets) - 1) / 2) * width
+            if seeds is not None:
+                for seed, y in zip(seeds.get((p, m), []), last_rewards.get((p, m), [])):
+                    if y is not None and math.isfinite(y):
+                        by_seed.setdefault(seed, []).append((x, y))
             ys = finite(last_rewards.get((p, m), []))
             if not ys:
                 continue
-            x = j + (i - (len(presets) - 1) / 2) * width
             ax.scatter([x] * len(ys), ys, color=colors[p], s=18, zorder=3)
             med = median(ys)
             ax.hlines(med, x - width * 0.4, x + width * 0.4, color=colors[p], linewidth=2.5, zorder=2)
+        for points in by_seed.values():
+            if len(points) > 1:
+                ax.plot([x for x, _ in points], [y for _, y in points], color="0.6", linewidth=0.8, zorder=1)
         if j:
             ax.axvline(j - 0.5, color="0.85", linewidth=0.8)
     ax.set_xticks(range(len(mismatches)), [f"{m}" + (" (control)" if m == CONTROL else "") for m in mismatches])
     ax.set_xlabel("mismatch source")
     ax.set_ylabel("reward, mean over the last quarter")
-    ax.set_title("Last-quarter reward per run (dots: seeds; bar: median)", fontsize=10)
+    ax.set_title("Last-quarter reward per run (dots: seeds; bar: median)" if seeds is None else
+                 "Last-quarter reward per seed (lines join a seed; bar: median)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     from matplotlib.lines import Line2D
 

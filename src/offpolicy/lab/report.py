@@ -380,10 +380,13 @@ def write_report(out: str | Path) -> LabReport:
         raise ValueError(f"{str(out / 'summary.json')!r} lists no finished run: nothing to report")
     groups: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
     last: dict[tuple[str, str], list[float]] = {}
+    seeds: dict[tuple[str, str], list[int]] = {}
     for d, r in lab["runs"].items():
         groups.setdefault((r["preset"], r["mismatch"]), []).append(rows[d])
         last.setdefault((r["preset"], r["mismatch"]), []).append(r["reward_last"])
-    plots = plot_sweep(groups, lab["presets"], lab["mismatches"], last, out / "plots")
+        seeds.setdefault((r["preset"], r["mismatch"]), []).append(r["seed"])
+    plots = plot_sweep(groups, lab["presets"], lab["mismatches"], last, out / "plots",
+                       seeds if lab["rule"] == "paired" else None)
     table = out / "lab_table.md"
     _atomic_write(table, markdown_tables(lab))
     stats_path = out / "lab_stats.json"
