@@ -194,3 +194,34 @@ def test_hot_path_functions_compile_fullgraph():
     assert torch.equal(compiled(support)(z), support(z))
     torch.testing.assert_close(compiled(lambda z, y: constrained_logp(z, y, 0.01).logp)(z, y),
                                constrained_logp(z, y, 0.01).logp)
+
+
+def _top_p_by_full_sort(z, keep, p):
+    """Top-p as vLLM and HF write it: sort the whole row ascending, softmax, cumulative sum."""
+    masked = torch.where(keep, z, torch.tensor(float("-inf")))
+    sorted_z, idx = masked.sort(dim=-1)
+    remove = sorted_z.softmax(-1).cumsum(-1) <= 1 - p
+    remove[..., -1] = False
+    return keep & ~remove.scatter(-1, idx, remove)
+
+
+@settings(max_examples=60, deadline=None)
+@given(v=st.integers(3, 300), k=st.integers(1, 40), p=st.floats(0.05, 0.999), min_p=st.sampled_from([None, 0.05]),
+       ties=st.booleans(), seed=st.integers(0, 10_000))
+def test_top_p_after_top_k_selects_instead_of_sorting_the_row(v, k, p, min_p, ties, seed):
+    # after top-k only the k largest (and ties with the k-th) are left: the top-k selection gives the same support
+    # as the full sort; with ties (logits rounded to a coarse grid) the two differ at most on tied tokens, whose
+    # order any sort picks arbitrarily
+    z = torch.randn(6, v, generator=torch.Generator().manual_seed(seed)) * 3
+    if ties:
+        z = (z * 2).round() / 2
+    k = min(k, v - 1)
+    got = sampling_support_mask(z, top_k=k, top_p=p, min_p=min_p)
+    keep = sampling_support_mask(z, top_k=k, min_p=min_p)
+    want = _top_p_by_full_sort(z, keep, p)
+    assert got.any(-1).all() and not (got & ~keep).any()
+    if not ties:
+        assert torch.equal(got, want)
+    else:  # they may differ only on kept tokens tied with another kept token (a sort orders ties arbitrarily)
+        tied = keep & (((z[..., :, None] == z[..., None, :]) & keep[..., None, :]).sum(-1) > 1)
+        assert not ((got ^ want) & ~tied).any()

@@ -60,7 +60,9 @@ def test_settings_are_plain_and_valid(tmp_path):
         assert not any(m in SOURCES and m == "noise" for m in s["mismatches"])  # logit noise is only an extra
         plan = plan_sweep(tmp_path, name)  # every run of every setting is a valid config
         controlled = len(s.get("control_presets", s["presets"]))
-        assert len(plan.runs) == (len(s["presets"]) * (len(s["mismatches"]) - 1) + controlled) * s["seeds"]
+        controls = 1 + len(s.get("control_mismatches", []))  # "none" and the engines that are controls
+        treated = len(s["presets"]) * (len(s["mismatches"]) - controls)
+        assert len(plan.runs) == (treated + controlled * controls) * s["seeds"]
         cfg = planned_config(plan.runs[0])
         task = "free_digits" if name == "real_free" else "pattern"  # real_free: the task with free digits
         assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == ("lab", task, {"length": 32}, 1)

@@ -196,13 +196,35 @@ def _apply_top_k(z: Tensor, keep: Tensor, k: int) -> Tensor:
     return keep & (z >= kth)  # ties with the k-th value are kept (vLLM and HF do the same)
 
 
-def _apply_top_p(z: Tensor, keep: Tensor, p: float) -> Tensor:
+def _apply_top_p(z: Tensor, keep: Tensor, p: float, k: int | None = None) -> Tensor:
     masked = torch.where(keep, z, torch.full((), float("-inf"), dtype=z.dtype))
+    if k is not None and k < z.shape[-1]:
+        return _apply_top_p_after_top_k(z, keep, masked, p, k)
     sorted_z, idx = masked.sort(dim=-1)  # ascending, as vLLM / HF do
     cum = sorted_z.softmax(dim=-1).cumsum(dim=-1)
     remove = cum <= 1 - p
     remove[..., -1] = False  # the most likely token always survives
     return keep & ~remove.scatter(-1, idx, remove)
+
+
+def _apply_top_p_after_top_k(z: Tensor, keep: Tensor, masked: Tensor, p: float, k: int) -> Tensor:
+    """Top-p when top-k came first: only the k largest (and ties with the k-th) are left, so their ascending
+    cumulative mass comes from a top-k selection instead of a sort of the whole row (the sort is most of the
+    replay's time at a 150k vocabulary). The masked tokens add exact zeros to the full row's cumulative sum, and tokens
+    tied with the k-th beyond the k listed (their order among ties is arbitrary in any sort) add their mass first and
+    go or stay together."""
+    vals, idx = masked.topk(k, dim=-1)  # descending
+    vals, idx = vals.flip(-1), idx.flip(-1)  # ascending, as the full sort would list them
+    lse = masked.logsumexp(dim=-1, keepdim=True)
+    probs = (vals - lse).exp()
+    kth = vals[..., :1]
+    tied = keep & (z == kth)
+    extra = (tied.sum(-1, keepdim=True) - (vals == kth).sum(-1, keepdim=True)).clamp(min=0) * probs[..., :1]
+    cum = probs.cumsum(dim=-1) + extra
+    remove = cum <= 1 - p
+    remove[..., -1] = False  # the most likely token always survives
+    drop_extra = tied & (extra > 0) & (extra <= 1 - p)
+    return keep & ~drop_extra.scatter(-1, idx, remove)
 
 
 @torch.no_grad()
@@ -234,14 +256,16 @@ def sampling_support_mask(logits: Tensor, *, top_k: int | None = None, top_p: fl
         raise ValueError(f"order must be a permutation of {SUPPORT_ORDER}, got {tuple(order)!r}")
     z = logits.float() / temperature
     keep = torch.ones_like(z, dtype=torch.bool)
+    after_top_k: int | None = None  # top-k already applied: top-p need not sort the whole row
     for step in order:
         if step == "min_p" and min_p is not None and min_p > 0:
             # The max always survives earlier filters, so the threshold is on the global max.
             keep = keep & (z >= z.amax(dim=-1, keepdim=True) + math.log(min_p))
         elif step == "top_k" and top_k is not None and top_k > 0:
             keep = _apply_top_k(z, keep, top_k)
+            after_top_k = top_k
         elif step == "top_p" and top_p is not None and top_p < 1:
-            keep = _apply_top_p(z, keep, top_p)
+            keep = _apply_top_p(z, keep, top_p, after_top_k)
     return keep
 
 

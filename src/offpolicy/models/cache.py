@@ -124,7 +124,7 @@ def build_model(recipe: str | ModelRecipe, out: str | os.PathLike) -> Path:
 def shipped_dir(recipe: str | ModelRecipe) -> Path | None:
     """The package's copy of ``recipe``'s model (same ``<name>-<hash>`` as :func:`model_dir`), or None.
 
-    >>> shipped_dir("lab") is not None, shipped_dir(get_recipe("lab").with_overrides(steps=3))
+    >>> shipped_dir("lab") is not None, shipped_dir(get_recipe("lab").with_overrides(seed=7))
     (True, None)
     """
     path = SHIPPED_DIR / model_dir(recipe, "/").name

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     from offpolicy.models import load_model, model_path
     from offpolicy.rollout.sampling import SamplingConfig
     from offpolicy.rollout.scoring import sequence_logprobs
-    from offpolicy.rollout.sync_check import SyncCheck, SyncCheckError, SyncProbe
+    from offpolicy.rollout.sync_check import SyncCheck, SyncCheckError, SyncProbe, probe_gap
     from offpolicy.rollout.vllm import VLLMRolloutEngine, push_weights
 
     dtype = sys.argv[1]
@@ -43,7 +43,7 @@ if __name__ == "__main__":
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p), alpha=0.02)
-    result["stale_gap"] = check._gap(engine, model)
+    result["stale_gap"] = probe_gap(*check._score(engine, model))
     start = time.perf_counter()
     engine.sync_weights(model)
     result["sync_s"] = time.perf_counter() - start
