@@ -136,6 +136,40 @@ def test_capped_upper_bound_is_sound_no_looser_and_attained(v, k, scale, seed):
         assert token_kl(mu.log(), z[row]).item() == pytest.approx(upper[row].item(), rel=1e-6, abs=1e-9)
 
 
+def _capped_tail_max_by_full_sort(log_p_tail, cap, lo, hi):
+    """capped_tail_max with π's whole tail sorted (what the selection of its least likely tokens must equal)."""
+    from offpolicy.divergence import _capped_tail, _xlog
+
+    log_p_sorted = log_p_tail.sort(dim=-1).values
+    n_rest = torch.isfinite(log_p_tail).sum(dim=-1, keepdim=True).to(torch.float64)
+    uncapped = torch.maximum(_xlog(lo, log_p_sorted[:, :1]), _xlog(hi, log_p_sorted[:, :1]))
+    hi = torch.maximum(torch.minimum(hi, n_rest * cap), lo)
+    best = torch.maximum(_capped_tail(log_p_sorted, cap, lo, n_rest), _capped_tail(log_p_sorted, cap, hi, n_rest))
+    m_cap = torch.floor(hi / cap) * cap
+    inner = torch.where(m_cap >= lo, _capped_tail(log_p_sorted, cap, m_cap, n_rest), torch.full_like(lo, -math.inf))
+    return torch.minimum(torch.maximum(best, inner), uncapped)
+
+
+@settings(max_examples=40, deadline=None)
+@given(v=st.integers(50, 3000), k=st.integers(1, 40), scale=st.floats(0.05, 8.0), seed=st.integers(0, 10_000))
+def test_capped_tail_selects_the_least_likely_tokens_instead_of_sorting(v, k, scale, seed):
+    # a vertex fills at most ⌈q / cap⌉ tail tokens: selecting π's least likely few gives the full sort's value, whether
+    # the tail is light (few filled: the selection) or heavy (most of the row: the sort); the sums differ only in the
+    # float64 grouping of the terms (the sort's also adds the exact zeros)
+    from offpolicy.divergence import capped_tail_max, topk_cap
+    from offpolicy.kernels.fused import rest_mass_bounds
+
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(torch.randn(4, v, generator=g, dtype=torch.float64) * scale, -1)
+    top = lq.topk(min(k, v - 1), -1)
+    z = torch.randn(4, v, generator=g, dtype=torch.float64) * scale
+    log_p_tail = (z - z.logsumexp(-1, keepdim=True)).scatter(1, top.indices, float("inf"))
+    lo, hi = rest_mass_bounds(top.values, v)
+    cap = topk_cap(top.values)
+    torch.testing.assert_close(capped_tail_max(log_p_tail, cap, lo, hi),
+                               _capped_tail_max_by_full_sort(log_p_tail, cap, lo, hi), rtol=1e-12, atol=1e-15)
+
+
 def test_topk_rest_mass_is_accurate_when_topk_covers_almost_everything():
     # π puts 1 − 1e-9 on token 0; the complement's logsumexp keeps p_rest ≈ 1e-9 (1 − Σ p_i in fp32 would be 0,
     # making the bound +inf whenever μ has any rest mass).
