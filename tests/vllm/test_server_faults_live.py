@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,9 +86,28 @@ def _metrics(out):
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _running_in_group(pgid: int, wait: float = 10.0) -> list[int]:
+    """Processes of group ``pgid`` that are still running (not zombies) after up to ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        running = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                running.append(int(stat.parent.name))
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
+
+
 def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(model_copy, vllm_cache, tmp_path):
     out = tmp_path / "run"
     server = VLLMServer(model_copy, dtype="float32", cache_dir=vllm_cache)
+    assert server.process is not None
+    group = server.process.pid  # the server leads a process group of its own (its engine core, its workers)
     try:
         proc = _train(out, server.url, model_copy)
 
@@ -102,6 +122,7 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(model
         watcher.join()
     finally:
         server.close()
+    assert _running_in_group(group) == [], "the killed server left engine processes running"
     done = len(_metrics(out))
     assert proc.returncode != 0 and 2 <= done < 8, output
     last = [line for line in output.splitlines() if line.strip()][-1]

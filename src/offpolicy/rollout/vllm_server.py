@@ -18,6 +18,7 @@ up a distribution named ``vllm`` and fails. ``VLLM_SERVER_DEV_MODE=1`` opens the
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,8 +102,10 @@ class VLLMServer:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.process: subprocess.Popen | None = subprocess.Popen(self.args, stdout=self._log,
-                                                                 stderr=subprocess.STDOUT, env=env)
+        # a process group of its own: vLLM's engine core and workers are its children, and a SIGKILL to the server
+        # alone would leave them running (holding their memory and cores) once it is gone
+        self.process: subprocess.Popen | None = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                                                 env=env, start_new_session=True)
         self._wait(float(startup_timeout))
 
     def _wait(self, timeout: float) -> None:
@@ -129,14 +132,23 @@ class VLLMServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def _kill_group(self) -> None:
+        """SIGKILL to every process left in the server's group (its engine core and workers)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # the group is already empty
+                pass
+
     def kill(self) -> None:
-        """Kill the server at once (SIGKILL), as a crash would."""
+        """Kill the server and its engine processes at once (SIGKILL), as a crash of the machine's server would."""
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            self._kill_group()
             self.process.wait(timeout=30)
 
     def close(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 20 s) and close its log."""
+        """Stop the server (SIGTERM, then SIGKILL after 20 s), then anything left of its process group, and close its
+        log."""
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.terminate()
@@ -145,6 +157,7 @@ class VLLMServer:
                 except subprocess.TimeoutExpired:
                     self.process.kill()
                     self.process.wait(timeout=30)
+            self._kill_group()
             self.process = None
         if not self._log.closed:
             self._log.close()
