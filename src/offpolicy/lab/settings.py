@@ -45,7 +45,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # two sync intervals, so the last quarter (steps 13-16) samples from the weights each preset reached at step 8,
     # where TIS led naive in 23 of 24 seeds (the 24th a tie), with AVX-512 and AVX2 kernels alike; after the second
     # sync a TIS seed can collapse on one machine's floating-point paths and not on another's (docs/lab/demo.md).
-    # 6 seeds compared seed by seed (p = 2/2^6 per comparison): 18 runs, about 3.5 minutes on two quiet cores
+    # 6 seeds compared seed by seed (p = 2/2^6 per comparison): 18 runs, 205 s on two quiet cores
     "quick": {
         "description": "the demo: naive vs TIS on an engine synced every 8 steps, naive on the fp32 control",
         "overrides": [*LAB_BASE],
