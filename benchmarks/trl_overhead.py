@@ -81,6 +81,7 @@ class EngineClient:
 
     def generate(self, prompts, features=None, n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0,
                  min_p=0.0, max_tokens=16, logprobs=0, structured_outputs_regex=None, generation_kwargs=None):
+        from offpolicy.integrations.trl.rollout import vllm_logprob_lists
         from offpolicy.rollout.sampling import SamplingConfig
 
         k = int(logprobs or 0)
@@ -89,19 +90,7 @@ class EngineClient:
                              repetition_penalty=repetition_penalty, logprobs_topk=max(k, 1))
         out = self.engine.generate([p for p in prompts for _ in range(n)], cfg, seed=self.calls)
         self.calls += 1
-        lps, ids = [], []
-        for i, completion in enumerate(out.completion_ids):
-            row_lp, row_ids = [], []
-            for t, y in enumerate(completion):
-                top_ids = out.topk_ids[i, t, :k].tolist() if k else []
-                top_lp = out.topk_logp[i, t, :k].tolist() if k else []
-                if y not in top_ids:
-                    top_ids.append(y)
-                    top_lp.append(float(out.logp[i, t]))
-                row_ids.append(top_ids)
-                row_lp.append(top_lp)
-            lps.append(row_lp)
-            ids.append(row_ids)
+        lps, ids = vllm_logprob_lists(out, k)
         return {"prompt_ids": prompts, "completion_ids": out.completion_ids, "logprobs": lps, "logprob_token_ids": ids}
 
 

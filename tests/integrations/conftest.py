@@ -5,6 +5,7 @@ The suite imports test modules by path (``--import-mode=importlib``), so what se
 import pytest
 import torch
 
+from offpolicy.integrations.trl.rollout import vllm_logprob_lists
 from offpolicy.rollout.sampling import SamplingConfig
 
 
@@ -51,19 +52,8 @@ class StubVLLMClient:
                              top_p=top_p if top_p < 1 else None, min_p=min_p or None, logprobs_topk=max(k, 1))
         rows = [p for p in prompts for _ in range(n)]
         out = self.engine.generate(rows, cfg, seed=len(self.sampled))
-        lps, ids = [], []
+        lps, ids = vllm_logprob_lists(out, k)  # vLLM's layout: the top-K, then the sampled token when not in it
         for i, completion in enumerate(out.completion_ids):
-            row_lp, row_ids = [], []
-            for t, y in enumerate(completion):
-                top_ids = out.topk_ids[i, t, :k].tolist() if k else []
-                top_lp = out.topk_logp[i, t, :k].tolist() if k else []
-                if y not in top_ids:  # vLLM adds the sampled token after the top-K (alone when K = 0)
-                    top_ids.append(y)
-                    top_lp.append(float(out.logp[i, t]))
-                row_ids.append(top_ids)
-                row_lp.append(top_lp)
-            lps.append(row_lp)
-            ids.append(row_ids)
             self.sampled.append(out.logp[i, : len(completion)].tolist())
             self.top1.append(out.topk_logp[i, : len(completion), 0].tolist())
         return {"prompt_ids": prompts, "completion_ids": out.completion_ids, "logprobs": lps, "logprob_token_ids": ids}

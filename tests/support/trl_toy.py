@@ -30,3 +30,20 @@ def arithmetic_dataset(n: int = 8, seed: int = 0):
 
     return datasets.Dataset.from_list([{"prompt": e.prompt, "answer": e.answer}
                                        for e in get_task("arithmetic").examples(n, seed=seed)])
+
+
+def train_recording_sync_failure(trainer, entry: dict) -> None:
+    """``trainer.train()``, recording in ``entry`` the sync check's error (None when every sync passed), the step it
+    stopped at, and whether any weight moved."""
+    import torch
+
+    from offpolicy.rollout.sync_check import SyncCheckError
+
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    try:
+        trainer.train()
+        entry["error"] = None
+    except SyncCheckError as err:
+        entry["error"] = str(err)
+        entry["failed_at_step"] = trainer.state.global_step
+    entry["moved"] = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -39,12 +39,11 @@ if __name__ == "__main__":
     import torch
     from trl import GRPOConfig, GRPOTrainer
     from trl.generation import vllm_generation
-    from trl_toy import arithmetic_dataset, varied_reward
+    from trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer, extra_llm_kwargs, install_vllm_sync
     from offpolicy.integrations.trl.vllm_sync import trl_named_weights
     from offpolicy.models import load_model
-    from offpolicy.rollout.sync_check import SyncCheckError
     from offpolicy.rollout.vllm import push_weights
 
     names = sys.argv[1:]
@@ -162,14 +161,7 @@ if __name__ == "__main__":
                                                   if n != "lm_head.weight"))
 
                 trainer.offpolicy_sync.push = headless
-            before = [p.detach().clone() for p in trainer.model.parameters()]
-            try:
-                trainer.train()
-                entry["error"] = None
-            except SyncCheckError as err:
-                entry["error"] = str(err)
-                entry["failed_at_step"] = trainer.state.global_step
-            entry["moved"] = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+            train_recording_sync_failure(trainer, entry)
         entry["seconds"] = time.perf_counter() - start
         entry["log"] = _numbers(trainer.state.log_history)
         entry["warnings"] = [str(w.message) for w in caught if "TRM on the engine" in str(w.message)]

@@ -21,14 +21,12 @@ SUPPORT = Path(__file__).resolve().parents[2] / "support"
 
 if __name__ == "__main__":
     sys.path.insert(0, str(SUPPORT))
-    import torch
     from trl import GRPOConfig, GRPOTrainer
-    from trl_toy import arithmetic_dataset, varied_reward
+    from trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer
     from offpolicy.integrations.trl.vllm_sync import FileSync
     from offpolicy.models import load_model
-    from offpolicy.rollout.sync_check import SyncCheckError
 
     url = sys.argv[1]
 
@@ -80,14 +78,7 @@ if __name__ == "__main__":
                         vs.trl_named_weights = full
 
             sync.push = Headless(files.generation, files.folder)
-        before = [p.detach().clone() for p in trainer.model.parameters()]
-        try:
-            trainer.train()
-            entry["error"] = None
-        except SyncCheckError as err:
-            entry["error"] = str(err)
-            entry["failed_at_step"] = trainer.state.global_step
-        entry["moved"] = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        train_recording_sync_failure(trainer, entry)
         entry["log"] = numbers(trainer)
         entry["seconds"] = time.perf_counter() - start
         result[name] = entry
