@@ -40,7 +40,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -543,18 +543,20 @@ class ServerRolloutEngine:
         return completions_to_output(prompt_ids, parsed, cfg.logprobs_topk, applied)
 
 
-def vllm_reload_weights(url: str, path: str, *, timeout: float) -> None:
+def vllm_reload_weights(url: str, path: str, *, timeout: float, weights_path: str | None = None) -> None:
     """vLLM dev-mode reload (``VLLM_SERVER_DEV_MODE=1``): pause, ``reload_weights`` in every worker (from the
-    model directory the server was started on — overwrite it with ``path``'s files first), reset the prefix cache
-    so no KV computed with the old weights is reused, resume.
+    model directory the server was started on — overwrite it with ``path``'s files first — or from the folder
+    ``weights_path`` when given), reset the prefix cache so no KV computed with the old weights is reused, resume.
 
     Every call answers 200 — also when the reload left part of the model behind: with tied embeddings a checkpoint
     stores the head once, and vLLM's CPU backend (which keeps a repacked copy of the head) then keeps the old head
     (measured on the tiny model: 0.24 nats per token from the new model). Write the checkpoint with
     :func:`write_reload_checkpoint`, which stores the head under its own name too, and check the reload with
     :class:`~offpolicy.rollout.sync_check.SyncCheck` (``offpolicy inspect --check-sync``)."""
-    for step, body in (("/pause", {}), ("/collective_rpc", {"method": "reload_weights"}),
-                       ("/reset_prefix_cache", {}), ("/resume", {})):
+    reload: dict[str, Any] = {"method": "reload_weights"}
+    if weights_path is not None:
+        reload["kwargs"] = {"weights_path": weights_path}
+    for step, body in (("/pause", {}), ("/collective_rpc", reload), ("/reset_prefix_cache", {}), ("/resume", {})):
         post_json(url + step, body, timeout=timeout, what=f"vllm weight reload {step}")
 
 
@@ -573,12 +575,19 @@ def write_reload_checkpoint(model: torch.nn.Module, folder: str | Path) -> Path:
     dict under its own name — a tied output head as ``lm_head.weight`` too, which ``save_pretrained`` leaves out and
     without which vLLM's CPU backend keeps its old head (:func:`vllm_reload_weights`). Written to a temporary file
     and renamed, so a server never reads half a checkpoint."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"folder {str(folder)!r} is not a directory (the model directory the server was started on)")
-    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in model.state_dict().items()}
+    return write_reload_tensors(model.state_dict().items(), folder)
+
+
+def write_reload_tensors(named: Iterable[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
+    """Write ``(name, tensor)`` pairs into ``folder/model.safetensors`` (each copied to its own CPU storage: tied
+    aliases share memory, which safetensors refuses), through a temporary file renamed at the end."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named}
     tmp = folder / ".model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, folder / "model.safetensors")

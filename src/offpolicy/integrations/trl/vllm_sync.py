@@ -166,26 +166,16 @@ class FileSync:
         os.makedirs(self.folder, exist_ok=True)
 
     def __call__(self) -> None:
-        from safetensors.torch import save_file
+        from offpolicy.rollout.servers import vllm_reload_weights, write_reload_tensors
 
-        from offpolicy.rollout.servers import post_json
-
-        main = bool(getattr(self.generation.accelerator, "is_main_process", True))
-        tensors = {}
-        for name, tensor in trl_named_weights(self.generation):
-            if main:  # a tied alias shares memory with its first name: safetensors wants separate storage
-                tensors[name] = tensor.detach().to("cpu").contiguous().clone()
-        if not main:
+        named = trl_named_weights(self.generation)  # lazy: each tensor is copied while TRL's gather holds it
+        if not getattr(self.generation.accelerator, "is_main_process", True):
+            for _ in named:  # every process takes part in TRL's gathers; the main one writes and calls
+                pass
             return
-        tmp = os.path.join(self.folder, ".model.safetensors.tmp")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(self.folder, "model.safetensors"))
-        url = self.generation.vllm_client.base_url
-        for step, body in (("/pause", {}),
-                           ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder}}),
-                           ("/reset_prefix_cache", {}), ("/resume", {})):
-            post_json(url + step, body, timeout=float(getattr(self.generation, "server_timeout", 240.0)),
-                      what=f"vLLM weight reload {step}")
+        write_reload_tensors(named, self.folder)
+        vllm_reload_weights(self.generation.vllm_client.base_url, self.folder, weights_path=self.folder,
+                            timeout=float(getattr(self.generation, "server_timeout", 240.0)))
 
 
 class ColocateScorer:
