@@ -27,8 +27,9 @@ chunks when at least ``ROW_PATH_MIN_ROWS`` rows fit (one pass); otherwise it str
 max / rescaled sums, plus a second pass for min-p (needs the final max) and exact TV (needs both normalisers). The
 backward is always 2-D tiled, so each slice of ∂W is written once per row block. All softmax arithmetic is float32
 (float64 if the inputs are float64, which is what ``gradcheck`` needs) whatever the input dtype; bf16/fp16 weights
-are up-cast one vocabulary slice at a time, as each tile needs it (never a [V, H] float32 copy). The min-p safe set is fixed during backpropagation (DVP §5.5). Targets
-equal to ``ignore_index`` give 0 for every output and no gradient. The rollout's tensors are data: no gradient.
+are up-cast one vocabulary slice at a time, as each tile needs it (never a [V, H] float32 copy). The min-p safe set
+is fixed during backpropagation (DVP §5.5). Targets equal to ``ignore_index`` give 0 for every output and no
+gradient. The rollout's tensors are data: no gradient.
 
 Gradients w.r.t. z (p = softmax(z), onehot at y; each is multiplied by its output's incoming gradient):
 logp → onehot − p; entropy → −p ⊙ (z − lse + H); minp_logp → onehot − p ⊙ 1_S / Z (the contrastive form of

@@ -39,7 +39,8 @@ exactly as the parent class. What it changes:
   ``centered_logp(log_probs, score_center_topk(z / T, ids, logq))`` on every row (prompt rows hold a point mass and
   are dropped by verl like their log-probs): the value is verl's own, the gradient the centred score's
   (:mod:`offpolicy.objectives.score_centering`; the top-K's log-probs are taken as the tempered sampler's, z / T is
-  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1). Row-chunked with activation checkpointing, so the extra ``[N, V]`` float32 work is a chunk at a time.
+  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1). Row-chunked
+  (:func:`offpolicy.kernels.row_maps.logits_row_map`), so the extra ``[N, V]`` float32 work is a chunk at a time.
 
 The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
 forward.
