@@ -19,10 +19,10 @@ pytest.importorskip("gguf")
 from offpolicy.rollout.llamacpp import (
     LlamaCppRolloutEngine,
     connect_llamacpp,
-    free_port,
     llamacpp_sampling,
     parse_llamacpp_completion,
 )
+from offpolicy.rollout.processes import free_port
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.scoring import score_tokens
 from offpolicy.rollout.servers import ServerError

