@@ -4,8 +4,12 @@ it nothing is said; the TRL trainer and the verl plug-in both check when they st
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 from offpolicy.integrations import versions
 from offpolicy.integrations.versions import VERSIONS, UntestedVersionWarning, check_versions, version_tuple
@@ -46,6 +50,42 @@ def test_inside_the_range_or_not_installed_says_nothing():
         check_versions("tensorflow", user="X")
     with pytest.raises(ValueError, match="version must start with a number"):
         version_tuple("latest")
+
+
+def _pyproject_requirements() -> list[tuple[str, Requirement]]:
+    """Every requirement of pyproject.toml as ``(where, Requirement)``: the dependencies and each extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the CI's)
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text("utf-8"))["project"]
+    found = [("dependencies", Requirement(r)) for r in project["dependencies"]]
+    for extra, requirements in project["optional-dependencies"].items():
+        found += [(f"[{extra}]", Requirement(r)) for r in requirements]
+    return found
+
+
+def test_pyproject_bounds_are_the_tested_ranges():
+    # one source: a framework's bound in pyproject (dependencies and every extra) is VERSIONS' range, or a pin inside
+    # it — so pip cannot install a version the adapter warns about at once
+    checked: dict[str, list[str]] = {}
+    for where, req in _pyproject_requirements():
+        row = next((r for r in VERSIONS.values() if canonicalize_name(req.name) in r.distributions), None)
+        if row is None:
+            continue
+        pins = [s.version for s in req.specifier if s.operator == "=="]
+        if pins:
+            assert all(row.supports(v) for v in pins), f"{where} {req}: outside the tested {row.package} {row.range}"
+        else:
+            assert req.specifier == SpecifierSet(row.range), f"{where} {req}: the version table says {row.range}"
+        assert req.specifier.contains(row.tested.split(" ")[0]), f"{where} {req} excludes the tested {row.tested}"
+        checked.setdefault(row.package, []).append(where)
+    assert sorted(checked) == sorted(VERSIONS), checked  # every row of the table bounds some requirement
+    assert "[trl]" in checked["trl"] and "[verl]" in checked["verl"] and "[vllm]" in checked["vllm"]
+
+
+def test_the_pyproject_check_catches_a_wider_bound():
+    # the comparison above is not vacuous: the old extras (trl<2, vllm<1) differ from the table's ranges
+    assert SpecifierSet(">=1.16,<2") != SpecifierSet(VERSIONS["trl"].range)
+    assert SpecifierSet(">=0.22,<1") != SpecifierSet(VERSIONS["vllm"].range)
+    assert SpecifierSet("<1.17,>=1.16") == SpecifierSet(VERSIONS["trl"].range)  # order does not matter
 
 
 def test_the_installed_versions_are_read_from_the_metadata():

@@ -6,6 +6,10 @@ adapter calls :func:`check_versions` when it starts; a package installed outside
 :class:`UntestedVersionWarning` per process, naming the installed and the tested version (never an error: the
 adapter may well work, and the tests in ``tests/integrations`` say whether it does).
 
+This table is the one source of the ranges: pyproject's extras (``trl``, ``verl``, ``vllm``, ``dev``) bound each
+framework to exactly its row, so pip installs nothing the adapter warns about (``tests/integrations/test_versions.py``
+compares them), and the docs' version table is generated from it.
+
 =========  ====================  ================  ===============================================================
 package    supported (warned     tested            where it matters
            outside)
