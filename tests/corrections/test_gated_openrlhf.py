@@ -2,11 +2,13 @@
 
 Two sources of OpenRLHF's numbers:
 
-* **recorded** (always runs): ``data/openrlhf_gate.json``, written by ``data/openrlhf_gate.py`` in a separate
-  environment with ``openrlhf==0.11.2`` (installed ``--no-deps``) and torch 2.13 — the command is in the file and in
-  that script's docstring. The inputs are stored with the outputs, so the comparison is on the very same batch.
-* **live** (skipped, with the reason, when no such environment exists): the same script run now by the Python in
-  ``$OFFPOLICY_OPENRLHF_PYTHON`` (default ``/work/venvs/openrlhf/bin/python``), compared the same way.
+* **recorded** (always runs): ``data/openrlhf_gate.json``, written by ``data/openrlhf_gate.py`` with
+  ``openrlhf==0.11.2`` (installed ``--no-deps``) and torch 2.13 — the command is in that script's docstring. The
+  inputs are stored with the outputs, so the comparison is on the very same batch; the record also keeps the sha256
+  of the two OpenRLHF files the script loaded and the package versions.
+* **live** (skipped, with the reason, when OpenRLHF 0.11.2 is not installed; CI installs it, and there the skip is a
+  failure): the same script run now by ``$OFFPOLICY_OPENRLHF_PYTHON`` (default: this Python), compared the same way,
+  and the files it loaded must hash to the record's sha256 and to the wheel's own ``RECORD`` entries.
 
 Where the definitions coincide (every "moderate" case: ratio / binary-KL / TV gates, token and sequence level, mask
 and clip) the per-token coefficient w_t·keep_t, ``is_filter_ratio``, ``vllm_kl`` and the PPO loss are equal to float32
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +33,13 @@ from offpolicy import LogProbBatch, gated_is, offpolicy_metrics, policy_loss
 DATA = Path(__file__).parent / "data"
 RECORDED = DATA / "openrlhf_gate.json"
 SCRIPT = DATA / "openrlhf_gate.py"
-OPENRLHF_PYTHON = os.environ.get("OFFPOLICY_OPENRLHF_PYTHON", "/work/venvs/openrlhf/bin/python")
+OPENRLHF_PYTHON = os.environ.get("OFFPOLICY_OPENRLHF_PYTHON", sys.executable)
+LOADED_FILES = ("openrlhf/models/loss.py", "openrlhf/models/utils.py")  # what the script executes of OpenRLHF
+# The installed OpenRLHF: its version and, per loaded file, the sha256 that pip recorded from the wheel (urlsafe base64
+# in the RECORD file, as hex here), printed as JSON by the Python that runs the script.
+PROBE = """import importlib.metadata as m, json, base64
+files = {str(f): base64.urlsafe_b64decode(f.hash.value + "==").hex() for f in m.files("openrlhf") if f.hash}
+print(json.dumps({"version": m.version("openrlhf"), "record": {k: files.get(k) for k in %r}}))""" % (LOADED_FILES,)
 
 LEVELS = {"token": "token", "seq": "geometric"}  # OpenRLHF's seq: the per-sequence mean (geometric for the ratio)
 MODES = {"mask": "mask", "clip": "truncate"}
@@ -84,7 +93,10 @@ def _compare(record: dict) -> list[str]:
 
 def test_equals_openrlhfs_recorded_numbers():
     record = json.loads(RECORDED.read_text())
-    assert record["openrlhf"] == "0.11.2" and record["command"].endswith("openrlhf_gate.py")
+    assert record["versions"]["openrlhf"] == "0.11.2"
+    # provenance: a sha256 per loaded file (the live test below requires the installed files to match them)
+    assert sorted(record["files"]) == sorted(LOADED_FILES)
+    assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in record["files"].values()), record["files"]
     checked = _compare(record)
     # every gating at both levels, and the clip mode, were compared on one batch
     assert {c.split("/", 1)[1] for c in checked} >= {"token/mask/ratio", "seq/mask/ratio", "token/clip/ratio",
@@ -97,19 +109,24 @@ def test_equals_openrlhfs_recorded_numbers():
 
 def test_equals_openrlhf_live(tmp_path):
     if not Path(OPENRLHF_PYTHON).is_file():
-        pytest.skip(f"no Python with openrlhf 0.11.2 at {OPENRLHF_PYTHON} (set OFFPOLICY_OPENRLHF_PYTHON; "
-                    "the recorded comparison above ran)")
-    probe = subprocess.run([OPENRLHF_PYTHON, "-c", "import importlib.metadata as m; print(m.version('openrlhf'))"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != "0.11.2":
-        pytest.skip(f"{OPENRLHF_PYTHON} has no openrlhf 0.11.2 ({(probe.stdout or probe.stderr).strip()[-200:]})")
+        pytest.skip(f"no Python at OFFPOLICY_OPENRLHF_PYTHON={OPENRLHF_PYTHON} to run openrlhf 0.11.2 "
+                    "(the recorded comparison above ran)")
+    probe = subprocess.run([OPENRLHF_PYTHON, "-c", PROBE], capture_output=True, text=True)
+    installed = json.loads(probe.stdout) if probe.returncode == 0 else {}
+    if installed.get("version") != "0.11.2":
+        pytest.skip(f"{OPENRLHF_PYTHON} has no openrlhf 0.11.2 (pip install --no-deps openrlhf==0.11.2; "
+                    f"{(probe.stdout or probe.stderr).strip()[-200:]})")
     out = subprocess.run([OPENRLHF_PYTHON, str(SCRIPT)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     live = json.loads(out.stdout)
     assert len(_compare(live)) == len(live["cases"])
+    # provenance: the files the script executed are the wheel's (pip's RECORD) and the ones the record was made from
+    recorded = json.loads(RECORDED.read_text())
+    assert live["files"] == installed["record"], "the installed OpenRLHF files differ from the wheel's RECORD"
+    assert live["files"] == recorded["files"], "the record was made from other OpenRLHF files: regenerate it"
+    assert live["versions"]["openrlhf"] == recorded["versions"]["openrlhf"]
     # and the recorded file is what the script writes today: the same inputs, outputs equal to float32 rounding
     # (another CPU's vectorised exp/log may differ in the last bit)
-    recorded = json.loads(RECORDED.read_text())
     assert live["inputs"] == recorded["inputs"]
     for a, b in zip(live["cases"], recorded["cases"]):
         torch.testing.assert_close(torch.tensor(a["coef"]), torch.tensor(b["coef"]), rtol=1e-6, atol=1e-7)

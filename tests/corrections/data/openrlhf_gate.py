@@ -1,23 +1,28 @@
 """Record OpenRLHF 0.11.2's own importance-sampling gate (``openrlhf.models.loss.PolicyLoss``, ``is_correction_*``)
 on fixed batches, for ``tests/corrections/test_gated_openrlhf.py``.
 
-Run with a Python that has ``openrlhf==0.11.2`` (installed ``--no-deps``) and torch, e.g.
+Run with a Python that has ``openrlhf==0.11.2`` (installed ``--no-deps``: its requirements pull a CUDA torch,
+deepspeed, vLLM …; check that torch is untouched) and torch, e.g.
 
-    python -m venv /work/venvs/openrlhf
-    /work/venvs/openrlhf/bin/pip install --no-deps openrlhf==0.11.2 && /work/venvs/openrlhf/bin/pip install torch numpy
-    /work/venvs/openrlhf/bin/python tests/corrections/data/openrlhf_gate.py > tests/corrections/data/openrlhf_gate.json
+    pip install --no-deps openrlhf==0.11.2
+    python tests/corrections/data/openrlhf_gate.py > tests/corrections/data/openrlhf_gate.json
 
 Only ``openrlhf/models/loss.py`` and ``openrlhf/models/utils.py`` are loaded, as modules of a bare ``openrlhf.models``
 package: the package's ``__init__`` imports the actor (transformers, deepspeed …), and ``utils.py`` imports deepspeed
-at the top for functions the loss never calls, so a placeholder module stands in for it.
+at the top for functions the loss never calls, so an empty placeholder module stands in for it (in this process
+only, and only when deepspeed is not installed).
+
+The record keeps its provenance in a form a test can check: the sha256 of the two files this process loaded
+(``files``) and the versions of OpenRLHF, torch and Python (``versions``). The live test reruns this script and
+requires the same hashes, and the wheel's own ``RECORD`` hashes for the installed files.
 
 Per case the script records the inputs, the per-token coefficient the gate multiplies into the PPO loss (read from the
 gradient: at log π_θ = log π_old and A = −1 every token's PPO term is 1 with ∂/∂log π_θ = 1, so ∂loss/∂log π_θ,t =
 coef_t / N, N the valid tokens), ``is_filter_ratio``, ``vllm_kl`` and the loss on random π_θ and advantages.
 """
-
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -32,16 +37,30 @@ def load_policy_loss():
     import openrlhf  # noqa: F401  (only to locate the installed package; its __init__ is light)
 
     root = Path(sys.modules["openrlhf"].__file__).parent / "models"
-    sys.modules.setdefault("deepspeed", types.ModuleType("deepspeed"))  # utils.py imports it for unrelated helpers
+    if importlib.util.find_spec("deepspeed") is None:  # utils.py imports it for helpers the loss never calls
+        sys.modules["deepspeed"] = types.ModuleType("deepspeed")
     package = types.ModuleType("openrlhf.models")
     package.__path__ = [str(root)]
     sys.modules["openrlhf.models"] = package
-    for name in ("utils", "loss"):
+    for name in LOADED:
         spec = importlib.util.spec_from_file_location(f"openrlhf.models.{name}", root / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     return sys.modules["openrlhf.models.loss"].PolicyLoss
+
+
+LOADED = ("utils", "loss")  # the modules of openrlhf.models that load_policy_loss executes
+
+
+def loaded_files() -> dict[str, str]:
+    """sha256 (hex) of each OpenRLHF file this process executed, keyed by its path inside the package
+    (``openrlhf/models/loss.py``): read from the loaded modules' own ``__file__``, after :func:`load_policy_loss`."""
+    out = {}
+    for name in LOADED:
+        path = Path(sys.modules[f"openrlhf.models.{name}"].__file__)
+        out[f"openrlhf/models/{path.name}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
 
 
 def batches() -> dict[str, dict[str, torch.Tensor]]:
@@ -106,9 +125,10 @@ def main() -> None:
             "loss": float(random_loss),
         })
     inputs = {name: {k: v.tolist() for k, v in x.items()} for name, x in data.items()}
-    json.dump({"openrlhf": importlib.metadata.version("openrlhf"),
-               "torch": torch.__version__, "command": "python tests/corrections/data/openrlhf_gate.py",
-               "inputs": inputs, "cases": records}, sys.stdout, indent=1, allow_nan=False)
+    versions = {"openrlhf": importlib.metadata.version("openrlhf"), "torch": torch.__version__,
+                "python": ".".join(map(str, sys.version_info[:3]))}
+    json.dump({"versions": versions, "files": loaded_files(), "inputs": inputs, "cases": records}, sys.stdout,
+              indent=1, allow_nan=False)
     sys.stdout.write("\n")
     assert not any(math.isnan(r["loss"]) for r in records)
 
