@@ -37,9 +37,10 @@ OPENRLHF_PYTHON = os.environ.get("OFFPOLICY_OPENRLHF_PYTHON", sys.executable)
 LOADED_FILES = ("openrlhf/models/loss.py", "openrlhf/models/utils.py")  # what the script executes of OpenRLHF
 # The installed OpenRLHF: its version and, per loaded file, the sha256 that pip recorded from the wheel (urlsafe base64
 # in the RECORD file, as hex here), printed as JSON by the Python that runs the script.
-PROBE = """import importlib.metadata as m, json, base64
+# The files to report are the probe's arguments.
+PROBE = """import importlib.metadata as m, json, base64, sys
 files = {str(f): base64.urlsafe_b64decode(f.hash.value + "==").hex() for f in m.files("openrlhf") if f.hash}
-print(json.dumps({"version": m.version("openrlhf"), "record": {k: files.get(k) for k in %r}}))""" % (LOADED_FILES,)
+print(json.dumps({"version": m.version("openrlhf"), "record": {k: files.get(k) for k in sys.argv[1:]}}))"""
 
 LEVELS = {"token": "token", "seq": "geometric"}  # OpenRLHF's seq: the per-sequence mean (geometric for the ratio)
 MODES = {"mask": "mask", "clip": "truncate"}
@@ -111,7 +112,7 @@ def test_equals_openrlhf_live(tmp_path):
     if not Path(OPENRLHF_PYTHON).is_file():
         pytest.skip(f"no Python at OFFPOLICY_OPENRLHF_PYTHON={OPENRLHF_PYTHON} to run openrlhf 0.11.2 "
                     "(the recorded comparison above ran)")
-    probe = subprocess.run([OPENRLHF_PYTHON, "-c", PROBE], capture_output=True, text=True)
+    probe = subprocess.run([OPENRLHF_PYTHON, "-c", PROBE, *LOADED_FILES], capture_output=True, text=True)
     installed = json.loads(probe.stdout) if probe.returncode == 0 else {}
     if installed.get("version") != "0.11.2":
         pytest.skip(f"{OPENRLHF_PYTHON} has no openrlhf 0.11.2 (pip install --no-deps openrlhf==0.11.2; "
