@@ -2,7 +2,7 @@
 (TRL's weights into vLLM through ``reload_weights``) against the check (the probe scored by vLLM's prompt log-probs and
 by the trainer), interleaved in one process, and a whole TRL step for scale.
 
-    python benchmarks/trl_sync_check_cost.py --repeats 10
+    python -m benchmarks.trl_sync_check_cost --repeats 10     # from the repository root (it imports offpolicy_testkit)
 
 Medians over the repeats (push, check, push, check, …, so load from other processes hits both alike); on a shared
 machine compare the ratio, not the seconds.
@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 
 def main() -> None:
@@ -28,10 +26,9 @@ def main() -> None:
 
     for key, value in vllm_cpu_env().items():
         os.environ.setdefault(key, value)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     import torch
+    from offpolicy_testkit.trl_toy import arithmetic_dataset, varied_reward
     from trl import GRPOConfig
-    from trl_toy import arithmetic_dataset, varied_reward
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer
     from offpolicy.models import load_model

@@ -8,11 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 if [ "${1:-}" = "--fix" ]; then
-  "$PY" -m ruff check --fix src tests benchmarks examples || true
+  "$PY" -m ruff check --fix src tests benchmarks examples offpolicy_testkit scripts || true
 fi
 status=0
 echo "ruff check" >&2
-"$PY" -m ruff check src tests benchmarks examples || status=1
+"$PY" -m ruff check src tests benchmarks examples offpolicy_testkit scripts || status=1
 echo "mypy src/offpolicy" >&2
 "$PY" -m mypy || status=1
 exit "$status"

@@ -18,8 +18,8 @@ datasets = pytest.importorskip("datasets")
 if not trl.__version__.startswith("1.16"):
     pytest.skip(f"overrides TRL 1.16's internal methods; installed {trl.__version__}", allow_module_level=True)
 
+from offpolicy_testkit.trl_toy import logged, toy_dataset, varied_reward  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl_toy import logged, toy_dataset, varied_reward  # noqa: E402  (tests/support)
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
 

@@ -99,8 +99,8 @@ def test_the_installed_versions_are_read_from_the_metadata():
 def test_the_trl_trainer_warns_outside_the_matrix(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
+    from offpolicy_testkit.trl_toy import toy_dataset, varied_reward
     from trl import GRPOConfig
-    from trl_toy import toy_dataset, varied_reward  # tests/support
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer
     from offpolicy.models.tiny import build_tiny_model

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from lab_plans import no_prepare, small_plan  # tests/support
+from offpolicy_testkit.lab_plans import no_prepare, small_plan
 
 from offpolicy.lab.ray_exec import RayExecutor, forwarded_env
 from offpolicy.lab.sweep import read_summary, run_state, run_sweep

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from lab_plans import no_prepare, small_plan  # tests/support
+from offpolicy_testkit.lab_plans import no_prepare, small_plan
 from rich.console import Console
 
 from offpolicy.lab.sweep import config_conflicts, plan_sweep, planned_config, read_summary, run_state, run_sweep

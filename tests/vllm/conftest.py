@@ -68,8 +68,10 @@ def run_vllm_script(vllm_cache):
     output on a non-zero exit)."""
 
     def run(script: str | Path, *args: str, timeout: float = 600, env: dict | None = None):
+        # the repository root on the path: the scripts import offpolicy_testkit (the harnesses shared with the tests)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         full_env = {**os.environ, **vllm_cpu_env(vllm_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    **(env or {})}
+                    "PYTHONPATH": path, **(env or {})}
         proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
                               env=full_env, cwd=REPO)
         if proc.returncode != 0:

@@ -1,8 +1,8 @@
 """TRL's own ``train()`` against live vLLM in colocate mode (vLLM's CPU build, the embedded tiny model, bf16 engine
 against the fp32 trainer), one scenario after another in this process; prints ``RESULT {json}``.
 
-    python tests/vllm/scripts/trl_colocate.py trl_is dvp trm8 trm20 trm20_max m2po ipo centering
-    python tests/vllm/scripts/trl_colocate.py --dtype=float32 sync_control head_left_behind sampler_order
+    python -m tests.vllm.scripts.trl_colocate trl_is dvp trm8 trm20 trm20_max m2po ipo centering
+    python -m tests.vllm.scripts.trl_colocate --dtype=float32 sync_control head_left_behind sampler_order
 
 Every scenario builds a fresh trainer on a fresh copy of the model (2 steps; the sync scenarios 4); TRL's ``LLM`` — in
 ``--dtype`` (bfloat16 by default) — is built once (by the
@@ -19,9 +19,6 @@ import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
-
-SUPPORT = Path(__file__).resolve().parents[2] / "support"
 
 
 def _numbers(history: list[dict]) -> dict[str, list[float]]:
@@ -35,11 +32,10 @@ def _numbers(history: list[dict]) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(SUPPORT))
     import torch
+    from offpolicy_testkit.trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
     from trl import GRPOConfig, GRPOTrainer
     from trl.generation import vllm_generation
-    from trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer, extra_llm_kwargs, install_vllm_sync
     from offpolicy.integrations.trl.vllm_sync import trl_named_weights

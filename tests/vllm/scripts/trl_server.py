@@ -1,6 +1,6 @@
 """TRL's own ``train()`` against a live vLLM server (``vllm_mode="server"``) on a CPU trainer; prints ``RESULT {json}``.
 
-    python tests/vllm/scripts/trl_server.py URL
+    python -m tests.vllm.scripts.trl_server URL        # from the repository root (it imports offpolicy_testkit)
 
 The server (``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1``, started by the test on
 the embedded tiny model, fp32) generates; TRL's own weight transfer cannot run here (its NCCL group needs a CUDA
@@ -15,14 +15,10 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-SUPPORT = Path(__file__).resolve().parents[2] / "support"
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(SUPPORT))
+    from offpolicy_testkit.trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
     from trl import GRPOConfig, GRPOTrainer
-    from trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer
     from offpolicy.integrations.trl.vllm_sync import FileSync

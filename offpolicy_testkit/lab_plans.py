@@ -1,5 +1,4 @@
-"""Small sweep plans of the lab's executor tests (local and Ray): importable by name (``pythonpath`` in
-pyproject.toml)."""
+"""Small sweep plans of the lab's executor tests (local and Ray)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The toy GRPO data of the TRL ``train()`` tests, and what they read back from TRL's log (importable by name:
-``pythonpath`` in pyproject.toml)."""
+"""The toy GRPO data of the TRL ``train()`` tests and the live TRL scripts, and what they read back from TRL's log."""
 
 from __future__ import annotations
 
