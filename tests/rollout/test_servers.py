@@ -109,7 +109,36 @@ def test_vllm_weight_reload_calls_in_order(stub):
     url, log = stub({p: {} for p in ("/pause", "/collective_rpc", "/reset_prefix_cache", "/resume")})
     ServerRolloutEngine(url, VLLMProtocol("lab")).reload_weights("/models/lab")
     assert [p for p, _ in log] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    assert log[1][1] == {"method": "reload_weights"}
+    # the folder is named: without weights_path vLLM would reload the folder it last loaded, whatever was asked
+    assert log[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": "/models/lab"}}
+
+
+def test_sync_weights_writes_a_reload_folder_of_its_own_and_names_it(stub, tmp_path):
+    from offpolicy.models import load_model
+
+    model, _ = load_model("tiny")
+    url, log = stub({p: {} for p in ("/pause", "/collective_rpc", "/reset_prefix_cache", "/resume")})
+    engine = ServerRolloutEngine(url, VLLMProtocol("lab"))  # no weights_dir: a temporary folder on this machine
+    engine.sync_weights(model)
+    folder = engine.weights_dir
+    assert folder is not None and (folder / "model.safetensors.index.json").exists()
+    assert log[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+    model_dir = tmp_path / "served"
+    model.save_pretrained(model_dir)  # a model directory: never written
+    with pytest.raises(ValueError, match="holds files this project did not write"):
+        ServerRolloutEngine(url, VLLMProtocol("lab"), weights_dir=model_dir).sync_weights(model)
+
+
+def test_a_folder_the_engine_cannot_take_whole_is_refused_before_the_reload(stub, tmp_path):
+    from offpolicy.models import load_model
+
+    model, _ = load_model("tiny")
+    assert model.config.tie_word_embeddings
+    url, log = stub({p: {} for p in ("/pause", "/collective_rpc", "/reset_prefix_cache", "/resume")})
+    model.save_pretrained(tmp_path)  # the tied head stored once
+    with pytest.raises(ValueError, match="head is stored once"):
+        ServerRolloutEngine(url, VLLMProtocol("lab")).reload_weights(str(tmp_path))
+    assert log == []
 
 
 # -- SGLang -----------------------------------------------------------------------------------------------------------

@@ -48,8 +48,10 @@ def test_stale_fraction_recovers_any_mixture(step, alpha):
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="factor"):
-        SyncCheck(factor=1.0)
+    with pytest.raises(ValueError, match="z must be"):
+        SyncCheck(z=0)
+    with pytest.raises(ValueError, match="min_motion"):
+        SyncCheck(min_motion=1.0)
     with pytest.raises(ValueError, match="on_failure"):
         SyncCheck(on_failure="ignore")
     with pytest.raises(ValueError, match="max_stale"):
@@ -89,7 +91,7 @@ def _step(model, scale, seed):
             p.add_(torch.randn(p.shape, generator=gen), alpha=scale)
 
 
-@pytest.mark.parametrize("forget, scale, caught_by", [("nothing", 0.01, None), ("everything", 0.01, "of the way back"),
+@pytest.mark.parametrize("forget, scale, caught_by", [("nothing", 0.01, None), ("everything", 0.01, "did not take"),
                                                      ("head", 0.05, "nats per token")])
 def test_the_check_on_the_transformers_engine(tiny, forget, scale, caught_by):
     import copy

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import socket
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -49,6 +50,7 @@ import torch
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
 from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.weight_sync import ReloadFolder, check_reload_folder
 
 
 class ServerError(ValueError):
@@ -230,7 +232,7 @@ class VLLMProtocol:
         return parse_vllm_completion(answer, cfg, where=where, vocab_size=vocab_size)
 
     def reload_weights(self, url: str, path: str, *, timeout: float) -> None:
-        vllm_reload_weights(url, path, timeout=timeout)
+        vllm_reload_weights(url, path, timeout=timeout, weights_path=path)
 
     def score_request(self, prompt: list[int], completion: list[int]) -> dict:
         """One token of generation after ``prompt + completion`` with the prompt's log-probs: vLLM's teacher-forced
@@ -452,10 +454,10 @@ class ServerRolloutEngine:
         timeout: seconds per request.
         tokenizer: optional, decodes ``texts`` when the server sends none.
 
-    ``sync_weights`` cannot push tensors into a remote server: it writes the model into ``weights_dir`` — the model
-    directory the server was started on, on a disk both can read — with :func:`write_reload_checkpoint`, then
-    calls :meth:`reload_weights` (without ``weights_dir`` it refuses). The llama.cpp engine that owns its server
-    exports and restarts instead.
+    ``sync_weights`` cannot push tensors into a remote server: it writes the model into ``weights_dir`` — a
+    :class:`~offpolicy.rollout.weight_sync.ReloadFolder` of the project's own on a disk both can read (a temporary
+    folder on this machine when not given; never the model directory the server was started on) — then has the
+    server reload from it (``weights_path``). The llama.cpp engine that owns its server exports and restarts instead.
     """
 
     def __init__(self, url: str, protocol: ServerProtocol, *, vocab_size: int | None = None, timeout: float = 120.0,
@@ -470,13 +472,16 @@ class ServerRolloutEngine:
         self.timeout = float(timeout)
         self.tokenizer = tokenizer
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._reload_folder: ReloadFolder | None = None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        if self.weights_dir is None:
-            raise ValueError(f"sync_weights: a {self.protocol.name} server at {self.url} cannot take tensors; give "
-                             "weights_dir (the model directory the server was started on) or save the model where "
-                             "the server reads it and call reload_weights(path)")
-        write_reload_checkpoint(model, self.weights_dir)
+        """Write ``model`` into the reload folder (``weights_dir``, or a temporary folder on this machine) and have
+        the server reload from there."""
+        if self._reload_folder is None:
+            if self.weights_dir is None:
+                self.weights_dir = Path(tempfile.mkdtemp(prefix="offpolicy-reload-"))
+            self._reload_folder = ReloadFolder(self.weights_dir)
+        self._reload_folder.write_model(model)
         self.reload_weights(str(self.weights_dir))
 
     full_logits = False  # score() gives the sampled tokens' log-probs, not [B, T, V] logits
@@ -510,10 +515,15 @@ class ServerRolloutEngine:
         return logp, mask
 
     def reload_weights(self, path: str) -> None:
-        """Make the server load new weights from ``path`` (a directory or file on the server's disk)."""
+        """Make the server load new weights from the folder ``path`` (on the server's disk). A folder the server
+        cannot take as a whole model is refused first (:func:`~offpolicy.rollout.weight_sync.check_reload_folder`:
+        e.g. ``save_pretrained``'s tied head stored once); whether the server then serves the new weights is what
+        :class:`~offpolicy.rollout.sync_check.SyncCheck` verifies."""
         reload = getattr(self.protocol, "reload_weights", None)
         if reload is None:
             raise ValueError(f"reload_weights: the {self.protocol.name} protocol has no reload call")
+        if Path(path).is_dir():  # a folder on this machine: checked here; a remote path is the server's to read
+            check_reload_folder(path)
         reload(self.url, str(path), timeout=self.timeout)
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
@@ -544,15 +554,16 @@ class ServerRolloutEngine:
 
 
 def vllm_reload_weights(url: str, path: str, *, timeout: float, weights_path: str | None = None) -> None:
-    """vLLM dev-mode reload (``VLLM_SERVER_DEV_MODE=1``): pause, ``reload_weights`` in every worker (from the
-    model directory the server was started on — overwrite it with ``path``'s files first — or from the folder
-    ``weights_path`` when given), reset the prefix cache so no KV computed with the old weights is reused, resume.
+    """vLLM dev-mode reload (``VLLM_SERVER_DEV_MODE=1``): pause, ``reload_weights`` in every worker from the folder
+    ``weights_path`` (without it: from the folder the server last loaded, which vLLM reads again as it is), reset
+    the prefix cache so no KV computed with the old weights is reused, resume.
 
     Every call answers 200 — also when the reload left part of the model behind: with tied embeddings a checkpoint
     stores the head once, and vLLM's CPU backend (which keeps a repacked copy of the head) then keeps the old head
-    (measured on the tiny model: 0.24 nats per token from the new model). Write the checkpoint with
-    :func:`write_reload_checkpoint`, which stores the head under its own name too, and check the reload with
-    :class:`~offpolicy.rollout.sync_check.SyncCheck` (``offpolicy inspect --check-sync``)."""
+    (measured on the tiny model: 0.24 nats per token from the new model); beside a sharded checkpoint's index a new
+    ``model.safetensors`` is not read at all. Write the weights with
+    :class:`~offpolicy.rollout.weight_sync.ReloadFolder` (its own folder, the head under its own name) and check the
+    reload with :class:`~offpolicy.rollout.sync_check.SyncCheck` (``offpolicy inspect --check-sync``)."""
     reload: dict[str, Any] = {"method": "reload_weights"}
     if weights_path is not None:
         reload["kwargs"] = {"weights_path": weights_path}
@@ -571,27 +582,16 @@ def sglang_reload_weights(url: str, path: str, *, timeout: float) -> None:
 
 
 def write_reload_checkpoint(model: torch.nn.Module, folder: str | Path) -> Path:
-    """Write ``model``'s weights into ``folder/model.safetensors`` for a server to reload, every tensor of the state
-    dict under its own name — a tied output head as ``lm_head.weight`` too, which ``save_pretrained`` leaves out and
-    without which vLLM's CPU backend keeps its old head (:func:`vllm_reload_weights`). Written to a temporary file
-    and renamed, so a server never reads half a checkpoint."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"folder {str(folder)!r} is not a directory (the model directory the server was started on)")
-    return write_reload_tensors(model.state_dict().items(), folder)
+    """``ReloadFolder(folder).write_model(model)``: every tensor of the state dict under its own name, in a folder of
+    the project's own (a model directory is refused). Kept for one release; use
+    :class:`~offpolicy.rollout.weight_sync.ReloadFolder`."""
+    return ReloadFolder(folder).write_model(model)
 
 
 def write_reload_tensors(named: Iterable[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
-    """Write ``(name, tensor)`` pairs into ``folder/model.safetensors`` (each copied to its own CPU storage: tied
-    aliases share memory, which safetensors refuses), through a temporary file renamed at the end."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named}
-    tmp = folder / ".model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / "model.safetensors")
-    return folder / "model.safetensors"
+    """``ReloadFolder(folder).write(named)``. Kept for one release; use
+    :class:`~offpolicy.rollout.weight_sync.ReloadFolder`."""
+    return ReloadFolder(folder).write(named)
 
 
 SERVER_PROTOCOLS = ("vllm", "sglang", "llamacpp")

