@@ -2,7 +2,7 @@
 (TRL's weights into vLLM through ``reload_weights``) against the check (the probe scored by vLLM's prompt log-probs and
 by the trainer), interleaved in one process, and a whole TRL step for scale.
 
-    python -m benchmarks.trl_sync_check_cost --repeats 10     # from the repository root (it imports offpolicy_testkit)
+    PYTHONPATH=. python benchmarks/trl_sync_check_cost.py --repeats 10     # from the repository root (offpolicy_testkit)
 
 Medians over the repeats (push, check, push, check, …, so load from other processes hits both alike); on a shared
 machine compare the ratio, not the seconds.

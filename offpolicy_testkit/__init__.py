@@ -1,5 +1,7 @@
 """Harnesses shared by the test suite, the benchmarks and the scripts (not part of the offpolicy distribution).
 
-Importable from the repository root: pytest puts the root on ``sys.path`` (``pythonpath`` in pyproject.toml), and the
-benchmarks and scripts that use it run as modules from the root (``python -m benchmarks.trl_sync_check_cost``).
+Not installed, not in the wheel: pytest puts the repository root on ``sys.path`` (``pythonpath`` in pyproject.toml),
+and a benchmark or script that uses it runs from the root with the root on the path
+(``PYTHONPATH=. python benchmarks/trl_sync_check_cost.py``). Not ``python -m scripts.…`` / ``tests.…``: verl installs
+top-level packages named ``scripts`` and ``tests`` that shadow the repository's folders.
 """

@@ -1,8 +1,8 @@
 """TRL's own ``train()`` against live vLLM in colocate mode (vLLM's CPU build, the embedded tiny model, bf16 engine
 against the fp32 trainer), one scenario after another in this process; prints ``RESULT {json}``.
 
-    python -m tests.vllm.scripts.trl_colocate trl_is dvp trm8 trm20 trm20_max m2po ipo centering
-    python -m tests.vllm.scripts.trl_colocate --dtype=float32 sync_control head_left_behind sampler_order
+    PYTHONPATH=. python tests/vllm/scripts/trl_colocate.py trl_is dvp trm8 trm20 trm20_max m2po ipo centering
+    PYTHONPATH=. python tests/vllm/scripts/trl_colocate.py --dtype=float32 sync_control head_left_behind sampler_order
 
 Every scenario builds a fresh trainer on a fresh copy of the model (2 steps; the sync scenarios 4); TRL's ``LLM`` — in
 ``--dtype`` (bfloat16 by default) — is built once (by the

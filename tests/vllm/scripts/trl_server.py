@@ -1,6 +1,6 @@
 """TRL's own ``train()`` against a live vLLM server (``vllm_mode="server"``) on a CPU trainer; prints ``RESULT {json}``.
 
-    python -m tests.vllm.scripts.trl_server URL        # from the repository root (it imports offpolicy_testkit)
+    PYTHONPATH=. python tests/vllm/scripts/trl_server.py URL     # from the repository root (offpolicy_testkit)
 
 The server (``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1``, started by the test on
 the embedded tiny model, fp32) generates; TRL's own weight transfer cannot run here (its NCCL group needs a CUDA
