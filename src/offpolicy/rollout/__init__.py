@@ -3,6 +3,7 @@
 from offpolicy.rollout.base import RolloutEngine, RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.hf import HFRolloutEngine, fake_quantize
 from offpolicy.rollout.llamacpp import LlamaCppProtocol, LlamaCppRolloutEngine, LlamaCppServer, connect_llamacpp
+from offpolicy.rollout.quant_formats import QUANT_FORMATS, QuantFormat, quant_format
 from offpolicy.rollout.routing import RouteRecorder, find_routers, replay_routes, split_routes
 from offpolicy.rollout.sampling import (
     SamplingConfig,
@@ -22,6 +23,8 @@ __all__ = [
     "LlamaCppProtocol",
     "LlamaCppRolloutEngine",
     "LlamaCppServer",
+    "QUANT_FORMATS",
+    "QuantFormat",
     "RolloutEngine",
     "RolloutOutput",
     "RouteRecorder",
@@ -40,6 +43,7 @@ __all__ = [
     "inverse_cdf",
     "pad_ids",
     "process_logits",
+    "quant_format",
     "replay_routes",
     "sample_tokens",
     "sequence_logprobs",

@@ -10,8 +10,17 @@ tokens with an fp32 full forward. Optional knobs add the other mismatch sources 
   as with vLLM's int8/fp8 KV cache.
 * ``weight_bits``: int-N per-output-channel symmetric fake-quantisation of the decoder's Linear weights (lm_head
   and embeddings stay in ``dtype``, as in W8A16 serving), re-applied on every ``sync_weights``.
-* ``quantize_layers``: restrict ``weight_bits`` and ``kv_cache_bits`` to these decoder layers (indices into the
-  decoder stack, e.g. ``[3]``), so a mismatch can be bisected layer by layer.
+* ``quant``: a serving engine's low-precision Linear layers (:data:`~offpolicy.rollout.quant_formats.QUANT_FORMATS`:
+  ``fp8``, ``fp8-dynamic``, ``fp8-block``, ``mxfp8``, ``nvfp4`` (W4A4), ``nvfp4a16`` (W4A16)): each decoder Linear's
+  weight is quantised into the format and back on every ``sync_weights`` and its input on every forward (a forward
+  pre-hook), round to nearest even, then the matmul runs in ``dtype`` on the dequantised values — what an fp8 / FP4
+  kernel computes up to its accumulation order and the one rounding of scale × value to ``dtype``. lm_head and the
+  embeddings stay in ``dtype`` (as vLLM serves these checkpoints); attention's own products are not quantised.
+  ``fp8`` (per-tensor) takes one activation scale per forward over the tensor the layer sees, so μ depends on the
+  batch and on prefill vs decoding (as vLLM's dynamic per-tensor fp8 does) and :meth:`HFRolloutEngine.score` does
+  not reproduce it; the other formats scale per token or per block of a token.
+* ``quantize_layers``: restrict ``weight_bits``, ``quant`` and ``kv_cache_bits`` to these decoder layers (indices into
+  the decoder stack, e.g. ``[3]``), so a mismatch can be bisected layer by layer.
 * ``lm_head_fp32``: the output projection runs in float32 on float32 weights, with the final hidden state cast up
   first — TRL's ``cast_lm_head_to_fp32`` (GRPOConfig), SGLang's ``enable_fp32_lm_head`` as prime-rl's inference
   config sets it. A tied embedding keeps its engine-dtype copy for the input side.
@@ -40,6 +49,7 @@ from torch import Tensor
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.decode import DecodeStep, cache_keyword
+from offpolicy.rollout.quant_formats import QuantFormat, quant_format
 from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
 from offpolicy.rollout.sampling import (
     SAMPLERS,
@@ -124,7 +134,10 @@ class HFRolloutEngine:
             (rotary inv_freq) stay float32 as when a real checkpoint is loaded in bf16.
         kv_cache: generate incrementally with a KV cache (True) or with a full forward per step (False).
         kv_cache_bits / weight_bits / logit_noise: extra mismatch sources, see the module docstring.
-        quantize_layers: decoder-layer indices that ``weight_bits`` / ``kv_cache_bits`` apply to (None: all).
+        quant: a serving format of the decoder's Linear layers (weights and inputs; see the module docstring), by
+            name or alias (``w4a4`` = ``nvfp4``, ``w4a16`` = ``nvfp4a16``); None: none. Not with ``weight_bits``.
+        quantize_layers: decoder-layer indices that ``weight_bits`` / ``quant`` / ``kv_cache_bits`` apply to (None:
+            all).
         lm_head_fp32: float32 output projection (TRL's ``cast_lm_head_to_fp32``), see the module docstring.
         attn_implementation: attention kernel of the engine's copy ("eager", "sdpa"; None keeps the model's).
         record_routes: return each token's routed experts (MoE models only; ``ValueError`` otherwise).
@@ -162,6 +175,7 @@ class HFRolloutEngine:
         weight_bits: int | None = None,
         logit_noise: float = 0.0,
         quantize_layers: Sequence[int] | None = None,
+        quant: str | None = None,
         lm_head_fp32: bool = False,
         attn_implementation: str | None = "eager",
         tokenizer=None,
@@ -184,7 +198,11 @@ class HFRolloutEngine:
         self.kv_cache_bits = kv_cache_bits
         self.weight_bits = weight_bits
         self.logit_noise = float(logit_noise)
-        self.quantize_layers = _check_layers(quantize_layers, model, kv_cache_bits, weight_bits)
+        if quant is not None and weight_bits is not None:
+            raise ValueError(f"quant={quant!r} with weight_bits={weight_bits!r}: both quantise the weights; choose one")
+        self.quant_format: QuantFormat | None = None if quant is None else quant_format(quant)
+        self.quant = None if self.quant_format is None else self.quant_format.name
+        self.quantize_layers = _check_layers(quantize_layers, model, kv_cache_bits, weight_bits, self.quant)
         self.lm_head_fp32 = bool(lm_head_fp32)
         self.tokenizer = tokenizer
         cfg: Any = model.config  # a transformers config (torch types module attributes as Tensor | Module)
@@ -202,6 +220,10 @@ class HFRolloutEngine:
             p.data = p.data.to(self.dtype)
         if self.lm_head_fp32:
             _fp32_output_projection(self.model)
+        if self.quant_format is not None and self.quant_format.activation is not None:
+            act = self.quant_format.activation
+            for module in self._quantized_linears():  # inputs quantised on every forward, generation and score alike
+                module.register_forward_pre_hook(lambda module, args, act=act: (act(args[0]), *args[1:]))
         self.record_routes = bool(record_routes)
         if self.record_routes:
             find_routers(self.model)  # a dense model has nothing to record: say so now, not after generating
@@ -224,17 +246,24 @@ class HFRolloutEngine:
                 raise ValueError(f"model has no parameter {name!r}: sync_weights needs the same architecture")
             p.copy_(src[name].detach())
         if self.weight_bits is not None:
-            if self.quantize_layers is None:
-                scope = self.model
-            else:
-                from offpolicy.perturbation import find_decoder_layers
+            for module in self._quantized_linears():
+                module.weight.copy_(fake_quantize(module.weight, self.weight_bits, dim=1))
+        if self.quant_format is not None:
+            for module in self._quantized_linears():
+                module.weight.copy_(self.quant_format.weight(module.weight))
 
-                stack = find_decoder_layers(self.model)
-                scope = torch.nn.ModuleList([stack[i] for i in sorted(self.quantize_layers)])
-            for name, module in scope.named_modules():
-                # Decoder Linear layers only: lm_head / embeddings stay in dtype (W8A16-style serving).
-                if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
-                    module.weight.copy_(fake_quantize(module.weight, self.weight_bits, dim=1))
+    def _quantized_linears(self) -> list[torch.nn.Linear]:
+        """The Linear layers ``weight_bits`` / ``quant`` apply to: the decoder's (in ``quantize_layers`` when given);
+        lm_head / embeddings stay in dtype, as weight-quantised serving keeps them."""
+        if self.quantize_layers is None:
+            scope: torch.nn.Module = self.model
+        else:
+            from offpolicy.perturbation import find_decoder_layers
+
+            stack = find_decoder_layers(self.model)
+            scope = torch.nn.ModuleList([stack[i] for i in sorted(self.quantize_layers)])
+        return [module for name, module in scope.named_modules()
+                if isinstance(module, torch.nn.Linear) and "lm_head" not in name]
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -373,12 +402,12 @@ class HFRolloutEngine:
 
 
 def _check_layers(layers, model: torch.nn.Module, kv_cache_bits: int | None,
-                  weight_bits: int | None) -> frozenset[int] | None:
+                  weight_bits: int | None, quant: str | None = None) -> frozenset[int] | None:
     """``quantize_layers`` as a frozenset of valid decoder-layer indices (None: all layers)."""
     if layers is None:
         return None
-    if kv_cache_bits is None and weight_bits is None:
-        raise ValueError("quantize_layers needs weight_bits or kv_cache_bits: there is nothing to restrict")
+    if kv_cache_bits is None and weight_bits is None and quant is None:
+        raise ValueError("quantize_layers needs weight_bits or kv_cache_bits (or quant): there is nothing to restrict")
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise ValueError(f"quantize_layers must be a list of decoder-layer indices, got {layers!r}")
     from offpolicy.perturbation import find_decoder_layers
