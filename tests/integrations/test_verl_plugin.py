@@ -175,6 +175,47 @@ def test_plugin_trainer_applies_the_binary_kl_gate_by_name(trainer_base, monkeyp
     assert metrics["rollout_corr/gated_is/filter_frac"] == pytest.approx(2 / 6)
 
 
+def _verl_algorithm(**rollout_correction):
+    """verl 0.9.1's own ``algorithm`` block (its generated ppo_trainer.yaml) with ``rollout_correction`` overrides."""
+    import pathlib
+
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(pathlib.Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+    for key, value in rollout_correction.items():
+        config.algorithm.rollout_correction[key] = value
+    return config
+
+
+def test_a_double_correction_is_refused_naming_both_keys(trainer_base, monkeypatch):
+    from offpolicy.integrations.verl import plugin
+    from offpolicy.integrations.verl.driver import refuse_double_correction
+
+    tis = parse_settings({"correction": {"name": "tis", "upper": 2.0}})
+    default = _verl_algorithm()
+    assert default.algorithm.rollout_correction.rollout_is is None  # verl's default: its own correction off
+    refuse_double_correction(default.algorithm, tis)  # nothing to refuse
+    for key, value in (("rollout_is", "token"), ("rollout_rs", "token_k1")):
+        with pytest.raises(ValueError, match=rf"^algorithm\.rollout_correction\.{key}='{value}' and "
+                                             r"OFFPOLICY_VERL's correction are both set: [^\n]*$"):
+            refuse_double_correction(_verl_algorithm(**{key: value}).algorithm, tis)
+    both = _verl_algorithm(rollout_is="sequence", rollout_rs="seq_mean_k3").algorithm
+    with pytest.raises(ValueError, match="rollout_is='sequence' and algorithm.rollout_correction.rollout_rs="):
+        refuse_double_correction(both, tis)
+    refuse_double_correction(both, parse_settings({"sampling": {"min_p": 0.01}}))  # verl's alone, with DVP: fine
+
+    # the trainer refuses at construction, before verl builds anything, and in a step if it was built otherwise
+    monkeypatch.setenv("OFFPOLICY_VERL", json.dumps({"correction": {"name": "tis", "upper": 2.0}}))
+    plugin.register_trainer()
+    cls = trainer_base.get_trainer_cls("offpolicy")
+    with pytest.raises(ValueError, match="rollout_correction.rollout_is='token' and OFFPOLICY_VERL's correction"):
+        cls(config=_verl_algorithm(rollout_is="token"))
+    trainer = object.__new__(cls)
+    trainer.config = _verl_algorithm(rollout_rs="token_k1")
+    with pytest.raises(ValueError, match="rollout_correction.rollout_rs='token_k1'"):
+        trainer._compute_advantage(BatchMeta(keys=[], partition_id="train"), {})
+
+
 def test_opsm_in_the_driver_reads_the_advantages():
     # OPSM drops a sequence only when A < 0 and its mismatch KL exceeds δ: the same tensors with the advantages'
     # signs flipped keep a different set of sequences

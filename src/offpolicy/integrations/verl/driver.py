@@ -6,8 +6,11 @@ plug-in's trainer, :class:`OffPolicyTrainer` (registered as ``trainer.v1.trainer
 ``register_trainer`` extension point; it is verl's ``sync`` trainer with one method extended), runs verl's whole
 ``_compute_advantage`` first and then :func:`apply_driver_correction` on the stored fields: ``response_mask`` becomes
 ``response_mask · keep`` (a rejected token leaves the loss and its denominators, as verl's rejection does) and
-``rollout_is_weights`` becomes the correction's weights (times verl's own, if ``algorithm.rollout_correction`` is also
-set), both written back to the TransferQueue as the nested fields verl's ``_compute_advantage`` writes. The metrics
+``rollout_is_weights`` becomes the correction's weights, both written back to the TransferQueue as the nested fields
+verl's ``_compute_advantage`` writes. verl's own correction (``algorithm.rollout_correction.rollout_is`` /
+``rollout_rs``) and the plug-in's cannot both be on: their weights would multiply and their rejections compound, so
+the trainer refuses the pair at construction (:func:`refuse_double_correction`), as the TRL trainer refuses TRL's own
+importance sampling next to a correction. The metrics
 use verl's names (``rollout_corr/…``). With ``topk_logprobs``, the engine's bound on KL(μ ‖ π_old) per token (computed
 in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too and is the divergence ``trm`` tests —
 TRM on the engine's top-K (arXiv 2512.23075 §4). The actor's loss (``vanilla`` or the plug-in's) multiplies by
@@ -32,7 +35,8 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
     """The correction of ``settings`` on verl's padded step tensors [B, T]: ``(updates, metrics)``.
 
     ``batch`` holds ``old_log_probs``, ``rollout_log_probs``, ``response_mask``, ``advantages`` and optionally
-    ``rollout_is_weights`` (verl's own, multiplied in) and ``token_divergence`` (the engine's top-K bound on
+    ``rollout_is_weights`` (weights already on the batch, multiplied in: a user's own loop; the plug-in's trainer
+    refuses verl's own correction next to this one, :func:`refuse_double_correction`) and ``token_divergence`` (the engine's top-K bound on
     KL(μ ‖ π_old), what ``trm`` then tests). ``updates`` = ``{"response_mask": mask · keep (mask's dtype),
     "rollout_is_weights": weights · mask · keep (float32)}``; metrics are 0-d tensors under verl's names.
 
@@ -64,6 +68,35 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
     return {"response_mask": kept.to(mask.dtype), "rollout_is_weights": weights}, metrics
 
 
+def refuse_double_correction(algorithm: Any, settings: VerlSettings) -> None:
+    """A one-line ``ValueError`` when verl's own correction and the plug-in's are both set.
+
+    ``algorithm`` is verl's ``algorithm`` config (an OmegaConf node or a dict; None → nothing to check). verl's
+    correction is on when ``rollout_correction.rollout_is`` (IS weights) or ``rollout_correction.rollout_rs``
+    (rejection) is not null — verl then writes ``rollout_is_weights`` / masks ``response_mask`` before the advantages,
+    and the plug-in's weights would multiply into them (a double correction).
+
+    >>> from offpolicy.integrations.verl.settings import parse_settings
+    >>> tis = parse_settings({"correction": {"name": "tis", "upper": 2.0}})
+    >>> refuse_double_correction({"rollout_correction": {"rollout_is": None, "rollout_rs": None}}, tis)
+    >>> refuse_double_correction({"rollout_correction": {"rollout_is": "token"}}, tis)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: algorithm.rollout_correction.rollout_is='token' and OFFPOLICY_VERL's correction are both set: ...
+    """
+    if settings.correction is None or algorithm is None:
+        return
+    own = algorithm.get("rollout_correction", None)
+    if own is None:
+        return
+    enabled = [f"algorithm.rollout_correction.{key}={own.get(key)!r}" for key in ("rollout_is", "rollout_rs")
+               if own.get(key, None) is not None]
+    if enabled:
+        raise ValueError(f"{' and '.join(enabled)} and OFFPOLICY_VERL's correction are both set: verl's own "
+                         "correction and offpolicy's would multiply (a double correction); set rollout_is and "
+                         "rollout_rs of algorithm.rollout_correction to null, or remove correction from OFFPOLICY_VERL")
+
+
 def _metric_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
@@ -76,17 +109,26 @@ def make_trainer_class(base: type) -> type:
     class OffPolicyTrainer(base):
         """verl's trainer + :func:`apply_driver_correction` once the advantages are stored."""
 
-        def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
-            batch = super()._compute_advantage(batch, metrics)
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            # refuse a double correction before verl builds anything (workers, the replay buffer)
+            refuse_double_correction(config.get("algorithm", None), settings_from_environment())
+            super().__init__(config, *args, **kwargs)
+
+        def _settings(self) -> VerlSettings:
             settings = getattr(self, "_offpolicy_settings", None)
             if settings is None:
-                settings = self._offpolicy_settings = settings_from_environment()
+                settings = settings_from_environment()
+                refuse_double_correction(self.config.get("algorithm", None), settings)
+                self._offpolicy_settings = settings
+            return settings
+
+        def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+            settings = self._settings()  # refuses a double correction before verl's own runs
+            batch = super()._compute_advantage(batch, metrics)
             if settings.correction is None:
                 return batch
             tq = trainer_base.tq
-            fields = list(REQUIRED_FIELDS)
-            if self.config.algorithm.get("rollout_correction", None) is not None:
-                fields.append("rollout_is_weights")  # verl's own weights, when it computed them
+            fields = list(REQUIRED_FIELDS)  # verl wrote no weights of its own: refuse_double_correction
             bound = None
             if settings.topk_logprobs > 0:  # the engine's bounds, laid out as its log_probs (prompt + response)
                 bound = KL_UPPER_FIELD if settings.topk_bound == "upper" else KL_LOWER_FIELD
@@ -121,4 +163,4 @@ def corrected(data: Any, settings: VerlSettings) -> dict[str, float]:
     return _metric_floats(metrics)
 
 
-__all__ = ["REQUIRED_FIELDS", "apply_driver_correction", "corrected", "make_trainer_class"]
+__all__ = ["REQUIRED_FIELDS", "apply_driver_correction", "corrected", "make_trainer_class", "refuse_double_correction"]
