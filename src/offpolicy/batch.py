@@ -12,6 +12,9 @@ field                  shape        meaning
 ``advantages``         [B]|[B, T]   per-sequence or per-token advantage
 ``token_divergence``   [B, T]|None  exact (or top-k bound) per-token KL(μ‖π), e.g. from ``offpolicy.divergence``
 ``token_divergence_kind``   str     what ``token_divergence`` is: ``"exact"`` (full logits) or ``"topk"`` (lower bound)
+``versions``           [B, T]|None  integer policy version that generated each token (< 0: none), for decoupled PPO's
+                                    log-linear proximal approximation (:mod:`offpolicy.objectives.proximal`)
+``policy_version``     int|None     the version of the weights being trained (v_θ), with ``versions``
 =====================  ===========  =================================================================
 """
 
@@ -99,6 +102,8 @@ class LogProbBatch:
     token_divergence: Tensor | None = None
     token_divergence_kind: str = "exact"
     extras: dict[str, Tensor] = field(default_factory=dict)
+    versions: Tensor | None = None
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         check_token_tensor("logp", self.logp)
@@ -112,6 +117,13 @@ class LogProbBatch:
             raise ValueError(f"token_divergence_kind must be 'exact' or 'topk', got {self.token_divergence_kind!r}")
         if self.advantages is not None:
             check_advantages(self.advantages, self.logp)
+        if self.versions is not None:
+            check_same_shape("versions", self.versions, "logp", self.logp)
+            if self.versions.is_floating_point() or self.versions.dtype == torch.bool:
+                raise ValueError(f"versions must be an integer tensor, got dtype {self.versions.dtype}")
+        if self.policy_version is not None and (isinstance(self.policy_version, bool)
+                                                or not isinstance(self.policy_version, int)):
+            raise ValueError(f"policy_version must be an int or None, got {self.policy_version!r}")
 
     @property
     def batch_size(self) -> int:
@@ -163,7 +175,8 @@ class LogProbBatch:
         return replace(self, logp=pad(self.logp), old_logp=pad_optional(self.old_logp),
                        rollout_logp=pad_optional(self.rollout_logp), mask=pad(self.mask),
                        advantages=pad_optional(self.advantages), token_divergence=pad_optional(self.token_divergence),
-                       extras=extras)
+                       extras=extras,
+                       versions=None if self.versions is None else pad_nonempty(self.versions, -1))
 
     def replace(self, **changes: Any) -> LogProbBatch:
         """A copy with some fields changed (validated again)."""

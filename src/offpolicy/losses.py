@@ -45,6 +45,7 @@ import offpolicy.objectives  # noqa: F401  (registers the built-in objectives)
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.objectives.base import TokenInputs
+from offpolicy.objectives.proximal import approximate_proximal
 from offpolicy.ratios import (
     LOG_RATIO_BOUND,
     Level,
@@ -143,6 +144,8 @@ def policy_loss(
     )
     aggregate = AGGREGATIONS[aggregation]
     _check_batch(batch, spec, correction is not None, max_tokens)
+    if params.get("proximal", "recompute") == "loglinear":  # decoupled PPO's π_prox without a forward: before the
+        batch = approximate_proximal(batch)                  # correction, whose π_old/μ is then π_prox/μ
     result = _resolve_correction(batch, correction)
     if batch.logp.numel() == 0:  # B = 0 or T = 0 (a filtered-out batch): the all-masked result; the padded logp keeps
         batch = batch.nonempty()  # the graph, so the gradient reaching the empty logp has its (empty) shape

@@ -10,6 +10,8 @@ negative-advantage token, L_t = min(L_t, c·|A_t|) (arXiv 1912.09729, eq. 5). Th
 * ``decoupled``  PPO with the behaviour weight π_old/μ in front (arXiv 2110.00641, eq. 5): with a correction, the
                  correction *is* that weight (use ``tis``/``mis``/``icepop``: the raw weight has unbounded variance), so
                  this equals ``ppo`` + the correction; without one, the raw detached exp(log π_old − log μ) applies.
+                 ``proximal="loglinear"``: π_old from AReaL's version interpolation instead of a forward
+                 (:mod:`offpolicy.objectives.proximal`).
 * ``bypass``     r = π_θ/μ directly, no π_old forward (ALP's unified ratio, arXiv 2603.19470, eq. 2).
 * ``gspo``       the geometric sequence ratio with a per-token gradient, GSPO-token (arXiv 2507.18071); the paper clips
                  at ε ≈ 3e-4 / 4e-4 (pass them as ``clip_low`` / ``clip_high``).
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.objectives.base import TokenInputs, TokenLoss, check_clip_range, check_dual_clip, check_level
+from offpolicy.objectives.proximal import check_proximal
 from offpolicy.ratios import LOG_RATIO_BOUND
 from offpolicy.registry import register_objective
 
@@ -79,8 +82,14 @@ def _decoupled_reads(corrected: bool) -> tuple[str, ...]:
 
 @register_objective("decoupled", reads=_decoupled_reads)
 def decoupled(x: TokenInputs, *, clip_low: float = 0.2, clip_high: float | None = None,
-              dual_clip: float | None = None, level: str = "token") -> TokenLoss:
-    """Decoupled PPO: (π_old/μ) · PPO term; the correction supplies π_old/μ when there is one."""
+              dual_clip: float | None = None, level: str = "token", proximal: str = "recompute") -> TokenLoss:
+    """Decoupled PPO: (π_old/μ) · PPO term; the correction supplies π_old/μ when there is one.
+
+    ``proximal``: ``"recompute"`` — π_old is the batch's ``old_logp`` (the trainer's forward); ``"loglinear"`` —
+    AReaL's approximation from the batch's policy versions, no forward (:mod:`offpolicy.objectives.proximal`):
+    :func:`offpolicy.policy_loss` puts it in ``old_logp`` before the correction reads it.
+    """
+    check_proximal(proximal)
     out = clipped_surrogate(x, x.log_ratio(x.old_logp, check_level(level)), clip_low, clip_high, dual_clip)
     if x.corrected:
         return out
