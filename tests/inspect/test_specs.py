@@ -68,3 +68,35 @@ def test_build_engine_applies_every_knob(tiny):
     assert engine.model.lm_head.weight.dtype == torch.float32
     with pytest.raises(ValueError, match="backend='vllm'"):
         build_engine(model, EngineSpec(backend="vllm"))
+
+
+def test_quant_specs_parse_by_format_name_or_alias_and_build_the_engine(tiny):
+    from offpolicy.inspect.specs import QUANT_LABELS
+    from offpolicy.rollout.quant_formats import QUANT_FORMATS
+
+    assert set(QUANT_LABELS) == set(QUANT_FORMATS)
+    s = parse_spec("backend=hf,quant=w4a4", "rollout")
+    assert (s.quant, s.dtype, s.backend) == ("nvfp4", "bfloat16", "hf")  # the alias is stored by the format's name
+    assert s.describe() == "bfloat16 + KV cache + NVFP4 W4A4"
+    assert parse_spec("w4a4", "rollout") == ROLLOUT_SPECS["w4a4"] and ROLLOUT_SPECS["w4a16"].quant == "nvfp4a16"
+    s = parse_spec("fp32,quantization=fp8-dynamic,quantize_layers=1", "rollout")  # vLLM's key name as an alias
+    assert s.describe() == "float32 + KV cache + fp8 W8A8 (per-channel weights, per-token activations) (layers 1)"
+    for name in ("fp8", "fp8-dynamic", "fp8-block", "mxfp8"):
+        assert ROLLOUT_SPECS[name].quant == name
+    model, tok = tiny
+    engine = build_engine(model, parse_spec("fp32,quant=mxfp8,quantize_layers=2", "rollout"), tok)
+    assert (engine.quant, engine.quantize_layers) == ("mxfp8", frozenset({2}))
+    lin = engine.model.model.layers[2].mlp.up_proj
+    assert torch.equal(lin.weight, QUANT_FORMATS["mxfp8"].weight(model.model.layers[2].mlp.up_proj.weight))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("bf16,quant=int3", "quant must be one of"),
+    ("bf16,quant=fp8,weight_bits=4", "both quantise the weights"),
+    ("backend=vllm,quant=fp8", "simulated knob of the transformers engine"),
+    ("backend=llamacpp,quant=nvfp4", "simulated knob of the transformers engine"),
+])
+def test_bad_quant_specs(text, needle):
+    with pytest.raises(ValueError, match="--rollout") as err:
+        parse_spec(text, "rollout")
+    assert needle in str(err.value) and "\n" not in str(err.value)

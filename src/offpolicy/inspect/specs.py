@@ -11,6 +11,7 @@ A spec is written on the command line as a built-in name, ``key=value`` pairs, o
     bf16                                   bf16 weights and activations, KV cache
     bf16,weight_bits=4,quantize_layers=2   the same, int4 weights in decoder layer 2 only
     dtype=fp32,kv_cache_bits=8             fp32 engine with an int8 KV cache
+    backend=hf,quant=w4a4                  bf16 engine, NVFP4 weights and activations in every decoder Linear
     fp32,autocast=bf16                     (trainer) fp32 weights, bf16 autocast
 
 ``quantize_layers`` takes indices joined by ``+`` (``2+3``). Built-ins: :data:`ROLLOUT_SPECS`, :data:`TRAINER_SPECS`.
@@ -43,6 +44,10 @@ class EngineSpec:
     * ``kv_cache``: rollout only — generate with a KV cache (True) or a full forward per step.
     * ``kv_cache_bits`` / ``weight_bits``: simulated int-N KV cache / weights (rollout; weights also on the trainer side,
       for bisecting), restricted to the decoder layers in ``quantize_layers`` when given.
+    * ``quant``: transformers engine only — a serving format of the decoder's Linear weights and inputs (``fp8``,
+      ``fp8-dynamic``, ``fp8-block``, ``mxfp8``, ``nvfp4`` = ``w4a4``, ``nvfp4a16`` = ``w4a16``:
+      :data:`~offpolicy.rollout.quant_formats.QUANT_FORMATS`), restricted to ``quantize_layers`` when given; aliases
+      are stored by the format's name.
     * ``lm_head_fp32``: float32 output projection (TRL ``cast_lm_head_to_fp32``, SGLang/prime-rl ``enable_fp32_lm_head``).
     * ``logit_noise``: rollout only — additive Gaussian noise on the logits (σ).
     * ``attn_implementation``: attention kernel ("eager" reproduces generation in a full forward; "sdpa" does not).
@@ -76,6 +81,7 @@ class EngineSpec:
     server: str | None = None
     protocol: str | None = None
     kv_cache_dtype: str | None = None
+    quant: str | None = None
 
     def __post_init__(self) -> None:
         if self.server is not None and self.backend == "hf":
@@ -91,12 +97,23 @@ class EngineSpec:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 16):
                 raise ValueError(f"{name} must be None or an int in [2, 16], got {v!r}")
+        if self.quant is not None:
+            from offpolicy.rollout.quant_formats import quant_format
+
+            object.__setattr__(self, "quant", quant_format(self.quant).name)
+            if self.backend != "hf":
+                raise ValueError(f"quant={self.quant!r} is a simulated knob of the transformers engine (backend=hf), "
+                                 f"not of backend={self.backend}")
+            if self.weight_bits is not None:
+                raise ValueError(f"quant={self.quant!r} with weight_bits={self.weight_bits!r}: both quantise the "
+                                 "weights; choose one")
         if self.quantize_layers is not None:
             layers = tuple(self.quantize_layers)
             if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
                 raise ValueError(f"quantize_layers must be non-empty layer indices ≥ 0, got {self.quantize_layers!r}")
-            if self.kv_cache_bits is None and self.weight_bits is None:
-                raise ValueError("quantize_layers needs weight_bits or kv_cache_bits: there is nothing to restrict")
+            if self.kv_cache_bits is None and self.weight_bits is None and self.quant is None:
+                raise ValueError("quantize_layers needs weight_bits or kv_cache_bits (or quant): there is nothing to "
+                                 "restrict")
             object.__setattr__(self, "quantize_layers", layers)
         if not (isinstance(self.logit_noise, (int, float)) and 0 <= self.logit_noise < float("inf")):
             raise ValueError(f"logit_noise must be a finite float ≥ 0, got {self.logit_noise!r}")
@@ -130,6 +147,8 @@ class EngineSpec:
         where = "" if self.quantize_layers is None else f" (layers {'+'.join(map(str, self.quantize_layers))})"
         if self.weight_bits is not None:
             parts.append(f"int{self.weight_bits} weights{where}")
+        if self.quant is not None:
+            parts.append(f"{QUANT_LABELS[self.quant]}{where}")
         if self.kv_cache_bits is not None:
             parts.append(f"int{self.kv_cache_bits} KV cache{where}")
         if self.lm_head_fp32:
@@ -157,7 +176,8 @@ def _check_llamacpp(spec: EngineSpec) -> None:
     if spec.kv_cache_bits is not None and (name == "server" or spec.kv_cache_bits not in LLAMACPP_KV):
         raise ValueError(f"kv_cache_bits with backend=llamacpp must be one of {sorted(LLAMACPP_KV)} (llama.cpp's "
                          f"f32, f16, q8_0, q4_0 KV cache), got {spec.kv_cache_bits!r}")
-    simulated = [n for n in ("weight_bits", "quantize_layers", "logit_noise", "lm_head_fp32") if getattr(spec, n)]
+    simulated = [n for n in ("weight_bits", "quant", "quantize_layers", "logit_noise", "lm_head_fp32")
+                 if getattr(spec, n)]
     if simulated or not spec.kv_cache:
         raise ValueError(f"backend={name}: {', '.join(simulated) or 'kv_cache=false'} is a simulated knob of the "
                          "transformers engine; llama.cpp takes weights= and kv_cache_bits=")
@@ -170,6 +190,16 @@ def _dtype_name(field_name: str, value: object) -> str:
         raise ValueError(f"{field_name} must be one of fp32, bf16, fp16 (or float32, bfloat16, float16), got {value!r}")
     return DTYPE_ALIASES[value.lower()]
 
+
+# describe()'s words for each format of offpolicy.rollout.quant_formats.QUANT_FORMATS (a test keeps the keys equal)
+QUANT_LABELS = {
+    "fp8": "fp8 W8A8 (per-tensor scales)",
+    "fp8-dynamic": "fp8 W8A8 (per-channel weights, per-token activations)",
+    "fp8-block": "fp8 W8A8 (128x128 weight blocks, 1x128 activation groups)",
+    "mxfp8": "MXFP8 W8A8",
+    "nvfp4": "NVFP4 W4A4",
+    "nvfp4a16": "NVFP4 W4A16",
+}
 
 # The rollout engines the README's mismatch table measures. Each is what a production setting does, on the HF engine.
 ROLLOUT_SPECS: dict[str, EngineSpec] = {
@@ -185,6 +215,12 @@ ROLLOUT_SPECS: dict[str, EngineSpec] = {
         EngineSpec("kv4", dtype="bfloat16", kv_cache_bits=4),
         EngineSpec("w8kv8", dtype="bfloat16", weight_bits=8, kv_cache_bits=8),
         EngineSpec("noise", dtype="bfloat16", logit_noise=0.1),
+        EngineSpec("fp8", dtype="bfloat16", quant="fp8"),
+        EngineSpec("fp8-dynamic", dtype="bfloat16", quant="fp8-dynamic"),
+        EngineSpec("fp8-block", dtype="bfloat16", quant="fp8-block"),
+        EngineSpec("mxfp8", dtype="bfloat16", quant="mxfp8"),
+        EngineSpec("w4a4", dtype="bfloat16", quant="nvfp4"),
+        EngineSpec("w4a16", dtype="bfloat16", quant="nvfp4a16"),
     )
 }
 
@@ -206,7 +242,7 @@ _FIELDS = {f.name for f in fields(EngineSpec)} - {"name"}
 # "noise" is what the trainer config calls it; the rest are spelled like the engine's arguments.
 _KEY_ALIASES = {"noise": "logit_noise", "kv_bits": "kv_cache_bits", "layers": "quantize_layers",
                 "fp32_lm_head": "lm_head_fp32", "cast_lm_head_to_fp32": "lm_head_fp32",
-                "enable_fp32_lm_head": "lm_head_fp32", "attn": "attn_implementation"}
+                "enable_fp32_lm_head": "lm_head_fp32", "attn": "attn_implementation", "quantization": "quant"}
 
 
 def parse_spec(text: str, side: str) -> EngineSpec:
@@ -264,7 +300,7 @@ def _parse_value(option: str, key: str, value: str) -> Any:
             return None if value.lower() in ("none", "all", "") else tuple(int(v) for v in value.split("+"))
         if key == "logit_noise":
             return float(value)
-        if key in ("autocast", "attn_implementation"):
+        if key in ("autocast", "attn_implementation", "quant"):
             return None if value.lower() in ("none", "") else value
         return value
     except ValueError:
@@ -301,6 +337,6 @@ def build_engine(model: torch.nn.Module, spec: EngineSpec, tokenizer=None):  # -
     return HFRolloutEngine(
         model, dtype=spec.dtype, kv_cache=spec.kv_cache, kv_cache_bits=spec.kv_cache_bits,
         weight_bits=spec.weight_bits, logit_noise=spec.logit_noise,
-        quantize_layers=list(spec.quantize_layers) if spec.quantize_layers is not None else None,
+        quantize_layers=list(spec.quantize_layers) if spec.quantize_layers is not None else None, quant=spec.quant,
         lm_head_fp32=spec.lm_head_fp32, attn_implementation=spec.attn_implementation, tokenizer=tokenizer,
     )
