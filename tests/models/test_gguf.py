@@ -10,10 +10,10 @@ pytest.importorskip("gguf")
 pytest.importorskip("xllamacpp")
 
 from offpolicy.models.gguf import export_gguf, read_gguf_tensor, tokenizer_metadata
+from offpolicy.rollout.http import post_json
 from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, LlamaCppServer
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.scoring import score_tokens
-from offpolicy.rollout.servers import post_json
 
 
 def _full_kl(model, prompts, out):

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("xllamacpp")
 pytest.importorskip("gguf")
 
+from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.llamacpp import (
     LlamaCppRolloutEngine,
     connect_llamacpp,
@@ -25,7 +26,6 @@ from offpolicy.rollout.llamacpp import (
 from offpolicy.rollout.processes import free_port
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.scoring import score_tokens
-from offpolicy.rollout.servers import ServerError
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from offpolicy.rollout.http import post_json
+from offpolicy.rollout.protocols import VLLMProtocol, parse_vllm_completion
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.scoring import sequence_logprobs
-from offpolicy.rollout.servers import (
-    VLLMProtocol,
-    connect_server,
-    detect_protocol,
-    parse_vllm_completion,
-    post_json,
-)
+from offpolicy.rollout.servers import connect_server, detect_protocol
 
 RECORDED = Path(__file__).parents[1] / "rollout" / "data" / "vllm_completions.json"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offpolicy.rollout.servers import post_json
+from offpolicy.rollout.http import post_json
 
 
 def test_the_server_answers_a_completion_with_logprobs(vllm_servers):

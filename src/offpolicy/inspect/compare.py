@@ -557,7 +557,9 @@ def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, 
 def _server_engine(model, spec: EngineSpec, tokenizer):
     """A running vLLM, SGLang or llama.cpp server (protocol given or detected); a vLLM server that returns K = V
     log-probs (started with ``--max-logprobs -1``) reports the full distribution."""
-    from offpolicy.rollout.servers import ServerError, VLLMProtocol, connect_server, post_json
+    from offpolicy.rollout.http import ServerError, post_json
+    from offpolicy.rollout.protocols import VLLMProtocol
+    from offpolicy.rollout.servers import connect_server
 
     assert spec.server is not None  # EngineSpec sets backend="server" only from a server URL
     vocab = model.config.vocab_size

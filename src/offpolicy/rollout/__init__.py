@@ -2,7 +2,9 @@
 
 from offpolicy.rollout.base import RolloutEngine, RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.hf import HFRolloutEngine, fake_quantize
+from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.llamacpp import LlamaCppProtocol, LlamaCppRolloutEngine, LlamaCppServer, connect_llamacpp
+from offpolicy.rollout.protocols import SGLangProtocol, VLLMProtocol
 from offpolicy.rollout.quant_formats import QUANT_FORMATS, QuantFormat, quant_format
 from offpolicy.rollout.routing import RouteRecorder, find_routers, replay_routes, split_routes
 from offpolicy.rollout.sampling import (
@@ -15,7 +17,7 @@ from offpolicy.rollout.sampling import (
     topk_logprobs,
 )
 from offpolicy.rollout.scoring import sequence_logprobs
-from offpolicy.rollout.servers import ServerError, ServerRolloutEngine, SGLangProtocol, VLLMProtocol
+from offpolicy.rollout.server_engine import ServerRolloutEngine
 from offpolicy.rollout.vllm import VLLMRolloutEngine
 
 __all__ = [

@@ -37,17 +37,11 @@ from typing import Any
 
 import torch
 
+from offpolicy.rollout.http import ServerError, check_token, get_field, post_json, wait_until_healthy
 from offpolicy.rollout.processes import free_port
+from offpolicy.rollout.protocols import ServerCompletion
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
-from offpolicy.rollout.servers import (
-    ServerCompletion,
-    ServerError,
-    ServerRolloutEngine,
-    check_token,
-    get_field,
-    post_json,
-    wait_until_healthy,
-)
+from offpolicy.rollout.server_engine import ServerRolloutEngine
 
 LLAMACPP_MISSING = "the llama.cpp engine needs xllamacpp and gguf: pip install 'offpolicy[llamacpp]'"
 KV_CACHE_TYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0")

