@@ -75,6 +75,7 @@ from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
 from offpolicy.objectives import TokenInputs, TokenLoss
 from offpolicy.objectives.ipo import ipo
+from offpolicy.objectives.proximal import approximate_proximal, loglinear_proximal_logp
 from offpolicy.objectives.score_centering import (
     centered_logp,
     sampler_topk,
@@ -82,6 +83,12 @@ from offpolicy.objectives.score_centering import (
     score_center_topk,
     topk_drift_tv,
     topk_tail_gap,
+)
+from offpolicy.objectives.score_centering_is import (
+    sampled_is_weight,
+    score_center_weighted,
+    score_center_weighted_topk,
+    weighted_centered_logp,
 )
 
 # Adaptive Layerwise Perturbation
@@ -133,6 +140,7 @@ __all__ = [
     "TopKAdvice",
     "aggregate_log_ratio",
     "alp_policy_loss",
+    "approximate_proximal",
     "bernoulli_kl",
     "bernoulli_tv",
     "build_correction",
@@ -165,6 +173,7 @@ __all__ = [
     "ln_trm",
     "ln_trm_mask",
     "log_ratio",
+    "loglinear_proximal_logp",
     "m2po",
     "m2po_keep",
     "masked_mean",
@@ -188,10 +197,13 @@ __all__ = [
     "register_objective",
     "replay_support_logp",
     "rloo_advantages",
+    "sampled_is_weight",
     "sampler_topk",
     "sampling_support_mask",
     "score_center",
     "score_center_topk",
+    "score_center_weighted",
+    "score_center_weighted_topk",
     "sequence_log_ratio",
     "ser",
     "ser_mask",
@@ -209,4 +221,5 @@ __all__ = [
     "trm_bounds",
     "trust_region_mask",
     "veto",
+    "weighted_centered_logp",
 ]

@@ -56,15 +56,14 @@ def verl_coefficients(p_head, q_head, weight_fn, eps=1e-6):
     return q_head * weight_fn(p_head / q_head) - alpha.unsqueeze(-1) * p_head
 
 
-def _ours_coefficients(z, ids, logq, **kw):
-    """Our head coefficients c_v, read back from the gradient: ∂c/∂z = Σ_H c_v (e_v − p), so c_H = g_H + p_H·Σ_v c_v,
-    and Σ_v c_v = −Σ_{a∉H} g_a / Σ_{a∉H} p_a (needs a non-empty complement)."""
+def _gradient_of_head_coefficients(coef, ids, p):
+    """∂/∂z of Σ_H sg(c_v) log p_v: Σ_H c_v (e_v − p) = scatter(c) − p·Σ_H c."""
+    return torch.zeros_like(p).scatter(-1, ids, coef) - p * coef.sum(-1, keepdim=True)
+
+
+def _ours_gradient(z, ids, logq, **kw):
     z = z.clone().requires_grad_(True)
-    g = torch.autograd.grad(score_center_weighted_topk(z, ids, logq, **kw).sum(), z)[0]
-    p = torch.softmax(z.detach(), -1)
-    outside = torch.ones_like(p, dtype=torch.bool).scatter_(-1, ids, False)
-    total = -(g * outside).sum(-1, keepdim=True) / (p * outside).sum(-1, keepdim=True)
-    return (g + p * total).gather(-1, ids)
+    return torch.autograd.grad(score_center_weighted_topk(z, ids, logq, **kw).sum(), z)[0]
 
 
 # --- hand numbers ----------------------------------------------------------------------------------------------------
@@ -122,17 +121,18 @@ def test_weighted_centered_logp_by_hand_in_a_reinforce_loss():
 @given(seed=st.integers(0, 2**31 - 1), v=st.integers(3, 30), k=st.integers(1, 29),
        bounds=st.sampled_from([(0.0, 2.0), (0.5, 2.0), (0.8, 1.25), (0.2, 5.0)]))
 def test_tis_equals_nemo_rl_and_verl(seed, v, k, bounds):
-    k = min(k, v - 1)  # a non-empty tail (the coefficients are read back through it)
+    k = min(k, v - 1)  # a non-empty tail
     g = torch.Generator().manual_seed(seed)
     z, zq = 2 * torch.randn(4, v, generator=g), 2 * torch.randn(4, v, generator=g)
     logq = torch.log_softmax(zq, -1)
     logq_head, ids = logq.topk(k, -1)
-    p_head, q_head = torch.softmax(z, -1).gather(-1, ids), logq_head.exp()
+    p = torch.softmax(z.double(), -1)  # the references in float64
+    p_head, q_head = p.gather(-1, ids), logq_head.double().exp()
     lo, hi = bounds
-    ours = _ours_coefficients(z, ids, logq_head, lower=lo, upper=hi)
-    torch.testing.assert_close(ours, nemo_rl_tis_coefficients(p_head, q_head, lo, hi), atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(ours, verl_coefficients(p_head, q_head, lambda r: r.clamp(lo, hi)), atol=2e-5,
-                               rtol=1e-4)
+    ours = _ours_gradient(z, ids, logq_head, lower=lo, upper=hi).double()
+    for coef in (nemo_rl_tis_coefficients(p_head, q_head, lo, hi),
+                 verl_coefficients(p_head, q_head, lambda r: r.clamp(lo, hi))):
+        torch.testing.assert_close(ours, _gradient_of_head_coefficients(coef, ids, p), atol=1e-5, rtol=1e-4)
 
 
 @settings(max_examples=30, deadline=None)
@@ -144,11 +144,12 @@ def test_icepop_equals_verl(seed, v, k, bounds):
     z, zq = torch.randn(3, v, generator=g), torch.randn(3, v, generator=g)  # modest gaps: some ratios in the band
     logq = torch.log_softmax(zq, -1)
     logq_head, ids = logq.topk(k, -1)
-    p_head, q_head = torch.softmax(z, -1).gather(-1, ids), logq_head.exp()
+    p = torch.softmax(z.double(), -1)
+    p_head, q_head = p.gather(-1, ids), logq_head.double().exp()
     lo, hi = bounds
-    ours = _ours_coefficients(z, ids, logq_head, weighting="icepop", lower=lo, upper=hi)
+    ours = _ours_gradient(z, ids, logq_head, weighting="icepop", lower=lo, upper=hi).double()
     ref = verl_coefficients(p_head, q_head, lambda r: torch.where((r >= lo) & (r <= hi), r, torch.zeros_like(r)))
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ours, _gradient_of_head_coefficients(ref, ids, p), atol=1e-5, rtol=1e-4)
 
 
 # --- properties ------------------------------------------------------------------------------------------------------
@@ -282,3 +283,36 @@ def test_errors():
         weighted_centered_logp(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2))
     with pytest.raises(ValueError, match="^sampler_logits has shape"):
         score_center_weighted(z, torch.zeros(5))
+
+
+@pytest.mark.parametrize("rule", ["tis", "icepop", "replay"])
+def test_the_trainers_helper_is_the_composition(rule):
+    from offpolicy.objectives.score_centering_is import PRESET_RULES, weighted_centering
+
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(2, 3, 6, generator=g).requires_grad_(True)
+    zq = torch.randn(2, 3, 6, generator=g)
+    y = torch.randint(0, 6, (2, 3), generator=g)
+    logq, ids = torch.log_softmax(zq, -1).topk(6, -1)  # the whole support: replay's S
+    lp = torch.log_softmax(z, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    mu = torch.log_softmax(zq, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    out, extras = weighted_centering(lp, z, mu, (ids, logq), rule=rule)
+    weighting, lo, hi, replay = PRESET_RULES[rule]
+    w = sampled_is_weight(lp, mu, weighting=weighting, lower=lo, upper=hi)
+    ref = weighted_centered_logp(lp, w, score_center_weighted_topk(z, ids, logq, weighting=weighting, lower=lo,
+                                                                   upper=hi, replay=replay))
+    a = torch.randn(2, 3, generator=g)
+    g_out = torch.autograd.grad((out * a).sum(), z, retain_graph=True)[0]
+    torch.testing.assert_close(g_out, torch.autograd.grad((ref * a).sum(), z, retain_graph=True)[0])
+    assert torch.equal(extras["score_centering/is_weight"], w)
+    ratio = (lp - mu).detach().exp()
+    expected = {"tis": ratio > 2.0, "icepop": (ratio < 0.5) | (ratio > 5.0), "replay": torch.zeros_like(w).bool()}
+    assert torch.equal(extras["score_centering/is_clipped"].bool(), expected[rule])
+    if rule != "replay":  # from the full logits it is the exact centre
+        out, _ = weighted_centering(lp, z, mu, zq, rule=rule)
+        assert torch.equal(out.detach(), lp.detach())
+    else:
+        with pytest.raises(ValueError, match="^sampler: rule='replay'"):
+            weighted_centering(lp, z, mu, zq, rule=rule)
+    with pytest.raises(ValueError, match="^rule must be one of"):
+        weighted_centering(lp, z, mu, zq, rule="mis")

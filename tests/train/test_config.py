@@ -102,12 +102,13 @@ def test_every_preset_is_listed_and_builds():
     names = [n for n, _, _ in list_presets()]
     assert names == list(PRESETS)
     assert set(names) == {"naive", "tis", "mis", "geo_mask", "icepop", "opsm", "trm", "dvp", "dvp_mis", "alp", "m2po",
-                          "ipo", "score_centering", "score_centering_topk"}
+                          "ipo", "score_centering", "score_centering_topk", "score_centering_tis",
+                          "score_centering_icepop", "score_centering_replay"}
     for name in names:
         ov = [f"algorithm.preset={name}"] + (["alp.enabled=true"] if name == "alp" else [])
         a = load_config(None, ov).algorithm
         c = PRESETS[name].correction(a)
-        assert (c is None) == (name in ("naive", "dvp", "alp", "ipo", "score_centering", "score_centering_topk")), name
+        assert (c is None) == (name in ("naive", "dvp", "alp", "ipo") or name.startswith("score_centering")), name
     veto = PRESETS["naive"].correction(load_config(None, ["algorithm.veto_threshold=1e-4"]).algorithm)
     assert veto is not None and veto.name == "veto"
 

@@ -36,7 +36,7 @@ def check_proximal(proximal: object) -> str:
     """One of :data:`PROXIMAL_METHODS`."""
     if proximal not in PROXIMAL_METHODS:
         raise ValueError(f"proximal must be one of {PROXIMAL_METHODS}, got {proximal!r}")
-    return proximal  # type: ignore[return-value]
+    return str(proximal)
 
 
 def loglinear_alpha(versions: Tensor, policy_version: int) -> Tensor:

@@ -21,6 +21,10 @@ m2po       ``m2po``: drop the largest (log π_θ/μ)² among PPO's active quadra
 ipo        none: prime-rl's IPO loss, mask |π_θ(y) − μ(y)| > 0.1 + 1e-3·(log π_θ/μ)²        ipo
 score_     the centred score ∇log p(y) − E_q[∇log p] from the sampler's full distribution   ppo
 centering  q (arXiv 2609.20807); ``score_centering_topk``: q's top-20 + proportional tail
+score_     no correction chain: the sampled token's IS weight w(π_θ/μ) and the weighted    ppo
+centering  centre E_q[w ∇log p] are both in the log-prob's gradient, NeMo-RL's coefficients
+_tis …     on q's top-20 (``_tis``: w = clamp(r, 0, 2); ``_icepop``: r·1[0.5 ≤ r ≤ 5];
+           ``_replay``: π_θ renormalised on the sampler's recorded support, exact there)
 =========  =============================================================================  ==========================
 
 ``algorithm.corrections: [{name: icepop}, {name: opsm, delta: 0.5}]`` replaces a preset's corrections by any registered
@@ -93,6 +97,9 @@ class Preset:
     alp: bool = False
     dual_clip: float | None = None
     score_centering: str | None = None  # "exact" (the sampler's full q) | "topk" (its top-k head, proportional tail)
+    # the IS rule the centre's coefficients follow (a key of objectives.score_centering_is.PRESET_RULES: "tis" |
+    # "icepop" | "replay"); None: the plain centring on q
+    score_weighting: str | None = None
 
     def correction_specs(self, algorithm: Any) -> list[dict[str, Any]]:
         """The preset's corrections as specs, tuned by the ``algorithm.*`` keys of :data:`PRESET_PARAMETERS`."""
@@ -160,6 +167,12 @@ PRESETS: dict[str, Preset] = {
                score_centering="exact"),
         Preset("score_centering_topk", "score centering from the sampler's top-20 log-probs, proportional tail",
                score_centering="topk"),
+        Preset("score_centering_tis", "token TIS w = clamp(π_θ/μ, 0, 2) with the centre E_q[w ∇log p] (NeMo-RL's "
+               "coefficients on the top-20)", score_centering="topk", score_weighting="tis"),
+        Preset("score_centering_icepop", "IcePop w = r·1[0.5 ≤ r ≤ 5] with the centre E_q[w ∇log p] (NeMo-RL's "
+               "coefficients on the top-20)", score_centering="topk", score_weighting="icepop"),
+        Preset("score_centering_replay", "score centering on the sampler's recorded support, π_θ renormalised on "
+               "it (exact, no tail)", score_centering="topk", score_weighting="replay"),
     )
 }
 
