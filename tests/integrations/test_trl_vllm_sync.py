@@ -148,10 +148,13 @@ def test_server_mode_skips_trls_nccl_group_off_cuda_and_restores_it():
 def test_the_file_sync_writes_every_tensor_and_calls_the_dev_endpoints(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    import offpolicy.rollout.servers as servers
+    import importlib
+
+    from offpolicy.rollout.servers import vllm_reload_weights
 
     calls = []
-    monkeypatch.setattr(servers, "post_json", lambda url, body, **kw: calls.append((url, body)) or {})
+    home = importlib.import_module(vllm_reload_weights.__module__)  # where the reload looks post_json up
+    monkeypatch.setattr(home, "post_json", lambda url, body, **kw: calls.append((url, body)) or {})
     model, _ = build_tiny_model(seed=0)
     generation = _generation(model, mode="server")
     generation.vllm_client = SimpleNamespace(base_url="http://127.0.0.1:9")
@@ -164,3 +167,72 @@ def test_the_file_sync_writes_every_tensor_and_calls_the_dev_endpoints(tmp_path,
     torch.testing.assert_close(saved["lm_head.weight"], model.state_dict()["lm_head.weight"])
     assert [c[0].rsplit("/", 1)[1] for c in calls] == ["pause", "collective_rpc", "reset_prefix_cache", "resume"]
     assert calls[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+
+
+# -- GPU branches, by stub: TRL's own push on a CUDA vLLM, TRL's NCCL group on a CUDA device ---------------------------
+def _trainer(generation, model):
+    return SimpleNamespace(vllm_generation=generation, model=model, state=SimpleNamespace(global_step=0),
+                           _metrics={"train": {}, "eval": {}}, processing_class=build_tiny_model(seed=0)[1])
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_colocate_keeps_trls_own_push_on_a_gpu_and_reloads_on_the_cpu_backend(monkeypatch, cpu):
+    import offpolicy.integrations.trl.vllm_sync as vs
+
+    monkeypatch.setattr(vs, "vllm_on_cpu", lambda: cpu)
+    pushed = []
+    monkeypatch.setattr(vs, "colocate_sync", lambda generation: pushed.append("colocate_sync"))
+    model, _ = build_tiny_model(seed=0)
+    generation = _generation(model)
+    generation.sync_weights = lambda: pushed.append("trl")
+    hook = vs.install_vllm_sync(_trainer(generation, model), None)
+    hook()
+    assert pushed == (["colocate_sync"] if cpu else ["trl"])
+
+
+def test_server_mode_opens_trls_nccl_group_on_a_cuda_device():
+    vc = pytest.importorskip("trl.generation.vllm_client")
+    original = vc.VLLMClient.init_communicator
+    opened = []
+    vc.VLLMClient.init_communicator = lambda self, device=0: opened.append(device)  # TRL's, as a stub
+    try:
+        with server_sync_choice(SimpleNamespace(use_vllm=True, vllm_mode="server"), "auto"):
+            client = SimpleNamespace()
+            vc.VLLMClient.init_communicator(client, device=0)  # a CUDA index: TRL's own group
+            vc.VLLMClient.init_communicator(client, device="cuda:1")
+        assert opened == [0, "cuda:1"] and not uses_files(SimpleNamespace(vllm_client=client))
+    finally:
+        vc.VLLMClient.init_communicator = original
+
+
+# -- several ranks: every rank runs the probe's trainer forward as often as the main one -------------------------------
+class _CountingModel(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.calls = model, 0
+        self.config = model.config
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_every_rank_joins_the_probes_forward_in_server_mode(deferred):
+    model, tok = build_tiny_model(seed=0)
+    engine = _Engine(model)
+    if deferred:
+        _perturb(model, scale=0.5)  # the main rank calibrates after the first push
+    counted = {}
+    for main in (True, False):
+        m = _CountingModel(model)
+        generation = _generation(m, mode="server")
+        generation.accelerator = SimpleNamespace(is_main_process=main)
+        hook = TRLSyncCheck(generation, m, SyncCheck(on_failure="warn"), tokenizer=tok, step=lambda: 1,
+                            log=lambda metrics: None,
+                            push=lambda: engine.model.load_state_dict(model.state_dict()))
+        hook.scorer = engine
+        hook()
+        hook()
+        counted[main] = m.calls
+    assert counted[True] == counted[False] == 3  # calibration before the first push + one after each push

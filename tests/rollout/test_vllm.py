@@ -118,3 +118,60 @@ def test_recipe_maps_onto_vllm_sampling_params_and_reports_the_temperature_floor
 def test_a_recipe_vllm_would_apply_differently_is_refused_by_name(cfg, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         vllm_sampling(cfg)
+
+
+# -- the weight push by vLLM's platform: the GPU branch has no other test here (no GPU, no CUDA vLLM) ------------------
+class _Model:
+    def __init__(self, log):
+        self.log = log
+
+    def load_weights(self, weights):
+        self.log.append(("load_weights", [n for n, _ in weights]))
+
+
+class _Worker:
+    def __init__(self, log):
+        self.log, self.model_runner = log, SimpleNamespace(model=_Model(log))
+
+    def reload_weights(self, weights_iterator):
+        self.log.append(("reload_weights", [n for n, _ in weights_iterator]))
+
+
+def _llm(log):
+    worker = _Worker(log)
+    executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
+    return SimpleNamespace(llm_engine=SimpleNamespace(model_executor=executor),
+                           reset_prefix_cache=lambda: log.append(("reset_prefix_cache", None)))
+
+
+def _platform(monkeypatch, cpu: bool):
+    platforms = SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: cpu))
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(platforms=platforms))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+
+
+@pytest.mark.parametrize("cpu, path", [(False, "load_weights"), (True, "reload_weights")])
+def test_the_push_takes_the_path_vllms_platform_supports(monkeypatch, cpu, path):
+    from offpolicy.rollout.vllm import push_weights, vllm_platform_is_cpu
+
+    _platform(monkeypatch, cpu)
+    assert vllm_platform_is_cpu() is cpu
+    log: list = []
+    named = [("model.embed_tokens.weight", torch.zeros(2)), ("lm_head.weight", torch.zeros(2))]
+    assert push_weights(_llm(log), iter(named)) == path
+    assert log == [(path, ["model.embed_tokens.weight", "lm_head.weight"]), ("reset_prefix_cache", None)]
+    log.clear()
+    other = "reload_weights" if path == "load_weights" else "load_weights"
+    assert push_weights(_llm(log), iter(named), method=other) == other
+    with pytest.raises(ValueError, match="method must be one of"):
+        push_weights(_llm(log), iter(named), method="copy")
+
+
+def test_without_vllm_the_platform_is_read_from_the_machine(monkeypatch):
+    from offpolicy.rollout.vllm import vllm_platform_is_cpu
+
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # `from vllm.platforms import ...` raises ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_platform_is_cpu() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_platform_is_cpu() is True
