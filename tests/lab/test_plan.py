@@ -26,6 +26,8 @@ from offpolicy.lab.sweep import plan_sweep, planned_config
     ("int8+kv4", "bfloat16", 8, 4, 0.0),
     ("noise", "float32", None, None, 0.3),
     ("bf16+noise", "bfloat16", None, None, 0.3),
+    ("w4a4", "bfloat16", None, None, 0.0),
+    ("fp8+kv8", "bfloat16", None, 8, 0.0),
 ])
 def test_each_source_is_a_complete_engine(tmp_path, name, dtype, weight_bits, kv_bits, noise):
     from offpolicy.train.config import load_config
@@ -35,6 +37,7 @@ def test_each_source_is_a_complete_engine(tmp_path, name, dtype, weight_bits, kv
     r = load_config(None, [*base, *mismatch_overrides(name)]).rollout
     assert (r.dtype, r.kv_cache, r.weight_bits, r.kv_cache_bits, r.logit_noise) == (dtype, True, weight_bits,
                                                                                       kv_bits, noise)
+    assert r.quant == {"w4a4": "nvfp4", "fp8+kv8": "fp8"}.get(name)  # every other source sets no format
 
 
 def test_combinations():
@@ -44,7 +47,7 @@ def test_combinations():
     assert describe_mismatch("int8+kv4") == f"{SOURCES['int8'][1]}; {SOURCES['kv4'][1]}"
     for bad, message in [("int8+int4", "'int8' sets rollout.weight_bits=8 but 'int4' sets rollout.weight_bits=4"),
                          ("none+bf16", "'none' is the control and cannot be combined"),
-                         ("bf16+bf16", "names a source twice"), ("fp8", "unknown source 'fp8'"), ("", "is empty")]:
+                         ("bf16+bf16", "names a source twice"), ("fp6", "unknown source 'fp6'"), ("", "is empty")]:
         with pytest.raises(ValueError, match=message):
             mismatch_overrides(bad)
 
@@ -121,3 +124,24 @@ def test_variants_run_their_preset_with_a_controller(tmp_path):
     assert planned_config(plan.runs[0]).control.trm_acceptance is None
     with pytest.raises(ValueError, match="'trm_fancy' is not a preset; choose from .*trm_adaptive"):
         plan_sweep(tmp_path, "control", presets="trm_fancy")
+
+
+def test_quant_sources_and_setting(tmp_path):
+    """The activation-quantised engines as lab sources, and the ``quant`` setting's plan (defined, not run here)."""
+    from offpolicy.train.config import load_config
+
+    assert mismatch_settings("w4a16")["rollout.quant"] == "nvfp4a16"
+    assert canonical_mismatch("kv4+w4a4") == "w4a4+kv4"  # weights before the KV cache, as int4+kv4
+    for name in ("fp8", "fp8-dynamic", "fp8-block", "mxfp8", "w4a16", "w4a4"):
+        r = load_config(None, mismatch_overrides(name)).rollout
+        assert (r.dtype, r.engine, r.weight_bits) == ("bfloat16", "hf", None) and r.quant is not None
+    with pytest.raises(ValueError, match="both quantise the weights"):
+        load_config(None, mismatch_overrides("int4+w4a4"))  # both quantise the weights: refused by the config
+    plan = plan_sweep(tmp_path, "quant")
+    presets = ["naive", "tis", "icepop", "score_centering", "dvp", "m2po"]
+    assert plan.mismatches == ["none", "w4a4", "fp8"]
+    assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == sorted(
+        [("naive", "none")] + [(p, m) for p in presets for m in ("w4a4", "fp8")])
+    assert len(plan.runs) == 13 * 3 and {r.steps for r in plan.runs} == {100}
+    quant = {r.mismatch: planned_config(r).rollout.quant for r in plan.runs}
+    assert quant == {"none": None, "w4a4": "nvfp4", "fp8": "fp8"}

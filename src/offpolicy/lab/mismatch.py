@@ -1,6 +1,7 @@
 """Named, deterministic mismatch sources of the lab: how the rollout engine differs from the trainer.
 
-Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``) change how the engine computes; lag (``lag1``, ``lag4``,
+Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``; activation-quantised serving formats ``fp8``,
+``fp8-dynamic``, ``fp8-block``, ``mxfp8``, ``w4a16``, ``w4a4``) change how the engine computes; lag (``lag1``, ``lag4``,
 ``lag8``, ``lag16``, ``lag64``) changes *which* weights it computes with — an asynchronous pipeline's engine samples with
 a policy some updates old (``lagK``: synced every K steps, K ≥ 4; ``lag1``: every 2 steps, so at most 1 update old),
 the off-policy part of μ that the same corrections address (``bf16+lag8`` has both). Every source is a complete
@@ -40,6 +41,7 @@ ENGINE_BASE: dict[str, Any] = {
     "rollout.kv_cache": True,
     "rollout.kv_cache_bits": None,
     "rollout.weight_bits": None,
+    "rollout.quant": None,
     "rollout.logit_noise": 0.0,
     "rollout.sync_every": 1,
     "rollout.engine": "hf",
@@ -59,6 +61,20 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
              "bf16 engine, int8 per-channel fake-quantised decoder weights (W8A16 serving)"),
     "int4": ({"rollout.dtype": "bfloat16", "rollout.weight_bits": 4},
              "bf16 engine, 4-bit per-channel fake-quantised decoder weights"),
+    # serving formats of the Linear layers, weights and inputs (offpolicy.rollout.quant_formats), on a bf16 engine as
+    # vLLM runs them (the matmul's output and everything outside the Linear layers in bf16)
+    "fp8": ({"rollout.dtype": "bfloat16", "rollout.quant": "fp8"},
+            "bf16 engine, fp8 e4m3 W8A8 with per-tensor scales (vLLM's --quantization fp8)"),
+    "fp8-dynamic": ({"rollout.dtype": "bfloat16", "rollout.quant": "fp8-dynamic"},
+                    "bf16 engine, fp8 e4m3 W8A8, per-channel weight and per-token activation scales"),
+    "fp8-block": ({"rollout.dtype": "bfloat16", "rollout.quant": "fp8-block"},
+                  "bf16 engine, fp8 e4m3 W8A8, 128x128 weight blocks and 1x128 activation groups"),
+    "mxfp8": ({"rollout.dtype": "bfloat16", "rollout.quant": "mxfp8"},
+              "bf16 engine, MXFP8 W8A8 (e4m3 in blocks of 32, e8m0 scales)"),
+    "w4a16": ({"rollout.dtype": "bfloat16", "rollout.quant": "nvfp4a16"},
+              "bf16 engine, NVFP4 weights (e2m1 in blocks of 16, e4m3 block scales), bf16 activations"),
+    "w4a4": ({"rollout.dtype": "bfloat16", "rollout.quant": "nvfp4"},
+             "bf16 engine, NVFP4 weights and activations (W4A4)"),
     "kv8": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 8}, "bf16 engine, 8-bit KV cache"),
     "kv4": ({"rollout.dtype": "bfloat16", "rollout.kv_cache_bits": 4}, "bf16 engine, 4-bit KV cache"),
     "lag1": ({"rollout.sync_every": 2},

@@ -13,7 +13,7 @@ run: vLLM in fp32 beside its bf16) and ``rule``, how groups are compared (:data:
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'quant']
 """
 
 from __future__ import annotations
@@ -127,6 +127,19 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "control_presets": ["naive"],  # the fp32 on-policy control
         "seeds": 3,
         "steps": 20,
+    },
+    # activation-quantised serving engines (docs/engines.md): NVFP4 W4A4 and fp8 W8A8 with per-tensor scales (vLLM's
+    # --quantization fp8; verl #7519's "fp8 tensorwise"), each with truncated IS, a rollout gate (IcePop), the
+    # centred score, DVP's safe set and M2PO's second-moment mask. Defined, not yet run: 39 runs × 100 steps
+    "quant": {
+        "description": "NVFP4 W4A4 and fp8 W8A8 engines: naive, TIS, IcePop, score centering, DVP and M2PO, naive on "
+                       "the fp32 control",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "icepop", "score_centering", "dvp", "m2po"],
+        "mismatches": ["none", "w4a4", "fp8"],
+        "control_presets": ["naive"],  # on the fp32 engine the IS weights are 1: the corrections would repeat naive
+        "seeds": 3,
+        "steps": 100,
     },
 }
 

@@ -108,8 +108,8 @@ class ServerSection(_Section):
 
 
 # rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
-_HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "logit_noise": 0.0, "sync_every": 1,
-                   "routing_replay": "none", "compile": False}
+_HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "quant": None, "logit_noise": 0.0,
+                   "sync_every": 1, "routing_replay": "none", "compile": False}
 
 
 class RolloutConfig(_Section):
@@ -126,6 +126,9 @@ class RolloutConfig(_Section):
     kv_cache: bool = True
     kv_cache_bits: int | None = None
     weight_bits: int | None = None
+    # a serving format of the decoder's Linear weights and inputs, simulated (offpolicy.rollout.quant_formats: fp8,
+    # fp8-dynamic, fp8-block, mxfp8, nvfp4 = w4a4, nvfp4a16 = w4a16); stored by the format's name
+    quant: str | None = None
     logit_noise: float = Field(0.0, ge=0)
     # weights pushed to the engine every k steps (k > 1: the engine samples with a policy up to k − 1 updates old,
     # as an asynchronous rollout pipeline does; the off-policy part of μ that the corrections see)
@@ -155,8 +158,18 @@ class RolloutConfig(_Section):
     vllm: VLLMSection = Field(default_factory=VLLMSection)
     server: ServerSection = Field(default_factory=ServerSection)
 
+    @field_validator("quant")
+    @classmethod
+    def _quant_format(cls, value: str | None) -> str | None:
+        from offpolicy.rollout.quant_formats import quant_format
+
+        return None if value is None else quant_format(value).name
+
     @model_validator(mode="after")
     def _engine_fields(self) -> RolloutConfig:
+        if self.quant is not None and self.weight_bits is not None:
+            raise ValueError(f"rollout.quant={self.quant!r} with rollout.weight_bits={self.weight_bits!r}: both "
+                             "quantise the weights; choose one")
         if self.engine != "hf":
             section = {"llamacpp": "rollout.llamacpp (weights, kv_cache_type)",
                        "vllm": "rollout.dtype and rollout.vllm (kv_cache_dtype)",

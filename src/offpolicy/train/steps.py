@@ -186,8 +186,8 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> HFR
                                             max_logprobs=max(20, sampling.logprobs_topk))
     return HFRolloutEngine(
         model, dtype=r.dtype, kv_cache=r.kv_cache, kv_cache_bits=r.kv_cache_bits, weight_bits=r.weight_bits,
-        logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none", sampler=r.sampler,
-        compile=r.compile,
+        quant=r.quant, logit_noise=r.logit_noise, tokenizer=tokenizer, record_routes=r.routing_replay != "none",
+        sampler=r.sampler, compile=r.compile,
     )
 
 
