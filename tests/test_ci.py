@@ -43,15 +43,17 @@ def test_phase_1_is_the_readmes_test_line_as_printed():
         "OFFPOLICY_REQUIRE_INTEGRATIONS=1 python -m pytest")
 
 
-def test_phase_2_reruns_the_files_that_skipped_and_the_live_tests(tmp_path):
-    always = ["tests/vllm", "tests/integrations/test_verl_actor.py", "tests/corrections/test_gated_openrlhf.py"]
+def test_phase_2_reruns_what_skipped_and_the_integration_tests(tmp_path):
+    always = ["tests/vllm", "tests/integrations", "tests/rollout/test_vllm.py",
+              "tests/corrections/test_gated_openrlhf.py"]
     log = tmp_path / "skipped.log"
     log.write_text("tests/vllm\tvLLM is not installed\n"
                    "tests/test_metrics.py::test_a[x-1]\tcould not import 'verl'\n"
                    "tests/test_metrics.py::test_b\tcould not import 'verl'\n"
-                   "tests/integrations/test_trl_train.py\toverrides TRL 1.16's internal methods; installed 1.17.0\n")
+                   "tests/test_quickstarts.py::test_verl\tcould not import 'hydra'\n")
     assert _ci("--rerun-targets", str(log)).split() == [
-        "tests/vllm", "tests/test_metrics.py", "tests/integrations/test_trl_train.py", *always[1:]]
+        *always, "tests/test_metrics.py::test_a[x-1]", "tests/test_metrics.py::test_b",
+        "tests/test_quickstarts.py::test_verl"]
     log.write_text("")
     assert _ci("--rerun-targets", str(log)).split() == always  # never an empty target list (= the whole suite)
 
