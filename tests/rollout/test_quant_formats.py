@@ -121,6 +121,31 @@ def test_nvfp4_by_hand():
     torch.testing.assert_close(nvfp4(x, tensor_rows=1)[1, :2], torch.tensor([3.0, 1.0]), rtol=1e-6, atol=0)
 
 
+def _nvfp4_by_vllms_procedure(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 as vLLM's reference quantiser for its kernel tests computes it (tests/kernels/quantization/
+    nvfp4_utils.py, ref_nvfp4_quant), restated: the encode scale g = 448·6 / amax, the block scale through torch's
+    float8_e4m3fn cast, reciprocals instead of divisions, and E2M1 by a table of half-open intervals."""
+    m, n = x.shape
+    g = torch.tensor(448 * 6.0) / x.abs().max()
+    xb = x.reshape(m, n // 16, 16)
+    s = (g * (xb.abs().amax(-1, keepdim=True) / 6)).clamp(max=448).to(torch.float8_e4m3fn).float()
+    v = (xb * torch.where(s == 0, torch.zeros_like(s), 1 / (s / g))).clamp(-6, 6)
+    a, q = v.abs(), torch.zeros_like(v)
+    for lo, hi, value, closed in [(0.25, 0.75, 0.5, False), (0.75, 1.25, 1.0, True), (1.25, 1.75, 1.5, False),
+                                  (1.75, 2.5, 2.0, True), (2.5, 3.5, 3.0, False), (3.5, 5.0, 4.0, True)]:
+        q[((a >= lo) & (a <= hi)) if closed else ((a > lo) & (a < hi))] = value  # closed intervals: the even ties
+    q[a > 5.0] = 6.0
+    return (q * torch.sign(v) * s / g).reshape(m, n)
+
+
+def test_nvfp4_agrees_with_vllms_reference_procedure():
+    """Same grid point for every element; the values differ by at most 2 float32 ulps (division vs reciprocal)."""
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(64, 256, generator=g) * torch.exp(torch.randn(64, 256, generator=g))
+        torch.testing.assert_close(nvfp4(x), _nvfp4_by_vllms_procedure(x), rtol=4e-7, atol=0)
+
+
 def test_nvfp4_tiny_block_under_a_large_tensor_scale_becomes_zero():
     x = torch.cat([torch.full((16,), 6.0), torch.full((16,), 1e-6)])  # 1e-6/6·448 = 7.5e-5 < 2^-10: E4M3 scale 0
     out = nvfp4(x)
