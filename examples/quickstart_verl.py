@@ -1,7 +1,7 @@
 """verl quickstart: one correction (truncated importance sampling) switched on in verl 0.9 by five config keys —
 checked as far as verl starts on a CPU. docs/quickstart-verl.md walks through it.
 
-    python examples/quickstart_verl.py                  # ~30 s on 2 cores (importing verl is most of it)
+    python examples/quickstart_verl.py                  # ~15 s on 2 cores (importing verl is most of it)
     python examples/quickstart_verl.py --print-command  # the GPU launch command, nothing else
 
 What it runs, in the order ``python -m verl.trainer.main_ppo`` would:
@@ -11,18 +11,27 @@ What it runs, in the order ``python -m verl.trainer.main_ppo`` would:
    own registries (what every Ray worker does);
 2. verl's own ``ppo_trainer.yaml`` is composed with the launch command's overrides (Hydra, as ``main_ppo`` does) and
    checked by verl's ``validate_config``;
-3. the plug-in reads its settings (``OFFPOLICY_VERL``) as the driver will, and applies the correction to a made-up
-   GRPO step whose advantages come from verl's own ``compute_grpo_outcome_advantage`` — what the plug-in's trainer
-   does after verl's ``_compute_advantage`` at every step.
+3. the plug-in reads its settings (``OFFPOLICY_VERL``) as the driver will, checks them against verl's own
+   ``algorithm.rollout_correction`` as the plug-in's trainer does at construction (and shows the one-line refusal
+   when verl's own IS is switched on too), and applies the correction to a made-up GRPO step whose advantages come
+   from verl's own ``compute_grpo_outcome_advantage`` — what the plug-in's trainer does after verl's
+   ``_compute_advantage`` at every step.
 
-Where it stops: ``main_ppo`` would now call ``ray.init`` and start verl's ``TaskRunnerV1``, which imports
-``transfer_queue`` (not a dependency of verl's CPU path) and places the FSDP training workers and the vLLM / SGLang
-rollout servers on GPUs. Nothing after that point runs on a CPU.
+The trainer part registers only where ``transfer_queue`` imports (verl's v1 trainer imports it; PyPI's
+``transferqueue``, which the ``verl`` extra installs — ``pip install verl`` alone does not). verl 0.9.1 has no CPU
+platform: on a machine without an accelerator it falls back to NVIDIA's, so the engine is registered for
+``(cuda, nvidia)``, the device a GPU worker looks up.
+
+Where it stops: ``main_ppo`` would now call ``ray.init`` and start verl's ``TaskRunnerV1``, which starts the
+TransferQueue's Ray actors and places the FSDP training workers and the vLLM / SGLang rollout servers on GPUs.
+Nothing after that point runs on a CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.util
 import os
 import shlex
 import time
@@ -123,23 +132,37 @@ def run() -> dict:
     from verl.utils.config import validate_config
 
     from offpolicy.integrations.verl import plugin
-    from offpolicy.integrations.verl.driver import apply_driver_correction
+    from offpolicy.integrations.verl.driver import apply_driver_correction, refuse_double_correction
     from offpolicy.integrations.verl.settings import settings_from_environment
 
     config = compose_config(VERL_OVERRIDES + OFFPOLICY_OVERRIDES)  # 2. verl's config and verl's own checks
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     settings = settings_from_environment()  # 3. what the driver reads, then one step of its correction
+    refuse_double_correction(config.algorithm, settings)  # verl's own correction is off in this config: passes
+    both_on = copy.deepcopy(config.algorithm)
+    both_on.rollout_correction.rollout_is = "token"  # verl's own token IS as well: what the trainer refuses
+    try:
+        refuse_double_correction(both_on, settings)
+        refused = "nothing (a double correction went through)"
+    except ValueError as err:
+        refused = str(err)
     step = made_up_step()
     advantages, _ = compute_grpo_outcome_advantage(step["token_level_rewards"], step["response_mask"],
                                                    np.array(step["uid"], dtype=object))
     updates, metrics = apply_driver_correction({**step, "advantages": advantages}, settings)
-    try:
-        import transfer_queue  # noqa: F401
-        stop = "transfer_queue is installed: the next stop is the GPU resource pool of the FSDP workers and vLLM"
-    except ImportError:
-        stop = "verl's TaskRunnerV1 imports transfer_queue (not installed here), then needs GPUs for the workers"
-    return {"config": config, "registered": plugin.registered(), "settings": settings, "step": step,
-            "advantages": advantages, "updates": updates, "metrics": metrics, "stop": stop}
+    trainer_base = None
+    if importlib.util.find_spec("transfer_queue") is not None:
+        from verl.trainer.ppo.v1 import get_trainer_cls
+
+        trainer_base = get_trainer_cls(config.trainer.v1.trainer_mode).__mro__[1].__name__
+        stop = ("ray.init, then verl's TaskRunnerV1 starts the TransferQueue's Ray actors and asks Ray for GPUs for "
+                "the FSDP workers and the vLLM server")
+    else:
+        stop = ("verl's TaskRunnerV1 imports transfer_queue (not installed here: pip install transferqueue==0.1.11), "
+                "then asks Ray for GPUs for the workers")
+    return {"config": config, "registered": plugin.registered(), "settings": settings, "refused": refused,
+            "trainer_base": trainer_base, "step": step, "advantages": advantages, "updates": updates,
+            "metrics": metrics, "stop": stop}
 
 
 def main() -> None:
@@ -152,13 +175,21 @@ def main() -> None:
     out = run()
     cfg = out["config"]
     print("1. the plug-in in verl's registries (what every Ray worker registers on `import verl`):")
+    import torch
+
     for part, what in out["registered"].items():
+        if part == "engine" and not torch.cuda.is_available():
+            what += "  (no accelerator here: verl 0.9.1 falls back to NVIDIA's device names, what a GPU worker uses)"
+        if part == "trainer" and out["trainer_base"]:
+            what += f"  (verl's {out['trainer_base']} + the correction after the advantages)"
         print(f"     {part:12s} {what}")
     print("2. verl's ppo_trainer config + the launch command's overrides: composed and validated by verl")
     print(f"     trainer.v1.trainer_mode = {cfg.trainer.v1.trainer_mode}, "
           f"actor_rollout_ref.model.external_lib = {cfg.actor_rollout_ref.model.external_lib}, "
           f"rollout.calculate_log_probs = {cfg.actor_rollout_ref.rollout.calculate_log_probs}")
-    print(f"3. the driver's settings: correction = {out['settings'].correction}")
+    print(f"3. the driver's settings: correction = {out['settings'].correction}; verl's own rollout_correction "
+          "off, as the trainer checks at construction")
+    print(f"     with algorithm.rollout_correction.rollout_is=token as well, the trainer refuses: {out['refused']}")
     mask = out["step"]["response_mask"].bool()
     ratio = (out["step"]["old_log_probs"] - out["step"]["rollout_log_probs"]).exp()[mask]
     weights = out["updates"]["rollout_is_weights"][mask]
@@ -168,7 +199,7 @@ def main() -> None:
           f"{weights.max():.2f}]; capped at 2.0: {int((ratio > 2.0).sum())} of {int(mask.sum())} tokens")
     for key in sorted(out["metrics"])[:6]:
         print(f"     {key} = {float(out['metrics'][key]):.4g}")
-    print(f"stops here: {out['stop']}.")
+    print(f"stops here; next in main_ppo: {out['stop']}.")
     print(f"finished in {time.perf_counter() - started:.0f} s; the launch command on a GPU machine: "
           "python examples/quickstart_verl.py --print-command")
 

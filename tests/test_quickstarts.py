@@ -57,7 +57,14 @@ def test_the_verl_quickstart_runs_as_far_as_verl_starts_on_cpu(monkeypatch):
     torch.testing.assert_close(out["updates"]["rollout_is_weights"], ratio.clamp(max=2.0) * mask)
     assert bool((ratio[mask.bool()] > 2.0).any())  # the made-up step does exercise the cap
     assert [k for k in out["metrics"] if lookup(k) is None] == []
-    assert "transfer_queue" in out["stop"] or "GPU" in out["stop"]
+    assert "GPUs" in out["stop"]
+    if importlib.util.find_spec("transfer_queue") is not None:  # the verl extra installs it: the trainer registers
+        assert out["registered"]["trainer"] == "offpolicy" and out["trainer_base"] == "PPOTrainerSync"
+    else:
+        assert "transfer_queue" in out["registered"]["trainer"] and "transferqueue" in out["stop"]
+    # verl's own token IS next to the plug-in's correction: the one-line refusal, naming both keys
+    assert out["refused"].startswith("algorithm.rollout_correction.rollout_is='token' and OFFPOLICY_VERL's "
+                                     "correction are both set") and "\n" not in out["refused"]
 
 
 def test_the_verl_pages_launch_command_is_the_scripts():

@@ -407,7 +407,7 @@ def test_the_example_config_parses():
     env = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
     assert config["actor_rollout_ref"]["model"]["external_lib"] == env["VERL_USE_EXTERNAL_MODULES"]
     settings = settings_from_text(env["OFFPOLICY_VERL"])
-    assert settings.sampling.min_p == 0.01 and settings.alp is not None and settings.topk_bound == "upper"
+    assert settings.sampling.min_p == 1e-3 and settings.alp is not None and settings.topk_bound == "upper"
     block = yaml.safe_load(env["OFFPOLICY_VERL"])
     block["correction"].append({"name": "trm", "max_kl": 0.05, "avg_kl": None})
     assert parse_settings({**block, "topk_logprobs": 20}).topk_logprobs == 20
