@@ -115,8 +115,10 @@ METHODS: tuple[Method, ...] = (
            "2510.01161", "Alg. 1", corrections=("m2po",), presets=("m2po",)),
     Method("IPO", "stale", "−A·r·1[|π − μ| ≤ δ] + τ_kl (log r)²", None, "prime-rl loss.py", objectives=("ipo",),
            presets=("ipo",)),
-    Method("score centering", "stale", "∇log π(y) − E_q[∇log π]: onehot(y) − q in the logits, exact or top-k",
-           "2609.20807", "", presets=("score_centering", "score_centering_topk")),
+    Method("score centering", "stale", "∇log π(y) − E_q[∇log π]: onehot(y) − q in the logits, exact or top-k; "
+           "under TIS / IcePop w(r)∇log π(y) − E_q[w ∇log π]",
+           "2609.20807", "", presets=("score_centering", "score_centering_topk", "score_centering_tis",
+                                      "score_centering_icepop", "score_centering_replay")),
     Method("routing replay", "source-fixes", "R2 / R3: replay the rollout's MoE experts", "2510.11370", "",
            setting="`rollout.routing_replay`"),
     Method("diagnostics", "diagnostics", "KL, k2, k3, χ², ESS, PPL gap under each framework's names", None,

@@ -1,6 +1,6 @@
 """The proximal policy of decoupled PPO without its forward: AReaL's log-linear approximation from policy versions.
 
-Decoupled PPO (arXiv 2110.00641, eq. 5) reads three policies: the behaviour policy μ that sampled (``rollout_logp``),
+The decoupled PPO objective (arXiv 2110.00641, eq. 5) reads three policies: the behaviour policy μ that sampled (``rollout_logp``),
 the proximal policy π_prox that anchors the clip (``old_logp``, one extra forward of the trainer per step) and π_θ.
 AReaL's ``prox_logp_method: loglinear`` skips that forward: each token carries the version v_behave of the weights
 that generated it, the trainer is at version v_θ, and π_prox — one version behind, v_prox = v_θ − 1 — is placed on
