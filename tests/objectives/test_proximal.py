@@ -40,7 +40,8 @@ def test_alpha_and_logp_by_hand():
     alpha = loglinear_alpha(torch.tensor([[7, 6, 5, 4, 0]]), 7)
     torch.testing.assert_close(alpha, torch.tensor([[0.0, 0.0, 0.5, 2 / 3, 6 / 7]]))
     # log μ = −2, log π_θ = −1: log π_prox = −2 + α
-    out = loglinear_proximal_logp(torch.full((1, 5), -1.0), torch.full((1, 5), -2.0), torch.tensor([[7, 6, 5, 4, 0]]), 7)
+    versions = torch.tensor([[7, 6, 5, 4, 0]])
+    out = loglinear_proximal_logp(torch.full((1, 5), -1.0), torch.full((1, 5), -2.0), versions, 7)
     torch.testing.assert_close(out, torch.tensor([[-2.0, -2.0, -1.5, -4 / 3, -2 + 6 / 7]]))
 
 

@@ -1,7 +1,8 @@
 """The proximal policy of decoupled PPO without its forward: AReaL's log-linear approximation from policy versions.
 
-The decoupled PPO objective (arXiv 2110.00641, eq. 5) reads three policies: the behaviour policy μ that sampled (``rollout_logp``),
-the proximal policy π_prox that anchors the clip (``old_logp``, one extra forward of the trainer per step) and π_θ.
+The decoupled PPO objective (arXiv 2110.00641, eq. 5) reads three policies: the behaviour policy μ that sampled
+(``rollout_logp``), the proximal policy π_prox that anchors the clip (``old_logp``, one extra forward of the trainer
+per step) and π_θ.
 AReaL's ``prox_logp_method: loglinear`` skips that forward: each token carries the version v_behave of the weights
 that generated it, the trainer is at version v_θ, and π_prox — one version behind, v_prox = v_θ − 1 — is placed on
 the straight line between log μ and log π_θ by version:
@@ -78,10 +79,10 @@ def approximate_proximal(batch: LogProbBatch) -> LogProbBatch:
     >>> approximate_proximal(b.replace(versions=None))
     Traceback (most recent call last):
     ...
-    ValueError: versions: proximal='loglinear' needs the per-token policy versions [B, T] (batch.versions); the batch has none
+    ValueError: versions: proximal='loglinear' needs the per-token policy versions (batch.versions); the batch has none
     """
     if batch.versions is None:
-        raise ValueError("versions: proximal='loglinear' needs the per-token policy versions [B, T] (batch.versions); "
+        raise ValueError("versions: proximal='loglinear' needs the per-token policy versions (batch.versions); "
                          "the batch has none")
     if batch.policy_version is None:
         raise ValueError("policy_version: proximal='loglinear' needs the trainer's policy version "

@@ -78,7 +78,8 @@ def is_weight(ratio: Tensor, weighting: str, lower: float, upper: float) -> Tens
     """w(r) of the rule, elementwise (``ratio`` ≥ 0, +inf allowed: a token q never samples has w(∞) = ``hi`` for
     ``tis``, 0 for ``icepop``).
 
-    >>> is_weight(torch.tensor([0.2, 1.0, 4.0]), "tis", 0.5, 2.0), is_weight(torch.tensor([0.2, 1.0, 4.0]), "icepop", 0.5, 2.0)
+    >>> r = torch.tensor([0.2, 1.0, 4.0])
+    >>> is_weight(r, "tis", 0.5, 2.0), is_weight(r, "icepop", 0.5, 2.0)
     (tensor([0.5000, 1.0000, 2.0000]), tensor([0., 1., 0.]))
     """
     weighting, lower, upper = check_weighting(weighting, lower, upper)
@@ -187,7 +188,7 @@ def weighted_centered_logp(logp: Tensor, weight: Tensor, center: Tensor) -> Tens
     >>> z = torch.tensor([0.0, 0.0], requires_grad=True)
     >>> lp = torch.log_softmax(z, -1)
     >>> out = weighted_centered_logp(lp[:1], torch.tensor([0.5]), (torch.tensor([0.3, 0.1]) * lp).sum(-1, keepdim=True))
-    >>> out.item() == lp[0].item(), torch.autograd.grad(out.sum(), z)[0]   # 0.5·(1 − p) − (m − p·Σm) = (.25, −.25) − (.1, −.1)
+    >>> out.item() == lp[0].item(), torch.autograd.grad(out.sum(), z)[0]  # 0.5·(1 − p) − (m − p·Σm)
     (True, tensor([ 0.1500, -0.1500]))
     """
     for name, x in (("weight", weight), ("center", center)):
