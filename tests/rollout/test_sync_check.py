@@ -140,3 +140,97 @@ def test_different_models_fail_the_calibration(tiny):
     out = engine.generate([tok("1+2=")["input_ids"]] * 4, SamplingConfig(max_new_tokens=6), seed=1)
     with pytest.raises(SyncCheckError, match="different models"):
         SyncCheck().calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+
+
+def test_gap_standard_error_by_hand():
+    from offpolicy.rollout.sync_check import gap_standard_error
+
+    # row means of |r|: 0.2, 0.2, 0.1 → sd 0.05774 → / √3 = 0.03333; padding never counts
+    r = torch.tensor([[0.1, 0.3, 9.0], [0.2, 0.2, 9.0], [0.0, 0.2, 9.0]])
+    mask = torch.tensor([[True, True, False]] * 3)
+    assert gap_standard_error(r, mask) == pytest.approx(0.057735 / math.sqrt(3), rel=1e-4)
+    one = torch.tensor([[0.1, 0.3, 0.2]])  # one row: the tokens' sd 0.1 / √3
+    assert gap_standard_error(one, torch.ones(1, 3, dtype=torch.bool)) == pytest.approx(0.1 / math.sqrt(3), rel=1e-4)
+
+
+def test_the_text_probe_goes_through_the_users_tokenizer(tiny):
+    from offpolicy.rollout.sync_check import PROBE_TEXTS
+
+    _, tok = tiny
+    probe = SyncProbe.from_text(tok)
+    assert len(probe.prompt_ids) == len(PROBE_TEXTS)
+    first = tok(PROBE_TEXTS[0], add_special_tokens=False)["input_ids"][:48]
+    assert probe.prompt_ids[0] + probe.completion_ids[0] == first
+    assert len(probe.prompt_ids[0]) == len(first) // 4
+    with pytest.raises(ValueError, match="text 0"):
+        SyncProbe.from_text(tok, ["a"])
+
+
+def _adam_like_step(model, lr, seed=0):
+    """A step of Adam's size under a steady gradient: every weight moves by ±lr, the signs fixed by ``seed`` (the
+    same direction step after step, as Adam's normalised update is while the gradient's sign holds)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randint(0, 2, p.shape, generator=gen).float() * 2 - 1, alpha=lr)
+
+
+@pytest.fixture
+def bf16_rig(tiny):
+    import copy
+
+    def build(forget: str, dtype: str = "bfloat16"):
+        model, tok = copy.deepcopy(tiny[0]), tiny[1]
+        engine = _BrokenSync(copy.deepcopy(model), dtype=dtype, tokenizer=tok, forget=forget)
+        prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in [(3, 4), (12, 30), (7, 7), (25, 50), (61, 2), (9, 90),
+                                                             (44, 11), (8, 19)]]
+        out = engine.generate(prompts, SamplingConfig(max_new_tokens=12), seed=0)
+        check = SyncCheck(on_failure="warn")
+        check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+        return model, engine, check
+
+    return build
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5])
+def test_a_sync_that_does_nothing_is_caught_at_once_at_a_small_learning_rate(bf16_rig, lr):
+    # the engine answers as before, bit for bit, while the trainer moved: the engine-motion test resolves at the
+    # first sync even where one step moves the probe far less than the bf16 noise (the staleness β cannot resolve)
+    model, engine, check = bf16_rig("everything")
+    _adam_like_step(model, lr)
+    engine.sync_weights(model)
+    metrics = check.after_sync(engine, model, what="sync 1")
+    assert metrics["sync/ok"] == 0.0 and metrics["sync/engine_motion"] == 0.0
+    assert metrics["sync/step_rms"] < 2 * check.noise_rms  # β alone would have said nothing
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5, 3e-4])
+def test_healthy_syncs_at_small_steps_pass_and_move_the_engine_with_the_trainer(bf16_rig, lr):
+    model, engine, check = bf16_rig("nothing")
+    for i in range(8):
+        _adam_like_step(model, lr)
+        engine.sync_weights(model)
+        metrics = check.after_sync(engine, model, what=f"sync {i + 1}")
+        assert metrics["sync/ok"] == 1.0, metrics
+        assert metrics["sync/engine_motion"] >= 0.5 or not metrics["sync/step_rms"] > 0
+
+
+def test_a_head_left_behind_accumulates_until_it_is_named(bf16_rig):
+    # fp32 engine, lr 1e-7: one step moves the probe by ~1e-6 nats; the head's lag adds up sync after sync until
+    # the gap passes the floor or the staleness β passes ½ (which noise alone cannot: |β| ≤ rms(residual) / rms(step))
+    model, engine, check = bf16_rig("head", dtype="float32")
+    ratios = []
+    for i in range(15):
+        _adam_like_step(model, 1e-7)
+        engine.sync_weights(model)
+        metrics = check.after_sync(engine, model, what=f"sync {i + 1}")
+        ratios.append(metrics["sync/ratio"])
+        if metrics["sync/ok"] == 0.0:
+            break
+    assert metrics["sync/ok"] == 0.0, "a head left behind was never caught"
+    assert 2 <= len(ratios) and ratios[-1] > 2 * ratios[0]  # caught once the lag had grown, not at once
+    healthy, engine, check = bf16_rig("nothing", dtype="float32")
+    for i in range(15):  # the same steps with the head synced: no alarm
+        _adam_like_step(healthy, 1e-7)
+        engine.sync_weights(healthy)
+        assert check.after_sync(engine, healthy, what=f"sync {i + 1}")["sync/ok"] == 1.0

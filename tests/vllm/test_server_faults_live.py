@@ -1,10 +1,13 @@
-"""A live vLLM server's reloads and faults: a reload from a checkpoint that stores the tied head once leaves vLLM's
-CPU backend on the old head (every endpoint answers 200) and the sync check catches it; the trainer on a server
+"""A live vLLM server's reloads and faults: every sync into a server started on a sharded checkpoint takes (through a
+reload folder of the project's own; the model's files stay byte for byte), a checkpoint that stores the tied head
+once is refused, and reloaded around the refusal it leaves vLLM's CPU backend on the old head (every endpoint
+answers 200), which the sync check names; the trainer on a server
 engine stops in one line when the server dies mid-run, keeps its checkpoints, and ``--resume`` continues once a
 server is back."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from offpolicy.rollout.sampling import SamplingConfig
-from offpolicy.rollout.servers import connect_server, write_reload_checkpoint
+from offpolicy.rollout.servers import connect_server
 from offpolicy.rollout.sync_check import SyncCheck, SyncCheckError, SyncProbe
 from offpolicy.rollout.vllm_server import VLLMServer
 
@@ -31,6 +34,23 @@ def model_copy(tmp_path):
     return folder
 
 
+@pytest.fixture
+def sharded_copy(tmp_path):
+    """The tiny model saved as a sharded checkpoint (an index and several shards, as every model above ~5 GB is)."""
+    from offpolicy.models import load_model
+
+    model, tok = load_model("tiny")
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="2MB")
+    tok.save_pretrained(folder)
+    assert (folder / "model.safetensors.index.json").exists() and len(list(folder.glob("*.safetensors"))) > 1
+    return folder
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
 def _check_sync_cli(model_dir, url):
     from typer.testing import CliRunner
 
@@ -41,23 +61,40 @@ def _check_sync_cli(model_dir, url):
                                     "--check-sync", "1e-3"])
 
 
-def test_a_reload_that_leaves_the_tied_head_behind_is_caught(model_copy, vllm_cache, tmp_path):
+def test_every_sync_into_a_sharded_model_takes_and_leaves_its_files_untouched(sharded_copy, vllm_cache, tmp_path):
     from offpolicy.models import load_model
+    from offpolicy.rollout.servers import vllm_reload_weights
 
     model, tok = load_model("tiny")
-    with VLLMServer(model_copy, dtype="float32", cache_dir=vllm_cache) as server:
-        engine = connect_server(server.url, vocab_size=model.config.vocab_size, tokenizer=tok)
+    before = _hashes(sharded_copy)
+    with VLLMServer(sharded_copy, dtype="float32", cache_dir=vllm_cache) as server:
+        engine = connect_server(server.url, vocab_size=model.config.vocab_size, tokenizer=tok,
+                                weights_dir=tmp_path / "reload")
         prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in [(3, 4), (12, 30), (77, 7), (5, 50)]]
         out = engine.generate(prompts, SamplingConfig(max_new_tokens=6), seed=0)
         check = SyncCheck()
         assert check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))[
             "sync/baseline"] < 1e-5  # fp32 against fp32
         gen = torch.Generator().manual_seed(0)
+        for step in range(3):  # every sync through the reload folder takes: the gap stays at round-off
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen), alpha=0.02)
+            engine.sync_weights(model)
+            metrics = check.after_sync(engine, model, what=f"sync {step + 1}")
+            assert metrics["sync/ok"] == 1.0 and metrics["sync/gap"] < 1e-5, metrics
+        assert _hashes(sharded_copy) == before  # the served model's own files: byte for byte as they were
+
+        # the usual checkpoint stores the tied head once: refused before any request ...
+        saved = tmp_path / "saved"
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=gen), alpha=0.02)
-        model.save_pretrained(model_copy)  # the usual checkpoint: the tied head stored once, as the embedding
-        engine.reload_weights(str(model_copy))  # pause, reload_weights, reset_prefix_cache, resume: all 200
+        model.save_pretrained(saved)
+        with pytest.raises(ValueError, match="head is stored once"):
+            engine.reload_weights(str(saved))
+        # ... and a reload of it that goes around the refusal answers 200 and leaves the old head: the check names it
+        vllm_reload_weights(server.url, str(saved), timeout=60, weights_path=str(saved))
         with pytest.raises(SyncCheckError, match="reload from save_pretrained"):
             check.after_sync(engine, model, what="reload from save_pretrained")
         trainer_dir = tmp_path / "trainer"  # the trainer's side of `offpolicy inspect --check-sync`: the new weights
@@ -65,16 +102,14 @@ def test_a_reload_that_leaves_the_tied_head_behind_is_caught(model_copy, vllm_ca
         tok.save_pretrained(trainer_dir)
         res = _check_sync_cli(trainer_dir, server.url)
         assert res.exit_code != 0 and "hold different models" in res.output, res.output
-        write_reload_checkpoint(model, model_copy)  # every tensor under its own name, lm_head.weight included
-        engine.reload_weights(str(model_copy))
-        assert check.after_sync(engine, model, what="reload with the head")["sync/ok"] == 1.0
+        engine.sync_weights(model)  # every tensor under its own name, lm_head.weight included
         res = _check_sync_cli(trainer_dir, server.url)
         assert res.exit_code == 0 and "sync OK" in res.output, res.output
 
 
-def _train(out, url, weights_dir, *extra):
+def _train(out, url, *extra):
     args = ["train", "model.path=tiny", "task.prompts_per_step=4", "algorithm.group_size=4", "algorithm.preset=tis",
-            "rollout.engine=server", f"rollout.server.url={url}", f"rollout.server.weights_dir={weights_dir}",
+            "rollout.engine=server", f"rollout.server.url={url}",
             "rollout.server.timeout=30", "rollout.sampling.max_new_tokens=6", "optim.lr=1e-3", f"run.out_dir={out}",
             "run.steps=8", "run.checkpoint_every=1", "run.threads=1", *extra]
     return subprocess.Popen([sys.executable, "-c", "from offpolicy.cli import main; main()", *args],
@@ -109,7 +144,7 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(model
     assert server.process is not None
     group = server.process.pid  # the server leads a process group of its own (its engine core, its workers)
     try:
-        proc = _train(out, server.url, model_copy)
+        proc = _train(out, server.url)
 
         def kill_after_two_steps():
             while proc.poll() is None and len(_metrics(out)) < 2:
@@ -131,7 +166,7 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(model
     assert checkpoints[-1] == f"step_{done:08d}.safetensors"  # every completed step saved, nothing half-written
 
     with VLLMServer(model_copy, dtype="float32", cache_dir=vllm_cache) as again:  # back, on another port
-        proc = _train(out, again.url, model_copy, "--resume")
+        proc = _train(out, again.url, "--resume")
         output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output
     metrics = _metrics(out)
