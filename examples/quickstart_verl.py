@@ -1,7 +1,7 @@
 """verl quickstart: one correction (truncated importance sampling) switched on in verl 0.9 by five config keys —
 checked as far as verl starts on a CPU. docs/quickstart-verl.md walks through it.
 
-    python examples/quickstart_verl.py                  # ~15 s on 2 cores (importing verl is most of it)
+    python examples/quickstart_verl.py                  # 15-40 s on 2 cores (importing verl is most of it)
     python examples/quickstart_verl.py --print-command  # the GPU launch command, nothing else
 
 What it runs, in the order ``python -m verl.trainer.main_ppo`` would:

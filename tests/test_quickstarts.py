@@ -80,3 +80,13 @@ def test_the_trl_page_runs_the_script_it_shows():
     script = (ROOT / "examples" / "quickstart_trl.py").read_text(encoding="utf-8")
     assert "TIS (cap" in header[0] and all(name in header[1] for name in ("k3 KL", "TIS capped", "reward"))
     assert all(f'"{name}"' in script for name in ("k3 KL", "ratio min", "ratio max", "TIS capped", "weight mean"))
+
+
+def test_the_readmes_verl_keys_are_the_quickstarts():
+    # the README's verl snippet is the quickstart's five overrides, in the script's order and shell quoting
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.findall(r"```bash\n(python -m verl\.trainer\.main_ppo \.\.\. \\\n.*?)```", readme, re.S)
+    example = _example("quickstart_verl")
+    assert len(block) == 1 and len(example.OFFPOLICY_OVERRIDES) == 5
+    lines = [line.strip().rstrip("\\").strip() for line in block[0].splitlines()[1:]]
+    assert lines == [example._shell(o) for o in example.OFFPOLICY_OVERRIDES]
