@@ -316,3 +316,20 @@ def test_the_trainers_helper_is_the_composition(rule):
             weighted_centering(lp, z, mu, zq, rule=rule)
     with pytest.raises(ValueError, match="^rule must be one of"):
         weighted_centering(lp, z, mu, zq, rule="mis")
+
+
+def test_replay_with_targets_takes_the_gradient_on_the_support_and_keeps_the_value():
+    from offpolicy.objectives.score_centering_is import weighted_centering
+
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(2, 6, generator=g).requires_grad_(True)
+    logq, ids = torch.log_softmax(torch.randn(2, 3, generator=g), -1), torch.tensor([[0, 2, 5], [1, 3, 4]])
+    y = torch.tensor([2, 4])  # inside each support
+    lp = torch.log_softmax(z, -1).gather(-1, y[:, None])[:, 0]
+    mu = logq.gather(-1, torch.tensor([[1], [2]]))[:, 0]
+    out, _ = weighted_centering(lp, z, mu, (ids, logq), rule="replay", targets=y)
+    assert torch.equal(out.detach(), lp.detach())
+    lps = z.gather(-1, y[:, None])[:, 0] - z.gather(-1, ids).logsumexp(-1)  # log p^S(y)
+    ref = lps - score_center_weighted_topk(z, ids, logq, weighting="none", replay=True)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), z, retain_graph=True)[0],
+                               torch.autograd.grad(ref.sum(), z)[0])

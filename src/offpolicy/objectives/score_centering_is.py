@@ -207,7 +207,8 @@ PRESET_RULES: dict[str, tuple[str, float, float, bool]] = {
 
 
 def weighted_centering(logp: Tensor, logits: Tensor, rollout_logp: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
-                       *, rule: str, temperature: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
+                       *, rule: str, temperature: float = 1.0,
+                       targets: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """One minibatch of a trainer: π_θ's log-probs ``logp`` ``[B, T]`` (with their graph) carrying the IS weight and
     the weighted centre of ``rule`` (a key of :data:`PRESET_RULES`), and per-token extras ``[B, T]``
     ``score_centering/is_weight`` (w_y) and ``score_centering/is_clipped`` (1 where the rule moved the sampled
@@ -216,12 +217,21 @@ def weighted_centering(logp: Tensor, logits: Tensor, rollout_logp: Tensor, sampl
     ``logits`` ``[B, T, V]`` the trainer's raw logits (the same forward as ``logp``), ``rollout_logp`` μ ``[B, T]``,
     ``sampler``: the sampler's raw logits ``[B, T, V]`` (exact over the vocabulary) or its reported head
     ``(ids, logq)`` ``[B, T, K]`` (NeMo-RL's head + tail rule; ``replay`` needs the head: the support it sampled
-    from, and ``logp`` renormalised on it, e.g. by :func:`~offpolicy.corrections.vocabulary.replay_support_logp`).
+    from, and ``logp`` renormalised on it, e.g. by :func:`~offpolicy.corrections.vocabulary.replay_support_logp`;
+    with ``targets`` ``[B, T]``, the sampled ids, the gradient of log p^S(y) is taken here from ``logits`` on the
+    head, while the value stays ``logp``'s — the one π_old was computed like, so the PPO ratio is unchanged).
     No correction should weight the loss as well (the weight is already in the gradient).
     """
     if rule not in PRESET_RULES:
         raise ValueError(f"rule must be one of {tuple(PRESET_RULES)}, got {rule!r}")
     weighting, lower, upper, replay = PRESET_RULES[rule]
+    if replay and targets is not None and isinstance(sampler, tuple):  # log p^S(y) on the sampler's support
+        ids, logq = sampler
+        reported = logq.detach() > float("-inf")
+        z = logits.float() / _check_temperature(temperature)
+        head = torch.where(reported, z.gather(-1, torch.where(reported, ids, ids[..., :1]).long()), float("-inf"))
+        replayed = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - head.logsumexp(-1)
+        logp = logp.detach() + (replayed - replayed.detach()).to(logp.dtype)  # its gradient; the value stays logp's
     if isinstance(sampler, tuple):
         center = score_center_weighted_topk(logits, sampler[0], sampler[1], weighting=weighting, lower=lower,
                                             upper=upper, temperature=temperature, replay=replay)

@@ -474,7 +474,13 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
         else:
             assert scored.sampler_head is not None  # score_step sets one of the two
             q = (scored.sampler_head[0][rows, :t], scored.sampler_head[1][rows, :t])
-        logp, extras = _score_centered(state, logp, logits, q, extras)
+        targets = None
+        if state.preset.score_weighting == "replay":  # π_θ renormalised on the sampler's support at the sampled ids
+            from offpolicy.rollout.base import pad_ids
+
+            targets = pad_ids([rollout.completions[i] for i in ids], 0, side="right")[0].to(logits.device)[:, :t]
+        logp, extras = _score_centered(state, logp, logits, q, extras, rollout_logp=scored.rollout_logp[rows, :t],
+                                       targets=targets)
     return LogProbBatch(
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],
@@ -483,7 +489,8 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
 
 
 def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
-                    extras: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+                    extras: dict[str, Tensor], *, rollout_logp: Tensor,
+                    targets: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """π_θ's log-probs carrying the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from the
     sampler's full logits, or its top-k head with the proportional tail), and the per-token drift ½‖q − p‖₁ and
     top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
@@ -499,6 +506,8 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
     )
 
     temperature = state.sampling.temperature
+    if state.preset.score_weighting is not None:  # the IS rule's weight and weighted centre (score_centering_is)
+        return _weighted_centered(state, logp, logits, sampler, rollout_logp, extras, targets)
     if isinstance(sampler, tuple):  # the engine's own top-K, already tempered
         ids, logq = sampler
         center = score_center_topk(logits, ids, logq, temperature=temperature)
@@ -513,6 +522,31 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
     drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
     return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift,
                                          "score_centering/topk_gap_tv": gap}
+
+
+def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
+                       rollout_logp: Tensor, extras: dict[str, Tensor],
+                       targets: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """π_θ's log-probs with the sampled token's IS weight and the weighted centre in their gradient (presets
+    ``score_centering_tis`` / ``_icepop`` / ``_replay``; no correction weights the loss), on q's top-K head: the
+    engine's own, or from a re-score's logits — tempered for TIS / IcePop, processed like the engine's sampling
+    (its truncated support) for replay, where the sampled token's log-prob is renormalised on that support too
+    (``targets``). Logs ``score_centering/is_weight`` and ``score_centering/is_clipped``."""
+    from offpolicy.objectives.score_centering import sampler_topk
+    from offpolicy.objectives.score_centering_is import weighted_centering
+
+    rule = state.preset.score_weighting
+    assert rule is not None
+    if isinstance(sampler, tuple):
+        head = sampler
+    elif rule == "replay":  # the support the engine sampled from: −inf outside it (an empty slot in the head)
+        logq, ids = process_logits(sampler, state.sampling).topk(min(SCORE_CENTERING_TOPK, sampler.shape[-1]), -1)
+        head = (ids, logq)
+    else:
+        head = sampler_topk(sampler, SCORE_CENTERING_TOPK, temperature=state.sampling.temperature)
+    logp, more = weighted_centering(logp, logits, rollout_logp, head, rule=rule,
+                                    temperature=state.sampling.temperature, targets=targets)
+    return logp, {**extras, **more}
 
 
 def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
