@@ -2,7 +2,7 @@
 ``OffPolicyGRPOTrainer`` with each method, the arms alternating in one process, split into generation, scoring
 forward and update.
 
-    python benchmarks/trl_overhead.py [--repeat 5] [--steps 4] [--only tis dvp] [--model tiny|lab] [--threads 1]
+    PYTHONPATH=. python benchmarks/trl_overhead.py [--repeat 5] [--steps 4] [--only tis dvp] [--model tiny|lab] [--threads 1]
 
 Every arm trains the same model (a fresh copy) on the same prompts with the same ``GRPOConfig``: TRL's vLLM server
 path (``use_vllm=True, vllm_mode="server"``), which is where TRL has the engine's log-probs μ that every correction
@@ -26,12 +26,14 @@ over the vanilla arm's in the same repeat; the table gives the median and range 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -81,7 +83,8 @@ class EngineClient:
 
     def generate(self, prompts, features=None, n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0,
                  min_p=0.0, max_tokens=16, logprobs=0, structured_outputs_regex=None, generation_kwargs=None):
-        from offpolicy.integrations.trl.rollout import vllm_logprob_lists
+        from offpolicy_testkit.vllm_layout import vllm_logprob_lists
+
         from offpolicy.rollout.sampling import SamplingConfig
 
         k = int(logprobs or 0)
@@ -94,16 +97,27 @@ class EngineClient:
         return {"prompt_ids": prompts, "completion_ids": out.completion_ids, "logprobs": lps, "logprob_token_ids": ids}
 
 
-def _use_engine_client(model, tok) -> None:
-    """The next trainer's ``VLLMGeneration`` talks to an :class:`EngineClient` on ``model``."""
+@contextlib.contextmanager
+def engine_client(model, tok) -> Iterator[EngineClient]:
+    """While open, a trainer built inside talks to an :class:`EngineClient` on ``model`` (TRL's
+    ``VLLMGeneration._init_vllm`` replaced); TRL's own ``_init_vllm`` is back on exit, an exception included."""
     from trl.generation import vllm_generation as vg
 
     client = EngineClient(model, tok)  # before TRL turns on gradient checkpointing in the model it copies
+    cls = vg.VLLMGeneration
+    original = vars(cls).get("_init_vllm")  # None: inherited, so the class had no attribute of its own
 
     def init(self):
         self.vllm_client = client
 
-    vg.VLLMGeneration._init_vllm = init
+    cls._init_vllm = init
+    try:
+        yield client
+    finally:
+        if original is None:
+            del cls._init_vllm
+        else:
+            cls._init_vllm = original
 
 
 class PhaseClock:
@@ -174,7 +188,6 @@ def run_arm(arm: str, base_model, tok, *, batch: int, new_tokens: int, cycles: i
                       use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=kw is None,
                       **(REPLAY_RECIPE if arm == "replay" else {}))
     model = copy.deepcopy(base_model)
-    _use_engine_client(model, tok)
     clock = PhaseClock()
 
     class Steps(TrainerCallback):
@@ -187,11 +200,12 @@ def run_arm(arm: str, base_model, tok, *, batch: int, new_tokens: int, cycles: i
     cls = GRPOTrainer if kw is None else OffPolicyGRPOTrainer
     # the adapter's check of each weight sync is its own cost (benchmarks/trl_sync_check_cost.py), not a method's
     extra = {} if kw is None else {"sync_check": None, **kw}
-    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                  callbacks=[Steps()], **extra)
-    clock.wrap(trainer, "_generate_single_turn", clock.gen)
-    clock.wrap(trainer, "_generate_and_score_completions", clock.gen_score)
-    trainer.train()
+    with engine_client(model, tok):
+        trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
+                      callbacks=[Steps()], **extra)
+        clock.wrap(trainer, "_generate_single_turn", clock.gen)
+        clock.wrap(trainer, "_generate_and_score_completions", clock.gen_score)
+        trainer.train()
     rows = clock.steps[spg:]  # the first generation cycle warms up
     if len(rows) != spg * cycles:
         raise RuntimeError(f"{arm}: {len(clock.steps)} steps timed, expected {steps}")

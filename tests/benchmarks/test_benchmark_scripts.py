@@ -47,3 +47,25 @@ def test_vocab_memory_script_reports_ratios_to_the_baseline():
     assert "mem_ratio" not in results["trl_head"]
     assert math.isclose(results["op_center"]["mem_ratio"],
                         results["op_center"]["extra_mib"] / max(results["trl_head"]["extra_mib"], 1e-9))
+
+
+def test_trl_overhead_puts_trls_vllm_init_back_on_exit():
+    # the benchmark swaps TRL's VLLMGeneration._init_vllm for its in-process engine client while a trainer is built;
+    # after the block (an exception included) TRL's own method is back, so nothing else in the process sees the stub
+    pytest.importorskip("trl")
+    from trl.generation import vllm_generation as vg
+
+    from offpolicy.models.tiny import build_tiny_model
+
+    bench = _script("trl_overhead")
+    model, tok = build_tiny_model(seed=0)
+    original = vg.VLLMGeneration._init_vllm
+    with bench.engine_client(model, tok) as client:
+        assert vg.VLLMGeneration._init_vllm is not original
+        holder = object.__new__(vg.VLLMGeneration)
+        vg.VLLMGeneration._init_vllm(holder)
+        assert holder.vllm_client is client
+    assert vg.VLLMGeneration._init_vllm is original
+    with pytest.raises(RuntimeError, match="inside"), bench.engine_client(model, tok):
+        raise RuntimeError("inside")
+    assert vg.VLLMGeneration._init_vllm is original

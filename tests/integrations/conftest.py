@@ -4,8 +4,8 @@ The suite imports test modules by path (``--import-mode=importlib``), so what se
 
 import pytest
 import torch
+from offpolicy_testkit.vllm_layout import vllm_logprob_lists
 
-from offpolicy.integrations.trl.rollout import vllm_logprob_lists
 from offpolicy.rollout.sampling import SamplingConfig
 
 

@@ -98,3 +98,20 @@ def test_the_recipe_is_trls():
         (6, 0.7, 5, 0.9, 0.01, 1.1)
     off = sampling_from_trl(SimpleNamespace(max_completion_length=6, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0))
     assert (off.top_k, off.top_p, off.min_p) == (None, None, None)
+
+
+def test_vllm_logprob_lists_left_the_public_api_with_one_release_of_its_old_name():
+    # a test helper (offpolicy_testkit.vllm_layout): no longer in offpolicy.integrations.trl's __all__; the old name
+    # still answers, the same as the helper, with a DeprecationWarning
+    from offpolicy_testkit.vllm_layout import vllm_logprob_lists
+
+    import offpolicy.integrations.trl as trl_api
+    from offpolicy.rollout.base import RolloutOutput
+
+    assert "vllm_logprob_lists" not in trl_api.__all__
+    out = RolloutOutput(prompt_ids=[[1]], completion_ids=[[5, 6]], logp=torch.tensor([[-0.1, -2.0]]),
+                        mask=torch.ones(1, 2, dtype=torch.bool), topk_logp=torch.tensor([[[-0.1], [-0.5]]]),
+                        topk_ids=torch.tensor([[[5], [7]]]))
+    with pytest.warns(DeprecationWarning, match="test helper"):
+        old = trl_api.vllm_logprob_lists(out, 1)
+    assert old == vllm_logprob_lists(out, 1) == ([[[pytest.approx(-0.1)], [-0.5, -2.0]]], [[[5], [7, 6]]])

@@ -65,7 +65,7 @@ from offpolicy.integrations.trl.loss import (
     trl_policy_loss,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
-from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl, vllm_logprob_lists
+from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
 from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
 from offpolicy.integrations.trl.vllm_sync import FileSync, extra_llm_kwargs, install_vllm_sync, server_sync_choice
@@ -93,7 +93,6 @@ __all__ = [
     "trl_objective",
     "trl_policy_loss",
     "trl_sampling_recipe",
-    "vllm_logprob_lists",
 ]
 
 
@@ -105,4 +104,8 @@ def __getattr__(name: str) -> Any:
         if name not in _BUILT:
             _BUILT[name] = make_offpolicy_grpo_trainer()
         return _BUILT[name]
+    if name == "vllm_logprob_lists":  # a test helper, public by mistake: one release of the old name
+        from offpolicy.integrations.trl import rollout
+
+        return rollout.vllm_logprob_lists  # warns when called
     raise AttributeError(name)
