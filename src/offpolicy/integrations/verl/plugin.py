@@ -13,14 +13,17 @@ registries:
   device-only one); it is verl's engine unchanged until the settings ask for a sampling recipe or ALP;
 * the agent loop ``offpolicy_agent`` (``actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent``);
 * the trainer ``offpolicy`` (``trainer.v1.trainer_mode=offpolicy``): verl's ``sync`` trainer with the settings'
-  correction applied after the advantages (:mod:`.driver`). verl picks the trainer class *before* it imports
+  correction applied after the advantages (:mod:`.driver`); it refuses to be built when verl's own
+  ``algorithm.rollout_correction`` (``rollout_is`` / ``rollout_rs``) is on as well (a double correction). verl picks the trainer class *before* it imports
   ``external_lib`` in the driver, so this one registration must happen at ``import verl``: the job environment
   ``VERL_USE_EXTERNAL_MODULES=offpolicy.integrations.verl.plugin`` (``ray_kwargs.ray_init.runtime_env.env_vars``) makes
   verl import this module on import in every process. (offpolicy declares no ``verl.plugins`` entry point on purpose:
   that would swap the engine of every verl run in an environment where offpolicy happens to be installed.)
 
 Each registration is skipped (and reported by :func:`registered`) when the verl part it needs does not import here —
-e.g. the v1 trainer needs ``transfer_queue`` — so a training worker without those packages still gets its engine.
+e.g. the v1 trainer needs ``transfer_queue`` (PyPI's ``transferqueue``, which the ``verl`` extra installs and
+``pip install verl`` does not) — so a training worker without those packages still gets its engine. On a machine
+without an accelerator verl 0.9.1 falls back to NVIDIA's platform, so the engine registers for ``(cuda, nvidia)``.
 """
 
 from __future__ import annotations

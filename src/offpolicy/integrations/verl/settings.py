@@ -13,14 +13,18 @@ which descends into every dict value.)::
           env_vars:
             OFFPOLICY_VERL: >-
               {correction: [{name: icepop}, {name: opsm, delta: 0.5}],
-               sampling: {min_p: 0.01}, alp: {init_std: 1.0e-4, lr: 5.0e-4}, topk_logprobs: 0}
+               sampling: {min_p: 0.001}, alp: {init_std: 3.0e-2, lr: 5.0e-4}, topk_logprobs: 0}
 
-``correction`` runs in the driver after the advantages; ``sampling`` is DVP's ρ (``min_p``) or, with ``top_k`` /
-``top_p``, sampling replay (agent loop + engine); ``alp`` perturbs the update forward; ``topk_logprobs`` asks the
+``correction`` runs in the driver after the advantages (verl's own ``algorithm.rollout_correction`` must then be off:
+the trainer refuses both); ``sampling`` is DVP's ρ (``min_p``) or, with ``top_k`` / ``top_p``, sampling replay (agent
+loop + engine); ``alp`` perturbs the update forward (σ 3e-2 above: under verl's bf16 ``param_dtype`` the paper's
+default 1e-4 mostly rounds away, docs/frameworks/verl.md); ``topk_logprobs`` asks the
 server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM's divergence the certified
 ``topk_bound: upper`` (default) or the coarse-grained ``lower`` bound on KL(μ ‖ π_old) from them;
 ``score_centering: true`` (needs ``topk_logprobs``) centres the score in the update forward on the engine's top-K
-(arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`).
+(arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`); ``sync_check`` (``error``,
+the default, ``warn`` or ``off``) runs the sync check after every weight sync of the plug-in's trainer
+(:mod:`.sync_check`).
 
 Every key is optional; an unknown key or a bad value is a ``ValueError`` naming it, raised when the block is read
 (the engine's construction, the driver's first step), not deep inside a step.
@@ -35,7 +39,9 @@ from typing import Any
 
 from offpolicy.registry import build_correction
 
-KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming")
+KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming",
+              "sync_check")
+SYNC_CHECK_MODES = ("error", "warn", "off")
 SAMPLING_KEYS = ("min_p", "top_k", "top_p")
 ALP_KEYS = ("init_std", "lr", "layers", "seed")
 
@@ -95,6 +101,7 @@ class VerlSettings:
     topk_bound: str = "upper"
     score_centering: bool = False
     naming: str = "verl"
+    sync_check: str = "error"
 
     @property
     def any_engine_method(self) -> bool:
@@ -129,7 +136,7 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     >>> parse_settings({"samplng": {}})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, ..., naming
+    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, ..., sync_check
     """
     block = _plain(block)
     if block is None:
@@ -183,9 +190,14 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     naming = block.get("naming", "verl")
     if naming not in ("verl", "offpolicy", "trl", "swift"):
         raise ValueError(f"offpolicy.naming must be one of verl, offpolicy, trl, swift; got {naming!r}")
+    sync_check = block.get("sync_check", "error")
+    if sync_check is False:  # YAML's bare `off` reads as false
+        sync_check = "off"
+    if sync_check not in SYNC_CHECK_MODES:
+        raise ValueError(f"offpolicy.sync_check must be one of {', '.join(SYNC_CHECK_MODES)}; got {sync_check!r}")
     return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
                         topk_logprobs=int(k), topk_bound=bound, score_centering=centering,
-                        naming=naming)
+                        naming=naming, sync_check=sync_check)
 
 
 ENV_VAR = "OFFPOLICY_VERL"
