@@ -58,6 +58,19 @@ def test_phase_2_reruns_what_skipped_and_the_integration_tests(tmp_path):
     assert _ci("--rerun-targets", str(log)).split() == always  # never an empty target list (= the whole suite)
 
 
+def test_ci_pins_the_versions_the_adapters_and_the_record_were_tested_with():
+    import json
+
+    from offpolicy.integrations.versions import VERSIONS
+
+    pins = dict(re.findall(r"\b(TRL_SERIES|VERL_VERSION|OPENRLHF_VERSION)=(\S+)", CI.read_text(encoding="utf-8")))
+    assert VERSIONS["trl"].tested.startswith(pins["TRL_SERIES"] + ".") and VERSIONS["trl"].supports(
+        pins["TRL_SERIES"] + ".0")
+    assert VERSIONS["verl"].tested == pins["VERL_VERSION"]
+    record = json.loads((ROOT / "tests" / "corrections" / "data" / "openrlhf_gate.json").read_text())
+    assert record["versions"]["openrlhf"] == pins["OPENRLHF_VERSION"]
+
+
 FAKE_TESTS = {
     "test_fake.py": '''
 import pytest
