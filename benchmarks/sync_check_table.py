@@ -134,7 +134,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(1)
         check = calibrated()
-        row: dict = {"lr": lr, "baseline": check.baseline, "standard_error": check.standard_error,
+        row: dict = {"lr": lr, "max_delay": args.max_delay, "baseline": check.baseline, "standard_error": check.standard_error,
                      "threshold": check.threshold, "noise_rms": check.noise_rms, "repeat_rms": check.repeat_rms}
         alarms, ratios, motions, push_s, check_s = [], [], [], [], []
         for i in range(args.healthy):
@@ -182,11 +182,14 @@ def main() -> None:
                                       "last_engine_motion": m["sync/engine_motion"]}
         result["settings"].append(row)
         print(json.dumps(row), flush=True)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(".tmp")
+        _write(Path(args.out), result)  # after every learning rate: an interrupted run keeps what it measured
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out_path)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

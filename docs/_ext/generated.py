@@ -97,7 +97,38 @@ def glossary_entries(prefix: str = "") -> str:
     return "\n".join(rows)
 
 
+def _num(x) -> str:
+    return "–" if x is None else f"{x:.2g}"
+
+
+def sync_check(prefix: str = "") -> str:
+    """The sync check against live vLLM, from the JSONs ``benchmarks/sync_check_table.py`` wrote
+    (docs/data/sync_check/*.json): false alarms over healthy syncs, detection delays, costs."""
+    import json
+
+    rows = ["| model (V) | engine | lr | healthy syncs | false alarms | gap: baseline ± se → threshold | "
+            "no-op sync | tied head left | last layer left | wrong dtype | check / push s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted((ROOT / "docs" / "data" / "sync_check").glob("*.json")):
+        run = json.loads(path.read_text())
+        for row in run["settings"]:
+            det = row["detection"]
+
+            def delay(mode: str, det=det, row=row) -> str:
+                d = det.get(mode, {})
+                return (f"{d['syncs']} ({d['caught_by']})" if d.get("syncs") else
+                        f"not in {row.get('max_delay', '?')}")
+
+            rows.append(f"| {run['model']} ({run['vocab']:,}) | vLLM {run['dtype']} | {row['lr']:g} | "
+                        f"{row['healthy']} | {row['false_alarms']} | {_num(row['baseline'])} ± "
+                        f"{_num(row['standard_error'])} → {_num(row['threshold'])} | {delay('noop')} | "
+                        f"{delay('head')} | {delay('layer')} | {delay('dtype')} | "
+                        f"{row['check_s_median']:.2f} / {row['push_s_median']:.2f} |")
+    return "\n".join(rows)
+
+
 BLOCKS: dict[str, Callable[..., str]] = {
+    "sync_check": sync_check,
     "methods": methods,
     "presets": presets,
     "versions": versions,
