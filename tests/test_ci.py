@@ -71,6 +71,80 @@ def test_ci_pins_the_versions_the_adapters_and_the_record_were_tested_with():
     assert record["versions"]["openrlhf"] == pins["OPENRLHF_VERSION"]
 
 
+# .ci/run's whole flow with every install, test run and build replaced by a line in a trace: a copy of the script in a
+# throwaway repository whose README's test line runs the fake pip and pytest, and whose venv puts the fakes first.
+FAKE_VENV_BIN = {
+    "pip": 'echo "pip $*" >>"$TRACE"\n',
+    "mkdocs": 'echo "mkdocs" >>"$TRACE"\n',
+    "python": """if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pytest" ]; then
+  shift 2
+  echo "pytest require=${OFFPOLICY_REQUIRE_INTEGRATIONS:-} log=${OFFPOLICY_SKIPPED_LOG:+yes} $*" >>"$TRACE"
+  if [ -n "${OFFPOLICY_SKIPPED_LOG:-}" ]; then printf 'tests/x.py::t\\tcould not import verl\\n' >>"$OFFPOLICY_SKIPPED_LOG"; fi
+  exit "${FAKE_PYTEST_STATUS:-0}"
+fi
+if [ "${1:-}" = "-" ]; then echo "version check $2 $3 $4" >>"$TRACE"; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+""",
+}
+
+
+def _run_fake_ci(tmp_path: Path, pytest_status: int) -> tuple[int, list[str]]:
+    repo, fakes, venv_bin = tmp_path / "repo", tmp_path / "bin", tmp_path / "venv-bin"
+    for folder in (repo / ".ci", repo / "scripts", fakes, venv_bin):
+        folder.mkdir(parents=True)
+    (repo / ".ci" / "run").write_text(CI.read_text(encoding="utf-8"))
+    readme_line = "pip install torch==2.13.0 -e '.[dev]' && python -m pytest      # the tests"
+    (repo / "README.md").write_text(f"# x\n\n## Set up\n\n```bash\npip install x && x demo\n{readme_line}\n```\n")
+    (repo / "pyproject.toml").write_text('[project.optional-dependencies]\ndocs = ["mkdocs"]\n')
+    for script in ("lint.sh", "install_vllm_cpu.sh", "check_wheel.sh"):
+        (repo / "scripts" / script).write_text(f'#!/usr/bin/env bash\necho "{script}" >>"$TRACE"\n')
+    executables = {**{fakes / "chromium": ""}, **{venv_bin / name: text for name, text in FAKE_VENV_BIN.items()},
+                   # `python3 -m venv --clear DIR`: an activate script that puts the fakes first
+                   fakes / "python3": f"""if [ "$1 $2" = "-m venv" ]; then
+  mkdir -p "$4/bin"; printf 'export PATH="{venv_bin}:$PATH"\\ndeactivate() {{ :; }}\\n' >"$4/bin/activate"; exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""}
+    for path, text in executables.items():
+        path.write_text("#!/usr/bin/env bash\n" + text)
+    for path in [*executables, *(repo / "scripts").iterdir(), repo / ".ci" / "run"]:
+        path.chmod(0o755)
+    trace = tmp_path / "trace"
+    trace.touch()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFPOLICY_")}
+    env.update(PATH=f"{fakes}:{env['PATH']}", TRACE=str(trace), REAL_PYTHON=sys.executable,
+               FAKE_PYTEST_STATUS=str(pytest_status))
+    out = subprocess.run(["bash", str(repo / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=120)
+    return out.returncode, trace.read_text().splitlines()
+
+
+def test_ci_runs_the_readme_line_first_then_the_integrations_with_skips_as_failures(tmp_path):
+    status, trace = _run_fake_ci(tmp_path, pytest_status=0)
+    assert status == 0, trace
+    assert trace == [
+        "pip install torch==2.13.0 -e .[dev]",  # phase 1: the README's line, nothing installed before it
+        "pytest require= log=yes ",
+        "lint.sh",
+        "pip install -q torch==2.13.0 -e .[verl-ci] trl==1.16.*",  # phase 2: the pinned integrations
+        "install_vllm_cpu.sh",
+        "pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2",
+        "version check 1.16 0.9.1 0.11.2",
+        "pytest require=1 log= tests/vllm tests/integrations tests/rollout/test_vllm.py "
+        "tests/corrections/test_gated_openrlhf.py tests/x.py::t",  # ... and what phase 1 skipped
+        "check_wheel.sh",
+        trace[-2],  # the docs extra's requirements, from a temporary file
+        "mkdocs",
+    ]
+    assert trace[-2].startswith("pip install -q --upgrade -r ")
+
+
+@pytest.mark.parametrize("pytest_status", [1, 5])  # 5: pytest collected no tests
+def test_ci_fails_and_stops_when_the_readme_line_fails(tmp_path, pytest_status):
+    status, trace = _run_fake_ci(tmp_path, pytest_status=pytest_status)
+    assert status != 0
+    assert trace == ["pip install torch==2.13.0 -e .[dev]", "pytest require= log=yes "]
+
+
 FAKE_TESTS = {
     "test_fake.py": '''
 import pytest
