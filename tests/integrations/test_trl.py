@@ -115,24 +115,32 @@ def test_corrections_and_objectives_by_name_and_the_mismatch_metrics_under_trls_
 
 
 @pytest.mark.parametrize(
-    "kw, name",
+    "kw, trainer_kw, name",
     [
-        (dict(vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),  # even without a correction
-        (dict(beta=0.04), "beta"),
-        (dict(loss_type="vespo"), "loss_type"),
-        (dict(loss_type="luspo"), "loss_type"),
-        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
-        (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
-        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-        (dict(entropy_coef=0.1), "entropy_coef"),
+        # TRL's own vLLM IS beside an offpolicy correction: the mismatch corrected twice
+        (dict(vllm_importance_sampling_correction=True), dict(correction="icepop"),
+         "correction=.*vllm_importance_sampling_correction"),
+        (dict(importance_sampling_level="sequence", loss_type="sapo"), {}, "importance_sampling_level.*sapo"),
+        (dict(importance_sampling_level="sequence"), dict(objective="dppo_tv"), "importance_sampling_level.*dppo_tv"),
+        (dict(loss_type="ppo2"), {}, "loss_type"),
+        (dict(delta=0.9), {}, "delta"),
     ],
 )
-def test_subclass_refuses_what_it_does_not_reproduce(kw, name):
+def test_subclass_refuses_only_contradictions(kw, trainer_kw, name):
     cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
     with pytest.raises(ValueError, match=name):
-        cls(args=_args(**kw))
-    # TRL's sequence level is GSPO: accepted with objective="gspo"
-    cls(args=_args(importance_sampling_level="sequence"), objective="gspo")
+        cls(args=_args(**kw), **trainer_kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(vllm_importance_sampling_correction=True), dict(beta=0.04), dict(loss_type="vespo"),
+    dict(loss_type="luspo", importance_sampling_level="sequence"), dict(importance_sampling_level="sequence"),
+    dict(top_entropy_quantile=0.2), dict(off_policy_mask_threshold=0.5), dict(entropy_coef=0.1),
+    dict(loss_type="cispo", epsilon_high=None),
+])
+def test_subclass_accepts_trls_options(kw):
+    # each is reproduced (tests/integrations/test_trl_options.py trains them beside vanilla TRL)
+    make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(**kw))
 
 
 def _batch(inputs, table):

@@ -59,7 +59,8 @@ def trl_policy_loss(
     return policy_loss(batch_from_trl_inputs(per_token_logps, inputs), correction=correction, **loss_kwargs)
 
 
-# TRL loss_type → the offpolicy aggregation that reproduces it (with TRL's normaliser, see _trl_normalise)
+# TRL loss_type → the offpolicy aggregation that reproduces it (with TRL's normaliser, see _trl_normalise); luspo's
+# Σ_t per sequence, mean over sequences is seq_mean_token_sum_norm with T_max = 1 (TRL_MAX_TOKENS)
 TRL_LOSS_TYPES: dict[str, str] = {
     "grpo": "seq_mean_token_mean",
     "bnpo": "token_mean",
@@ -67,10 +68,14 @@ TRL_LOSS_TYPES: dict[str, str] = {
     "dapo": "token_mean",
     "cispo": "token_mean",
     "sapo": "seq_mean_token_mean",
+    "luspo": "seq_mean_token_sum_norm",
+    "vespo": "token_mean",
 }
-# TRL loss_type → its objective (the others are PPO-clip); TRL divides these two by the generation batch's tokens
-TRL_OBJECTIVES: dict[str, str] = {"cispo": "cispo", "sapo": "sapo"}
-TOKEN_COUNT_NORMALISED = ("dapo", "cispo")
+TRL_MAX_TOKENS: dict[str, int] = {"luspo": 1}
+# TRL loss_type → its objective (the others are PPO-clip); VESPO is −φ(w)·A·log π: REINFORCE times its detached
+# sequence weight φ (a coefficient the trainer multiplies in); TRL divides these three by the generation batch's tokens
+TRL_OBJECTIVES: dict[str, str] = {"cispo": "cispo", "sapo": "sapo", "vespo": "reinforce"}
+TOKEN_COUNT_NORMALISED = ("dapo", "cispo", "vespo")
 
 
 def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -82,6 +87,19 @@ def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[st
     ('cispo', {'clip_low': 1.0, 'clip_high': 4.0})
     >>> trl_objective(Args(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, delta=None), None)
     ('ppo', {'clip_low': 0.2, 'clip_high': 0.28})
+
+    TRL's CISPO cap below 1 (its default ``epsilon_high=None`` makes it ``epsilon``, 0.2) is no ``cispo`` clip range:
+    then the objective is REINFORCE and the trainer multiplies in the detached weight min(r, cap)
+    (:func:`cispo_cap`), the same loss −sg[min(r, cap)]·A·log π.
+
+    >>> trl_objective(Args(loss_type="cispo", epsilon=0.2, epsilon_high=None), None)
+    ('reinforce', {})
+
+    TRL's ``delta`` clamps r at δ before the min; above 1 + ε_high it is the dual clip, below it the upper clip of
+    A > 0 while A < 0 is then held at 1 + ε_high:
+
+    >>> trl_objective(Args(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, delta=1.1), None)
+    ('ppo', {'clip_low': 0.2, 'clip_high': 0.10000000000000009, 'dual_clip': 1.28})
     """
     loss_type = getattr(args, "loss_type", None)
     name, params = split_spec(objective if objective is not None
@@ -91,40 +109,59 @@ def trl_objective(args: Any, objective: str | dict[str, Any] | None) -> tuple[st
     eps = getattr(args, "epsilon", 0.2)
     eps_high = getattr(args, "epsilon_high", None)
     eps_high = eps if eps_high is None else eps_high
+    if objective is None and cispo_cap(args) is not None:
+        return "reinforce", {}
     if name == "cispo" and loss_type == "cispo":  # TRL: w = min(r, epsilon_high), no lower bound
         trl = {"clip_low": 1.0, "clip_high": eps_high - 1.0}
     else:
-        trl = {"clip_low": eps, "clip_high": eps_high, "dual_clip": getattr(args, "delta", None),  # TRL clamps r at δ
+        delta = getattr(args, "delta", None)
+        trl = {"clip_low": eps, "clip_high": eps_high, "dual_clip": delta,  # TRL clamps r at δ
                "tau_pos": getattr(args, "sapo_temperature_pos", None),
                "tau_neg": getattr(args, "sapo_temperature_neg", None)}
+        if delta is not None and delta < 1.0 + eps_high:
+            # −min(min(r, δ)·A, clip(r)·A) with δ < 1 + ε_high: A > 0 is held at δ, A < 0 at 1 + ε_high
+            trl.update(clip_high=delta - 1.0, dual_clip=1.0 + eps_high)
     if getattr(args, "importance_sampling_level", "token") == "sequence":
         trl["level"] = "geometric"
     return name, {**{k: v for k, v in trl.items() if k in takes and v is not None}, **params}
+
+
+def cispo_cap(args: Any) -> float | None:
+    """TRL's CISPO cap (``epsilon_high``, else ``epsilon``) when ``args.loss_type`` is cispo and the cap is below 1
+    (no ``cispo`` clip range reaches it: its weight is clip(r, 1 − ε_low, 1 + ε_high) with ε_high ≥ 0), else None.
+
+    >>> from types import SimpleNamespace as Args
+    >>> cispo_cap(Args(loss_type="cispo", epsilon=0.2, epsilon_high=None)), cispo_cap(Args(loss_type="cispo", epsilon_high=5.0))
+    (0.2, None)
+    """
+    if getattr(args, "loss_type", None) != "cispo":
+        return None
+    cap = getattr(args, "epsilon_high", None)
+    cap = float(getattr(args, "epsilon", 0.2) if cap is None else cap)
+    return cap if cap < 1.0 else None
+
+
 # inputs TRL hands the model forward for vision-language models (passed through like TRL's own _compute_loss)
 _MODEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-def _refuse_unreproduced(args: Any, objective: str) -> None:
-    """Raise for GRPOConfig settings whose effect on TRL's loss this subclass does not reproduce (silently ignoring
-    them would train something else than the config says)."""
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
-        raise ValueError(
-            "vllm_importance_sampling_correction: TRL's own vLLM importance-sampling correction is not applied by "
-            "OffPolicyGRPOTrainer; set it to False and pass correction= instead (TRL's default, sequence_mask with "
-            "clip_max 3.0, is correction=mis(level='sequence', upper=3.0))"
-        )
-    if float(getattr(args, "beta", 0.0) or 0.0) != 0.0:
-        raise ValueError("beta: OffPolicyGRPOTrainer has no KL-to-reference term; use beta=0.0")
-    if getattr(args, "importance_sampling_level", "token") != "token" and objective not in ("gspo", "cispo"):
-        raise ValueError("importance_sampling_level: TRL's 'sequence' level is GSPO's length-normalised ratio; pass "
-                         "objective='gspo' (or objective='ppo', level='geometric' via trl_policy_loss)")
-    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
-        raise ValueError("top_entropy_quantile: entropy-quantile masking is not reproduced; use 1.0")
-    if getattr(args, "off_policy_mask_threshold", None) is not None:
-        raise ValueError("off_policy_mask_threshold: pass correction=opsm(delta=...) instead (the same mask)")
-    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
-        raise ValueError("entropy_coef: the entropy bonus is not reproduced; use entropy_coef=0.0")
+def refuse_contradictions(args: Any, objective: str, corrected: bool, objective_given: bool) -> None:
+    """Raise for the ``GRPOConfig`` settings that contradict the trainer's arguments; everything else TRL 1.16 trains
+    with is reproduced. ``objective`` is the resolved objective's name, ``corrected`` whether ``correction=`` is set,
+    ``objective_given`` whether ``objective=`` is."""
+    if corrected and getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        raise ValueError("correction= with vllm_importance_sampling_correction=True: both correct the vLLM mismatch, "
+                         "so it would be corrected twice; set vllm_importance_sampling_correction=False (TRL's "
+                         "default, sequence_mask at 3.0, is correction=mis(level='sequence', upper=3.0))")
+    delta = getattr(args, "delta", None)
+    if delta is not None and delta < 1.0:
+        raise ValueError(f"delta: TRL's two-sided clip must be >= 1 (r is clamped at δ for every token), got {delta!r}")
     loss_type = getattr(args, "loss_type", None)
     if loss_type is not None and loss_type not in TRL_LOSS_TYPES:
-        raise ValueError(f"loss_type: {loss_type!r} is not reproduced; use one of {tuple(TRL_LOSS_TYPES)}")
+        raise ValueError(f"loss_type: {loss_type!r} is not one of TRL 1.16's {tuple(TRL_LOSS_TYPES)}")
+    if getattr(args, "importance_sampling_level", "token") == "sequence" and objective not in ("gspo", "reinforce") \
+            and "level" not in OBJECTIVES[objective].parameters():
+        whose = "objective=" if objective_given else "loss_type="
+        raise ValueError(f"importance_sampling_level='sequence' with {whose}{objective!r}: that objective has no "
+                         "sequence-level ratio; use a PPO-family objective or importance_sampling_level='token'")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import warnings
 from contextlib import nullcontext
@@ -36,12 +37,23 @@ from offpolicy.integrations.trl.loss import (
     _MODEL_INPUT_KEYS,
     TOKEN_COUNT_NORMALISED,
     TRL_LOSS_TYPES,
+    TRL_MAX_TOKENS,
     _loss_mask,
-    _refuse_unreproduced,
     batch_from_trl_inputs,
+    cispo_cap,
+    refuse_contradictions,
     trl_objective,
 )
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp, trl_engine, trl_sampling_recipe
+from offpolicy.integrations.trl.terms import (
+    clip_fractions,
+    coefficient,
+    kl_to_reference,
+    masked_stats,
+    replay_entropy,
+    sequence_means,
+    trl_log_weight,
+)
 from offpolicy.integrations.trl.topk import (
     TOPK_IDS_KEY,
     TOPK_LOGP_KEY,
@@ -74,7 +86,7 @@ from offpolicy.perturbation import (
     alp_policy_loss,
 )
 from offpolicy.ratios import masked_max, masked_mean
-from offpolicy.registry import CorrectionSpec, build_correction
+from offpolicy.registry import AGGREGATIONS, CorrectionSpec, build_correction
 from offpolicy.rollout.sync_check import SyncCheck
 from offpolicy.topk_advice import TopKAdvice, doubling_ks, topk_advice
 
@@ -85,7 +97,8 @@ ALP_KEYS = ("init_std", "lr", "layers", "layers_path", "seed", "level")
 class Scores:
     """One forward's per-token outputs ``[B, T]``: the log-probs (replayed when the recipe is on), whether the token
     is inside the trainer's support, the retained mass, the top-k KL bounds (None without top-k), the MoE aux loss,
-    score centering's top-k centre (None unless asked)."""
+    score centering's top-k centre (None unless asked), the entropy (on the replayed support under the recipe; None
+    unless asked)."""
 
     logp: Tensor
     inside: Tensor
@@ -95,6 +108,17 @@ class Scores:
     aux_loss: Tensor | None
     center: Tensor | None = None
     own_slack: Tensor | None = None  # [len(ks), b, T]: π's own top-K' slack, for the top-k advice (first batch)
+    entropy: Tensor | None = None
+
+
+# TRL's loss types whose clip fractions TRL logs (clip_ratio/… for the PPO family, cispo_clip_ratio)
+TRL_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo")
+
+
+def _nan_reduce(x: Tensor, reduce: Any) -> float:
+    """``reduce`` (torch.amin / amax) over the non-NaN entries of ``x``; NaN when there are none (TRL's nanmin)."""
+    finite = x[~torch.isnan(x)]
+    return float("nan") if finite.numel() == 0 else float(reduce(finite))
 
 
 def _check_alp(alp: Any) -> dict[str, Any] | None:
@@ -248,6 +272,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
         """
 
         _last_loaded_step: int  # TRL's: the global step whose weights the vLLM engine holds
+        entropy_coef: float  # TRL's: the entropy bonus's coefficient (moved by the adaptive controller)
+        _last_world_entropy: float  # TRL's: the window entropy the adaptive controller last measured
+        _entropy_window_stats: Tensor | None  # TRL's: [Σ H, tokens] of the accumulation window so far
 
         def __init__(
             self,
@@ -296,7 +323,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             if getattr(train_args, "use_vllm", False):
                 check_versions("vllm", user="offpolicy's TRL trainer")
             name, params = trl_objective(train_args, objective)
-            _refuse_unreproduced(train_args, name)
+            refuse_contradictions(train_args, name, correction is not None, objective is not None)
             self.offpolicy_needs_rollout = needs_rollout_logp(correction, name)
             has_mu = getattr(train_args, "use_vllm", False) or getattr(self, "rollout_func", None) is not None
             if self.offpolicy_needs_rollout and not has_mu:
@@ -309,13 +336,23 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             loss_type = getattr(train_args, "loss_type", None)
             # the generation batch's token normaliser applies only when the aggregation is TRL's own
             self._offpolicy_token_count = aggregation is None and loss_type in TOKEN_COUNT_NORMALISED
+            trls_aggregation = aggregation is None
             if aggregation is None:
                 aggregation = TRL_LOSS_TYPES.get(loss_type, "token_mean") if loss_type is not None else "token_mean"
             explicit = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
             params.update({k: v for k, v in explicit.items() if v is not None})
             self.offpolicy_loss_kwargs: dict[str, Any] = {"objective": {"name": name, **params}, "aggregation": aggregation}
-            if aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo: B · max_completion_length
+            if trls_aggregation and loss_type in TRL_MAX_TOKENS:  # luspo: Σ_t per sequence, mean over sequences
+                self.offpolicy_loss_kwargs["max_tokens"] = TRL_MAX_TOKENS[loss_type]
+            elif aggregation == "seq_mean_token_sum_norm":  # TRL's dr_grpo: B · max_completion_length
                 self.offpolicy_loss_kwargs["max_tokens"] = getattr(train_args, "max_completion_length", None)
+            # TRL's own loss (objective from loss_type, TRL's clip range): its loss-type weights and clip metrics apply
+            self._offpolicy_trls_loss = objective is None
+            self._offpolicy_trls_clip = objective is None and clip_low is None and clip_high is None
+            self._offpolicy_cispo_cap = cispo_cap(train_args) if objective is None else None
+            # TRL's sequence level on a PPO-family objective: one loss value per sequence (the geometric ratio's)
+            self._offpolicy_sequence_constant = (getattr(train_args, "importance_sampling_level", "token") == "sequence"
+                                                 and name in ("ppo", "gspo"))
             # sampling replay / DVP
             replay = sampling_replay or dvp_rho is not None
             self.offpolicy_recipe = trl_sampling_recipe(train_args) if replay else None
@@ -378,7 +415,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
 
         def _build_alp(self, cfg: dict[str, Any], aggregation: str, explicit: dict[str, Any]) -> None:
             if aggregation == "seq_mean_token_sum_norm":
-                raise ValueError("alp: loss_type dr_grpo's max_completion_length normaliser is not reproduced with "
+                raise ValueError("alp: loss_type dr_grpo's / luspo's constant normaliser is not reproduced with "
                                  "ALP's loss; use another loss_type or aggregation")
             if cfg.get("layers", "all") == "logits":  # TRL's fused head never calls the lm_head module
                 raise ValueError("alp: layers='logits' hooks the lm_head module, which TRL's fused head bypasses; "
@@ -462,20 +499,22 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **model_inputs)
-            if compute_entropy:
-                raise ValueError("compute_entropy: entropies under the sampling replay are not computed")
             s = self._offpolicy_scores(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                                       compute_aux_loss=compute_aux_loss, **model_inputs)
-            return s.logp, None, s.aux_loss
+                                       compute_aux_loss=compute_aux_loss, compute_entropy=compute_entropy,
+                                       **model_inputs)
+            return s.logp, s.entropy, s.aux_loss
 
         # -- the forward ------------------------------------------------------------------------------------------
         def _offpolicy_scores(self, model: Any, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *,
                               batch_size: int | None = None, compute_aux_loss: bool = False,
+                              compute_entropy: bool = False,
                               topk: tuple[Tensor | None, Tensor | None] | None = None,
                               **model_inputs: Any) -> Scores:
             """Per-token scores ``[B, T]`` of the completion tokens: TRL's model call (its fused head; labels all
             ignored when the replay recomputes the head) with the backbone's last hidden state captured, then the
-            replayed log-probs and the top-k bounds from it, chunked."""
+            replayed log-probs and the top-k bounds from it, chunked. ``compute_entropy``: the entropy of the
+            distribution the tokens are scored under (TRL's fused head's, or on the replayed support), with a
+            gradient only when TRL's entropy bonus is on."""
             if any(v is not None for v in model_inputs.values()):
                 raise ValueError("model inputs: vision inputs are not supported with sampling replay or top-k TRM")
             recipe = self.offpolicy_recipe
@@ -530,10 +569,17 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     inside = torch.ones(n_all, dtype=torch.bool, device=ids.device).index_copy(0, rows, r.inside)
                     mass = torch.ones(n_all, device=ids.device).index_copy(0, rows, r.mass.float())
                     inside, mass = inside.reshape(valid.shape), mass.reshape(valid.shape)
+                    entropy = None
+                    if compute_entropy:  # the bonus differentiates it; the metric and the quantile mask do not
+                        with torch.set_grad_enabled(torch.is_grad_enabled() and self._offpolicy_entropy_grad()):
+                            e = replay_entropy(h, weight, recipe, order=self.offpolicy_order, bias=bias,
+                                               history=history, memory_budget_bytes=self.offpolicy_budget)
+                        entropy = e.new_zeros(n_all).index_copy(0, rows, e).reshape(valid.shape)
                 else:
                     logp = out.log_probs[:, -t_len:]
                     inside = torch.ones_like(valid)
                     mass = torch.ones(valid.shape, device=ids.device)
+                    entropy = out.entropy[:, -t_len:] if compute_entropy else None
                 lower = upper = center = own = None
                 if topk is not None and topk[0] is not None:
                     topk_ids = topk[1]
@@ -555,7 +601,7 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                                              self._offpolicy_advice_ks, bias=None if bias is None else bias.detach(),
                                              temperature=temperature, memory_budget_bytes=self.offpolicy_budget)
                 parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None), center,
-                                    own if start == 0 and topk is not None else None))
+                                    own if start == 0 and topk is not None else None, entropy))
 
             def cat(name: str) -> Tensor | None:
                 values = [getattr(p, name) for p in parts]
@@ -574,10 +620,19 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     aux_losses.append(p.aux_loss)
                 aux = torch.stack(aux_losses).mean()
             return Scores(cat_present("logp"), cat_present("inside"), cat_present("mass"), cat("kl_lower"),
-                          cat("kl_upper"), aux, cat("center"), parts[0].own_slack)
+                          cat("kl_upper"), aux, cat("center"), parts[0].own_slack, cat("entropy"))
+
+        def _offpolicy_entropy_grad(self) -> bool:
+            """TRL's entropy bonus is on (static ``entropy_coef`` ≠ 0 or adaptive): the entropy needs its gradient."""
+            return bool(getattr(self, "_entropy_bonus_enabled", False))
 
         # -- the loss ---------------------------------------------------------------------------------------------
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+            """TRL's loss (:mod:`~offpolicy.integrations.trl.terms`): offpolicy's objective × the correction chain
+            (the user's, DVP's support, TRL's masks and loss-type weights) aggregated as ``loss_type`` does, plus
+            β·KL to the reference, minus the entropy bonus, plus the MoE router loss; TRL's metrics under TRL's
+            names (``entropy``, ``kl``, ``aux_loss``, ``clip_ratio/…``, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``,
+            ``policy_loss``, ``entropy_coef``), offpolicy's under ``offpolicy/…``."""
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             logits_to_keep = inputs["completion_ids"].size(1)
@@ -588,15 +643,15 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             custom = self.offpolicy_recipe is not None or topk is not None
             # ALP's noise: the update forward only (π_old and μ come from the unperturbed model)
             noisy = alp.active(model.training and torch.is_grad_enabled()) if alp is not None else nullcontext()
-            with noisy:
+            with noisy:  # the entropy as TRL's vanilla loss computes it: for its metric, quantile mask and bonus
                 if custom:
                     s = self._offpolicy_scores(model, input_ids, attention_mask, logits_to_keep,
-                                               compute_aux_loss=aux_enabled, topk=topk,
+                                               compute_aux_loss=aux_enabled, compute_entropy=True, topk=topk,
                                                **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS})
-                    per_token_logps, aux_loss = s.logp, s.aux_loss
+                    per_token_logps, aux_loss, entropies = s.logp, s.aux_loss, s.entropy
                 else:
-                    per_token_logps, _, aux_loss = self._get_per_token_logps_and_entropies(
-                        model, input_ids, attention_mask, logits_to_keep, compute_entropy=False,
+                    per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                        model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
                         compute_aux_loss=aux_enabled, **{k: inputs.get(k) for k in _MODEL_INPUT_KEYS},
                     )
             if self.offpolicy_needs_rollout and inputs.get("sampling_per_token_logps") is None:
@@ -613,7 +668,23 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                 extra["token_divergence_kind"] = "topk"
             if extra:
                 batch = batch.replace(**extra)
+            mode = "train" if model.training else "eval"
+            mask = _loss_mask(inputs)
+            args = self.args
+            level = getattr(args, "importance_sampling_level", "token")
+            old = inputs.get("old_per_token_logps")
+            log_weight = trl_log_weight(per_token_logps, per_token_logps.detach() if old is None else old, mask, level)
+            advantages = inputs["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            entropy_mask = None
+            if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:  # TRL's own quantile (gathered over ranks)
+                assert entropies is not None  # computed above
+                entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - args.top_entropy_quantile)
+            trl_terms, phi = self._trl_coefficients(inputs, per_token_logps, log_weight, advantages, mask,
+                                                    entropy_mask)
             correction = self.offpolicy_correction
+            if trl_terms is not None:
+                correction = trl_terms if correction is None else chain(trl_terms, correction)
             if self._offpolicy_keep is not None:
                 correction = self._offpolicy_keep if correction is None else chain(self._offpolicy_keep, correction)
             if alp is not None:
@@ -622,10 +693,28 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                                                 **self.offpolicy_alp_clip)
             else:
                 loss, metrics = policy_loss(batch, correction=correction, **self.offpolicy_loss_kwargs)
-            mode = "train" if model.training else "eval"
+            beta = float(getattr(args, "beta", 0.0) or 0.0)
+            per_token_kl = None
+            if beta != 0.0:  # added after TRL's masks and weights, aggregated as the policy term
+                per_token_kl = kl_to_reference(per_token_logps, inputs["ref_per_token_logps"],
+                                               torch.exp(log_weight) if getattr(args, "use_bias_correction_kl", False)
+                                               else None)
+                kept = mask.bool()
+                aggregate = AGGREGATIONS[self.offpolicy_loss_kwargs["aggregation"]]
+                loss = loss + beta * aggregate(torch.where(kept, per_token_kl.float(), 0.0), kept,
+                                               self.offpolicy_loss_kwargs.get("max_tokens"))
+            aggregated = loss
             loss = self._trl_normalise(loss, inputs, mode)
+            if getattr(self, "_entropy_bonus_enabled", False):
+                assert entropies is not None  # computed above
+                # TRL logs the policy term as its loss_type aggregates it (before the accumulation divisor)
+                policy_value = loss if self._offpolicy_token_count else aggregated
+                loss = loss - self._trl_entropy_bonus(entropies, mask, entropy_mask, policy_value.detach(), mode)
             if aux_enabled:  # MoE router loss, scaled for accumulation as TRL does
+                assert aux_loss is not None  # aux_loss_enabled
                 loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
+                self._metrics[mode]["aux_loss"].append(self._gather(aux_loss.detach()).mean().item())
+            self._trl_metrics(mode, mask, entropies, per_token_kl, log_weight, advantages, phi)
             if alp is not None:
                 metrics.update(alp.metrics())
             if topk is not None and s.kl_upper is not None:
@@ -640,15 +729,148 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
                     metrics.update(self._topk_advice(s, m, topk[0]))
             for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
                 self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))
-            old = inputs.get("old_per_token_logps")
             if old is None and self.offpolicy_alp is None:  # one update per generation: π_old is π_θ detached (TRL)
                 old = per_token_logps.detach()  # (under ALP π_θ carries the noise: no noise-free π_old to compare)
-            if inputs.get("sampling_per_token_logps") is not None and old is not None:
+            trl_logs_is = self._trl_is_on() and self.offpolicy_metric_naming == "trl"  # TRL logs its sampling/…
+            if inputs.get("sampling_per_token_logps") is not None and old is not None and not trl_logs_is:
                 mismatch = offpolicy_metrics(old, inputs["sampling_per_token_logps"], _loss_mask(inputs),
                                              naming=self.offpolicy_metric_naming)
                 for name, value in mismatch.items():
                     self._metrics[mode][name].append(float(value))
             return loss
+
+        def _trl_is_on(self) -> bool:
+            return bool(getattr(self.args, "use_vllm", False)
+                        and getattr(self.args, "vllm_importance_sampling_correction", False))
+
+        def _trl_coefficients(self, inputs: dict[str, Any], logp: Tensor, log_weight: Tensor, advantages: Tensor,
+                              mask: Tensor, entropy_mask: Tensor | None) -> tuple[Correction | None, Tensor | None]:
+            """TRL's per-token factors on the objective's term as one correction (None when there are none), and
+            VESPO's φ [B, 1] (for its metric): CISPO's cap below 1, VESPO's φ(w) (TRL's ``get_gamma_weights``), the
+            off-policy mask (TRL's ``get_off_policy_mask``: μ vs π_θ, NaN tokens count 0), the entropy-quantile
+            mask and TRL's vLLM importance weight (``importance_sampling_ratio``; VESPO reads it inside φ)."""
+            args = self.args
+            loss_type = getattr(args, "loss_type", None)
+            weights: list[Tensor] = []
+            keeps: list[Tensor] = []
+            phi = None
+            if self._offpolicy_cispo_cap is not None:  # −sg[min(r, cap)]·A·log π: REINFORCE × the capped weight
+                weights.append(torch.clamp(torch.exp(log_weight.detach()), max=self._offpolicy_cispo_cap))
+            if loss_type == "vespo" and self._offpolicy_trls_loss:
+                old = inputs.get("old_per_token_logps")
+                phi = self.get_gamma_weights(
+                    advantages=advantages, log_ratio_per_token=logp - (logp.detach() if old is None else old),
+                    mask=mask, importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                    k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                    lambda_neg=args.vespo_lambda_neg)
+                weights.append(phi)
+            threshold = getattr(args, "off_policy_mask_threshold", None)
+            if threshold is not None:
+                old = inputs.get("old_per_token_logps")
+                old = logp.detach() if old is None else old
+                mu = inputs.get("sampling_per_token_logps")
+                keeps.append(self.get_off_policy_mask(advantages=advantages, per_token_logps=logp,
+                                                      sampling_per_token_logps=old if mu is None else mu, mask=mask,
+                                                      off_policy_threshold=threshold).bool())
+            if entropy_mask is not None:
+                keeps.append(entropy_mask.bool())
+            if self._trl_is_on() and loss_type != "vespo":
+                weights.append(inputs["importance_sampling_ratio"])
+            if not weights and not keeps:
+                return None, phi
+            w = None
+            for x in weights:
+                w = x.detach().float() if w is None else w * x.detach().float()
+            k = None
+            for y in keeps:
+                k = y if k is None else k & y
+            if self._offpolicy_sequence_constant and (w is not None and w.shape[-1] > 1 or
+                                                      k is not None and k.shape[-1] > 1):
+                # TRL multiplies its [B, 1] sequence-level loss by per-token factors c_t, so the sequence ratio's
+                # gradient reaches every token scaled by their mean; the GSPO-token form gives each token its own c_t.
+                # The per-sequence mean c̄ (over the loss mask) on every token gives TRL's value and gradient.
+                c = torch.ones_like(mask, dtype=torch.float32) if w is None else w.expand(mask.shape).float()
+                c = c if k is None else c * k.expand(mask.shape).float()
+                m = mask.float()
+                w, k = ((c * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)), None
+            return coefficient("trl", w, k, weight_level="mixed" if w is not None else None), phi
+
+        def _trl_entropy_bonus(self, entropies: Tensor, mask: Tensor, entropy_mask: Tensor | None,
+                               policy_value: Tensor, mode: str) -> Tensor:
+            """TRL's entropy bonus c_H · H̄ (to subtract from the loss): H̄ the mean entropy over the tokens the
+            policy term acts on, divided by the accumulation steps; c_H ``entropy_coef``, or under
+            ``use_adaptive_entropy`` the coefficient TRL's controller set at the previous optimiser step (0 while the
+            window's entropy is above ``entropy_target``). Updates the controller and logs ``policy_loss`` and
+            ``entropy_coef`` as TRL does."""
+            args = self.args
+            effective = mask if entropy_mask is None else mask * entropy_mask
+            bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / self._accumulation(mode)
+            adaptive = bool(getattr(args, "use_adaptive_entropy", False))
+            if adaptive:
+                coef = self.entropy_coef if self._last_world_entropy <= args.entropy_target else 0.0
+            else:
+                coef = self.entropy_coef
+            self._metrics[mode]["policy_loss"].append(self._gather(policy_value).nanmean().item())
+            sync = bool(getattr(getattr(self, "accelerator", None), "sync_gradients", True))
+            if adaptive and mode == "train":  # the window's entropy: summed over micro-batches, reduced over ranks
+                stats = torch.stack([(entropies * effective).sum(), effective.sum()]).detach()
+                window = getattr(self, "_entropy_window_stats", None)
+                self._entropy_window_stats = stats if window is None else window + stats
+                if sync:
+                    total = self._reduce_sum(self._entropy_window_stats)
+                    world = (total[0] / total[1].clamp(min=1.0)).item()
+                    if world <= args.entropy_target:
+                        self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+                    else:
+                        self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+                    self._last_world_entropy = world
+                    self._entropy_window_stats = None
+            if mode == "train" and sync:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+            return coef * bonus
+
+        def _trl_metrics(self, mode: str, mask: Tensor, entropies: Tensor | None, per_token_kl: Tensor | None,
+                         log_weight: Tensor, advantages: Tensor, phi: Tensor | None) -> None:
+            """TRL's own metrics, global masked means over the ranks: ``kl``, ``entropy``, and for TRL's own loss
+            its clip fractions (``clip_ratio/…`` for the PPO family, ``cispo_clip_ratio``) or VESPO's mean φ."""
+            logged = self._metrics[mode]
+
+            def global_mean(x: Tensor) -> float:
+                total = self._reduce_sum(masked_stats(x, mask))
+                return (total[0] / total[1].clamp(min=1.0)).item()
+
+            if per_token_kl is not None:
+                logged["kl"].append(global_mean(per_token_kl))
+            if entropies is not None:
+                logged["entropy"].append(global_mean(entropies))
+            loss_type = getattr(self.args, "loss_type", None)
+            if phi is not None:
+                logged["vespo/phi_seq_mean"].append(global_mean(phi))
+            if not self._offpolicy_trls_clip or loss_type not in TRL_CLIPPED:
+                return
+            eps_low = float(getattr(self, "epsilon_low", self.args.epsilon))
+            eps_high = float(getattr(self, "epsilon_high", getattr(self.args, "epsilon_high", None) or eps_low))
+            delta = getattr(self.args, "delta", None)
+            if delta is not None and loss_type != "cispo":  # TRL counts its clips on r clamped at δ
+                log_weight = log_weight.clamp(max=math.log(delta))
+            held = clip_fractions(log_weight, advantages, loss_type, eps_low, eps_high)
+            if loss_type == "cispo":
+                logged["cispo_clip_ratio"].append(global_mean(held["cispo"].float()))
+                return
+            for name in ("low", "high", "region"):
+                logged[f"clip_ratio/{name}_mean"].append(global_mean(held[name].float()))
+            low = self._gather(sequence_means(held["low"].float(), mask))
+            high = self._gather(sequence_means(held["high"].float(), mask))
+            logged["clip_ratio/low_min"].append(_nan_reduce(low, torch.amin))
+            logged["clip_ratio/high_max"].append(_nan_reduce(high, torch.amax))
+
+        def _reduce_sum(self, x: Tensor) -> Tensor:
+            accelerator = getattr(self, "accelerator", None)
+            return x if accelerator is None else accelerator.reduce(x, reduction="sum")
+
+        def _gather(self, x: Tensor) -> Tensor:
+            accelerator = getattr(self, "accelerator", None)
+            return x.reshape(-1) if accelerator is None else accelerator.gather(x).reshape(-1)
 
         def _topk_advice(self, s: Scores, mask: Tensor, topk_logp: Tensor) -> dict[str, Any]:
             """The certified bound's diagnostic on this batch (:mod:`offpolicy.topk_advice`): its metrics, and one

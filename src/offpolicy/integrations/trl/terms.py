@@ -1,0 +1,164 @@
+"""TRL 1.16's loss terms beside the policy objective, for ``OffPolicyGRPOTrainer``: the importance weight at TRL's
+level, the KL to the reference model, the per-step coefficient corrections (TRL's masks and loss-type weights), the
+entropy on the replayed support, and TRL's metrics computed as TRL computes them.
+
+TRL's ``_compute_loss`` (1.16) builds one per-token loss [B, T]::
+
+    L_t = ℓ_t(objective) · m^opsm_i · m^H_t · w^IS_t  +  β · KL_t          (then its loss_type aggregation)
+    loss = agg(L) − c_H · H̄ + c_aux · aux
+
+The masks and the vLLM importance weight only *multiply* the objective's term, so each is a detached coefficient —
+an offpolicy correction (:func:`coefficient`) that composes with the user's by multiplication; the KL term is added
+after them and aggregated the same way (:func:`kl_to_reference`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.corrections.base import Correction, CorrectionResult
+from offpolicy.corrections.vocabulary import sampling_support_mask
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.kernels.row_maps import head_row_map
+from offpolicy.rollout.sampling import SamplingConfig, apply_history_processors
+
+
+def trl_log_weight(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """TRL's log importance weight log r: ``[B, T]`` log π_θ − log π_old at ``"token"`` level, or ``[B, 1]`` the
+    length-normalised sequence mean (1/|y|) Σ_t m_t (log π_θ − log π_old) at ``"sequence"`` level (GSPO, arXiv
+    2507.18071, eq. 7). The gradient flows through ``logp``.
+
+    >>> trl_log_weight(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.5]]), torch.ones(1, 2), "sequence")
+    tensor([[0.]])
+    """
+    log_ratio = logp - old_logp
+    if level == "token":
+        return log_ratio
+    if level != "sequence":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+    m = mask.to(log_ratio.dtype)
+    return ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+def kl_to_reference(logp: Tensor, ref_logp: Tensor, weight: Tensor | None = None) -> Tensor:
+    """Per-token KL(π_θ ‖ π_ref) estimate [B, T], Schulman's k3 (the one TRL's ``beta`` term uses):
+
+        KL_t = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1  ≥ 0,
+
+    times ``weight`` (TRL's ``use_bias_correction_kl``: the importance weight r, with its gradient) when given.
+
+    >>> kl_to_reference(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]))   # e − 1 − 1 = 0.7183
+    tensor([[0.0000, 0.7183]])
+    """
+    d = ref_logp - logp
+    kl = torch.exp(d) - d - 1
+    return kl if weight is None else kl * weight
+
+
+def coefficient(name: str, weights: Tensor | None = None, keep: Tensor | None = None, *,
+                weight_level: str | None = None) -> Correction:
+    """A correction that multiplies each token's loss by this step's ``weights`` ([B, T], [B, 1] or [B]; detached)
+    and drops the tokens where ``keep`` is False (same shapes, broadcast to the batch). TRL's masks and loss-type
+    weights enter the offpolicy loss this way, composing with the user's correction by multiplication.
+
+    >>> b = LogProbBatch(logp=torch.zeros(2, 2), mask=torch.ones(2, 2), advantages=torch.ones(2))
+    >>> r = coefficient("m", torch.tensor([[2.0], [3.0]]), torch.tensor([[True], [False]]))(b)
+    >>> r.coefficient
+    tensor([[2., 2.],
+            [0., 0.]])
+    """
+
+    def shaped(x: Tensor, like: Tensor) -> Tensor:
+        x = x.detach()
+        return (x.unsqueeze(-1) if x.dim() == 1 else x).expand_as(like)
+
+    def apply(batch: LogProbBatch) -> CorrectionResult:
+        valid = batch.bool_mask
+        w = torch.ones_like(batch.logp, dtype=torch.float32) if weights is None else shaped(weights, batch.logp).float()
+        k = valid if keep is None else valid & shaped(keep, batch.logp).bool()
+        return CorrectionResult(w, k, {}, weight_level=weight_level)
+
+    return Correction(name, apply, {})
+
+
+def masked_stats(x: Tensor, mask: Tensor) -> Tensor:
+    """``[Σ m x, Σ m]`` (2,) float32 of ``x`` [B, T] over ``mask``, or over the rows when ``x`` is ``[B, 1]`` (one
+    value per sequence, as TRL counts its sequence-level metrics): what a global masked mean reduces across ranks.
+
+    >>> masked_stats(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1, 1], [1, 0]]))
+    tensor([9., 3.])
+    """
+    x = x.detach().float()
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+    m = mask.bool()
+    return torch.stack([torch.where(m, x, 0.0).sum(), m.sum().float()])
+
+
+def sequence_means(x: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` each sequence's mean of ``x`` [B, T] over ``mask`` (the value itself for ``[B, 1]``); NaN for an
+    empty sequence, as TRL's ``clip_ratio/low_min`` / ``high_max`` read them (with nan-aware min / max)."""
+    x = x.detach().float()
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return x.squeeze(-1)
+    m = mask.float()
+    return (x * m).sum(-1) / m.sum(-1)
+
+
+def clip_fractions(log_weight: Tensor, advantages: Tensor, loss_type: str, eps_low: float,
+                   eps_high: float) -> dict[str, Tensor]:
+    """The tokens TRL counts as clipped, bool ``[B, T]`` (or ``[B, 1]``), from r = exp(``log_weight``) and A
+    (``[B, 1]`` or ``[B, T]``): the PPO family's ``low`` (r < 1 − ε_low, A < 0), ``high`` (r > 1 + ε_high, A > 0)
+    and ``region`` (either); CISPO's ``cispo`` (r > ε_high, A > 0: TRL's ε_high is CISPO's absolute cap).
+
+    >>> f = clip_fractions(torch.log(torch.tensor([[0.5, 1.5]])), torch.tensor([[-1.0]]), "grpo", 0.2, 0.2)
+    >>> f["low"].tolist(), f["high"].tolist()
+    ([[True, False]], [[False, False]])
+    """
+    r = torch.exp(log_weight.detach())
+    if loss_type == "cispo":
+        return {"cispo": (r > eps_high) & (advantages > 0)}
+    low = (r < 1 - eps_low) & (advantages < 0)
+    high = (r > 1 + eps_high) & (advantages > 0)
+    return {"low": low, "high": high, "region": low | high}
+
+
+def replay_entropy(hidden: Tensor, weight: Tensor, recipe: SamplingConfig, *, order: Sequence[str],
+                   bias: Tensor | None = None, history: Any = None,
+                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
+    """Entropy ``[N]`` of π_S, the distribution the sampling replay scores tokens under: the logits of ``hidden``
+    [N, H] × ``weight`` [V, H]ᵀ (+ ``bias``), the recipe's penalties applied (``history``: a
+    :class:`~offpolicy.integrations.trl.replay.ReplayHistory`), tempered, and renormalised on the support S its
+    filters leave in the engine's ``order``:
+
+        H(π_S) = −Σ_{a∈S} π_S(a) log π_S(a),   π_S(a) = exp(z_a/T) / Σ_{b∈S} exp(z_b/T).
+
+    Without truncation or penalties it is the entropy of softmax(z/T), TRL's own. Differentiable in ``hidden``,
+    ``weight`` and ``bias``; row chunks within ``memory_budget_bytes``, recomputed in the backward pass.
+
+    >>> # z = (3, 2, 1, 0), top-k 2: π_S = softmax(3, 2) = (0.7311, 0.2689), H = 0.5822
+    >>> replay_entropy(torch.ones(1, 4), torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.0])), SamplingConfig(top_k=2),
+    ...                order=("top_k", "top_p", "min_p"))
+    tensor([0.5822])
+    """
+    vocab = weight.shape[0]
+    if recipe.reads_history and history is None:
+        raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
+
+    def entropy(z: Tensor, a: int, b: int) -> tuple[Tensor]:
+        if recipe.reads_history:
+            z = apply_history_processors(z, recipe, history.chunk(a, b, vocab))
+        support = sampling_support_mask(z.detach(), top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
+                                        temperature=recipe.temperature, order=order)
+        logp = (z / recipe.temperature).masked_fill(~support, float("-inf")).log_softmax(-1)
+        inside = logp.masked_fill(~support, 0.0)  # 0 · log 0 is 0, not NaN
+        return (-(inside.exp() * inside).sum(-1),)
+
+    # scratch per row: logits, z / T, support mask, log-probs, probabilities, the sort of top-p, the history's two
+    (h,) = head_row_map(entropy, hidden, weight, bias, buffers=8, memory_budget_bytes=memory_budget_bytes)
+    return h
