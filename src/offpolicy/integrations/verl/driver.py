@@ -15,6 +15,9 @@ use verl's names (``rollout_corr/…``). With ``topk_logprobs``, the engine's bo
 in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too and is the divergence ``trm`` tests —
 TRM on the engine's top-K (arXiv 2512.23075 §4). The actor's loss (``vanilla`` or the plug-in's) multiplies by
 ``rollout_is_weights``, as it does for verl's own correction.
+
+The same trainer runs the sync check after each of verl's weight syncs (``on_init_end`` calibrates, ``on_step_end``
+judges; :mod:`.sync_check`), unless the settings say ``sync_check: off``.
 """
 
 from __future__ import annotations
@@ -121,6 +124,28 @@ def make_trainer_class(base: type) -> type:
                 refuse_double_correction(self.config.get("algorithm", None), settings)
                 self._offpolicy_settings = settings
             return settings
+
+        def on_init_end(self) -> None:
+            super().on_init_end()  # verl's initial sync: the sync check calibrates on it
+            self._offpolicy_sync_check()
+
+        def on_step_end(self) -> None:
+            super().on_step_end()  # verl's weight sync after the step's update
+            self._offpolicy_sync_check()
+
+        def _offpolicy_sync_check(self) -> None:
+            """The sync check after verl's push (:mod:`.sync_check`); its ``sync/*`` metrics join the step's
+            through verl's ``_pending_sync_metrics``."""
+            settings = self._settings()
+            if settings.sync_check == "off":
+                return
+            check = getattr(self, "_offpolicy_check", None)
+            if check is None:
+                from offpolicy.integrations.verl.sync_check import from_trainer
+
+                check = self._offpolicy_check = from_trainer(self, settings.sync_check)
+            metrics = check.after_sync(int(getattr(self, "global_steps", 0)))
+            self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **metrics}
 
         def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
             settings = self._settings()  # refuses a double correction before verl's own runs

@@ -1,0 +1,200 @@
+"""The sync check (:mod:`offpolicy.rollout.sync_check`) inside verl's own trainer: after every weight sync.
+
+verl 0.9.1's ``sync`` v1 trainer pushes the actor's weights into the rollout replicas in two places —
+``PPOTrainerSync.on_init_end`` (the initial sync, after a checkpoint may have been loaded) and
+``PPOTrainerSync.on_step_end`` (after every step's actor update), both ``self.checkpoint_manager.update_weights`` —
+and merges whatever ``on_step_end`` leaves in ``self._pending_sync_metrics`` into the step's logged metrics
+(``PPOTrainer._consume_sync_metrics``). The plug-in's trainer (:func:`~offpolicy.integrations.verl.driver.make_trainer_class`)
+extends those two hooks: after verl's push,
+
+* the engine scores the probe through verl's own ``LLMServerClient`` (the client the agent loops use; one request
+  per row, ``prompt_logprobs=0``: each given token's raw log-prob at T = 1) — :class:`VerlClientScorer`;
+* the actor scores it through verl's worker group, ``actor_rollout_wg.compute_log_prob`` — the same forward verl's
+  old-log-prob step runs (FSDP engine, its dtype and kernels), at temperature 1 — :func:`actor_probe_logprobs`;
+* :class:`~offpolicy.rollout.sync_check.SyncCheck` calibrates on the initial sync (both sides load one checkpoint:
+  the run's own numerical mismatch) and judges every later one (the gap, the engine's motion, the staleness β).
+
+The probe is :meth:`SyncProbe.from_text` through the trainer's tokenizer: the calibration runs at the initial sync,
+before any rollout exists. The metrics go to verl's logger as ``sync/*``; a failed sync raises
+:class:`~offpolicy.rollout.sync_check.SyncCheckError` naming the step (``sync_check: error``, the default) or logs a
+warning with ``sync/ok = 0`` (``warn``); ``off`` skips it. Set in the plug-in's settings (``OFFPOLICY_VERL``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offpolicy.integrations.verl.settings import SYNC_CHECK_MODES
+from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
+
+logger = logging.getLogger(__name__)
+
+
+def run_coroutine(coro: Coroutine) -> Any:
+    """``coro``'s result from synchronous code: on a fresh event loop in this thread, or in a helper thread when
+    this thread already runs one (verl's trainer hooks are synchronous; its client is async)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class VerlClientScorer:
+    """``score(prompt_ids, completion_ids) -> (logp [B, T], mask [B, T])`` through verl's ``LLMServerClient``: one
+    request per row with ``max_tokens=1`` and ``prompt_logprobs=0``; the server's prompt log-probs are the raw
+    model's (T = 1), each given token's own (the sync check's engine interface)."""
+
+    def __init__(self, client: Any, timeout: float = 120.0) -> None:
+        self.client, self.timeout, self.calls = client, timeout, 0
+
+    async def _score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[Any]:
+        requests = []
+        for p, c in zip(prompt_ids, completion_ids):
+            self.calls += 1
+            requests.append(self.client.generate(
+                f"offpolicy-sync-probe-{self.calls}", prompt_ids=list(p) + list(c),
+                sampling_params={"temperature": 1.0, "max_tokens": 1, "prompt_logprobs": 0}))
+        return await asyncio.wait_for(asyncio.gather(*requests), self.timeout)
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[Tensor, Tensor]:
+        outs = run_coroutine(self._score(prompt_ids, completion_ids))
+        width = max(len(c) for c in completion_ids)
+        logp = torch.zeros(len(prompt_ids), width)
+        mask = torch.zeros(len(prompt_ids), width, dtype=torch.bool)
+        for i, (p, c, out) in enumerate(zip(prompt_ids, completion_ids, outs)):
+            rows = slice(len(p) - 1, len(p) - 1 + len(c))  # row j predicts token j + 1 (row 0 is the first token's)
+            extra = out.extra_fields
+            if "prompt_logprobs" not in extra:
+                raise ValueError("sync check: verl's server answered without prompt_logprobs (prompt_logprobs=0 "
+                                 "was asked; does the rollout server support it?)")
+            ids = [row[0] for row in extra["prompt_ids"][rows]]
+            if ids != list(c):
+                raise ValueError(f"sync check: probe row {i}: the server scored the tokens {ids}, not {list(c)}")
+            logp[i, :len(c)] = torch.tensor([row[0] for row in extra["prompt_logprobs"][rows]])
+            mask[i, :len(c)] = True
+        return logp, mask
+
+
+def probe_batch(probe: SyncProbe, *, multiple: int = 1) -> Any:
+    """The probe as verl's v1 trainer hands a batch to ``compute_log_prob``: one row per sequence with the fields
+    the agent loop stores in the TransferQueue (``prompts``, ``responses``, ``input_ids`` = prompt + response,
+    ``position_ids``, ``attention_mask``, ``response_mask`` / ``loss_mask`` all ones), jagged, and the step's
+    metadata (temperature 1, no loss, one micro-batch per rank). Rows are repeated (the last one) up to a ``multiple`` of the data-parallel
+    size, which verl's dispatch splits evenly."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    prompts, completions = list(probe.prompt_ids), list(probe.completion_ids)
+    while len(prompts) % multiple:
+        prompts.append(prompts[-1])
+        completions.append(completions[-1])
+    rows = []
+    for p, c in zip(prompts, completions):
+        input_ids = torch.tensor(list(p) + list(c), dtype=torch.int64)
+        response_mask = torch.ones(len(c), dtype=torch.int64)
+        rows.append({"prompts": torch.tensor(p, dtype=torch.int64), "responses": torch.tensor(c, dtype=torch.int64),
+                     "input_ids": input_ids, "position_ids": torch.arange(len(input_ids)),
+                     "attention_mask": torch.ones_like(input_ids), "response_mask": response_mask,
+                     "loss_mask": response_mask.clone()})
+    # jagged even when every row has one length (verl's forward and response_from_nested read the offsets)
+    data = TensorDict({key: torch.nested.as_nested_tensor([row[key] for row in rows], layout=torch.jagged)
+                       for key in rows[0]}, batch_size=len(rows))
+    # one micro-batch per rank (the probe is a few short rows): verl's engine takes the batch's own micro-batch
+    # settings before its config's, whose micro-batch size need not divide the probe's rows
+    tu.assign_non_tensor(data, temperature=1.0, compute_loss=False, calculate_entropy=False,
+                         global_token_num=[len(p) + len(c) for p, c in zip(prompts, completions)],
+                         use_dynamic_bsz=False, micro_batch_size_per_gpu=len(prompts) // multiple)
+    return data
+
+
+def actor_probe_logprobs(worker_group: Any, probe: SyncProbe, *, dp_size: int = 1) -> tuple[Tensor, Tensor]:
+    """The actor's log-probs of the probe's completions, ``(logp [B, T], mask [B, T])``, from verl's
+    ``compute_log_prob`` on ``worker_group`` (the actor's own forward, at temperature 1)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import response_from_nested
+
+    data = probe_batch(probe, multiple=dp_size)
+    output = worker_group.compute_log_prob(data)
+    logp = response_from_nested(tu.get(output, "log_probs"), data["response_mask"])
+    logp = logp.to_padded_tensor(0.0) if logp.is_nested else logp
+    rows = len(probe.prompt_ids)
+    width = max(len(c) for c in probe.completion_ids)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    for i, c in enumerate(probe.completion_ids):
+        mask[i, :len(c)] = True
+    out = torch.zeros(rows, width)
+    out[:, :logp.shape[1]] = logp[:rows, :width].float().cpu()
+    return out * mask, mask
+
+
+class VerlSyncCheck:
+    """The check the plug-in's trainer runs after verl's weight syncs: ``engine`` scores like
+    :class:`VerlClientScorer`, ``actor(probe) -> (logp [B, T], mask [B, T])`` scores on the trainer's side.
+
+    :meth:`after_sync` calibrates on the first call (the initial sync) and judges every later one; it returns
+    the ``sync/*`` metrics and counts the checks (``checks``, ``passed``)."""
+
+    def __init__(self, engine: Any, actor: Any, probe: SyncProbe, *, on_failure: str = "error",
+                 check: SyncCheck | None = None) -> None:
+        if on_failure not in ("error", "warn"):
+            raise ValueError(f"sync_check must be one of {SYNC_CHECK_MODES}, got {on_failure!r}")
+        self.engine, self.actor, self.probe = engine, actor, probe
+        self.check = check or SyncCheck(on_failure=on_failure)
+        self.check.probe = probe
+        self.checks = self.passed = 0
+
+    def _scores(self) -> tuple[Tensor, Tensor, Tensor]:
+        engine_logp, engine_mask = self.engine.score(self.probe.prompt_ids, self.probe.completion_ids)
+        actor_logp, actor_mask = self.actor(self.probe)
+        if not torch.equal(engine_mask.bool().cpu(), actor_mask.bool().cpu()):
+            raise ValueError("sync check: the engine and the actor scored different tokens of the probe")
+        mask = actor_mask.bool().cpu()
+        return engine_logp.float().cpu() * mask, actor_logp.float().cpu() * mask, mask
+
+    def after_sync(self, step: int) -> dict[str, float]:
+        """Score the probe on both sides and calibrate (first call) or judge the sync of ``step``."""
+        start = time.perf_counter()
+        engine_logp, actor_logp, mask = self._scores()
+        if self.check.baseline is None:
+            again = self.engine.score(self.probe.prompt_ids, self.probe.completion_ids)[0].float().cpu() * mask
+            metrics = self.check.calibrate_from(engine_logp, actor_logp, mask, again=again,
+                                                seconds=time.perf_counter() - start)
+        else:
+            metrics = self.check.judge_scores(engine_logp, actor_logp, mask, seconds=time.perf_counter() - start,
+                                              what=f"verl step {step}: weight sync into the rollout engine")
+        self.checks += 1
+        self.passed += int(metrics["sync/ok"] == 1.0)
+        metrics["sync/checks"], metrics["sync/passed"] = float(self.checks), float(self.passed)
+        logger.info("sync check after the weight sync of step %d: %s", step,
+                    {k: round(v, 6) for k, v in metrics.items()})
+        return metrics
+
+
+def from_trainer(trainer: Any, on_failure: str) -> VerlSyncCheck:
+    """The check for a verl v1 ``PPOTrainer`` after its setup: its LLM client, its actor worker group (data-parallel
+    size from verl's dispatch info) and the probe from its tokenizer."""
+    probe = SyncProbe.from_text(trainer.tokenizer)
+    wg = trainer.actor_rollout_wg
+    dp_size = 1
+    try:  # verl's dispatch: the data-parallel rank of every worker of the actor mesh
+        mapping = wg._query_dispatch_info("actor")
+        dp_size = max(mapping) + 1
+    except Exception as err:  # noqa: BLE001 - a worker group without the query: one rank
+        logger.info("sync check: no dispatch info for the actor mesh (%s); data-parallel size 1", err)
+    return VerlSyncCheck(VerlClientScorer(trainer.get_llm_client()),
+                         lambda probe: actor_probe_logprobs(wg, probe, dp_size=dp_size), probe,
+                         on_failure=on_failure)
+
+
+__all__ = ["SYNC_CHECK_MODES", "VerlClientScorer", "VerlSyncCheck", "actor_probe_logprobs", "from_trainer",
+           "probe_batch", "run_coroutine"]
