@@ -3,8 +3,8 @@
 # not run by .ci/run (CI tests the TRL series the adapter is written for, 1.16.x). The trainer overrides TRL 1.16's
 # internal methods, so a newer TRL may break it; this says where.
 #   scripts/test_newest_trl.sh [VENV]     (default VENV: .cache/newest-trl/venv, recreated each run)
-# The newest TRL is installed over the dev extra's upper bound on trl, whatever pip says about the conflict. Tests run with
-# OFFPOLICY_REQUIRE_INTEGRATIONS=1, so the modules that skip outside TRL 1.16 are listed as failures, not hidden.
+# The newest TRL is installed over the dev extra's upper bound on trl, whatever pip says about the conflict.
+# Tests run with OFFPOLICY_REQUIRE_INTEGRATIONS=1: the modules that skip outside TRL 1.16 are listed as failures.
 # Exit status: pytest's (0: every TRL test passed on the newest TRL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,8 @@ pip install -q torch==2.13.0 -e '.[dev]'
 pip install -q --upgrade trl  # pip's note that offpolicy[dev] bounds trl is expected
 newest="$(python -c 'import trl; print(trl.__version__)')"
 echo "== TRL $newest (tested series: 1.16.x)" >&2
-tests=(tests/integrations/test_trl*.py tests/integrations/test_versions.py::test_the_trl_trainer_warns_outside_the_matrix
+tests=(tests/integrations/test_trl*.py
+       tests/integrations/test_versions.py::test_the_trl_trainer_warns_outside_the_matrix
        tests/test_quickstarts.py::test_the_trl_quickstart_corrects_a_real_mismatch
        tests/test_quickstarts.py::test_the_trl_page_runs_the_script_it_shows)
 report="$(mktemp)"

@@ -79,7 +79,9 @@ FAKE_VENV_BIN = {
     "python": """if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pytest" ]; then
   shift 2
   echo "pytest require=${OFFPOLICY_REQUIRE_INTEGRATIONS:-} log=${OFFPOLICY_SKIPPED_LOG:+yes} $*" >>"$TRACE"
-  if [ -n "${OFFPOLICY_SKIPPED_LOG:-}" ]; then printf 'tests/x.py::t\\tcould not import verl\\n' >>"$OFFPOLICY_SKIPPED_LOG"; fi
+  if [ -n "${OFFPOLICY_SKIPPED_LOG:-}" ]; then
+    printf 'tests/x.py::t\\tcould not import verl\\n' >>"$OFFPOLICY_SKIPPED_LOG"
+  fi
   exit "${FAKE_PYTEST_STATUS:-0}"
 fi
 if [ "${1:-}" = "-" ]; then echo "version check $2 $3 $4" >>"$TRACE"; exit 0; fi
@@ -200,6 +202,6 @@ def test_integration_skips_are_skips_for_a_user(tmp_path):
 
 def test_integration_skips_fail_when_ci_requires_the_integrations(tmp_path):
     failed, summary = _run_fake_suite(tmp_path, OFFPOLICY_REQUIRE_INTEGRATIONS="1")
-    assert failed == {"live::skipped-at-import", "test_fake.py::test_missing_package", "test_fake.py::test_other_version",
-                      "test_module_skip.py::skipped-at-import"}, summary
+    assert failed == {"live::skipped-at-import", "test_fake.py::test_missing_package",
+                      "test_fake.py::test_other_version", "test_module_skip.py::skipped-at-import"}, summary
     assert re.search(r"\b4 failed, 1 passed, 2 skipped in ", summary), summary  # the GPU and chromium skips stay skips
