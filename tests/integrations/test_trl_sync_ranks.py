@@ -1,0 +1,90 @@
+"""TRL's sync check with two processes (gloo, the tiny model sharded over both ranks by FSDP2): every rank runs the
+probe's trainer forward at the same points — under FSDP that forward all-gathers the parameters, so a rank that
+skipped it would leave the main one waiting forever. In server mode the main process scores the engine and judges."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from offpolicy.rollout.processes import free_port
+
+HERE = Path(__file__).resolve()
+
+
+def run_rank(rank: int, world: int, port: int, out: str) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from offpolicy.integrations.trl.vllm_sync import TRLSyncCheck
+    from offpolicy.models.tiny import build_tiny_model
+    from offpolicy.rollout.scoring import sequence_logprobs
+    from offpolicy.rollout.sync_check import SyncCheck
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, tok = build_tiny_model(seed=0)
+        reference, _ = build_tiny_model(seed=0)  # the engine: a full copy, on the main rank only
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+        class Engine:
+            def score(self, prompt_ids, completion_ids):
+                with torch.no_grad():
+                    return sequence_logprobs(reference, prompt_ids, completion_ids)
+
+        def push():  # the engine takes the trainer's new weights (gathered: full tensors on every rank)
+            from torch.distributed.tensor import DTensor
+
+            full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+            if rank == 0:
+                reference.load_state_dict(full)
+
+        generation = SimpleNamespace(model=model, mode="server",
+                                     accelerator=SimpleNamespace(is_main_process=rank == 0))
+        logged: list = []
+        hook = TRLSyncCheck(generation, model, SyncCheck(), push=push, step=lambda: 1, log=logged.append,
+                            tokenizer=tok)
+        hook.scorer = Engine()
+        hook()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        hook()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(logged))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_joins_the_check_under_fsdp(tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank hung: the check's trainer forward did not complete on every rank") from None
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    main = json.loads((tmp_path / "rank0.json").read_text())
+    other = json.loads((tmp_path / "rank1.json").read_text())
+    assert len(main) == 2 and all(m["sync/ok"] == 1.0 for m in main)  # both syncs judged, both took
+    assert main[-1]["sync/gap"] < 1e-5 and main[-1]["sync/step_rms"] > 0  # fp32 both sides; the weights moved
+    assert other == []  # the other rank joined the forwards and judged nothing
+
+
+if __name__ == "__main__":
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
