@@ -21,6 +21,9 @@ name           per-token loss (A advantage, r ratio, sg stop-gradient)          
 Score centering (arXiv 2609.20807, ``score_centering.py``) is not an objective of its own: it changes the score that
 any objective differentiates (:func:`~offpolicy.objectives.score_centering.centered_logp`), from the sampler's
 distribution, which a token-level objective does not see; the reference trainer wires it (preset ``score_centering``).
+``score_centering_is.py`` gives the centre coefficients that follow a TIS / IcePop / replay rule (NeMo-RL's), with the
+sampled token's weight in the same log-prob (presets ``score_centering_tis`` / ``_icepop`` / ``_replay``).
+``proximal.py`` is ``decoupled``'s ``proximal="loglinear"``: π_old from the batch's policy versions (AReaL).
 """
 
 from offpolicy.objectives import cispo, dppo, ipo, ppo, reinforce, sapo, score_centering  # noqa: F401  (registers)
