@@ -2,12 +2,12 @@
 gloo) with its own engine and ``vanilla`` policy loss, against the plug-in's engine with each method, the arms
 alternating in one process.
 
-    python benchmarks/verl_overhead.py [--repeat 5] [--steps 3] [--only dvp alp]
+    PYTHONPATH=. python benchmarks/verl_overhead.py [--repeat 5] [--steps 3] [--only dvp alp]
 
 Every arm runs ``train_mini_batch`` (verl's update: micro-batches, forward, ``ppo_loss``, backward, optimiser step)
 on the same batch — ``--batch`` sequences of ``--prompt`` + ``--response`` tokens, micro-batches of ``--micro`` — of a
 random Qwen2 (hidden ``--hidden``, ``--layers`` layers, vocabulary ``--vocab``, fp32) built once, through the CPU
-harness of ``tests/integrations/test_verl_actor.py`` (a ``cpu`` platform, the engine registered for it, eager
+harness of the verl tests, offpolicy_testkit/verl_cpu.py (a ``cpu`` platform, the engine registered for it, eager
 attention, no remove-padding). Arms:
 
 * ``vanilla``          verl's own engine, ``loss_mode: vanilla`` (the baseline)
@@ -30,17 +30,14 @@ repeat; the ratio is an arm's seconds over vanilla's in the same repeat, median 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 ARMS = {
     "vanilla": (None, "vanilla"),
     "plugin": ({}, "vanilla"),
@@ -55,15 +52,6 @@ GOALS = {"plugin": 1.03, "ipo": 1.03, "m2po": 1.03, "dvp": 1.15, "replay": 1.15,
 TOPK = 8
 
 
-def _harness():
-    """tests/integrations/test_verl_actor.py as a module (its CPU platform, worker factory and ``_train``)."""
-    spec = importlib.util.spec_from_file_location("verl_actor_harness", ROOT / "tests/integrations/test_verl_actor.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _model(path: str, vocab: int, hidden: int, layers: int) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -75,11 +63,11 @@ def _model(path: str, vocab: int, hidden: int, layers: int) -> str:
     return path
 
 
-def _topk(h, vocab: int):
+def _topk(h, vocab: int):  # h: the ActorBatch
     """The engine's top-K for every response position [B, R, K]: distinct ids, log-probs holding ~90 % of the mass."""
     g = torch.Generator().manual_seed(5)
-    ids = torch.rand(h.B, h.R, vocab, generator=g).topk(TOPK, -1).indices
-    lp = (torch.softmax(torch.linspace(3.0, 0.0, TOPK), 0) * 0.9).log().expand(h.B, h.R, TOPK).contiguous()
+    ids = torch.rand(h.b, h.r, vocab, generator=g).topk(TOPK, -1).indices
+    lp = (torch.softmax(torch.linspace(3.0, 0.0, TOPK), 0) * 0.9).log().expand(h.b, h.r, TOPK).contiguous()
     return lp, ids
 
 
@@ -98,19 +86,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap.add_argument("--only", nargs="*", default=None, help=f"arms besides vanilla, among {', '.join(ARMS)}")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    h = _harness()
-    # the harness's batch shape is module-level: set it to this run's
-    h.B, h.P, h.R, h.VOCAB, h.MICRO = a.batch, a.prompt, a.response, a.vocab, a.micro
-    h.LENGTHS = torch.full((a.batch,), a.response)
-    h.ADVANTAGES = torch.randn(a.batch, generator=torch.Generator().manual_seed(2))
+    from offpolicy_testkit.verl_cpu import ActorBatch, make_worker, process_group, setup_cpu_verl
+
+    h = ActorBatch(b=a.batch, p=a.prompt, r=a.response, vocab=a.vocab, micro=a.micro,
+                   lengths=torch.full((a.batch,), a.response),
+                   advantages=torch.randn(a.batch, generator=torch.Generator().manual_seed(2)))
     arms = ["vanilla"] + [x for x in (a.only or ARMS) if x != "vanilla"]
-    h.setup_cpu_verl()
+    setup_cpu_verl()
     from offpolicy.integrations.verl.topk import TOPK_IDS_FIELD, TOPK_LOGP_FIELD, sequence_topk
 
     lp, ids = _topk(h, a.vocab)
 
     def with_topk(data):
-        prompt_lengths = h._inputs()[1][:, :a.prompt].sum(-1).tolist()  # the harness left-pads one prompt
+        prompt_lengths = h.inputs()[1][:, :a.prompt].sum(-1).tolist()  # the harness left-pads one prompt
         per_sample = [sequence_topk(int(n), ids[i].tolist(), lp[i].tolist(), TOPK) for i, n in enumerate(prompt_lengths)]
         data[TOPK_LOGP_FIELD] = torch.nested.as_nested_tensor([s[0] for s in per_sample], layout=torch.jagged)
         data[TOPK_IDS_FIELD] = torch.nested.as_nested_tensor([s[1] for s in per_sample], layout=torch.jagged)
@@ -118,12 +106,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
     runs: dict[str, list[float]] = {arm: [] for arm in arms}
     loads: list[float] = []
-    with tempfile.TemporaryDirectory() as folder, h.process_group():
+    with tempfile.TemporaryDirectory() as folder, process_group():
         path = _model(str(Path(folder) / "model"), a.vocab, a.hidden, a.layers)
-        workers = {arm: h.make_worker(path, ARMS[arm][0], micro=a.micro) for arm in arms}
+        workers = {arm: make_worker(path, ARMS[arm][0], micro=a.micro) for arm in arms}
         old = h.infer_logp(workers["vanilla"])
-        mu = (old + 0.1 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))) * h._inputs()[1][:, a.prompt:]
-        tensors = {"old_log_probs": old, "advantages": h.ADVANTAGES[:, None].expand(a.batch, a.response).contiguous(),
+        mu = (old + 0.1 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))) * h.inputs()[1][:, a.prompt:]
+        tensors = {"old_log_probs": old, "advantages": h.advantages[:, None].expand(a.batch, a.response).contiguous(),
                    "rollout_log_probs": mu}
         n_tokens = a.batch * a.response
         print(f"random Qwen2 (V={a.vocab}, H={a.hidden}, {a.layers} layers), {a.batch} × ({a.prompt} + {a.response}) "
@@ -131,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
         def update(arm: str) -> None:
             prepare = with_topk if arm == "score_centering" else None
-            h._train(workers[arm], ARMS[arm][1], "token-mean", tensors, prepare=prepare)
+            h.train(workers[arm], ARMS[arm][1], "token-mean", tensors, prepare=prepare)
 
         for arm in arms:
             update(arm)  # warm-up

@@ -5,14 +5,9 @@ What runs is what a verl job runs on each worker since verl 0.8 (``DataParallelP
 verl's registry by ``policy_loss.loss_mode``) and ``train_mini_batch`` splitting the mini-batch into micro-batches —
 here in one process with a gloo group and a tiny random Qwen2 saved to a temporary folder.
 
-verl assumes an accelerator; nothing in verl is changed, the test supplies what a CPU run lacks:
-
-* a ``cpu`` platform (verl's platform registry has cuda/npu/rocm only and otherwise falls back to cuda),
-* the FSDP language-model engine registered for that device (verl registers it for cuda and npu),
-* ``attn_implementation="eager"`` and ``use_remove_padding=False`` (the defaults need flash-attention),
-* fp32 parameters (the default bf16 autocast would compare two losses on rounded log-probs),
-* verl's TRL check switched off (it patches ``AutoModelForCausalLMWithValueHead``, which TRL ≥ 1.0 no longer has),
-* ``temperature`` in the batch's ``meta_info``, as verl's trainer puts it there.
+verl assumes an accelerator; nothing in verl is changed: offpolicy_testkit/verl_cpu.py supplies what a CPU run lacks
+(a ``cpu`` platform, the FSDP engine registered for it, eager attention, fp32, verl's TRL check off, ``temperature``
+in the batch's ``meta_info``).
 
 Skipped only when verl is not installed; ``.ci/run`` installs the pinned ``verl==0.9.1`` (``--no-deps``) and the
 packages its actor path imports (the ``verl-ci`` extra).
@@ -22,213 +17,33 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
-import os
-import socket
 
 import pytest
 import torch
 
 verl = pytest.importorskip("verl")
 
+from offpolicy_testkit.verl_cpu import (
+    ActorBatch,
+    cpu_platform,
+    make_worker,
+    process_group,
+    setup_cpu_verl,
+    tiny_qwen2,
+)
+
 from offpolicy.corrections.importance import mis, tis
 from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
 from offpolicy.integrations.verl import register_verl_policy_loss, rollout_correction
 
-B, P, R, VOCAB = 8, 4, 6, 64  # sequences, prompt and response width, vocabulary
-MICRO = 4  # two micro-batches per mini-batch: the global counts (not the micro-batch's) must set the scale
+# the harness is offpolicy_testkit/verl_cpu.py; its default batch, under the names the tests below use
+SHAPE = ActorBatch()
+B, P, R, VOCAB, MICRO = SHAPE.b, SHAPE.p, SHAPE.r, SHAPE.vocab, SHAPE.micro  # two micro-batches per mini-batch
+ADVANTAGES, LENGTHS = SHAPE.advantages, SHAPE.lengths  # row 1 also has left padding in its prompt
+_inputs, _batch, infer_logp, _train = SHAPE.inputs, SHAPE.batch, SHAPE.infer_logp, SHAPE.train
+_reference_logits = SHAPE.reference_logits
+_cpu_platform = cpu_platform
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
-ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.0])
-LENGTHS = torch.tensor([6, 5, 3, 1, 6, 2, 4, 6])  # response lengths (row 1 also has left padding in its prompt)
-
-
-def _cpu_platform():
-    from verl.plugin.platform.platform_base import PlatformBase
-
-    class CPUDeviceModule:
-        """``torch.cpu`` plus the memory and name queries verl logs (no such counters on CPU)."""
-
-        max_memory_allocated = max_memory_reserved = memory_allocated = memory_reserved = staticmethod(lambda *_: 0)
-        mem_get_info = staticmethod(lambda *_: (0, 0))
-        get_device_name = staticmethod(lambda *_: "CPU")
-        get_rng_state = staticmethod(lambda *_: torch.get_rng_state())  # verl's checkpoints save the device RNG
-        set_rng_state = staticmethod(lambda state, *_: torch.set_rng_state(state))
-
-        def __getattr__(self, name):
-            return getattr(torch.cpu, name)
-
-    class CPUPlatform(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = CPUDeviceModule()
-
-        def is_available(self):
-            return True
-
-        def is_platform_available(self, use_smi_check=False):
-            return True
-
-        def current_device(self):
-            return "cpu"  # verl moves tensors .to(current_device())
-
-        def device_count(self):
-            return 1
-
-        def set_device(self, device_index):
-            pass
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def manual_seed(self, seed):
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed):
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings):
-            pass
-
-        def empty_cache(self):
-            pass
-
-        def get_device_capability(self, device_index=0):
-            return None, None
-
-        def communication_backend_name(self):
-            return "gloo"
-
-        def visible_devices_envvar(self):
-            return "CUDA_VISIBLE_DEVICES"
-
-        def nvtx_range(self, msg):
-            return contextlib.nullcontext()
-
-        def profiler_start(self):
-            pass
-
-        def profiler_stop(self):
-            pass
-
-        def ray_resource_name(self):
-            return "CPU"
-
-        def ray_noset_envvars(self):
-            return []
-
-        def is_ipc_supported(self):
-            return False
-
-        def cudart(self):
-            return None
-
-    return CPUPlatform()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tiny_qwen2(path) -> str:
-    """A tiny random Qwen2 (2 layers, hidden 32, vocabulary 64) saved to ``path``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
-def setup_cpu_verl() -> None:
-    """What a CPU run lacks (module docstring); idempotent."""
-    from verl.plugin.platform import platform_manager
-
-    platform_manager.set_platform(_cpu_platform())  # before verl's engine modules read the device at import
-
-    import verl.models.transformers.monkey_patch as verl_patches
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    verl_patches.is_trl_available = lambda: False
-    if "cpu" not in EngineRegistry._engines["language_model"]["fsdp2"]:
-        EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
-            FSDPEngineWithLMHead
-        )
-
-
-def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro: int = MICRO,
-                remove_padding: bool = False):
-    """A verl ``TrainingWorker`` (FSDP2, fp32) on the model at ``path``, gradients recorded in ``worker.grads``.
-
-    ``offpolicy=None``: verl's own engine. A dict: the user's setup — ``external_lib`` names the plug-in (which
-    registers its engine for this device and vendor) and the dict is the ``OFFPOLICY_VERL`` settings block."""
-    from verl.workers.config import (
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        TrainingWorkerConfig,
-    )
-    from verl.workers.engine_workers import TrainingWorker
-
-    override = {"attn_implementation": "eager"}
-    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    training = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=remove_padding,
-                                   override_config=override,
-                                   external_lib=None if offpolicy is None else "offpolicy.integrations.verl.plugin"),
-        engine_config=FSDPEngineConfig(strategy="fsdp2", forward_only=False, mixed_precision=fp32,
-                                       use_dynamic_bsz=False, micro_batch_size_per_gpu=micro,
-                                       infer_micro_batch_size_per_gpu=micro),
-        optimizer_config=FSDPOptimizerConfig(lr=lr, clip_grad=1e9),
-        checkpoint_config=None,
-    )
-    # the plug-in's engine is registered for (cpu, cpu); an unknown vendor falls back to verl's device-only entry
-    env = {"VERL_ENGINE_VENDOR": "verl-own-engine"} if offpolicy is None else {"OFFPOLICY_VERL": json.dumps(offpolicy)}
-    with environment(env):
-        w = TrainingWorker(training)
-    w.reset()
-    w.grads = []
-    step = w.engine.optimizer_step
-
-    def record_gradient_then_step():  # the gradient the update would use, flattened, before the optimizer
-        w.grads.append(torch.cat([p.grad.full_tensor().flatten() for p in w.engine.module.parameters()]))
-        return step()
-
-    w.engine.optimizer_step = record_gradient_then_step
-    return w
-
-
-@contextlib.contextmanager
-def environment(env: dict):
-    """``os.environ`` updated with ``env`` inside, restored afterwards (the job environment Ray gives verl's workers)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def process_group(rank: int = 0, world_size: int = 1, port: int | None = None):
-    """A gloo process group with the environment verl reads, restored afterwards."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or _free_port()), "RANK": str(rank),
-           "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-    with environment(env):
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            yield
-        finally:
-            torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -248,42 +63,6 @@ def worker(model_path):
     return w
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, VOCAB, (B, P + R), generator=g)
-    attention_mask = torch.ones(B, P + R, dtype=torch.long)
-    for i, length in enumerate(LENGTHS.tolist()):
-        attention_mask[i, P + length:] = 0
-    attention_mask[1, :2] = 0  # left padding
-    return input_ids, attention_mask
-
-
-def _batch(tensors: dict, meta: dict, rows: slice = slice(None)):
-    """verl's trainer-side batch (``DataProto`` → no-padding ``TensorDict``) as ``_update_actor`` builds it; ``rows``
-    selects a data-parallel rank's share (``tensors`` are given for those rows only)."""
-    from verl import DataProto
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    input_ids, attention_mask = (t[rows] for t in _inputs())
-    data = DataProto.from_single_dict(
-        {"input_ids": input_ids, "prompts": input_ids[:, :P], "attention_mask": attention_mask,
-         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "responses": input_ids[:, P:],
-         "response_mask": attention_mask[:, P:], **tensors},
-        meta_info={"temperature": 1.0, "global_token_num": attention_mask.sum(-1).tolist(), **meta},
-    )
-    return left_right_2_no_padding(data.to_tensordict())
-
-
-def infer_logp(worker, meta: dict | None = None, rows: slice = slice(None)) -> torch.Tensor:
-    """The worker's log-probs of the responses [B, R] from ``infer_batch`` (verl's old-log-prob forward), 0 at padding."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    data = _batch({}, {"compute_loss": False, **(meta or {})}, rows)
-    logp = no_padding_2_padding(tu.get(worker.infer_batch(data), "log_probs"), data).float()
-    return logp * _inputs()[1][rows, P:]
-
-
 @pytest.fixture(scope="module")
 def current_logp(worker):
     """π_θ's log-probs of the responses [B, R] from the worker's own forward (0 at padding)."""
@@ -298,41 +77,6 @@ def _old_logp(current: torch.Tensor, dual_clip_binds: bool) -> torch.Tensor:
     if dual_clip_binds:
         old[ADVANTAGES < 0, ::2] = current[ADVANTAGES < 0, ::2] - 2.0
     return old
-
-
-def _train(worker, loss_mode: str, agg: str, tensors: dict, *, mini: int = B, epochs: int = 1,
-           meta: dict | None = None, seen: list | None = None, rows: slice = slice(None), prepare=None,
-           output_keys: list | None = None, clip_ratio_c: float = 3.0):
-    """One ``train_mini_batch`` of the whole batch in mini-batches of ``mini`` (two micro-batches each at ``mini=B``):
-    (metrics, gradient of each optimiser step). ``seen`` collects the log-probs [micro, R] each loss call received,
-    ``output_keys`` the keys of each model output; ``prepare(data)`` may add fields to the batch; ``clip_ratio_c``
-    is the dual clip."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.config import FSDPActorConfig
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=mini,
-                            ppo_micro_batch_size_per_gpu=MICRO, loss_agg_mode=agg, policy_loss={"loss_mode": loss_mode},
-                            clip_ratio=0.2, clip_ratio_c=clip_ratio_c)
-
-    def loss(model_output, data, dp_group=None):
-        if seen is not None:
-            seen.append(no_padding_2_padding(model_output["log_probs"], data).detach().float().clone())
-        if output_keys is not None:
-            output_keys.append(sorted(model_output))
-        return ppo_loss(actor, model_output, data, dp_group)
-
-    worker.set_loss_fn(loss)
-    data = _batch(tensors, meta or {}, rows)
-    if prepare is not None:
-        data = prepare(data)
-    tu.assign_non_tensor(data, global_batch_size=mini, mini_batch_size=mini, epochs=epochs, seed=0,
-                         dataloader_kwargs={"shuffle": False}, compute_loss=True, calculate_entropy=False)
-    worker.grads.clear()
-    metrics = tu.get(worker.train_mini_batch(data), "metrics")
-    grads = list(worker.grads)
-    return metrics, (grads[0] if len(grads) == 1 else grads)
 
 
 def test_installed_verl_is_the_pinned_release():
@@ -515,16 +259,6 @@ def test_metrics_equal_vanillas_when_the_policy_moves_beyond_e20(worker, current
 # ---------------------------------------------------------------------------------------------------------------
 
 TEMPERATURE = 0.7
-
-
-def _reference_logits(worker) -> torch.Tensor:
-    """The logits [B, R, V] that predict each response token, from the engine's own module on the padded batch."""
-    input_ids, attention_mask = _inputs()
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = worker.engine.module(input_ids=input_ids, attention_mask=attention_mask,
-                                      position_ids=position_ids).logits.float()
-    return logits[:, P - 1:P + R - 1]
 
 
 RECIPES = {

@@ -11,7 +11,6 @@ data-parallel group; without it each rank would step σ with half the batch's gr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -22,23 +21,22 @@ import torch
 
 pytest.importorskip("verl")
 
+from offpolicy_testkit.verl_cpu import ActorBatch, make_worker, process_group, setup_cpu_verl, tiny_qwen2
+
+from offpolicy.rollout.processes import free_port
+
 HERE = pathlib.Path(__file__).resolve()
 SETTINGS = {"sampling": {"min_p": 0.3}, "alp": {"init_std": 0.05, "lr": 0.1, "seed": 0}}
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("verl_actor_harness", HERE.with_name("test_verl_actor.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SHAPE = ActorBatch()  # the verl tests' batch (offpolicy_testkit/verl_cpu.py)
 
 
 def run_rank(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     """One process's share of the step; writes its results to ``out/rank{rank}_of_{world}.pt``."""
-    h = _harness()
-    h.setup_cpu_verl()
-    with h.process_group(rank, world, port):
-        w = h.make_worker(model_path, SETTINGS)
+    setup_cpu_verl()
+    with process_group(rank, world, port):
+        w = make_worker(model_path, SETTINGS)
         engine = w.engine
         forward_step = engine.forward_step
 
@@ -55,12 +53,12 @@ def run_rank(rank: int, world: int, port: int, model_path: str, out: str) -> Non
             return optimizer_step(*args, **kwargs)
 
         engine.optimizer.step = record_sigma_grad_then_step
-        share = h.B // world
+        share = SHAPE.b // world
         rows = slice(rank * share, (rank + 1) * share)
-        logp = h.infer_logp(w, rows=rows)
-        old = logp + 0.1 * torch.randn(h.B, h.R, generator=torch.Generator().manual_seed(3))[rows]
-        tensors = {"old_log_probs": old, "advantages": h.ADVANTAGES[rows, None].expand(share, h.R).contiguous()}
-        _, grad = h._train(w, "vanilla", "token-mean", tensors, rows=rows)
+        logp = SHAPE.infer_logp(w, rows=rows)
+        old = logp + 0.1 * torch.randn(SHAPE.b, SHAPE.r, generator=torch.Generator().manual_seed(3))[rows]
+        tensors = {"old_log_probs": old, "advantages": SHAPE.advantages[rows, None].expand(share, SHAPE.r).contiguous()}
+        _, grad = SHAPE.train(w, "vanilla", "token-mean", tensors, rows=rows)
         torch.save({"logp": logp, "grad": grad, "sigma_grad": sigma_grads[0],
                     "log_sigma": engine.alp.log_sigma.detach().clone(),
                     "dp": engine.get_data_parallel_size()},
@@ -68,10 +66,9 @@ def run_rank(rank: int, world: int, port: int, model_path: str, out: str) -> Non
 
 
 def test_two_processes_equal_one(tmp_path):
-    h = _harness()
-    model_path = h.tiny_qwen2(tmp_path / "model")
+    model_path = tiny_qwen2(tmp_path / "model")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    runs = [(0, 1, h._free_port()), *((rank, 2, port) for port in [h._free_port()] for rank in (0, 1))]
+    runs = [(0, 1, free_port()), *((rank, 2, port) for port in [free_port()] for rank in (0, 1))]
     procs = [subprocess.Popen([sys.executable, str(HERE), str(rank), str(world), str(port), model_path,
                                str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for rank, world, port in runs]

@@ -25,6 +25,8 @@ import torch
 verl = pytest.importorskip("verl")
 pytest.importorskip("hydra")  # verl's agent loop and v1 trainer import it (the verl-ci extra installs it)
 
+from offpolicy_testkit.verl_stub import PROMPT, RESPONSE, K, StubServer, prompt_logprobs_rows
+
 from offpolicy.integrations.verl import (
     apply_driver_correction,
     parse_settings,
@@ -247,32 +249,8 @@ def test_settings_errors_name_the_key():
 # Agent loop against a stub server
 # ---------------------------------------------------------------------------------------------------------------
 
-PROMPT = [11, 12, 13]
-RESPONSE = [21, 22, 23, 24]
-K = 3
-
-
-def _prompt_logprobs_rows(n_tokens: int) -> dict:
-    """What verl's vLLM server returns for a scoring request with ``prompt_logprobs=K``: one row per token after the
-    first (ids ranked 1…K, log-probs descending), then a dummy row; row r's top id is 100 + r (a value to find)."""
-    ids = [[100 + r, 200 + r, 300 + r] for r in range(n_tokens - 1)] + [[0] * K]
-    logps = [[-0.1 * (r + 1), -1.0 - r, -2.0 - r] for r in range(n_tokens - 1)] + [[0.0] * K]
-    return {"prompt_ids": ids, "prompt_logprobs": logps}
-
-
-class StubServer:
-    """Records each request; answers generation with RESPONSE and a scoring request with prompt log-probs."""
-
-    def __init__(self):
-        self.requests: list[dict] = []
-
-    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        from verl.workers.rollout.replica import TokenOutput
-
-        self.requests.append({"prompt_ids": list(prompt_ids), "sampling_params": dict(sampling_params)})
-        if "prompt_logprobs" in sampling_params:
-            return TokenOutput(token_ids=[0], extra_fields=_prompt_logprobs_rows(len(prompt_ids)))
-        return TokenOutput(token_ids=RESPONSE, log_probs=[-0.5] * len(RESPONSE))
+# the stub of verl's LLM server (PROMPT, RESPONSE, K, StubServer) is offpolicy_testkit/verl_stub.py, shared with
+# tests/vllm/scripts/verl_server.py
 
 
 def _agent_loop(server):
@@ -457,11 +435,11 @@ def test_top_k_parse_errors_name_the_field():
 
     with pytest.raises(ValueError, match="prompt_logprobs"):
         topk_from_prompt_logprobs({}, 3, 2, K)
-    rows = _prompt_logprobs_rows(5)
+    rows = prompt_logprobs_rows(5)
     rows["prompt_logprobs"][3] = [-0.1, None, None]  # a position where the server returned fewer than K
     with pytest.raises(ValueError, match="row 3"):
         topk_from_prompt_logprobs(rows, 3, 2, K)
-    assert math.isfinite(topk_from_prompt_logprobs(_prompt_logprobs_rows(5), 3, 2, K)[1][0][0])
+    assert math.isfinite(topk_from_prompt_logprobs(prompt_logprobs_rows(5), 3, 2, K)[1][0][0])
 
 
 def test_plugin_registers_the_policy_losses():

@@ -1,7 +1,7 @@
 """Score centering (arXiv 2609.20807) in verl's own worker path: the plug-in's engine centres the score of the update
 forward on the rollout's top-K (``OFFPOLICY_VERL: {topk_logprobs: K, score_centering: true}``).
 
-verl 0.9.1's ``TrainingWorker`` + FSDP2 on CPU, with the harness of ``test_verl_actor.py`` (tiny random Qwen2, fp32,
+verl 0.9.1's ``TrainingWorker`` + FSDP2 on CPU, with the harness of ``test_verl_actor.py`` (offpolicy_testkit/verl_cpu.py) (tiny random Qwen2, fp32,
 two micro-batches per mini-batch). The batch carries stub top-K fields laid out as the agent loop writes them. Checked:
 
 * the loss value is verl's vanilla one (centring keeps log p(y)'s value);
@@ -12,61 +12,52 @@ two micro-batches per mini-batch). The batch carries stub top-K fields laid out 
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 pytest.importorskip("verl")
 
+from offpolicy_testkit.verl_cpu import ActorBatch, make_worker, process_group, setup_cpu_verl, tiny_qwen2
+
 from offpolicy import centered_logp, score_center_topk  # noqa: E402
 from offpolicy.integrations.verl import parse_settings  # noqa: E402
 
-HERE = pathlib.Path(__file__).resolve()
 K = 4
 T = 0.7
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("verl_actor_harness_sc", HERE.with_name("test_verl_actor.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-h = _harness()
+SHAPE = ActorBatch()  # the verl tests' batch (offpolicy_testkit/verl_cpu.py)
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    h.setup_cpu_verl()
-    with h.process_group():
-        yield h.tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_sc"))
+    setup_cpu_verl()
+    with process_group():
+        yield tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_sc"))
 
 
 @pytest.fixture(scope="module")
 def workers(model_path):
     """(plain, centring) plug-in engines on the same weights (lr 0: every call sees the same model)."""
-    return (h.make_worker(model_path, {"topk_logprobs": K}),
-            h.make_worker(model_path, {"topk_logprobs": K, "score_centering": True}))
+    return (make_worker(model_path, {"topk_logprobs": K}),
+            make_worker(model_path, {"topk_logprobs": K, "score_centering": True}))
 
 
 def _with_head(data, lp: torch.Tensor, ids: torch.Tensor):
     """The batch with the agent loop's top-K fields (``sequence_topk`` per sample) for the response head [B, R, k]."""
     from offpolicy.integrations.verl.topk import TOPK_IDS_FIELD, TOPK_LOGP_FIELD, sequence_topk
 
-    attention_mask = h._inputs()[1]
-    per_sample = [sequence_topk(int(attention_mask[i, :h.P].sum()), ids[i, :n].tolist(), lp[i, :n].tolist(),
-                                ids.shape[-1]) for i, n in enumerate(h.LENGTHS.tolist())]
+    attention_mask = SHAPE.inputs()[1]
+    per_sample = [sequence_topk(int(attention_mask[i, :SHAPE.p].sum()), ids[i, :n].tolist(), lp[i, :n].tolist(),
+                                ids.shape[-1]) for i, n in enumerate(SHAPE.lengths.tolist())]
     data[TOPK_LOGP_FIELD] = torch.nested.as_nested_tensor([s[0] for s in per_sample], layout=torch.jagged)
     data[TOPK_IDS_FIELD] = torch.nested.as_nested_tensor([s[1] for s in per_sample], layout=torch.jagged)
     return data
 
 
 def _train(worker, lp, ids, old):
-    tensors = {"old_log_probs": old, "advantages": h.ADVANTAGES[:, None].expand(h.B, h.R).contiguous()}
-    return h._train(worker, "vanilla", "token-mean", tensors, meta={"temperature": T},
+    tensors = {"old_log_probs": old, "advantages": SHAPE.advantages[:, None].expand(SHAPE.b, SHAPE.r).contiguous()}
+    return SHAPE.train(worker, "vanilla", "token-mean", tensors, meta={"temperature": T},
                     prepare=lambda d: _with_head(d, lp, ids))
 
 
@@ -76,15 +67,15 @@ def _reference_grad(model_path, lp, ids, centre: bool) -> torch.Tensor:
     from transformers import Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, attn_implementation="eager")
-    input_ids, attention_mask = h._inputs()
+    input_ids, attention_mask = SHAPE.inputs()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     z = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    z = z[:, h.P - 1:h.P + h.R - 1].float()  # [B, R, V], the logits that predict each response token
-    logp = (z / T).log_softmax(-1).gather(-1, input_ids[:, h.P:, None]).squeeze(-1)
+    z = z[:, SHAPE.p - 1:SHAPE.p + SHAPE.r - 1].float()  # [B, R, V], the logits that predict each response token
+    logp = (z / T).log_softmax(-1).gather(-1, input_ids[:, SHAPE.p:, None]).squeeze(-1)
     if centre:
         logp = centered_logp(logp, score_center_topk(z, ids, lp, temperature=T))
-    mask = attention_mask[:, h.P:].float()
-    loss = -(h.ADVANTAGES[:, None] * logp * mask).sum() / mask.sum()
+    mask = attention_mask[:, SHAPE.p:].float()
+    loss = -(SHAPE.advantages[:, None] * logp * mask).sum() / mask.sum()
     loss.backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -103,10 +94,10 @@ def test_settings_refuse_what_is_not_built():
 
 def test_centring_keeps_the_loss_and_gives_the_reference_gradient(model_path, workers):
     plain, centring = workers
-    z = h._reference_logits(plain)  # [B, R, V] from the engine's module
+    z = SHAPE.reference_logits(plain)  # [B, R, V] from the engine's module
     noise = 0.5 * torch.randn(z.shape, generator=torch.Generator().manual_seed(5))
     lp, ids = ((z + noise) / T).log_softmax(-1).topk(K, dim=-1)  # μ ≠ π: the drift term is not zero
-    old = h.infer_logp(plain, {"temperature": T})  # π_old = π_θ: PPO's ratio is 1, its gradient −A·∇ℓ / N
+    old = SHAPE.infer_logp(plain, {"temperature": T})  # π_old = π_θ: PPO's ratio is 1, its gradient −A·∇ℓ / N
 
     plain_metrics, plain_grad = _train(plain, lp, ids, old)
     ours_metrics, ours_grad = _train(centring, lp, ids, old)
@@ -127,19 +118,19 @@ def test_centring_keeps_the_loss_and_gives_the_reference_gradient(model_path, wo
 
 def test_centring_without_the_top_k_in_the_batch_is_refused(workers):
     _, centring = workers
-    old = h.infer_logp(centring, {"temperature": T})
-    tensors = {"old_log_probs": old, "advantages": h.ADVANTAGES[:, None].expand(h.B, h.R).contiguous()}
+    old = SHAPE.infer_logp(centring, {"temperature": T})
+    tensors = {"old_log_probs": old, "advantages": SHAPE.advantages[:, None].expand(SHAPE.b, SHAPE.r).contiguous()}
     with pytest.raises(ValueError, match="score_centering: the update batch has no offpolicy_topk_ids"):
-        h._train(centring, "vanilla", "token-mean", tensors, meta={"temperature": T})
+        SHAPE.train(centring, "vanilla", "token-mean", tensors, meta={"temperature": T})
 
 
 def test_centring_on_the_packed_path(model_path, workers):
     """``use_remove_padding=True``: the packed rows get their own top-K (prompt rows a point mass); same gradient."""
     plain, _ = workers
-    packed = h.make_worker(model_path, {"topk_logprobs": K, "score_centering": True}, remove_padding=True)
-    z = h._reference_logits(plain)
+    packed = make_worker(model_path, {"topk_logprobs": K, "score_centering": True}, remove_padding=True)
+    z = SHAPE.reference_logits(plain)
     noise = 0.5 * torch.randn(z.shape, generator=torch.Generator().manual_seed(6))
     lp, ids = ((z + noise) / T).log_softmax(-1).topk(K, dim=-1)
-    old = h.infer_logp(plain, {"temperature": T})
+    old = SHAPE.infer_logp(plain, {"temperature": T})
     _, grad = _train(packed, lp, ids, old)
     torch.testing.assert_close(grad, _reference_grad(model_path, lp, ids, centre=True), rtol=1e-4, atol=1e-6)

@@ -15,7 +15,7 @@ Run by tests/vllm/test_verl_live.py (vLLM must not live inside the pytest proces
   GPUs 1``, ``verl/single_controller/ray/base.py``): Ray is started with one logical GPU, which vLLM's CPU build
   never touches.
 * verl's device layer falls back to CUDA without an accelerator; the weight sender needs the CPU platform of
-  tests/integrations/test_verl_actor.py (shared memory instead of CUDA IPC, as on NPUs).
+  offpolicy_testkit/verl_cpu.py (shared memory instead of CUDA IPC, as on NPUs).
 
 Nothing in verl or vLLM is patched.
 """
@@ -23,17 +23,13 @@ Nothing in verl or vLLM is patched.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
-import sys
+import site
 import tempfile
 import time
 import traceback
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parents[1]
 
 
 def vllm_distribution_alias() -> Path:
@@ -46,13 +42,6 @@ def vllm_distribution_alias() -> Path:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")
     return root
-
-
-def load_test_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def error_text(err: BaseException) -> str:
@@ -78,6 +67,7 @@ def rollout_config(path: str):
 
 async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
     import torch
+    from offpolicy_testkit import verl_stub as stub
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.llm_server import LLMServerManager
@@ -88,7 +78,6 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
     from offpolicy.integrations.verl.topk import TOPK_IDS_FIELD, TOPK_LOGP_FIELD
     from offpolicy.models import load_model, model_path
 
-    stub = load_test_module("verl_plugin_stub", TESTS / "integrations" / "test_verl_plugin.py")
     k = stub.K
     config = rollout_config(str(model_path("tiny")))
     start = time.perf_counter()
@@ -201,10 +190,10 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
     probe = SyncProbe([list(stub.PROMPT), list(output.prompt_ids)], [response, list(output.response_ids)])
     result["sync_calibrate"] = await asyncio.to_thread(check.calibrate, scorer, model, probe)
 
-    stub_actor = load_test_module("verl_actor_harness_live", TESTS / "integrations" / "test_verl_actor.py")
+    from offpolicy_testkit.verl_cpu import cpu_platform
     from verl.plugin.platform import platform_manager
 
-    cpu = stub_actor._cpu_platform()
+    cpu = cpu_platform()
     cpu.device_module.empty_cache = lambda *_: None  # torch.cpu has none; verl's sender calls it after a sync
     platform_manager.set_platform(cpu)
     os.environ.update({"RANK": "0", "RAY_LOCAL_WORLD_SIZE": "1"})
@@ -266,7 +255,7 @@ class VerlServerScorer:
 
 if __name__ == "__main__":
     alias = vllm_distribution_alias()
-    sys.path.insert(0, str(alias))
+    site.addsitedir(str(alias))  # this process's metadata look-up; PYTHONPATH below carries it to Ray's workers
     os.environ["PYTHONPATH"] = os.pathsep.join([str(alias), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     # Ray's memory monitor kills actors when the whole machine is near full, whoever uses the memory: a shared test
     # machine is, at times
