@@ -103,6 +103,15 @@ def test_kl_to_the_reference_model(tmp_path, extra):
     assert theirs[-1]["kl"] > 0  # the policy moved away from the reference: the term is live
 
 
+def test_kl_under_sampling_replay(tmp_path):
+    # the reference model is scored through the replay too (temperature only: TRL's own numbers)
+    model_fn = _saved_model(tmp_path)
+    kw = dict(beta=0.1, temperature=0.7, num_iterations=2)
+    vanilla = _train(GRPOTrainer, tmp_path, model_fn, **kw)
+    ours = _train(OffPolicyGRPOTrainer, tmp_path, model_fn, sampling_replay=True, **kw)
+    _same_run(vanilla, ours, must_log=("kl", "entropy"))
+
+
 @pytest.mark.parametrize("extra", [
     {"entropy_coef": 0.05},
     # adaptive: the target above the entropy (the coefficient grows) and below it (it shrinks, the bonus gated off)

@@ -240,7 +240,9 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
         ``aggregation`` defaults to the one that reproduces ``args.loss_type`` (grpo, bnpo, dr_grpo, dapo), with TRL's
         normaliser: divided by the gradient-accumulation steps (TRL scales the loss itself and tells the HF Trainer
         not to), dapo by the generation batch's token count, dr_grpo by ``max_completion_length``. ``args.delta`` (TRL's
-        two-sided clip) is the dual clip. Settings whose effect is not reproduced raise (see the package docstring).
+        two-sided clip) is the dual clip. Every other ``GRPOConfig`` option TRL 1.16 trains with is reproduced with
+        TRL's metrics (:meth:`_compute_loss`, :mod:`~offpolicy.integrations.trl.terms`); a contradictory combination
+        raises naming both settings (:func:`~offpolicy.integrations.trl.loss.refuse_contradictions`).
 
         The seed methods (all off by default):
 
@@ -381,6 +383,10 @@ def make_offpolicy_grpo_trainer(base: type | None = None) -> type:
             self.offpolicy_alp_level = "token"
             if alp_cfg is not None:
                 self._build_alp(alp_cfg, aggregation, explicit)
+                # ALP's unified-ratio loss replaces the objective: TRL's loss-type weights and clip metrics do not
+                # describe it (TRL's masks, KL, entropy bonus and router loss still apply)
+                self._offpolicy_trls_loss = self._offpolicy_trls_clip = False
+                self._offpolicy_cispo_cap = None
             # the vLLM weight sync: through reload_weights on the CPU backend, verified after every sync
             self.offpolicy_sync: TRLSyncCheck | None = None
             if getattr(train_args, "use_vllm", False) and hasattr(getattr(self, "vllm_generation", None), "sync_weights"):
