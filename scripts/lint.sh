@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint and type checks, as CI runs them (.ci/run, before the tests). Re-runnable on any tree:
+# Lint and type checks, as CI runs them (.ci/run, between its two test phases). Re-runnable on any tree:
 #   scripts/lint.sh          check only (exit 1 on any finding)
 #   scripts/lint.sh --fix    first apply ruff's safe fixes (import order, pyupgrade, unused imports), then check
 # The configuration is in pyproject.toml ([tool.ruff], [tool.mypy]). Tools: the dev extra (pip install -e '.[dev]').
