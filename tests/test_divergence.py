@@ -157,7 +157,7 @@ def test_capped_tail_selects_the_least_likely_tokens_instead_of_sorting(v, k, sc
     # the tail is light (few filled: the selection) or heavy (most of the row: the sort); the sums differ only in the
     # float64 grouping of the terms (the sort's also adds the exact zeros)
     from offpolicy.divergence import capped_tail_max, topk_cap
-    from offpolicy.kernels.fused import rest_mass_bounds
+    from offpolicy.kernels.fused_tiles import rest_mass_bounds
 
     g = torch.Generator().manual_seed(seed)
     lq = torch.log_softmax(torch.randn(4, v, generator=g, dtype=torch.float64) * scale, -1)

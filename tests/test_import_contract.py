@@ -67,7 +67,6 @@ LONG_MODULES = {
     "offpolicy.inspect.compare",
     "offpolicy.inspect.report",
     "offpolicy.integrations.trl.trainer",
-    "offpolicy.kernels.fused",
     "offpolicy.lab.report",
     "offpolicy.lab.sweep",
     "offpolicy.train.config",

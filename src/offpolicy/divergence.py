@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.kernels.fused import rest_mass_bounds, token_stats_from_logits, topk_rest_mass
+from offpolicy.kernels.fused import token_stats_from_logits
+from offpolicy.kernels.fused_tiles import rest_mass_bounds, topk_rest_mass
 from offpolicy.ratios import as_mask
 
 DivergenceKind = Literal["exact", "topk"]
@@ -153,7 +154,7 @@ def topk_kl_upper_bound(rollout_topk_logp: Tensor, rollout_topk_ids: Tensor, log
     certified test from top-k data can be tighter. (Without the cap it would be q_R · log(q_R / π_min): all tail mass
     on π's least likely token, up to 10× looser at k ≥ 20 on the embedded models under live vLLM.) The rest mass
     and the cap are taken at the worst ends of what the rounding of the given log-probs allows
-    (:func:`~offpolicy.kernels.fused.rest_mass_bounds`), so "keep iff upper ≤ δ" is a *sound* TRM test: every kept
+    (:func:`~offpolicy.kernels.fused_tiles.rest_mass_bounds`), so "keep iff upper ≤ δ" is a *sound* TRM test: every kept
     sequence satisfies the exact test. It is vacuous when the tail is heavy — q_R times the log-ratio of the k-th
     probability to π's least likely tail tokens (often 10–20 nats) above δ — and then only a larger k helps
     (:mod:`offpolicy.topk_advice` says which). Shapes as :func:`topk_kl_lower_bound`; no gradient.
