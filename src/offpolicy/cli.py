@@ -289,8 +289,10 @@ def inspect_command(
                               "model directory (nothing is downloaded)."),
     out: Path = typer.Option(Path("offpolicy-inspect"), "--out", help="Folder for report.html/.json, PNGs, tokens.jsonl."),
     rollout: list[str] | None = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
-                                                "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise) and/or key=value "
-                                                "pairs, e.g. 'bf16,weight_bits=4,quantize_layers=2'. Repeatable."),
+                                                "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise; activation-quantised: fp8, "
+                                                "fp8-dynamic, fp8-block, mxfp8, w4a16, w4a4) and/or key=value pairs, "
+                                                "e.g. 'bf16,weight_bits=4,quantize_layers=2' or 'backend=hf,quant=w4a4'. "
+                                                "Repeatable."),
     trainer: list[str] | None = typer.Option(None, "--trainer", help="Trainer spec: fp32 (default), bf16-autocast, "
                                                 "fp16-autocast, bf16, fp16, and/or key=value pairs. One for every "
                                                 "--rollout, or one for all."),
