@@ -297,3 +297,33 @@ def test_compute_loss_value_and_gradient_equal_trls(tmp_path, loss_type, accumul
     for key, value in logged_theirs.items():
         if key != "entropy_coef":  # logged at optimiser-step boundaries; both appended the same value
             assert logged_ours[key] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), key
+
+
+def test_kl_and_weight_properties():
+    # k3 ≥ 0 with equality iff π_θ = π_ref, its value at hand-computed points; the sequence weight is the mean log
+    # ratio over the mask (padding ignored)
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
+
+    @settings(max_examples=50, deadline=None)
+    @given(st.lists(st.floats(-8, 0), min_size=2, max_size=6), st.lists(st.floats(-8, 0), min_size=2, max_size=6))
+    def check(a, b):
+        n = min(len(a), len(b))
+        logp, ref = torch.tensor([a[:n]], dtype=torch.float64), torch.tensor([b[:n]], dtype=torch.float64)
+        kl = kl_to_reference(logp, ref)
+        assert bool((kl >= 0).all()) and bool((kl[logp == ref] == 0).all())
+        far = (logp - ref).abs() > 1e-3  # away from 0, where e^d − d − 1 ≈ d²/2 is above rounding
+        assert bool((kl[far] > 0).all())
+        mask = torch.ones(1, n)
+        mask[0, -1] = 0
+        want = (logp - ref)[0, :-1].mean()
+        torch.testing.assert_close(trl_log_weight(logp, ref, mask, "sequence")[0, 0], want)
+
+    check()
+    # d = log π_ref − log π_θ = 1: e − 2 = 0.71828; d = −1: e^{-1} = 0.36788
+    got = kl_to_reference(torch.tensor([[-2.0, -1.0]]), torch.tensor([[-1.0, -2.0]]))
+    torch.testing.assert_close(got, torch.tensor([[0.71828, 0.36788]]), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        trl_log_weight(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), "geometric")
