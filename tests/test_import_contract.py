@@ -9,6 +9,7 @@ the layers are what they are.
 
 from __future__ import annotations
 
+import doctest
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,11 @@ def test_the_real_layer_table_catches_a_planted_import(graph):
     found = [e for e in upward_edges([*graph.edges, planted], LAYERS) if (e.source, e.target) not in KNOWN_UPWARD]
     assert found == [planted]
     assert "kernels and formulas" in _describe(planted) and "(train)" in _describe(planted)
+
+
+def test_the_graph_readers_doctests():
+    # offpolicy_testkit is outside pytest's doctest paths (src/offpolicy): run its examples here
+    from offpolicy_testkit import import_graph
+
+    result = doctest.testmod(import_graph)
+    assert result.attempted > 0 and result.failed == 0
