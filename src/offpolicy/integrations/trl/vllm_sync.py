@@ -39,12 +39,17 @@ from typing import Any
 
 import torch
 
+from offpolicy.integrations.trl.patches import (  # noqa: F401 - re-exported: their home is the patches module
+    SERVER_SYNCS,
+    check_server_sync,
+    extra_llm_kwargs,
+    server_sync_choice,
+)
 from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncCheckError, SyncProbe
 from offpolicy.rollout.weight_sync import ReloadFolder
 
 logger = logging.getLogger(__name__)
 
-SERVER_SYNCS = ("auto", "nccl", "files")
 
 
 def vllm_on_cpu() -> bool:
@@ -52,28 +57,6 @@ def vllm_on_cpu() -> bool:
     from offpolicy.rollout.vllm import vllm_platform_is_cpu
 
     return vllm_platform_is_cpu()
-
-
-@contextlib.contextmanager
-def extra_llm_kwargs(kwargs: dict[str, Any]) -> Iterator[None]:
-    """Add ``kwargs`` to the ``vllm.LLM(...)`` call TRL 1.16 makes in ``VLLMGeneration._init_vllm`` (colocate mode),
-    which takes no extra arguments of its own: e.g. ``enforce_eager`` (vLLM's CPU backend otherwise compiles for
-    ≈ 50 s at start-up), ``dtype``, ``max_logprobs`` (vLLM's default 20 caps ``topk_logprobs``)."""
-    if not kwargs:
-        yield
-        return
-    from trl.generation import vllm_generation
-
-    original = vllm_generation.LLM
-
-    def llm(*args: Any, **given: Any) -> Any:
-        return original(*args, **{**given, **kwargs})
-
-    setattr(vllm_generation, "LLM", llm)  # noqa: B010 - the module global TRL's _init_vllm reads
-    try:
-        yield
-    finally:
-        setattr(vllm_generation, "LLM", original)  # noqa: B010
 
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -108,43 +91,6 @@ def colocate_sync(generation: Any) -> None:
         generation.llm.wake_up(tags=["weights"])
         generation._llm_weights_sleeping = False
     push_weights(generation.llm, trl_named_weights(generation))
-
-
-def check_server_sync(setting: str) -> str:
-    """``vllm_server_sync``: ``"auto"`` (files when the trainer is not on a CUDA device — TRL's NCCL transfer needs
-    one — else TRL's own), ``"nccl"`` (TRL's own), ``"files"`` (:class:`FileSync`)."""
-    if setting not in SERVER_SYNCS:
-        raise ValueError(f"vllm_server_sync must be one of {SERVER_SYNCS}, got {setting!r}")
-    return setting
-
-
-@contextlib.contextmanager
-def server_sync_choice(cfg: Any, setting: str) -> Iterator[None]:
-    """While TRL's ``GRPOTrainer.__init__`` runs in server mode, decide how weights will reach the server when TRL
-    opens its NCCL group (``VLLMClient.init_communicator``, which raises on a CPU trainer and without the server's
-    ``--weight-transfer-config``): with ``"files"``, or ``"auto"`` on a device that is not CUDA, the group is not
-    opened and the client is marked (:func:`uses_files`) for :class:`FileSync`; otherwise TRL opens it as usual."""
-    check_server_sync(setting)
-    if setting == "nccl" or not (getattr(cfg, "use_vllm", False) and getattr(cfg, "vllm_mode", None) == "server"):
-        yield
-        return
-    from trl.generation.vllm_client import VLLMClient
-
-    original = VLLMClient.init_communicator
-
-    def choose(self: Any, device: Any = 0) -> None:
-        kind = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        if setting == "files" or kind.type != "cuda":
-            self.communicator = None
-            self.offpolicy_file_sync = True
-            return
-        original(self, device)
-
-    setattr(VLLMClient, "init_communicator", choose)  # noqa: B010 - restored below
-    try:
-        yield
-    finally:
-        setattr(VLLMClient, "init_communicator", original)  # noqa: B010
 
 
 def uses_files(generation: Any) -> bool:
