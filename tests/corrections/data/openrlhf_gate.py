@@ -102,36 +102,55 @@ CASES = [  # (batch, level, mode, gating, threshold)
 ]
 
 
-def main() -> None:
+def run_case(policy_loss, x: dict[str, torch.Tensor], level: str, mode: str, gating: str,
+             threshold: list[float]) -> dict:
+    """One setting of OpenRLHF's gate on one batch ``x`` (``old_logp``, ``rollout_logp``, ``logp``, ``advantages``,
+    ``mask``, each [B, T]): the per-token coefficient (from the gradient at log π_θ = log π_old, A = −1),
+    ``is_filter_ratio``, ``vllm_kl`` and the loss at ``logp`` / ``advantages`` — as floats, inf or NaN included."""
+    fn = policy_loss(clip_eps_low=0.2, clip_eps_high=0.2, is_correction_level=level, is_correction_mode=mode,
+                     is_correction_gating=gating, is_correction_threshold=list(threshold))
+    logp = x["old_logp"].clone().requires_grad_(True)
+    loss, _, _, vllm_kl, filter_ratio = fn(logp, x["old_logp"], -torch.ones_like(logp), action_mask=x["mask"],
+                                           rollout_log_probs=x["rollout_logp"])
+    loss.backward()
+    coef = logp.grad * x["mask"].sum()
+    random_loss = fn(x["logp"], x["old_logp"], x["advantages"], action_mask=x["mask"],
+                     rollout_log_probs=x["rollout_logp"])[0]
+    return {"level": level, "mode": mode, "gating": gating, "threshold": list(threshold), "coef": coef.tolist(),
+            "is_filter_ratio": float(filter_ratio), "vllm_kl": float(vllm_kl), "loss": float(random_loss)}
+
+
+def versions() -> dict[str, str]:
     import importlib.metadata
 
+    return {"openrlhf": importlib.metadata.version("openrlhf"), "torch": torch.__version__,
+            "python": ".".join(map(str, sys.version_info[:3]))}
+
+
+def run_given_cases() -> None:
+    """``--cases``: read ``{"inputs": {name: batch}, "cases": [[name, level, mode, gating, threshold], ...]}`` as JSON
+    on stdin (non-finite floats as JSON's ``Infinity`` / ``NaN``), write ``{"versions", "files", "cases"}`` (each case
+    :func:`run_case`'s record plus its ``batch``) — for tests that build their own batches."""
+    request = json.load(sys.stdin)
+    data = {name: {k: torch.tensor(v, dtype=torch.float32) for k, v in x.items()}
+            for name, x in request["inputs"].items()}
+    policy_loss = load_policy_loss()
+    records = [{"batch": name, **run_case(policy_loss, data[name], level, mode, gating, threshold)}
+               for name, level, mode, gating, threshold in request["cases"]]
+    json.dump({"versions": versions(), "files": loaded_files(), "cases": records}, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def main() -> None:
     policy_loss = load_policy_loss()
     data = batches()
-    records = []
-    for batch_name, level, mode, gating, threshold in CASES:
-        x = data[batch_name]
-        fn = policy_loss(clip_eps_low=0.2, clip_eps_high=0.2, is_correction_level=level, is_correction_mode=mode,
-                         is_correction_gating=gating, is_correction_threshold=list(threshold))
-        logp = x["old_logp"].clone().requires_grad_(True)
-        loss, _, _, vllm_kl, filter_ratio = fn(logp, x["old_logp"], -torch.ones_like(logp), action_mask=x["mask"],
-                                               rollout_log_probs=x["rollout_logp"])
-        loss.backward()
-        coef = logp.grad * x["mask"].sum()
-        random_loss = fn(x["logp"], x["old_logp"], x["advantages"], action_mask=x["mask"],
-                         rollout_log_probs=x["rollout_logp"])[0]
-        records.append({
-            "batch": batch_name, "level": level, "mode": mode, "gating": gating, "threshold": threshold,
-            "coef": coef.tolist(), "is_filter_ratio": float(filter_ratio), "vllm_kl": float(vllm_kl),
-            "loss": float(random_loss),
-        })
+    records = [{"batch": batch_name, **run_case(policy_loss, data[batch_name], level, mode, gating, threshold)}
+               for batch_name, level, mode, gating, threshold in CASES]
     inputs = {name: {k: v.tolist() for k, v in x.items()} for name, x in data.items()}
-    versions = {"openrlhf": importlib.metadata.version("openrlhf"), "torch": torch.__version__,
-                "python": ".".join(map(str, sys.version_info[:3]))}
-    json.dump({"versions": versions, "files": loaded_files(), "inputs": inputs, "cases": records}, sys.stdout,
+    json.dump({"versions": versions(), "files": loaded_files(), "inputs": inputs, "cases": records}, sys.stdout,
               indent=1, allow_nan=False)
     sys.stdout.write("\n")
     assert not any(math.isnan(r["loss"]) for r in records)
 
-
 if __name__ == "__main__":
-    main()
+    run_given_cases() if sys.argv[1:] == ["--cases"] else main()
