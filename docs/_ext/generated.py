@@ -71,29 +71,76 @@ def glossary_diagnostics(prefix: str = "") -> str:
 
     header = {"swift": "the trainer (default), ms-swift", "verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF",
               "tinker": "Tinker"}
-    rows = ["| metric | meaning | measured here |", "|---|---|---|"]
+
+    def key(naming: str, name: str) -> str:
+        n = NAMINGS[naming]
+        return f"`{n.prefix}{n.renames.get(name, name)}`"
+
+    rows = ["| metric | TRL key | verl key | meaning | measured here (lab, 5 M) |", "|---|---|---|---|---|"]
     for name, (means, measured) in DIAGNOSTICS.items():
-        rows.append(f"| **{name}** | {_cell(means)} | {_cell(measured) or '–'} |")
-    rows += ["", "Each framework's key is its prefix and the metric's name, except where it has a name of its own:", "",
-             "| naming | prefix | its own names |", "|---|---|---|"]
+        rows.append(f"| **{name}** | {key('trl', name)} | {key('verl', name)} | {_cell(means)} | {_cell(measured)} |")
+    rows += ["", "The other namings: the prefix and the metric's name, except where a framework has a name of its own:",
+             "", "| naming | prefix | its own names |", "|---|---|---|"]
     for naming, n in NAMINGS.items():
+        if naming in ("trl", "verl"):
+            continue
         own = ", ".join(f"{k} → `{n.prefix}{v}`" for k, v in n.renames.items()) or "–"
         rows.append(f"| {header.get(naming, naming)} (`{naming}`) | `{n.prefix}` | {_cell(own)} |")
     return "\n".join(rows)
 
 
+# Trainer keys whose TRL and verl counterparts are the frameworks' own metrics, not offpolicy's (TRL's GRPOTrainer and
+# verl 0.9's v1 trainer log them under these names).
+FRAMEWORK_KEYS = {
+    "reward/mean": ("`reward`", "`critic/score/mean`"),
+    "reward/std": ("`reward_std`", "`critic/score/std`"),
+    "reward/max": ("–", "`critic/score/max`"),
+    "response/length_mean": ("`completions/mean_length`", "`response_length/mean`"),
+    "loss/grad_norm": ("`grad_norm`", "`actor/grad_norm`"),
+    "optim/lr": ("`learning_rate`", "`actor/lr`"),
+}
+# The sync check's keys the TRL trainer logs as they are (verl's syncs are not checked yet).
+TRL_SYNC_KEYS = ("gap", "baseline", "threshold", "ratio", "engine_motion", "stale_fraction", "ok", "seconds",
+                 "push_seconds")
+# Correction families whose metrics verl's driver logs under rollout_corr/ (the correction runs once per step there).
+VERL_CORRECTION_FAMILIES = ("<is>", "gated_is", "opsm", "veto", "trm", "ln_trm", "ser", "<kl_mode>", "chain", "dvp")
+
+
+def _framework_keys(entry) -> tuple[str, str]:
+    """The TRL and the verl key of one glossary entry ('–' where that framework does not log it)."""
+    if entry.key in FRAMEWORK_KEYS:
+        return FRAMEWORK_KEYS[entry.key]
+    if entry.key.startswith("inspect:"):
+        return "–", "–"
+    if entry.key.startswith("sync/") and entry.key[5:] in TRL_SYNC_KEYS:  # TRL's sync check logs them unprefixed
+        return f"`{entry.key}`", "–"
+    if entry.logged_by == "verl":
+        return "–", f"`{entry.key}`"
+    trl = f"`offpolicy/{entry.key}`" if "TRL" in entry.logged_by else "–"
+    family = entry.key.split("/", 1)[0]
+    verl = (f"`rollout_corr/{entry.key}`" if family in VERL_CORRECTION_FAMILIES else
+            f"`{entry.key}`" if entry.key.startswith("loss/") and "TRL" in entry.logged_by else "–")
+    return trl, verl
+
+
 def glossary_entries(prefix: str = "") -> str:
     from offpolicy.glossary import ENTRIES, IS_NAMES, KL_MODES
 
-    rows = ["| key | logged by | meaning | measured here |", "|---|---|---|---|"]
+    rows = ["| key (the reference trainer) | TRL key | verl key | meaning | measured here (lab, 5 M) |",
+            "|---|---|---|---|---|"]
     for e in ENTRIES:
         key = e.key.replace("inspect:", "report.json: ")
-        rows.append(f"| `{key}` | {e.logged_by} | {_cell(e.means)} | {_cell(e.measured) or '–'} |")
+        trl, verl = _framework_keys(e)
+        # verl's own names and TRL-only keys: the reference trainer logs nothing under them
+        key_cell = "–" if e.logged_by in ("verl", "TRL") else f"`{key}`"
+        rows.append(f"| {key_cell} | {trl} | {verl} | {_cell(e.means)} | {_cell(e.measured)} |")
     rows.append("")
     rows.append(f"`<is>` is one of {', '.join(f'`{n}`' for n in IS_NAMES)}; `<kl_mode>` one of "
                 f"{', '.join(f'`{n}`' for n in KL_MODES)}; `<layer>` a layer index; `<bin>` a position bin "
-                "(`pos00008-00015`). The TRL trainer logs every trainer key above under `offpolicy/` "
-                "(`offpolicy/tis/clipped_frac`); verl's driver logs a correction's own keys under `rollout_corr/`.")
+                "(`pos00008-00015`). The TRL trainer logs offpolicy's keys under `offpolicy/` "
+                "(`offpolicy/tis/clipped_frac`) beside TRL's own; verl's driver logs a correction's keys under "
+                "`rollout_corr/`, and the policy loss's `loss/…` keys as the loss returns them. `report.json` keys are "
+                "written by `offpolicy inspect`. A blank \"measured here\" cell: not measured in the lab.")
     return "\n".join(rows)
 
 
