@@ -13,7 +13,7 @@ Two levels, pick one:
       from offpolicy.integrations.trl import OffPolicyGRPOTrainer
       trainer = OffPolicyGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(..., use_vllm=True,
                                      vllm_importance_sampling_correction=False),
-                                     correction=[{"name": "icepop"}, {"name": "opsm", "delta": 1e-4}])
+                                     correction=[{"name": "icepop"}, {"name": "opsm", "delta": 0.5}])
 
 The seed methods, each one argument (``docs/frameworks/trl.md`` has the full page):
 
@@ -42,15 +42,16 @@ the methods that exist only to act on μ — ``m2po``, and objectives that read 
 TRL's own IS correction must be off (``vllm_importance_sampling_correction=False``) when an offpolicy correction is
 given, or the mismatch would be corrected twice; the subclass refuses it (TRL's default ``sequence_mask`` at 3.0 is
 ``mis(level="sequence", upper=3.0)``). A vLLM server whose ``logprobs_mode`` is not ``processed_logprobs`` is refused
-(μ would not be the sampling distribution). Reproduced from TRL's loss: ``loss_type`` grpo / bnpo / dr_grpo / dapo
-with TRL's own normalisers (gradient accumulation, dapo's generation-batch token count, dr_grpo's
-``max_completion_length``), ``epsilon`` / ``epsilon_high``, ``delta`` (= ``dual_clip``), ``loss_type`` cispo (the
-``cispo`` objective, ``epsilon_high`` TRL's absolute cap) and sapo (``sapo``, TRL's two temperatures), the MoE router
-loss and vision inputs. When TRL hands over the vLLM log-probs, the mismatch diagnostics are logged too, under TRL's
-``sampling/…`` names by default (``metric_naming``). Refused, because silently ignoring them would train something
-else: ``beta`` ≠ 0 (no KL-to-reference term), other loss types, entropy-quantile masking, the entropy bonus,
-``off_policy_mask_threshold`` (use ``opsm``) and ``importance_sampling_level="sequence"`` except with
-``objective="gspo"`` or CISPO (TRL's sequence level is the length-normalised ratio, our ``geometric``).
+(μ would not be the sampling distribution). Every GRPOConfig option TRL 1.16 trains with runs under the subclass,
+composed with the correction and logged under TRL's names (``entropy``, ``kl``, ``aux_loss``, ``clip_ratio/…``):
+every ``loss_type`` with TRL's own normalisers, ``epsilon`` / ``epsilon_high`` (CISPO's default cap included),
+``delta``, ``beta`` with the reference model (``sync_ref_model`` too), the entropy bonus and its adaptive form,
+``importance_sampling_level="sequence"``, ``top_entropy_quantile`` and ``off_policy_mask_threshold`` (TRL's own
+functions), the MoE router loss and vision inputs (:mod:`offpolicy.integrations.trl.terms`; tested beside vanilla
+TRL in ``tests/integrations/test_trl_options.py``). Refused, each in one line naming both settings: a correction
+together with TRL's own IS correction, SAPO at sequence level, a ``loss_type`` TRL 1.16 does not have. When TRL
+hands over the vLLM log-probs, the mismatch diagnostics are logged too, under TRL's ``sampling/…`` names by default
+(``metric_naming``).
 """
 
 from __future__ import annotations
