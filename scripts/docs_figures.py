@@ -168,37 +168,36 @@ def draw_choosing_flowchart(path: Path) -> None:
     rows = [
         ("NaN loss or a non-finite log-prob", "sampling/nonfinite_tokens > 0\nrollout_corr/nonfinite_tokens > 0",
          "IcePop (band [0.5, 5]);\nfind the engine bug"),
-        ("gradient-norm spikes", "grad_norm · actor/grad_norm\n≫ its usual value", "token TIS, cap 2"),
+        ("gradient-norm spikes", "grad_norm · actor/grad_norm\n> 10× its median over the run", "token TIS, cap 2"),
         ("k3 climbing over the run", "sampling/k3_kl · rollout_corr/k3_kl\ngrows over the run, or > 0.1",
          "token TIS, cap 2;\nfind the source (inspect)"),
-        ("k3 jumps at every sync,\nfalls right after", "k3 ≈ 0 after a sync,\nhigh before it",
-         "the engine lags: token TIS;\ncheck the sync (sync/ok)"),
+        ("k3 high right after a sync", "sync/ok = 0 (TRL)\nsync/stale_fraction > 0.5",
+         "a sync that did not land:\nfix the sync, not the loss"),
         ("reward collapses after N steps", "k3 and ratio max\nin the steps before it", "TIS or MIS, cap 2;\n"
          "with top-p / top-k: replay"),
-        ("entropy collapses", "entropy · actor/entropy\nand the clipped share", "TIS (not MIS); DVP;\n"
-         "keep TRL's clip"),
+        ("entropy collapses", "entropy · actor/entropy\nand the clipped share", "token TIS;\nsampling replay or DVP"),
         ("response length blows up", "completions/mean_length ·\nresponse_length/mean, k3 vs length",
          "a length-neutral test:\nLN-TRM, TRM-Avg, geo. IS"),
         ("sequence test drops most\nsequences", "offpolicy/trm/accept_rate ·\nrollout_corr/trm/accept_rate < 0.7",
          "TRM-Avg, LN-TRM, or\noffpolicy inspect's δ"),
     ]
-    fig, ax = plt.subplots(figsize=(11, 6.4))
+    fig, ax = plt.subplots(figsize=(10, 6.6))
     n = len(rows)
     ax.set_xlim(0, 6.2)
-    ax.set_ylim(-0.2, n * 0.5 + 0.35)
+    ax.set_ylim(-0.3, n * 0.5 + 0.35)
     ax.axis("off")
     head = n * 0.5 + 0.12
     for x, title in ((0.95, "what you see"), (3.05, "the key to read (TRL · verl)"), (5.25, "start with")):
-        ax.text(x, head, title, ha="center", va="center", fontsize=10, weight="bold")
+        ax.text(x, head, title, ha="center", va="center", fontsize=11, weight="bold")
     for i, (symptom, key, action) in enumerate(rows):
         y = (n - 1 - i) * 0.5 + 0.1
-        _node(ax, 0.95, y, symptom, "#eeeeee", w=1.8)
-        _node(ax, 3.05, y, key, "#e8eef7", w=2.1, size=7.4)
-        _node(ax, 5.25, y, action, "#fbefe4", w=1.8)
+        _node(ax, 0.95, y, symptom, "#eeeeee", w=1.8, h=0.38, size=9.5)
+        _node(ax, 3.05, y, key, "#e8eef7", w=2.1, h=0.38, size=8.8)
+        _node(ax, 5.25, y, action, "#fbefe4", w=1.8, h=0.38, size=9.5)
         _arrow(ax, (1.86, y), (1.99, y))
         _arrow(ax, (4.11, y), (4.34, y))
-    ax.text(3.1, -0.15, "Thresholds, and where each comes from (this project's 5 M lab model, peers' runs at scale, or "
-            "unknown at scale): the table below the picture", ha="center", va="center", fontsize=8, color="0.3")
+    ax.text(3.1, -0.22, "Thresholds, and where each comes from (this project's 5 M lab model, peers' runs at scale, or "
+            "unknown at scale): the table below", ha="center", va="center", fontsize=8.5, color="0.3")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
