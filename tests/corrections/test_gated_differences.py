@@ -49,6 +49,9 @@ EMPTY_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
 # 3. μ(y_0) = 0: π_old(y_0) = 1e-4; token 1 passes every gate, token 2 is just outside δ = 5e-3 (binary KL 5.7e-3)
 NEGINF_OLD = [[math.log(1e-4), -1.0, -0.5]]
 NEGINF_ROLLOUT = [[-INF, -1.1, -0.4]]
+# and the other non-finite inputs gated.py's docstring describes: log μ = NaN, and log π_old = −inf (μ = 1e-4)
+NAN_ROLLOUT = [[math.nan, -1.1, -0.4]]
+OLD_NEGINF_OLD, OLD_NEGINF_ROLLOUT = [[-INF, -1.0, -0.5]], [[math.log(1e-4), -1.1, -0.4]]
 
 
 def _batch(old: list[list[float]], rollout: list[list[float]], mask: list[list[float]]) -> dict[str, list]:
@@ -65,13 +68,25 @@ def _roundoff_logps() -> tuple[list[list[float]], list[list[float]]]:
     return torch.tensor(old).tolist(), torch.tensor(mu).tolist()
 
 
+SCAN = torch.linspace(-0.05, 0.05, 4001)  # the docs' scan: Δ log p evenly spaced, μ = e^-10.6 on every token
+
+
+def _scan_logps() -> tuple[list[list[float]], list[list[float]]]:
+    mu = torch.full((1, len(SCAN)), ROUNDOFF_LOG_MU)
+    return (mu + SCAN).tolist(), mu.tolist()
+
+
 INPUTS = {
     "roundoff": _batch(*_roundoff_logps(), [[1.0] * len(ROUNDOFF_DELTAS)]),
+    "scan": _batch(*_scan_logps(), [[1.0] * len(SCAN)]),
     "empty": _batch(EMPTY_OLD, EMPTY_ROLLOUT, EMPTY_MASK),
     "neginf": _batch(NEGINF_OLD, NEGINF_ROLLOUT, [[1.0, 1.0, 1.0]]),
+    "nan": _batch(NEGINF_OLD, NAN_ROLLOUT, [[1.0, 1.0, 1.0]]),
+    "old_neginf": _batch(OLD_NEGINF_OLD, OLD_NEGINF_ROLLOUT, [[1.0, 1.0, 1.0]]),
 }
 CASES = [  # (batch, OpenRLHF level, mode, gating, threshold)
     ("roundoff", "token", "mask", "binary_kl", [0.0, 5e-3]),
+    ("scan", "token", "mask", "binary_kl", [0.0, 5e-3]),
     ("empty", "seq", "mask", "ratio", [0.5, 5.0]),
     ("empty", "seq", "mask", "binary_kl", [0.0, 0.1]),
     ("empty", "seq", "mask", "tv", [0.0, 0.1]),
@@ -80,6 +95,9 @@ CASES = [  # (batch, OpenRLHF level, mode, gating, threshold)
     ("neginf", "seq", "mask", "binary_kl", [0.0, 5e-3]),
     ("neginf", "token", "mask", "ratio", [0.5, 5.0]),
     ("neginf", "token", "clip", "ratio", [0.5, 5.0]),
+    ("nan", "token", "mask", "binary_kl", [0.0, 5e-3]),
+    ("nan", "token", "clip", "ratio", [0.5, 5.0]),
+    ("old_neginf", "token", "mask", "binary_kl", [0.0, 5e-3]),
 ]
 
 
@@ -194,6 +212,17 @@ def test_live_roundoff_drops_tokens_up_to_four_hundredths_apart(openrlhf):
     assert filter_frac == 0.0
     torch.testing.assert_close(coef[0].double(), torch.tensor(rho, dtype=torch.float64), rtol=1e-6, atol=0.0)
     assert max(abs(math.log(r)) for r in rho[:4]) > 0.04
+    # the docs' scan at the same μ: OpenRLHF drops 928 of 4,001 tokens with |Δ| ≤ 0.05 (the count may move by a few
+    # where another CPU's float32 exp rounds π differently), out to |Δ| 0.048; here none
+    there = openrlhf[("scan", "token", "mask", "binary_kl")]
+    x = _tensors("scan")
+    delta = (x["old_logp"] - x["rollout_logp"])[0]
+    dropped = torch.tensor(there["coef"][0]) == 0
+    assert 850 <= int(dropped.sum()) <= 1000, int(dropped.sum())
+    assert float(delta[dropped].abs().max()) > 0.045
+    coef, filter_frac = _ours("scan", "token", "mask", "binary_kl", [0.0, 5e-3])
+    assert filter_frac == 0.0 and bool((coef > 0).all())
+    print(f"OpenRLHF drops {int(dropped.sum())} of {len(SCAN)}, up to |Δ| {float(delta[dropped].abs().max()):.4f}")
 
 
 def test_live_empty_row_counts_as_filtered_there(openrlhf):
@@ -224,6 +253,26 @@ def test_live_zero_rollout_probability_weighs_inf_there(openrlhf):
         assert coef[0, 0].item() == 0.0 and bool(coef.isfinite().all()), (level, mode, gating)
     # an inf coefficient makes OpenRLHF's loss inf (here: finite)
     assert openrlhf[("neginf", "token", "mask", "binary_kl")]["loss"] == INF
+
+
+def test_live_other_nonfinite_inputs(openrlhf):
+    rho1 = math.exp(0.1)
+    # log μ = NaN: OpenRLHF's NaN statistic fails the band in mask mode (as here: dropped) ...
+    there = openrlhf[("nan", "token", "mask", "binary_kl")]
+    assert there["coef"][0] == pytest.approx([0.0, rho1, 0.0], rel=1e-6)
+    assert there["is_filter_ratio"] == pytest.approx(2 / 3, abs=1e-7)
+    coef, filter_frac = _ours("nan", "token", "mask", "binary_kl", [0.0, 5e-3])
+    assert coef[0].tolist() == pytest.approx([0.0, rho1, 0.0], rel=1e-6) and filter_frac == pytest.approx(2 / 3)
+    # ... and in clip mode becomes the coefficient (here: dropped)
+    assert math.isnan(openrlhf[("nan", "token", "clip", "ratio")]["coef"][0][0])
+    assert _ours("nan", "token", "clip", "ratio", [0.5, 5.0])[0][0, 0].item() == 0.0
+    # log π_old = −inf under the binary-KL gate: OpenRLHF's clamped statistic passes, with weight e^(−inf) = 0, so the
+    # coefficients agree but it is not counted as filtered there (here it is: its log-ratio is undefined)
+    there = openrlhf[("old_neginf", "token", "mask", "binary_kl")]
+    coef, filter_frac = _ours("old_neginf", "token", "mask", "binary_kl", [0.0, 5e-3])
+    assert there["coef"][0] == pytest.approx([0.0, rho1, 0.0], rel=1e-6)
+    assert coef[0].tolist() == pytest.approx([0.0, rho1, 0.0], rel=1e-6)
+    assert there["is_filter_ratio"] == pytest.approx(1 / 3, abs=1e-7) and filter_frac == pytest.approx(2 / 3)
 
 
 if __name__ == "__main__":  # pragma: no cover

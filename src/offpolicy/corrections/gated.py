@@ -21,12 +21,21 @@ by ρ_t, where ``mis`` uses the sequence's ρ_geo. A divergence is bounded from 
 binary-KL gate's default bound 5e-3 is FlashREINFORCE's quick start (``is_correction_level seq``, ``binary_kl``,
 ``5e-3``); the TV gate has no default.
 
-Differences from OpenRLHF worth knowing: its [0, δ] test rejected tokens whose float32 binary KL came out ≈ −4e-8
-(PR #1354); here the KL is ≥ 0 by construction. Its survivors' weight e^(b − a) is not clamped; here log ρ is clamped
-to ±20 (the library's rule). A token with a non-finite log-prob is dropped (its sequence too at sequence levels), as
-OpenRLHF's NaN statistic drops it in mask mode; in its clip mode the NaN ratio becomes the coefficient (a NaN loss),
-here the token is dropped. OpenRLHF's ``is_filter_ratio`` at ``seq`` level averages over every row;
-``<name>/filter_frac`` here over non-empty sequences.
+Differences from OpenRLHF 0.11.2 worth knowing (each run against its ``PolicyLoss`` in
+``tests/corrections/test_gated_differences.py``):
+
+* its textbook float32 binary KL rounds 1 − μ and 1 − π to float32 (spacing 6e-8), so it comes out negative, and its
+  [0, δ] test rejects the token, wherever the exact KL is below about 1e-7: for nearby policies (≈ −4e-8, PR #1354)
+  but also at μ ≈ 2.5e-5 for |Δ log p| up to 0.04. Here the KL is ≥ 0 by construction;
+* its survivors' weight e^(b − a) is not clamped; here log ρ is clamped to ±20 (the library's rule);
+* a token whose log-ratio is not finite is dropped here at every gating, level and mode (its sequence too at sequence
+  levels). OpenRLHF agrees for a NaN log-prob in mask mode (a NaN statistic fails the band; in clip mode the NaN
+  becomes the coefficient, a NaN loss) and for log μ = −inf under the ratio gate in mask mode (a +inf statistic).
+  Otherwise not: its clip mode clamps that +inf ratio to ``upper``; its binary-KL and TV gates clamp μ = 0 to 1e-6,
+  a finite statistic that can pass, and then the token weighs e^(b − a) = inf (an inf loss); log π_old = −inf passes
+  a divergence gate with weight 0, not counted as filtered;
+* its ``is_filter_ratio`` at ``seq`` level averages over every row, an all-padding row (a 0/0 statistic) counted as
+  filtered; ``<name>/filter_frac`` here averages over non-empty sequences.
 """
 
 from __future__ import annotations
