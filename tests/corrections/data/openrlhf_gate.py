@@ -19,6 +19,9 @@ requires the same hashes, and the wheel's own ``RECORD`` hashes for the installe
 Per case the script records the inputs, the per-token coefficient the gate multiplies into the PPO loss (read from the
 gradient: at log π_θ = log π_old and A = −1 every token's PPO term is 1 with ∂/∂log π_θ = 1, so ∂loss/∂log π_θ,t =
 coef_t / N, N the valid tokens), ``is_filter_ratio``, ``vllm_kl`` and the loss on random π_θ and advantages.
+
+``python openrlhf_gate.py --cases`` instead runs the batches and settings given as JSON on stdin (``run_given_cases``),
+for ``tests/corrections/test_gated_differences.py``.
 """
 from __future__ import annotations
 
