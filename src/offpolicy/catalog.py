@@ -94,7 +94,7 @@ METHODS: tuple[Method, ...] = (
            corrections=("trm", "ln_trm", "ser"), presets=("trm",)),
     Method("k2 / k3 rejection", "trust-regions", "verl's rollout_rs k2 / k3 modes", None, "verl",
            corrections=("kl_rejection",)),
-    Method("DVP", "vocabulary", "all policies on {a : π(a) ≥ ρ max π}, renormalised", "2512.23087", "",
+    Method("DVP", "vocabulary", "all policies on {a : π(a) ≥ p_min · max π}, renormalised", "2512.23087", "",
            corrections=("dvp_keep",), presets=("dvp", "dvp_mis")),
     Method("sampling replay", "vocabulary", "π_θ on the engine's top-k / top-p / min-p support", "2512.02556",
            "(keep sampling mask)", setting="`replay_support_logp`, TRL `sampling_replay=True`"),

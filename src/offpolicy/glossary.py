@@ -45,7 +45,7 @@ class Entry:
 # The diagnostics: name → (meaning, measured). Names per framework come from offpolicy.metrics.NAMINGS.
 DIAGNOSTICS: dict[str, tuple[str, str]] = {
     "kl": ("E[log μ − log π] over valid tokens: the direct KL(μ‖π) estimate under μ's samples (can be < 0)", ""),
-    "k3_kl": ("E[ρ − log ρ − 1], ρ = π/μ: Schulman's k3 estimate of KL(μ‖π) per token, ≥ 0",
+    "k3_kl": ("E[ρ − log ρ − 1], ρ = π_old/μ: Schulman's k3 estimate of KL(μ‖π) per token, ≥ 0",
               "fp32 engine 1e-14; int4 weights + 4-bit KV cache 3e-4 at the warm start, falling to 1e-10; an "
               "engine 4 steps behind 2.5e-2 (reward within noise), 8 behind 0.11 (last-quarter reward lower)"),
     "k2_kl": ("E[½ (log ρ)²]: the k2 estimate (OpenRLHF, Tinker)", ""),
@@ -71,9 +71,9 @@ DIAGNOSTICS: dict[str, tuple[str, str]] = {
     "is_weight_min": ("smallest weight applied", ""),
     "clipped_frac": ("share of valid tokens whose weight differs from the raw ratio (truncated or masked)",
                      "TIS / MIS at cap 2 under bf16: 0.02 % of tokens"),
-    "raw_ratio_mean": ("mean of the token ratio π/μ before any correction", ""),
-    "raw_ratio_max": ("largest token ratio π/μ", ""),
-    "raw_ratio_min": ("smallest token ratio π/μ", ""),
+    "raw_ratio_mean": ("mean of the token ratio ρ = π_old/μ before any correction", ""),
+    "raw_ratio_max": ("largest token ratio ρ = π_old/μ", ""),
+    "raw_ratio_min": ("smallest token ratio ρ = π_old/μ", ""),
     "logp_abs_diff_mean": ("mean |log π − log μ| over valid tokens (TRL's sampling_logp_difference/mean)", ""),
     "logp_abs_diff_max": ("largest |log π − log μ|", ""),
     "masked_frac": ("share of valid tokens whose weight is 0 (dropped by the correction)", ""),
