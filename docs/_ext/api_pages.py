@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+# A note for readers of the Markdown on GitHub, which shows each ``::: module`` line as text: the site drops it.
+_GITHUB_ONLY = re.compile(r"^<!-- github-only -->\n.*?^<!-- /github-only -->\n", re.M | re.S)
 _WILDCARD = re.compile(r"^::: ([\w.]+)\.\*[ \t]*$", re.M)
 _NAMED = re.compile(r"^::: ([\w.]+)[ \t]*$", re.M)
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -50,6 +52,15 @@ def expand(markdown: str, src: Path = SRC) -> str:
     return _WILDCARD.sub(repl, markdown)
 
 
+def drop_github_only(markdown: str) -> str:
+    """The page without its GitHub-only notes (between ``<!-- github-only -->`` and ``<!-- /github-only -->``).
+
+    >>> drop_github_only("a\\n<!-- github-only -->\\nnote\\n<!-- /github-only -->\\nb\\n")
+    'a\\nb\\n'
+    """
+    return _GITHUB_ONLY.sub("", markdown)
+
+
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    """MkDocs event: expand the wildcards before mkdocstrings sees the page."""
-    return expand(markdown)
+    """MkDocs event: drop the GitHub-only notes and expand the wildcards before mkdocstrings sees the page."""
+    return expand(drop_github_only(markdown))
