@@ -28,6 +28,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _key(key: str) -> str:
+    """A metric key as inline code that may wrap after a '/' and nowhere else (docs/stylesheets/extra.css).
+
+    >>> _key("rollout_corr/<is>/clipped_frac")
+    '<code>rollout_corr/<wbr>&lt;is&gt;/<wbr>clipped_frac</code>'
+    """
+    escaped = key.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return "<code>" + escaped.replace("/", "/<wbr>") + "</code>"
+
+
 def methods(prefix: str = "") -> str:
     from offpolicy.catalog import methods_table
 
@@ -74,7 +84,7 @@ def glossary_diagnostics(prefix: str = "") -> str:
 
     def key(naming: str, name: str) -> str:
         n = NAMINGS[naming]
-        return f"`{n.prefix}{n.renames.get(name, name)}`"
+        return _key(n.prefix + n.renames.get(name, name))
 
     rows = ["| metric | TRL key | verl key | meaning | measured here (lab, 5 M) |", "|---|---|---|---|---|"]
     for name, (means, measured) in DIAGNOSTICS.items():
@@ -92,12 +102,12 @@ def glossary_diagnostics(prefix: str = "") -> str:
 # Trainer keys whose TRL and verl counterparts are the frameworks' own metrics, not offpolicy's (TRL's GRPOTrainer and
 # verl 0.9's v1 trainer log them under these names).
 FRAMEWORK_KEYS = {
-    "reward/mean": ("`reward`", "`critic/score/mean`"),
-    "reward/std": ("`reward_std`", "`critic/score/std`"),
-    "reward/max": ("–", "`critic/score/max`"),
-    "response/length_mean": ("`completions/mean_length`", "`response_length/mean`"),
-    "loss/grad_norm": ("`grad_norm`", "`actor/grad_norm`"),
-    "optim/lr": ("`learning_rate`", "`actor/lr`"),
+    "reward/mean": ("reward", "critic/score/mean"),
+    "reward/std": ("reward_std", "critic/score/std"),
+    "reward/max": ("", "critic/score/max"),
+    "response/length_mean": ("completions/mean_length", "response_length/mean"),
+    "loss/grad_norm": ("grad_norm", "actor/grad_norm"),
+    "optim/lr": ("learning_rate", "actor/lr"),
 }
 # The sync check's keys the TRL trainer logs as they are (verl's syncs are not checked yet).
 TRL_SYNC_KEYS = ("gap", "baseline", "threshold", "ratio", "engine_motion", "stale_fraction", "ok", "seconds",
@@ -107,19 +117,19 @@ VERL_CORRECTION_FAMILIES = ("<is>", "gated_is", "opsm", "veto", "trm", "ln_trm",
 
 
 def _framework_keys(entry) -> tuple[str, str]:
-    """The TRL and the verl key of one glossary entry ('–' where that framework does not log it)."""
+    """The TRL and the verl key of one glossary entry ('' where that framework does not log it)."""
     if entry.key in FRAMEWORK_KEYS:
         return FRAMEWORK_KEYS[entry.key]
     if entry.key.startswith("inspect:"):
-        return "–", "–"
+        return "", ""
     if entry.key.startswith("sync/") and entry.key[5:] in TRL_SYNC_KEYS:  # TRL's sync check logs them unprefixed
-        return f"`{entry.key}`", "–"
+        return entry.key, ""
     if entry.logged_by == "verl":
-        return "–", f"`{entry.key}`"
-    trl = f"`offpolicy/{entry.key}`" if "TRL" in entry.logged_by else "–"
+        return "", entry.key
+    trl = f"offpolicy/{entry.key}" if "TRL" in entry.logged_by else ""
     family = entry.key.split("/", 1)[0]
-    verl = (f"`rollout_corr/{entry.key}`" if family in VERL_CORRECTION_FAMILIES else
-            f"`{entry.key}`" if entry.key.startswith("loss/") and "TRL" in entry.logged_by else "–")
+    verl = (f"rollout_corr/{entry.key}" if family in VERL_CORRECTION_FAMILIES else
+            entry.key if entry.key.startswith("loss/") and "TRL" in entry.logged_by else "")
     return trl, verl
 
 
@@ -132,8 +142,9 @@ def glossary_entries(prefix: str = "") -> str:
         key = e.key.replace("inspect:", "report.json: ")
         trl, verl = _framework_keys(e)
         # verl's own names and TRL-only keys: the reference trainer logs nothing under them
-        key_cell = "–" if e.logged_by in ("verl", "TRL") else f"`{key}`"
-        rows.append(f"| {key_cell} | {trl} | {verl} | {_cell(e.means)} | {_cell(e.measured)} |")
+        own = "" if e.logged_by in ("verl", "TRL") else key
+        cells = " | ".join(_key(k) if k else "–" for k in (own, trl, verl))
+        rows.append(f"| {cells} | {_cell(e.means)} | {_cell(e.measured)} |")
     rows.append("")
     rows.append(f"`<is>` is one of {', '.join(f'`{n}`' for n in IS_NAMES)}; `<kl_mode>` one of "
                 f"{', '.join(f'`{n}`' for n in KL_MODES)}; `<layer>` a layer index; `<bin>` a position bin "
