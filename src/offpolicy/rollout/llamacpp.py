@@ -148,6 +148,8 @@ class LlamaCppProtocol:
         raise ServerError(f"{where}: llama-server sent no probabilities for this position (every greedy token ended "
                           "inside a UTF-8 character)")
 
+    can_reload = False  # llama-server loads its GGUF at start-up only
+
     def reload_weights(self, url: str, path: str, *, timeout: float) -> None:
         raise ValueError("reload_weights: a running llama-server cannot load new weights; restart it on the new GGUF "
                          "(LlamaCppRolloutEngine owns its server and does so in sync_weights)")

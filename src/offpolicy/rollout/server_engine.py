@@ -81,6 +81,9 @@ class ServerRolloutEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Write ``model`` into the reload folder (``weights_dir``, or a temporary folder on this machine) and have
         the server reload from there."""
+        if not getattr(self.protocol, "can_reload", True):
+            raise ValueError(f"sync_weights: a {self.protocol.name} server at {self.url} cannot take tensors or reload "
+                             "weights; restart it on the new weights (LlamaCppRolloutEngine owns its server and does so)")
         if self._reload_folder is None:
             if self.weights_dir is None:
                 self.weights_dir = Path(tempfile.mkdtemp(prefix="offpolicy-reload-"))
