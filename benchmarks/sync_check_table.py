@@ -166,7 +166,7 @@ def main() -> None:
                     push_weights(engine.llm, named)
                 records: list[str] = []
                 handler = logging.Handler()
-                handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+                handler.emit = lambda r, records=records: records.append(r.getMessage())  # type: ignore[method-assign]
                 logger = logging.getLogger("offpolicy.rollout.sync_check")
                 logger.addHandler(handler)
                 try:

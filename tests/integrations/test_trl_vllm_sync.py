@@ -146,9 +146,9 @@ def test_server_mode_skips_trls_nccl_group_off_cuda_and_restores_it():
 
 
 def test_the_file_sync_writes_every_tensor_and_calls_the_dev_endpoints(tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
     import importlib
+
+    from safetensors.torch import load_file
 
     from offpolicy.rollout.servers import vllm_reload_weights
 
