@@ -1,7 +1,7 @@
 """``offpolicy`` command line: demo, train, lab, inspect, presets, diagnose.
 
 * ``offpolicy demo``      the lab's quick setting: naive vs a correction on the fp32 control and a mismatching
-                          engine, three seeds each, with the lab's table and overview picture.
+                          engine, six seeds each, with the lab's table and overview picture.
 * ``offpolicy train``     a real run from a YAML config plus ``key.sub=value`` overrides (local model paths only).
 * ``offpolicy lab``       presets × mismatch sources × seeds, one trainer process per run (resumable), and the
                           lab report (report.html, plots, lab_table.md, lab_stats.json).
