@@ -9,6 +9,7 @@ the layers are what they are.
 
 from __future__ import annotations
 
+import ast
 import doctest
 from pathlib import Path
 
@@ -67,7 +68,6 @@ LONG_MODULES = {
     "offpolicy.cli",
     "offpolicy.inspect.compare",
     "offpolicy.inspect.report",
-    "offpolicy.integrations.trl.trainer",
     "offpolicy.lab.report",
     "offpolicy.lab.sweep",
     "offpolicy.train.config",
@@ -189,3 +189,66 @@ def test_the_graph_readers_doctests():
 
     result = doctest.testmod(import_graph)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- no class defined inside a function ---------------------------------------------------------------------------
+# A class built by a function is a new class per call, unpicklable under its ``<locals>`` name, and hides what it
+# needs from its caller's scope; a base imported late (TRL, transformers, verl) is a mixin in front of it instead
+# (``OffPolicyGRPOMixin``), composed at module level or with ``type(...)``.
+# Classes inside functions that exist today, each with what removing it takes. The list may only shrink.
+KNOWN_CLASSES_IN_FUNCTIONS = {
+    "offpolicy.integrations.verl.driver:OffPolicyTrainer":
+        "make_trainer_class subclasses a verl v1 PPOTrainer given at run time: a module-level mixin composed with it",
+    "offpolicy.integrations.verl.cpu_bridge:CPUDeviceModule":
+        "verl's platform classes are imported inside cpu_platform: module-level mixins composed with them",
+    "offpolicy.integrations.verl.cpu_bridge:CPUPlatform":
+        "verl's platform classes are imported inside cpu_platform: module-level mixins composed with them",
+}
+
+
+def classes_in_functions(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """``(class, line, function)`` for every ``class`` statement whose nearest enclosing definition is a function
+    (through ``if`` / ``try`` / ``with`` blocks too); a class nested in a class is fine."""
+    found: list[tuple[str, int, str]] = []
+
+    def visit(node: ast.AST, scope: ast.AST | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef) and isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((child.name, child.lineno, scope.name))
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else scope
+            visit(child, inner)
+
+    visit(tree, None)
+    return found
+
+
+def _classes_in_functions_under(root: Path, package: str) -> dict[str, str]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts))
+        for name, line, function in classes_in_functions(ast.parse(path.read_text(), str(path))):
+            out[f"{module}:{name}"] = f"{path}:{line}, inside {function}()"
+    return out
+
+
+def test_no_class_defined_inside_a_function():
+    found = {k: v for k, v in _classes_in_functions_under(SRC, "offpolicy").items()
+             if k not in KNOWN_CLASSES_IN_FUNCTIONS}
+    assert not found, ("classes defined inside a function (a module-level class, or a mixin composed with the late "
+                       "base):\n" + "\n".join(f"{k} at {v}" for k, v in found.items()))
+
+
+def test_known_classes_in_functions_still_exist():
+    present = _classes_in_functions_under(SRC, "offpolicy")
+    assert [k for k in KNOWN_CLASSES_IN_FUNCTIONS if k not in present] == []
+
+
+def test_a_class_inside_a_function_is_caught():
+    code = ("class Top:\n    class Nested:\n        pass\n\n    def method(self):\n        if True:\n"
+            "            class InMethod:\n                pass\n\n"
+            "def factory(base):\n    class Built(base):\n        pass\n    return Built\n\n"
+            "async def later():\n    try:\n        class InTry:\n            pass\n    finally:\n        pass\n\n"
+            "def composed(base):\n    return type('Built', (base,), {})\n")
+    assert classes_in_functions(ast.parse(code)) == [("InMethod", 7, "method"), ("Built", 11, "factory"),
+                                                     ("InTry", 17, "later")]

@@ -257,7 +257,7 @@ def test_raw_vllm_server_logprobs_are_refused():
 
 
 def test_heads_that_scale_or_softcap_and_alp_on_logits_are_refused():
-    from offpolicy.integrations.trl.trainer import _check_plain_head
+    from offpolicy.integrations.trl.parts.scoring import _check_plain_head
 
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         _check_plain_head(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=30.0)))

@@ -93,24 +93,26 @@ def fake_quantize(x: Tensor, bits: int, dim: int = -1) -> Tensor:
     return (q.clamp(-qmax, qmax) * scale).to(x.dtype)
 
 
+class FakeQuantKV:
+    """In front of transformers' ``DynamicCache`` (:func:`_quantized_cache_class`): a cache that stores
+    fake-quantised keys/values (per token & head, over head_dim). Plain, so this module imports no transformers."""
+
+    def __init__(self, *args, bits: int = 8, quantized_layers: frozenset[int] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bits = bits
+        self.quantized_layers = quantized_layers  # None: every layer
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.quantized_layers is None or layer_idx in self.quantized_layers:
+            key_states = fake_quantize(key_states, self.bits)
+            value_states = fake_quantize(value_states, self.bits)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 def _quantized_cache_class():
     from transformers import DynamicCache
 
-    class FakeQuantKVCache(DynamicCache):
-        """DynamicCache that stores fake-quantised keys/values (per token & head, over head_dim)."""
-
-        def __init__(self, *args, bits: int = 8, quantized_layers: frozenset[int] | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.bits = bits
-            self.quantized_layers = quantized_layers  # None: every layer
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if self.quantized_layers is None or layer_idx in self.quantized_layers:
-                key_states = fake_quantize(key_states, self.bits)
-                value_states = fake_quantize(value_states, self.bits)
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    return FakeQuantKVCache
+    return type("FakeQuantKVCache", (FakeQuantKV, DynamicCache), {"__module__": __name__})
 
 
 def _compiled(step: DecodeStep | None):

@@ -5,9 +5,10 @@ Two levels, pick one:
 * :func:`trl_policy_loss` — a pure function from TRL's per-step ``inputs`` dict (``completion_mask``, ``advantages``,
   ``old_per_token_logps``, ``sampling_per_token_logps``) and the current per-token log-probs to ``(loss, metrics)``.
   Use it from your own ``GRPOTrainer._compute_loss`` override.
-* ``OffPolicyGRPOTrainer`` — a drop-in subclass of ``trl.GRPOTrainer`` (built on first access, so importing this module
-  never imports TRL) that takes ``correction=``, ``objective=``, ``aggregation=``, ``metric_naming=``, the seed
-  methods' switches and everything ``GRPOTrainer`` takes; corrections and objectives are registered names (a
+* ``OffPolicyGRPOTrainer`` — a drop-in subclass of ``trl.GRPOTrainer`` (imported on first access, so importing this
+  module never imports TRL; ``OffPolicyGRPOMixin`` composes the same way in front of one's own ``GRPOTrainer``
+  subclass) that takes ``correction=``, ``objective=``, ``aggregation=``, ``metric_naming=``, the seed methods'
+  switches and everything ``GRPOTrainer`` takes; corrections and objectives are registered names (a
   plug-in's too) or objects::
 
       from offpolicy.integrations.trl import OffPolicyGRPOTrainer
@@ -65,6 +66,7 @@ from offpolicy.integrations.trl.loss import (
     trl_objective,
     trl_policy_loss,
 )
+from offpolicy.integrations.trl.mixin import OffPolicyGRPOMixin
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
 from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
@@ -75,6 +77,7 @@ from offpolicy.losses import needs_rollout_logp
 __all__ = [
     "ENGINE_ORDERS",
     "FileSync",
+    "OffPolicyGRPOMixin",
     "OffPolicyGRPOTrainer",
     "TRL_LOSS_TYPES",
     "allreduce_sigma_grad",
@@ -97,14 +100,11 @@ __all__ = [
 ]
 
 
-_BUILT: dict[str, type] = {}
-
-
 def __getattr__(name: str) -> Any:
-    if name == "OffPolicyGRPOTrainer":  # built once, on first access (importing this package never imports TRL)
-        if name not in _BUILT:
-            _BUILT[name] = make_offpolicy_grpo_trainer()
-        return _BUILT[name]
+    if name == "OffPolicyGRPOTrainer":  # imported on first access: importing this package never imports TRL
+        from offpolicy.integrations.trl.grpo import OffPolicyGRPOTrainer
+
+        return OffPolicyGRPOTrainer
     if name == "vllm_logprob_lists":  # a test helper, public by mistake: one release of the old name
         from offpolicy.integrations.trl import rollout
 

@@ -38,19 +38,27 @@ def allreduce_sigma_grad(alp: LayerwisePerturbation, group: Any = None) -> bool:
     return True
 
 
+class ALPSigmaHooks:
+    """The two optimiser-step events of :func:`alp_callback`'s callback: before the step σ's gradient is all-reduced
+    (:func:`allreduce_sigma_grad`), after it σ's gradient is dropped (the Trainer zeroes only the model's). Plain (no
+    transformers import here): :func:`alp_callback` puts it in front of ``transformers.TrainerCallback``."""
+
+    def __init__(self, alp: LayerwisePerturbation) -> None:
+        self.alp = alp
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        allreduce_sigma_grad(self.alp)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.alp.log_sigma.grad = None
+
+
 def alp_callback(alp: LayerwisePerturbation) -> Any:
-    """A ``transformers.TrainerCallback``: before each optimiser step σ's gradient is all-reduced
-    (:func:`allreduce_sigma_grad`), after it σ's gradient is dropped (the Trainer zeroes only the model's)."""
+    """A ``transformers.TrainerCallback`` with :class:`ALPSigmaHooks`' two events (the callback's other events are
+    ``TrainerCallback``'s no-ops)."""
     from transformers import TrainerCallback
 
-    class ALPSigmaCallback(TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            allreduce_sigma_grad(alp)
-
-        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            alp.log_sigma.grad = None
-
-    return ALPSigmaCallback()
+    return type("ALPSigmaCallback", (ALPSigmaHooks, TrainerCallback), {"__module__": __name__})(alp)
 
 
 def save_alp(alp: LayerwisePerturbation, folder: str | os.PathLike) -> str:

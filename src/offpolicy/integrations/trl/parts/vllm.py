@@ -1,0 +1,57 @@
+"""The vLLM engine TRL builds, as offpolicy needs it: extra ``vllm.LLM`` arguments for the colocated engine, the
+server's log-prob mode checked, and the weight sync through ``reload_weights`` / files, checked after every sync
+(:mod:`offpolicy.integrations.trl.vllm_sync`).
+
+Settings: ``vllm_kwargs``, ``vllm_server_sync``, ``vllm_weights_dir``, ``sync_check``. Metrics: ``sync/…``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offpolicy.integrations.trl.parts import TRLBase
+from offpolicy.integrations.trl.vllm_sync import FileSync, TRLSyncCheck, install_vllm_sync, uses_files, vllm_on_cpu
+from offpolicy.rollout.sync_check import SyncCheck
+
+
+def _colocate_llm_kwargs(cfg: Any, given: dict[str, Any] | None, topk: int) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments for TRL's colocated engine: ``given``, and where it says nothing, on vLLM's CPU
+    backend ``enforce_eager=True`` (start-up ≈ 25 s instead of ≈ 80 s), and ``max_logprobs`` ≥ ``topk``."""
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"vllm_kwargs must be a dict of vllm.LLM arguments or None, got {given!r}")
+    out = dict(given or {})
+    if not (getattr(cfg, "use_vllm", False) and getattr(cfg, "vllm_mode", "colocate") == "colocate"):
+        if out:
+            raise ValueError("vllm_kwargs: TRL builds an LLM only with use_vllm=True, vllm_mode='colocate'")
+        return out
+    if vllm_on_cpu():
+        out.setdefault("enforce_eager", True)
+    if topk > 20:  # vLLM's default max_logprobs
+        out.setdefault("max_logprobs", topk)
+    return out
+
+
+class VLLMWiring(TRLBase):
+    """The vLLM engine's arguments, log-prob mode and weight-sync check (a part of ``OffPolicyGRPOMixin``)."""
+
+    def _setup_vllm_sync(self, train_args: Any, sync_check: str | SyncCheck | None, weights_dir: str | None) -> None:
+        """The vLLM weight sync: through ``reload_weights`` on the CPU backend, verified after every sync."""
+        self.offpolicy_sync: TRLSyncCheck | None = None
+        if getattr(train_args, "use_vllm", False) and hasattr(getattr(self, "vllm_generation", None), "sync_weights"):
+            file_sync = FileSync(self.vllm_generation, weights_dir) if uses_files(self.vllm_generation) else None
+            self.offpolicy_sync = install_vllm_sync(self, sync_check, files=file_sync)
+
+    def _check_logprobs_mode(self, train_args: Any) -> None:
+        """μ must be vLLM's processed log-probs; TRL checks the server only with its own IS correction on."""
+        if not (getattr(train_args, "use_vllm", False) and getattr(train_args, "vllm_mode", None) == "server"):
+            return
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None and not accelerator.is_main_process:
+            return
+        client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
+        if client is None:
+            return
+        mode = client.get_server_info()["model_config"]["logprobs_mode"]
+        if mode != "processed_logprobs":
+            raise ValueError(f"logprobs_mode: the vLLM server runs with --logprobs-mode {mode}; μ must be the "
+                             "sampling distribution: restart it with --logprobs-mode processed_logprobs")
