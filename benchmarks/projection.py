@@ -1,8 +1,9 @@
 """Each method's overhead projected to Qwen2.5-1.5B, -7B and -32B: what is counted (FLOPs of each extra
 vocabulary-wide pass against the model's own forward + backward) and what is measured (the passes' CPU time against
-TRL's own head at V = 151,936, from ``benchmarks/vocab_memory.py --json``).
+a framework's own log-prob path at V = 151,936, from ``benchmarks/vocab_memory.py --json``; by default its committed
+``docs/data/benchmarks/vocab_memory.json``).
 
-    python benchmarks/projection.py [--measured vm.json] [--seq 8192] [--checkpointing]
+    python benchmarks/projection.py [--measured FILE | --measured ""] [--seq 8192] [--checkpointing]
 
 The step (training part only: generation is left out, which makes every ratio an upper bound — a vLLM rollout is
 typically half of an RL step or more) per completion token, as TRL's ``GRPOTrainer`` runs it off-policy:
@@ -23,11 +24,13 @@ Extra head passes per token and step (counted from each method's code path):
 * score centering: +4 — the centre's forward, its recompute and two gradient matmuls in the update
 * ALP: 0 — σ·ε per decoder layer input (L·H random numbers per token)
 
-"counted" = 1 + extra passes × head / step. "measured" replaces the pass count by the measured CPU seconds of each
-method's update-forward path over TRL's head (fwd + bwd) on the same shape, minus 1, times TRL's 4 update passes
-(+ the same share of its scoring pass for the methods that replace TRL's head in both forwards) — it carries the
-element-wise work (softmax, sort) a FLOP count leaves out, at a CPU's balance of arithmetic to memory traffic, not
-a GPU's.
+"counted" = 1 + extra passes × head / step. "measured" replaces the pass count by the measured extra CPU seconds of
+each method's update path over TRL's head (fwd + bwd, ``op_*`` − ``trl_head``) on the same shape, in units of one head
+pass of the *faster* of the two frameworks' own paths — TRL's tiled head (4 passes: forward, recompute, 2 gradient
+matmuls; off CUDA its torch tile fallback) or verl's plain [N, V] path (``verl_update``: 3 passes, forward and 2
+gradient matmuls) — so a slow baseline does not shrink the overhead; plus the same share of the scoring pass for the
+methods that replace TRL's head in both forwards. It carries the element-wise work (softmax, sort) a FLOP count
+leaves out, at a CPU's balance of arithmetic to memory traffic, not a GPU's.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 VOCAB = 151936
+MEASURED = Path(__file__).resolve().parents[1] / "docs" / "data" / "benchmarks" / "vocab_memory.json"
+BASE_PASSES = {"trl_head": 4, "verl_update": 3}  # head passes of each framework's own path, forward + backward
 
 
 @dataclass(frozen=True)
@@ -78,13 +84,29 @@ def step_flops(m: Model, seq: int, checkpointing: bool) -> tuple[float, float]:
     return (4 + checkpointing) * f_body + 5 * head, head
 
 
+def _ok(r: dict | None) -> bool:
+    return bool(r) and "error" not in r  # type: ignore[operator]
+
+
+def pass_seconds(results: dict) -> float | None:
+    """CPU seconds of one head pass by the faster framework path measured (TRL's tiled head, verl's plain path)."""
+    per = [results[a]["cpu_s"] / n for a, n in BASE_PASSES.items() if _ok(results.get(a))]
+    return min(per) if per else None
+
+
 def measured_passes(results: dict, arm: str, replaces: bool) -> float | None:
-    """Extra head passes per token and step implied by the measured CPU time of ``arm`` over TRL's head."""
-    base, r = results.get("trl_head"), results.get(arm)
-    if not base or not r or "error" in base or "error" in r:
+    """Extra head passes per token and step implied by the measured CPU time of ``arm`` over TRL's head, in passes
+    of the faster framework path (:func:`pass_seconds`); the update's 4 passes, + 1 scoring pass if ``replaces``.
+
+    >>> r = {"trl_head": {"cpu_s": 8.0}, "verl_update": {"cpu_s": 3.0}, "op_x": {"cpu_s": 10.0}}
+    >>> measured_passes(r, "op_x", False), measured_passes(r, "op_x", True)   # 2 s over 1 s a pass; + a quarter
+    (2.0, 2.5)
+    """
+    base, r, per = results.get("trl_head"), results.get(arm), pass_seconds(results)
+    if not _ok(base) or not _ok(r) or per is None:
         return None
-    extra = r["cpu_s"] / base["cpu_s"] - 1  # in units of TRL's head fwd + bwd (4 passes)
-    return extra * 4 + (extra * 1 if replaces else 0.0)
+    extra = (r["cpu_s"] - base["cpu_s"]) / per  # in the update (TRL's 4 passes)
+    return extra * (1.25 if replaces else 1.0)  # the scoring forward is a quarter of the update's passes
 
 
 def table(seq: int, checkpointing: bool, results: dict | None) -> list[dict]:
@@ -101,14 +123,18 @@ def table(seq: int, checkpointing: bool, results: dict | None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--measured", default=None, help="a benchmarks/vocab_memory.py --json file")
+    ap.add_argument("--measured", default=str(MEASURED),
+                    help="a benchmarks/vocab_memory.py --json file (default: the committed one; '' for none)")
     ap.add_argument("--seq", type=int, default=8192, help="prompt + completion tokens per sequence")
     ap.add_argument("--checkpointing", action="store_true", help="count the update's recompute forward")
     a = ap.parse_args(argv)
     results = None
     if a.measured:
         with open(a.measured) as f:
-            results = json.load(f)["results"]
+            measured = json.load(f)
+        results = measured["results"]
+        print(f"measured: {a.measured} ({measured.get('shape')}); one head pass = the faster of TRL's head / 4 and "
+              "verl's plain path / 3 in CPU seconds")
     rows = table(a.seq, a.checkpointing, results)
     print(f"sequence {a.seq}, {'with' if a.checkpointing else 'without'} activation checkpointing; training part "
           "of the step only (generation left out: upper bounds)")

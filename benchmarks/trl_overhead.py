@@ -2,7 +2,7 @@
 ``OffPolicyGRPOTrainer`` with each method, the arms alternating in one process, split into generation, scoring
 forward and update.
 
-    PYTHONPATH=. python benchmarks/trl_overhead.py [--repeat 5] [--steps 4] [--only tis dvp] [--model tiny|lab] [--threads 1]
+    PYTHONPATH=. python benchmarks/trl_overhead.py [--repeat 5] [--steps 4] [--only tis dvp] [--model tiny-random|lab] [--threads 1]
 
 Every arm trains the same model (a fresh copy) on the same prompts with the same ``GRPOConfig``: TRL's vLLM server
 path (``use_vllm=True, vllm_mode="server"``), which is where TRL has the engine's log-probs μ that every correction

@@ -39,7 +39,11 @@ Memory: after the inputs are built (chunk by chunk, no transient peak) and every
 resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), reads its RSS as the baseline, runs forward +
 backward once and reports ``VmHWM − baseline``: the extra memory at the peak, gradients ∂h, ∂W included (every
 arm must produce them; ``∂W`` alone is V·H·itemsize). Time: wall and process CPU seconds of that run (``--reps R``:
-the best of R runs after a warm-up). Each arm's ratio is to its side's baseline, measured in the same invocation.
+the best of R runs after a warm-up). ``--repeat`` (default 3) runs every arm that many times, alternating, the order
+rotated by one each repeat; each arm's ratio is to its side's baseline in the same repeat, reported as the median
+and range over repeats (with the load average of each run). The committed results:
+``docs/data/benchmarks/vocab_memory.json`` (its ``shape`` says the settings), which ``benchmarks/projection.py``
+reads by default.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -115,7 +120,10 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
     from offpolicy.objectives.score_centering import centered_logp
 
     if arm in TRL_ARMS:
+        # TRL_VOCAB_TILE: the vocabulary width of TRL's tiles, as add_fused_lm_head passes it to the function
+        # (trl/trainer/utils.py in TRL 1.16.0: _CHUNKED_LOGPROB_CHUNK_SIZE = 32768)
         from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as TRL_VOCAB_TILE
 
         from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp
         from offpolicy.integrations.trl.topk import topk_divergence, topk_score_center
@@ -134,7 +142,7 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
         replay = parse_settings({"sampling": {"top_k": TOP_K, "top_p": TOP_P}})
 
     def trl_head():
-        logp, _entropy, *_ = ChunkedLogProbFunction.apply(hid, w, None, y, 1.0, 32768, None, 1.0,
+        logp, _entropy, *_ = ChunkedLogProbFunction.apply(hid, w, None, y, 1.0, TRL_VOCAB_TILE, None, 1.0,
                                                            ("log_probs", "entropy"))
         return logp
 
@@ -212,32 +220,69 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
             "load": os.getloadavg()[0]}
 
 
+def _run_child(arm: str, n: int, h: int, v: int, k: int, dtype: str, reps: int, budget_mib: float,
+               threads: int) -> dict:
+    """One arm in a fresh subprocess: its result, or ``{"arm", "error": reason}``."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--n", str(n), "--h", str(h), "--v", str(v),
+           "--topk", str(k), "--dtype", dtype, "--reps", str(reps), "--budget-mib", str(budget_mib),
+           "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"arm": arm, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_arms(arms, n: int, h: int, v: int, k: int, dtype: str, reps: int, budget_mib: float, threads: int,
-             echo=print) -> dict[str, dict]:
-    """Run each arm in a fresh subprocess; returns {arm: result} (an arm that failed: {"error": reason})."""
+             repeat: int = 3, echo=print) -> dict[str, dict]:
+    """Every arm once per repeat, each in a fresh subprocess, the order rotated by one every repeat; each arm's
+    ratios to its side's baseline taken in the same repeat. Returns {arm: summary}: the medians of ``extra_mib``,
+    ``wall_s``, ``cpu_s`` (and of ``mem_ratio``, ``wall_ratio``, ``cpu_ratio`` for a non-baseline arm), each with its
+    range (``<key>_range`` [min, max]) and the per-repeat results under ``runs``; an arm that failed in any repeat:
+    {"arm", "error": reason}."""
+    arms = list(arms)
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    errors: dict[str, str] = {}
+    for rep in range(repeat):
+        order = arms[rep % len(arms):] + arms[:rep % len(arms)]
+        done: dict[str, dict] = {}
+        for arm in order:
+            r = _run_child(arm, n, h, v, k, dtype, reps, budget_mib, threads)
+            done[arm] = r
+            if "error" in r:
+                errors.setdefault(arm, r["error"])
+                echo(f"repeat {rep + 1} {arm:16s} not run: {r['error']}")
+                continue
+            echo(f"repeat {rep + 1} {arm:16s} extra {r['extra_mib']:8.0f} MiB   wall {r['wall_s']:7.2f} s   "
+                 f"cpu {r['cpu_s']:7.2f} s   load {r['load']:4.1f}")
+        for arm in arms:  # ratios once the whole repeat ran (the baseline may come later in a rotated order)
+            r, ref = done[arm], done.get(BASELINE[arm])
+            if "error" in r:
+                continue
+            if ref is not None and "error" not in ref and ref is not r:
+                r["mem_ratio"] = r["extra_mib"] / max(ref["extra_mib"], 1e-9)
+                r["wall_ratio"] = r["wall_s"] / ref["wall_s"]
+                r["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"]
+            runs[arm].append(r)
     results: dict[str, dict] = {}
     for arm in arms:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--n", str(n), "--h", str(h), "--v", str(v),
-               "--topk", str(k), "--dtype", dtype, "--reps", str(reps), "--budget-mib", str(budget_mib),
-               "--threads", str(threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            reason = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            results[arm] = {"arm": arm, "error": reason}
-            echo(f"{arm:16s} not run: {reason}")
+        if arm in errors:
+            results[arm] = {"arm": arm, "error": errors[arm]}
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[arm] = r
-        ref = results.get(BASELINE[arm])
-        rel = ""
-        if ref is not None and "error" not in ref and ref is not r:
-            r["mem_ratio"] = r["extra_mib"] / max(ref["extra_mib"], 1e-9)
-            r["wall_ratio"] = r["wall_s"] / ref["wall_s"]
-            r["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"]
-            rel = (f"   vs {BASELINE[arm]}: mem {r['mem_ratio']:5.2f}x  wall {r['wall_ratio']:5.2f}x  "
-                   f"cpu {r['cpu_ratio']:5.2f}x")
-        echo(f"{arm:16s} extra {r['extra_mib']:8.0f} MiB   wall {r['wall_s']:7.2f} s   cpu {r['cpu_s']:7.2f} s   "
-             f"load {r['load']:4.1f}{rel}")
+        rs = runs[arm]
+        summary: dict = {"arm": arm, "repeats": len(rs), "load": [min(r["load"] for r in rs), max(r["load"] for r in rs)]}
+        for key in ("extra_mib", "wall_s", "cpu_s", "mem_ratio", "wall_ratio", "cpu_ratio"):
+            if all(key in r for r in rs):
+                values = [r[key] for r in rs]
+                summary[key] = statistics.median(values)
+                summary[f"{key}_range"] = [min(values), max(values)]
+        summary["runs"] = rs
+        results[arm] = summary
+        rel = "" if "mem_ratio" not in summary else (
+            f"   vs {BASELINE[arm]}: mem {summary['mem_ratio']:5.2f}x  wall {summary['wall_ratio']:5.2f}x "
+            f"[{summary['wall_ratio_range'][0]:.2f}–{summary['wall_ratio_range'][1]:.2f}]  cpu "
+            f"{summary['cpu_ratio']:5.2f}x [{summary['cpu_ratio_range'][0]:.2f}–{summary['cpu_ratio_range'][1]:.2f}]")
+        echo(f"median of {len(rs)}: {arm:16s} extra {summary['extra_mib']:8.0f} MiB   wall {summary['wall_s']:7.2f} s"
+             f"   cpu {summary['cpu_s']:7.2f} s{rel}")
     return results
 
 
@@ -249,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--quick", action="store_true", help="N=256, H=128, V=32000")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="hidden states and lm_head")
     ap.add_argument("--topk", type=int, default=20, help="K of the engine's top-K log-probs")
-    ap.add_argument("--reps", type=int, default=1, help="R > 1: a warm-up, then the best of R")
+    ap.add_argument("--reps", type=int, default=1, help="R > 1 within each child: a warm-up, then the best of R")
+    ap.add_argument("--repeat", type=int, default=3, help="repeats of every arm, the order rotated each repeat")
     ap.add_argument("--budget-mib", type=float, default=256.0, help="offpolicy's memory_budget_bytes (MiB)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
     ap.add_argument("--only", nargs="*", default=None, help=f"a subset of {', '.join(ARMS)}")
@@ -276,11 +322,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
           f"{args.n * args.v * 4 / 2**20:.0f}); ∂W [V, H]: {args.v * args.h * itemsize / 2**20:.0f} MiB "
           "(in every arm with a gradient)")
     arms = args.only or ARMS
-    results = run_arms(arms, args.n, args.h, args.v, args.topk, args.dtype, args.reps, args.budget_mib, args.threads)
+    if args.repeat < 1:
+        raise SystemExit("--repeat: at least 1")
+    results = run_arms(arms, args.n, args.h, args.v, args.topk, args.dtype, args.reps, args.budget_mib, args.threads,
+                       repeat=args.repeat)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": {"n": args.n, "h": args.h, "v": args.v, "dtype": args.dtype, "topk": args.topk,
-                                 "budget_mib": args.budget_mib}, "results": results}, f, indent=1)
+                                 "budget_mib": args.budget_mib, "threads": args.threads, "repeat": args.repeat,
+                                 "reps": args.reps}, "results": results}, f, indent=1)
     return results
 
 

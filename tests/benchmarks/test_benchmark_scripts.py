@@ -40,13 +40,18 @@ def test_gpu_script_runs_on_cpu_and_writes_one_json(tmp_path):
 @pytest.mark.slow  # two subprocesses importing torch and TRL: 92 s at load average 8–13 on 2 cores
 def test_vocab_memory_script_reports_ratios_to_the_baseline():
     results = _script("vocab_memory").run_arms(["trl_head", "op_center"], n=64, h=16, v=500, k=4, dtype="fp32",
-                                               reps=1, budget_mib=1.0, threads=1, echo=lambda *a: None)
+                                               reps=1, budget_mib=1.0, threads=1, repeat=2, echo=lambda *a: None)
     for arm, r in results.items():
         assert "error" not in r, (arm, r)
-        assert r["extra_mib"] >= 0 and r["cpu_s"] > 0
+        assert r["extra_mib"] >= 0 and r["cpu_s"] > 0 and len(r["runs"]) == r["repeats"] == 2
     assert "mem_ratio" not in results["trl_head"]
-    assert math.isclose(results["op_center"]["mem_ratio"],
-                        results["op_center"]["extra_mib"] / max(results["trl_head"]["extra_mib"], 1e-9))
+    centre, head = results["op_center"]["runs"], results["trl_head"]["runs"]
+    ratios = [c["mem_ratio"] for c in centre]
+    for c, h in zip(centre, head):  # each repeat's ratio is to the baseline of the same repeat
+        assert math.isclose(c["mem_ratio"], c["extra_mib"] / max(h["extra_mib"], 1e-9))
+        assert math.isclose(c["cpu_ratio"], c["cpu_s"] / h["cpu_s"])
+    assert math.isclose(results["op_center"]["mem_ratio"], sum(ratios) / 2)  # the median of two
+    assert results["op_center"]["mem_ratio_range"] == [min(ratios), max(ratios)]
 
 
 def test_trl_overhead_puts_trls_vllm_init_back_on_exit():

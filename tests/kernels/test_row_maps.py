@@ -80,6 +80,43 @@ def test_head_row_map_bf16_head_float32_arithmetic():
     torch.testing.assert_close(gh_got, gh.bfloat16(), rtol=0, atol=0)
 
 
+class UpCasts(TorchDispatchMode):
+    """Elements converted from bfloat16 to float32 by the operators run while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and out.dtype == torch.float32:
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            self.numel += src.numel() if src.dtype == torch.bfloat16 else 0
+        return out
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_bf16_head_up_cast_once_per_pass_when_it_fits(fits):
+    # 16 rows in 16 chunks, a bf16 head [V = 50, H = 5] (1,000 bytes in float32): with a quarter budget ≥ 1,000 bytes
+    # the head is up-cast once in the forward and once in the backward; below it, a slice per chunk, three times per
+    # chunk (forward, recompute, ∂h) — and the values and gradients are the same either way
+    h, w, _, y, coef = _problem(torch.bfloat16, n=16, vocab=50)
+    budget = 4 * 1000 if fits else 4 * 999
+    buffers = budget // (50 * 4)  # one row per chunk
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = _stats(h32 @ w32.T, 0, 16, y)[0]
+    gh, gw = torch.autograd.grad((want * coef).sum(), (h32, w32))
+    with UpCasts() as fwd:
+        got = head_row_map(lambda z, a, c: _stats(z, a, c, y), h, w, buffers=buffers, memory_budget_bytes=budget)[0]
+    with UpCasts() as bwd:
+        gh_got, gw_got = torch.autograd.grad((got * coef).sum(), (h, w))
+    head, rows = w.numel(), h.numel()  # besides the head: the rows h up-cast once per pass (twice in the backward)
+    assert (fwd.numel - rows, bwd.numel - 2 * rows) == ((head, head) if fits else (16 * head, 2 * 16 * head))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(gw_got, gw.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(gh_got, gh.bfloat16(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("budget", [2**30, 11 * 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_row_map_equals_one_pass(budget, dtype):

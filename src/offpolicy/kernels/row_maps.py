@@ -9,8 +9,11 @@ vocabulary they must not build an ``[N, V]`` tensor, and the gradient must not c
   and pushes it through the matmul itself, into one float32 ∂W (and ∂h, ∂b) accumulated in place. (Autograd through
   a checkpointed ``h[a:b] @ W.T`` would allocate a fresh ``[V, H]`` gradient for every chunk, accumulate it in W's
   dtype — bf16 sums lose digits chunk by chunk — and an ``[N, H]`` zero tensor for every slice of ``h``.) A 16-bit
-  head is up-cast one vocabulary slice (a quarter of the budget) at a time, never as a whole ``[V, H]`` float32
-  copy; each chunk re-reads it, which costs time on such a head (V·H conversions per chunk) but no memory.
+  head is up-cast to float32 (torch on CPU has no matmul with bf16 inputs and a float32 result) at most a quarter
+  of the budget at a time: when its whole float32 copy fits in that quarter, once per forward and once per backward
+  (:func:`_float32_head`), and the chunks share it; otherwise one vocabulary slice per chunk, never a whole
+  ``[V, H]`` float32 copy, which costs V·H conversions per chunk (in the forward, the recompute and ∂h) but no
+  memory. Either way the peak is one quarter-budget float32 buffer; the numbers are the same.
 * :func:`logits_row_map` — from logits already materialised ``[N, V]`` (verl's engine hands them over): each chunk
   ``fn(logits[a:b], a, b)``; the backward writes each chunk's ∂fn/∂z into one ``[N, V]`` gradient of the logits'
   dtype (the logits' own gradient, which their producer needs anyway), not a zero-padded ``[N, V]`` per chunk.
@@ -36,6 +39,18 @@ RowFn = Callable[[Tensor, int, int], tuple[Tensor, ...]]
 def _slices(weight: Tensor, slice_bytes: int) -> list[tuple[int, int]]:
     """Vocabulary slices of ``weight`` [V, H] whose float32 copy fits in ``slice_bytes``."""
     return row_chunks(weight.shape[0], max(1, slice_bytes // (4 * max(weight.shape[1], 1))))
+
+
+def _float32_head(weight: Tensor, slice_bytes: int) -> Tensor:
+    """``weight`` [V, H] as float32 once for all chunks when that copy fits in ``slice_bytes`` (no more memory than
+    one vocabulary slice of the per-chunk path), else ``weight`` itself, which :func:`head_logits` up-casts one slice
+    at a time per chunk.
+
+    >>> w = torch.ones(4, 2, dtype=torch.bfloat16)
+    >>> _float32_head(w, 32).dtype, _float32_head(w, 31).dtype   # the float32 copy takes 4·2·4 = 32 bytes
+    (torch.float32, torch.bfloat16)
+    """
+    return weight.float() if weight.dtype != torch.float32 and 4 * weight.numel() <= slice_bytes else weight
 
 
 def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -67,9 +82,10 @@ class _HeadRowMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, chunks, slice_bytes, hidden, weight, bias):
         parts = []
+        head = _float32_head(weight, slice_bytes)  # up-cast once for all chunks when it fits in a slice's budget
         for a, b in chunks:
             with torch.no_grad():
-                z = head_logits(hidden[a:b], weight, bias, slice_bytes=slice_bytes)
+                z = head_logits(hidden[a:b], head, bias, slice_bytes=slice_bytes)
                 parts.append(_outputs(fn, z, a, b))
         ctx.fn, ctx.chunks, ctx.slice_bytes = fn, chunks, slice_bytes
         ctx.save_for_backward(hidden, weight, bias)
@@ -85,9 +101,10 @@ class _HeadRowMap(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
             if need_b and bias is not None else None
+        head = _float32_head(weight, ctx.slice_bytes)  # as in the forward: once, when it fits
         slices = _slices(weight, ctx.slice_bytes)
         for a, b in ctx.chunks:
-            z = head_logits(hidden[a:b], weight, bias, slice_bytes=ctx.slice_bytes).requires_grad_()
+            z = head_logits(hidden[a:b], head, bias, slice_bytes=ctx.slice_bytes).requires_grad_()
             with torch.enable_grad():
                 out = _outputs(ctx.fn, z, a, b)[0]
             (gz,) = torch.autograd.grad(out, z, grad[a:b].to(out.dtype))
@@ -95,7 +112,7 @@ class _HeadRowMap(torch.autograd.Function):
             for v0, v1 in slices:
                 g = gz[:, v0:v1]
                 if grad_h is not None:
-                    grad_h[a:b].addmm_(g, weight[v0:v1].float())
+                    grad_h[a:b].addmm_(g, head[v0:v1].float())  # .float() of a float32 head: no copy
                 if grad_w is not None:
                     grad_w[v0:v1].addmm_(g.T, h)
             if grad_b is not None:
