@@ -8,6 +8,8 @@
 * ``offpolicy presets``   the available presets (correction chain + objective).
 * ``offpolicy inspect``   a rollout engine against a trainer on one model: full-distribution mismatch, per-layer
                           localisation, self-checked thresholds, report + per-token dump, a CI gate.
+* ``offpolicy doctor``    a recipe against a running vLLM server and a TRL / verl config: one pass / fail line per
+                          setting that changes μ, with its fix (rewrites nothing).
 * ``offpolicy diagnose``  summary table + plots from one or more ``metrics.jsonl`` files; the mismatch report from
                           per-token dumps (``inspect``'s, verl's, TRL's).
 """
@@ -281,6 +283,46 @@ def diagnose(
         _print_summary(console, None, runs=runs, title="offpolicy diagnose", plots=plots)
     except OSError as err:
         _fail(console, _os_error(err))
+
+
+@app.command()
+def doctor(
+    server: str = typer.Option(..., "--server", help="The running vLLM server's base URL, e.g. http://127.0.0.1:8000."),
+    trl_config: Path | None = typer.Option(None, "--trl-config", help="TRL: GRPOConfig fields as YAML/JSON (plus "
+                                           "model_name_or_path and an offpolicy: block of the trainer's keywords)."),
+    verl_config: Path | None = typer.Option(None, "--verl-config", help="verl: the trainer config YAML (nested or "
+                                            "dotted keys)."),
+    vllm_args: str | None = typer.Option(None, "--vllm-args", help="The server's command line, for what it does not "
+                                         "report (outside vLLM's dev mode), e.g. '--logprobs-mode processed_logprobs'."),
+) -> None:
+    """Check a recipe against a running vLLM server before a run: log-probs mode, sampling parameters, served and
+    head dtype, tied head, prefix caching, async scheduling, sync check, versions. One pass / FAIL line each with
+    its fix; exit code 1 on any failure. Rewrites nothing."""
+    console = _console()
+    from offpolicy.diagnose.doctor import load_config, read_server, run_checks
+    from offpolicy.rollout.http import ServerError
+
+    if (trl_config is None) == (verl_config is None):
+        _fail(console, "give one of --trl-config or --verl-config")
+    framework, path = ("trl", trl_config) if trl_config is not None else ("verl", verl_config)
+    try:
+        cfg = load_config(path)  # type: ignore[arg-type]  # one of the two is set (checked above)
+        facts = read_server(server, vllm_args=vllm_args)
+        checks = run_checks(facts, cfg, framework)
+    except (ValueError, ServerError) as err:
+        _fail(console, str(err))
+    console.print(f"[bold]doctor[/bold] {escape(facts.url)} against {framework} config {escape(str(path))}",
+                  soft_wrap=True)
+    for check in checks:
+        mark = "[green]pass[/green]" if check.ok else "[red]FAIL[/red]"
+        console.print(f"{mark} {escape(check.name)}: {escape(check.detail)}", soft_wrap=True)
+        if not check.ok:
+            console.print(f"     fix: {escape(check.fix)}", soft_wrap=True)
+    failed = sum(not c.ok for c in checks)
+    if failed:
+        console.print(f"[red]{failed} of {len(checks)} checks failed[/red]")
+        raise typer.Exit(code=1)
+    console.print(f"[green]all {len(checks)} checks passed[/green]")
 
 
 @app.command(name="inspect")
