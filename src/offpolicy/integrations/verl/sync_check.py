@@ -183,6 +183,9 @@ class VerlSyncCheck:
 def from_trainer(trainer: Any, on_failure: str) -> VerlSyncCheck:
     """The check for a verl v1 ``PPOTrainer`` after its setup: its LLM client, its actor worker group (data-parallel
     size from verl's dispatch info) and the probe from its tokenizer."""
+    import os
+
+    logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # as verl's own modules log in its processes
     probe = SyncProbe.from_text(trainer.tokenizer)
     wg = trainer.actor_rollout_wg
     dp_size = 1

