@@ -139,6 +139,8 @@ TRL_CASES = [
     ("config", "top_p", 0.9, "sampling parameters", "sampling_replay: true"),
     ("config", "generation_kwargs", {"temperature": 0.9, "logit_bias": {"5": 1.0}}, "sampling parameters",
      "remove generation_kwargs.logit_bias"),
+    ("config", "generation_kwargs", {"temperature": 0.7}, "sampling parameters",
+     "set temperature in the GRPOConfig field only"),
     ("server", "model_config.override_generation_config", {"presence_penalty": 0.5}, "sampling parameters",
      "drop presence_penalty from --override-generation-config"),
     ("server", "model_config.dtype", "torch.float16", "dtype", "--dtype bfloat16"),
@@ -150,7 +152,8 @@ TRL_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("where", "key", "value", "check", "fix"), TRL_CASES, ids=[c[1] for c in TRL_CASES])
+@pytest.mark.parametrize(("where", "key", "value", "check", "fix"), TRL_CASES,
+                         ids=[f"{c[1]}-{i}" for i, c in enumerate(TRL_CASES)])
 def test_one_wrong_setting_fails_its_check_with_the_fix(tmp_path, model_dir, serve, where, key, value, check, fix):
     if installed_version("trl") is None:
         pytest.skip("trl is not installed")
@@ -254,3 +257,16 @@ def test_command_line_parsing():
                     "async-scheduling": True}
     with pytest.raises(ValueError, match="vllm_args: cannot split"):
         parse_vllm_args("--dtype 'bf16")
+
+
+def test_truncation_passes_where_the_trainer_replays_it(model_dir, serve):
+    answers = _answers(model_dir)
+    # a server default TRL overrides in every request (temperature) does not reach μ
+    answers["/server_info"]["vllm_config"]["model_config"]["override_generation_config"] = {"temperature": 0.6}  # type: ignore[index]
+    facts = read_server(serve(answers))
+    cfg = {**_trl(model_dir), "top_p": 0.9, "generation_kwargs": {"temperature": 0.7}}
+    sampling = {c.name: c for c in run_checks(facts, flatten(cfg), "trl")}["sampling parameters"]
+    assert not sampling.ok
+    cfg["offpolicy"] = {"sampling_replay": True}  # replay scores with the engine's recipe, temperature included
+    sampling = {c.name: c for c in run_checks(facts, flatten(cfg), "trl")}["sampling parameters"]
+    assert sampling.ok and "top_p=0.9" in sampling.detail and "temperature=0.7" in sampling.detail, sampling

@@ -294,6 +294,11 @@ def check_sampling(facts: ServerFacts, cfg: Mapping[str, Any], framework: str) -
             return _fail(name, f"generation_kwargs.{extra[0]} changes the sampling distribution and no trainer "
                          "scores with it", f"remove generation_kwargs.{extra[0]}")
         replay = bool(cfg.get("offpolicy.sampling_replay")) or cfg.get("offpolicy.dvp_rho") is not None
+        own_t = cfg.get("temperature", 1.0)
+        if not replay and recipe["temperature"] is not None and float(recipe["temperature"]) != float(own_t):
+            # TRL's trainer divides its logits by args.temperature; generation_kwargs reach only the engine
+            return _fail(name, f"generation_kwargs.temperature={recipe['temperature']} reaches the engine, the "
+                         f"trainer scores with temperature={own_t}", "set temperature in the GRPOConfig field only")
         cut = _truncating(recipe)
         if cut and not replay:
             return _fail(name, f"the engine samples with {', '.join(f'{k}={recipe[k]}' for k in cut)}; the trainer "
