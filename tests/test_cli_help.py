@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from offpolicy.cli import app
 
 runner = CliRunner()
-COMMANDS = ["", "demo", "train", "lab", "inspect", "presets", "diagnose"]
+COMMANDS = ["", "demo", "train", "lab", "inspect", "presets", "diagnose", "doctor"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
