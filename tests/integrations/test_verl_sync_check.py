@@ -259,3 +259,37 @@ def test_actor_side_is_verls_training_worker_forward(tmp_path):
         expected, expected_mask = sequence_logprobs(reference, probe.prompt_ids, probe.completion_ids)
     assert torch.equal(mask, expected_mask.bool())
     torch.testing.assert_close(logp, expected * mask, atol=1e-5, rtol=0)
+
+
+def test_cpu_bridge_asks_for_gloo_once_and_restores_what_it_replaced(monkeypatch):
+    """The CPU bridge of the end-to-end example: verl's process-group call gets ``cpu:gloo`` (not ``cpu:gloo,cpu:gloo``)
+    unless the caller names a backend, and :func:`uninstall` puts verl's functions back."""
+    import verl.models.transformers.monkey_patch as verl_patches
+    import verl.utils.distributed as verl_distributed
+
+    from offpolicy.integrations.verl import cpu_bridge
+
+    calls = []
+    wrapped = cpu_bridge._gloo_only(lambda timeout_second=None, backend=None: calls.append(backend))
+    wrapped()
+    wrapped(backend="nccl")
+    assert calls == ["cpu:gloo", "nccl"]
+
+    assert cpu_bridge.STATUS == "not installed"  # only where verl imports it by name (VERL_USE_EXTERNAL_MODULES)
+    applies = cpu_bridge.applies
+    monkeypatch.setattr(cpu_bridge, "applies", lambda: None)  # as on a CPU box with the pinned versions
+    before = (verl_patches.is_trl_available, verl_distributed.initialize_global_process_group_ray)
+    from verl.plugin.platform import platform_manager
+
+    platform = platform_manager.get_platform()
+    try:
+        assert cpu_bridge.install().startswith("platform cpu")
+        assert platform_manager.get_platform().device_name == "cpu"
+        assert verl_distributed.initialize_global_process_group_ray is not before[1]
+        assert verl_patches.is_trl_available() is False
+    finally:
+        cpu_bridge.uninstall()
+        platform_manager.set_platform(platform)  # this test process's own platform again
+    assert (verl_patches.is_trl_available, verl_distributed.initialize_global_process_group_ray) == before
+    monkeypatch.setattr(cpu_bridge.torch.cuda, "is_available", lambda: True)
+    assert applies() == "CUDA is available"

@@ -248,5 +248,6 @@ def uninstall() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
 
 
-if os.environ.get("OFFPOLICY_VERL_CPU_BRIDGE", "1") != "0":
-    STATUS = install()
+# installed on import where verl imports it (named in the job's VERL_USE_EXTERNAL_MODULES), not where a test or a
+# user's code merely imports this module
+STATUS = install() if __name__ in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") else "not installed"
