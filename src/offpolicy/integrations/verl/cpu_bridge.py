@@ -207,10 +207,12 @@ def _patch_extension(module: Any) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``fn(module)`` once ``name`` has been executed (a finder that wraps the real loader's ``exec_module``)."""
+    """Runs each of ``fns`` on the module ``name`` once it has been executed (a finder that wraps the real loader's
+    ``exec_module``); one finder per name, any number of functions, in the order they were added."""
 
-    def __init__(self, name: str, fn: Any) -> None:
-        self.name, self.fn = name, fn
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.fns: list[Any] = []
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != self.name:
@@ -222,22 +224,29 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
-        loader, fn = spec.loader, self.fn
+        loader, fns = spec.loader, self.fns
         exec_module = loader.exec_module
 
         def exec_then_patch(module: Any) -> None:
             exec_module(module)
-            fn(module)
+            for fn in fns:
+                fn(module)
 
         loader.exec_module = exec_then_patch  # type: ignore[method-assign]
         return spec
 
 
 def _after_import(name: str, fn: Any) -> None:
+    """``fn(module)`` now if ``name`` is imported, else right after it is."""
     if name in sys.modules:
         fn(sys.modules[name])
-    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(name, fn))
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name == name), None)
+    if finder is None:
+        finder = _AfterImport(name)
+        sys.meta_path.insert(0, finder)
+    if fn not in finder.fns:
+        finder.fns.append(fn)
 
 
 def uninstall() -> None:
