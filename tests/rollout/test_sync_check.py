@@ -68,8 +68,6 @@ def test_the_baseline_follows_verified_syncs_within_the_envelope():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="z must be"):
         SyncCheck(z=0)
-    with pytest.raises(ValueError, match="min_motion"):
-        SyncCheck(min_motion=1.0)
     with pytest.raises(ValueError, match="max_drift"):
         SyncCheck(max_drift=0.5)
     with pytest.raises(ValueError, match="on_failure"):
@@ -232,7 +230,7 @@ def test_healthy_syncs_at_small_steps_pass_and_move_the_engine_with_the_trainer(
         engine.sync_weights(model)
         metrics = check.after_sync(engine, model, what=f"sync {i + 1}")
         assert metrics["sync/ok"] == 1.0, metrics
-        assert metrics["sync/engine_motion"] >= 0.5 or not metrics["sync/step_rms"] > 0
+        assert metrics["sync/engine_motion"] > 0 or not metrics["sync/step_rms"] > 0
 
 
 def test_a_head_left_behind_accumulates_until_it_is_named(bf16_rig):

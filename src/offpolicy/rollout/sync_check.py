@@ -12,10 +12,12 @@ repeatability (the probe scored twice). Three tests then judge each sync, each f
 * **the gap** — mean |r| above ``baseline + max(z × se, floor)`` fails: the engine computes something the run's own
   noise does not explain (a wrong dtype, a garbled load, a part left behind that has drifted far enough);
 * **the engine moved** — since the last verified sync the trainer's log-probs moved by m_t = rms(n − o) and the
-  engine's by m_e = rms(e − e_o) (n, o: the trainer now and at the last verified sync; e, e_o: the engine). A sync
-  that took moves the engine with the trainer (round-to-nearest flips bf16 weights in proportion to the update, so
-  m_e ≈ m_t or more); m_e < ``min_motion`` × m_t fails once m_t is resolved (above the engine's repeatability and a
-  thousandth of the noise): an engine that did not take the new weights answers as before, bit for bit;
+  engine's by m_e = rms(e − e_o) (n, o: the trainer now and at the last verified sync; e, e_o: the engine). An
+  engine that did not take the new weights answers as before, bit for bit: m_e within the engine's own
+  repeatability (0 for a deterministic engine) fails once m_t is resolved (above 4× that repeatability and a
+  thousandth of the noise). Only a frozen engine fails it — the ratio m_e / m_t (``sync/engine_motion``) is logged,
+  not judged: on a healthy bf16 engine at V = 151,936 it fell to 0.29, and with a bf16 trainer against an fp32
+  engine the trainer's own rounding moves n far more than the engine moves;
 * **the staleness** — the engine's residual projected on the trainer's movement since the last verified sync:
   β = Σ (e − n)(o − n) / Σ (o − n)² is 0 when the engine took the new weights (its residual is noise, unrelated to
   the movement) and 1 when it kept the old ones, in between for a partial sync (a head left behind). β > ``max_stale``
@@ -198,7 +200,6 @@ class SyncCheck:
         floor: the least slack in nats per token (an fp32 engine's se is round-off, ≈ 1e-7).
         max_baseline: a baseline above this many nats per token raises (the two sides hold different models).
         max_stale: a resolved staleness β above this fails.
-        min_motion: a resolved trainer movement m_t with an engine movement below ``min_motion × m_t`` fails.
         max_drift: however far the baseline has followed verified syncs, a gap above ``max_drift ×`` the first
             baseline (or the first threshold, if larger) fails: a lag that grows slowly through verified syncs is
             still caught.
@@ -210,7 +211,7 @@ class SyncCheck:
     REPEAT_RESOLUTION = 4.0  # ... and this many times the engine's own repeatability
 
     def __init__(self, *, z: float = 6.0, floor: float = 1e-5, max_baseline: float = 0.05, max_stale: float = 0.5,
-                 min_motion: float = 0.5, max_drift: float = 3.0, on_failure: str = "error") -> None:
+                 max_drift: float = 3.0, on_failure: str = "error") -> None:
         if not (isinstance(z, (int, float)) and math.isfinite(z) and z > 0):
             raise ValueError(f"z must be a finite number > 0, got {z!r}")
         if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
@@ -219,15 +220,13 @@ class SyncCheck:
             raise ValueError(f"max_baseline must be a number > 0, got {max_baseline!r}")
         if not (isinstance(max_stale, (int, float)) and 0 < max_stale < 1):
             raise ValueError(f"max_stale must be in (0, 1), got {max_stale!r}")
-        if not (isinstance(min_motion, (int, float)) and 0 < min_motion < 1):
-            raise ValueError(f"min_motion must be in (0, 1), got {min_motion!r}")
         if not (isinstance(max_drift, (int, float)) and math.isfinite(max_drift) and max_drift >= 1):
             raise ValueError(f"max_drift must be a finite number >= 1, got {max_drift!r}")
         if on_failure not in SYNC_CHECK_ACTIONS:
             raise ValueError(f"on_failure must be one of {SYNC_CHECK_ACTIONS}, got {on_failure!r}")
         self.z, self.floor, self.on_failure, self.max_drift = float(z), float(floor), on_failure, float(max_drift)
         self.envelope = math.inf  # the gap never exceeds this whatever the baseline has moved to (set at calibration)
-        self.max_baseline, self.max_stale, self.min_motion = float(max_baseline), float(max_stale), float(min_motion)
+        self.max_baseline, self.max_stale = float(max_baseline), float(max_stale)
         self.probe: SyncProbe | None = None
         self.baseline: float | None = None
         self.standard_error = 0.0  # of the gap, over the probe's rows, at calibration
@@ -268,7 +267,7 @@ class SyncCheck:
         """
         threshold = self.threshold
         resolved = math.isfinite(stale) and step_rms >= self.STALE_RESOLUTION * self.noise_rms
-        moves = step_rms >= max(self.MOTION_RESOLUTION * self.noise_rms, self.REPEAT_RESOLUTION * self.repeat_rms)
+        moves = step_rms > max(self.MOTION_RESOLUTION * self.noise_rms, self.REPEAT_RESOLUTION * self.repeat_rms)
         motion = engine_rms / step_rms if step_rms > 0 and math.isfinite(engine_rms) else math.nan
         metrics = {"sync/gap": gap, "sync/baseline": float(self.baseline or 0.0), "sync/threshold": threshold,
                    "sync/ratio": gap / self.baseline if self.baseline else (math.inf if gap > 0 else 1.0),
@@ -279,7 +278,7 @@ class SyncCheck:
             message = (f"{what}: after the weight sync the engine's log-probs are {gap:.3g} nats per token from the "
                        f"trainer's on the probe, against {self.baseline:.3g} ± {self.standard_error:.2g} at the last "
                        f"verified sync (threshold {threshold:.3g}): the engine did not take the new weights")
-        elif moves and math.isfinite(motion) and motion < self.min_motion:
+        elif moves and math.isfinite(engine_rms) and engine_rms <= self.REPEAT_RESOLUTION * self.repeat_rms:
             message = (f"{what}: the trainer's log-probs moved {step_rms:.3g} nats (rms) on the probe since the last "
                        f"verified sync and the engine's {engine_rms:.3g}: the engine did not take the new weights")
         elif resolved and stale > self.max_stale:
