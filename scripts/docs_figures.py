@@ -171,7 +171,7 @@ def draw_choosing_flowchart(path: Path) -> None:
         ("gradient-norm spikes", "grad_norm · actor/grad_norm\n> 10× its median over the run", "token TIS, cap 2"),
         ("k3 climbing over the run", "sampling/k3_kl · rollout_corr/k3_kl\ngrows over the run, or > 0.1",
          "token TIS, cap 2;\nfind the source (inspect)"),
-        ("k3 high right after a sync", "sync/ok = 0 (TRL)\nsync/stale_fraction > 0.5",
+        ("k3 high right after a sync", "sync/ok = 0 (TRL, verl)\nsync/stale_fraction > 0.5",
          "a sync that did not land:\nfix the sync, not the loss"),
         ("reward collapses after N steps", "k3 and ratio max\nin the steps before it", "TIS or MIS, cap 2;\n"
          "with top-p / top-k: replay"),
