@@ -81,13 +81,27 @@ def engine_rollout(engine: RolloutEngine, *, sync_every: int = 1, seed: int = 0)
 
 
 def vllm_logprob_lists(out: RolloutOutput, k: int) -> tuple[list[list[list[float]]], list[list[list[int]]]]:
-    """Deprecated: a test helper (vLLM's log-prob layout for stubs of TRL's ``VLLMClient``), leaving offpolicy in the
-    next release. Kept for one release, same result as before; the tests use their own copy
-    (offpolicy_testkit/vllm_layout.py)."""
+    """Deprecated: a test helper (vLLM's log-prob layout for stubs of TRL's ``VLLMClient``), leaving offpolicy's public
+    API in the next release (the tests and the TRL benchmark import ``offpolicy_testkit.vllm_layout``)."""
     import warnings
 
     warnings.warn("offpolicy.integrations.trl.vllm_logprob_lists is a test helper and leaves offpolicy in the next "
                   "release", DeprecationWarning, stacklevel=2)
+    return _vllm_logprob_lists(out, k)
+
+
+def _vllm_logprob_lists(out: RolloutOutput, k: int) -> tuple[list[list[list[float]]], list[list[list[int]]]]:
+    """A rollout's log-probs in the layout TRL's ``VLLMClient.generate`` returns for ``logprobs=k``: per completion,
+    per token, the top-``k`` log-probs and ids by rank, then the sampled token when it is not among them (alone when
+    ``k`` = 0), as vLLM answers. ``out`` must carry ``topk_logp`` / ``topk_ids`` with at least ``k`` entries when k > 0.
+
+    >>> import torch
+    >>> out = RolloutOutput(prompt_ids=[[1]], completion_ids=[[5, 6]], logp=torch.tensor([[-0.1, -2.0]]),
+    ...     mask=torch.ones(1, 2, dtype=torch.bool), topk_logp=torch.tensor([[[-0.1], [-0.5]]]),
+    ...     topk_ids=torch.tensor([[[5], [7]]]))
+    >>> _vllm_logprob_lists(out, 1)   # token 6 is not the top-1 at the second position: appended after it
+    ([[[-0.10000000149011612], [-0.5, -2.0]]], [[[5], [7, 6]]])
+    """
     if k and (out.topk_logp is None or out.topk_ids is None):
         raise ValueError(f"vllm_logprob_lists: k={k} but the rollout has no top-K log-probs (set logprobs_topk)")
     lps, ids = [], []
