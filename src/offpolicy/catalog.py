@@ -32,6 +32,7 @@ PAPERS: dict[str, str] = {
     "2507.18071": "GSPO",
     "2510.01161": "M2PO (second-moment trust region)",
     "2510.11370": "rollout routing replay (R3)",
+    "2510.13786": "ScaleRL (the art of scaling RL compute: an fp32 LM head)",
     "2510.18855": "Ring-1T (IcePop)",
     "2511.20347": "SAPO",
     "2512.02556": "DeepSeek-V3.2 (OPSM, keep sampling mask)",

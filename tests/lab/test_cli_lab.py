@@ -67,11 +67,11 @@ def test_failed_runs_make_the_command_fail_after_the_others(tmp_path, tiny_run, 
 @pytest.mark.parametrize("args, message", [
     (["--presets", "naive,bogus"], "error: --presets: 'bogus' is not a preset"),
     (["--mismatch", "int8+int4"], "error: mismatch 'int8+int4': 'int8' sets rollout.weight_bits=8 but 'int4' sets"),
-    (["--mismatch", "fp8"], "error: mismatch 'fp8': unknown source 'fp8'"),
+    (["--mismatch", "fp6"], "error: mismatch 'fp6': unknown source 'fp6'"),
     (["--seeds", "0"], "error: --seeds must be an int >= 1, got 0"),
     (["--jobs", "0"], "error: --jobs must be an int >= 1, got 0"),
     (["--setting", "huge"], "error: --setting 'huge' is unknown; choose one of ['quick', 'control', 'full', 'real', "
-     "'real_free', 'vllm', 'stale']"),
+     "'real_free', 'vllm', 'stale', 'quant']"),
     (["run.seed=4"], "error: override 'run.seed=4': the sweep sets run.seed itself (use --seeds)"),
     (["rollout.dtype=float16"], "error: override 'rollout.dtype=float16': the sweep sets rollout.dtype itself "
                                 "(use --mismatch)"),

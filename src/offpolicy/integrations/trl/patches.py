@@ -16,6 +16,7 @@ stream TRL's own sync sends) is named where it is read (:mod:`offpolicy.integrat
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +49,9 @@ def extra_llm_kwargs(kwargs: dict[str, Any]) -> Iterator[None]:
         return
     from trl.generation import vllm_generation
 
+    if getattr(vllm_generation, "LLM", None) is None and importlib.util.find_spec("vllm") is None:
+        yield  # without vLLM TRL imports no LLM and builds none: nothing to add the arguments to
+        return
     original = _target(vllm_generation, "LLM", "extra_llm_kwargs")
 
     def llm(*args: Any, **given: Any) -> Any:
