@@ -31,3 +31,43 @@ class StubServer:
         if "prompt_logprobs" in sampling_params:
             return TokenOutput(token_ids=[0], extra_fields=prompt_logprobs_rows(len(prompt_ids)))
         return TokenOutput(token_ids=RESPONSE, log_probs=[-0.5] * len(RESPONSE))
+
+
+def _agent_loop(server):
+    """The plug-in's agent loop built without verl's dataset and tokenizer, talking to ``server`` (a stub or verl's
+    own client): what run() needs, set by hand."""
+    import json
+    import types
+
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    from offpolicy.integrations.verl.agent_loop import AGENT_NAME, OffPolicyAgentLoop
+    from offpolicy.integrations.verl.settings import settings_from_text
+
+    assert _agent_loop_registry[AGENT_NAME]["_target_"].endswith("OffPolicyAgentLoop")
+    loop = object.__new__(OffPolicyAgentLoop)  # verl builds it with a tokenizer and the dataset; run() needs these
+    loop.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 8, "response_length": 8}}})
+    loop.server_manager = server
+    loop.rollout_config = loop.config.actor_rollout_ref.rollout
+    loop.prompt_length = loop.response_length = 8
+    loop.offpolicy = settings_from_text(json.dumps({"sampling": {"min_p": 0.05, "top_k": 20},
+                                                    "topk_logprobs": K}))
+
+    async def no_media(messages):
+        return {}
+
+    async def tokens(messages, **kwargs):
+        return list(PROMPT)
+
+    async def merge(prompt_ids, response_ids, *args, assistant_logprobs=None):
+        merged = types.SimpleNamespace(token_ids=list(prompt_ids) + list(response_ids))
+        return merged, [1] * len(response_ids), assistant_logprobs
+
+    loop.process_multi_modal_info = no_media
+    loop.ct_build_initial_tokens = tokens
+    loop.ct_merge_assistant_token = merge
+    loop._get_mm_processor_kwargs = lambda audios: {}
+    loop._assert_mm_supported = lambda has: None
+    loop.build_sglang_video_payload = lambda videos, inputs: None
+    return loop

@@ -25,7 +25,7 @@ import torch
 verl = pytest.importorskip("verl")
 pytest.importorskip("hydra")  # verl's agent loop and v1 trainer import it (the verl-ci extra installs it)
 
-from offpolicy_testkit.verl_stub import PROMPT, RESPONSE, K, StubServer, prompt_logprobs_rows
+from offpolicy_testkit.verl_stub import PROMPT, RESPONSE, K, StubServer, _agent_loop, prompt_logprobs_rows
 
 from offpolicy.integrations.verl import (
     apply_driver_correction,
@@ -251,40 +251,6 @@ def test_settings_errors_name_the_key():
 
 # the stub of verl's LLM server (PROMPT, RESPONSE, K, StubServer) is offpolicy_testkit/verl_stub.py, shared with
 # tests/vllm/scripts/verl_server.py
-
-
-def _agent_loop(server):
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-
-    from offpolicy.integrations.verl.agent_loop import AGENT_NAME, OffPolicyAgentLoop
-
-    assert _agent_loop_registry[AGENT_NAME]["_target_"].endswith("OffPolicyAgentLoop")
-    loop = object.__new__(OffPolicyAgentLoop)  # verl builds it with a tokenizer and the dataset; run() needs these
-    loop.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 8, "response_length": 8}}})
-    loop.server_manager = server
-    loop.rollout_config = loop.config.actor_rollout_ref.rollout
-    loop.prompt_length = loop.response_length = 8
-    loop.offpolicy = settings_from_text(json.dumps({"sampling": {"min_p": 0.05, "top_k": 20},
-                                                    "topk_logprobs": K}))
-
-    async def no_media(messages):
-        return {}
-
-    async def tokens(messages, **kwargs):
-        return list(PROMPT)
-
-    async def merge(prompt_ids, response_ids, *args, assistant_logprobs=None):
-        merged = types.SimpleNamespace(token_ids=list(prompt_ids) + list(response_ids))
-        return merged, [1] * len(response_ids), assistant_logprobs
-
-    loop.process_multi_modal_info = no_media
-    loop.ct_build_initial_tokens = tokens
-    loop.ct_merge_assistant_token = merge
-    loop._get_mm_processor_kwargs = lambda audios: {}
-    loop._assert_mm_supported = lambda has: None
-    loop.build_sglang_video_payload = lambda videos, inputs: None
-    return loop
 
 
 def test_agent_loop_samples_under_the_recipe_and_carries_the_top_k():
