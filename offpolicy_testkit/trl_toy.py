@@ -46,3 +46,19 @@ def train_recording_sync_failure(trainer, entry: dict) -> None:
         entry["error"] = str(err)
         entry["failed_at_step"] = trainer.state.global_step
     entry["moved"] = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def toy_step_inputs():
+    """A two-row batch in the shape TRL's ``_compute_loss`` takes (prompts, completions with padding, advantages,
+    π_old and vLLM's μ)."""
+    import torch
+
+    return {
+        "prompt_ids": torch.tensor([[5, 6], [5, 7]]),
+        "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[1, 2, 3], [1, 2, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "old_per_token_logps": torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]]),
+        "sampling_per_token_logps": torch.tensor([[-1.5, -2.0, -0.5], [-0.2, -1.0, 0.0]]),
+    }

@@ -6,23 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from offpolicy_testkit.trl_toy import toy_step_inputs as _inputs
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.importance import tis
 from offpolicy.integrations.trl import batch_from_trl_inputs, make_offpolicy_grpo_trainer, trl_policy_loss
 from offpolicy.losses import policy_loss
-
-
-def _inputs():
-    return {
-        "prompt_ids": torch.tensor([[5, 6], [5, 7]]),
-        "prompt_mask": torch.ones(2, 2, dtype=torch.long),
-        "completion_ids": torch.tensor([[1, 2, 3], [1, 2, 0]]),
-        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
-        "advantages": torch.tensor([1.0, -1.0]),
-        "old_per_token_logps": torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]]),
-        "sampling_per_token_logps": torch.tensor([[-1.5, -2.0, -0.5], [-0.2, -1.0, 0.0]]),
-    }
 
 
 def test_key_mapping():
