@@ -67,8 +67,11 @@ def _arms(device: torch.device) -> dict[str, Callable[..., Any]]:
     try:
         from trl.kernels import ChunkedLogProbFunction
 
+        # the vocabulary width of TRL's tiles as TRL's own trainer passes it (trl/trainer/utils.py)
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as TRL_VOCAB_TILE
+
         def trl_head(h, w, y):
-            logp, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0,
+            logp, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, y, 1.0, TRL_VOCAB_TILE, None, 1.0,
                                                              ("log_probs", "entropy"))
             return logp, entropy
 

@@ -5,8 +5,14 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
 
     python examples/verl_end_to_end.py                      # 6 steps; minutes on 2 cores
     python examples/verl_end_to_end.py --break-sync-at 3    # the push does nothing from step 3: the run fails there
+    python examples/verl_end_to_end.py --ranks 2 --steps 3  # two FSDP ranks (gloo), two vLLM replicas
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
+
+``--ranks R`` shards the actor over R FSDP ranks (verl's ``trainer.n_gpus_per_node``, R processes joined by gloo).
+With the rollout at TP = 1 verl's hybrid engine makes each rank a rollout replica of its own: every rank gathers the
+full weights (an FSDP all-gather all ranks join) and pushes them into its own vLLM server; the sync check's actor
+forward runs on every rank and the engine side is scored on every replica.
 
 What a CPU lacks is bridged by :mod:`offpolicy.integrations.verl.cpu_bridge` (named first in the job's
 ``VERL_USE_EXTERNAL_MODULES``) and a metadata-only ``vllm`` distribution alias on ``PYTHONPATH``; Ray gets one
@@ -77,8 +83,14 @@ def model_copy(folder: Path) -> Path:
 
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
-              ray_dir: Path, sync_check: str = "error") -> list[str]:
-    """verl's config for the run: the tiny model in fp32 on both sides, 2 prompts × 2 samples, 8 new tokens."""
+              ray_dir: Path, sync_check: str = "error", ranks: int = 1) -> list[str]:
+    """verl's config for the run: the tiny model in fp32 on both sides, 2 prompts × 2 samples, 8 new tokens,
+    ``ranks`` FSDP ranks (verl's ``trainer.n_gpus_per_node``; Ray gets as many logical GPUs, which nothing touches).
+    Each rank holds its share of the step's ``prompts × samples`` rows; with the rollout at TP = 1 verl's hybrid
+    engine makes every rank a rollout replica of its own (one vLLM server per rank, each fed by its rank's push)."""
+    if ranks < 1 or (prompts * samples) % ranks:
+        raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
+    per_rank = prompts * samples // ranks
     modules = "offpolicy.integrations.verl.cpu_bridge,offpolicy.integrations.verl.plugin"
     if env.get(BREAK_ENV):
         modules += ",verl_end_to_end"
@@ -94,7 +106,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "actor_rollout_ref.model.external_lib=offpolicy.integrations.verl.plugin",
         "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.lr=1e-4",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={prompts * samples}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.fsdp_config.dtype=float32",
         # the actor's forward in fp32 as the engine's (verl's default mixed precision computes in bf16)
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
@@ -107,15 +119,15 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "actor_rollout_ref.rollout.free_cache_engine=false", "actor_rollout_ref.rollout.max_model_len=64",
         "actor_rollout_ref.rollout.max_num_seqs=8", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={prompts * samples}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.agent.num_workers=1",
-        "trainer.v1.trainer_mode=offpolicy", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        "trainer.v1.trainer_mode=offpolicy", f"trainer.n_gpus_per_node={ranks}", "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.logger=[console]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.device=cpu",
         "reward.num_workers=1", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         f"reward.custom_reward_function.path={Path(__file__).resolve()}",
         "reward.custom_reward_function.name=compute_score",
-        "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
+        "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={ranks}",
         "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
     ]
     out += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in job_env.items()]
@@ -143,11 +155,12 @@ def parse_log(text: str) -> dict:
     return {"steps": len(steps), "reward_first": rewards[0] if rewards else float("nan"),
             "reward_last": rewards[-1] if rewards else float("nan"),
             "checks": int(last.get("sync/checks", 0)), "passed": int(last.get("sync/passed", 0)),
+            "replicas": int(last.get("sync/replicas", 1)),
             "sync_ok": [s[1].get("sync/ok") for s in steps]}
 
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
-        timeout: float = 1500, log: Path | None = None, sync_check: str = "error") -> dict:
+        timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1) -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     from offpolicy.integrations.verl.cpu_bridge import vllm_distribution_alias
@@ -163,7 +176,7 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
     if break_sync_at is not None:
         env[BREAK_ENV] = str(break_sync_at)
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
-               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check)]
+               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks)]
     log = log or folder / "main_ppo.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -261,9 +274,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--log", type=Path, default=None)
     parser.add_argument("--sync-check", choices=("error", "warn", "off"), default="error")
+    parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks of verl's actor (gloo, one per process)")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
-                 sync_check=args.sync_check)
+                 sync_check=args.sync_check, ranks=args.ranks)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

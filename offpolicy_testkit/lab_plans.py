@@ -9,7 +9,7 @@ def small_plan(out, tiny_run, **kw):
     from offpolicy.lab.sweep import plan_sweep
 
     kw.setdefault("presets", "naive,mis")
-    kw.setdefault("mismatches", "bf16")
+    kw.setdefault("mismatches", "none,bf16")
     kw.setdefault("seeds", 2)
     kw.setdefault("steps", 3)
     extra = kw.pop("extra", [])

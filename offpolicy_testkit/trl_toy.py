@@ -62,3 +62,16 @@ def toy_step_inputs():
         "old_per_token_logps": torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]]),
         "sampling_per_token_logps": torch.tensor([[-1.5, -2.0, -0.5], [-0.2, -1.0, 0.0]]),
     }
+
+
+def loss_and_grad(trainer, compute, inputs):
+    """``compute(trainer.model, inputs)``'s loss and the gradient it leaves on the trainable parameters, flattened to
+    float64 — how the TRL tests put the subclass's ``_compute_loss`` beside GRPOTrainer's own on one batch."""
+    import torch
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss = compute(trainer.model, dict(inputs))
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in params if p.grad is not None]).double()

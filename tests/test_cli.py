@@ -39,8 +39,9 @@ def test_tiny_demo_is_the_labs_quick_sweep(tmp_path):
     assert "offpolicy demo" in res.output and "overview.png" in res.output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["setting"] == "quick"
+    # the quick setting runs only naive on the fp32 control (there the IS weights are 1: mis would repeat naive)
     assert sorted((r["preset"], r["mismatch"]) for r in summary["runs"]) == [
-        ("mis", "bf16"), ("mis", "none"), ("naive", "bf16"), ("naive", "none")]
+        ("mis", "bf16"), ("naive", "bf16"), ("naive", "none")]
     for run in summary["runs"]:
         rows = [json.loads(x) for x in (tmp_path / run["dir"] / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]

@@ -27,3 +27,46 @@ def test_render_rewrites_only_between_the_markers():
     assert out.startswith("before\n<!-- generated: versions -->\n| package |") and out.endswith(
         "<!-- end generated -->\nafter\n")
     assert "old table" not in out and generated.render(out) == out
+
+
+def test_every_measured_value_names_a_glossary_key():
+    # docs/data/glossary/measured.json: a key the glossary no longer has would silently drop out of docs/metrics.md
+    import json
+
+    from offpolicy.glossary import DIAGNOSTICS, ENTRIES
+
+    data = json.loads((ROOT / "docs" / "data" / "glossary" / "measured.json").read_text(encoding="utf-8"))
+    assert sorted(set(data["diagnostics"]) - set(DIAGNOSTICS)) == []
+    assert sorted(set(data["entries"]) - {e.key for e in ENTRIES}) == []
+    assert data["diagnostics"] and data["entries"]
+
+
+def test_the_sync_checks_values_come_from_its_data():
+    # the glossary's sync/* cells are computed from docs/data/sync_check/*.json, not typed anywhere
+    import json
+
+    values = generated.measured()
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "docs" / "data" / "sync_check").glob("*.json"))]
+    for run in runs:
+        seconds = [s["check_s_median"] for s in run["settings"]]
+        assert f"vLLM {run['dtype']} on {run['model']}: {generated._span(seconds, '{:.2g}')} s" in values["sync/seconds"]
+    ratios = [x for r in runs for s in r["settings"] for x in (s["ratio_min"], s["ratio_max"])]
+    assert values["sync/ratio"].startswith(f"{min(ratios):.2g}–{max(ratios):.2g} over ")
+    data = json.loads((ROOT / "docs" / "data" / "glossary" / "measured.json").read_text(encoding="utf-8"))
+    assert not {"sync/gap", "sync/baseline", "sync/ratio", "sync/seconds"} & set(data["entries"])
+
+
+def test_no_measured_value_ships_in_the_glossary_module():
+    import dataclasses
+    import warnings
+
+    from offpolicy import glossary
+
+    assert "measured" not in {f.name for f in dataclasses.fields(glossary.Entry)}
+    assert all(isinstance(v, str) for v in glossary.DIAGNOSTICS.values())
+    entry = glossary.lookup("sampling/ess")
+    assert entry is not None and entry.means == glossary.DIAGNOSTICS["ess"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert entry.measured == ""  # the deprecated attribute: empty, with a warning naming where the values went
+    assert any(issubclass(w.category, DeprecationWarning) and "measured.json" in str(w.message) for w in caught)

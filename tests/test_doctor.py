@@ -11,13 +11,12 @@ server.
 from __future__ import annotations
 
 import copy
-import http.server
 import json
-import threading
 from pathlib import Path
 
 import pytest
 import yaml
+from offpolicy_testkit.stub_server import stub_servers
 from typer.testing import CliRunner
 
 from offpolicy.cli import app
@@ -63,29 +62,8 @@ def _answers(model_dir: Path) -> dict[str, object]:
 @pytest.fixture
 def serve():
     """Start a stub answering GET ``answers[path]`` (query string ignored; a missing path is a 404)."""
-    servers = []
-
-    def start(answers: dict[str, object]) -> str:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                reply = answers.get(self.path.split("?")[0])
-                self.send_response(200 if reply is not None else 404)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(json.dumps(reply if reply is not None else {"detail": "Not Found"}).encode())
-
-            def log_message(self, *args):
-                pass
-
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}"
-
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    with stub_servers() as start:
+        yield lambda answers: start(answers)[0]
 
 
 def _trl(model_dir: Path) -> dict:

@@ -92,3 +92,15 @@ def test_a_long_command_is_cut(tmp_path, monkeypatch):
         assert len(command) == 200 and command.startswith("offpolicy train key0=value") and command.endswith("…")
     finally:
         first.release()
+
+
+@pytest.mark.parametrize(("argv0", "shown"), [
+    ("/venv/lib/python3.12/site-packages/offpolicy/cli/__main__.py", "offpolicy"),  # python -m offpolicy.cli
+    ("/venv/bin/offpolicy", "offpolicy"),  # the console script
+    ("/home/me/scripts/__main__.py", "__main__.py"),  # another package's __main__: named as it is
+])
+def test_the_owner_is_named_by_its_program(monkeypatch, argv0, shown):
+    from offpolicy.folder_lock import owner_record
+
+    monkeypatch.setattr(sys, "argv", [argv0, "train", "run.steps=2"])
+    assert owner_record()["command"] == f"{shown} train run.steps=2"

@@ -42,36 +42,27 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("corrections and objectives", [
         "offpolicy.corrections.*", "offpolicy.objectives.*", "offpolicy.losses", "offpolicy.perturbation",
     ]),
-    ("public API", ["offpolicy"]),  # offpolicy/__init__.py: re-exports of the two layers below, torch only
     ("rollout, models, tasks", ["offpolicy.rollout.*", "offpolicy.models.*", "offpolicy.tasks.*"]),
+    # offpolicy/__init__.py: re-exports of the layers below, torch only (the engine factory included: EngineSpec,
+    # build_engine, register_engine; no engine module imports more than torch until an engine is built)
+    ("public API", ["offpolicy"]),
     ("train", ["offpolicy.train.*"]),
     ("lab, inspect, integrations, diagnose", [
         "offpolicy.lab.*", "offpolicy.inspect.*", "offpolicy.integrations.*", "offpolicy.diagnose.*",
     ]),
     # entry points: the CLI, and the lab's zygote process (it runs `offpolicy train` forked, so it imports the CLI)
-    ("CLI", ["offpolicy.cli", "offpolicy.lab.zygote"]),
+    ("CLI", ["offpolicy.cli.*", "offpolicy.lab.zygote"]),
 ]
 
 # Upward imports that exist today, each with what removing it takes. The list may only shrink: a new upward import
 # fails test_no_upward_import, and an entry that no longer exists fails test_known_upward_imports_still_exist.
-KNOWN_UPWARD = {
-    ("offpolicy.models.warm_start", "offpolicy.train.data"):
-        "evaluate_reward builds prompts and rewards with the trainer's step_prompts / compute_rewards: move those two "
-        "down to offpolicy.tasks",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 MAX_LINES = 500
 ONE_ALGORITHM = "one algorithm"  # in a module's docstring: the module may be longer than MAX_LINES
 # Modules over MAX_LINES today, to be split (one family per file). The list may only shrink: a module that drops under
 # the limit fails test_long_modules_are_still_long until its entry goes.
 LONG_MODULES = {
-    "offpolicy.cli",
-    "offpolicy.inspect.compare",
-    "offpolicy.inspect.report",
-    "offpolicy.lab.report",
-    "offpolicy.lab.sweep",
-    "offpolicy.train.config",
-    "offpolicy.train.steps",
 }
 
 
@@ -196,14 +187,7 @@ def test_the_graph_readers_doctests():
 # needs from its caller's scope; a base imported late (TRL, transformers, verl) is a mixin in front of it instead
 # (``OffPolicyGRPOMixin``), composed at module level or with ``type(...)``.
 # Classes inside functions that exist today, each with what removing it takes. The list may only shrink.
-KNOWN_CLASSES_IN_FUNCTIONS = {
-    "offpolicy.integrations.verl.driver:OffPolicyTrainer":
-        "make_trainer_class subclasses a verl v1 PPOTrainer given at run time: a module-level mixin composed with it",
-    "offpolicy.integrations.verl.cpu_bridge:CPUDeviceModule":
-        "verl's platform classes are imported inside cpu_platform: module-level mixins composed with them",
-    "offpolicy.integrations.verl.cpu_bridge:CPUPlatform":
-        "verl's platform classes are imported inside cpu_platform: module-level mixins composed with them",
-}
+KNOWN_CLASSES_IN_FUNCTIONS: dict[str, str] = {}
 
 
 def classes_in_functions(tree: ast.AST) -> list[tuple[str, int, str]]:

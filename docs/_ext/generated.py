@@ -8,7 +8,8 @@ A page holds a block between two markers::
 
 ``python docs/_ext/generated.py`` rewrites every block of README.md and docs/**.md from the code
 (:mod:`offpolicy.catalog`, :data:`offpolicy.train.presets.PRESETS`, :mod:`offpolicy.integrations.versions`,
-:mod:`offpolicy.glossary`); ``--check`` only reports the pages whose blocks are out of date (exit 1), which is what
+:mod:`offpolicy.glossary`) and from the JSON the project's scripts and runs wrote under docs/data/ (the glossary's
+measured values: docs/data/glossary/measured.json, and the sync check's from docs/data/sync_check/*.json); ``--check`` only reports the pages whose blocks are out of date (exit 1), which is what
 tests/test_docs_generated.py asserts. A block may take one argument, ``prefix=PATH``: where the method pages are,
 relative to the page (README.md: ``docs/methods/``).
 """
@@ -75,6 +76,52 @@ def versions(prefix: str = "") -> str:
     return "\n".join(rows)
 
 
+def _span(values: list[float], form: str) -> str:
+    """``a`` or ``a–b`` (the smallest and the largest of ``values``, each in ``form``).
+
+    >>> _span([0.2, 0.1, 0.3], "{:.1f}"), _span([0.0, 0.0], "{:g}")
+    ('0.1–0.3', '0')
+    """
+    lo, hi = form.format(min(values)), form.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _sync_measured() -> dict[str, str]:
+    """The sync check's glossary values from docs/data/sync_check/*.json (benchmarks/sync_check_table.py): per engine
+    and model, over the settings (learning rates) each file holds."""
+    import json
+
+    from offpolicy.train.config import RolloutConfig
+
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "docs" / "data" / "sync_check").glob("*.json"))]
+    if not runs:
+        return {}
+
+    def per_engine(field: str, form: str, unit: str = "") -> str:
+        return "; ".join(f"vLLM {r['dtype']} on {r['model']}: {_span([s[field] for s in r['settings']], form)}{unit}"
+                         for r in runs)
+
+    healthy = sum(s["healthy"] for r in runs for s in r["settings"])
+    ratios = [x for r in runs for s in r["settings"] for x in (s["ratio_min"], s["ratio_max"])]
+    max_baseline = RolloutConfig.model_fields["sync_check_max_baseline"].default
+    return {
+        "sync/gap": per_engine("gap_last", "{:.2g}", " nats at the last healthy sync"),
+        "sync/baseline": (per_engine("baseline", "{:.2g}", " nats")
+                          + f"; above {max_baseline:g} is an error (rollout.sync_check_max_baseline)"),
+        "sync/ratio": f"{_span(ratios, '{:.2g}')} over {healthy} healthy syncs",
+        "sync/seconds": per_engine("check_s_median", "{:.2g}", " s (median)"),
+    }
+
+
+def measured() -> dict[str, str]:
+    """``{glossary key or diagnostic name: what the project measured}``: docs/data/glossary/measured.json, and the sync
+    check's keys from its own data (:func:`_sync_measured`)."""
+    import json
+
+    data = json.loads((ROOT / "docs" / "data" / "glossary" / "measured.json").read_text(encoding="utf-8"))
+    return {**data["diagnostics"], **data["entries"], **_sync_measured()}
+
+
 def glossary_diagnostics(prefix: str = "") -> str:
     from offpolicy.glossary import DIAGNOSTICS
     from offpolicy.metrics import NAMINGS
@@ -87,8 +134,10 @@ def glossary_diagnostics(prefix: str = "") -> str:
         return _key(n.prefix + n.renames.get(name, name))
 
     rows = ["| metric | TRL key | verl key | meaning | measured here (lab, 5 M) |", "|---|---|---|---|---|"]
-    for name, (means, measured) in DIAGNOSTICS.items():
-        rows.append(f"| **{name}** | {key('trl', name)} | {key('verl', name)} | {_cell(means)} | {_cell(measured)} |")
+    values = measured()
+    for name, means in DIAGNOSTICS.items():
+        rows.append(f"| **{name}** | {key('trl', name)} | {key('verl', name)} | {_cell(means)} | "
+                    f"{_cell(values.get(name, ''))} |")
     rows += ["", "The other namings: the prefix and the metric's name, except where a framework has a name of its own:",
              "", "| naming | prefix | its own names |", "|---|---|---|"]
     for naming, n in NAMINGS.items():
@@ -138,13 +187,14 @@ def glossary_entries(prefix: str = "") -> str:
 
     rows = ["| key (the reference trainer) | TRL key | verl key | meaning | measured here (lab, 5 M) |",
             "|---|---|---|---|---|"]
+    values = measured()
     for e in ENTRIES:
         key = e.key.replace("inspect:", "report.json: ")
         trl, verl = _framework_keys(e)
         # verl's own names and TRL-only keys: the reference trainer logs nothing under them
         own = "" if e.logged_by in ("verl", "TRL") else key
         cells = " | ".join(_key(k) if k else "–" for k in (own, trl, verl))
-        rows.append(f"| {cells} | {_cell(e.means)} | {_cell(e.measured)} |")
+        rows.append(f"| {cells} | {_cell(e.means)} | {_cell(values.get(e.key, ''))} |")
     rows.append("")
     rows.append(f"`<is>` is one of {', '.join(f'`{n}`' for n in IS_NAMES)}; `<kl_mode>` one of "
                 f"{', '.join(f'`{n}`' for n in KL_MODES)}; `<layer>` a layer index; `<bin>` a position bin "

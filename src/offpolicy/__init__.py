@@ -115,6 +115,10 @@ from offpolicy.registry import (
     register_correction,
     register_objective,
 )
+
+# Rollout engines: one spec, one factory, a registry of backends (hf, vllm, llamacpp, server, and any registered)
+from offpolicy.rollout.factory import build_engine, register_engine
+from offpolicy.rollout.spec import EngineSpec
 from offpolicy.topk_advice import TopKAdvice, topk_advice
 
 __version__ = "0.1.0"
@@ -127,6 +131,7 @@ __all__ = [
     "Correction",
     "CorrectionResult",
     "DEFAULT_RHO",
+    "EngineSpec",
     "LEVELS",
     "LOG_RATIO_BOUND",
     "LayerwisePerturbation",
@@ -144,6 +149,7 @@ __all__ = [
     "bernoulli_kl",
     "bernoulli_tv",
     "build_correction",
+    "build_engine",
     "centered_logp",
     "chain",
     "constrained_logp",
@@ -194,6 +200,7 @@ __all__ = [
     "position_metrics",
     "register_aggregation",
     "register_correction",
+    "register_engine",
     "register_objective",
     "replay_support_logp",
     "rloo_advantages",

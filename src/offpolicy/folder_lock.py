@@ -97,7 +97,7 @@ def owner_record() -> dict[str, Any]:
     argv = list(sys.argv) or ["?"]
     program = Path(argv[0])
     # the program by its name: `offpolicy` for the console script and for `python -m offpolicy.cli` alike
-    argv[0] = "offpolicy" if (program.name, program.parent.name) == ("cli.py", "offpolicy") else program.name
+    argv[0] = "offpolicy" if (program.name, program.parent.name) == ("__main__.py", "cli") else program.name
     return {"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(argv),
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

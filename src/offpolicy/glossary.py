@@ -1,4 +1,4 @@
-"""What every logged metric means, and the values the project measured — the source of docs/metrics.md.
+"""What every logged metric means — the source of docs/metrics.md.
 
 Three kinds of keys, looked up by :func:`lookup`:
 
@@ -11,8 +11,8 @@ Three kinds of keys, looked up by :func:`lookup`:
 * nothing else: tests/test_glossary.py runs the trainer (every preset, the controllers), the corrections, the
   objectives and the adapters, and fails on a key :func:`lookup` does not know.
 
-"Measured" values come from this project's own runs (the lab model, 5 M parameters; see docs/choosing.md for what
-they do and do not say about a large model).
+What the project measured for a metric is not shipped here: docs/_ext/generated.py reads it from the JSON under
+docs/data/ (docs/data/glossary/measured.json, docs/data/sync_check/*.json) into the glossary's "measured here" column.
 
 >>> lookup("offpolicy/tis/clipped_frac").key, lookup("sampling/k3_kl").key
 ('<is>/clipped_frac', 'k3_kl')
@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,195 +34,178 @@ TRL_PREFIX = "offpolicy/"  # the TRL trainer logs the trainer's keys under this 
 
 @dataclass(frozen=True)
 class Entry:
-    """One metric: its ``key`` (a pattern with ``<placeholders>``), what it ``means``, the ``measured`` values the
-    project has for it (empty when none), and who logs it."""
+    """One metric: its ``key`` (a pattern with ``<placeholders>``), what it ``means``, and who logs it."""
 
     key: str
     means: str
-    measured: str = ""
     logged_by: str = "trainer, TRL"
 
+    @property
+    def measured(self) -> str:
+        """Deprecated (always ``""``): the measured values moved to docs/data/glossary/measured.json."""
+        warnings.warn("Entry.measured is deprecated and empty: the measured values are in "
+                      "docs/data/glossary/measured.json", DeprecationWarning, stacklevel=2)
+        return ""
 
-# The diagnostics: name → (meaning, measured). Names per framework come from offpolicy.metrics.NAMINGS.
-DIAGNOSTICS: dict[str, tuple[str, str]] = {
-    "kl": ("E[log μ − log π] over valid tokens: the direct KL(μ‖π) estimate under μ's samples (can be < 0)", ""),
-    "k3_kl": ("E[ρ − log ρ − 1], ρ = π_old/μ: Schulman's k3 estimate of KL(μ‖π) per token, ≥ 0",
-              "fp32 engine 1e-14; int4 weights + 4-bit KV cache 3e-4 at the warm start, falling to 1e-10; an "
-              "engine 4 steps behind 2.5e-2 (reward within noise), 8 behind 0.11 (last-quarter reward lower)"),
-    "k2_kl": ("E[½ (log ρ)²]: the k2 estimate (OpenRLHF, Tinker)", ""),
-    "training_ppl": ("mean over sequences of the trainer's per-sequence perplexity", ""),
-    "training_log_ppl": ("mean over sequences of −mean_t log π", ""),
-    "rollout_ppl": ("mean over sequences of the engine's per-sequence perplexity", ""),
-    "rollout_log_ppl": ("mean over sequences of −mean_t log μ", ""),
-    "log_ppl_diff": ("mean over sequences of log PPL_π − log PPL_μ (> 0: the trainer finds the text less likely)",
-                     ""),
-    "log_ppl_abs_diff": ("mean over sequences of |log PPL_π − log PPL_μ|",
-                         "llama.cpp Q4_0 + 4-bit KV cache: 8e-5; simulated int4 + kv4: 1.3e-4"),
-    "log_ppl_diff_max": ("largest per-sequence log PPL gap", ""),
-    "log_ppl_diff_min": ("smallest per-sequence log PPL gap", ""),
-    "ppl_ratio": ("mean over sequences of PPL_π / PPL_μ", ""),
-    "chi2_token": ("E[ρ_t²] − 1: the token-level χ² divergence (the variance of the IS weights)",
-                   "bf16 + KV cache on the embedded model: 0.004"),
-    "chi2_seq": ("E[ρ_geo²] − 1 with the geometric (length-normalised) sequence ratio (ms-swift)", ""),
-    "chi2_seq_product": ("E[ρ_seq²] − 1 with the product sequence ratio (verl's chi2_seq)", ""),
-    "ess": ("(E w)² / E[w²] ∈ [0, 1]: normalised effective sample size of the weights",
-            "bf16 + KV cache: 0.994; 1 means every weight is equal"),
-    "is_weight_mean": ("mean of the weights applied (the raw ratio when no correction weights)", ""),
-    "is_weight_max": ("largest weight applied", ""),
-    "is_weight_min": ("smallest weight applied", ""),
-    "clipped_frac": ("share of valid tokens whose weight differs from the raw ratio (truncated or masked)",
-                     "TIS / MIS at cap 2 under bf16: 0.02 % of tokens"),
-    "raw_ratio_mean": ("mean of the token ratio ρ = π_old/μ before any correction", ""),
-    "raw_ratio_max": ("largest token ratio ρ = π_old/μ", ""),
-    "raw_ratio_min": ("smallest token ratio ρ = π_old/μ", ""),
-    "logp_abs_diff_mean": ("mean |log π − log μ| over valid tokens (TRL's sampling_logp_difference/mean)", ""),
-    "logp_abs_diff_max": ("largest |log π − log μ|", ""),
-    "masked_frac": ("share of valid tokens whose weight is 0 (dropped by the correction)", ""),
-    "accepted_frac": ("1 − masked_frac", ""),
-    "nonfinite_tokens": ("response positions where log π or log μ is NaN / ±inf (left out of every statistic)",
-                         "0 in every run of the lab"),
+
+# The diagnostics: name → meaning. Names per framework come from offpolicy.metrics.NAMINGS.
+DIAGNOSTICS: dict[str, str] = {
+    "kl": "E[log μ − log π] over valid tokens: the direct KL(μ‖π) estimate under μ's samples (can be < 0)",
+    "k3_kl": "E[ρ − log ρ − 1], ρ = π_old/μ: Schulman's k3 estimate of KL(μ‖π) per token, ≥ 0",
+    "k2_kl": "E[½ (log ρ)²]: the k2 estimate (OpenRLHF, Tinker)",
+    "training_ppl": "mean over sequences of the trainer's per-sequence perplexity",
+    "training_log_ppl": "mean over sequences of −mean_t log π",
+    "rollout_ppl": "mean over sequences of the engine's per-sequence perplexity",
+    "rollout_log_ppl": "mean over sequences of −mean_t log μ",
+    "log_ppl_diff": "mean over sequences of log PPL_π − log PPL_μ (> 0: the trainer finds the text less likely)",
+    "log_ppl_abs_diff": "mean over sequences of |log PPL_π − log PPL_μ|",
+    "log_ppl_diff_max": "largest per-sequence log PPL gap",
+    "log_ppl_diff_min": "smallest per-sequence log PPL gap",
+    "ppl_ratio": "mean over sequences of PPL_π / PPL_μ",
+    "chi2_token": "E[ρ_t²] − 1: the token-level χ² divergence (the variance of the IS weights)",
+    "chi2_seq": "E[ρ_geo²] − 1 with the geometric (length-normalised) sequence ratio (ms-swift)",
+    "chi2_seq_product": "E[ρ_seq²] − 1 with the product sequence ratio (verl's chi2_seq)",
+    "ess": "(E w)² / E[w²] ∈ [0, 1]: normalised effective sample size of the weights",
+    "is_weight_mean": "mean of the weights applied (the raw ratio when no correction weights)",
+    "is_weight_max": "largest weight applied",
+    "is_weight_min": "smallest weight applied",
+    "clipped_frac": "share of valid tokens whose weight differs from the raw ratio (truncated or masked)",
+    "raw_ratio_mean": "mean of the token ratio ρ = π_old/μ before any correction",
+    "raw_ratio_max": "largest token ratio ρ = π_old/μ",
+    "raw_ratio_min": "smallest token ratio ρ = π_old/μ",
+    "logp_abs_diff_mean": "mean |log π − log μ| over valid tokens (TRL's sampling_logp_difference/mean)",
+    "logp_abs_diff_max": "largest |log π − log μ|",
+    "masked_frac": "share of valid tokens whose weight is 0 (dropped by the correction)",
+    "accepted_frac": "1 − masked_frac",
+    "nonfinite_tokens": "response positions where log π or log μ is NaN / ±inf (left out of every statistic)",
 }
 
 ENTRIES: tuple[Entry, ...] = (
     # -- the run ---------------------------------------------------------------------------------------------------
-    Entry("step", "the optimiser step a row of metrics.jsonl belongs to", "", "trainer"),
+    Entry("step", "the optimiser step a row of metrics.jsonl belongs to", "trainer"),
     Entry("reward/mean", "mean reward of the step's rollouts (the engine's samples: with a lagging engine, the old "
-          "policy's reward)", "lab model, pattern task: 0.15 at the warm start, ≥ 0.88 after ~10 steps on policy",
+          "policy's reward)",
           "trainer"),
-    Entry("reward/std", "standard deviation of the step's rewards", "", "trainer"),
-    Entry("reward/max", "largest reward of the step", "", "trainer"),
-    Entry("response/length_mean", "mean response length in tokens", "", "trainer"),
-    Entry("optim/lr", "the learning rate of the step (schedule × the LR guard's cut)", "", "trainer"),
-    Entry("time/rollout_s", "seconds the step spent sampling", "", "trainer"),
-    Entry("time/step_s", "seconds of the whole step", "", "trainer"),
-    Entry("time/tokens_per_s", "sampled tokens per second of the step", "", "trainer"),
+    Entry("reward/std", "standard deviation of the step's rewards", "trainer"),
+    Entry("reward/max", "largest reward of the step", "trainer"),
+    Entry("response/length_mean", "mean response length in tokens", "trainer"),
+    Entry("optim/lr", "the learning rate of the step (schedule × the LR guard's cut)", "trainer"),
+    Entry("time/rollout_s", "seconds the step spent sampling", "trainer"),
+    Entry("time/step_s", "seconds of the whole step", "trainer"),
+    Entry("time/tokens_per_s", "sampled tokens per second of the step", "trainer"),
     # -- the weight-sync check (offpolicy.rollout.sync_check; rollout.engine vllm / server) ----------------------------
-    Entry("sync/gap", "mean |log p_engine − log p_trainer| on the probe after this step's weight sync",
-          "vLLM bf16 vs the fp32 trainer: 0.008–0.015 nats; fp32: < 1e-6", "trainer"),
-    Entry("sync/baseline", "the same gap with the same weights on both sides (the run's first sync)",
-          "vLLM bf16 on the lab model: 0.015; above 0.05 is an error (different models)", "trainer"),
-    Entry("sync/ratio", "sync/gap ÷ sync/baseline", "0.4–1.4 on healthy syncs; fails above 4", "trainer"),
+    Entry("sync/gap", "mean |log p_engine − log p_trainer| on the probe after this step's weight sync", "trainer"),
+    Entry("sync/baseline", "the same gap with the same weights on both sides (the run's first sync)", "trainer"),
+    Entry("sync/ratio", "sync/gap ÷ sync/baseline", "trainer"),
     Entry("sync/stale_fraction", "β: how far back towards the previous sync's weights the engine is (0 took the new "
-          "weights, 1 kept the old)", "−0.08 to 0.01 on healthy syncs; fails above 0.5 once resolved", "trainer"),
+          "weights, 1 kept the old)", "trainer"),
     Entry("sync/step_rms", "how much the update moved the probe's log-probs (root mean square), β's resolution",
-          "", "trainer"),
-    Entry("sync/ok", "1 when the sync passed both tests, 0 when it failed (with rollout.sync_check=warn)", "1",
           "trainer"),
-    Entry("sync/seconds", "seconds the check took (two forwards of the probe)",
-          "lab model: 0.3–0.8 s under load", "trainer"),
+    Entry("sync/ok", "1 when the sync passed both tests, 0 when it failed (with rollout.sync_check=warn)",
+          "trainer"),
+    Entry("sync/seconds", "seconds the check took (two forwards of the probe)", "trainer"),
     # -- the loss --------------------------------------------------------------------------------------------------
-    Entry("loss/loss", "the policy loss of the step", "", "trainer"),
-    Entry("loss/grad_norm", "gradient norm before clipping (clipped at optim.max_grad_norm)",
-          "fp32 engine: max 1.5 over 100 steps; naive GRPO on an engine 8 steps behind: spikes of 4–899", "trainer"),
-    Entry("loss/ratio_mean", "mean of the objective's ratio (π_θ/π_old for PPO; π_θ/μ for bypass)", ""),
-    Entry("loss/ratio_max", "largest objective ratio", ""),
-    Entry("loss/ratio_min", "smallest objective ratio", ""),
-    Entry("loss/clipfrac_low", "share of tokens where PPO's lower clip bound is active", ""),
-    Entry("loss/clipfrac_high", "share of tokens where PPO's upper clip bound is active", ""),
-    Entry("loss/dual_clip_frac", "share of tokens where the dual clip (negative advantages) is active", ""),
-    Entry("loss/empty_batch", "1 when no token counted in the loss (all masked or empty), else 0", "0"),
-    Entry("loss/nonfinite_tokens", "valid tokens dropped for a NaN / inf log-prob the objective reads", "0"),
-    Entry("loss/ipo_masked", "share of tokens IPO masks, |π_θ(y) − μ(y)| > δ", ""),
+    Entry("loss/loss", "the policy loss of the step", "trainer"),
+    Entry("loss/grad_norm", "gradient norm before clipping (clipped at optim.max_grad_norm)", "trainer"),
+    Entry("loss/ratio_mean", "mean of the objective's ratio (π_θ/π_old for PPO; π_θ/μ for bypass)"),
+    Entry("loss/ratio_max", "largest objective ratio"),
+    Entry("loss/ratio_min", "smallest objective ratio"),
+    Entry("loss/clipfrac_low", "share of tokens where PPO's lower clip bound is active"),
+    Entry("loss/clipfrac_high", "share of tokens where PPO's upper clip bound is active"),
+    Entry("loss/dual_clip_frac", "share of tokens where the dual clip (negative advantages) is active"),
+    Entry("loss/empty_batch", "1 when no token counted in the loss (all masked or empty), else 0"),
+    Entry("loss/nonfinite_tokens", "valid tokens dropped for a NaN / inf log-prob the objective reads"),
+    Entry("loss/ipo_masked", "share of tokens IPO masks, |π_θ(y) − μ(y)| > δ"),
     # -- corrections -----------------------------------------------------------------------------------------------
-    Entry("<is>/raw_ratio_mean", "mean ratio π_old/μ (or π_θ/μ with source=total) before the correction", ""),
-    Entry("<is>/raw_ratio_max", "largest ratio before the correction",
-          "an engine 3 steps behind (TRL quickstart): 1.6–2.3; bf16 numerics alone: ≈ 1.03"),
-    Entry("<is>/raw_ratio_min", "smallest ratio before the correction", ""),
-    Entry("<is>/weight_mean", "mean weight after the correction", ""),
-    Entry("<is>/kept_frac", "share of valid tokens the correction keeps", ""),
-    Entry("<is>/clipped_frac", "share of valid tokens whose weight was truncated or masked",
-          "TIS at cap 2 under bf16: 0.02 %; 3 steps behind: 8.6 % in one step, 0 in the others (the TRL quickstart)"),
-    Entry("<is>/nonfinite_frac", "share of valid tokens with a non-finite ratio (dropped)", "0"),
-    Entry("gated_is/filter_frac", "share of units (tokens or sequences) the gate drops", ""),
-    Entry("gated_is/stat_mean", "mean of the gated statistic (ratio, binary KL or TV)", ""),
-    Entry("gated_is/stat_max", "largest gated statistic", ""),
-    Entry("opsm/masked_seq_frac", "share of sequences OPSM drops (A < 0 and mean log(μ/π_θ) > δ)",
-          "δ = 1e-4 on 128-token bf16 answers, every advantage negative: 75 % (inspect's δ = 0.016 keeps 95 %)"),
-    Entry("opsm/stat_mean", "mean over sequences of mean_t log(μ/π_θ)", ""),
-    Entry("opsm/mismatch_term_mean", "the part of OPSM's statistic from μ vs π_old (the engines' mismatch)", ""),
-    Entry("opsm/staleness_term_mean", "the part from π_old vs π_θ (the policy's movement within the step)", ""),
-    Entry("veto/vetoed_seq_frac", "share of sequences dropped because a token ratio is below τ", ""),
-    Entry("trm/accept_rate", "share of sequences TRM keeps",
-          "keep ≥ 70 % (the TRM paper's monitor); at the paper's δ an engine 8 steps behind loses 56 % of the tokens"),
-    Entry("trm/max_divergence_mean", "mean over sequences of max_t KL_t", ""),
-    Entry("trm/avg_divergence_mean", "mean over sequences of mean_t KL_t", ""),
-    Entry("trm/divergence_exact", "1 when TRM tested the exact per-token KL from the logits", ""),
-    Entry("trm/divergence_topk", "1 when TRM tested the engine's top-K bound", ""),
-    Entry("trm/divergence_k_estimator", "1 when TRM fell back to the k-estimators of the sampled token", ""),
-    Entry("ln_trm/accept_rate", "share of sequences LN-TRM keeps", ""),
-    Entry("ln_trm/stat_mean", "mean of LN-TRM's length-neutral statistic", ""),
-    Entry("ser/accept_rate", "share of sequences SER keeps", ""),
-    Entry("ser/stat_mean", "mean of SER's statistic", ""),
-    Entry("<kl_mode>/rejected_frac", "share rejected by verl's k2 / k3 rejection mode (the key is the mode)", ""),
-    Entry("<kl_mode>/stat_mean", "mean of the k2 / k3 statistic of that mode", ""),
-    Entry("m2po/masked_frac", "share of tokens M2PO drops",
-          "τ = 0.04: 6 % at lag 1 (reward within noise), 15 % at lag 4 (reward lower)"),
-    Entry("m2po/candidate_frac", "share of tokens in PPO's active quadrants (the candidates M2PO may drop)", ""),
-    Entry("m2po/m2_before", "second moment of log(π_θ/μ) over the candidates before masking", ""),
-    Entry("m2po/m2_after", "second moment after masking (≤ τ)", ""),
-    Entry("chain/kept_token_frac", "share of valid tokens the whole correction chain keeps", ""),
-    Entry("correction/masked_frac", "share of valid tokens the correction chain drops", "", "trainer"),
+    Entry("<is>/raw_ratio_mean", "mean ratio π_old/μ (or π_θ/μ with source=total) before the correction"),
+    Entry("<is>/raw_ratio_max", "largest ratio before the correction"),
+    Entry("<is>/raw_ratio_min", "smallest ratio before the correction"),
+    Entry("<is>/weight_mean", "mean weight after the correction"),
+    Entry("<is>/kept_frac", "share of valid tokens the correction keeps"),
+    Entry("<is>/clipped_frac", "share of valid tokens whose weight was truncated or masked"),
+    Entry("<is>/nonfinite_frac", "share of valid tokens with a non-finite ratio (dropped)"),
+    Entry("gated_is/filter_frac", "share of units (tokens or sequences) the gate drops"),
+    Entry("gated_is/stat_mean", "mean of the gated statistic (ratio, binary KL or TV)"),
+    Entry("gated_is/stat_max", "largest gated statistic"),
+    Entry("opsm/masked_seq_frac", "share of sequences OPSM drops (A < 0 and mean log(μ/π_θ) > δ)"),
+    Entry("opsm/stat_mean", "mean over sequences of mean_t log(μ/π_θ)"),
+    Entry("opsm/mismatch_term_mean", "the part of OPSM's statistic from μ vs π_old (the engines' mismatch)"),
+    Entry("opsm/staleness_term_mean", "the part from π_old vs π_θ (the policy's movement within the step)"),
+    Entry("veto/vetoed_seq_frac", "share of sequences dropped because a token ratio is below τ"),
+    Entry("trm/accept_rate", "share of sequences TRM keeps"),
+    Entry("trm/max_divergence_mean", "mean over sequences of max_t KL_t"),
+    Entry("trm/avg_divergence_mean", "mean over sequences of mean_t KL_t"),
+    Entry("trm/divergence_exact", "1 when TRM tested the exact per-token KL from the logits"),
+    Entry("trm/divergence_topk", "1 when TRM tested the engine's top-K bound"),
+    Entry("trm/divergence_k_estimator", "1 when TRM fell back to the k-estimators of the sampled token"),
+    Entry("ln_trm/accept_rate", "share of sequences LN-TRM keeps"),
+    Entry("ln_trm/stat_mean", "mean of LN-TRM's length-neutral statistic"),
+    Entry("ser/accept_rate", "share of sequences SER keeps"),
+    Entry("ser/stat_mean", "mean of SER's statistic"),
+    Entry("<kl_mode>/rejected_frac", "share rejected by verl's k2 / k3 rejection mode (the key is the mode)"),
+    Entry("<kl_mode>/stat_mean", "mean of the k2 / k3 statistic of that mode"),
+    Entry("m2po/masked_frac", "share of tokens M2PO drops"),
+    Entry("m2po/candidate_frac", "share of tokens in PPO's active quadrants (the candidates M2PO may drop)"),
+    Entry("m2po/m2_before", "second moment of log(π_θ/μ) over the candidates before masking"),
+    Entry("m2po/m2_after", "second moment after masking (≤ τ)"),
+    Entry("chain/kept_token_frac", "share of valid tokens the whole correction chain keeps"),
+    Entry("correction/masked_frac", "share of valid tokens the correction chain drops", "trainer"),
     # -- vocabulary, ALP, score centering, top-K --------------------------------------------------------------------
-    Entry("dvp/mass_mean", "mean probability mass of the trainer's min-p safe set", "ρ = e^-13: ≥ 0.994"),
-    Entry("dvp/mass_min", "smallest safe-set mass (DVP's bias bound uses it)", "ρ = e^-13: 0.994–0.995"),
-    Entry("dvp/outside_frac", "share of sampled tokens outside the trainer's safe set (they leave the loss)",
-          "0.003–0.44 % on an engine 8 steps behind"),
-    Entry("alp/sigma_mean", "mean learnable noise scale σ over the perturbed layers",
-          "in bf16, σ = 1e-4 mostly rounds away; σ ≥ 3e-2 survives on hidden states of |h| ≈ 10"),
-    Entry("alp/sigma_min", "smallest σ", ""),
-    Entry("alp/sigma_max", "largest σ", ""),
-    Entry("alp/sigma/<layer>", "σ of one perturbed layer", ""),
+    Entry("dvp/mass_mean", "mean probability mass of the trainer's min-p safe set"),
+    Entry("dvp/mass_min", "smallest safe-set mass (DVP's bias bound uses it)"),
+    Entry("dvp/outside_frac", "share of sampled tokens outside the trainer's safe set (they leave the loss)"),
+    Entry("alp/sigma_mean", "mean learnable noise scale σ over the perturbed layers"),
+    Entry("alp/sigma_min", "smallest σ"),
+    Entry("alp/sigma_max", "largest σ"),
+    Entry("alp/sigma/<layer>", "σ of one perturbed layer"),
     Entry("score_centering/drift_tv", "½‖q − π_θ‖₁ per token: how far the sampler's distribution is from the policy",
-          "fp32 engine: 0.04–0.08; lag 8: 0.16–0.23; lag 16: 0.30–0.38 (reward lower)", "trainer"),
-    Entry("score_centering/topk_gap_tv", "½‖q − q̂‖₁: the error of the top-20 proportional-tail centring",
-          "4e-8–1e-2", "trainer"),
-    Entry("score_centering/head_mass_q", "how much of q the engine's top-K holds (the rest is spread ∝ π)", "", "TRL"),
-    Entry("score_centering/is_weight", "mean IS weight of the sampled token in the IS-rule centring (TIS / IcePop)",
-          "", "trainer"),
-    Entry("score_centering/is_clipped", "share of tokens whose IS weight the rule clipped or masked", "", "trainer"),
-    Entry("topk/kl_lower_mean", "mean coarse-grained lower bound on KL(μ‖π_θ) from vLLM's top-K", "", "TRL"),
-    Entry("topk/kl_upper_mean", "mean certified upper bound on KL(μ‖π_θ) from vLLM's top-K", "", "TRL"),
-    Entry("topk/kl_upper_max", "largest certified upper bound", "", "TRL"),
-    # -- control -----------------------------------------------------------------------------------------------------
-    Entry("control/trm_max_kl", "TRM-Max δ the controller chose for the step", "swings 0.05 → 1.7–9.3 on lag 8",
           "trainer"),
-    Entry("control/trm_avg_kl", "TRM-Avg δ the controller chose", "", "trainer"),
-    Entry("control/is_upper", "the IS band's upper bound the controller chose", "2 → 2.3–3.4 on lag 8", "trainer"),
-    Entry("control/lr", "the LR guard's learning rate", "", "trainer"),
+    Entry("score_centering/topk_gap_tv", "½‖q − q̂‖₁: the error of the top-20 proportional-tail centring", "trainer"),
+    Entry("score_centering/head_mass_q", "how much of q the engine's top-K holds (the rest is spread ∝ π)", "TRL"),
+    Entry("score_centering/is_weight", "mean IS weight of the sampled token in the IS-rule centring (TIS / IcePop)",
+          "trainer"),
+    Entry("score_centering/is_clipped", "share of tokens whose IS weight the rule clipped or masked", "trainer"),
+    Entry("topk/kl_lower_mean", "mean coarse-grained lower bound on KL(μ‖π_θ) from vLLM's top-K", "TRL"),
+    Entry("topk/kl_upper_mean", "mean certified upper bound on KL(μ‖π_θ) from vLLM's top-K", "TRL"),
+    Entry("topk/kl_upper_max", "largest certified upper bound", "TRL"),
+    # -- control -----------------------------------------------------------------------------------------------------
+    Entry("control/trm_max_kl", "TRM-Max δ the controller chose for the step",
+          "trainer"),
+    Entry("control/trm_avg_kl", "TRM-Avg δ the controller chose", "trainer"),
+    Entry("control/is_upper", "the IS band's upper bound the controller chose", "trainer"),
+    Entry("control/lr", "the LR guard's learning rate", "trainer"),
     # -- the mismatch by position and from the logits ----------------------------------------------------------------
     Entry("mismatch/token_kl_exact_mean", "mean exact KL(μ‖π_old) per token from both engines' logits (when both "
-          "exist)", "", "trainer"),
+          "exist)", "trainer"),
     Entry("mismatch/by_position/<stat>/<bin>", "the mismatch statistic (kl, k2_kl, k3_kl, kl_exact, "
-          "logp_abs_diff_mean, tokens) over the response positions of one doubling bin", "", "trainer"),
+          "logp_abs_diff_mean, tokens) over the response positions of one doubling bin", "trainer"),
     # -- verl's own names for the plug-in's loss ---------------------------------------------------------------------
-    Entry("actor/grad_norm", "gradient norm before clipping (verl's name)", "", "verl"),
-    Entry("actor/pg_clipfrac", "share of tokens where PPO's clip is active (verl's name)", "", "verl"),
-    Entry("actor/pg_clipfrac_lower", "share of tokens where the dual clip is active (verl's name)", "", "verl"),
-    Entry("actor/ppo_kl", "mean log(π_old/π_θ) over the tokens (verl's name)", "", "verl"),
+    Entry("actor/grad_norm", "gradient norm before clipping (verl's name)", "verl"),
+    Entry("actor/pg_clipfrac", "share of tokens where PPO's clip is active (verl's name)", "verl"),
+    Entry("actor/pg_clipfrac_lower", "share of tokens where the dual clip is active (verl's name)", "verl"),
+    Entry("actor/ppo_kl", "mean log(π_old/π_θ) over the tokens (verl's name)", "verl"),
     # -- offpolicy inspect: report.json --------------------------------------------------------------------------------
-    Entry("inspect:kl_mean", "mean exact KL(μ‖π) over response positions (full distributions)",
-          "bf16 + KV cache, embedded model: 3.9e-3 (median 4.1e-5, max 1.95)", "inspect"),
-    Entry("inspect:kl_median", "median per-position KL", "", "inspect"),
-    Entry("inspect:kl_p99", "99th percentile of the per-position KL", "", "inspect"),
-    Entry("inspect:kl_max", "largest per-position KL", "", "inspect"),
-    Entry("inspect:kl_upper_mean", "mean certified upper bound on the KL (top-K engines)", "", "inspect"),
-    Entry("inspect:kl_reverse_mean", "mean KL(π‖μ)", "", "inspect"),
-    Entry("inspect:kl_nonfinite_positions", "positions whose KL is not finite", "0", "inspect"),
-    Entry("inspect:tv_mean", "mean total variation ½‖μ − π‖₁ per position", "", "inspect"),
-    Entry("inspect:tv_max", "largest per-position total variation", "", "inspect"),
-    Entry("inspect:topk_overlap_mean", "mean overlap of the two engines' top-k sets", "", "inspect"),
-    Entry("inspect:sampled_abs_delta_mean", "mean |log π − log μ| of the sampled tokens", "", "inspect"),
-    Entry("inspect:sampled_abs_delta_max", "largest |log π − log μ| of a sampled token", "", "inspect"),
-    Entry("inspect:sampled_nonfinite", "sampled tokens with a non-finite log-ratio", "0", "inspect"),
-    Entry("inspect:tail_head_ratio", "error of the vocabulary tail (p < 1e-3) over the head's (p > 0.5)",
-          "bf16: 5.9", "inspect"),
-    Entry("inspect:tail_abs_delta_mean", "mean |Δ log p| in the tail", "", "inspect"),
-    Entry("inspect:head_abs_delta_mean", "mean |Δ log p| in the head", "", "inspect"),
-    Entry("inspect:pearson_r", "correlation of the two engines' sampled-token probabilities", "", "inspect"),
-    Entry("inspect:ess", "normalised effective sample size of the token ratios", "bf16: 0.994", "inspect"),
-    Entry("inspect:chi2_token", "token-level χ²", "bf16: 0.004", "inspect"),
-    Entry("inspect:chi2_seq", "geometric sequence-level χ²", "", "inspect"),
-    Entry("inspect:k3_kl", "k3 estimate of KL(μ‖π) from the sampled tokens", "", "inspect"),
+    Entry("inspect:kl_mean", "mean exact KL(μ‖π) over response positions (full distributions)", "inspect"),
+    Entry("inspect:kl_median", "median per-position KL", "inspect"),
+    Entry("inspect:kl_p99", "99th percentile of the per-position KL", "inspect"),
+    Entry("inspect:kl_max", "largest per-position KL", "inspect"),
+    Entry("inspect:kl_upper_mean", "mean certified upper bound on the KL (top-K engines)", "inspect"),
+    Entry("inspect:kl_reverse_mean", "mean KL(π‖μ)", "inspect"),
+    Entry("inspect:kl_nonfinite_positions", "positions whose KL is not finite", "inspect"),
+    Entry("inspect:tv_mean", "mean total variation ½‖μ − π‖₁ per position", "inspect"),
+    Entry("inspect:tv_max", "largest per-position total variation", "inspect"),
+    Entry("inspect:topk_overlap_mean", "mean overlap of the two engines' top-k sets", "inspect"),
+    Entry("inspect:sampled_abs_delta_mean", "mean |log π − log μ| of the sampled tokens", "inspect"),
+    Entry("inspect:sampled_abs_delta_max", "largest |log π − log μ| of a sampled token", "inspect"),
+    Entry("inspect:sampled_nonfinite", "sampled tokens with a non-finite log-ratio", "inspect"),
+    Entry("inspect:tail_head_ratio", "error of the vocabulary tail (p < 1e-3) over the head's (p > 0.5)", "inspect"),
+    Entry("inspect:tail_abs_delta_mean", "mean |Δ log p| in the tail", "inspect"),
+    Entry("inspect:head_abs_delta_mean", "mean |Δ log p| in the head", "inspect"),
+    Entry("inspect:pearson_r", "correlation of the two engines' sampled-token probabilities", "inspect"),
+    Entry("inspect:ess", "normalised effective sample size of the token ratios", "inspect"),
+    Entry("inspect:chi2_token", "token-level χ²", "inspect"),
+    Entry("inspect:chi2_seq", "geometric sequence-level χ²", "inspect"),
+    Entry("inspect:k3_kl", "k3 estimate of KL(μ‖π) from the sampled tokens", "inspect"),
 )
 
 IS_NAMES = ("tis", "mis", "geo_mask", "icepop", "importance", "gated_is")
@@ -267,8 +251,7 @@ def lookup(key: str) -> Entry | None:
     ``report.json`` key as ``inspect:<key>``), or None."""
     diagnostic = _diagnostic_keys().get(key)
     if diagnostic is not None:
-        means, measured = DIAGNOSTICS[diagnostic]
-        return Entry(diagnostic, means, measured, "trainer, TRL, verl")
+        return Entry(diagnostic, DIAGNOSTICS[diagnostic], "trainer, TRL, verl")
     for candidate in (key, key[len(TRL_PREFIX):] if key.startswith(TRL_PREFIX) else None,
                       _verl_driver_key(key)):
         if candidate is None:

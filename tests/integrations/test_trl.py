@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from offpolicy_testkit.trl_toy import loss_and_grad
 from offpolicy_testkit.trl_toy import toy_step_inputs as _inputs
 
 from offpolicy.batch import LogProbBatch
@@ -258,14 +259,6 @@ def test_matches_trls_own_loss_and_gradient_for_each_loss_type_with_accumulation
     inputs["old_per_token_logps"] = current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
     inputs["num_items_in_batch"] = 4 * inputs["completion_mask"].sum()  # a generation batch of 4 micro-batches
 
-    def loss_and_grad(trainer, compute):
-        params = [p for p in trainer.model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = None
-        loss = compute(trainer.model, dict(inputs))
-        loss.backward()
-        return loss.detach(), torch.cat([p.grad.flatten() for p in params if p.grad is not None]).double()
-
     cases = [("bnpo", 4, 8, {}), ("grpo", 4, 8, {}), ("dr_grpo", 2, 16, {}), ("dapo", 4, 8, {"steps_per_generation": 4}),
              ("bnpo", 1, 8, {"delta": 1.5, "epsilon_high": 0.28}),
              # CISPO: TRL caps the weight at epsilon_high (1.3: binds on part of r = exp(0.3·N(0,1))); SAPO's gates
@@ -275,7 +268,7 @@ def test_matches_trls_own_loss_and_gradient_for_each_loss_type_with_accumulation
     for loss_type, accumulation, max_len, extra in cases:
         trainer = make(loss_type, max_len, **extra)
         trainer.current_gradient_accumulation_steps = accumulation
-        theirs, g_theirs = loss_and_grad(trainer, functools.partial(GRPOTrainer._compute_loss, trainer))
-        ours, g_ours = loss_and_grad(trainer, trainer._compute_loss)
+        theirs, g_theirs = loss_and_grad(trainer, functools.partial(GRPOTrainer._compute_loss, trainer), inputs)
+        ours, g_ours = loss_and_grad(trainer, trainer._compute_loss, inputs)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=loss_type)
         assert ((g_ours - g_theirs).norm() / g_theirs.norm()).item() < 1e-5, (loss_type, accumulation, extra)

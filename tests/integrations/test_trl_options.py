@@ -21,6 +21,7 @@ datasets = pytest.importorskip("datasets")
 if not trl.__version__.startswith("1.16"):
     pytest.skip(f"compares with TRL 1.16's own loss; installed {trl.__version__}", allow_module_level=True)
 
+from offpolicy_testkit.trl_toy import loss_and_grad  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer  # noqa: E402
@@ -280,17 +281,9 @@ def test_compute_loss_value_and_gradient_equal_trls(tmp_path, loss_type, accumul
     inputs["num_items_in_batch"] = 4 * inputs["completion_mask"].sum()
     trainer.current_gradient_accumulation_steps = accumulation
 
-    def loss_and_grad(compute):
-        params = [p for p in trainer.model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = None
-        loss = compute(trainer.model, dict(inputs))
-        loss.backward()
-        return loss.detach(), torch.cat([p.grad.flatten() for p in params if p.grad is not None]).double()
-
-    theirs, g_theirs = loss_and_grad(functools.partial(GRPOTrainer._compute_loss, trainer))
+    theirs, g_theirs = loss_and_grad(trainer, functools.partial(GRPOTrainer._compute_loss, trainer), inputs)
     logged_theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    ours, g_ours = loss_and_grad(trainer._compute_loss)
+    ours, g_ours = loss_and_grad(trainer, trainer._compute_loss, inputs)
     logged_ours = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     assert ((g_ours - g_theirs).norm() / g_theirs.norm()).item() < 1e-5

@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,20 +83,38 @@ class StandInWorkerGroup:
                           batch_size=len(rows))
 
 
-def _stand_in_trainer(tiny, push_does_nothing_from: int | None = None, monkeypatch=None):
+class StandInServerHandle:
+    """verl's vLLM server actor handle (one per rollout replica): ``generate.remote(...)`` answers as the server
+    does, awaitable like Ray's reference."""
+
+    def __init__(self, client: StandInClient) -> None:
+        self.client, self.request_ids = client, []
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def _remote(self, *, prompt_ids, sampling_params, request_id):
+        self.request_ids.append(request_id)
+        return self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+
+def _stand_in_trainer(tiny, push_does_nothing_from: int | None = None, monkeypatch=None, replicas: int = 1,
+                      missed_by: int | None = None):
     """The plug-in's trainer class over a stand-in of verl's sync trainer (its two sync hooks and the metrics
-    stash); the actor an fp32 model with an Adam optimizer, the engine a bf16 copy."""
+    stash); the actor an fp32 model with an Adam optimizer, the engine a bf16 copy. With ``replicas`` > 1 each
+    replica is a bf16 copy behind a server handle of its own (``llm_server_manager.server_handles``, as verl's hybrid
+    engine makes one per rank at TP = 1); ``missed_by``: the one replica whose push does nothing (None: all)."""
     from offpolicy.integrations.verl.driver import make_trainer_class
 
     model, tokenizer = tiny
     actor = copy.deepcopy(model)
-    engine = copy.deepcopy(model).to(torch.bfloat16)
+    engines = [copy.deepcopy(model).to(torch.bfloat16) for _ in range(replicas)]
+    engine = engines[0]
 
     class StandInSyncTrainer:
-        def push(self) -> None:  # verl's checkpoint_manager.update_weights
-            if push_does_nothing_from is not None and self.global_steps >= push_does_nothing_from:
-                return
-            engine.load_state_dict(actor.state_dict())
+        def push(self) -> None:  # verl's checkpoint_manager.update_weights: every rank into its own replica
+            broken = push_does_nothing_from is not None and self.global_steps >= push_does_nothing_from
+            for i, replica in enumerate(engines):
+                if not (broken and missed_by in (None, i)):
+                    replica.load_state_dict(actor.state_dict())
 
         def on_init_end(self) -> None:
             self.push()
@@ -115,6 +134,9 @@ def _stand_in_trainer(tiny, push_does_nothing_from: int | None = None, monkeypat
     trainer.config, trainer.tokenizer, trainer.global_steps = {}, tokenizer, 0
     trainer._pending_sync_metrics = {}
     trainer.client = StandInClient(engine)
+    if replicas > 1:
+        trainer.llm_server_manager = SimpleNamespace(
+            server_handles=[StandInServerHandle(StandInClient(e)) for e in engines])
     trainer.actor_rollout_wg = StandInWorkerGroup(actor)
     trainer.actor = actor
     return trainer
@@ -193,6 +215,62 @@ def test_settings_parse_sync_check():
         parse_settings({"sync_check": "strict"})
     with pytest.raises(ValueError, match="sync_check must be one of"):
         VerlSyncCheck(None, None, SyncProbe([[1]], [[2]]), on_failure="off")
+
+
+def test_two_replicas_are_each_scored_on_their_own_server(tiny, monkeypatch):
+    """verl's hybrid engine with two FSDP ranks at TP = 1 runs two rollout replicas: the check scores each on its own
+    server (never through the load-balancing client) against one actor forward per sync."""
+    monkeypatch.setenv("OFFPOLICY_VERL", "{}")
+    trainer = _stand_in_trainer(tiny, replicas=2)
+    trainer.on_init_end()
+    assert trainer._consume_sync_metrics()["sync/replicas"] == 2.0
+    optimizer = torch.optim.Adam(trainer.actor.parameters(), lr=1e-3)
+    for step in range(1, 4):
+        trainer.global_steps = step
+        _train_step(trainer.actor, optimizer, trainer.tokenizer)
+        trainer.on_step_end()
+        metrics = trainer._consume_sync_metrics()
+        assert metrics["sync/ok"] == 1.0 and metrics["sync/passed"] == step + 1, metrics
+    handles = trainer.llm_server_manager.server_handles
+    n_rows = len(SyncProbe.from_text(trainer.tokenizer).prompt_ids)
+    # per replica: calibration twice, then once per sync; the actor once per sync for both replicas
+    assert [len(h.request_ids) for h in handles] == [n_rows * 5] * 2 and trainer.actor_rollout_wg.calls == 4
+    assert trainer.client.requests == []
+    ids = [i for h in handles for i in h.request_ids]
+    assert len(set(ids)) == len(ids)  # vLLM's request ids unique, as verl's client makes them
+
+
+@pytest.mark.parametrize("missed_by", [0, 1])
+def test_a_replica_that_missed_its_push_fails_the_run_naming_it(tiny, monkeypatch, missed_by):
+    monkeypatch.setenv("OFFPOLICY_VERL", "{}")
+    trainer = _stand_in_trainer(tiny, push_does_nothing_from=2, replicas=2, missed_by=missed_by)
+    trainer.on_init_end()
+    optimizer = torch.optim.Adam(trainer.actor.parameters(), lr=1e-3)
+    with pytest.raises(SyncCheckError, match=rf"verl step 2: weight sync into the rollout engine \(replica "
+                                             rf"{missed_by} of 2\): "):
+        for step in range(1, 4):
+            trainer.global_steps = step
+            _train_step(trainer.actor, optimizer, trainer.tokenizer)
+            trainer.on_step_end()
+            trainer._consume_sync_metrics()
+    assert trainer.global_steps == 2
+
+
+def test_warn_reports_the_worst_replica(tiny, monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_VERL", "{sync_check: warn}")
+    trainer = _stand_in_trainer(tiny, push_does_nothing_from=1, replicas=2, missed_by=1)
+    trainer.on_init_end()
+    optimizer = torch.optim.Adam(trainer.actor.parameters(), lr=1e-3)
+    trainer.global_steps = 1
+    _train_step(trainer.actor, optimizer, trainer.tokenizer)
+    trainer.on_step_end()
+    metrics = trainer._consume_sync_metrics()
+    assert metrics["sync/ok"] == 0.0 and metrics["sync/checks"] == 2.0 and metrics["sync/passed"] == 1.0
+    healthy, missed = trainer._offpolicy_check.replica_checks
+    # the metrics are the missed replica's: its gap over its own threshold
+    assert metrics["sync/gap"] > metrics["sync/threshold"] == missed.threshold
+    with pytest.raises(ValueError, match="engine: at least one rollout replica"):
+        VerlSyncCheck([], None, SyncProbe([[1]], [[2]]))
 
 
 def test_client_scorer_reads_verls_prompt_logprob_rows(tiny):

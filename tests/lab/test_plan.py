@@ -108,9 +108,9 @@ def test_the_quick_setting_runs_the_control_for_naive_only(tmp_path):
     plan = plan_sweep(tmp_path, "quick")
     assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == [("naive", "lag8"), ("naive", "none"),
                                                                   ("tis", "lag8")]
-    # presets named on the command line: each of them runs on the control too
+    # presets named on the command line keep the setting's choice: TIS on the fp32 engine would repeat naive
     plan = plan_sweep(tmp_path, "quick", presets="naive,tis")
-    assert ("tis", "none") in {(r.preset, r.mismatch) for r in plan.runs}
+    assert ("tis", "none") not in {(r.preset, r.mismatch) for r in plan.runs}
 
 
 def test_variants_run_their_preset_with_a_controller(tmp_path):
@@ -127,7 +127,7 @@ def test_variants_run_their_preset_with_a_controller(tmp_path):
 
 
 def test_quant_sources_and_setting(tmp_path):
-    """The activation-quantised engines as lab sources, and the ``quant`` setting's plan (defined, not run here)."""
+    """The activation-quantised engines as lab sources, and the ``quant`` setting's plan."""
     from offpolicy.train.config import load_config
 
     assert mismatch_settings("w4a16")["rollout.quant"] == "nvfp4a16"
@@ -138,10 +138,18 @@ def test_quant_sources_and_setting(tmp_path):
     with pytest.raises(ValueError, match="both quantise the weights"):
         load_config(None, mismatch_overrides("int4+w4a4"))  # both quantise the weights: refused by the config
     plan = plan_sweep(tmp_path, "quant")
-    presets = ["naive", "tis", "icepop", "score_centering", "dvp", "m2po"]
+    presets = ["naive", "tis", "icepop", "score_centering", "score_centering_tis", "dvp", "m2po"]
     assert plan.mismatches == ["none", "w4a4", "fp8"]
     assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == sorted(
         [("naive", "none")] + [(p, m) for p in presets for m in ("w4a4", "fp8")])
-    assert len(plan.runs) == 13 * 3 and {r.steps for r in plan.runs} == {100}
+    assert len(plan.runs) == 15 * 3 and {r.steps for r in plan.runs} == {60}
     quant = {r.mismatch: planned_config(r).rollout.quant for r in plan.runs}
     assert quant == {"none": None, "w4a4": "nvfp4", "fp8": "fp8"}
+
+
+def test_presets_asked_for_keep_the_settings_control_choice(tmp_path):
+    plan = plan_sweep(tmp_path, "quant", presets="naive,tis", mismatches="w4a4", seeds=1)
+    assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == [("naive", "none"), ("naive", "w4a4"),
+                                                                  ("tis", "w4a4")]
+    plan = plan_sweep(tmp_path, "quant", presets="tis", mismatches="w4a4", seeds=1)  # no control named: tis runs it
+    assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == [("tis", "none"), ("tis", "w4a4")]

@@ -4,14 +4,12 @@ clear error for a server that is down, slow, malformed or off-vocabulary."""
 from __future__ import annotations
 
 import copy
-import http.server
 import json
 import math
-import threading
-import time
 
 import pytest
 import torch
+from offpolicy_testkit.stub_server import stub_servers
 
 pytest.importorskip("xllamacpp")
 pytest.importorskip("gguf")
@@ -160,37 +158,11 @@ def test_sync_weights_restarts_on_the_new_weights(sharp, prompts, tmp_path):
 
 
 # -- servers that misbehave ---------------------------------------------------------------------------------------------
-class _Stub(http.server.BaseHTTPRequestHandler):
-    reply: bytes = b"{}"
-    delay = 0.0
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        time.sleep(self.delay)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(self.reply)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def stub():
-    servers = []
-
-    def start(reply: bytes, delay: float = 0.0) -> str:
-        handler = type("Handler", (_Stub,), {"reply": reply, "delay": delay})
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}"
-
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    """Start a stub answering every POST with ``reply`` (bytes) after ``delay`` seconds; returns its url."""
+    with stub_servers() as start:
+        yield lambda reply, delay=0.0: start({"*": reply}, delay)[0]
 
 
 def test_a_server_that_is_down(prompts):

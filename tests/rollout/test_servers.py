@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
-import threading
 from pathlib import Path
 
 import pytest
+from offpolicy_testkit.stub_server import stub_servers
 
 from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.protocols import SGLangProtocol, VLLMProtocol, parse_sglang_generate, parse_vllm_completion
@@ -26,33 +25,8 @@ def _load(name: str) -> dict:
 @pytest.fixture
 def stub():
     """Start a stub server answering ``replies[path]``; returns (url, log of (path, body))."""
-    servers = []
-
-    def start(replies: dict[str, object]):
-        log: list[tuple[str, object]] = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-                log.append((self.path, body))
-                reply = replies.get(self.path)
-                self.send_response(200 if reply is not None else 404)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(json.dumps(reply if reply is not None else {"error": "no route"}).encode())
-
-            def log_message(self, *args):
-                pass
-
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}", log
-
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    with stub_servers() as start:
+        yield start
 
 
 # -- vLLM -----------------------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` (verl 0.9.1's own trainer loop, Ray local, the FSDP2
 actor, vLLM's CPU build as verl's rollout) trains the embedded tiny model with the plug-in — weights pushed into vLLM
 after every step, TIS on, the sync check after every sync — through examples/verl_end_to_end.py; then a run whose
-harness makes the push do nothing from step 2 must fail naming that step's sync.
+harness makes the push do nothing from step 2 must fail naming that step's sync. Then one run with the actor sharded
+over two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas (TP = 1), each fed by its own rank's push, and
+the check scores both; its first syncs pass and its push from step 3 does nothing (one run, not two, and 3 steps, not
+6: two vLLM servers and two trainer processes start on the same 2 cores, 16 min under a load average of 12-28).
 
-Slow (minutes on 2 cores each): marked ``slow``. Skipped without verl, ``transfer_queue`` or vLLM (this folder's
-conftest skips without vLLM).
+The runs are slow (minutes on 2 cores each): marked ``slow``. Skipped without verl, ``transfer_queue`` or vLLM (this
+folder's conftest skips without vLLM).
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ pytest.importorskip("verl", reason="verl is not installed (pip install 'offpolic
 pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs transfer_queue (pip install transferqueue)")
 pytest.importorskip("ray", reason="verl's trainer needs Ray")
 
-pytestmark = pytest.mark.slow
-
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verl_end_to_end.py"
 STEPS = 6
+RANKS_STEPS = 3  # two ranks: two trainer processes and two vLLM servers on the shared cores
 
 
 def _example():
@@ -37,6 +39,7 @@ def example():
     return _example()
 
 
+@pytest.mark.slow
 def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     result = example.run(STEPS, log=tmp_path / "main_ppo.log")
     assert result["rc"] == 0, result["tail"]
@@ -49,9 +52,45 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     assert "rollout_corr/" in text  # TIS ran in the driver after verl's advantages
 
 
+@pytest.mark.slow
 def test_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
     result = example.run(STEPS, break_sync_at=2, log=tmp_path / "main_ppo_broken.log")
     assert result["rc"] != 0, result["tail"]
     text = Path(result["log"]).read_text(errors="replace")
     assert "SyncCheckError" in text and "verl step 2: " in text, result["tail"]
     assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
+
+
+def test_ranks_set_verls_world_size_and_split_the_batch(example, tmp_path):
+    """``ranks`` is verl's ``trainer.n_gpus_per_node`` (and Ray's logical GPUs); each rank's micro-batch is its share
+    of the step's prompts × samples rows; a rank count that does not divide them is refused."""
+    def config(ranks):
+        out = example.overrides(tmp_path, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path, ranks=ranks)
+        return dict(item.split("=", 1) for item in out)
+
+    one, two = config(1), config(2)
+    assert (one["trainer.n_gpus_per_node"], two["trainer.n_gpus_per_node"]) == ("1", "2")
+    assert two["+ray_kwargs.ray_init.num_gpus"] == "2"
+    assert one["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "4"  # 2 prompts x 2 samples on one rank
+    assert two["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "2"
+    assert two["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] == "2"
+    assert two["actor_rollout_ref.rollout.tensor_model_parallel_size"] == "1"
+    with pytest.raises(ValueError, match="ranks must be >= 1 and divide prompts × samples = 4, got 3"):
+        config(3)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_check_every_sync_on_both_replicas_and_catch_a_push_that_does_nothing(example, tmp_path):
+    """One two-rank run (CI's time: two trainer processes and two vLLM servers start once): the initial sync and
+    the syncs after steps 1 and 2 pass on both replicas, the push from step 3 does nothing and the run stops there."""
+    result = example.run(RANKS_STEPS, ranks=2, break_sync_at=RANKS_STEPS, log=tmp_path / "main_ppo_2ranks.log")
+    assert result["rc"] != 0, result["tail"]
+    text = Path(result["log"]).read_text(errors="replace")
+    # verl's dispatch put the probe's actor forward on both FSDP ranks; each rank's vLLM server was scored
+    assert "sync check: 2 rollout replica(s), actor data-parallel size 2" in text
+    assert result["steps"] == RANKS_STEPS - 1, result["tail"]  # steps 1 and 2 logged their metrics
+    assert result["checks"] == RANKS_STEPS and result["passed"] == RANKS_STEPS, result["tail"]
+    assert result["sync_ok"] == [1.0] * (RANKS_STEPS - 1) and result["replicas"] == 2
+    assert "rollout_corr/" in text
+    assert "SyncCheckError" in text, result["tail"]
+    assert f"verl step {RANKS_STEPS}: weight sync into the rollout engine (replica 0 of 2): " in text

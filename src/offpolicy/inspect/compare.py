@@ -35,24 +35,23 @@ import torch
 from torch import Tensor
 
 import offpolicy as op
-from offpolicy.inspect.measurements import (
-    HEAD_P,
-    N_P_BINS,
-    TAIL_P,
-    DvpGrid,
-    Measurements,
-    TokenData,
-    VocabStats,
-)
+from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats
 from offpolicy.inspect.specs import EngineSpec, build_engine
-from offpolicy.kernels import chunk_rows, row_chunks
+from offpolicy.inspect.vocabulary import (  # vocabulary statistics (once here; importable from here still)
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    _dvp_summary,
+    dvp_check,
+    dvp_grid_from_logits,
+    vocabulary_stats,
+)
+from offpolicy.kernels import row_chunks
 from offpolicy.rollout.base import RolloutOutput
+from offpolicy.rollout.factory import build_engine as make_engine
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import score_tokens
 
 # ρ = e^-k, k = 1 … 20: DVP's default e^-13 is on the grid, and so are the looser and stricter neighbours.
 DVP_RHO_GRID: tuple[float, ...] = tuple(math.exp(-k) for k in range(1, 21))
-DEFAULT_MEMORY_BUDGET_BYTES = 2 << 30
 DVP_COVERAGE = 0.999  # the recommended ρ keeps at least this much of π's mass at every position (DVP Prop. 5.5's Z)
 CAPTURE_TOLERANCE = 1e-5  # nats: the recomputed μ must equal the reported one (it is bit-exact in practice)
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,130 +84,6 @@ def _pad_time(x: Tensor, t: int, value: float | int = 0) -> Tensor:
         return x
     pad = torch.full((x.shape[0], t - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
     return torch.cat([x, pad], dim=1)
-
-
-def vocabulary_stats(rollout_logits: Tensor, trainer_logits: Tensor, *, temperature: float = 1.0, topk: int = 20,
-                     dvp_rhos: tuple[float, ...] = (), targets: Tensor | None = None, scatter_from_pi: int = 2,
-                     scatter_uniform: int = 2, generator: torch.Generator | None = None,
-                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[VocabStats, dict[str, Tensor]]:
-    """Vocabulary-wide aggregates and per-position extras for ``N`` positions of both sides' logits ``[N, V]``.
-
-    Returns ``(stats, extras)``: ``stats`` a :class:`VocabStats` over all N·V (position, token) pairs; ``extras`` holds
-    ``[N]`` tensors ``eps_max`` and ``topk_overlap``, ``[N, k]`` tensors ``topk_ids`` (the rollout's top-k),
-    ``rollout_topk_logp``, ``trainer_topk_logp`` and, for a non-empty ``dvp_rhos`` grid with ``targets`` [N] (the
-    sampled ids), ``[N, G]`` tensors ``dvp_mass``, ``dvp_inside_trainer``, ``dvp_inside_rollout``.
-
-    With ε = z_μ/τ − z_π/τ and ε_max = ½ (max ε − min ε), Δ_a = −ε_a + log E_π[e^ε] (the normalisers' difference,
-    summed in float64, so Δ keeps the precision of ε itself). Every pair must satisfy DVP Prop. 4.2 in its corrected
-    form |Δ_a| ≤ 2 ε_max (1 − p_a) e^{2 ε_max} (``corrected_violations`` counts failures beyond 1e-6 nats of float32
-    rounding: any is a bug, not a finding); the printed 2 ε_max (1 − p_a) can fail.
-
-    DVP's safe set at ρ is {a : z_a ≥ z_max + log ρ} (Def. 5.1), so with d_a = z_max − z_a the retained mass at every ρ
-    of the grid is one bucketing of d (checked against :func:`offpolicy.constrained_logp` in the tests).
-
-    >>> z = torch.tensor([[0.0, 0.0]]); zr = torch.tensor([[0.1, -0.1]])   # ε_max = 0.1, p = (½, ½)
-    >>> s, x = vocabulary_stats(zr, z, topk=1)
-    >>> s.pairs, s.paper_violations, round(x["eps_max"].item(), 4)   # |Δ| = log(½(1 + e^{±0.2})) ≈ 0.1003, 0.0997 vs 0.1
-    (2, 1, 0.1)
-    """
-    n, vocab = trainer_logits.shape
-    k = min(topk, vocab)
-    stats = VocabStats()
-    extras: dict[str, list[Tensor]] = {}
-    rows = chunk_rows(n, vocab, buffers=8, itemsize=4, memory_budget_bytes=memory_budget_bytes)
-    log_rho = torch.tensor([-math.log(r) for r in dvp_rhos], dtype=torch.float32)  # −log ρ, ascending for e^-k grids
-    slack = 1e-6  # float32 rounding of ε (1 ulp of the logits) — far below any mismatch worth reporting
-    for a, b in row_chunks(n, rows):
-        zr = rollout_logits[a:b].float() / temperature
-        zt = trainer_logits[a:b].float() / temperature
-        # A row with a non-finite logit (an fp16 overflow) has no envelope: left out of the aggregates, counted, and
-        # its per-position extras are NaN (its KL is non-finite too, which the report and the gate flag).
-        bad = ~(torch.isfinite(zr).all(-1) & torch.isfinite(zt).all(-1))
-        if bool(bad.any()):
-            stats.skipped_rows += int(bad.sum())
-            zr, zt = zr.masked_fill(bad[:, None], 0.0), zt.masked_fill(bad[:, None], 0.0)
-        eps = zr - zt
-        eps_max = (eps.amax(-1) - eps.amin(-1)) / 2
-        lse_t = zt.logsumexp(-1, keepdim=True)
-        lt = zt - lse_t  # log π
-        p = lt.exp()
-        # log E_π[e^ε] = lse_μ − lse_π, summed in float64 from e^ε − 1 so that it is exact to float32's ε
-        shift = (p * torch.expm1(eps)).double().sum(-1, keepdim=True).log1p().float()
-        abs_delta = (shift - eps).abs_()  # |Δ| = |log π − log μ|
-        bound = 2 * eps_max[:, None] * (-torch.expm1(lt))  # 2 ε_max (1 − p), 1 − p accurate near p = 1
-        good = ~bad[:, None]
-        stats.paper_violations += int(((abs_delta > bound + slack) & good).sum())
-        stats.corrected_violations += int(((abs_delta > bound * torch.exp(2 * eps_max)[:, None] + slack) & good).sum())
-        stats.pairs += int(good.sum()) * vocab
-        bins = torch.floor(lt / math.log(10)).add_(N_P_BINS).clamp_(0, N_P_BINS - 1).long()[~bad].flatten()
-        stats.bin_abs_delta = [s + float(v) for s, v in zip(
-            stats.bin_abs_delta, torch.bincount(bins, abs_delta[~bad].flatten().double(), N_P_BINS))]
-        stats.bin_count = [s + int(v) for s, v in zip(stats.bin_count, torch.bincount(bins, minlength=N_P_BINS))]
-        head, tail = (p > HEAD_P) & good, (p < TAIL_P) & good
-        stats.head_abs_delta += float(abs_delta[head].double().sum())
-        stats.head_count += int(head.sum())
-        stats.tail_abs_delta += float(abs_delta[tail].double().sum())
-        stats.tail_count += int(tail.sum())
-        picks = [torch.multinomial(p, scatter_from_pi, replacement=True, generator=generator)] if scatter_from_pi else []
-        if scatter_uniform:
-            picks.append(torch.randint(vocab, (b - a, scatter_uniform), generator=generator))
-        if picks:
-            ids = torch.cat(picks, dim=1)[~bad]
-            stats.scatter_p += p[~bad].gather(1, ids).flatten().tolist()
-            stats.scatter_abs_delta += abs_delta[~bad].gather(1, ids).flatten().tolist()
-            stats.scatter_eps_max += eps_max[~bad, None].expand_as(ids).flatten().tolist()
-        eps_max = eps_max.masked_fill(bad, math.nan)
-        ids_r = zr.topk(k, dim=-1).indices
-        ids_t = zt.topk(k, dim=-1).indices
-        lse_r = zr.logsumexp(-1, keepdim=True)
-        got = {
-            "eps_max": eps_max,
-            "topk_overlap": (ids_r[:, :, None] == ids_t[:, None, :]).any(-1).float().mean(-1),
-            "topk_ids": ids_r,
-            "rollout_topk_logp": zr.gather(1, ids_r) - lse_r,
-            "trainer_topk_logp": lt.gather(1, ids_r),
-        }
-        if len(dvp_rhos) and targets is not None:
-            got.update(_dvp_chunk(zr, zt, p, targets[a:b], log_rho))
-        for name, value in got.items():
-            extras.setdefault(name, []).append(value)
-    out = {name: torch.cat(parts) for name, parts in extras.items()}
-    return stats, out
-
-
-def _dvp_chunk(zr: Tensor, zt: Tensor, p: Tensor, targets: Tensor, neg_log_rho: Tensor) -> dict[str, Tensor]:
-    """Retained mass and sampled-token membership of DVP's safe sets at every ρ (``neg_log_rho`` [G] = −log ρ).
-
-    a ∈ V_S(ρ) ⇔ z_a ≥ z_max + log ρ ⇔ d_a = z_max − z_a ≤ −log ρ: mass = Σ_a p_a 1[d_a ≤ −log ρ], one pass per ρ-free
-    bucketing (searchsorted on the sorted grid), then a cumulative sum over buckets."""
-    order = torch.argsort(neg_log_rho)
-    grid = neg_log_rho[order]
-    d_t = zt.amax(-1, keepdim=True) - zt
-    bucket = torch.searchsorted(grid, d_t.contiguous(), right=False)  # first grid value ≥ d, G if none
-    per_bucket = torch.zeros(zt.shape[0], grid.numel() + 1, dtype=torch.float64)
-    per_bucket.scatter_add_(1, bucket, p.double())
-    mass_sorted = per_bucket.cumsum(-1)[:, :-1].float()
-    inv = torch.argsort(order)
-    d_target_t = d_t.gather(1, targets[:, None])
-    d_target_r = (zr.amax(-1, keepdim=True) - zr).gather(1, targets[:, None])
-    return {
-        "dvp_mass": mass_sorted[:, inv],
-        "dvp_inside_trainer": d_target_t <= neg_log_rho[None, :],
-        "dvp_inside_rollout": d_target_r <= neg_log_rho[None, :],
-    }
-
-
-def dvp_check(rollout_logits: Tensor | None, trainer_logits: Tensor, targets: Tensor, rho: float, *,
-              temperature: float = 1.0, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> dict[str, Tensor]:
-    """DVP at one ρ through the correction's own kernel (:func:`offpolicy.constrained_logp`) for ``N`` positions:
-    ``mass`` [N] (the trainer's retained mass), ``inside_trainer`` / ``inside_rollout`` [N] bool."""
-    c = op.constrained_logp(trainer_logits, targets, rho, temperature=temperature,
-                            memory_budget_bytes=memory_budget_bytes)
-    out = {"mass": c.mass.float(), "inside_trainer": c.inside}
-    if rollout_logits is not None:
-        out["inside_rollout"] = op.constrained_logp(rollout_logits, targets, rho, temperature=temperature,
-                                                    memory_budget_bytes=memory_budget_bytes).inside
-    return out
 
 
 def micro_batch_rows(prompt_len: int, max_new_tokens: int, vocab: int, budget: int) -> int:
@@ -489,37 +364,6 @@ def _token_data(cat: dict[str, Tensor], *, kl_kind: str, prompt_ids: list[list[i
     )
 
 
-def dvp_grid_from_logits(trainer_logits: Tensor, targets: Tensor, rhos: tuple[float, ...], *,
-                         temperature: float = 1.0) -> dict[str, Tensor]:
-    """The trainer's side of the DVP grid alone (top-k view: the rollout's safe sets are unknown)."""
-    n, vocab = trainer_logits.shape
-    out: dict[str, list[Tensor]] = {}
-    neg_log_rho = torch.tensor([-math.log(r) for r in rhos], dtype=torch.float32)
-    for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=4)):
-        zt = trainer_logits[a:b].float() / temperature
-        got = _dvp_chunk(zt, zt, torch.softmax(zt, -1), targets[a:b], neg_log_rho)
-        got.pop("dvp_inside_rollout")
-        for name, v in got.items():
-            out.setdefault(name, []).append(v)
-    return {name: torch.cat(v) for name, v in out.items()}
-
-
-def _dvp_summary(choice: dict, checks: list[dict[str, Tensor]], coverage: float) -> dict:
-    """What the correction kept at the chosen ρ, from :func:`dvp_check` on every micro-batch."""
-    mass = torch.cat([c["mass"] for c in checks])
-    inside = torch.cat([c["inside_trainer"] & c.get("inside_rollout", c["inside_trainer"]) for c in checks])
-    n = max(1, mass.numel())
-    return {
-        "rho": choice["rho"], "log_rho": math.log(choice["rho"]), "coverage_target": coverage,
-        "met": bool(choice["met"]), "mass_min": float(mass.min()) if mass.numel() else 1.0,
-        "mass_mean": float(mass.mean()) if mass.numel() else 1.0,
-        "positions_at_coverage": float((mass >= coverage).sum()) / n,
-        "kept_fraction": float(inside.sum()) / n,
-        "kept_unit": "sampled tokens inside both safe sets" if "inside_rollout" in checks[0] else
-                     "sampled tokens inside the trainer's safe set",
-    }
-
-
 def _score(model, prompts, completions, sampling, autocast):
     """The trainer's processed log-probs and raw logits [b, T, V] of the sampled tokens (one full forward)."""
     with torch.no_grad():
@@ -527,63 +371,41 @@ def _score(model, prompts, completions, sampling, autocast):
 
 
 def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, topk: int, *, full: bool = True):
-    if spec.backend == "hf":
-        return build_engine(model, spec, tokenizer)
-    if spec.backend == "llamacpp":
-        return _llamacpp_engine(model, spec, tokenizer)
-    if spec.backend == "server":
-        return _server_engine(model, spec, tokenizer)
-    # vLLM in this process: the model's directory (or a copy of the model written for it); the full distribution
-    # at every sampled position when asked for (max_logprobs=-1), else its top-k log-probs
-    unsupported = [name for name in ("kv_cache_bits", "weight_bits", "quantize_layers") if getattr(spec, name)]
-    if spec.lm_head_fp32 or spec.logit_noise or unsupported or not spec.kv_cache:
-        raise ValueError("--rollout backend=vllm takes dtype and kv_cache_dtype only (vLLM's own settings); the "
-                         "simulated knobs are for the transformers engine")
-    from offpolicy.rollout.vllm import VLLMRolloutEngine
-
-    kwargs: dict[str, Any] = {"dtype": spec.dtype, "max_logprobs": -1 if full else topk, "seed": 0}
-    if spec.kv_cache_dtype is not None:
-        kwargs["kv_cache_dtype"] = spec.kv_cache_dtype
+    """The rollout side's engine, from the factory (:func:`offpolicy.rollout.build_engine`): vLLM reports the full
+    distribution at every sampled position when asked for (``max_logprobs=-1``), else its top-k log-probs; a vLLM
+    server is probed for K = V log-probs (:func:`_probe_full_distribution`)."""
+    if spec.backend == "vllm":
+        unsupported = [name for name in ("kv_cache_bits", "weight_bits", "quantize_layers") if getattr(spec, name)]
+        if spec.lm_head_fp32 or spec.logit_noise or unsupported or not spec.kv_cache:
+            raise ValueError("--rollout backend=vllm takes dtype and kv_cache_dtype only (vLLM's own settings); the "
+                             "simulated knobs are for the transformers engine")
+        spec = replace(spec, max_logprobs=-1 if full else topk)
     try:
-        if model_path is not None:
-            return VLLMRolloutEngine(model_path, tokenizer=tokenizer, **kwargs)
-        if tokenizer is None:
-            raise ValueError("--rollout backend=vllm needs the model's tokenizer or a local model directory")
-        return VLLMRolloutEngine.from_model(model, tokenizer, **kwargs)
-    except ImportError as err:  # no vLLM: one line, as for any other bad setting
-        raise ValueError(f"--rollout backend=vllm: {err}") from None
-
-
-def _server_engine(model, spec: EngineSpec, tokenizer):
-    """A running vLLM, SGLang or llama.cpp server (protocol given or detected); a vLLM server that returns K = V
-    log-probs (started with ``--max-logprobs -1``) reports the full distribution."""
-    from offpolicy.rollout.http import ServerError, post_json
-    from offpolicy.rollout.protocols import VLLMProtocol
-    from offpolicy.rollout.servers import connect_server
-
-    assert spec.server is not None  # EngineSpec sets backend="server" only from a server URL
-    vocab = model.config.vocab_size
-    engine = connect_server(spec.server, protocol=spec.protocol, vocab_size=vocab, tokenizer=tokenizer)
-    if isinstance(engine.protocol, VLLMProtocol):
-        body = {"model": engine.protocol.model, "prompt": [0], "max_tokens": 1, "logprobs": vocab, "temperature": 1.0}
-        try:
-            post_json(engine.url + "/v1/completions", body, timeout=engine.timeout, what="vLLM full-vocabulary probe")
-            engine.reports_full_distribution = True  # type: ignore[attr-defined]
-        except ServerError:  # the server caps K (--max-logprobs): top-k bounds instead
-            engine.reports_full_distribution = False  # type: ignore[attr-defined]
+        engine = make_engine(spec, model=model, tokenizer=tokenizer, model_path=model_path)
+    except ImportError as err:  # no vLLM / xllamacpp: one line, as for any other bad setting
+        raise ValueError(f"--rollout backend={spec.backend}: {err}") from None
+    if spec.backend == "server":
+        _probe_full_distribution(engine)
     return engine
 
 
-def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
-    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp)."""
-    from offpolicy.inspect.specs import LLAMACPP_KV
+def _probe_full_distribution(engine) -> None:
+    """Whether a vLLM server returns K = V log-probs (started with ``--max-logprobs -1``): then it reports the full
+    distribution; else (it caps K) the comparison falls back to top-k bounds."""
+    from offpolicy.rollout.http import ServerError, post_json
+    from offpolicy.rollout.protocols import VLLMProtocol
 
+    if not isinstance(engine.protocol, VLLMProtocol):
+        return
+    vocab = engine.vocab_size
+    body = {"model": engine.protocol.model, "prompt": [0], "max_tokens": 1, "logprobs": vocab, "temperature": 1.0}
     try:
-        from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine
+        post_json(engine.url + "/v1/completions", body, timeout=engine.timeout, what="vLLM full-vocabulary probe")
+        engine.reports_full_distribution = True
+    except ServerError:  # the server caps K (--max-logprobs): top-k bounds instead
+        engine.reports_full_distribution = False
 
-        if tokenizer is None:
-            raise ValueError("--rollout backend=llamacpp needs the model's tokenizer (it is written into the GGUF)")
-        kv = LLAMACPP_KV.get(spec.kv_cache_bits) if spec.kv_cache_bits is not None else None
-        return LlamaCppRolloutEngine(model, tokenizer, weights=spec.weights or "f32", kv_cache_type=kv)
-    except ImportError as err:
-        raise ValueError(f"--rollout backend={spec.backend}: {err}") from None
+
+def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
+    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp); kept for benchmarks/engines.py."""
+    return _rollout_engine(model, spec, tokenizer, None, 1)

@@ -15,7 +15,7 @@ from typing import Any
 ALIASES = {"kl": "kl_mean", "max_kl": "kl_max", "median_kl": "kl_median", "p99_kl": "kl_p99", "tv": "tv_mean",
            "max_tv": "tv_max", "delta": "sampled_abs_delta_mean", "max_delta": "sampled_abs_delta_max",
            "tail_head": "tail_head_ratio"}
-# The numeric top-level keys of report.json (offpolicy.inspect.report.summarize): checked before any work is done.
+# The numeric top-level keys of report.json (offpolicy.inspect.summary.summarize): checked before any work is done.
 REPORT_METRICS = frozenset({
     "kl_mean", "kl_median", "kl_p99", "kl_max", "kl_upper_mean", "kl_reverse_mean", "kl_nonfinite_positions", "tv_mean", "tv_max",
     "topk_overlap_mean", "sampled_abs_delta_mean", "sampled_abs_delta_max", "sampled_nonfinite", "tail_head_ratio",

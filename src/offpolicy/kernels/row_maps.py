@@ -22,6 +22,13 @@ vocabulary they must not build an ``[N, V]`` tensor, and the gradient must not c
 tuple whose first entry is the differentiable result ``[b − a]`` and whose other entries (any number, ``[b − a]``,
 no gradient) ride along. The maps return the same tuple over all N rows. ``fn`` must be deterministic: the backward
 calls it again.
+
+:func:`head_row_map` also takes ``differentiable=d``: the first ``d`` outputs are differentiable (the backward sums
+their contributions into one ∂z per chunk, skipping those whose gradient is None), so several statistics of the same
+logits — a log-prob, an entropy, a centre — share one head matmul in the forward and one recompute in the backward.
+The forward calls ``fn`` under ``torch.no_grad()`` and the backward with grad enabled, where only the first ``d``
+outputs are read: ``fn`` may test ``torch.is_grad_enabled()`` to skip the ride-along outputs in the recompute (it
+must then still return at least the ``d`` differentiable ones, in the same order).
 """
 
 from __future__ import annotations
@@ -80,23 +87,29 @@ def _outputs(fn: RowFn, z: Tensor, a: int, b: int) -> tuple[Tensor, ...]:
 
 class _HeadRowMap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, chunks, slice_bytes, hidden, weight, bias):
+    def forward(ctx, fn, chunks, slice_bytes, n_diff, hidden, weight, bias):
+        ctx.set_materialize_grads(False)  # an output the loss does not use sends None: no ∂z term for it
         parts = []
         head = _float32_head(weight, slice_bytes)  # up-cast once for all chunks when it fits in a slice's budget
         for a, b in chunks:
             with torch.no_grad():
                 z = head_logits(hidden[a:b], head, bias, slice_bytes=slice_bytes)
                 parts.append(_outputs(fn, z, a, b))
-        ctx.fn, ctx.chunks, ctx.slice_bytes = fn, chunks, slice_bytes
+        ctx.fn, ctx.chunks, ctx.slice_bytes, ctx.n_diff = fn, chunks, slice_bytes, n_diff
         ctx.save_for_backward(hidden, weight, bias)
         outs = tuple(torch.cat(x) for x in zip(*parts))
-        ctx.mark_non_differentiable(*outs[1:])
+        if len(outs) < n_diff:
+            raise ValueError(f"fn returned {len(outs)} outputs, fewer than differentiable={n_diff}")
+        ctx.mark_non_differentiable(*outs[n_diff:])
         return outs
 
     @staticmethod
-    def backward(ctx, grad, *_):
+    def backward(ctx, *grads):
         hidden, weight, bias = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[3:6]
+        need_h, need_w, need_b = ctx.needs_input_grad[4:7]
+        wanted = [(i, g) for i, g in enumerate(grads[:ctx.n_diff]) if g is not None]
+        if not wanted:
+            return None, None, None, None, None, None, None
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
@@ -106,8 +119,11 @@ class _HeadRowMap(torch.autograd.Function):
         for a, b in ctx.chunks:
             z = head_logits(hidden[a:b], head, bias, slice_bytes=ctx.slice_bytes).requires_grad_()
             with torch.enable_grad():
-                out = _outputs(ctx.fn, z, a, b)[0]
-            (gz,) = torch.autograd.grad(out, z, grad[a:b].to(out.dtype))
+                outs = _outputs(ctx.fn, z, a, b)
+            used = [(outs[i], g[a:b].to(outs[i].dtype)) for i, g in wanted if outs[i].requires_grad]
+            if not used:  # no wanted output depends on z in this chunk
+                continue
+            (gz,) = torch.autograd.grad([o for o, _ in used], z, [g for _, g in used])
             h = hidden[a:b].float()
             for v0, v1 in slices:
                 g = gz[:, v0:v1]
@@ -117,7 +133,7 @@ class _HeadRowMap(torch.autograd.Function):
                     grad_w[v0:v1].addmm_(g.T, h)
             if grad_b is not None:
                 grad_b += gz.sum(0)
-        return (None, None, None, None if grad_h is None else grad_h.to(hidden.dtype),
+        return (None, None, None, None, None if grad_h is None else grad_h.to(hidden.dtype),
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype))
 
@@ -149,10 +165,10 @@ class _LogitsRowMap(torch.autograd.Function):
 
 
 def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, buffers: int,
-                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, ...]:
+                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, differentiable: int = 1) -> tuple[Tensor, ...]:
     """``fn`` over row chunks of the logits ``hidden`` [N, H] × ``weight`` [V, H]ᵀ (+ ``bias``), chunks sized so that
     ``buffers`` float32 ``[rows, V]`` tensors fit in ``memory_budget_bytes``; differentiable w.r.t. ``hidden``,
-    ``weight`` and ``bias`` through the first output (module docstring).
+    ``weight`` and ``bias`` through the first ``differentiable`` outputs (module docstring).
 
     >>> h = torch.tensor([[1.0], [2.0], [3.0]], requires_grad=True); w = torch.tensor([[1.0], [0.0]])
     >>> lse, zmax = head_row_map(lambda z, a, b: (z.logsumexp(-1), z.amax(-1)), h, w, buffers=1,
@@ -160,10 +176,12 @@ def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None 
     >>> zmax.tolist(), torch.autograd.grad(lse.sum(), h)[0].flatten().tolist()  # ∂lse/∂h = softmax(z)·w = σ(h)
     ([1.0, 2.0, 3.0], [0.7310585975646973, 0.8807970285415649, 0.9525741338729858])
     """
+    if isinstance(differentiable, bool) or not isinstance(differentiable, int) or differentiable < 1:
+        raise ValueError(f"differentiable must be an int >= 1, got {differentiable!r}")
     n = hidden.shape[0]
     chunks = row_chunks(n, chunk_rows(n, weight.shape[0], buffers=buffers, memory_budget_bytes=memory_budget_bytes))
     chunks = chunks or [(0, 0)]  # no rows: fn once on an empty chunk gives the outputs' structure
-    return _HeadRowMap.apply(fn, chunks, max(memory_budget_bytes // 4, 1), hidden, weight, bias)
+    return _HeadRowMap.apply(fn, chunks, max(memory_budget_bytes // 4, 1), differentiable, hidden, weight, bias)
 
 
 def logits_row_map(fn: RowFn, logits: Tensor, *, buffers: int,

@@ -3,14 +3,16 @@
 * :mod:`~offpolicy.lab.mismatch` — named, deterministic mismatch sources (``none`` = the fp32 control, ``bf16``,
   ``int8``, ``int4``, ``kv8``, ``kv4``, ``noise``; ``a+b`` combinations) as trainer overrides;
 * :mod:`~offpolicy.lab.settings` — named settings (``quick``, ``full``): shared overrides + the default plan;
-* :mod:`~offpolicy.lab.sweep` — the runner: one trainer process per run, bounded parallelism, resume;
+* :mod:`~offpolicy.lab.plan` — a sweep's plan: every run's overrides, validated before any work;
+* :mod:`~offpolicy.lab.sweep` — the runner: one trainer process per run, bounded parallelism, resume
+  (:mod:`~offpolicy.lab.sweep_folder`: the run folders' state and ``summary.json``);
 * :mod:`~offpolicy.lab.ray_exec` — the same runner's runs as Ray actors (``run_sweep(plan, executor=RayExecutor())``);
 * :mod:`~offpolicy.lab.stats` / :mod:`~offpolicy.lab.plots` / :mod:`~offpolicy.lab.report` — the numbers over
   seeds, the figures, and ``report.html`` + ``lab_table.md`` + ``lab_stats.json``.
 
 >>> plan = plan_sweep("/tmp/lab", "quick", presets="naive,mis", mismatches="bf16", seeds=3)
 >>> len(plan.runs), plan.mismatches, plan.runs[0].dir
-(12, ['none', 'bf16'], 'runs/naive__none__s0')
+(9, ['none', 'bf16'], 'runs/naive__none__s0')
 """
 
 from offpolicy.lab.mismatch import (

@@ -129,17 +129,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "steps": 20,
     },
     # activation-quantised serving engines (docs/engines.md): NVFP4 W4A4 and fp8 W8A8 with per-tensor scales (vLLM's
-    # --quantization fp8; verl #7519's "fp8 tensorwise"), each with truncated IS, a rollout gate (IcePop), the
-    # centred score, DVP's safe set and M2PO's second-moment mask. Defined, not yet run: 39 runs × 100 steps
+    # --quantization fp8; verl #7519's "fp8 tensorwise"), each with truncated IS, a rollout gate (IcePop), score
+    # centering in both forms (the plain centred score and NeMo-RL's IS-mode centre under token TIS), DVP's safe set and
+    # M2PO's second-moment mask; 60 steps: the demo's collapses show by step 30
     "quant": {
-        "description": "NVFP4 W4A4 and fp8 W8A8 engines: naive, TIS, IcePop, score centering, DVP and M2PO, naive on "
-                       "the fp32 control",
+        "description": "NVFP4 W4A4 and fp8 W8A8 engines: naive, TIS, IcePop, score centering (plain and under TIS), "
+                       "DVP and M2PO, naive on the fp32 control",
         "overrides": [*LAB_BASE],
-        "presets": ["naive", "tis", "icepop", "score_centering", "dvp", "m2po"],
+        "presets": ["naive", "tis", "icepop", "score_centering", "score_centering_tis", "dvp", "m2po"],
         "mismatches": ["none", "w4a4", "fp8"],
         "control_presets": ["naive"],  # on the fp32 engine the IS weights are 1: the corrections would repeat naive
         "seeds": 3,
-        "steps": 100,
+        "steps": 60,
     },
 }
 
@@ -165,6 +166,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "score_centering_reinforce": ("score_centering", ["algorithm.objective=reinforce"]),
     # the divergence gate (OpenRLHF's is_correction_gating=binary_kl) at FlashREINFORCE's δ = 5e-3 on the binary KL
     # between μ and π_old: per token, and on the sequence's mean (FlashREINFORCE's trust region); kept tokens keep ρ_t
+    # decoupled PPO under TIS (the objective's behaviour weight π_prox/μ capped at 2, as `tis`) with π_prox from
+    # AReaL's log-linear interpolation by policy versions instead of the trainer's forward (offpolicy.train.proximal)
+    "tis_loglinear": ("tis", ["algorithm.objective=decoupled", "algorithm.proximal=loglinear"]),
     "kl_gate": ("naive", ["algorithm.corrections=[{name: gated_is, gating: binary_kl, upper: 0.005}]"]),
     "kl_gate_seq": ("naive", ["algorithm.corrections=[{name: gated_is, level: geometric, gating: binary_kl, "
                               "upper: 0.005}]"]),

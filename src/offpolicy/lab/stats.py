@@ -388,7 +388,7 @@ def separated(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def load_sweep(out: str | Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """``(summary, {dir: metric rows})`` of a sweep folder; a missing or damaged run is a one-line ``ValueError``."""
-    from offpolicy.lab.sweep import read_summary
+    from offpolicy.lab.sweep_folder import read_summary
 
     out = Path(out)
     summary = read_summary(out)

@@ -38,278 +38,52 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from offpolicy.folder_lock import FolderLock
 from offpolicy.lab.launch import last_log_line, start_run, train_command
-from offpolicy.lab.mismatch import CONTROL, canonical_mismatch, describe_mismatch, engine_keys, mismatch_overrides
-from offpolicy.lab.settings import VARIANTS, get_setting, resolve_preset
 
-SUMMARY = "summary.json"
+# the plan and the folder's state live in their own modules; their names stay importable from here
+from offpolicy.lab.plan import PlannedRun, SweepPlan, plan_sweep, planned_config
+from offpolicy.lab.sweep_folder import (
+    SUMMARY,
+    FailedRun,
+    SweepResult,
+    _metrics_last_step,
+    config_conflicts,
+    read_summary,
+    run_state,
+    write_summary,
+)
+
 RUN_LOG = "train.log"
 LOCK_FILE = ".lab.lock"  # the sweep folder's lock (its owner's pid, host and command)
 
-# Config keys the sweep sets per run, with the option that sets them (a user override of these would make the
-# folder names lie).
-_SWEEP_KEYS = {"algorithm.preset": "--presets", "run.seed": "--seeds", "run.steps": "--steps",
-               "run.out_dir": "--out", **{k: "--mismatch" for k in engine_keys()}}
-# Config keys that may differ between a run folder and the plan without changing the run's numbers.
-_FREE_KEYS = ("run.steps", "run.out_dir", "run.progress", "run.tensorboard", "run.checkpoint_every", "run.threads",
-              "run.device", "model.cache_dir")
-
-
-@dataclass(frozen=True)
-class PlannedRun:
-    """One run of a sweep: ``dir`` is relative to the sweep folder, ``overrides`` are its complete trainer overrides."""
-
-    preset: str
-    mismatch: str
-    seed: int
-    steps: int
-    overrides: tuple[str, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.preset}__{self.mismatch}__s{self.seed}"
-
-    @property
-    def dir(self) -> str:
-        return f"runs/{self.name}"
-
-    def record(self) -> dict[str, Any]:
-        """The run's entry in ``summary.json``."""
-        return {"preset": self.preset, "mismatch": self.mismatch, "seed": self.seed, "dir": self.dir,
-                "steps": self.steps}
-
-
-@dataclass
-class SweepPlan:
-    """What a sweep will run: the setting's name, the axes, the shared overrides and every run (plan order)."""
-
-    out: Path
-    setting: str
-    description: str
-    presets: list[str]
-    mismatches: list[str]
-    seeds: list[int]
-    steps: int
-    overrides: list[str]  # the setting's base overrides followed by the user's
-    runs: list[PlannedRun]
-
-    def describe(self) -> dict[str, Any]:
-        """The plan as JSON-able data (``summary.json["plan"]``)."""
-        return {"presets": self.presets, "mismatches": self.mismatches, "seeds": self.seeds, "steps": self.steps,
-                "overrides": self.overrides, "runs": [r.record() for r in self.runs],
-                "engines": {m: describe_mismatch(m) for m in self.mismatches}}
-
-
-@dataclass
-class FailedRun:
-    run: PlannedRun
-    error: str  # the last line of the run's log (or why the runner gave up on it)
-    returncode: int | None
-
-
-@dataclass
-class SweepResult:
-    """What :func:`run_sweep` did: finished runs (skipped ones included), failures, and whether it was stopped."""
-
-    plan: SweepPlan
-    done: list[PlannedRun] = field(default_factory=list)
-    skipped: list[PlannedRun] = field(default_factory=list)  # finished before this sweep started
-    failed: list[FailedRun] = field(default_factory=list)
-    interrupted: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return len(self.done) == len(self.plan.runs)
-
-
-# -- planning --------------------------------------------------------------------------------------------------------
-
-
-def _split_list(value: str | Sequence[str] | None, option: str) -> list[str] | None:
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else list(value)
-    items = [i.strip() for i in items if i.strip()]
-    if not items:
-        raise ValueError(f"{option} is empty")
-    if len(set(items)) != len(items):
-        raise ValueError(f"{option} names an entry twice: {items}")
-    return items
-
-
-def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequence[str] | None = None,
-               mismatches: str | Sequence[str] | None = None, seeds: int | None = None, steps: int | None = None,
-               overrides: Sequence[str] = ()) -> SweepPlan:
-    """The sweep ``setting`` (:mod:`offpolicy.lab.settings`) with the given axes replaced, every run validated.
-
-    ``presets`` / ``mismatches``: comma-separated text or a list; the ``none`` control is always part of the plan
-    (added first when missing) — for every preset, or, when ``presets`` is not given, for the setting's
-    ``control_presets`` (and naive) only. ``seeds``: how many (seeds 0 … n−1). ``overrides``: trainer ``key=value`` for
-    every run, applied after the setting's; keys the sweep sets itself (the preset, seed, steps, out_dir and the
-    rollout engine's numerics) are refused, naming the option that sets them.
-
-    Raises ``ValueError`` with one line naming the option, the override or the run that is wrong.
-    """
-    from offpolicy.train.config import load_config
-    from offpolicy.train.presets import PRESETS
-
-    s = get_setting(setting)
-    known = sorted([*PRESETS, *VARIANTS])
-    out = Path(out)
-    preset_names = _split_list(presets, "--presets") or list(s["presets"])
-    for p in preset_names:
-        if p not in PRESETS and p not in VARIANTS:
-            raise ValueError(f"--presets: {p!r} is not a preset; choose from {known}")
-    names = _split_list(mismatches, "--mismatch") or list(s["mismatches"])
-    canon = [canonical_mismatch(m) for m in names]
-    if len(set(canon)) != len(canon):
-        raise ValueError(f"--mismatch names the same engine twice: {names}")
-    if CONTROL not in canon:
-        canon.insert(0, CONTROL)  # the control is part of every comparison
-    n_seeds = s["seeds"] if seeds is None else seeds
-    if isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1:
-        raise ValueError(f"--seeds must be an int >= 1, got {n_seeds!r}")
-    n_steps = s["steps"] if steps is None else steps
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"--steps must be an int >= 1, got {n_steps!r}")
-    user = list(overrides)
-    for item in user:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key.sub=value")
-        key = item.split("=", 1)[0].strip()
-        if key in _SWEEP_KEYS:
-            raise ValueError(f"override {item!r}: the sweep sets {key} itself (use {_SWEEP_KEYS[key]})")
-    shared = [*s["overrides"], *user]
-    runs = []
-    # the presets that also run on the fp32 control: all of them, or the setting's own choice for its own presets
-    controlled = (s.get("control_presets") if presets is None else None) or preset_names
-    if "naive" in preset_names and "naive" not in controlled:
-        controlled = ["naive", *controlled]
-    # the engines that are controls (the fp32 one, and a setting's own, e.g. vLLM in fp32): only `controlled` runs there
-    controls = {CONTROL, *(s.get("control_mismatches") or ())}
-    for preset in preset_names:
-        base, variant = resolve_preset(preset)
-        for mismatch in canon:
-            if mismatch in controls and preset not in controlled:
-                continue
-            for seed in range(n_seeds):
-                run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={base}",
-                                 *(["alp.enabled=true"] if base == "alp" else []), *variant, f"run.seed={seed}",
-                                 f"run.steps={n_steps}", *user)
-                run = PlannedRun(preset, mismatch, seed, n_steps, run_overrides)
-                runs.append(PlannedRun(preset, mismatch, seed, n_steps,
-                                       (*run_overrides, f"run.out_dir={out / run.dir}")))
-    for run in runs:  # every run validated before any work
-        try:
-            load_config(None, list(run.overrides))
-        except ValueError as err:
-            raise ValueError(f"run {run.name}: {err}") from None
-    return SweepPlan(out, setting, s["description"], preset_names, canon, list(range(n_seeds)), n_steps, shared,
-                     runs)
-
-
-def planned_config(run: PlannedRun):  # -> TrainConfig
-    from offpolicy.train.config import load_config
-
-    return load_config(None, list(run.overrides))
-
-
-# -- the state of a run folder ---------------------------------------------------------------------------------------
-
-
-def _metrics_last_step(run_dir: Path) -> int | None:
-    """The last logged step of a readable ``metrics.jsonl`` whose steps increase (None if unreadable / empty)."""
-    from offpolicy.train.logging import read_metrics
-
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    try:
-        with warnings.catch_warnings():  # a half-written last line: the run simply is not finished
-            warnings.simplefilter("ignore")
-            rows = read_metrics(path)
-    except ValueError:
-        return None
-    steps: list[int] = []
-    for row in rows:
-        step = row.get("step")
-        if not isinstance(step, int):
-            return None
-        steps.append(step)
-    if not steps or steps != sorted(set(steps)):
-        return None
-    return steps[-1]
-
-
-def run_state(out: str | Path, run: PlannedRun) -> tuple[str, int]:
-    """``("done" | "partial" | "new", checkpoint step)`` of a run folder.
-
-    done: the final checkpoint exists and ``metrics.jsonl`` reaches ``run.steps``; partial: a checkpoint before the
-    last step (the run resumes from it); new: nothing to resume (no checkpoint, or a final checkpoint whose metrics
-    are incomplete: the run starts again).
-    """
-    from offpolicy.train.checkpoint import checkpoint_path, latest_checkpoint
-
-    run_dir = Path(out) / run.dir
-    latest = latest_checkpoint(run_dir / "checkpoints")
-    if latest is None:
-        return "new", 0
-    step = int(latest.stem.split("_")[-1])
-    if step == run.steps and checkpoint_path(run_dir / "checkpoints", run.steps).is_file():
-        return ("done", step) if _metrics_last_step(run_dir) == run.steps else ("new", 0)
-    if step > run.steps:
-        raise ValueError(f"run folder {str(run_dir)!r} holds a checkpoint at step {step}, past --steps {run.steps}; "
-                         "raise --steps or use another --out")
-    return "partial", step
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and name not in ("model.tiny_config", "task.options"):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def config_conflicts(out: str | Path, run: PlannedRun) -> list[str]:
-    """``key: folder value ≠ planned value`` for each config key where the run folder's ``config.yaml`` differs from
-    the plan (keys that do not change the numbers — steps, paths, logging — are not compared). A key the folder's
-    config lacks (written before the key existed) counts as its default. Empty when the folder has no config yet."""
-    import yaml
-
-    path = Path(out) / run.dir / "config.yaml"
-    if not path.is_file():
-        return []
-    try:
-        found = _flatten(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
-    except (OSError, yaml.YAMLError, AttributeError) as err:
-        raise ValueError(f"run folder {str(path.parent)!r}: its config.yaml cannot be read ({err})") from None
-    planned = _flatten(planned_config(run).model_dump(mode="json"))
-    from offpolicy.train.config import load_config
-
-    defaults = _flatten(load_config(None, []).model_dump(mode="json"))
-    found = {**{k: v for k, v in defaults.items() if k in planned}, **found}
-    return [f"{k}={found.get(k)!r} (planned {planned.get(k)!r})" for k in sorted(set(found) | set(planned))
-            if k not in _FREE_KEYS and _norm(found.get(k)) != _norm(planned.get(k))]
-
-
-def _norm(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+__all__ = [
+    "LOCK_FILE",
+    "RUN_LOG",
+    "SUMMARY",
+    "FailedRun",
+    "PlannedRun",
+    "SweepPlan",
+    "SweepResult",
+    "config_conflicts",
+    "default_jobs",
+    "plan_sweep",
+    "planned_config",
+    "prepare_models",
+    "read_summary",
+    "run_state",
+    "run_sweep",
+    "write_summary",
+]
 
 
 @dataclass
@@ -337,54 +111,6 @@ def _launch(out: Path, run: PlannedRun, resume_from: int,
     proc = start(argv, log_path, command=command is not None)
     return _Running(run, proc, time.perf_counter(), resume_from)
 
-
-# -- summary.json ----------------------------------------------------------------------------------------------------
-
-
-def write_summary(result: SweepResult) -> Path:
-    """Write ``OUT/summary.json`` atomically (temp file in ``OUT`` + ``os.replace``): a reader sees the old or the new
-    file, never half of one."""
-    plan = result.plan
-    finished = {r.name for r in result.done}
-    failed = {f.run.name: f for f in result.failed}
-    data = {
-        "runs": [r.record() for r in plan.runs if r.name in finished],
-        "setting": plan.setting,
-        "description": plan.description,
-        "complete": result.complete,
-        "failed": [{**f.run.record(), "error": f.error, "returncode": f.returncode} for f in result.failed],
-        "pending": [r.record() for r in plan.runs if r.name not in finished and r.name not in failed],
-        "plan": plan.describe(),
-        "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    path = plan.out / SUMMARY
-    fd, tmp = tempfile.mkstemp(prefix=".summary-", suffix=".json", dir=plan.out)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def read_summary(out: str | Path) -> dict[str, Any]:
-    """``OUT/summary.json`` (``ValueError`` naming the file when it is missing or not a sweep summary)."""
-    path = Path(out) / SUMMARY
-    if not path.is_file():
-        raise ValueError(f"{str(path)!r} does not exist: no sweep in {str(out)!r} (run `offpolicy lab --out {out}`)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{str(path)!r} is not readable JSON ({err})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-        raise ValueError(f"{str(path)!r} has no 'runs' list: not a sweep summary")
-    for i, r in enumerate(data["runs"]):
-        missing = [k for k in ("preset", "mismatch", "seed", "dir", "steps") if not isinstance(r, dict) or k not in r]
-        if missing:
-            raise ValueError(f"{str(path)!r}: runs[{i}] lacks {', '.join(missing)}")
-    return data
 
 
 # -- the runner ------------------------------------------------------------------------------------------------------

@@ -185,16 +185,17 @@ def evaluate_reward(
 
     Returns ``{"reward": mean reward, "accuracy": fraction with reward 1.0}``.
     """
-    from offpolicy.rollout.hf import HFRolloutEngine
+    from offpolicy.rollout.factory import build_engine
+    from offpolicy.rollout.prompts import compute_rewards, step_prompts
+    from offpolicy.rollout.spec import EngineSpec
     from offpolicy.tasks.arithmetic import ArithmeticTask
-    from offpolicy.train.data import compute_rewards, step_prompts
 
     task = ArithmeticTask() if task is None else task
     if cfg is None:
         length = getattr(task, "length", 7)
         cfg = SamplingConfig(max_new_tokens=length + 1)
     prompts = step_prompts(task, tokenizer, n, seed)
-    engine = HFRolloutEngine(model, dtype=dtype, tokenizer=tokenizer)
+    engine = build_engine(EngineSpec(name="warm-start evaluation", dtype=dtype), model=model, tokenizer=tokenizer)
     out = engine.generate([p.ids for p in prompts], cfg, seed=seed)
     rewards = compute_rewards(task, prompts, 1, out.texts, out.completion_ids)
     return {"reward": float(rewards.mean()), "accuracy": float((rewards == 1.0).float().mean())}

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids, pad_ids
 from offpolicy.rollout.decode import DecodeStep, cache_keyword
+from offpolicy.rollout.factory import register_engine
 from offpolicy.rollout.quant_formats import QuantFormat, quant_format
 from offpolicy.rollout.routing import RouteRecorder, find_routers, split_routes
 from offpolicy.rollout.sampling import (
@@ -60,6 +61,7 @@ from offpolicy.rollout.sampling import (
     topk_logprobs,
 )
 from offpolicy.rollout.scoring import score_tokens
+from offpolicy.rollout.spec import EngineSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -441,3 +443,22 @@ def _first_not_none(*values):
         if v is not None:
             return v
     return None
+
+
+@register_engine("hf", fields=("autocast", "kv_cache", "kv_cache_bits", "weight_bits", "quantize_layers", "quant",
+                               "lm_head_fp32", "logit_noise", "attn_implementation", "sampler", "compile",
+                               "record_routes"))
+def build_hf_engine(spec: EngineSpec, *, model: Any = None, tokenizer: Any = None,
+                      model_path: str | None = None) -> HFRolloutEngine:
+    """The factory's builder for ``backend="hf"``: an :class:`HFRolloutEngine` with ``spec``'s numerics on a private
+    copy of ``model``. ``spec.autocast`` is not the engine's: the trainer side of ``offpolicy inspect`` applies it to
+    its scoring forward."""
+    if model is None:
+        raise ValueError("backend=hf builds on a transformers model: pass model=")
+    return HFRolloutEngine(
+        model, dtype=spec.dtype, kv_cache=spec.kv_cache, kv_cache_bits=spec.kv_cache_bits,
+        weight_bits=spec.weight_bits, logit_noise=spec.logit_noise,
+        quantize_layers=list(spec.quantize_layers) if spec.quantize_layers is not None else None, quant=spec.quant,
+        lm_head_fp32=spec.lm_head_fp32, attn_implementation=spec.attn_implementation, tokenizer=tokenizer,
+        record_routes=spec.record_routes, sampler=spec.sampler, compile=spec.compile,
+    )

@@ -37,11 +37,13 @@ from typing import Any
 
 import torch
 
+from offpolicy.rollout.factory import register_engine
 from offpolicy.rollout.http import ServerError, check_token, get_field, post_json, wait_until_healthy
 from offpolicy.rollout.processes import free_port
 from offpolicy.rollout.protocols import ServerCompletion
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.server_engine import ServerRolloutEngine
+from offpolicy.rollout.spec import LLAMACPP_KV, EngineSpec
 
 LLAMACPP_MISSING = "the llama.cpp engine needs xllamacpp and gguf: pip install 'offpolicy[llamacpp]'"
 KV_CACHE_TYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -426,3 +428,18 @@ def connect_llamacpp(url: str, *, vocab_size: int | None = None, timeout: float 
     ``--no-cache-prompt`` for reproducible answers). ``vocab_size``: the trainer's; ids outside are refused."""
     return ServerRolloutEngine(url, LlamaCppProtocol(vocab_size), vocab_size=vocab_size, timeout=timeout,
                                tokenizer=tokenizer)
+
+
+@register_engine("llamacpp", fields=("weights", "kv_cache_bits", "kv_cache_type", "threads"))
+def build_llamacpp_engine(spec: EngineSpec, *, model: Any = None, tokenizer: Any = None,
+                      model_path: str | None = None) -> LlamaCppRolloutEngine:
+    """The factory's builder for ``backend="llamacpp"``: llama.cpp's server in this process on a GGUF export of
+    ``model`` (``spec.weights``, default f32) with the KV cache type ``spec.kv_cache_type`` or the one
+    ``spec.kv_cache_bits`` names (32 f32, 16 f16, 8 q8_0, 4 q4_0). ``ImportError`` without xllamacpp / gguf."""
+    if model is None:
+        raise ValueError("backend=llamacpp exports a transformers model to GGUF: pass model=")
+    if tokenizer is None:
+        raise ValueError("backend=llamacpp needs the model's tokenizer (it is written into the GGUF)")
+    kv = spec.kv_cache_type or (LLAMACPP_KV.get(spec.kv_cache_bits) if spec.kv_cache_bits is not None else None)
+    return LlamaCppRolloutEngine(model, tokenizer, weights=spec.weights or "f32", kv_cache_type=kv,
+                                 threads=spec.threads)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from offpolicy.rollout.factory import register_engine
 from offpolicy.rollout.http import (  # noqa: F401 - re-exported for one release (moved to offpolicy.rollout.http)
     ServerError,
     check_logprob,
@@ -42,6 +44,7 @@ from offpolicy.rollout.server_engine import (  # noqa: F401 - re-exported for on
     ServerRolloutEngine,
     completions_to_output,
 )
+from offpolicy.rollout.spec import EngineSpec
 from offpolicy.rollout.weight_sync import ReloadFolder
 
 
@@ -106,3 +109,14 @@ def connect_server(url: str, *, protocol: str | None = None, vocab_size: int | N
     proto: ServerProtocol = VLLMProtocol(served_model(url)) if protocol == "vllm" else SGLangProtocol()
     return ServerRolloutEngine(url, proto, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer,
                                weights_dir=weights_dir)
+
+
+@register_engine("server", fields=("server", "protocol", "timeout", "weights_dir"))
+def build_server_engine(spec: EngineSpec, *, model: Any = None, tokenizer: Any = None,
+                      model_path: str | None = None) -> ServerRolloutEngine:
+    """The factory's builder for ``backend="server"``: a client of the server at ``spec.server`` (``spec.protocol``,
+    or detected), ids checked against ``model``'s vocabulary; weight syncs go through ``spec.weights_dir``."""
+    assert spec.server is not None  # EngineSpec(backend="server") requires an http(s) URL
+    config = getattr(model, "config", None)
+    return connect_server(spec.server, protocol=spec.protocol, vocab_size=getattr(config, "vocab_size", None),
+                          timeout=spec.timeout, tokenizer=tokenizer, weights_dir=spec.weights_dir)

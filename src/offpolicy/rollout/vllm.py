@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
+from offpolicy.rollout.factory import register_engine
 from offpolicy.rollout.protocols import (  # noqa: F401 - the recipe as SamplingParams (moved; re-exported for one release)
     VLLM_GREEDY_BELOW,
     VLLM_LOGIT_BIAS_BOUND,
@@ -49,6 +50,7 @@ from offpolicy.rollout.protocols import (  # noqa: F401 - the recipe as Sampling
 )
 from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.spec import EngineSpec
 
 VLLM_MISSING = (
     "VLLMRolloutEngine needs vLLM: pip install 'offpolicy[vllm]' on a GPU machine; on a CPU machine "
@@ -294,3 +296,23 @@ def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bo
         if routes else None,
         sampling=sampling,
     )
+
+
+@register_engine("vllm", fields=("kv_cache_dtype", "max_model_len", "max_logprobs", "seed", "record_routes"))
+def build_vllm_engine(spec: EngineSpec, *, model: Any = None, tokenizer: Any = None,
+                      model_path: str | None = None) -> VLLMRolloutEngine:
+    """The factory's builder for ``backend="vllm"``: vLLM in this process on ``model_path`` (a local model directory)
+    or, without one, on a copy of ``model``'s current weights written with ``tokenizer``
+    (:meth:`VLLMRolloutEngine.from_model`). ``ImportError`` without vLLM."""
+    kwargs: dict[str, Any] = {"dtype": spec.dtype, "max_logprobs": spec.max_logprobs, "seed": spec.seed}
+    if spec.kv_cache_dtype is not None:
+        kwargs["kv_cache_dtype"] = spec.kv_cache_dtype
+    if spec.max_model_len is not None:
+        kwargs["max_model_len"] = spec.max_model_len
+    if spec.record_routes:
+        kwargs["record_routes"] = True
+    if model_path is not None:
+        return VLLMRolloutEngine(model_path, tokenizer=tokenizer, **kwargs)
+    if model is None or tokenizer is None:
+        raise ValueError("backend=vllm needs the model's tokenizer or a local model directory")
+    return VLLMRolloutEngine.from_model(model, tokenizer, **kwargs)

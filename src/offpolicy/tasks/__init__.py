@@ -1,4 +1,5 @@
-"""Built-in verifiable tasks (arithmetic, countdown, pattern, free_digits), JSONL tasks and reward validation."""
+"""Built-in verifiable tasks (arithmetic, countdown, pattern, free_digits, the two-turn tool_calc), JSONL tasks and reward
+validation."""
 
 from __future__ import annotations
 
@@ -6,14 +7,24 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.tasks.arithmetic import ArithmeticTask
-from offpolicy.tasks.base import Example, RewardError, RewardFn, Task, check_rewards, compute_rewards
+from offpolicy.tasks.base import (
+    Example,
+    MultiTurnTask,
+    RewardError,
+    RewardFn,
+    Task,
+    check_rewards,
+    compute_rewards,
+    is_multi_turn,
+)
 from offpolicy.tasks.countdown import CountdownTask, safe_eval
 from offpolicy.tasks.free_digits import FreeDigitsTask
 from offpolicy.tasks.jsonl import JsonlTask, exact_match_reward
 from offpolicy.tasks.pattern import PatternTask
+from offpolicy.tasks.tool_calc import ToolCalcTask, evaluate_call
 
 BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "pattern": PatternTask,
-                 "free_digits": FreeDigitsTask}
+                 "free_digits": FreeDigitsTask, "tool_calc": ToolCalcTask}
 # A small JSONL task shipped as package data: the format example for ``--task path.jsonl``.
 EXAMPLE_JSONL = Path(__file__).parent / "data" / "times_table.jsonl"
 
@@ -56,13 +67,17 @@ __all__ = [
     "Example",
     "FreeDigitsTask",
     "JsonlTask",
+    "MultiTurnTask",
     "PatternTask",
     "RewardError",
     "RewardFn",
     "Task",
+    "ToolCalcTask",
     "check_rewards",
     "compute_rewards",
+    "evaluate_call",
     "exact_match_reward",
     "get_task",
+    "is_multi_turn",
     "safe_eval",
 ]

@@ -36,6 +36,31 @@ class Task(Protocol):
     def reward(self, completions: list[str], *, answer: list[str], **kwargs: Any) -> list[float]: ...
 
 
+@runtime_checkable
+class MultiTurnTask(Task, Protocol):
+    """A task answered in ``turns`` policy turns with the environment's text between them.
+
+    ``respond(prompt, turns, **meta)`` is the environment's answer (plain text, tokenized on its own by the rollout)
+    after the policy's decoded ``turns`` so far; ``reward`` judges the final turn's text. See
+    :class:`~offpolicy.tasks.tool_calc.ToolCalcTask` and :mod:`offpolicy.rollout.multi_turn`.
+    """
+
+    turns: int
+
+    def respond(self, prompt: str, turns: list[str], **meta: Any) -> str: ...
+
+
+def is_multi_turn(task: Any) -> bool:
+    """Whether ``task`` is answered in several policy turns (a :class:`MultiTurnTask` with ``turns`` > 1).
+
+    >>> from offpolicy.tasks.tool_calc import ToolCalcTask
+    >>> from offpolicy.tasks.arithmetic import ArithmeticTask
+    >>> is_multi_turn(ToolCalcTask()), is_multi_turn(ArithmeticTask())
+    (True, False)
+    """
+    return callable(getattr(task, "respond", None)) and int(getattr(task, "turns", 1)) > 1
+
+
 class RewardError(ValueError):
     """A reward function failed on (or returned garbage for) a named sample."""
 

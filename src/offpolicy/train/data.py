@@ -1,8 +1,9 @@
-"""Trainer-side glue to :mod:`offpolicy.tasks` and :mod:`offpolicy.models`: prompts per step, checked rewards.
+"""Trainer-side glue to :mod:`offpolicy.tasks`: the task a config names, with its reward function.
 
-Prompts are drawn fresh each step from ``task.examples(n, seed)`` with a seed derived from ``(run.seed, step)``, so a
-resumed run needs no data-loader state. Rewards go through :func:`offpolicy.tasks.compute_rewards`, which names the
-sample whose reward raised or was NaN.
+Prompts per step and checked rewards (:func:`step_prompts`, :func:`compute_rewards`, :class:`Prompt`) live in
+:mod:`offpolicy.rollout.prompts`, below the trainer, where the warm start's evaluation reaches them too; they are
+importable from here as before. Prompts are drawn fresh each step from ``task.examples(n, seed)`` with a seed derived
+from ``(run.seed, step)``, so a resumed run needs no data-loader state.
 
 >>> from offpolicy.tasks import get_task
 >>> from offpolicy.models.tokenizer import build_tokenizer
@@ -14,22 +15,12 @@ sample whose reward raised or was NaN.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
+from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
+from offpolicy.tasks import get_task
 
-from offpolicy.tasks import Example, RewardError, get_task
-from offpolicy.tasks import compute_rewards as _checked_rewards
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One example and its token ids (as the engine and the scorer receive them)."""
-
-    example: Example
-    ids: list[int]
+__all__ = ["Prompt", "compute_rewards", "load_task", "resolve_reward_fn", "step_prompts"]
 
 
 def resolve_reward_fn(spec: str | None):  # -> RewardFn | None
@@ -51,35 +42,3 @@ def resolve_reward_fn(spec: str | None):  # -> RewardFn | None
 def load_task(task_cfg: Any):  # -> Task
     """The task named by ``task.name`` (built-in or a JSONL path), with ``task.options`` / ``task.reward_fn``."""
     return get_task(task_cfg.name, reward_fn=resolve_reward_fn(task_cfg.reward_fn), **task_cfg.options)
-
-
-def step_prompts(task: Any, tokenizer: Any, n: int, seed: int) -> list[Prompt]:
-    """``n`` prompts for one step, tokenised (the tokenizer adds bos when it is configured to)."""
-    out = []
-    for ex in task.examples(n, seed):
-        ids = list(tokenizer(ex.prompt)["input_ids"])
-        if not ids:
-            raise ValueError(f"task {getattr(task, 'name', task)!r}: prompt {ex.prompt!r} tokenises to nothing")
-        out.append(Prompt(ex, ids))
-    return out
-
-
-def compute_rewards(task: Any, prompts: list[Prompt], group_size: int, texts: list[str] | None,
-                    completions: list[list[int]]) -> Tensor:
-    """Rewards ``[B]`` (float32) for ``group_size`` completions per prompt, laid out prompt-major.
-
-    A reward function that raises, or returns NaN / a non-number, raises :class:`RewardError` naming the sample
-    (its index, prompt and completion).
-    """
-    if texts is None:
-        raise ValueError("the rollout engine returned no texts (no tokenizer?): rewards need decoded completions")
-    examples = [p.example for p in prompts for _ in range(group_size)]
-    columns: dict[str, list[Any]] = {"answer": [e.answer for e in examples]}
-    for key in examples[0].meta if examples else ():
-        columns[key] = [e.meta.get(key) for e in examples]
-    try:
-        rewards = _checked_rewards(task.reward, list(texts), **columns)
-    except RewardError as err:
-        raise RewardError(f"task {getattr(task, 'name', '?')!r}: {err} [prompts: "
-                          f"{[p.example.prompt for p in prompts][:8]}]") from err
-    return torch.tensor(rewards, dtype=torch.float32)

@@ -34,11 +34,15 @@ import torch
 
 from offpolicy.models.warm_start import torch_threads
 from offpolicy.perturbation import LayerwisePerturbation
+from offpolicy.tasks import is_multi_turn
 from offpolicy.train.config import TrainConfig
 from offpolicy.train.control import Control
+from offpolicy.train.multi_turn import multi_turn_step
+from offpolicy.train.proximal import resumed_versions
 from offpolicy.train.run_folder import RunFolder, RunReplacedWarning
 from offpolicy.train.schedule import is_scheduled, lr_at
 from offpolicy.train.steps import (
+    Rollout,
     TrainState,
     build_engine,
     build_state,
@@ -103,6 +107,8 @@ def train(
         state = build_state(cfg, model=model, tokenizer=tokenizer, engine=engine, task=task)
         state.control = Control.build(cfg, state)
         start = folder.open(state)
+        # policy versions (offpolicy.train.proximal): the steps done, and the step of the engine's last weight sync
+        state.policy_version, state.engine_version = resumed_versions(start, cfg.rollout.sync_every)
         history: list[dict[str, float]] = []
         if start == cfg.run.steps:  # a finished run resumed again: nothing to do, every file left as it is
             return TrainResult(start, history, folder.out_dir, folder.last_checkpoint, False, state.model, state.alp,
@@ -116,10 +122,16 @@ def train(
                     if is_scheduled(cfg.optim):  # the schedule's rate, times the LR guard's cut if one is on
                         guard = state.control.lr_scale if state.control is not None else 1.0
                         state.set_lr(lr_at(cfg.optim, step, cfg.run.steps) * guard)
-                    rollout = rollout_step(state, seed, sync_weights=step % cfg.rollout.sync_every == 0, step=step)
-                    scored = score_step(state, rollout)
+                    sync = step % cfg.rollout.sync_every == 0
+                    rollout: Rollout
+                    if is_multi_turn(state.task):  # one engine call per policy turn; tool tokens out of the loss
+                        rollout, scored, turn_metrics = multi_turn_step(state, seed, sync_weights=sync, step=step)
+                    else:
+                        rollout, turn_metrics = rollout_step(state, seed, sync_weights=sync, step=step), {}
+                        scored = score_step(state, rollout)
                     updates = update_step(state, rollout, scored, seed)
                     metrics = metrics_step(state, rollout, scored, updates, started=started)
+                    metrics.update(turn_metrics)
                     if state.control is not None:  # the thresholds / LR this step used, then the next step's
                         metrics.update(state.control.metrics())
                         state.control.update(state, scored)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.vocabulary import SUPPORT_ORDER, replay_support_logp
+from offpolicy.corrections.vocabulary import SUPPORT_ORDER, replay_support_logp, sampling_support_mask
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.fused import fused_token_stats
 from offpolicy.kernels.row_maps import head_row_map
@@ -144,11 +144,17 @@ class ReplayedLogProbs(NamedTuple):
     mass: Tensor
 
 
-def _chunk_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str],
-                  history: TokenHistory | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, inside, mass) of one chunk's float32 logits ``z`` [rows, V]."""
-    if recipe.reads_history:
-        z = apply_history_processors(z, recipe, history)
+def penalised(z: Tensor, recipe: SamplingConfig, history: TokenHistory | None) -> Tensor:
+    """One chunk's float32 logits ``z`` [rows, V] after the recipe's penalties (``z`` itself when it has none)."""
+    return apply_history_processors(z, recipe, history) if recipe.reads_history else z
+
+
+def support_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str]) -> tuple[Tensor, Tensor,
+                                                                                                      Tensor]:
+    """(logp, inside, mass) ``[rows]`` of one chunk's penalised float32 logits ``z`` [rows, V] (:func:`penalised`):
+    the replayed log-prob of ``targets`` on the support the recipe's filters leave in ``order``
+    (:func:`~offpolicy.corrections.vocabulary.replay_support_logp`, differentiable), whether the target is inside it,
+    and the support's retained mass Z (no gradient)."""
     logp, inside = replay_support_logp(z, targets, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
                                        temperature=recipe.temperature, order=order)
     with torch.no_grad():  # Z = exp(logsumexp_S − logsumexp_V) = π(y) / π_S(y)
@@ -156,6 +162,37 @@ def _chunk_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Seq
         full = scaled.gather(-1, targets[:, None])[:, 0] - scaled.logsumexp(-1)
         mass = torch.exp(full - logp.detach()).clamp(max=1.0)
     return logp, inside, mass
+
+
+def support_entropy(z: Tensor, recipe: SamplingConfig, order: Sequence[str]) -> Tensor:
+    """Entropy ``[rows]`` of π_S from one chunk's penalised float32 logits ``z`` [rows, V] (:func:`penalised`):
+    tempered and renormalised on the support S the recipe's filters leave in ``order``,
+
+        H(π_S) = −Σ_{a∈S} π_S(a) log π_S(a),   π_S(a) = exp(z_a/T) / Σ_{b∈S} exp(z_b/T);
+
+    differentiable in ``z`` (the support is fixed).
+
+    >>> # z = (3, 2, 1, 0), top-k 2: π_S = softmax(3, 2) = (0.7311, 0.2689), H = 0.5822
+    >>> support_entropy(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), SamplingConfig(top_k=2), ("top_k", "top_p", "min_p"))
+    tensor([0.5822])
+    """
+    support = sampling_support_mask(z.detach(), top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
+                                    temperature=recipe.temperature, order=order)
+    logp = (z / recipe.temperature).masked_fill(~support, float("-inf")).log_softmax(-1)
+    inside = logp.masked_fill(~support, 0.0)  # 0 · log 0 is 0, not NaN
+    return -(inside.exp() * inside).sum(-1)
+
+
+def fused_recipe(recipe: SamplingConfig) -> bool:
+    """The recipe is temperature and min-p alone: :func:`replay_logp` scores it with the fused kernel."""
+    return recipe.top_k is None and recipe.top_p is None and not recipe.reads_history and not recipe.logit_bias \
+        and not recipe.bad_words_ids
+
+
+def _chunk_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str],
+                  history: TokenHistory | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, inside, mass) of one chunk's float32 logits ``z`` [rows, V]."""
+    return support_scores(penalised(z, recipe, history), targets, recipe, order)
 
 
 def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: SamplingConfig, *,
@@ -179,8 +216,7 @@ def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: Samplin
     vocab = weight.shape[0]
     if recipe.reads_history and history is None:
         raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
-    if recipe.top_k is None and recipe.top_p is None and not recipe.reads_history and not recipe.logit_bias \
-            and not recipe.bad_words_ids:
+    if fused_recipe(recipe):
         want = ("minp_logp", "minp_mass") if recipe.min_p is not None else ("logp",)
         s = fused_token_stats(hidden, weight, targets, bias=bias, temperature=recipe.temperature, want=want,
                               min_p_rho=recipe.min_p, memory_budget_bytes=memory_budget_bytes)

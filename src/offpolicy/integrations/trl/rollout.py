@@ -7,11 +7,14 @@ so :class:`~offpolicy.integrations.trl.OffPolicyGRPOTrainer` reads them as μ an
 kernels (:class:`~offpolicy.rollout.llamacpp.LlamaCppRolloutEngine`), or weights that lag the trainer by
 ``sync_every − 1`` steps, as an asynchronous pipeline's engine does::
 
-    from offpolicy.rollout.hf import HFRolloutEngine
+    from offpolicy.rollout import EngineSpec
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer, engine_rollout
 
     trainer = OffPolicyGRPOTrainer(model=model, ..., correction={"name": "tis", "upper": 2.0},
-                                   rollout_func=engine_rollout(HFRolloutEngine(model, tokenizer=tok), sync_every=4))
+                                   rollout_func=engine_rollout(EngineSpec.parse("dtype=bf16,quant=w4a4"), sync_every=4))
+
+An :class:`~offpolicy.rollout.spec.EngineSpec` is built by the engine factory (:func:`offpolicy.rollout.build_engine`)
+on the trainer's model and tokenizer at the first generation; an engine already built is used as it is.
 
 The engine samples with the ``GRPOConfig``'s temperature, ``top_k``, ``top_p``, ``min_p`` and
 ``max_completion_length``; its weights are copied from the trainer's model at the first generation of every
@@ -25,7 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from offpolicy.rollout.base import RolloutEngine, RolloutOutput
+from offpolicy.rollout.factory import build_engine
 from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.spec import EngineSpec
 
 
 def sampling_from_trl(args: Any) -> SamplingConfig:
@@ -48,16 +53,22 @@ def sampling_from_trl(args: Any) -> SamplingConfig:
     )
 
 
-def engine_rollout(engine: RolloutEngine, *, sync_every: int = 1, seed: int = 0) -> Callable[[list, Any], dict]:
+def engine_rollout(engine: RolloutEngine | EngineSpec, *, sync_every: int = 1,
+                   seed: int = 0) -> Callable[[list, Any], dict]:
     """A TRL ``rollout_func`` that samples with ``engine`` and reports its log-probs as μ (see the module docstring).
 
-    ``sync_every`` = k: the engine takes the trainer's weights at steps 0, k, 2k, … (1: every step — the mismatch
-    is the engine's numerics alone); ``seed``: the first generation's seed (then one more per call).
+    ``engine``: a rollout engine, or an :class:`~offpolicy.rollout.spec.EngineSpec` that the engine factory builds on
+    the trainer's model and tokenizer at the first generation. ``sync_every`` = k: the engine takes the trainer's
+    weights at steps 0, k, 2k, … (1: every step — the mismatch is the engine's numerics alone); ``seed``: the first
+    generation's seed (then one more per call).
     """
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    if not (hasattr(engine, "generate") and hasattr(engine, "sync_weights")):
-        raise ValueError(f"engine must be an offpolicy rollout engine (generate, sync_weights), got {type(engine).__name__}")
+    spec = engine if isinstance(engine, EngineSpec) else None
+    if spec is None and not (hasattr(engine, "generate") and hasattr(engine, "sync_weights")):
+        raise ValueError(f"engine must be an offpolicy rollout engine (generate, sync_weights) or an EngineSpec, got "
+                         f"{type(engine).__name__}")
+    built: list[Any] = [None if spec is not None else engine]  # the engine, once the factory has built it
     calls = [0]  # generations so far (the next seed is seed + calls)
     synced_at: list[int | None] = [None]  # the step whose weights the engine holds
 
@@ -67,12 +78,16 @@ def engine_rollout(engine: RolloutEngine, *, sync_every: int = 1, seed: int = 0)
                              "conversational prompt needs the chat template applied in your dataset)")
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         due = step - step % sync_every  # the step whose weights the engine should hold
-        if synced_at[0] != due:
-            engine.sync_weights(trainer.model)
-            synced_at[0] = due
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        if built[0] is None:
+            assert spec is not None
+            built[0] = build_engine(spec, model=trainer.model, tokenizer=tokenizer)
+        active = built[0]
+        if synced_at[0] != due:
+            active.sync_weights(trainer.model)
+            synced_at[0] = due
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        out = engine.generate(prompt_ids, sampling_from_trl(trainer.args), seed=seed + calls[0])
+        out = active.generate(prompt_ids, sampling_from_trl(trainer.args), seed=seed + calls[0])
         calls[0] += 1
         logprobs = [out.logp[i, : len(c)].tolist() for i, c in enumerate(out.completion_ids)]
         return {"prompt_ids": prompt_ids, "completion_ids": [list(c) for c in out.completion_ids], "logprobs": logprobs}

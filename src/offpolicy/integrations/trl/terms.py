@@ -22,10 +22,10 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.corrections.vocabulary import sampling_support_mask
+from offpolicy.integrations.trl.replay import penalised, support_entropy
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.row_maps import head_row_map
-from offpolicy.rollout.sampling import SamplingConfig, apply_history_processors
+from offpolicy.rollout.sampling import SamplingConfig
 
 
 def trl_log_weight(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
@@ -151,13 +151,8 @@ def replay_entropy(hidden: Tensor, weight: Tensor, recipe: SamplingConfig, *, or
         raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
 
     def entropy(z: Tensor, a: int, b: int) -> tuple[Tensor]:
-        if recipe.reads_history:
-            z = apply_history_processors(z, recipe, history.chunk(a, b, vocab))
-        support = sampling_support_mask(z.detach(), top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                                        temperature=recipe.temperature, order=order)
-        logp = (z / recipe.temperature).masked_fill(~support, float("-inf")).log_softmax(-1)
-        inside = logp.masked_fill(~support, 0.0)  # 0 · log 0 is 0, not NaN
-        return (-(inside.exp() * inside).sum(-1),)
+        hist = history.chunk(a, b, vocab) if recipe.reads_history else None
+        return (support_entropy(penalised(z, recipe, hist), recipe, order),)
 
     # scratch per row: logits, z / T, support mask, log-probs, probabilities, the sort of top-p, the history's two
     (h,) = head_row_map(entropy, hidden, weight, bias, buffers=8, memory_budget_bytes=memory_budget_bytes)

@@ -5,4 +5,4 @@ import importlib.util
 
 collect_ignore = ["plugin.py"]
 if importlib.util.find_spec("verl") is None:
-    collect_ignore += ["engine.py", "agent_loop.py"]
+    collect_ignore += ["engine.py", "agent_loop.py", "platform_cpu.py"]

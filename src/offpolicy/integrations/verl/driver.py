@@ -104,77 +104,83 @@ def _metric_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
 
+class OffPolicyTrainerMixin:
+    """verl's trainer + :func:`apply_driver_correction` once the advantages are stored, and the sync check after each
+    weight sync: put in front of a verl v1 ``PPOTrainer`` subclass by :func:`make_trainer_class` (it imports nothing
+    of verl until a step runs, so this module loads without verl)."""
+
+    config: Any
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        # refuse a double correction before verl builds anything (workers, the replay buffer)
+        refuse_double_correction(config.get("algorithm", None), settings_from_environment())
+        super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]  # verl's trainer, after this mixin
+
+    def _settings(self) -> VerlSettings:
+        settings = getattr(self, "_offpolicy_settings", None)
+        if settings is None:
+            settings = settings_from_environment()
+            refuse_double_correction(self.config.get("algorithm", None), settings)
+            self._offpolicy_settings = settings
+        return settings
+
+    def on_init_end(self) -> None:
+        super().on_init_end()  # type: ignore[misc]  # verl's initial sync: the sync check calibrates on it
+        self._offpolicy_sync_check()
+
+    def on_step_end(self) -> None:
+        super().on_step_end()  # type: ignore[misc]  # verl's weight sync after the step's update
+        self._offpolicy_sync_check()
+
+    def _offpolicy_sync_check(self) -> None:
+        """The sync check after verl's push (:mod:`.sync_check`); its ``sync/*`` metrics join the step's
+        through verl's ``_pending_sync_metrics``."""
+        settings = self._settings()
+        if settings.sync_check == "off":
+            return
+        check = getattr(self, "_offpolicy_check", None)
+        if check is None:
+            from offpolicy.integrations.verl.sync_check import from_trainer
+
+            check = self._offpolicy_check = from_trainer(self, settings.sync_check)
+        metrics = check.after_sync(int(getattr(self, "global_steps", 0)))
+        self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **metrics}
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        settings = self._settings()  # refuses a double correction before verl's own runs
+        batch = super()._compute_advantage(batch, metrics)  # type: ignore[misc]  # verl's trainer, after this mixin
+        if settings.correction is None:
+            return batch
+        from verl.trainer.ppo.v1 import trainer_base
+        from verl.workers.utils.padding import response_from_nested, response_to_nested
+
+        tq = trainer_base.tq
+        fields = list(REQUIRED_FIELDS)  # verl wrote no weights of its own: refuse_double_correction
+        bound = None
+        if settings.topk_logprobs > 0:  # the engine's bounds, laid out as its log_probs (prompt + response)
+            bound = KL_UPPER_FIELD if settings.topk_bound == "upper" else KL_LOWER_FIELD
+            fields.append(bound)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        nested_mask = data["response_mask"]
+        if bound is not None:
+            data["token_divergence"] = response_from_nested(data.pop(bound), nested_mask)
+            fields[-1] = "token_divergence"
+        padded = data.to_padded_tensor()
+        tensors = {k: padded[k] for k in fields if k in padded.keys()}  # noqa: SIM118 - TensorDict keys
+        updates, step_metrics = apply_driver_correction(tensors, settings)
+        metrics.update(_metric_floats(step_metrics))
+        from tensordict import TensorDict
+
+        output = TensorDict({k: response_to_nested(v, nested_mask) for k, v in updates.items()},
+                            batch_size=len(batch))
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
+
+
 def make_trainer_class(base: type) -> type:
-    """``base`` (a verl v1 ``PPOTrainer`` subclass) with the driver correction after ``_compute_advantage``."""
-    from verl.trainer.ppo.v1 import trainer_base
-    from verl.workers.utils.padding import response_from_nested, response_to_nested
-
-    class OffPolicyTrainer(base):
-        """verl's trainer + :func:`apply_driver_correction` once the advantages are stored."""
-
-        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-            # refuse a double correction before verl builds anything (workers, the replay buffer)
-            refuse_double_correction(config.get("algorithm", None), settings_from_environment())
-            super().__init__(config, *args, **kwargs)
-
-        def _settings(self) -> VerlSettings:
-            settings = getattr(self, "_offpolicy_settings", None)
-            if settings is None:
-                settings = settings_from_environment()
-                refuse_double_correction(self.config.get("algorithm", None), settings)
-                self._offpolicy_settings = settings
-            return settings
-
-        def on_init_end(self) -> None:
-            super().on_init_end()  # verl's initial sync: the sync check calibrates on it
-            self._offpolicy_sync_check()
-
-        def on_step_end(self) -> None:
-            super().on_step_end()  # verl's weight sync after the step's update
-            self._offpolicy_sync_check()
-
-        def _offpolicy_sync_check(self) -> None:
-            """The sync check after verl's push (:mod:`.sync_check`); its ``sync/*`` metrics join the step's
-            through verl's ``_pending_sync_metrics``."""
-            settings = self._settings()
-            if settings.sync_check == "off":
-                return
-            check = getattr(self, "_offpolicy_check", None)
-            if check is None:
-                from offpolicy.integrations.verl.sync_check import from_trainer
-
-                check = self._offpolicy_check = from_trainer(self, settings.sync_check)
-            metrics = check.after_sync(int(getattr(self, "global_steps", 0)))
-            self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **metrics}
-
-        def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
-            settings = self._settings()  # refuses a double correction before verl's own runs
-            batch = super()._compute_advantage(batch, metrics)
-            if settings.correction is None:
-                return batch
-            tq = trainer_base.tq
-            fields = list(REQUIRED_FIELDS)  # verl wrote no weights of its own: refuse_double_correction
-            bound = None
-            if settings.topk_logprobs > 0:  # the engine's bounds, laid out as its log_probs (prompt + response)
-                bound = KL_UPPER_FIELD if settings.topk_bound == "upper" else KL_LOWER_FIELD
-                fields.append(bound)
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-            nested_mask = data["response_mask"]
-            if bound is not None:
-                data["token_divergence"] = response_from_nested(data.pop(bound), nested_mask)
-                fields[-1] = "token_divergence"
-            padded = data.to_padded_tensor()
-            tensors = {k: padded[k] for k in fields if k in padded.keys()}  # noqa: SIM118 - TensorDict keys
-            updates, step_metrics = apply_driver_correction(tensors, settings)
-            metrics.update(_metric_floats(step_metrics))
-            from tensordict import TensorDict
-
-            output = TensorDict({k: response_to_nested(v, nested_mask) for k, v in updates.items()},
-                                batch_size=len(batch))
-            return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
-
-    OffPolicyTrainer.__qualname__ = OffPolicyTrainer.__name__ = f"OffPolicy{base.__name__}"
-    return OffPolicyTrainer
+    """``base`` (a verl v1 ``PPOTrainer`` subclass) with :class:`OffPolicyTrainerMixin` in front of it: the driver
+    correction after ``_compute_advantage``, the sync check after verl's weight syncs. Named ``OffPolicy<base>``."""
+    name = f"OffPolicy{base.__name__}"
+    return type(name, (OffPolicyTrainerMixin, base), {"__module__": __name__, "__qualname__": name})
 
 
 def corrected(data: Any, settings: VerlSettings) -> dict[str, float]:
@@ -188,4 +194,5 @@ def corrected(data: Any, settings: VerlSettings) -> dict[str, float]:
     return _metric_floats(metrics)
 
 
-__all__ = ["REQUIRED_FIELDS", "apply_driver_correction", "corrected", "make_trainer_class", "refuse_double_correction"]
+__all__ = ["REQUIRED_FIELDS", "OffPolicyTrainerMixin", "apply_driver_correction", "corrected", "make_trainer_class",
+           "refuse_double_correction"]

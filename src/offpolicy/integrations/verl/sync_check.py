@@ -8,9 +8,14 @@ and merges whatever ``on_step_end`` leaves in ``self._pending_sync_metrics`` int
 extends those two hooks: after verl's push,
 
 * the engine scores the probe through verl's own ``LLMServerClient`` (the client the agent loops use; one request
-  per row, ``prompt_logprobs=0``: each given token's raw log-prob at T = 1) — :class:`VerlClientScorer`;
+  per row, ``prompt_logprobs=0``: each given token's raw log-prob at T = 1) — :class:`VerlClientScorer`; where verl
+  runs several rollout replicas (its hybrid engine makes one per ``tensor_model_parallel_size`` trainer ranks: with
+  two FSDP ranks and TP = 1, two vLLM servers, each fed by its own rank's push), every replica is scored on its own
+  server (:class:`ServerClient`) and judged by a check of its own — the load balancer would score whichever replica
+  it picks, and a replica that missed its push would go unseen;
 * the actor scores it through verl's worker group, ``actor_rollout_wg.compute_log_prob`` — the same forward verl's
-  old-log-prob step runs (FSDP engine, its dtype and kernels), at temperature 1 — :func:`actor_probe_logprobs`;
+  old-log-prob step runs (FSDP engine, its dtype and kernels), at temperature 1, dispatched to every data-parallel
+  rank (each FSDP rank's forward all-gathers the shards, so every rank must join) — :func:`actor_probe_logprobs`;
 * :class:`~offpolicy.rollout.sync_check.SyncCheck` calibrates on the initial sync (both sides load one checkpoint:
   the run's own numerical mismatch) and judges every later one (the gap, the engine's motion, the staleness β).
 
@@ -24,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import time
-from collections.abc import Coroutine
+import uuid
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +61,9 @@ class VerlClientScorer:
     request per row with ``max_tokens=1`` and ``prompt_logprobs=0``; the server's prompt log-probs are the raw
     model's (T = 1), each given token's own (the sync check's engine interface)."""
 
-    def __init__(self, client: Any, timeout: float = 120.0) -> None:
+    TIMEOUT = 600.0  # a hang, not a slow server: on 2 shared CPU cores at a load of 28 one probe took over 120 s
+
+    def __init__(self, client: Any, timeout: float = TIMEOUT) -> None:
         self.client, self.timeout, self.calls = client, timeout, 0
 
     async def _score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[Any]:
@@ -83,6 +92,20 @@ class VerlClientScorer:
             logp[i, :len(c)] = torch.tensor([row[0] for row in extra["prompt_logprobs"][rows]])
             mask[i, :len(c)] = True
         return logp, mask
+
+
+class ServerClient:
+    """``LLMServerClient.generate`` on one rollout server (verl's server actor handle, one per replica:
+    ``trainer.llm_server_manager.server_handles``) — the sync check scores each replica on its own server instead of
+    the one verl's load balancer picks. The request id sent to vLLM is made unique per request, as verl's client
+    does."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict) -> Any:
+        return await self.handle.generate.remote(prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                                 request_id=f"{request_id}-{uuid.uuid4().hex}")
 
 
 def probe_batch(probe: SyncProbe, *, multiple: int = 1) -> Any:
@@ -139,39 +162,63 @@ def actor_probe_logprobs(worker_group: Any, probe: SyncProbe, *, dp_size: int = 
 
 class VerlSyncCheck:
     """The check the plug-in's trainer runs after verl's weight syncs: ``engine`` scores like
-    :class:`VerlClientScorer`, ``actor(probe) -> (logp [B, T], mask [B, T])`` scores on the trainer's side.
+    :class:`VerlClientScorer` (or is a sequence of such scorers, one per rollout replica),
+    ``actor(probe) -> (logp [B, T], mask [B, T])`` scores on the trainer's side.
 
     :meth:`after_sync` calibrates on the first call (the initial sync) and judges every later one; it returns
-    the ``sync/*`` metrics and counts the checks (``checks``, ``passed``)."""
+    the ``sync/*`` metrics and counts the checks (``checks``, ``passed``). With several replicas each has its own
+    :class:`~offpolicy.rollout.sync_check.SyncCheck` (its own baseline: replicas round alike but are calibrated
+    apart), the actor is scored once per sync, a failure names the replica, and the metrics are the worst replica's
+    (largest gap over its threshold) with ``sync/ok`` the least over replicas and ``sync/replicas`` their count."""
 
     def __init__(self, engine: Any, actor: Any, probe: SyncProbe, *, on_failure: str = "error",
                  check: SyncCheck | None = None) -> None:
         if on_failure not in ("error", "warn"):
             raise ValueError(f"sync_check must be one of {SYNC_CHECK_MODES}, got {on_failure!r}")
-        self.engine, self.actor, self.probe = engine, actor, probe
+        self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
+        if not self.engines:
+            raise ValueError("engine: at least one rollout replica's scorer is needed, got an empty sequence")
+        self.engine, self.actor, self.probe = self.engines[0], actor, probe
         self.check = check or SyncCheck(on_failure=on_failure)
         self.check.probe = probe
+        # one check per replica, alike before calibration (a copy of the first, however it was configured)
+        self.replica_checks = [self.check] + [copy.deepcopy(self.check) for _ in self.engines[1:]]
         self.checks = self.passed = 0
 
-    def _scores(self) -> tuple[Tensor, Tensor, Tensor]:
-        engine_logp, engine_mask = self.engine.score(self.probe.prompt_ids, self.probe.completion_ids)
+    def _actor_scores(self) -> tuple[Tensor, Tensor]:
         actor_logp, actor_mask = self.actor(self.probe)
-        if not torch.equal(engine_mask.bool().cpu(), actor_mask.bool().cpu()):
-            raise ValueError("sync check: the engine and the actor scored different tokens of the probe")
         mask = actor_mask.bool().cpu()
-        return engine_logp.float().cpu() * mask, actor_logp.float().cpu() * mask, mask
+        return actor_logp.float().cpu() * mask, mask
+
+    def _engine_scores(self, engine: Any, mask: Tensor) -> Tensor:
+        engine_logp, engine_mask = engine.score(self.probe.prompt_ids, self.probe.completion_ids)
+        if not torch.equal(engine_mask.bool().cpu(), mask):
+            raise ValueError("sync check: the engine and the actor scored different tokens of the probe")
+        return engine_logp.float().cpu() * mask
+
+    def _replica_sync(self, index: int, actor_logp: Tensor, mask: Tensor, step: int) -> dict[str, float]:
+        """Calibrate (first sync) or judge replica ``index`` against the actor's log-probs of this sync."""
+        start = time.perf_counter()
+        engine, check = self.engines[index], self.replica_checks[index]
+        engine_logp = self._engine_scores(engine, mask)
+        if check.baseline is None:
+            again = self._engine_scores(engine, mask)
+            return check.calibrate_from(engine_logp, actor_logp, mask, again=again,
+                                        seconds=time.perf_counter() - start)
+        where = f" (replica {index} of {len(self.engines)})" if len(self.engines) > 1 else ""
+        return check.judge_scores(engine_logp, actor_logp, mask, seconds=time.perf_counter() - start,
+                                  what=f"verl step {step}: weight sync into the rollout engine{where}")
 
     def after_sync(self, step: int) -> dict[str, float]:
-        """Score the probe on both sides and calibrate (first call) or judge the sync of ``step``."""
+        """Score the probe on both sides and calibrate (first call) or judge the sync of ``step``, every replica."""
         start = time.perf_counter()
-        engine_logp, actor_logp, mask = self._scores()
-        if self.check.baseline is None:
-            again = self.engine.score(self.probe.prompt_ids, self.probe.completion_ids)[0].float().cpu() * mask
-            metrics = self.check.calibrate_from(engine_logp, actor_logp, mask, again=again,
-                                                seconds=time.perf_counter() - start)
-        else:
-            metrics = self.check.judge_scores(engine_logp, actor_logp, mask, seconds=time.perf_counter() - start,
-                                              what=f"verl step {step}: weight sync into the rollout engine")
+        actor_logp, mask = self._actor_scores()
+        per_replica = [self._replica_sync(i, actor_logp, mask, step) for i in range(len(self.engines))]
+        metrics = dict(max(per_replica, key=lambda m: m["sync/gap"] / max(m["sync/threshold"], 1e-30)))
+        metrics["sync/ok"] = min(m["sync/ok"] for m in per_replica)
+        metrics["sync/seconds"] = time.perf_counter() - start
+        if len(self.engines) > 1:
+            metrics["sync/replicas"] = float(len(self.engines))
         self.checks += 1
         self.passed += int(metrics["sync/ok"] == 1.0)
         metrics["sync/checks"], metrics["sync/passed"] = float(self.checks), float(self.passed)
@@ -180,9 +227,18 @@ class VerlSyncCheck:
         return metrics
 
 
+def engine_scorers(trainer: Any) -> list[Any]:
+    """One scorer per rollout replica: each replica's own server where verl runs several
+    (``llm_server_manager.server_handles``), else verl's ``LLMServerClient``."""
+    handles = list(getattr(getattr(trainer, "llm_server_manager", None), "server_handles", None) or [])
+    if len(handles) > 1:
+        return [VerlClientScorer(ServerClient(handle)) for handle in handles]
+    return [VerlClientScorer(trainer.get_llm_client())]
+
+
 def from_trainer(trainer: Any, on_failure: str) -> VerlSyncCheck:
-    """The check for a verl v1 ``PPOTrainer`` after its setup: its LLM client, its actor worker group (data-parallel
-    size from verl's dispatch info) and the probe from its tokenizer."""
+    """The check for a verl v1 ``PPOTrainer`` after its setup: its rollout replicas (:func:`engine_scorers`), its
+    actor worker group (data-parallel size from verl's dispatch info) and the probe from its tokenizer."""
     import os
 
     logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # as verl's own modules log in its processes
@@ -194,10 +250,12 @@ def from_trainer(trainer: Any, on_failure: str) -> VerlSyncCheck:
         dp_size = max(mapping) + 1
     except Exception as err:  # noqa: BLE001 - a worker group without the query: one rank
         logger.info("sync check: no dispatch info for the actor mesh (%s); data-parallel size 1", err)
-    return VerlSyncCheck(VerlClientScorer(trainer.get_llm_client()),
+    engines = engine_scorers(trainer)
+    logger.info("sync check: %d rollout replica(s), actor data-parallel size %d", len(engines), dp_size)
+    return VerlSyncCheck(engines if len(engines) > 1 else engines[0],
                          lambda probe: actor_probe_logprobs(wg, probe, dp_size=dp_size), probe,
                          on_failure=on_failure)
 
 
-__all__ = ["SYNC_CHECK_MODES", "VerlClientScorer", "VerlSyncCheck", "actor_probe_logprobs", "from_trainer",
-           "probe_batch", "run_coroutine"]
+__all__ = ["SYNC_CHECK_MODES", "ServerClient", "VerlClientScorer", "VerlSyncCheck", "actor_probe_logprobs",
+           "engine_scorers", "from_trainer", "probe_batch", "run_coroutine"]

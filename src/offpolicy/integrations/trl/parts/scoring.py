@@ -1,6 +1,8 @@
 """Sampling replay / DVP in TRL: every forward of π_old and π_θ scored under the engine's recipe, in its filter order
 (:mod:`offpolicy.integrations.trl.replay`), from the backbone's last hidden state with the head recomputed as
-h·Wᵀ + b; top-k TRM's bounds and score centering's centre come from the same hidden state.
+h·Wᵀ + b; with the engine's top-k (top-k TRM, score centering) the update forward does the same, and the log-probs,
+the entropy, the top-k bounds and the centre come from one pass over the head
+(:mod:`offpolicy.integrations.trl.head_pass`).
 
 Settings: ``sampling_replay``, ``dvp_rho`` (DVP, arXiv 2512.23087: ``min_p = ρ`` for the engine),
 ``memory_budget_bytes``. Metrics: ``offpolicy/dvp/…`` (logged by the ``dvp_keep`` correction).
@@ -17,10 +19,10 @@ import torch
 from torch import Tensor
 
 from offpolicy.corrections.vocabulary import dvp_keep
+from offpolicy.integrations.trl.head_pass import HeadScores, head_scores
 from offpolicy.integrations.trl.parts import TRLBase
-from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp, trl_engine, trl_sampling_recipe
-from offpolicy.integrations.trl.terms import replay_entropy
-from offpolicy.integrations.trl.topk import own_slack_rows, topk_divergence, topk_score_center
+from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, trl_engine, trl_sampling_recipe
+from offpolicy.integrations.trl.topk import own_slack_rows
 
 
 @dataclass
@@ -40,6 +42,11 @@ class Scores:
     own_slack: Tensor | None = None  # [len(ks), b, T]: π's own top-K' slack, for the top-k advice (first batch)
     entropy: Tensor | None = None
 
+
+def _scatter(x: Tensor, rows: Tensor, valid: Tensor, fill: float | bool = 0) -> Tensor:
+    """``[b, T]`` like ``valid`` from the values ``x`` [len(rows)] of its flat positions ``rows``, ``fill`` elsewhere
+    (differentiable in ``x``)."""
+    return x.new_full((valid.numel(),), fill).index_copy(0, rows, x).reshape(valid.shape)
 
 
 def _with_min_p(args: tuple, kwargs: dict, rho: float) -> tuple[tuple, dict]:
@@ -115,11 +122,12 @@ class ReplayScoring(TRLBase):
                           compute_entropy: bool = False,
                           topk: tuple[Tensor | None, Tensor | None] | None = None,
                           **model_inputs: Any) -> Scores:
-        """Per-token scores ``[B, T]`` of the completion tokens: TRL's model call (its fused head; labels all
-        ignored when the replay recomputes the head) with the backbone's last hidden state captured, then the
-        replayed log-probs and the top-k bounds from it, chunked. ``compute_entropy``: the entropy of the
-        distribution the tokens are scored under (TRL's fused head's, or on the replayed support), with a
-        gradient only when TRL's entropy bonus is on."""
+        """Per-token scores ``[B, T]`` of the completion tokens: TRL's model call with the backbone's last hidden
+        state captured. Under the sampling recipe or with the engine's top-k the model computes one position's
+        logits and the head is recomputed from the hidden states of the scored tokens in one row-chunked pass
+        (:meth:`_offpolicy_head`: log-probs, entropy, top-k bounds, centre); otherwise TRL's fused head scores
+        them. ``compute_entropy``: the entropy of the distribution the tokens are scored under (softmax(z/T), or
+        on the replayed support), with a gradient only when TRL's entropy bonus is on."""
         if any(v is not None for v in model_inputs.values()):
             raise ValueError("model inputs: vision inputs are not supported with sampling replay or top-k TRM")
         recipe = self.offpolicy_recipe
@@ -139,9 +147,11 @@ class ReplayScoring(TRLBase):
             labels = ids.masked_fill(att == 0, -100)
             labels[:, :-t_len] = -100
             extra: dict[str, Any] = {"output_router_logits": True} if compute_aux_loss else {}
-            if recipe is not None:
-                # the replay recomputes the head: the model's own forward with one position's logits (TRL's
-                # fused head would score every position off CUDA, where it does not drop the ignored labels)
+            own_head = recipe is not None or (topk is not None and topk[0] is not None)
+            if own_head:
+                # the head is recomputed from the hidden states: the model's own forward with one position's
+                # logits (TRL's fused head would score every position off CUDA, where it does not drop the ignored
+                # labels)
                 extra.update(fused_lm_head=False, logits_to_keep=1, use_cache=False)
             else:
                 extra.update(fused_lm_head=True, labels=labels)
@@ -156,55 +166,26 @@ class ReplayScoring(TRLBase):
             targets = ids[:, -t_len:]
             rows = valid.reshape(-1).nonzero().squeeze(-1)
             h = captured.pop("h")[:, -t_len - 1:-1].reshape(-1, weight.shape[1])[rows]
-            y = targets.reshape(-1)[rows]
-            n_all = valid.numel()
-            if recipe is not None:
-                history = None
-                if recipe.reads_history:
-                    # HF generate's repetition penalty sees the left-padded prompt (pad tokens too); vLLM
-                    # sees the prompt alone
-                    prompt, seen = ids[:, :-t_len], att[:, :-t_len].bool()
-                    if self.offpolicy_order != ENGINE_ORDERS["vllm"]:
-                        seen = torch.ones_like(seen)
-                    prompts = [p[k].tolist() for p, k in zip(prompt, seen)]
-                    history = ReplayHistory(prompts, targets, valid, rows)
-                r = replay_logp(h, weight, y, recipe, order=self.offpolicy_order, bias=bias, history=history,
-                                memory_budget_bytes=self.offpolicy_budget)
-                logp = r.logp.new_zeros(n_all).index_copy(0, rows, r.logp).reshape(valid.shape)
-                inside = torch.ones(n_all, dtype=torch.bool, device=ids.device).index_copy(0, rows, r.inside)
-                mass = torch.ones(n_all, device=ids.device).index_copy(0, rows, r.mass.float())
-                inside, mass = inside.reshape(valid.shape), mass.reshape(valid.shape)
-                entropy = None
-                if compute_entropy:  # the bonus differentiates it; the metric and the quantile mask do not
-                    with torch.set_grad_enabled(torch.is_grad_enabled() and self._offpolicy_entropy_grad()):
-                        e = replay_entropy(h, weight, recipe, order=self.offpolicy_order, bias=bias,
-                                           history=history, memory_budget_bytes=self.offpolicy_budget)
-                    entropy = e.new_zeros(n_all).index_copy(0, rows, e).reshape(valid.shape)
+
+            lower = upper = center = own = entropy = None
+            if own_head:
+                r = self._offpolicy_head(h, weight, bias, ids, att, targets, valid, rows, start, batch_size,
+                                         topk, compute_entropy)
+                logp, inside = _scatter(r.logp, rows, valid), _scatter(r.inside, rows, valid, True)
+                mass = _scatter(r.mass.float(), rows, valid, 1.0)
+                entropy, lower, upper, center = (None if x is None else _scatter(x, rows, valid)
+                                                 for x in (r.entropy, r.kl_lower, r.kl_upper, r.center))
             else:
                 logp = out.log_probs[:, -t_len:]
                 inside = torch.ones_like(valid)
                 mass = torch.ones(valid.shape, device=ids.device)
                 entropy = out.entropy[:, -t_len:] if compute_entropy else None
-            lower = upper = center = own = None
-            if topk is not None and topk[0] is not None:
-                topk_ids = topk[1]
-                assert topk_ids is not None  # stored with the log-probs (_generate_single_turn)
-                lp_k = topk[0][start:start + batch_size].reshape(n_all, -1)[rows]
-                id_k = topk_ids[start:start + batch_size].reshape(n_all, -1)[rows]
+            if start == 0 and topk is not None and topk[0] is not None and self._offpolicy_advice_ks \
+                    and torch.is_grad_enabled():  # the first update only
                 temperature = float(getattr(self.args, "temperature", 1.0) or 1.0)
-                lo, up = topk_divergence(h.detach(), weight.detach(), lp_k, id_k,
-                                         bias=None if bias is None else bias.detach(), temperature=temperature,
-                                         memory_budget_bytes=self.offpolicy_budget)
-                lower = lo.new_zeros(n_all).index_copy(0, rows, lo).reshape(valid.shape)
-                upper = up.new_zeros(n_all).index_copy(0, rows, up).reshape(valid.shape)
-                if self.offpolicy_score_centering:  # differentiable: the update forward's centre
-                    c = topk_score_center(h, weight, lp_k, id_k, bias=bias, temperature=temperature,
-                                          memory_budget_bytes=self.offpolicy_budget)
-                    center = c.new_zeros(n_all).index_copy(0, rows, c).reshape(valid.shape)
-                if start == 0 and self._offpolicy_advice_ks and torch.is_grad_enabled():  # first update only
-                    own = own_slack_rows(h.detach(), weight.detach(), rows, (valid.shape[0], valid.shape[1]),
-                                         self._offpolicy_advice_ks, bias=None if bias is None else bias.detach(),
-                                         temperature=temperature, memory_budget_bytes=self.offpolicy_budget)
+                own = own_slack_rows(h.detach(), weight.detach(), rows, (valid.shape[0], valid.shape[1]),
+                                     self._offpolicy_advice_ks, bias=None if bias is None else bias.detach(),
+                                     temperature=temperature, memory_budget_bytes=self.offpolicy_budget)
             parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None), center,
                                 own if start == 0 and topk is not None else None, entropy))
 
@@ -226,6 +207,38 @@ class ReplayScoring(TRLBase):
             aux = torch.stack(aux_losses).mean()
         return Scores(cat_present("logp"), cat_present("inside"), cat_present("mass"), cat("kl_lower"),
                       cat("kl_upper"), aux, cat("center"), parts[0].own_slack, cat("entropy"))
+
+    def _offpolicy_head(self, h: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, att: Tensor,
+                        targets: Tensor, valid: Tensor, rows: Tensor, start: int, batch_size: int,
+                        topk: tuple[Tensor | None, Tensor | None] | None, compute_entropy: bool) -> HeadScores:
+        """One pass over the head (:func:`~offpolicy.integrations.trl.head_pass.head_scores`) for the scored rows
+        ``rows`` (flat positions of the ``[b, T]`` completion block ``valid``) of one model batch from ``start``:
+        the (replayed) log-probs, the entropy when asked (with a gradient only when TRL's entropy bonus is on), the
+        top-k bounds and score centering's centre when the batch carries the engine's top-k."""
+        recipe = self.offpolicy_recipe
+        t_len = targets.shape[1]
+        history = None
+        if recipe is not None and recipe.reads_history:
+            # HF generate's repetition penalty sees the left-padded prompt (pad tokens too); vLLM sees the prompt
+            # alone
+            prompt, seen = ids[:, :-t_len], att[:, :-t_len].bool()
+            if self.offpolicy_order != ENGINE_ORDERS["vllm"]:
+                seen = torch.ones_like(seen)
+            prompts = [p[k].tolist() for p, k in zip(prompt, seen)]
+            history = ReplayHistory(prompts, targets, valid, rows)
+        top: tuple[Tensor, Tensor] | None = None
+        if topk is not None and topk[0] is not None:
+            assert topk[1] is not None  # stored with the log-probs (_generate_single_turn)
+            n_all = valid.numel()
+            top = (topk[0][start:start + batch_size].reshape(n_all, -1)[rows],
+                   topk[1][start:start + batch_size].reshape(n_all, -1)[rows])
+        grad = torch.is_grad_enabled()
+        return head_scores(h, weight, targets.reshape(-1)[rows], bias=bias,
+                           temperature=float(getattr(self.args, "temperature", 1.0) or 1.0), recipe=recipe,
+                           order=self.offpolicy_order, history=history, entropy=compute_entropy,
+                           entropy_grad=compute_entropy and grad and self._offpolicy_entropy_grad(), topk=top,
+                           center=top is not None and self.offpolicy_score_centering,
+                           memory_budget_bytes=self.offpolicy_budget)
 
     def _offpolicy_entropy_grad(self) -> bool:
         """TRL's entropy bonus is on (static ``entropy_coef`` ≠ 0 or adaptive): the entropy needs its gradient."""

@@ -1,0 +1,56 @@
+"""``offpolicy presets`` and ``offpolicy train``: the presets, and one run from a YAML config plus overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from offpolicy.cli.base import fail, make_console, os_error, warnings_on
+from offpolicy.cli.output import print_summary
+
+
+def presets() -> None:
+    """List the presets: each names a correction chain + an objective."""
+    from rich.table import Table
+
+    from offpolicy.train.presets import list_presets
+
+    table = Table(title="offpolicy presets")
+    table.add_column("preset")
+    table.add_column("objective")
+    table.add_column("what it does")
+    for name, objective, description in list_presets():
+        table.add_row(name, objective, description)
+    make_console().print(table)
+
+
+def train(
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (defaults if omitted)."),
+    overrides: list[str] | None = typer.Argument(None, help="key.sub=value overrides, e.g. run.steps=100"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.out_dir."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace the run that run.out_dir holds (refused without this flag)."),
+) -> None:
+    """Train with one preset from a YAML config and key=value overrides. Models load from local paths only."""
+    from offpolicy.train.config import load_config
+    from offpolicy.train.loop import train as run_train
+
+    console = make_console()
+    try:
+        cfg = load_config(config, list(overrides or []))
+    except ValueError as err:
+        fail(console, str(err))
+    console.print(f"[bold]offpolicy train[/bold] preset={cfg.algorithm.preset} model={escape(cfg.model.path)} "
+                  f"steps={cfg.run.steps} → {escape(cfg.run.out_dir)}", soft_wrap=True)
+    with warnings_on(console):
+        try:
+            result = run_train(cfg, resume=resume, overwrite=overwrite, console=console)
+        except ValueError as err:
+            fail(console, str(err))
+        except OSError as err:  # a disk that fills up or a folder that turns read-only mid-run
+            fail(console, os_error(err))
+        print_summary(console, {cfg.algorithm.preset: Path(cfg.run.out_dir) / "metrics.jsonl"}, title="run summary")
+    if result.interrupted:
+        raise typer.Exit(code=130)

@@ -1,0 +1,175 @@
+"""Step 3 of the trainer, the update: minibatches of π_θ forwards (ALP noise on, routes replayed), score centering's
+centred log-probs, the correction chain and the objective, backward, clip, step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from offpolicy.batch import LogProbBatch
+from offpolicy.losses import policy_loss
+from offpolicy.perturbation import alp_policy_loss
+from offpolicy.ratios import masked_mean
+from offpolicy.rollout.routing import replay_routes
+from offpolicy.rollout.sampling import process_logits
+from offpolicy.train.build import DTYPES
+from offpolicy.train.presets import SCORE_CENTERING_TOPK
+from offpolicy.train.proximal import proximal_method, with_versions
+from offpolicy.train.scoring import score_policy
+
+if TYPE_CHECKING:  # the records of offpolicy.train.steps, which imports this module
+    from offpolicy.train.steps import Rollout, Scored, TrainState
+
+
+def update_step(state: TrainState, rollout: Rollout, scored: Scored, seed: int) -> list[dict[str, Tensor]]:
+    """``optim.epochs`` passes of ``optim.minibatches`` optimiser steps over the batch, in a seeded order: per
+    minibatch a π_θ forward (ALP noise on), the correction chain and the objective, backward, clip, step. Returns
+    each minibatch's loss metrics (tensors)."""
+    cfg = state.cfg
+    if state.alp is not None:
+        state.alp.reseed(seed)
+    order_generator = torch.Generator().manual_seed(seed)
+    updates: list[dict[str, Tensor]] = []
+    loglinear = proximal_method(state.objective_params) == "loglinear"
+    for epoch in range(cfg.optim.epochs):
+        order = torch.randperm(len(rollout.prompt_ids), generator=order_generator)
+        for rows in order.tensor_split(cfg.optim.minibatches):
+            batch = _minibatch(state, rollout, scored, rows)
+            if loglinear:  # AReaL's π_prox from versions (offpolicy.train.proximal); epoch 1 feeds the π_old metrics
+                assert rollout.versions is not None  # score_step refuses a rollout without
+                batch = with_versions(batch, rollout.versions[rows], state.policy_version,
+                                      record=scored.old_logp if epoch == 0 else None, rows=rows)
+            loss, metrics = _loss(state, batch)
+            state.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            params = [p for g in state.optimizer.param_groups for p in g["params"]]
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            state.optimizer.step()
+            updates.append({"loss/loss": loss.detach(), "loss/grad_norm": grad_norm.detach(), **metrics})
+    scored.theta = None  # the graph has served its one backward
+    state.policy_version += 1
+    return updates
+
+
+def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor) -> LogProbBatch:
+    """The :class:`LogProbBatch` of some rows, with π_θ from a forward with the ALP noise on (and routes replayed)."""
+    if scored.theta is not None:  # single pass: the scoring's forward, with its graph, is π_θ's
+        logp, extras = scored.theta
+        return LogProbBatch(logp=logp[rows], mask=scored.mask[rows], old_logp=scored.old_logp[rows],
+                            rollout_logp=scored.rollout_logp[rows], advantages=rollout.advantages[rows],
+                            token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows],
+                            extras={k: v[rows] for k, v in extras.items()})
+    ids = rows.tolist()
+    routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
+        else contextlib.nullcontext()
+    with state.alp.active() if state.alp is not None else contextlib.nullcontext(), routes:
+        logp, mask, logits, extras = score_policy(
+            state.model, [rollout.prompt_ids[i] for i in ids], [rollout.completions[i] for i in ids], state.sampling,
+            dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None,
+            return_logits=state.preset.score_centering is not None)
+    t = logp.shape[1]
+    if state.preset.score_centering is not None:
+        assert logits is not None  # return_logits
+        q: Tensor | tuple[Tensor, Tensor]
+        if scored.sampler_logits is not None:
+            q = scored.sampler_logits[rows, :t]
+        else:
+            assert scored.sampler_head is not None  # score_step sets one of the two
+            q = (scored.sampler_head[0][rows, :t], scored.sampler_head[1][rows, :t])
+        targets = None
+        if state.preset.score_weighting == "replay":  # π_θ renormalised on the sampler's support at the sampled ids
+            from offpolicy.rollout.base import pad_ids
+
+            targets = pad_ids([rollout.completions[i] for i in ids], 0, side="right")[0].to(logits.device)[:, :t]
+        logp, extras = _score_centered(state, logp, logits, q, extras, rollout_logp=scored.rollout_logp[rows, :t],
+                                       targets=targets)
+    return LogProbBatch(
+        logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
+        advantages=rollout.advantages[rows],
+        token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows, :t], extras=extras,
+    )
+
+
+def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
+                    extras: dict[str, Tensor], *, rollout_logp: Tensor,
+                    targets: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """π_θ's log-probs carrying the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from the
+    sampler's full logits, or its top-k head with the proportional tail), and the per-token drift ½‖q − p‖₁ and
+    top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
+    of a re-score, or a server's head ``(ids, log q)`` ``[B, T, K]``: then the drift is the proportional-tail estimate
+    ½‖q̂ − p‖₁ and the tail error, which needs the full q, is not logged."""
+    from offpolicy.objectives.score_centering import (
+        centered_logp,
+        sampler_topk,
+        score_center,
+        score_center_topk,
+        topk_drift_tv,
+        topk_tail_gap,
+    )
+
+    temperature = state.sampling.temperature
+    if state.preset.score_weighting is not None:  # the IS rule's weight and weighted centre (score_centering_is)
+        return _weighted_centered(state, logp, logits, sampler, rollout_logp, extras, targets)
+    if isinstance(sampler, tuple):  # the engine's own top-K, already tempered
+        ids, logq = sampler
+        center = score_center_topk(logits, ids, logq, temperature=temperature)
+        drift = topk_drift_tv(logits.detach(), ids, logq, temperature=temperature)
+        return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift}
+    sampler_logits = sampler
+    if state.preset.score_centering == "topk":
+        ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+        center = score_center_topk(logits, ids, logq, temperature=temperature)
+    else:
+        center = score_center(logits, sampler_logits, temperature=temperature)
+    drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+    return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift,
+                                         "score_centering/topk_gap_tv": gap}
+
+
+def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
+                       rollout_logp: Tensor, extras: dict[str, Tensor],
+                       targets: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """π_θ's log-probs with the sampled token's IS weight and the weighted centre in their gradient (presets
+    ``score_centering_tis`` / ``_icepop`` / ``_replay``; no correction weights the loss), on q's top-K head: the
+    engine's own, or from a re-score's logits — tempered for TIS / IcePop, processed like the engine's sampling
+    (its truncated support) for replay, where the sampled token's log-prob is renormalised on that support too
+    (``targets``). Logs ``score_centering/is_weight`` and ``score_centering/is_clipped``."""
+    from offpolicy.objectives.score_centering import sampler_topk
+    from offpolicy.objectives.score_centering_is import weighted_centering
+
+    rule = state.preset.score_weighting
+    assert rule is not None
+    if isinstance(sampler, tuple):
+        head = sampler
+    elif rule == "replay":  # the support the engine sampled from: −inf outside it (an empty slot in the head)
+        logq, ids = process_logits(sampler, state.sampling).topk(min(SCORE_CENTERING_TOPK, sampler.shape[-1]), -1)
+        head = (ids, logq)
+    else:
+        head = sampler_topk(sampler, SCORE_CENTERING_TOPK, temperature=state.sampling.temperature)
+    logp, more = weighted_centering(logp, logits, rollout_logp, head, rule=rule,
+                                    temperature=state.sampling.temperature, targets=targets)
+    return logp, {**extras, **more}
+
+
+def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    if state.preset.score_centering is not None:  # the drift term's size per position, over the valid tokens
+        loss, metrics = _loss_of(state, batch)
+        return loss, {**metrics, **{k: masked_mean(v, batch.mask) for k, v in batch.extras.items()
+                                    if k.startswith("score_centering/")}}
+    return _loss_of(state, batch)
+
+
+def _loss_of(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    a = state.cfg.algorithm
+    if state.alp is not None:  # ALP's unified ratio with the paper's clip range for its level
+        return alp_policy_loss(batch, level=state.cfg.alp.level, correction=state.correction, clip_low=a.clip_low,
+                               clip_high=a.clip_high, dual_clip=state.objective_params.get("dual_clip"),
+                               aggregation=a.aggregation)
+    objective = {"name": state.objective, **state.objective_params}
+    return policy_loss(batch, correction=state.correction, objective=objective, aggregation=a.aggregation)
