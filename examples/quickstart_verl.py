@@ -154,7 +154,11 @@ def run() -> dict:
     if importlib.util.find_spec("transfer_queue") is not None:
         from verl.trainer.ppo.v1 import get_trainer_cls
 
-        trainer_base = get_trainer_cls(config.trainer.v1.trainer_mode).__mro__[1].__name__
+        from offpolicy.integrations.verl.driver import OffPolicyTrainerMixin
+
+        # verl's own trainer: the first class in the MRO after the plug-in's mixin
+        mro = get_trainer_cls(config.trainer.v1.trainer_mode).__mro__
+        trainer_base = mro[mro.index(OffPolicyTrainerMixin) + 1].__name__
         stop = ("ray.init, then verl's TaskRunnerV1 starts the TransferQueue's Ray actors and asks Ray for GPUs for "
                 "the FSDP workers and the vLLM server")
     else:

@@ -48,21 +48,22 @@ def test_stale_fraction_recovers_any_mixture(step, alpha):
 
 
 def test_the_baseline_follows_verified_syncs_within_the_envelope():
-    # rows of residual 0.005 and 0.015: gap 0.01, se = sd(0.005, 0.015) / √2 = 0.005, threshold 0.01 + 6 · 0.005 = 0.04,
-    # envelope max(3 · 0.01, 0.04) = 0.04. A verified sync at twice the rounding error becomes the baseline (0.02,
-    # threshold 0.08); the envelope stays at 0.04
+    # rows of residual 0.005 and 0.015: gap 0.01, se = sd(0.005, 0.015) / √2 = 0.005, threshold
+    # 0.01 + 6 · √2 · 0.005 = 0.0524, envelope max(3 · 0.01, 0.0524) = 0.0524. A verified sync at twice the rounding
+    # error becomes the baseline (0.02, band 0.02 + 6 · √2 · 0.01 = 0.105); the envelope stays at 0.0524
     check = SyncCheck(z=6.0, max_drift=3.0)
     mask = torch.ones(2, 2, dtype=torch.bool)
     trainer = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]])
     r0 = torch.tensor([[0.005, 0.005], [0.015, 0.015]])
     check.calibrate_from(trainer + r0, trainer, mask)
-    assert check.baseline == pytest.approx(0.01) and check.envelope == pytest.approx(0.04)
+    assert check.baseline == pytest.approx(0.01) and check.envelope == pytest.approx(0.01 + 6 * math.sqrt(2) * 0.005)
     moved = trainer - 0.5  # the trainer moved far (resolved), the engine with it
     metrics = check.judge_scores(moved + 2 * r0, moved, mask, what="sync 1")
     assert metrics["sync/ok"] == 1.0 and metrics["sync/verified"] == 1.0 and check.baseline == pytest.approx(0.02)
-    assert check.baseline + 6 * check.standard_error == pytest.approx(0.08)
-    with pytest.raises(SyncCheckError, match="sync 2"):  # 0.045: within the new baseline's band, outside the envelope
-        check.judge_scores(moved - 1.0 + 4.5 * r0, moved - 1.0, mask, what="sync 2")
+    assert check.baseline + 6 * math.sqrt(2) * check.standard_error == pytest.approx(0.02 + 6 * math.sqrt(2) * 0.01)
+    assert check.threshold == pytest.approx(check.envelope)
+    with pytest.raises(SyncCheckError, match="sync 2"):  # 0.06: within the new baseline's band, outside the envelope
+        check.judge_scores(moved - 1.0 + 6 * r0, moved - 1.0, mask, what="sync 2")
 
 
 def test_bad_settings_are_refused():

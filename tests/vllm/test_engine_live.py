@@ -37,7 +37,8 @@ def test_the_mismatch_is_the_dtypes(engine_result):
 
 def test_a_sync_reaches_the_engine_and_the_check_passes(engine_result):
     base = engine_result["calibrate"]["sync/baseline"]
-    assert engine_result["stale_gap"] > 5 * max(base, 1e-3)  # the update is visible before the sync
+    # the update is visible before the sync: the check's own limit (baseline + its noise) would flag the stale engine
+    assert engine_result["stale_gap"] > engine_result["threshold"]
     after = engine_result["after_sync"]
     assert after["sync/ok"] == 1.0
     assert after["sync/gap"] <= max(4 * base, 1e-3)

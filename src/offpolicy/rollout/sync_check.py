@@ -9,8 +9,10 @@ mismatch (the engine's dtype, kernels, KV cache) on the probe: the residual r = 
 its mean absolute value (the baseline gap), the gap's standard error over the probe's rows, and the engine's
 repeatability (the probe scored twice). Three tests then judge each sync, each from those numbers — no fixed nats:
 
-* **the gap** — mean |r| above ``baseline + max(z × se, floor)`` fails: the engine computes something the run's own
-  noise does not explain (a wrong dtype, a garbled load, a part left behind that has drifted far enough);
+* **the gap** — mean |r| above ``baseline + max(z × √2 × se, floor)`` fails: the engine computes something the run's
+  own noise does not explain (a wrong dtype, a garbled load, a part left behind that has drifted far enough). The gap
+  and the baseline are two measurements, each a mean over the probe's rows with standard error se, so their
+  difference has √2 × se;
 * **the engine moved** — since the last verified sync the trainer's log-probs moved by m_t = rms(n − o) and the
   engine's by m_e = rms(e − e_o) (n, o: the trainer now and at the last verified sync; e, e_o: the engine). An
   engine that did not take the new weights answers as before, bit for bit: m_e within the engine's own
@@ -196,7 +198,8 @@ class SyncCheck:
     (:meth:`calibrate`) and judges every sync after it (:meth:`after_sync`); see the module docstring.
 
     Args:
-        z: the gap fails above ``baseline + max(z × se, floor)``, se the calibration's standard error of the gap.
+        z: the gap fails above ``baseline + max(z × √2 × se, floor)``, se the standard error of the gap at the last
+            verified sync (√2: the gap and the baseline are both measured, each with that error).
         floor: the least slack in nats per token (an fp32 engine's se is round-off, ≈ 1e-7).
         max_baseline: a baseline above this many nats per token raises (the two sides hold different models).
         max_stale: a resolved staleness β above this fails.
@@ -238,7 +241,7 @@ class SyncCheck:
     def threshold(self) -> float:
         if self.baseline is None:
             raise ValueError("sync check: calibrate() before the first sync")
-        return min(self.baseline + max(self.z * self.standard_error, self.floor), self.envelope)
+        return min(self.baseline + max(self.z * math.sqrt(2.0) * self.standard_error, self.floor), self.envelope)
 
     def judge(self, gap: float, *, what: str, seconds: float = 0.0, stale: float = math.nan, step_rms: float = 0.0,
               engine_rms: float = math.nan) -> dict[str, float]:
@@ -253,7 +256,7 @@ class SyncCheck:
         >>> check.judge(0.5, what="step 4")
         Traceback (most recent call last):
         ...
-        offpolicy.rollout.sync_check.SyncCheckError: step 4: after the weight sync the engine's log-probs are 0.5 nats per token from the trainer's on the probe, against 0.01 ± 0.001 at the last verified sync (threshold 0.016): the engine did not take the new weights
+        offpolicy.rollout.sync_check.SyncCheckError: step 4: after the weight sync the engine's log-probs are 0.5 nats per token from the trainer's on the probe, against 0.01 ± 0.001 at the last verified sync (threshold 0.0185): the engine did not take the new weights
         >>> check.judge(0.012, what="step 5", stale=0.8, step_rms=0.005)["sync/ok"]  # within the noise: no verdict
         1.0
         >>> check.judge(0.012, what="step 6", stale=0.8, step_rms=0.05)

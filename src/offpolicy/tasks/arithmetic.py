@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from offpolicy.tasks.base import Example, parse_int
+from offpolicy.tasks.base import Example, exact_int_rewards, random_operand
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class ArithmeticTask:
         rng = random.Random(seed)
         out = []
         for _ in range(n):
-            a = _operand(rng, self.max_digits)
-            b = _operand(rng, self.max_digits)
+            a = random_operand(rng, self.max_digits)
+            b = random_operand(rng, self.max_digits)
             op = rng.choice(self.ops)
             value = a + b if op == "+" else a - b
             out.append(Example(prompt=f"{a}{op}{b}=", answer=str(value), meta={"a": a, "b": b, "op": op}))
@@ -47,13 +47,5 @@ class ArithmeticTask:
 
     def reward(self, completions: list[str], *, answer: list[str], **kwargs: Any) -> list[float]:
         """Exact-match integer reward, see the class docstring."""
-        rewards = []
-        for c, a in zip(completions, answer, strict=True):
-            got = parse_int(c)
-            rewards.append(0.0 if got is None else 1.0 if got == int(a) else float(self.partial))
-        return rewards
+        return exact_int_rewards(completions, answer, self.partial)
 
-
-def _operand(rng: random.Random, max_digits: int) -> int:
-    digits = rng.randint(1, max_digits)
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -137,6 +138,27 @@ def parse_int(text: str) -> int | None:
     if not body or not body.isascii() or not body.isdigit():
         return None
     return int(s)
+
+
+def exact_int_rewards(completions: Sequence[str], answers: Sequence[str], partial: float) -> list[float]:
+    """Per completion: 1.0 when it states exactly the integer ``answer``, ``partial`` when it states another integer,
+    0.0 when it states none (:func:`parse_int`).
+
+    >>> exact_int_rewards(["7", " 8", "seven"], ["7", "7", "7"], 0.1)
+    [1.0, 0.1, 0.0]
+    """
+    rewards = []
+    for c, a in zip(completions, answers, strict=True):
+        got = parse_int(c)
+        rewards.append(0.0 if got is None else 1.0 if got == int(a) else float(partial))
+    return rewards
+
+
+def random_operand(rng: random.Random, max_digits: int) -> int:
+    """An integer of 1 to ``max_digits`` digits, the number of digits drawn uniformly first (so short and long
+    operands are equally common)."""
+    digits = rng.randint(1, max_digits)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
 def check_int_options(*fields: tuple[str, Any, int, int]) -> None:

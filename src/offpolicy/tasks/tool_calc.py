@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from offpolicy.tasks.base import Example, check_int_options, parse_int
+from offpolicy.tasks.base import Example, check_int_options, exact_int_rewards, random_operand
 
 _EXPR = re.compile(r"\d{1,6}(?:[+\-*]\d{1,6}){0,3}")
 _CALL = re.compile(r"calc\((.*)\)")
@@ -90,7 +90,7 @@ class ToolCalcTask:
         rng = random.Random(seed)
         out = []
         for _ in range(n):
-            a, b = (_operand(rng, self.max_digits) for _ in range(2))
+            a, b = (random_operand(rng, self.max_digits) for _ in range(2))
             op = rng.choice(self.ops)
             value = a * b if op == "*" else a + b if op == "+" else a - b
             out.append(Example(prompt=f"{a}{op}{b}=", answer=str(value), meta={"a": a, "b": b, "op": op}))
@@ -108,13 +108,5 @@ class ToolCalcTask:
 
     def reward(self, completions: list[str], *, answer: list[str], **kwargs: Any) -> list[float]:
         """Exact-match integer reward on the final turn (``completions``): 1.0 / ``partial`` / 0.0."""
-        rewards = []
-        for c, a in zip(completions, answer, strict=True):
-            got = parse_int(c)
-            rewards.append(0.0 if got is None else 1.0 if got == int(a) else float(self.partial))
-        return rewards
+        return exact_int_rewards(completions, answer, self.partial)
 
-
-def _operand(rng: random.Random, max_digits: int) -> int:
-    digits = rng.randint(1, max_digits)
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)

@@ -81,8 +81,10 @@ def batches() -> dict[str, dict[str, torch.Tensor]]:
     logp = old + 0.1 * torch.randn(b, t, generator=g)
     adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
     out = {"moderate": {"old_logp": old, "rollout_logp": rollout, "logp": logp, "advantages": adv, "mask": mask}}
-    p = torch.tensor([1e-3, 0.05, 0.3, 0.5, 0.7, 0.9, 0.99, 1 - 1e-4, 1 - 1e-5, 1 - 1e-6])
-    a = torch.log(p).float()
+    # log p by the C library in float64, then rounded: the same float32 inputs on every CPU (torch.log's vectorised
+    # float32 log may differ in the last bit between CPUs, and these inputs are about last bits)
+    p = [1e-3, 0.05, 0.3, 0.5, 0.7, 0.9, 0.99, 1 - 1e-4, 1 - 1e-5, 1 - 1e-6]
+    a = torch.tensor([math.log(x) for x in p], dtype=torch.float32)
     deltas = torch.tensor([1e-6, -1e-6, 5e-7, -5e-7, 1e-7, -1e-7])
     old_n = (a[None, :] - deltas[:, None]).clamp(max=0.0)
     roll_n = a[None, :].expand_as(old_n).contiguous()
