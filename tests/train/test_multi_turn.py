@@ -1,7 +1,10 @@
 """The trainer on a multi-turn task: token-in/token-out has no drift, re-tokenizing is measured, tool tokens and
-padding never reach the loss, and configs the single-pass mask cannot serve are refused."""
+padding never reach the loss in a single pass or in minibatches, and configs that cannot be served are refused."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from offpolicy.train import steps
 from offpolicy.train.config import load_config
 from offpolicy.train.loop import train
 from offpolicy.train.multi_turn import mask_scored, multi_turn_rollout, multi_turn_step
+from offpolicy.train.update import _minibatch
 
 MULTI = {"task__name": "tool_calc", "rollout__sampling__max_new_tokens": 6}
 
@@ -71,13 +75,30 @@ def test_the_engines_ids_are_what_the_trainer_scores(tmp_path, fresh, make_overr
     assert float(metrics["multi_turn/drift_positions"]) == 0.0
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"optim__minibatches": 2}, "single-pass"),
-    ({"optim__epochs": 2}, "single-pass"),
-])
-def test_configs_whose_update_would_count_tool_tokens_are_refused(extra, match, tmp_path, fresh, make_overrides):
+@pytest.mark.parametrize("extra", [{"optim__minibatches": 2}, {"optim__epochs": 2},
+                                   {"optim__minibatches": 2, "optim__epochs": 2}, {"preset": "alp"}])
+def test_every_minibatch_keeps_tool_tokens_out_of_the_loss(extra, tmp_path, fresh, make_overrides):
     state = _state(tmp_path, fresh, make_overrides, **extra)
-    with pytest.raises(ValueError, match=match):
+    rollout, scored, _ = multi_turn_step(state, seed=5)
+    assert scored.theta is None  # the update scores π_θ again: the mask must come from the scoring
+    rows = torch.arange(len(rollout.completions))
+    batch = _minibatch(state, rollout, scored, rows[1::2])
+    t = batch.mask.shape[1]
+    assert torch.equal(batch.mask, scored.mask[rows[1::2], :t])
+    assert (~batch.mask & (rollout.loss_mask[rows[1::2], :t] == 0)).any()  # tool / padding positions are there
+    batch = dataclasses.replace(batch, advantages=torch.linspace(-1, 1, len(batch.advantages)))  # nonzero
+    loss, _ = policy_loss(batch, correction=state.correction, objective={"name": state.objective,
+                                                                          **state.objective_params})
+    grad, = torch.autograd.grad(loss, batch.logp)
+    assert (grad[~batch.mask] == 0).all() and (grad[batch.mask] != 0).any()
+    history = train(state.cfg, model=fresh[0], tokenizer=fresh[1]).history
+    assert history and all(math.isfinite(h["loss/loss"]) for h in history)
+
+
+def test_replaying_the_engines_routes_is_refused(tmp_path, fresh, make_overrides):
+    state = _state(tmp_path, fresh, make_overrides)
+    state.cfg.rollout.routing_replay = "r3"
+    with pytest.raises(ValueError, match="rollout.routing_replay"):
         multi_turn_step(state, seed=0)
 
 

@@ -16,10 +16,11 @@ rollout and scoring (:func:`offpolicy.train.steps.rollout_step` / :func:`~offpol
    ``multi_turn/turn{t}/{k3, abs_logp_diff, first_k3, first_abs_logp_diff, tokens}``
    (:mod:`offpolicy.rollout.turn_drift`), ``multi_turn/tool_tokens`` and ``multi_turn/unaligned_tokens`` per row.
 
-What it needs: the single-pass update (``optim.minibatches`` = ``optim.epochs`` = 1, no ALP, no routing replay, no
-score centering; :func:`offpolicy.train.steps.single_pass`), where the update's batch takes the scoring's mask — the
-update's own re-scoring forward would count tool tokens — and π_old from a forward (``algorithm.proximal=recompute``).
-Other configs are refused with a ``ValueError`` naming the setting.
+The update's batch takes the scoring's mask, in the single pass and in every minibatch or epoch that scores π_θ
+again (:mod:`offpolicy.train.update`): the re-scoring forward alone would count tool tokens. What it needs: π_old from
+a forward (``algorithm.proximal=recompute``) and no engine-routes replay (``rollout.routing_replay=r3``: the engine's
+routes are not recorded across turns; ``r2`` records the trainer's own). Other configs are refused with a
+``ValueError`` naming the setting.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from offpolicy.rollout.sync_check import SyncProbe
 from offpolicy.rollout.turn_drift import retokenization_drift, turn_metrics, turn_mismatch, view_drift
 from offpolicy.train.data import compute_rewards, step_prompts
 from offpolicy.train.proximal import proximal_method, token_versions
-from offpolicy.train.steps import Rollout, Scored, TrainState, score_step, single_pass
+from offpolicy.train.steps import Rollout, Scored, TrainState, score_step
 
 
 @dataclass
@@ -62,10 +63,9 @@ def multi_turn_ids(cfg) -> str:
 
 def check_multi_turn(state: TrainState) -> None:
     """Refuse a config the multi-turn step cannot train correctly (see the module docstring)."""
-    if not single_pass(state):
-        raise ValueError("task: a multi-turn task needs the single-pass update (optim.minibatches=1, optim.epochs=1, "
-                         "alp off, rollout.routing_replay=none, no score-centering preset): only there does the "
-                         "update's batch keep the scoring's mask, which leaves tool tokens out of the loss")
+    if state.cfg.rollout.routing_replay == "r3":
+        raise ValueError("rollout.routing_replay: a multi-turn task cannot replay the engine's routes (r3), which are "
+                         "not recorded across turns; use r2 (the trainer's own π_old routes) or none")
     if proximal_method(state.objective_params) != "recompute":
         raise ValueError("algorithm.proximal: a multi-turn task needs recompute (π_old from a forward over the "
                          "conversation), not loglinear")
@@ -131,7 +131,7 @@ def rollout_of(state: TrainState, prompts: list, conversations: list[Conversatio
 
 def mask_scored(scored: Scored, rollout: MultiTurnRollout) -> Scored:
     """π_old's view with the loss mask applied: only policy tokens with an engine log-prob stay valid; μ is 0
-    elsewhere. The single-pass update reads ``scored.mask``, so this is also the loss's mask."""
+    elsewhere. The update's batches take ``scored.mask``, so this is also the loss's mask."""
     assert rollout.loss_mask is not None
     loss = rollout.loss_mask.to(scored.mask.device)[:, : scored.mask.shape[1]]
     scored.mask = scored.mask & loss

@@ -74,6 +74,8 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
             dtype=DTYPES[state.cfg.model.dtype], dvp_rho=state.cfg.algorithm.dvp_rho if state.preset.minp else None,
             return_logits=state.preset.score_centering is not None)
     t = logp.shape[1]
+    # the scoring's mask, not only the completion's: a multi-turn step leaves tool tokens out there (train.multi_turn)
+    mask = mask & scored.mask[rows, :t].to(mask.device)
     if state.preset.score_centering is not None:
         assert logits is not None  # return_logits
         q: Tensor | tuple[Tensor, Tensor]
