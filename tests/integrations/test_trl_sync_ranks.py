@@ -1,6 +1,6 @@
 """TRL's sync check with two processes (gloo, the tiny model sharded over both ranks by FSDP2): every rank runs the
 probe's trainer forward at the same points — under FSDP that forward all-gathers the parameters, so a rank that
-skipped it would leave the main one waiting forever. In server mode the main process scores the engine and judges."""
+skipped it would leave the main one waiting forever. In server mode the main process scores the engine and judges; when its check fails, every rank raises."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     from offpolicy.integrations.trl.vllm_sync import TRLSyncCheck
     from offpolicy.models.tiny import build_tiny_model
     from offpolicy.rollout.scoring import sequence_logprobs
-    from offpolicy.rollout.sync_check import SyncCheck
+    from offpolicy.rollout.sync_check import SyncCheck, SyncCheckError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -42,11 +42,13 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
                 with torch.no_grad():
                     return sequence_logprobs(reference, prompt_ids, completion_ids)
 
+        pushes = {"take": True}
+
         def push():  # the engine takes the trainer's new weights (gathered: full tensors on every rank)
             from torch.distributed.tensor import DTensor
 
             full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
-            if rank == 0:
+            if rank == 0 and pushes["take"]:
                 reference.load_state_dict(full)
 
         generation = SimpleNamespace(model=model, mode="server",
@@ -60,12 +62,21 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             for p in model.parameters():
                 p.add_(0.01)
         hook()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(logged))
+        with torch.no_grad():  # a third sync that the engine does not take: the main rank's check fails
+            for p in model.parameters():
+                p.add_(0.01)
+        pushes["take"] = False
+        error = None
+        try:
+            hook()
+        except SyncCheckError as err:
+            error = str(err)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"logged": logged, "error": error}))
     finally:
         dist.destroy_process_group()
 
 
-def test_every_rank_joins_the_check_under_fsdp(tmp_path):
+def test_every_rank_joins_the_check_under_fsdp_and_raises_when_it_fails(tmp_path):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(tmp_path)], env=env,
@@ -81,9 +92,13 @@ def test_every_rank_joins_the_check_under_fsdp(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     main = json.loads((tmp_path / "rank0.json").read_text())
     other = json.loads((tmp_path / "rank1.json").read_text())
-    assert len(main) == 2 and all(m["sync/ok"] == 1.0 for m in main)  # both syncs judged, both took
-    assert main[-1]["sync/gap"] < 1e-5 and main[-1]["sync/step_rms"] > 0  # fp32 both sides; the weights moved
-    assert other == []  # the other rank joined the forwards and judged nothing
+    logged = main["logged"]
+    assert len(logged) == 2 and all(m["sync/ok"] == 1.0 for m in logged)  # the first two syncs judged, both took
+    assert logged[-1]["sync/gap"] < 1e-5 and logged[-1]["sync/step_rms"] > 0  # fp32 both sides; the weights moved
+    assert other["logged"] == []  # the other rank joined the forwards and judged nothing
+    # the third sync did not take: the main rank's check raised, and the other rank raised the same, naming rank 0
+    assert main["error"] is not None and "did not take" in main["error"]
+    assert other["error"] == f"rank 0: {main['error']}"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Two processes (tests/vllm/scripts/trl_colocate.py): the methods on a bf16 engine
 idle cores), the sync check's catch and the sampler order on an fp32 engine (its gap is round-off, so a head one
 Adam step behind stands out; ≈ 60 s). Server mode (tests/vllm/scripts/trl_server.py) against a live fp32 server of
 its own: TRL's own server mode fails on a CPU trainer; the weights through files instead, every sync checked
-(≈ 70 s with the server's start)."""
+(≈ 70 s with the server's start). The same server with two trainer processes (tests/vllm/scripts/trl_ranks.py:
+torchrun, accelerate's multi-CPU DDP over gloo): every sync checked, and a broken one stops both ranks (≈ 60 s)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "trl_colocate.py"
 SERVER_SCRIPT = Path(__file__).parent / "scripts" / "trl_server.py"
+RANKS_SCRIPT = Path(__file__).parent / "scripts" / "trl_ranks.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_vllm.py"
 METHODS = ["trl_is", "dvp", "trm8", "trm20_max", "m2po", "ipo", "centering"]
 
@@ -131,6 +133,35 @@ def test_trls_own_server_mode_cannot_sync_from_a_cpu_trainer(server_runs):
     # --weight-transfer-config it refuses at once; with it, init_communicator raises NotImplementedError on a CPU
     # device (checked by hand: vLLM's CPU build starts with that flag, but every weight-transfer backend is CUDA's)
     assert server_runs["trl_plain"].startswith("RuntimeError") and "weight-transfer" in server_runs["trl_plain"]
+
+
+@pytest.fixture(scope="module")
+def ranks_runs(run_vllm_script, vllm_servers, server_runs):
+    # the server of server_runs (that module fixture first: it expects the checkpoint's weights on a fresh server)
+    server = vllm_servers.get("tiny", "float32", extra_args=("--max-num-seqs", "16"))
+    proc = run_vllm_script(RANKS_SCRIPT, server.url, timeout=1200)
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_two_trainer_processes_push_through_files_and_check_every_sync(ranks_runs):
+    ok = ranks_runs["ok"]
+    assert ok["returncode"] == 0, ok["output"]
+    main, other = ok["ranks"]
+    for rank in (main, other):  # accelerate's DDP over gloo, both processes pushing the same way (files)
+        assert rank["world"] == 2 and rank["distributed_type"].endswith("MULTI_CPU") and rank["file_sync"]
+        assert rank["error"] is None and rank["steps"] == 4 and rank["moved"]
+    assert main["main"] and not other["main"]
+    assert len(main["log"]["sync/ok"]) == 4 and all(v == 1.0 for v in main["log"]["sync/ok"])
+    assert all(g < 1e-4 for g in main["log"]["sync/gap"]) and max(main["log"]["sync/step_rms"]) > 0.05
+    assert other["log"]["sync/ok"] == []  # the main process judges the one server
+
+
+def test_a_broken_sync_stops_every_trainer_process_naming_the_sync(ranks_runs):
+    broken = ranks_runs["head_left_behind"]
+    main, other = broken["ranks"]
+    assert main["error"] is not None and "did not take" in main["error"] and "weight sync at step" in main["error"]
+    assert other["error"] == f"rank 0: {main['error']}"  # the other process stops too, saying why
+    assert main["failed_at_step"] == other["failed_at_step"] >= 1
 
 
 def test_server_mode_syncs_through_files_and_checks_every_sync(server_runs):

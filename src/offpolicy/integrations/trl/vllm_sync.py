@@ -23,7 +23,7 @@ reads (vLLM's dev-mode ``reload_weights(weights_path=...)``).
 The probe is plain text through the trainer's tokenizer (:func:`default_probe`): TRL checks its first sync before
 its first generation. With several processes every rank runs the probe's trainer forward at the same points (under
 FSDP / ZeRO-3 that forward gathers parameters from all ranks); in server mode only the main process scores the engine
-and judges, in colocate mode each process checks its own engine. What the check can see and what it cannot, and its
+and judges, in colocate mode each process checks its own engine; a failure on any rank raises on every rank. What the check can see and what it cannot, and its
 thresholds: :mod:`offpolicy.rollout.sync_check`.
 """
 
@@ -225,7 +225,18 @@ class TRLSyncCheck:
             self.check._score_trainer(self.model)
 
     def __call__(self) -> None:
-        if self.check is not None and not self._main():
+        if self.check is None:
+            self.push()
+            return
+        error: SyncCheckError | None = None
+        try:
+            self._sync_and_check()
+        except SyncCheckError as err:
+            error = err
+        _raise_on_any_rank(error)
+
+    def _sync_and_check(self) -> None:
+        if not self._main():
             if not self.calibrated:
                 self.calibrated = True
                 self._join()
@@ -255,6 +266,23 @@ class TRLSyncCheck:
             else:
                 metrics = check.after_sync(self._scorer(), self.model, what=f"vLLM weight sync at step {self.step()}")
         self.log({**metrics, "sync/push_seconds": pushed})
+
+
+def _raise_on_any_rank(error: SyncCheckError | None) -> None:
+    """Every process raises when any one's check failed: the main process judges the server alone, and a rank left
+    running would wait in TRL's next collective until the launcher kills it, its log saying nothing of why. One
+    object all-gather per sync, only with several processes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, None if error is None else str(error))
+        failed = [(rank, text) for rank, text in enumerate(verdicts) if text is not None]
+        if failed and error is None:
+            rank, text = failed[0]
+            raise SyncCheckError(f"rank {rank}: {text}")
+    if error is not None:
+        raise error
 
 
 @contextlib.contextmanager

@@ -31,6 +31,17 @@ def _colocate_llm_kwargs(cfg: Any, given: dict[str, Any] | None, topk: int) -> d
     return out
 
 
+def _main_process_value(value: Any) -> Any:
+    """``value`` as the main process has it, on every process (itself where there is one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class VLLMWiring(TRLBase):
     """The vLLM engine's arguments, log-prob mode and weight-sync check (a part of ``OffPolicyGRPOMixin``)."""
 
@@ -38,7 +49,12 @@ class VLLMWiring(TRLBase):
         """The vLLM weight sync: through ``reload_weights`` on the CPU backend, verified after every sync."""
         self.offpolicy_sync: TRLSyncCheck | None = None
         if getattr(train_args, "use_vllm", False) and hasattr(getattr(self, "vllm_generation", None), "sync_weights"):
-            file_sync = FileSync(self.vllm_generation, weights_dir) if uses_files(self.vllm_generation) else None
+            files = uses_files(self.vllm_generation)
+            if getattr(train_args, "vllm_mode", None) == "server":
+                # only the main process holds TRL's client, where the choice was made; every process must push the
+                # same way, or their walks over the parameters (gathers under FSDP / ZeRO-3) would not pair up
+                files = _main_process_value(files)
+            file_sync = FileSync(self.vllm_generation, weights_dir) if files else None
             self.offpolicy_sync = install_vllm_sync(self, sync_check, files=file_sync)
 
     def _check_logprobs_mode(self, train_args: Any) -> None:

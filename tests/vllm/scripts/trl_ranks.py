@@ -1,0 +1,107 @@
+"""TRL's own ``train()`` with two processes (torchrun; accelerate's multi-CPU DDP over gloo) against one live vLLM
+server (``vllm_mode="server"``); prints ``RESULT {json}``.
+
+    PYTHONPATH=. python tests/vllm/scripts/trl_ranks.py URL     # from the repository root (offpolicy_testkit)
+
+Run without torchrun's environment, the script launches itself under ``python -m torch.distributed.run
+--nproc_per_node 2`` once per scenario and collects what each rank wrote: a run whose syncs all pass, and one whose
+sync leaves the tied head behind (the main process judges the server; every rank must stop, naming the sync). The
+weights go through files (``FileSync``: TRL's NCCL transfer needs CUDA); at the end the server is handed the tiny
+checkpoint's weights before and after, so the server can serve the tests around it. Run by tests/vllm/test_trl_live.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCENARIOS = ("ok", "head_left_behind")
+RANKS = 2
+
+
+def launch(url: str) -> dict:
+    from offpolicy.rollout.processes import free_port
+
+    result: dict = {}
+    for scenario in SCENARIOS:
+        restore(url)  # the checkpoint's weights, whatever the run before left on the server
+        out = tempfile.mkdtemp(prefix=f"trl-ranks-{scenario}-")
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
+                               "--master_port", str(free_port()), __file__, url, scenario, out],
+                              capture_output=True, text=True, timeout=900)
+        ranks = [json.loads(p.read_text()) if (p := Path(out, f"rank{r}.json")).exists() else None
+                 for r in range(RANKS)]
+        result[scenario] = {"returncode": proc.returncode, "seconds": time.perf_counter() - start, "ranks": ranks,
+                            "output": (proc.stdout + proc.stderr)[-4000:]}
+    restore(url)
+    return result
+
+
+def restore(url: str) -> None:
+    """The server gets the tiny checkpoint's weights back, every tensor (the tied head under its own name)."""
+    from offpolicy.models import load_model
+    from offpolicy.rollout.servers import vllm_reload_weights
+    from offpolicy.rollout.weight_sync import ReloadFolder
+
+    model, _ = load_model("tiny")
+    folder = tempfile.mkdtemp(prefix="trl-ranks-restore-")
+    ReloadFolder(folder).write(model.state_dict().items())
+    vllm_reload_weights(url, folder, weights_path=folder, timeout=240.0)
+
+
+def rank_main(url: str, scenario: str, out: str) -> None:
+    import torch.distributed as dist
+    from offpolicy_testkit.trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
+    from trl import GRPOConfig
+
+    from offpolicy.integrations.trl import OffPolicyGRPOTrainer
+    from offpolicy.integrations.trl.vllm_sync import FileSync
+    from offpolicy.models import load_model
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-ranks-"), per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=8, max_steps=4, report_to=[], use_cpu=True,
+                      bf16=False, logging_steps=1, save_strategy="no", beta=0.0, seed=0, use_vllm=True,
+                      vllm_mode="server", vllm_server_base_url=url, vllm_importance_sampling_correction=False,
+                      learning_rate=1e-3)
+    model, tok = load_model("tiny")
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args,
+                                   train_dataset=arithmetic_dataset(), processing_class=tok,
+                                   correction={"name": "tis", "upper": 2.0})
+    sync = trainer.offpolicy_sync
+    entry: dict = {"rank": dist.get_rank() if dist.is_initialized() else None,
+                   "world": dist.get_world_size() if dist.is_initialized() else 1,
+                   "distributed_type": str(trainer.accelerator.distributed_type),
+                   "main": trainer.accelerator.is_main_process, "file_sync": isinstance(sync.push, FileSync)}
+    if scenario == "head_left_behind":
+        files = sync.push
+
+        class Headless(FileSync):
+            def __call__(self) -> None:
+                import offpolicy.integrations.trl.vllm_sync as vs
+
+                full = vs.trl_named_weights
+                vs.trl_named_weights = lambda g: ((n, t) for n, t in full(g) if n != "lm_head.weight")
+                try:
+                    super().__call__()
+                finally:
+                    vs.trl_named_weights = full
+
+        sync.push = Headless(files.generation, files.folder)
+    train_recording_sync_failure(trainer, entry)
+    entry["steps"] = trainer.state.global_step
+    entry["log"] = {key: [row[key] for row in trainer.state.log_history if key in row]
+                    for key in ("sync/ok", "sync/gap", "sync/baseline", "sync/step_rms", "loss")}
+    Path(out, f"rank{entry['rank']}.json").write_text(json.dumps(entry))
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" not in os.environ:
+        print("RESULT " + json.dumps(launch(sys.argv[1])))
+    else:
+        rank_main(*sys.argv[1:4])
