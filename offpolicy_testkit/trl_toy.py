@@ -75,3 +75,21 @@ def loss_and_grad(trainer, compute, inputs):
     loss = compute(trainer.model, dict(inputs))
     loss.backward()
     return loss.detach(), torch.cat([p.grad.flatten() for p in params if p.grad is not None]).double()
+
+
+def leave_head_behind(sync) -> None:
+    """Make a trainer's weight push (``trainer.offpolicy_sync``) leave the tied head (``lm_head.weight``) out of every
+    sync: the broken reload the sync check must stop. Every process wraps its own push the same way."""
+    import offpolicy.integrations.trl.vllm_sync as vs
+
+    push = sync.push
+
+    def headless() -> None:
+        full = vs.trl_named_weights
+        vs.trl_named_weights = lambda g: ((n, t) for n, t in full(g) if n != "lm_head.weight")
+        try:
+            push()
+        finally:
+            vs.trl_named_weights = full
+
+    sync.push = headless

@@ -6,8 +6,8 @@ server (``vllm_mode="server"``); prints ``RESULT {json}``.
 Run without torchrun's environment, the script launches itself under ``python -m torch.distributed.run
 --nproc_per_node 2`` once per scenario and collects what each rank wrote: a run whose syncs all pass, and one whose
 sync leaves the tied head behind (the main process judges the server; every rank must stop, naming the sync). The
-weights go through files (``FileSync``: TRL's NCCL transfer needs CUDA); at the end the server is handed the tiny
-checkpoint's weights before and after, so the server can serve the tests around it. Run by tests/vllm/test_trl_live.py.
+weights go through files (``FileSync``: TRL's NCCL transfer needs CUDA); the server is handed the tiny checkpoint's
+weights before each run and at the end, so it can serve the tests around it. Run by tests/vllm/test_trl_live.py.
 """
 
 from __future__ import annotations
@@ -57,7 +57,12 @@ def restore(url: str) -> None:
 
 def rank_main(url: str, scenario: str, out: str) -> None:
     import torch.distributed as dist
-    from offpolicy_testkit.trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
+    from offpolicy_testkit.trl_toy import (
+        arithmetic_dataset,
+        leave_head_behind,
+        train_recording_sync_failure,
+        varied_reward,
+    )
     from trl import GRPOConfig
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer
@@ -79,20 +84,7 @@ def rank_main(url: str, scenario: str, out: str) -> None:
                    "distributed_type": str(trainer.accelerator.distributed_type),
                    "main": trainer.accelerator.is_main_process, "file_sync": isinstance(sync.push, FileSync)}
     if scenario == "head_left_behind":
-        files = sync.push
-
-        class Headless(FileSync):
-            def __call__(self) -> None:
-                import offpolicy.integrations.trl.vllm_sync as vs
-
-                full = vs.trl_named_weights
-                vs.trl_named_weights = lambda g: ((n, t) for n, t in full(g) if n != "lm_head.weight")
-                try:
-                    super().__call__()
-                finally:
-                    vs.trl_named_weights = full
-
-        sync.push = Headless(files.generation, files.folder)
+        leave_head_behind(sync)
     train_recording_sync_failure(trainer, entry)
     entry["steps"] = trainer.state.global_step
     entry["log"] = {key: [row[key] for row in trainer.state.log_history if key in row]

@@ -17,7 +17,12 @@ import tempfile
 import time
 
 if __name__ == "__main__":
-    from offpolicy_testkit.trl_toy import arithmetic_dataset, train_recording_sync_failure, varied_reward
+    from offpolicy_testkit.trl_toy import (
+        arithmetic_dataset,
+        leave_head_behind,
+        train_recording_sync_failure,
+        varied_reward,
+    )
     from trl import GRPOConfig, GRPOTrainer
 
     from offpolicy.integrations.trl import OffPolicyGRPOTrainer
@@ -60,20 +65,7 @@ if __name__ == "__main__":
         sync = trainer.offpolicy_sync
         entry: dict = {"file_sync": isinstance(sync.push, FileSync)}
         if name == "head_left_behind":
-            files = sync.push
-
-            class Headless(FileSync):
-                def __call__(self) -> None:
-                    import offpolicy.integrations.trl.vllm_sync as vs
-
-                    full = vs.trl_named_weights
-                    vs.trl_named_weights = lambda g: ((n, t) for n, t in full(g) if n != "lm_head.weight")
-                    try:
-                        super().__call__()
-                    finally:
-                        vs.trl_named_weights = full
-
-            sync.push = Headless(files.generation, files.folder)
+            leave_head_behind(sync)
         train_recording_sync_failure(trainer, entry)
         entry["log"] = numbers(trainer)
         entry["seconds"] = time.perf_counter() - start
