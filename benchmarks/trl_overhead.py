@@ -279,10 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     table = summarise(dict(runs), loads, "cpu")
     summarise(dict(runs), loads, "wall")
     if a.json:
-        import json
+        from offpolicy_testkit.bench_record import write_record
 
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "loads": loads, "runs": runs, "table": table}, f, indent=1)
+        write_record(a.json, a, loads, runs, table)
     return table
 
 

@@ -2,7 +2,7 @@
 gloo) with its own engine and ``vanilla`` policy loss, against the plug-in's engine with each method, the arms
 alternating in one process.
 
-    PYTHONPATH=. python benchmarks/verl_overhead.py [--repeat 5] [--steps 3] [--only dvp alp]
+    PYTHONPATH=. python benchmarks/verl_overhead.py [--repeat 5] [--steps 3] [--only dvp alp] [--json FILE]
 
 Every arm runs ``train_mini_batch`` (verl's update: micro-batches, forward, ``ppo_loss``, backward, optimiser step)
 on the same batch — ``--batch`` sequences of ``--prompt`` + ``--response`` tokens, micro-batches of ``--micro`` — of a
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", nargs="*", default=None, help=f"arms besides vanilla, among {', '.join(ARMS)}")
+    ap.add_argument("--json", default=None, help="also write the runs and the table here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from offpolicy_testkit.verl_cpu import ActorBatch, make_worker, process_group, setup_cpu_verl
@@ -144,6 +145,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         goal = GOALS.get(arm)
         verdict = "" if goal is None else f"≤ {goal:.2f}× {'met' if row['ratio'] <= goal else 'MISSED'}"
         print(f"{arm:16s} {row['s']:7.3f} s   {row['ratio']:5.3f}× {row['low']:5.3f}–{row['high']:5.3f}×  {verdict}")
+    if a.json:
+        from offpolicy_testkit.bench_record import write_record
+
+        write_record(a.json, a, loads, runs, table)
     return table
 
 

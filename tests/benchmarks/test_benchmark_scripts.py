@@ -74,3 +74,16 @@ def test_trl_overhead_puts_trls_vllm_init_back_on_exit():
     with pytest.raises(RuntimeError, match="inside"), bench.engine_client(model, tok):
         raise RuntimeError("inside")
     assert vg.VLLMGeneration._init_vllm is original
+
+
+def test_an_overhead_record_is_written_whole(tmp_path):
+    from types import SimpleNamespace
+
+    from offpolicy_testkit.bench_record import write_record
+
+    path = tmp_path / "record.json"
+    path.write_text("an older record")
+    write_record(path, SimpleNamespace(repeat=3), [1.0, 1.2], {"vanilla": [0.9]}, {"vanilla": {"ratio": 1.0}})
+    assert json.loads(path.read_text()) == {"args": {"repeat": 3}, "loads": [1.0, 1.2], "runs": {"vanilla": [0.9]},
+                                            "table": {"vanilla": {"ratio": 1.0}}}
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # no temporary file left behind
