@@ -6,6 +6,7 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py                      # 6 steps; minutes on 2 cores
     python examples/verl_end_to_end.py --break-sync-at 3    # the push does nothing from step 3: the run fails there
     python examples/verl_end_to_end.py --ranks 2 --steps 3  # two FSDP ranks (gloo), two vLLM replicas
+    python examples/verl_end_to_end.py --dvp 1e-3           # DVP: vLLM samples with min-p, the actor scores likewise
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
 
@@ -83,19 +84,22 @@ def model_copy(folder: Path) -> Path:
 
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
-              ray_dir: Path, sync_check: str = "error", ranks: int = 1) -> list[str]:
+              ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None) -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides, 2 prompts × 2 samples, 8 new tokens,
     ``ranks`` FSDP ranks (verl's ``trainer.n_gpus_per_node``; Ray gets as many logical GPUs, which nothing touches).
     Each rank holds its share of the step's ``prompts × samples`` rows; with the rollout at TP = 1 verl's hybrid
-    engine makes every rank a rollout replica of its own (one vLLM server per rank, each fed by its rank's push)."""
+    engine makes every rank a rollout replica of its own (one vLLM server per rank, each fed by its rank's push).
+    ``dvp``: DVP's ρ — the plug-in's agent loop (``offpolicy_agent``) asks vLLM to sample with ``min_p = ρ`` and the
+    actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``)."""
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
     modules = "offpolicy.integrations.verl.cpu_bridge,offpolicy.integrations.verl.plugin"
     if env.get(BREAK_ENV):
         modules += ",verl_end_to_end"
+    sampling = "" if dvp is None else f", sampling: {{min_p: {dvp}}}"
     job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules,
-               "OFFPOLICY_VERL": f"{{correction: {{name: tis, upper: 2.0}}, sync_check: {sync_check}}}"}
+               "OFFPOLICY_VERL": f"{{correction: {{name: tis, upper: 2.0}}, sync_check: {sync_check}{sampling}}}"}
     out = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
         f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={prompts}",
@@ -130,6 +134,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={ranks}",
         "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
     ]
+    if dvp is not None:
+        out += ["actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent",
+                "actor_rollout_ref.model.use_fused_kernels=false"]
     out += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in job_env.items()]
     return out
 
@@ -156,11 +163,13 @@ def parse_log(text: str) -> dict:
             "reward_last": rewards[-1] if rewards else float("nan"),
             "checks": int(last.get("sync/checks", 0)), "passed": int(last.get("sync/passed", 0)),
             "replicas": int(last.get("sync/replicas", 1)),
-            "sync_ok": [s[1].get("sync/ok") for s in steps]}
+            "sync_ok": [s[1].get("sync/ok") for s in steps],
+            "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")}}
 
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
-        timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1) -> dict:
+        timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
+        dvp: float | None = None) -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     from offpolicy.integrations.verl.cpu_bridge import vllm_distribution_alias
@@ -176,7 +185,7 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
     if break_sync_at is not None:
         env[BREAK_ENV] = str(break_sync_at)
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
-               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks)]
+               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp)]
     log = log or folder / "main_ppo.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -275,9 +284,10 @@ def main() -> int:
     parser.add_argument("--log", type=Path, default=None)
     parser.add_argument("--sync-check", choices=("error", "warn", "off"), default="error")
     parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks of verl's actor (gloo, one per process)")
+    parser.add_argument("--dvp", type=float, default=None, help="DVP's ρ: vLLM samples with min_p = ρ")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
-                 sync_check=args.sync_check, ranks=args.ranks)
+                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "
