@@ -316,7 +316,8 @@ def _load_actor_harness():
 
 def test_actor_side_is_verls_training_worker_forward(tmp_path):
     """verl's ``TrainingWorker`` (FSDP2 on CPU, fp32) answers :func:`actor_probe_logprobs` with the model's own
-    log-probs of the probe's completions (its HF forward, full precision)."""
+    log-probs of the probe's completions (its HF forward, full precision) — also the plug-in's engine under DVP,
+    whose other forwards score over the min-p safe set."""
     from offpolicy.integrations.verl.sync_check import actor_probe_logprobs
 
     harness = _load_actor_harness()
@@ -331,12 +332,21 @@ def test_actor_side_is_verls_training_worker_forward(tmp_path):
                 return worker.infer_batch(data)
 
         logp, mask = actor_probe_logprobs(Group(), probe)
+        dvp = harness.make_worker(path, {"sampling": {"min_p": 0.6}})  # the plug-in's engine under DVP
+
+        class DVPGroup:
+            def compute_log_prob(self, data):
+                return dvp.infer_batch(data)
+
+        dvp_logp, _ = actor_probe_logprobs(DVPGroup(), probe)
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
         expected, expected_mask = sequence_logprobs(reference, probe.prompt_ids, probe.completion_ids)
     assert torch.equal(mask, expected_mask.bool())
     torch.testing.assert_close(logp, expected * mask, atol=1e-5, rtol=0)
+    # under DVP the probe still gets the plain log-probs (vLLM's prompt log-probs have no min-p either)
+    torch.testing.assert_close(dvp_logp, expected * mask, atol=1e-5, rtol=0)
 
 
 def test_cpu_bridge_asks_for_gloo_once_and_restores_what_it_replaced(monkeypatch):

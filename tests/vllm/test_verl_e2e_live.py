@@ -1,7 +1,7 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` (verl 0.9.1's own trainer loop, Ray local, the FSDP2
 actor, vLLM's CPU build as verl's rollout) trains the embedded tiny model with the plug-in — weights pushed into vLLM
-after every step, TIS on, the sync check after every sync — through examples/verl_end_to_end.py; then a run whose
-harness makes the push do nothing from step 2 must fail naming that step's sync. Then one run with the actor sharded
+after every step, TIS on, the sync check after every sync — through examples/verl_end_to_end.py; then a run with
+DVP whose harness makes the push do nothing from step 2 must fail naming that step's sync. Then one run with the actor sharded
 over two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas (TP = 1), each fed by its own rank's push, and
 the check scores both; its first syncs pass and its push from step 3 does nothing (one run, not two, and 3 steps, not
 6: two vLLM servers and two trainer processes start on the same 2 cores, 16 min under a load average of 12-28).
@@ -53,10 +53,16 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
-    result = example.run(STEPS, break_sync_at=2, log=tmp_path / "main_ppo_broken.log")
+def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
+    """A second run, with DVP (min-p 0.05: vLLM samples inside the safe set through the plug-in's agent loop, the
+    actor scores over its own): the engine's μ equals the actor's π_old to round-off — a recipe applied on one side
+    only would part them by the safe set's missing mass — and the push that does nothing from step 2 stops the run."""
+    result = example.run(STEPS, break_sync_at=2, log=tmp_path / "main_ppo_broken.log", dvp=0.05)
     assert result["rc"] != 0, result["tail"]
     text = Path(result["log"]).read_text(errors="replace")
+    assert "'default_agent_loop': 'offpolicy_agent'" in text and "min_p: 0.05" in text
+    assert result["steps"] == 1 and result["sync_ok"] == [1.0], result["tail"]  # the probe calibrated under DVP
+    assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] < 1e-4, result["rollout_corr"]
     assert "SyncCheckError" in text and "verl step 2: " in text, result["tail"]
     assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
 

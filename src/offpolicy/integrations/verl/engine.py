@@ -43,7 +43,8 @@ exactly as the parent class. What it changes:
   (:func:`offpolicy.kernels.row_maps.logits_row_map`), so the extra ``[N, V]`` float32 work is a chunk at a time.
 
 The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
-forward.
+forward. A batch flagged :data:`~offpolicy.integrations.verl.settings.PLAIN_LOG_PROBS` (the sync check's probe) gets
+the parent's plain log-probs: the engine side of that check is vLLM's prompt log-probs, which no sampler touches.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
 from offpolicy.integrations.verl.loss import rollout_log_probs_in_loss
-from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
+from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, VerlSettings, settings_from_environment
 from offpolicy.integrations.verl.topk import (
     KL_LOWER_FIELD,
     KL_UPPER_FIELD,
@@ -184,8 +185,9 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
 
     # -- sampling recipe in every log-prob forward; top-K KL bounds in the old-log-prob forward --------------------
     def prepare_model_outputs(self, output: Any, output_args: dict, micro_batch: Any, logits_processor_func: Any):
-        recipe, topk = self.offpolicy.sampling.active, self._wants_topk_bounds(micro_batch)
-        center = self._wants_score_centering(micro_batch)
+        plain = bool(tu.get_non_tensor_data(data=micro_batch, key=PLAIN_LOG_PROBS, default=False))
+        recipe, topk = self.offpolicy.sampling.active and not plain, self._wants_topk_bounds(micro_batch) and not plain
+        center = not plain and self._wants_score_centering(micro_batch)
         if not (recipe or topk or center):
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):

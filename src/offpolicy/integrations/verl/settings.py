@@ -42,6 +42,10 @@ from offpolicy.registry import build_correction
 KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming",
               "sync_check")
 SYNC_CHECK_MODES = ("error", "warn", "off")
+# a batch's flag (verl non-tensor data) asking the plug-in's engine for the model's plain log-probs, log softmax(z / T),
+# without the sampling recipe, top-K bounds or centring: the sync check's probe, which the engine side scores as
+# vLLM's prompt log-probs (no sampler) — the two sides must compute the same thing
+PLAIN_LOG_PROBS = "offpolicy_plain_log_probs"
 SAMPLING_KEYS = ("min_p", "top_k", "top_p")
 ALP_KEYS = ("init_std", "lr", "layers", "seed")
 

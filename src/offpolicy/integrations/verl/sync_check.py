@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.integrations.verl.settings import SYNC_CHECK_MODES
+from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, SYNC_CHECK_MODES
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def probe_batch(probe: SyncProbe, *, multiple: int = 1) -> Any:
     """The probe as verl's v1 trainer hands a batch to ``compute_log_prob``: one row per sequence with the fields
     the agent loop stores in the TransferQueue (``prompts``, ``responses``, ``input_ids`` = prompt + response,
     ``position_ids``, ``attention_mask``, ``response_mask`` / ``loss_mask`` all ones), jagged, and the step's
-    metadata (temperature 1, no loss, one micro-batch per rank). Rows are repeated (the last one) up to a ``multiple`` of the data-parallel
+    metadata (temperature 1, no loss, one micro-batch per rank, the plain log-probs: no sampling recipe). Rows are repeated (the last one) up to a ``multiple`` of the data-parallel
     size, which verl's dispatch splits evenly."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -134,9 +134,12 @@ def probe_batch(probe: SyncProbe, *, multiple: int = 1) -> Any:
                        for key in rows[0]}, batch_size=len(rows))
     # one micro-batch per rank (the probe is a few short rows): verl's engine takes the batch's own micro-batch
     # settings before its config's, whose micro-batch size need not divide the probe's rows
+    # the model's plain log-probs, without the plug-in's sampling recipe (DVP, replay) or top-K work: the engine side
+    # is vLLM's prompt log-probs, which no sampler touches
     tu.assign_non_tensor(data, temperature=1.0, compute_loss=False, calculate_entropy=False,
                          global_token_num=[len(p) + len(c) for p, c in zip(prompts, completions)],
-                         use_dynamic_bsz=False, micro_batch_size_per_gpu=len(prompts) // multiple)
+                         use_dynamic_bsz=False, micro_batch_size_per_gpu=len(prompts) // multiple,
+                         **{PLAIN_LOG_PROBS: True})
     return data
 
 
