@@ -73,6 +73,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             error = str(err)
         Path(out, f"rank{rank}.json").write_text(json.dumps({"logged": logged, "error": error}))
     finally:
+        dist.barrier()  # neither rank tears its group down while the other still reads from it
         dist.destroy_process_group()
 
 
