@@ -5,6 +5,9 @@ One process per (model, engine dtype), since an in-process ``vllm.LLM`` binds th
 
     python -m benchmarks.sync_check_table --model lab --dtype bfloat16 --out docs/data/sync_check/lab-bfloat16.json
 
+An existing --out of the same model and dtype keeps its rows for the learning rates not measured in this run; a row
+for a learning rate measured again is replaced (so one learning rate can be re-run, or an interrupted run resumed).
+
 Per learning rate: the engine and the trainer restored to the starting weights, the check calibrated on tokens the
 engine sampled (16 rows), then ``--healthy`` syncs, each after one AdamW step (the learning rate given) on a
 policy-gradient surrogate −A · log π(y) over the same 32 sampled completions with fresh ±1 advantages — updates of the
@@ -111,6 +114,8 @@ def main() -> None:
     result: dict = {"model": args.model, "vocab": int(model.config.vocab_size), "dtype": args.dtype,
                     "probe_rows": len(probe.prompt_ids), "probe_tokens": probe.n_tokens, "startup_s": startup,
                     "threads": torch.get_num_threads(), "settings": []}
+    lrs = [float(x) for x in args.lrs.split(",")]
+    kept = _kept_rows(Path(args.out), args.model, args.dtype, lrs)
 
     def restore():
         model.load_state_dict(start_state)
@@ -129,7 +134,7 @@ def main() -> None:
         loss.backward()
         opt.step()
 
-    for lr in (float(x) for x in args.lrs.split(",")):
+    for lr in lrs:
         restore()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(1)
@@ -182,7 +187,18 @@ def main() -> None:
                                       "last_engine_motion": m["sync/engine_motion"]}
         result["settings"].append(row)
         print(json.dumps(row), flush=True)
-        _write(Path(args.out), result)  # after every learning rate: an interrupted run keeps what it measured
+        _write(Path(args.out), {**result, "settings": kept + result["settings"]})  # after every learning rate: an interrupted run keeps what it measured
+
+
+def _kept_rows(path: Path, model: str, dtype: str, lrs: list[float]) -> list[dict]:
+    """The rows of an earlier run into ``path`` (same model and dtype) for learning rates not in ``lrs``."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if (old.get("model"), old.get("dtype")) != (model, dtype):
+        raise SystemExit(f"--out {path}: holds model={old.get('model')} dtype={old.get('dtype')}, "
+                         f"not model={model} dtype={dtype}")
+    return [row for row in old["settings"] if row["lr"] not in lrs]
 
 
 def _write(path: Path, result: dict) -> None:

@@ -14,7 +14,7 @@ from offpolicy.losses import policy_loss
 from offpolicy.train import steps
 from offpolicy.train.config import load_config
 from offpolicy.train.loop import train
-from offpolicy.train.multi_turn import mask_scored, multi_turn_rollout, multi_turn_step
+from offpolicy.train.multi_turn import mask_scored, multi_turn_rollout, multi_turn_step, padded
 from offpolicy.train.update import _minibatch
 
 MULTI = {"task__name": "tool_calc", "rollout__sampling__max_new_tokens": 6}
@@ -76,7 +76,8 @@ def test_the_engines_ids_are_what_the_trainer_scores(tmp_path, fresh, make_overr
 
 
 @pytest.mark.parametrize("extra", [{"optim__minibatches": 2}, {"optim__epochs": 2},
-                                   {"optim__minibatches": 2, "optim__epochs": 2}, {"preset": "alp"}])
+                                   {"optim__minibatches": 2, "optim__epochs": 2}, {"preset": "alp"},
+                                   {"preset": "score_centering", "optim__minibatches": 2}])
 def test_every_minibatch_keeps_tool_tokens_out_of_the_loss(extra, tmp_path, fresh, make_overrides):
     state = _state(tmp_path, fresh, make_overrides, **extra)
     rollout, scored, _ = multi_turn_step(state, seed=5)
@@ -105,3 +106,32 @@ def test_replaying_the_engines_routes_is_refused(tmp_path, fresh, make_overrides
 def test_an_unknown_id_mode_is_refused(tmp_path, make_overrides):
     with pytest.raises(ValueError, match="multi_turn_ids"):
         load_config(None, make_overrides(tmp_path, **MULTI, task__multi_turn_ids="text"))
+
+
+def test_score_centering_centres_on_the_engines_q_over_the_whole_conversation(tmp_path, fresh, make_overrides):
+    state = _state(tmp_path, fresh, make_overrides, preset="score_centering")
+    rollout, scored, _ = multi_turn_step(state, seed=6)
+    q = scored.sampler_logits  # the engine's re-score of every completion token, tool turns included
+    assert q is not None and q.shape[:2] == scored.mask.shape
+    engine_logp = torch.log_softmax(q.float(), -1).gather(-1, padded(rollout.completions, 0, torch.long,
+                                                                      q.shape[1]).unsqueeze(-1)).squeeze(-1)
+    # at the policy tokens, q is the distribution the engine sampled them from (its reported log-prob)
+    torch.testing.assert_close(engine_logp[scored.mask], scored.rollout_logp[scored.mask], atol=1e-4, rtol=0)
+
+
+def test_r2_replays_the_scoring_routes_on_every_conversation_token(tmp_path, tiny_pair, make_overrides):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    _, tok = tiny_pair
+    torch.manual_seed(0)
+    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=8, num_experts_per_tok=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    cfg = load_config(None, make_overrides(tmp_path, **MULTI, steps=2, rollout__routing_replay="r2"))
+    history = train(cfg, model=moe, tokenizer=tok).history
+    for row in history:
+        assert "routing/flip_rate" not in row  # the engine's routes are not recorded across turns: nothing to compare
+        # one update on the scoring's weights with its routes replayed: π_θ is π_old at every token (a route
+        # replayed at the wrong position would move the ratio)
+        assert abs(row["loss/ratio_max"] - 1) < 1e-5 and abs(row["loss/ratio_min"] - 1) < 1e-5

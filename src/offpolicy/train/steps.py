@@ -247,8 +247,10 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
         mask = unscored_mask(rollout.completions, rollout.rollout_logp, rollout.versions)  # π_old is filled in by the
         mu = rollout.rollout_logp.to(mask.device)  # update with the approximation each row's loss read
         return Scored(mu.clone(), mask, mu, None, {}, rollout.routed_experts if mode == "r3" else None, None)
+    # r2 measures how often π_old's routes differ from the engine's where the engine's were recorded (a multi-turn
+    # rollout records none across its turns: no flip rate there)
     routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
-               if mode != "none" else None)
+               if mode == "r3" or (mode == "r2" and rollout.routed_experts is not None) else None)
     recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else None
     reuse = single_pass(state)
     with torch.set_grad_enabled(reuse), routing or contextlib.nullcontext(), recorder or contextlib.nullcontext():

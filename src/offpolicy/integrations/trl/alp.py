@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from offpolicy.integrations.trl.ranks import world_size
 from offpolicy.perturbation import LayerwisePerturbation
 
 ALP_CHECKPOINT_FILE = "offpolicy_alp.pt"
@@ -29,12 +30,13 @@ def allreduce_sigma_grad(alp: LayerwisePerturbation, group: Any = None) -> bool:
     >>> allreduce_sigma_grad(alp)       # not distributed: nothing to do
     False
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    processes = world_size(group)
+    if processes == 1:
         return False
     if alp.log_sigma.grad is None:
         alp.log_sigma.grad = torch.zeros_like(alp.log_sigma)
     dist.all_reduce(alp.log_sigma.grad, op=dist.ReduceOp.SUM, group=group)
-    alp.log_sigma.grad.div_(dist.get_world_size(group))
+    alp.log_sigma.grad.div_(processes)
     return True
 
 

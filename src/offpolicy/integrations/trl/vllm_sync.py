@@ -45,6 +45,7 @@ from offpolicy.integrations.trl.patches import (  # noqa: F401 - re-exported: th
     extra_llm_kwargs,
     server_sync_choice,
 )
+from offpolicy.integrations.trl.ranks import world_size
 from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncCheckError, SyncProbe
 from offpolicy.rollout.weight_sync import ReloadFolder
 
@@ -274,8 +275,9 @@ def _raise_on_any_rank(error: SyncCheckError | None) -> None:
     object all-gather per sync, only with several processes."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        verdicts: list[Any] = [None] * dist.get_world_size()
+    processes = world_size()
+    if processes > 1:
+        verdicts: list[Any] = [None] * processes
         dist.all_gather_object(verdicts, None if error is None else str(error))
         failed = [(rank, text) for rank, text in enumerate(verdicts) if text is not None]
         if failed and error is None:

@@ -185,9 +185,10 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
 
     # -- sampling recipe in every log-prob forward; top-K KL bounds in the old-log-prob forward --------------------
     def prepare_model_outputs(self, output: Any, output_args: dict, micro_batch: Any, logits_processor_func: Any):
-        plain = bool(tu.get_non_tensor_data(data=micro_batch, key=PLAIN_LOG_PROBS, default=False))
-        recipe, topk = self.offpolicy.sampling.active and not plain, self._wants_topk_bounds(micro_batch) and not plain
-        center = not plain and self._wants_score_centering(micro_batch)
+        if tu.get_non_tensor_data(data=micro_batch, key=PLAIN_LOG_PROBS, default=False):  # the sync check's probe
+            return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        recipe, topk = self.offpolicy.sampling.active, self._wants_topk_bounds(micro_batch)
+        center = self._wants_score_centering(micro_batch)
         if not (recipe or topk or center):
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from offpolicy.integrations.trl.parts import TRLBase
+from offpolicy.integrations.trl.ranks import world_size
 from offpolicy.integrations.trl.vllm_sync import FileSync, TRLSyncCheck, install_vllm_sync, uses_files, vllm_on_cpu
 from offpolicy.rollout.sync_check import SyncCheck
 
@@ -35,7 +36,7 @@ def _main_process_value(value: Any) -> Any:
     """``value`` as the main process has it, on every process (itself where there is one process)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
