@@ -9,7 +9,8 @@ idle cores), the sync check's catch and the sampler order on an fp32 engine (its
 Adam step behind stands out; ≈ 60 s). Server mode (tests/vllm/scripts/trl_server.py) against a live fp32 server of
 its own: TRL's own server mode fails on a CPU trainer; the weights through files instead, every sync checked
 (≈ 70 s with the server's start). The same server with two trainer processes (tests/vllm/scripts/trl_ranks.py:
-torchrun, accelerate's multi-CPU DDP over gloo): every sync checked, and a broken one stops both ranks (≈ 60 s)."""
+torchrun, accelerate's multi-CPU DDP over gloo): every sync checked, and a broken one stops both ranks (≈ 60 s); and
+two processes in colocate mode, each with its own engine and its own check (≈ 65 s)."""
 
 from __future__ import annotations
 
@@ -162,6 +163,31 @@ def test_a_broken_sync_stops_every_trainer_process_naming_the_sync(ranks_runs):
     assert main["error"] is not None and "did not take" in main["error"] and "weight sync at step" in main["error"]
     assert other["error"] == f"rank 0: {main['error']}"  # the other process stops too, saying why
     assert main["failed_at_step"] == other["failed_at_step"] >= 1
+
+
+@pytest.fixture(scope="module")
+def colocate_ranks_runs(run_vllm_script):
+    proc = run_vllm_script(RANKS_SCRIPT, "colocate", timeout=1200)
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_two_colocated_processes_each_check_their_own_engine(colocate_ranks_runs):
+    ok = colocate_ranks_runs["ok"]
+    assert ok["returncode"] == 0, ok["output"]
+    for rank in ok["ranks"]:  # an engine in each process (TRL's external launcher), each pushed to and checked
+        assert rank["world"] == 2 and rank["distributed_type"].endswith("MULTI_CPU") and not rank["file_sync"]
+        assert rank["error"] is None and rank["steps"] == 4 and rank["moved"]
+        assert len(rank["log"]["sync/ok"]) == 4 and all(v == 1.0 for v in rank["log"]["sync/ok"])
+        assert all(g < 1e-4 for g in rank["log"]["sync/gap"]) and max(rank["log"]["sync/step_rms"]) > 0.05
+        assert all(s > 0 for s in rank["log"]["sync/push_seconds"])
+
+
+def test_a_push_broken_on_one_colocated_process_stops_both(colocate_ranks_runs):
+    broken = colocate_ranks_runs["head_left_behind_on_rank1"]
+    first, second = broken["ranks"]
+    assert second["error"] is not None and "did not take" in second["error"]  # rank 1 judged its own engine
+    assert first["error"] == f"rank 1: {second['error']}"  # rank 0's sync took, and it stops too, saying why
+    assert first["failed_at_step"] == second["failed_at_step"] >= 1
 
 
 def test_server_mode_syncs_through_files_and_checks_every_sync(server_runs):
