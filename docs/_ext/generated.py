@@ -219,7 +219,7 @@ def sync_check(prefix: str = "") -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted((ROOT / "docs" / "data" / "sync_check").glob("*.json")):
         run = json.loads(path.read_text())
-        for row in run["settings"]:
+        for row in sorted(run["settings"], key=lambda r: r["lr"]):
             det = row["detection"]
 
             def delay(mode: str, det=det, row=row) -> str:
