@@ -20,6 +20,10 @@ fresh calibration, up to ``--max-delay`` syncs, recording the first sync that al
 * ``layer``: every tensor but the last decoder layer's;
 * ``dtype``: the weights' bf16 bits read as fp16 (weights loaded in the wrong dtype).
 
+Two layers, each timed to its own first alarm: the behavioural one (``syncs``, ``caught_by``: the gap, the engine's
+motion or the staleness) and, where the engine's tensors are readable (in-process vLLM), the parameter layer
+(``params_syncs``; its own false alarms over the healthy syncs: ``params_false_alarms``).
+
 ``--model lab-wide`` is the lab model with its vocabulary widened to Qwen2.5's 151,936 ids and its head shape (tied,
 256 wide): the 147,837 new rows are drawn N(0, s²/4), s the standard deviation of the trained rows, so their logits
 sit near zero while the trained tokens' spread as before — a large tail of unused tokens, as Qwen2.5's tokenizer
@@ -79,6 +83,8 @@ def caught_by(message: str) -> str:
         return "motion"
     if "of the way back" in message:
         return "staleness"
+    if "did not change while" in message:
+        return "params"
     return "other"
 
 
@@ -141,7 +147,7 @@ def main() -> None:
         check = calibrated()
         row: dict = {"lr": lr, "max_delay": args.max_delay, "baseline": check.baseline, "standard_error": check.standard_error,
                      "threshold": check.threshold, "noise_rms": check.noise_rms, "repeat_rms": check.repeat_rms}
-        alarms, ratios, motions, push_s, check_s = [], [], [], [], []
+        alarms, ratios, motions, push_s, check_s, params_left = [], [], [], [], [], []
         for i in range(args.healthy):
             step(opt, gen)
             a = time.perf_counter()
@@ -154,6 +160,11 @@ def main() -> None:
                 motions.append(m["sync/engine_motion"])
             if m["sync/ok"] != 1.0:
                 alarms.append(i + 1)
+            if "sync/params_left" in m:
+                params_left.append(m["sync/params_left"])
+        if check.parameters is not None:  # the parameter layer (an in-process engine): its own false alarms
+            row.update(params_checked=check.parameters.checked, params_total=check.parameters.total,
+                       params_false_alarms=sum(1 for n in params_left if n > 0))
         row.update(healthy=args.healthy, false_alarms=len(alarms), false_alarm_syncs=alarms[:10],
                    ratio_max=max(ratios), ratio_min=min(ratios), gap_last=ratios[-1] * (check.baseline or 0),
                    motion_min=min(motions) if motions else None,
@@ -163,7 +174,10 @@ def main() -> None:
             restore()
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
             check = calibrated()
-            delay, by = None, None
+            # each layer timed on its own: the parameter layer runs beside the check, not in it (a sync it failed
+            # would not be verified, which changes when the behavioural layer resolves)
+            params, check.parameters = check.parameters, None
+            delay, by, params_delay = None, None, None  # the behavioural layer's first alarm; the parameter layer's
             for i in range(args.max_delay):
                 step(opt, gen)
                 named = broken(model, mode)
@@ -178,10 +192,18 @@ def main() -> None:
                     m = check.after_sync(engine, model, what=f"{mode} sync {i + 1}")
                 finally:
                     logger.removeHandler(handler)
-                if m["sync/ok"] != 1.0:
+                if params is not None and params_delay is None and params.after_sync(engine.engine_parameters()[0],
+                                                                                     model.state_dict()):
+                    params_delay = i + 1
+                if delay is None and m["sync/ok"] != 1.0:
                     delay, by = i + 1, caught_by(records[-1] if records else "")
+                # once the behavioural layer fired, the parameter layer gets two more syncs (a wrong dtype changes
+                # every tensor: that layer never fires on it)
+                if delay is not None and (params_delay is not None or params is None or i + 1 >= delay + 2):
                     break
-            row["detection"][mode] = {"syncs": delay, "caught_by": by, "last_ratio": m["sync/ratio"],
+            row["detection"][mode] = {"syncs": delay, "caught_by": by, "params_syncs": params_delay,
+                                      "syncs_run": i + 1,
+                                      "last_ratio": m["sync/ratio"],
                                       "last_stale_fraction": m["sync/stale_fraction"],
                                       "last_step_rms": m["sync/step_rms"],
                                       "last_engine_motion": m["sync/engine_motion"]}

@@ -215,8 +215,8 @@ def sync_check(prefix: str = "") -> str:
     import json
 
     rows = ["| model (V) | engine | lr | healthy syncs | false alarms | gap: baseline ± se → threshold | "
-            "no-op sync | tied head left | last layer left | wrong dtype | check / push s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "engine tensors checked | no-op sync | tied head left | last layer left | wrong dtype | check / push s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted((ROOT / "docs" / "data" / "sync_check").glob("*.json")):
         run = json.loads(path.read_text())
         for row in sorted(run["settings"], key=lambda r: r["lr"]):
@@ -224,12 +224,17 @@ def sync_check(prefix: str = "") -> str:
 
             def delay(mode: str, det=det, row=row) -> str:
                 d = det.get(mode, {})
-                return (f"{d['syncs']} ({d['caught_by']})" if d.get("syncs") else
+                cell = (f"{d['syncs']} ({d['caught_by']})" if d.get("syncs") else
                         f"not in {row.get('max_delay', '?')}")
+                if "params_syncs" in d and "params_checked" in row:  # the parameter layer, timed on its own
+                    cell += f" · params {d['params_syncs'] or 'not in ' + str(d['syncs_run'])}"
+                return cell
 
             rows.append(f"| {run['model']} ({run['vocab']:,}) | vLLM {run['dtype']} | {row['lr']:g} | "
                         f"{row['healthy']} | {row['false_alarms']} | {_num(row['baseline'])} ± "
-                        f"{_num(row['standard_error'])} → {_num(row['threshold'])} | {delay('noop')} | "
+                        f"{_num(row['standard_error'])} → {_num(row['threshold'])} | "
+                        f"{str(row['params_checked']) + ' of ' + str(row['params_total']) if 'params_checked' in row else '–'} | "
+                        f"{delay('noop')} | "
                         f"{delay('head')} | {delay('layer')} | {delay('dtype')} | "
                         f"{row['check_s_median']:.2f} / {row['push_s_median']:.2f} |")
     return "\n".join(rows)

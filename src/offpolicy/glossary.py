@@ -101,8 +101,12 @@ ENTRIES: tuple[Entry, ...] = (
           "weights, 1 kept the old)", "trainer"),
     Entry("sync/step_rms", "how much the update moved the probe's log-probs (root mean square), β's resolution",
           "trainer"),
-    Entry("sync/ok", "1 when the sync passed both tests, 0 when it failed (with rollout.sync_check=warn)",
+    Entry("sync/ok", "1 when the sync passed every test, 0 when it failed (with rollout.sync_check=warn)",
           "trainer"),
+    Entry("sync/params_left", "engine tensors that did not change while their trainer sources did (the parameter "
+          "layer, in-process vLLM only; 0 on a healthy sync)", "trainer"),
+    Entry("sync/params_checked", "engine tensors the parameter layer can read and map to the trainer's (vLLM's CPU "
+          "build repacks its linear weights out of reach)", "trainer"),
     Entry("sync/seconds", "seconds the check took (two forwards of the probe)", "trainer"),
     # -- the loss --------------------------------------------------------------------------------------------------
     Entry("loss/loss", "the policy loss of the step", "trainer"),

@@ -54,6 +54,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.rollout.param_check import ParameterCheck
+
 logger = logging.getLogger(__name__)
 
 SYNC_CHECK_ACTIONS = ("error", "warn")
@@ -236,6 +238,7 @@ class SyncCheck:
         self.noise_rms = 0.0  # root mean square of the engine − trainer residual at calibration
         self.repeat_rms = 0.0  # root mean square of the engine's own difference between two scorings
         self._verified: tuple[Tensor, Tensor] | None = None  # (trainer, engine) log-probs at the last verified sync
+        self.parameters: ParameterCheck | None = None  # the parameter layer, for an engine whose tensors are readable
 
     @property
     def threshold(self) -> float:
@@ -244,10 +247,11 @@ class SyncCheck:
         return min(self.baseline + max(self.z * math.sqrt(2.0) * self.standard_error, self.floor), self.envelope)
 
     def judge(self, gap: float, *, what: str, seconds: float = 0.0, stale: float = math.nan, step_rms: float = 0.0,
-              engine_rms: float = math.nan) -> dict[str, float]:
+              engine_rms: float = math.nan, params_left: list[str] | None = None) -> dict[str, float]:
         """The metrics of one sync named ``what`` from its ``gap``, its staleness β over a trainer movement of
-        ``step_rms`` and the engine's own movement ``engine_rms`` (both since the last verified sync); raises or
-        warns when it fails.
+        ``step_rms`` and the engine's own movement ``engine_rms`` (both since the last verified sync), and the
+        parameter layer's engine tensors left behind (``params_left``; None: no parameter layer); raises or warns
+        when it fails.
 
         >>> check = SyncCheck(z=6.0)
         >>> check.baseline, check.standard_error, check.noise_rms = 0.01, 0.001, 0.012
@@ -267,6 +271,10 @@ class SyncCheck:
         Traceback (most recent call last):
         ...
         offpolicy.rollout.sync_check.SyncCheckError: step 7: the trainer's log-probs moved 0.003 nats (rms) on the probe since the last verified sync and the engine's 0: the engine did not take the new weights
+        >>> check.judge(0.011, what="step 8", params_left=["model.norm.weight"])
+        Traceback (most recent call last):
+        ...
+        offpolicy.rollout.sync_check.SyncCheckError: step 8: 1 of the engine's tensors did not change while the trainer's did (model.norm.weight): the engine did not take all of the new weights
         """
         threshold = self.threshold
         resolved = math.isfinite(stale) and step_rms >= self.STALE_RESOLUTION * self.noise_rms
@@ -288,6 +296,12 @@ class SyncCheck:
             message = (f"{what}: after the weight sync the engine is {stale:.3g} of the way back to "
                        f"the last verified weights on the probe (0: it took the new ones, 1: it kept the old; "
                        f"threshold {self.max_stale:g}): the engine did not take all of the new weights")
+        elif params_left:
+            named = ", ".join(params_left[:3]) + (", …" if len(params_left) > 3 else "")
+            message = (f"{what}: {len(params_left)} of the engine's tensors did not change while the trainer's did "
+                       f"({named}): the engine did not take all of the new weights")
+        if params_left is not None:
+            metrics["sync/params_left"] = float(len(params_left))
         metrics["sync/ok"] = float(message is None)
         metrics["sync/verified"] = float(message is None and resolved)
         if message is not None:
@@ -330,6 +344,11 @@ class SyncCheck:
         if probe is not None:
             self.probe = probe
         start = time.perf_counter()
+        self.parameters = None
+        tensors = getattr(engine, "engine_parameters", None)
+        if tensors is not None and (found := tensors()) is not None:
+            self.parameters = ParameterCheck(packed=found[1])
+            self.parameters.calibrate(found[0], model.state_dict())
         engine_logp, trainer_logp, mask = self._score(engine, model)
         return self.calibrate_from(engine_logp, trainer_logp, mask, again=self._score_engine(engine)[0],
                                    seconds=time.perf_counter() - start)
@@ -354,11 +373,19 @@ class SyncCheck:
     def after_sync(self, engine: Any, model: torch.nn.Module, *, what: str) -> dict[str, float]:
         """Score the probe on both sides after a sync and :meth:`judge` it."""
         start = time.perf_counter()
+        left = None
+        if self.parameters is not None:
+            named, _ = engine.engine_parameters()
+            left = self.parameters.after_sync(named, model.state_dict())
         engine_logp, trainer_logp, mask = self._score(engine, model)
-        return self.judge_scores(engine_logp, trainer_logp, mask, what=what, seconds=time.perf_counter() - start)
+        metrics = self.judge_scores(engine_logp, trainer_logp, mask, what=what, seconds=time.perf_counter() - start,
+                                    params_left=left)
+        if self.parameters is not None:
+            metrics["sync/params_checked"] = float(self.parameters.checked)
+        return metrics
 
     def judge_scores(self, engine_logp: Tensor, trainer_logp: Tensor, mask: Tensor, *, what: str,
-                     seconds: float = 0.0) -> dict[str, float]:
+                     seconds: float = 0.0, params_left: list[str] | None = None) -> dict[str, float]:
         """:meth:`after_sync` on log-probs scored elsewhere (``[B, T]`` each); moves the reference forward when the
         sync is verified."""
         stale, step_rms, engine_rms = math.nan, 0.0, math.nan
@@ -367,7 +394,7 @@ class SyncCheck:
             stale, step_rms = stale_fraction(engine_logp, trainer_logp, old_trainer, mask)
             engine_rms = _rms(engine_logp - old_engine, mask)
         metrics = self.judge(probe_gap(engine_logp, trainer_logp, mask), what=what, stale=stale, step_rms=step_rms,
-                             engine_rms=engine_rms, seconds=seconds)
+                             engine_rms=engine_rms, seconds=seconds, params_left=params_left)
         if metrics["sync/verified"] == 1.0:
             self._anchor(engine_logp, trainer_logp, mask)
         return metrics

@@ -143,6 +143,11 @@ class VLLMRolloutEngine:
         """Send ``model``'s state dict to vLLM (cast there to its dtype), then drop cached prefixes."""
         push_weights(self.llm, model.state_dict().items())
 
+    def engine_parameters(self) -> tuple[Any, dict[str, list[str]]]:
+        """The engine's own tensors ``(name, tensor)`` as it stores them, and its fused modules
+        (``packed_modules_mapping``): the sync check's parameter layer (:mod:`offpolicy.rollout.param_check`)."""
+        return engine_tensors(self.llm)
+
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
               cfg: SamplingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs ``[B, T]`` (0 at padding) and mask of given completions under vLLM's numerics (prompt
@@ -187,6 +192,13 @@ def _worker(llm: Any) -> Any:
         raise ValueError("vLLM runs its worker in another process: build the LLM with "
                          "VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors cannot be pushed into it otherwise)")
     return getattr(worker, "worker", worker)  # v1 wraps the worker
+
+
+def engine_tensors(llm: Any) -> tuple[Any, dict[str, list[str]]]:
+    """An in-process ``vllm.LLM``'s parameters ``(name, tensor)`` (lazily) and its model's
+    ``packed_modules_mapping`` (fused module → the checkpoint's modules it is built from)."""
+    model = _worker(llm).model_runner.model
+    return model.named_parameters(), dict(getattr(model, "packed_modules_mapping", {}) or {})
 
 
 def vllm_platform_is_cpu() -> bool:

@@ -139,6 +139,12 @@ class ColocateScorer:
 
         return prompt_logprobs(self.llm, prompt_ids, completion_ids)
 
+    def engine_parameters(self) -> tuple[Any, dict[str, list[str]]]:
+        """The engine's tensors for the check's parameter layer (:func:`offpolicy.rollout.vllm.engine_tensors`)."""
+        from offpolicy.rollout.vllm import engine_tensors
+
+        return engine_tensors(self.llm)
+
 
 class ServerScorer:
     """The same from a vLLM server, through TRL's ``VLLMClient.get_sequence_logprobs`` (``/v1/completions`` with

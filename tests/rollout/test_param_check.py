@@ -1,0 +1,134 @@
+"""The sync check's parameter layer on a transformers engine that stores its tensors as vLLM does (q, k, v fused into
+one ``qkv_proj``; the engine's dtype): healthy syncs at any learning rate pass, including steps below bf16's
+resolution; a decoder layer or an untied head left behind is named at the first sync, where the behavioural layer
+cannot resolve it; tensors the layer cannot read or map are counted, not checked."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offpolicy.rollout.hf import HFRolloutEngine
+from offpolicy.rollout.param_check import ParameterCheck, fingerprint, trainer_sources
+from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+
+class FusedEngine(HFRolloutEngine):
+    """The transformers engine exposing its tensors in vLLM's layout; its sync can leave a part behind."""
+
+    def __init__(self, *args, leave: str | None = None, **kwargs):
+        self.leave = None  # the constructor's own first sync loads everything
+        super().__init__(*args, **kwargs)
+        self.leave = leave
+
+    def sync_weights(self, model):
+        kept = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                if self.leave is not None and k.startswith(self.leave)}
+        super().sync_weights(model)
+        if self.leave == "lm_head":  # untie and keep the old head, as vLLM's CPU backend does on a reload from files
+            self.model.lm_head.weight = torch.nn.Parameter(kept["lm_head.weight"])
+        else:
+            with torch.no_grad():
+                for name, value in kept.items():
+                    self.model.get_parameter(name).copy_(value)
+
+    def engine_parameters(self):
+        def tensors():
+            groups: dict[str, list[torch.Tensor]] = {}
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                for src in PACKED["qkv_proj"]:
+                    if f".{src}." in name:
+                        groups.setdefault(name.replace(src, "qkv_proj"), []).append(p)
+                        break
+                else:
+                    yield name, p
+            for name, parts in groups.items():
+                yield name, torch.cat(parts)
+            yield "model.rotary_emb.inv_freq", torch.ones(4)  # no trainer source: not checked
+            yield "model.layers.0.mlp.packed_elsewhere", torch.empty(0)  # repacked out of reach: not checked
+
+        return tensors(), PACKED
+
+
+def _adam_like_step(model, lr, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randint(0, 2, p.shape, generator=gen).float() * 2 - 1, alpha=lr)
+
+
+@pytest.fixture
+def rig():
+    from offpolicy.models import load_model
+
+    base, tok = load_model("tiny")
+
+    def build(leave: str | None, dtype: str = "bfloat16"):
+        model = copy.deepcopy(base)
+        engine = FusedEngine(copy.deepcopy(model), dtype=dtype, tokenizer=tok, leave=leave)
+        prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in [(3, 4), (12, 30), (7, 7), (25, 50)]]
+        out = engine.generate(prompts, SamplingConfig(max_new_tokens=8), seed=0)
+        check = SyncCheck(on_failure="warn")
+        check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+        return model, engine, check
+
+    return build
+
+
+def test_sources_of_fused_and_plain_tensors():
+    names = {"a.q_proj.w", "a.k_proj.w", "a.v_proj.w", "a.norm.w"}
+    assert trainer_sources("a.qkv_proj.w", PACKED, names) == ["a.q_proj.w", "a.k_proj.w", "a.v_proj.w"]
+    assert trainer_sources("a.qkv_proj.w", PACKED, names - {"a.v_proj.w"}) is None  # a source missing: unmapped
+    assert trainer_sources("a.norm.w", PACKED, names) == ["a.norm.w"]
+
+
+def test_fingerprints_see_one_changed_element_dtype_and_shape():
+    x = torch.randn(64, dtype=torch.bfloat16)
+    y = x.clone()
+    y.view(torch.int16)[17] ^= 1  # the last bit of one element
+    assert fingerprint(x) == fingerprint(x.clone()) and fingerprint(x) != fingerprint(y)
+    assert fingerprint(x.float()) != fingerprint(x) and fingerprint(x.view(8, 8)) != fingerprint(x)
+
+
+def test_a_step_below_the_engines_resolution_is_no_verdict():
+    # the trainer moves by 1e-12 (far below bf16's resolution): its cast and the engine stay as they were
+    check = ParameterCheck()
+    trainer = {"w": torch.randn(32)}
+    engine = {"w": trainer["w"].to(torch.bfloat16)}
+    check.calibrate(engine.items(), trainer)
+    trainer["w"] = trainer["w"] + 1e-12
+    assert check.after_sync(engine.items(), trainer) == []
+    trainer["w"] = trainer["w"] + 0.5  # now the cast changes and the engine did not: left behind
+    assert check.after_sync(engine.items(), trainer) == ["w"]
+
+
+@pytest.mark.parametrize("lr", [1e-9, 1e-6, 1e-5, 3e-4])
+def test_healthy_syncs_leave_nothing_behind(rig, lr):
+    model, engine, check = rig(None)
+    for i in range(5):
+        _adam_like_step(model, lr, seed=i)
+        engine.sync_weights(model)
+        metrics = check.after_sync(engine, model, what=f"sync {i + 1}")
+        assert metrics["sync/ok"] == 1.0 and metrics["sync/params_left"] == 0.0, metrics
+    assert check.parameters is not None
+    assert check.parameters.checked == check.parameters.total - 2  # the unmapped and the empty tensor
+
+
+# layer 1 in the engine's layout is 8 tensors; its two norm weights (≈ 1) move by 1e-6, below bf16's resolution
+# there (2⁻⁷): their casts do not change, no verdict — the other 6 are named
+@pytest.mark.parametrize("leave, left", [("model.layers.1.", 6), ("lm_head", 1)])
+def test_a_part_left_behind_is_named_at_the_first_sync(rig, caplog, leave, left):
+    model, engine, check = rig(leave)
+    _adam_like_step(model, 1e-6)
+    engine.sync_weights(model)
+    with caplog.at_level("WARNING", logger="offpolicy.rollout.sync_check"):
+        metrics = check.after_sync(engine, model, what="sync 1")
+    assert metrics["sync/ok"] == 0.0 and metrics["sync/params_left"] == left
+    assert f"sync 1: {left} of the engine's tensors did not change" in caplog.text and leave in caplog.text
+    # at lr 1e-6 the probe moves far less than bf16's noise: the behavioural layer alone says nothing
+    assert metrics["sync/gap"] <= metrics["sync/threshold"] and metrics["sync/step_rms"] < 2 * check.noise_rms
