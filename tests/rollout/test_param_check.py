@@ -132,3 +132,16 @@ def test_a_part_left_behind_is_named_at_the_first_sync(rig, caplog, leave, left)
     assert f"sync 1: {left} of the engine's tensors did not change" in caplog.text and leave in caplog.text
     # at lr 1e-6 the probe moves far less than bf16's noise: the behavioural layer alone says nothing
     assert metrics["sync/gap"] <= metrics["sync/threshold"] and metrics["sync/step_rms"] < 2 * check.noise_rms
+
+
+def test_the_layer_can_be_turned_off():
+    from offpolicy.models import load_model
+
+    model, tok = load_model("tiny")
+    engine = FusedEngine(copy.deepcopy(model), dtype="bfloat16", tokenizer=tok, leave="model.layers.1.")
+    check = SyncCheck(on_failure="warn", parameters=False)
+    check.calibrate(engine, model, SyncProbe.from_text(tok))
+    _adam_like_step(model, 1e-6)
+    engine.sync_weights(model)
+    metrics = check.after_sync(engine, model, what="sync 1")
+    assert check.parameters is None and "sync/params_left" not in metrics and metrics["sync/ok"] == 1.0

@@ -33,6 +33,11 @@ baseline follows the engine's rounding error as the weights move, within ``max_d
 The baseline must itself stay below ``max_baseline`` (0.05 nats per token): a larger one means the two sides hold
 different models (another checkpoint, tokenizer or dtype than intended), and that is an error too.
 
+Where the engine's tensors are readable in this process (in-process vLLM, TRL's colocated engine), a parameter layer
+runs beside the three tests (:mod:`offpolicy.rollout.param_check`): every engine tensor whose trainer sources changed
+in the engine's dtype must have changed too — exact, and blind to what the engine computes; it names a part left
+behind at the first sync, where the behavioural tests wait for the lag to exceed the noise.
+
 What a behavioural check sees and a parameter checksum (vLLM's weight checker, SGLang's
 ``--check-weight-update-equal``) does not: what the engine computes — a head the engine untied from the embedding,
 KV-cache scales left as noise, a kernel that reads the weights in another layout. What it cannot see: a part of the
@@ -209,6 +214,9 @@ class SyncCheck:
             baseline (or the first threshold, if larger) fails: a lag that grows slowly through verified syncs is
             still caught.
         on_failure: ``"error"`` raises :class:`SyncCheckError`; ``"warn"`` logs and reports ``sync/ok = 0``.
+        parameters: with an engine whose tensors this process reads (``engine_parameters()``: in-process vLLM, TRL's
+            colocated engine), also run the parameter layer (:mod:`offpolicy.rollout.param_check`) — exact, but it
+            reads every engine tensor on the host once per sync.
     """
 
     STALE_RESOLUTION = 2.0  # β counts once the trainer moved the probe this many times more than the noise does
@@ -216,7 +224,7 @@ class SyncCheck:
     REPEAT_RESOLUTION = 4.0  # ... and this many times the engine's own repeatability
 
     def __init__(self, *, z: float = 6.0, floor: float = 1e-5, max_baseline: float = 0.05, max_stale: float = 0.5,
-                 max_drift: float = 3.0, on_failure: str = "error") -> None:
+                 max_drift: float = 3.0, on_failure: str = "error", parameters: bool = True) -> None:
         if not (isinstance(z, (int, float)) and math.isfinite(z) and z > 0):
             raise ValueError(f"z must be a finite number > 0, got {z!r}")
         if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
@@ -238,6 +246,7 @@ class SyncCheck:
         self.noise_rms = 0.0  # root mean square of the engine − trainer residual at calibration
         self.repeat_rms = 0.0  # root mean square of the engine's own difference between two scorings
         self._verified: tuple[Tensor, Tensor] | None = None  # (trainer, engine) log-probs at the last verified sync
+        self.use_parameters = bool(parameters)
         self.parameters: ParameterCheck | None = None  # the parameter layer, for an engine whose tensors are readable
 
     @property
@@ -346,7 +355,7 @@ class SyncCheck:
         start = time.perf_counter()
         self.parameters = None
         tensors = getattr(engine, "engine_parameters", None)
-        if tensors is not None and (found := tensors()) is not None:
+        if self.use_parameters and tensors is not None and (found := tensors()) is not None:
             self.parameters = ParameterCheck(packed=found[1])
             self.parameters.calibrate(found[0], model.state_dict())
         engine_logp, trainer_logp, mask = self._score(engine, model)

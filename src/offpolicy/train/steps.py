@@ -142,7 +142,7 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
             raise ValueError(f"rollout.sync_check={cfg.rollout.sync_check!r}: the engine {type(engine).__name__} cannot "
                              "score given tokens (no score()), so its syncs cannot be checked; set rollout.sync_check=off")
         sync_check = SyncCheck(z=cfg.rollout.sync_check_z, max_baseline=cfg.rollout.sync_check_max_baseline,
-                               on_failure=action)
+                               on_failure=action, parameters=cfg.rollout.sync_check_parameters)
     return TrainState(
         cfg=cfg, model=model, tokenizer=tokenizer, task=task if task is not None else load_task(cfg.task),
         engine=engine, sampling=sampling_config(cfg),
