@@ -40,10 +40,18 @@ def test_a_sync_reaches_the_engine_and_the_check_passes(engine_result):
     # the update is visible before the sync: the check's own limit (baseline + its noise) would flag the stale engine
     assert engine_result["stale_gap"] > engine_result["threshold"]
     after = engine_result["after_sync"]
-    assert after["sync/ok"] == 1.0
+    assert after["sync/ok"] == 1.0 and after["sync/params_left"] == 0.0  # every readable engine tensor moved
     assert after["sync/gap"] <= max(4 * base, 1e-3)
 
 
 def test_the_check_catches_a_head_left_behind(engine_result):
     assert engine_result["caught"] is not None
     assert "sync 2 (output head left behind)" in engine_result["caught"]
+
+
+def test_the_parameter_layer_names_a_layer_left_behind_below_the_noise(engine_result):
+    # lr 1e-6: the probe moves far less than the engine's own noise, yet the last layer's readable tensors (its
+    # biases; its norms too on fp32) stayed as they were while the trainer's casts changed
+    left = engine_result["layer_left"]
+    assert engine_result["layer_left_checked"] > 0
+    assert left["sync/ok"] == 0.0 and left["sync/params_left"] >= 1

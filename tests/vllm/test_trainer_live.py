@@ -22,6 +22,8 @@ def test_train_on_vllm_logs_every_sync_check(run_vllm_script, tmp_path):
     first, later = result["sync"][0], result["sync"][1:]
     assert 1e-4 < first["sync/baseline"] < 0.05  # vLLM bf16 against the fp32 trainer: a real, small gap
     assert all("sync/stale_fraction" in s and s["sync/gap"] < 4 * first["sync/baseline"] for s in later)
+    # the parameter layer ran on the in-process engine and found nothing left behind
+    assert all(s["sync/params_checked"] > 0 and s["sync/params_left"] == 0.0 for s in later)
     assert result["checkpoints"][-1] == "step_00000003.safetensors"
 
 

@@ -87,4 +87,17 @@ if __name__ == "__main__":
         result["caught"] = None
     except SyncCheckError as err:
         result["caught"] = str(err)
+    # a step of Adam's size at lr 1e-6 with the last decoder layer left behind: far below the probe's noise in bf16,
+    # named at once by the parameter layer (the engine's readable tensors: norms, biases, embedding)
+    check = SyncCheck(on_failure="warn")
+    engine.sync_weights(model)
+    check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+    last = max(int(k.split(".")[2]) for k in model.state_dict() if k.startswith("model.layers."))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randint(0, 2, p.shape).float() * 2 - 1, alpha=1e-6)
+    push_weights(engine.llm, [(k, v) for k, v in model.state_dict().items()
+                              if not k.startswith(f"model.layers.{last}.")])
+    result["layer_left"] = check.after_sync(engine, model, what="sync 3 (last layer left behind)")
+    result["layer_left_checked"] = check.parameters.checked if check.parameters is not None else None
     print("RESULT " + json.dumps(result))
