@@ -180,6 +180,8 @@ def test_two_colocated_processes_each_check_their_own_engine(colocate_ranks_runs
         assert len(rank["log"]["sync/ok"]) == 4 and all(v == 1.0 for v in rank["log"]["sync/ok"])
         assert all(g < 1e-4 for g in rank["log"]["sync/gap"]) and max(rank["log"]["sync/step_rms"]) > 0.05
         assert all(s > 0 for s in rank["log"]["sync/push_seconds"])
+        # and the parameter layer on each process's own engine: its readable tensors all moved
+        assert rank["log"]["sync/params_left"] == [0.0] * 4 and min(rank["log"]["sync/params_checked"]) > 0
 
 
 def test_a_push_broken_on_one_colocated_process_stops_both(colocate_ranks_runs):

@@ -98,7 +98,8 @@ def rank_main(url: str, scenario: str, out: str) -> None:
     train_recording_sync_failure(trainer, entry)
     entry["steps"] = trainer.state.global_step
     entry["log"] = {key: [row[key] for row in trainer.state.log_history if key in row]
-                    for key in ("sync/ok", "sync/gap", "sync/baseline", "sync/step_rms", "sync/push_seconds", "loss")}
+                    for key in ("sync/ok", "sync/gap", "sync/baseline", "sync/step_rms", "sync/push_seconds", "sync/params_left",
+                                "sync/params_checked", "loss")}
     Path(out, f"rank{entry['rank']}.json").write_text(json.dumps(entry))
 
 
