@@ -107,6 +107,18 @@ def test_a_step_below_the_engines_resolution_is_no_verdict():
     assert check.after_sync(engine.items(), trainer) == ["w"]
 
 
+def test_a_quantised_engine_tensor_is_counted_not_judged():
+    # an int8 pack (or fp8 with a scale) is not a plain cast of its source: it may stay as it is while the source's
+    # cast changes, so the layer leaves it to the behavioural tests
+    check = ParameterCheck()
+    trainer = {"w": torch.zeros(8), "b": torch.zeros(8)}
+    engine = {"w": torch.zeros(8, dtype=torch.int8), "b": torch.zeros(8, dtype=torch.bfloat16)}
+    check.calibrate(engine.items(), trainer)
+    assert (check.checked, check.total) == (1, 2)
+    trainer = {"w": torch.full((8,), 3.0), "b": torch.full((8,), 3.0)}
+    assert check.after_sync(engine.items(), trainer) == ["b"]
+
+
 @pytest.mark.parametrize("lr", [1e-9, 1e-6, 1e-5, 3e-4])
 def test_healthy_syncs_leave_nothing_behind(rig, lr):
     model, engine, check = rig(None)

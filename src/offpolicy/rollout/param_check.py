@@ -10,8 +10,9 @@ tensor of the engine changes exactly when one of its sources changes in the engi
 than the dtype's resolution leaves its cast — and the engine — unchanged: no verdict either way, no false alarm.
 Fingerprints are BLAKE2b digests of each tensor's bytes (read on the host: on a GPU engine this copies every weight
 once per sync). Engine tensors without storage (vLLM's CPU build repacks linear weights outside its parameters,
-leaving them empty), without sources among the trainer's names, or whose sources this process holds only a shard of
-(FSDP) are not checked, and counted (``sync/params_checked`` of ``sync/params_total``).
+leaving them empty), quantised ones (fp8, int packs: not a plain cast of their sources), ones without sources among
+the trainer's names, or whose sources this process holds only a shard of (FSDP) are not checked, and counted
+(``sync/params_checked`` of ``sync/params_total``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def trainer_sources(engine_name: str, packed: Mapping[str, list[str]], trainer_n
     return [engine_name] if engine_name in trainer_names else None
 
 
+# engine tensors stored as a plain cast of their sources; a quantised one (fp8 with a scale, int4 / int8 packs) may
+# stay unchanged while the trainer's plain cast changes, so it is not judged
+PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def _sharded(tensor: Tensor) -> bool:
     """An FSDP2 DTensor: this process holds a shard, not the tensor the engine was given."""
     return hasattr(tensor, "device_mesh")
@@ -85,7 +91,8 @@ class ParameterCheck:
             for name, tensor in engine_tensors:
                 total += 1
                 sources = trainer_sources(name, self.packed, names)
-                if tensor.numel() == 0 or sources is None or any(_sharded(trainer_state[s]) for s in sources):
+                if (tensor.numel() == 0 or sources is None or tensor.dtype not in PLAIN_DTYPES
+                        or any(_sharded(trainer_state[s]) for s in sources)):
                     continue
                 engine[name] = fingerprint(tensor)
                 trainer[name] = b"".join(fingerprint(trainer_state[s].to(tensor.dtype)) for s in sources)
