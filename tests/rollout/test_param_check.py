@@ -157,3 +157,22 @@ def test_the_layer_can_be_turned_off():
     engine.sync_weights(model)
     metrics = check.after_sync(engine, model, what="sync 1")
     assert check.parameters is None and "sync/params_left" not in metrics and metrics["sync/ok"] == 1.0
+
+
+def test_an_engine_whose_tensors_are_out_of_reach_is_judged_by_behaviour_alone(caplog):
+    from offpolicy.models import load_model
+
+    class Remote(HFRolloutEngine):
+        def engine_parameters(self):
+            raise ValueError("vLLM runs its worker in another process")
+
+    model, tok = load_model("tiny")
+    engine = Remote(copy.deepcopy(model), dtype="bfloat16", tokenizer=tok)
+    check = SyncCheck(on_failure="warn")
+    with caplog.at_level("WARNING", logger="offpolicy.rollout.sync_check"):
+        check.calibrate(engine, model, SyncProbe.from_text(tok))
+    assert check.parameters is None and "no parameter layer (vLLM runs its worker" in caplog.text
+    _adam_like_step(model, 1e-3)
+    engine.sync_weights(model)
+    assert check.after_sync(engine, model, what="sync 1")["sync/ok"] == 1.0
+
