@@ -80,7 +80,7 @@ class ParameterCheck:
     _engine: dict[str, bytes] = field(default_factory=dict, repr=False)
     _trainer: dict[str, bytes] = field(default_factory=dict, repr=False)
     total: int = 0  # engine tensors seen at the last snapshot
-    checked: int = 0  # of which with storage and sources among the trainer's names
+    checked: int = 0  # of which judged: with storage, a plain float dtype, and whole sources among the trainer's names
 
     def snapshot(self, engine_tensors: Iterable[tuple[str, Tensor]], trainer_state: Mapping[str, Tensor]
                  ) -> tuple[dict[str, bytes], dict[str, bytes]]:
