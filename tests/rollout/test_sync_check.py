@@ -254,3 +254,41 @@ def test_a_head_left_behind_accumulates_until_it_is_named(bf16_rig):
         _adam_like_step(healthy, 1e-7)
         engine.sync_weights(healthy)
         assert check.after_sync(engine, healthy, what=f"sync {i + 1}")["sync/ok"] == 1.0
+
+
+@pytest.fixture
+def bf16_policy_rig(tiny):
+    """A bf16 policy (the trainer's parameters themselves bf16, as a user loads with ``dtype=torch.bfloat16``) beside
+    a bf16 engine: the check scores the trainer in the policy's own dtype."""
+    import copy
+
+    def build(forget: str):
+        model, tok = copy.deepcopy(tiny[0]).to(torch.bfloat16), tiny[1]
+        engine = _BrokenSync(copy.deepcopy(model), dtype="bfloat16", tokenizer=tok, forget=forget)
+        prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in [(3, 4), (12, 30), (7, 7), (25, 50), (61, 2), (9, 90)]]
+        out = engine.generate(prompts, SamplingConfig(max_new_tokens=8), seed=0)
+        check = SyncCheck(on_failure="warn")
+        base = check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+        return model, engine, check, base
+
+    return build
+
+
+def test_a_bf16_policy_is_scored_in_its_own_dtype_and_its_healthy_syncs_pass(bf16_policy_rig):
+    model, engine, check, base = bf16_policy_rig("nothing")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    # both sides bf16, the same weights: the gap is the two forwards' own differences (KV cache against a full
+    # forward), far below a bf16-against-fp32 gap and never the "different models" limit
+    assert 0 <= base["sync/baseline"] < check.max_baseline
+    for i, lr in enumerate([1e-6, 1e-5, 3e-4, 3e-4]):
+        _adam_like_step(model, lr, seed=i)
+        engine.sync_weights(model)
+        assert check.after_sync(engine, model, what=f"sync {i + 1}")["sync/ok"] == 1.0
+
+
+def test_a_bf16_policys_sync_that_does_nothing_is_caught(bf16_policy_rig):
+    model, engine, check, _ = bf16_policy_rig("everything")
+    _adam_like_step(model, 3e-3)  # a step bf16 weights can hold (about half a bf16 ulp of a unit weight is 2e-3)
+    engine.sync_weights(model)
+    metrics = check.after_sync(engine, model, what="sync 1")
+    assert metrics["sync/ok"] == 0.0

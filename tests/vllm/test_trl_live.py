@@ -26,6 +26,7 @@ SERVER_SCRIPT = Path(__file__).parent / "scripts" / "trl_server.py"
 RANKS_SCRIPT = Path(__file__).parent / "scripts" / "trl_ranks.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_vllm.py"
 METHODS = ["trl_is", "dvp", "trm8", "trm20_max", "m2po", "ipo", "centering"]
+BF16_POLICY = ["bf16_policy", "bf16_policy_noop_push"]  # the policy's own parameters bf16, as a GPU user loads it
 
 
 def _result(run_vllm_script, *args):
@@ -35,7 +36,7 @@ def _result(run_vllm_script, *args):
 
 @pytest.fixture(scope="module")
 def bf16(run_vllm_script):
-    return _result(run_vllm_script, *METHODS)
+    return _result(run_vllm_script, *METHODS, *BF16_POLICY)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,27 @@ def test_every_method_trains_in_trls_loop_and_every_sync_is_checked(bf16, name):
     assert all(s > 0 for s in log["sync/push_seconds"]) and all(s > 0 for s in log["sync/seconds"])
     # μ is the engine's own: TRL's log-prob difference between vLLM and the trainer is bf16-sized, not 0
     assert 1e-4 < log["sampling/sampling_logp_difference/mean"][0] < 0.1
+
+
+def test_a_bf16_policy_trains_three_steps_with_every_sync_checked(bf16):
+    """A bf16 model (``GRPOConfig(bf16=True)``, parameters bf16) against the bf16 engine: the check scores the trainer
+    side in the policy's own dtype (an fp32 forward of a bf16 model was refused at the first sync), calibrates on the
+    two bf16 forwards' own noise and passes every sync while the weights move."""
+    run = bf16["bf16_policy"]
+    log = run["log"]
+    assert run["policy_dtype"] == "torch.bfloat16"
+    assert run["error"] is None and run["moved"]
+    assert len(log["sync/ok"]) == 3 and all(ok == 1.0 for ok in log["sync/ok"])
+    assert all(g <= t for g, t in zip(log["sync/gap"], log["sync/threshold"]))
+    assert all(m > 0.5 for m in log["sync/engine_motion"])  # the engine followed the trainer at every sync
+    assert all(n == 0.0 for n in log["sync/params_left"])
+
+
+def test_a_bf16_policys_push_that_does_nothing_stops_at_the_first_sync(bf16):
+    run = bf16["bf16_policy_noop_push"]
+    assert run["policy_dtype"] == "torch.bfloat16"
+    assert run["failed_at_step"] == 1 and run["moved"]
+    assert run["error"].startswith("vLLM weight sync at step 1: ") and "did not take" in run["error"]
 
 
 def test_trls_own_is_correction_is_the_baseline(bf16):
@@ -163,6 +185,37 @@ def test_a_broken_sync_stops_every_trainer_process_naming_the_sync(ranks_runs):
     assert main["error"] is not None and "did not take" in main["error"] and "weight sync at step" in main["error"]
     assert other["error"] == f"rank 0: {main['error']}"  # the other process stops too, saying why
     assert main["failed_at_step"] == other["failed_at_step"] >= 1
+
+
+@pytest.fixture(scope="module")
+def bf16_ranks_runs(run_vllm_script, vllm_servers, ranks_runs):
+    # the bf16 server the doctor and server tests start (the same key: started once per session); the script hands
+    # it the checkpoint's weights back at the end
+    server = vllm_servers.get("tiny", "bfloat16")
+    proc = run_vllm_script(RANKS_SCRIPT, server.url, "--bf16", timeout=1200)
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_a_bf16_policy_on_two_processes_checks_every_sync_against_a_bf16_server(bf16_ranks_runs):
+    ok = bf16_ranks_runs["bf16_ok"]
+    assert ok["returncode"] == 0, ok["output"]
+    main, other = ok["ranks"]
+    for rank in (main, other):
+        assert rank["policy_dtype"] == "torch.bfloat16" and rank["world"] == 2 and rank["file_sync"]
+        assert rank["error"] is None and rank["steps"] == 4 and rank["moved"]
+    log = main["log"]
+    assert len(log["sync/ok"]) == 4 and all(v == 1.0 for v in log["sync/ok"])
+    assert all(g <= t for g, t in zip(log["sync/gap"], log["sync/threshold"]))
+    assert max(log["sync/step_rms"]) > 0.05  # the weights moved, and the server with them
+
+
+def test_a_bf16_policys_push_that_does_nothing_stops_both_processes(bf16_ranks_runs):
+    broken = bf16_ranks_runs["bf16_noop_push"]
+    main, other = broken["ranks"]
+    assert main["error"] is not None and "did not take" in main["error"]
+    assert main["error"].startswith("vLLM weight sync at step 1: ")
+    assert other["error"] == f"rank 0: {main['error']}"
+    assert main["failed_at_step"] == other["failed_at_step"] == 1
 
 
 @pytest.fixture(scope="module")

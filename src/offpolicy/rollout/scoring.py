@@ -115,7 +115,7 @@ def sequence_logprobs(
     completion_ids: list[list[int]],
     cfg: SamplingConfig | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     return_logits: bool = False,
     routes: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, ...]:
@@ -127,7 +127,9 @@ def sequence_logprobs(
     min-p: :func:`process_logits`; ``cfg=None``: plain log-softmax). A sampled token that the processing removed
     gets −inf (the engine could not have sampled it with that config — the caller decides how to treat it).
 
-    ``dtype``: forward precision; the model's own dtype, or bf16/fp16 via autocast (mixed-precision trainer).
+    ``dtype``: forward precision; None (the default) or the model's own dtype runs the forward as the model is (a bf16
+    policy in bf16), bf16/fp16 on an fp32 model autocasts (a mixed-precision trainer). A precision above the model's
+    is refused: the weights' lost bits cannot be brought back, and an upcast copy would score another model.
     Gradients flow if the caller did not disable them (π_θ); wrap in ``torch.no_grad()`` for π_old.
 
     ``routes`` (mixture-of-experts models): one ``[P_i + C_i − 1, L, k]`` tensor per row, e.g. the engine's

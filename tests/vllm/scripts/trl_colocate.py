@@ -67,8 +67,10 @@ if __name__ == "__main__":
                     vllm_importance_sampling_correction=False, temperature=1.0, learning_rate=1e-5)
         return GRPOConfig(**{**base, **kw})
 
-    def offpolicy(out: str, args: dict | None = None, **kw) -> OffPolicyGRPOTrainer:
+    def offpolicy(out: str, args: dict | None = None, policy_dtype: str | None = None, **kw) -> OffPolicyGRPOTrainer:
         model, tok = load_model("tiny")
+        if policy_dtype is not None:  # the policy's own weights in that dtype, as a user loads a bf16 checkpoint
+            model = model.to(getattr(torch, policy_dtype))
         return OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=config(out, **(args or {})),
                                     train_dataset=arithmetic_dataset(), processing_class=tok, **kw)
 
@@ -89,6 +91,12 @@ if __name__ == "__main__":
         # these two with --dtype=float32
         "sync_control": dict(correction={"name": "tis", "upper": 2.0}, args=HEAD_ARGS),
         "head_left_behind": dict(correction={"name": "tis", "upper": 2.0}, args=HEAD_ARGS),
+        # a bf16 policy (its parameters bf16, accelerate's bf16 mixed precision on) against the bf16 engine, the
+        # default sync check on; 3 steps at a learning rate bf16 weights can hold (1e-6 would leave most unchanged)
+        "bf16_policy": dict(policy_dtype="bfloat16", correction={"name": "tis", "upper": 2.0},
+                            args=dict(bf16=True, max_steps=3, learning_rate=1e-3)),
+        "bf16_policy_noop_push": dict(policy_dtype="bfloat16", correction={"name": "tis", "upper": 2.0},
+                                      args=dict(bf16=True, max_steps=3, learning_rate=1e-3)),
     }
     def sampler_order() -> dict:
         """vLLM's processed distribution at every sampled position (``logprobs=-1``) with top-k, top-p and min-p
@@ -149,6 +157,8 @@ if __name__ == "__main__":
             else:
                 kw = dict(scenarios[name])
                 trainer = offpolicy(out, kw.pop("args", None), **kw)
+            if name == "bf16_policy_noop_push":  # a sync that pushes nothing: the engine keeps the first weights
+                trainer.offpolicy_sync.push = lambda: None
             if name == "head_left_behind":  # a sync that leaves the tied output head behind
                 generation = trainer.vllm_generation
 
@@ -160,6 +170,7 @@ if __name__ == "__main__":
             train_recording_sync_failure(trainer, entry)
         entry["seconds"] = time.perf_counter() - start
         entry["log"] = _numbers(trainer.state.log_history)
+        entry["policy_dtype"] = str(next(trainer.model.parameters()).dtype)
         entry["warnings"] = [str(w.message) for w in caught if "TRM on the engine" in str(w.message)]
         advice = getattr(trainer, "offpolicy_topk_advice", None)
         entry["advice"] = None if advice is None else {**advice.__dict__, "vacuous": advice.vacuous}

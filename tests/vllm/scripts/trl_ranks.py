@@ -3,6 +3,7 @@ one server (``vllm_mode="server"``) or an engine in each process (``"colocate"``
 
     PYTHONPATH=. python tests/vllm/scripts/trl_ranks.py URL          # from the repository root (offpolicy_testkit)
     PYTHONPATH=. python tests/vllm/scripts/trl_ranks.py colocate
+    PYTHONPATH=. python tests/vllm/scripts/trl_ranks.py URL --bf16   # a bf16 policy against a bf16 server
 
 Run without torchrun's environment, the script launches itself under ``python -m torch.distributed.run
 --nproc_per_node 2`` once per scenario and collects what each rank wrote: a run whose syncs all pass, and one with a
@@ -11,7 +12,9 @@ through files (``FileSync``: TRL's NCCL transfer needs CUDA) and every rank must
 handed the tiny checkpoint's weights before each run and at the end, so it can serve the tests around it. Colocate:
 TRL builds a ``vllm.LLM`` in each process (``distributed_executor_backend="external_launcher"``, fp32 here so a head
 one step behind stands out of the engine's noise), each process checks its own engine, and only rank 1's push is
-broken — rank 0, whose own sync took, must stop too, naming rank 1. Run by tests/vllm/test_trl_live.py.
+broken — rank 0, whose own sync took, must stop too, naming rank 1. ``--bf16``: the policy's own parameters bf16
+(``GRPOConfig(bf16=True)``) against a bf16 server: a run whose syncs all pass, and one whose push does nothing.
+Run by tests/vllm/test_trl_live.py.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-SCENARIOS = {"server": ("ok", "head_left_behind"), "colocate": ("ok", "head_left_behind_on_rank1")}
+SCENARIOS = {"server": ("ok", "head_left_behind"), "colocate": ("ok", "head_left_behind_on_rank1"),
+             "server_bf16": ("bf16_ok", "bf16_noop_push")}
 RANKS = 2
 COLOCATE = "colocate"
 
 
-def launch(url: str) -> dict:
+def launch(url: str, kind: str) -> dict:
     from offpolicy.rollout.processes import free_port
 
     result: dict = {}
-    for scenario in SCENARIOS[COLOCATE if url == COLOCATE else "server"]:
+    for scenario in SCENARIOS[kind]:
         if url != COLOCATE:
             restore(url)  # the checkpoint's weights, whatever the run before left on the server
         out = tempfile.mkdtemp(prefix=f"trl-ranks-{scenario}-")
@@ -63,6 +67,7 @@ def restore(url: str) -> None:
 
 
 def rank_main(url: str, scenario: str, out: str) -> None:
+    import torch
     import torch.distributed as dist
     from offpolicy_testkit.trl_toy import (
         arithmetic_dataset,
@@ -77,13 +82,16 @@ def rank_main(url: str, scenario: str, out: str) -> None:
     from offpolicy.models import load_model
 
     colocate = url == COLOCATE
+    bf16 = scenario.startswith("bf16_")
     engine = (dict(vllm_mode="colocate", vllm_max_model_length=128) if colocate
               else dict(vllm_mode="server", vllm_server_base_url=url))
     args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-ranks-"), per_device_train_batch_size=4,
                       num_generations=4, max_completion_length=8, max_steps=4, report_to=[], use_cpu=True,
-                      bf16=False, logging_steps=1, save_strategy="no", beta=0.0, seed=0, use_vllm=True,
+                      bf16=bf16, logging_steps=1, save_strategy="no", beta=0.0, seed=0, use_vllm=True,
                       vllm_importance_sampling_correction=False, learning_rate=1e-3, **engine)
     model, tok = load_model("tiny")
+    if bf16:  # the policy's own parameters bf16, as a GPU user loads a bf16 checkpoint
+        model = model.to(torch.bfloat16)
     trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args,
                                    train_dataset=arithmetic_dataset(), processing_class=tok,
                                    correction={"name": "tis", "upper": 2.0},
@@ -95,16 +103,21 @@ def rank_main(url: str, scenario: str, out: str) -> None:
                    "main": trainer.accelerator.is_main_process, "file_sync": isinstance(sync.push, FileSync)}
     if scenario == "head_left_behind" or (scenario == "head_left_behind_on_rank1" and entry["rank"] == 1):
         leave_head_behind(sync)
+    if scenario == "bf16_noop_push":  # every process's push does nothing: the server keeps the checkpoint
+        sync.push = lambda: None
     train_recording_sync_failure(trainer, entry)
     entry["steps"] = trainer.state.global_step
+    entry["policy_dtype"] = str(next(trainer.model.parameters()).dtype)
     entry["log"] = {key: [row[key] for row in trainer.state.log_history if key in row]
                     for key in ("sync/ok", "sync/gap", "sync/baseline", "sync/step_rms", "sync/push_seconds", "sync/params_left",
-                                "sync/params_checked", "loss")}
+                                "sync/params_checked", "sync/threshold", "loss")}
     Path(out, f"rank{entry['rank']}.json").write_text(json.dumps(entry))
 
 
 if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
-        print("RESULT " + json.dumps(launch(sys.argv[1])))
+        target = sys.argv[1]
+        kind = COLOCATE if target == COLOCATE else "server_bf16" if "--bf16" in sys.argv[2:] else "server"
+        print("RESULT " + json.dumps(launch(target, kind)))
     else:
         rank_main(*sys.argv[1:4])
