@@ -4,6 +4,11 @@ broken sync survives before the check names it — at the learning rates users t
 One process per (model, engine dtype), since an in-process ``vllm.LLM`` binds the process's threads; JSON to --out::
 
     python -m benchmarks.sync_check_table --model lab --dtype bfloat16 --out docs/data/sync_check/lab-bfloat16.json
+    python -m benchmarks.sync_check_table --model lab --dtype bfloat16 --trainer-dtype bfloat16 \
+        --out docs/data/sync_check/lab-bfloat16-trainer-bfloat16.json
+
+``--trainer-dtype bfloat16``: the policy's own parameters bf16 (AdamW on them, as a user who loads a bf16 checkpoint
+trains), scored in bf16 by the check; the default is an fp32 trainer.
 
 An existing --out of the same model and dtype keeps its rows for the learning rates not measured in this run; a row
 for a learning rate measured again is replaced (so one learning rate can be re-run, or an interrupted run resumed).
@@ -92,6 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("lab", "lab-wide"), default="lab")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--trainer-dtype", choices=("bfloat16", "float32"), default="float32")
     ap.add_argument("--lrs", default="1e-6,1e-5,3e-4")
     ap.add_argument("--healthy", type=int, default=200)
     ap.add_argument("--max-delay", type=int, default=20)
@@ -108,7 +114,7 @@ def main() -> None:
     model, tok = load_model("lab")
     if args.model == "lab-wide":
         model = widen_vocabulary(model, QWEN_VOCAB)
-    model.eval()
+    model = model.to(getattr(torch, args.trainer_dtype)).eval()
     start_state = copy.deepcopy(model.state_dict())
     t0 = time.perf_counter()
     engine = VLLMRolloutEngine.from_model(model, tok, dtype=args.dtype, seed=0, max_model_len=256)
@@ -118,10 +124,11 @@ def main() -> None:
     out = engine.generate(prompts, SamplingConfig(max_new_tokens=24), seed=0)
     probe = SyncProbe.from_rollout(out.prompt_ids, out.completion_ids, rows=16)
     result: dict = {"model": args.model, "vocab": int(model.config.vocab_size), "dtype": args.dtype,
+                    "trainer_dtype": args.trainer_dtype,
                     "probe_rows": len(probe.prompt_ids), "probe_tokens": probe.n_tokens, "startup_s": startup,
                     "threads": torch.get_num_threads(), "settings": []}
     lrs = [float(x) for x in args.lrs.split(",")]
-    kept = _kept_rows(Path(args.out), args.model, args.dtype, lrs)
+    kept = _kept_rows(Path(args.out), args.model, args.dtype, args.trainer_dtype, lrs)
 
     def restore():
         model.load_state_dict(start_state)
@@ -212,14 +219,15 @@ def main() -> None:
         _write(Path(args.out), {**result, "settings": kept + result["settings"]})  # after every learning rate: an interrupted run keeps what it measured
 
 
-def _kept_rows(path: Path, model: str, dtype: str, lrs: list[float]) -> list[dict]:
-    """The rows of an earlier run into ``path`` (same model and dtype) for learning rates not in ``lrs``."""
+def _kept_rows(path: Path, model: str, dtype: str, trainer_dtype: str, lrs: list[float]) -> list[dict]:
+    """The rows of an earlier run into ``path`` (same model and dtypes) for learning rates not in ``lrs``."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    if (old.get("model"), old.get("dtype")) != (model, dtype):
-        raise SystemExit(f"--out {path}: holds model={old.get('model')} dtype={old.get('dtype')}, "
-                         f"not model={model} dtype={dtype}")
+    held = (old.get("model"), old.get("dtype"), old.get("trainer_dtype", "float32"))
+    if held != (model, dtype, trainer_dtype):
+        raise SystemExit(f"--out {path}: holds model={held[0]} dtype={held[1]} trainer_dtype={held[2]}, "
+                         f"not model={model} dtype={dtype} trainer_dtype={trainer_dtype}")
     return [row for row in old["settings"] if row["lr"] not in lrs]
 
 

@@ -7,6 +7,7 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py --break-sync-at 3    # the push does nothing from step 3: the run fails there
     python examples/verl_end_to_end.py --ranks 2 --steps 3  # two FSDP ranks (gloo), two vLLM replicas
     python examples/verl_end_to_end.py --dvp 1e-3           # DVP: vLLM samples with min-p, the actor scores likewise
+    python examples/verl_end_to_end.py --precision bf16     # verl's own defaults: bf16 compute, bf16 rollout
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
 
@@ -39,6 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BREAK_ENV = "OFFPOLICY_VERL_E2E_BREAK_SYNC_AT"
+PRECISIONS = ("fp32", "bf16")
 DATA_SOURCE = "offpolicy/arithmetic"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt as the tiny model was trained
 
@@ -84,8 +86,11 @@ def model_copy(folder: Path) -> Path:
 
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
-              ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None) -> list[str]:
-    """verl's config for the run: the tiny model in fp32 on both sides, 2 prompts × 2 samples, 8 new tokens,
+              ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
+              precision: str = "fp32") -> list[str]:
+    """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
+    default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
+    bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
     ``ranks`` FSDP ranks (verl's ``trainer.n_gpus_per_node``; Ray gets as many logical GPUs, which nothing touches).
     Each rank holds its share of the step's ``prompts × samples`` rows; with the rollout at TP = 1 verl's hybrid
     engine makes every rank a rollout replica of its own (one vLLM server per rank, each fed by its rank's push).
@@ -94,6 +99,8 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     modules = "offpolicy.integrations.verl.cpu_bridge,offpolicy.integrations.verl.plugin"
     if env.get(BREAK_ENV):
         modules += ",verl_end_to_end"
@@ -111,14 +118,10 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.lr=1e-4",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}",
-        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.fsdp_config.dtype=float32",
-        # the actor's forward in fp32 as the engine's (verl's default mixed precision computes in bf16)
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+        "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={samples}",
-        "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.rollout.load_format=auto", "+actor_rollout_ref.rollout.enable_sleep_mode=false",
         "actor_rollout_ref.rollout.free_cache_engine=false", "actor_rollout_ref.rollout.max_model_len=64",
         "actor_rollout_ref.rollout.max_num_seqs=8", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
@@ -134,6 +137,14 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={ranks}",
         "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
     ]
+    if precision == "fp32":  # the actor's forward in fp32 as the engine's (verl's default mixed precision is bf16)
+        out += ["actor_rollout_ref.actor.fsdp_config.dtype=float32",
+                "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+                "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
+                "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+                "actor_rollout_ref.rollout.dtype=float32"]
+    else:  # verl's defaults, said out loud: bf16 compute over fp32 master weights, a bf16 engine
+        out += ["actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
     if dvp is not None:
         out += ["actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent",
                 "actor_rollout_ref.model.use_fused_kernels=false"]
@@ -169,7 +180,7 @@ def parse_log(text: str) -> dict:
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
-        dvp: float | None = None) -> dict:
+        dvp: float | None = None, precision: str = "fp32") -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     from offpolicy.integrations.verl.cpu_bridge import vllm_distribution_alias
@@ -185,7 +196,8 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
     if break_sync_at is not None:
         env[BREAK_ENV] = str(break_sync_at)
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
-               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp)]
+               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
+                         precision)]
     log = log or folder / "main_ppo.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -285,9 +297,11 @@ def main() -> int:
     parser.add_argument("--sync-check", choices=("error", "warn", "off"), default="error")
     parser.add_argument("--ranks", type=int, default=1, help="FSDP ranks of verl's actor (gloo, one per process)")
     parser.add_argument("--dvp", type=float, default=None, help="DVP's ρ: vLLM samples with min_p = ρ")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32 on both sides, or verl's defaults (bf16 compute, bf16 engine)")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
-                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp)
+                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

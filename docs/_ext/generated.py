@@ -98,8 +98,9 @@ def _sync_measured() -> dict[str, str]:
         return {}
 
     def per_engine(field: str, form: str, unit: str = "") -> str:
-        return "; ".join(f"vLLM {r['dtype']} on {r['model']}: {_span([s[field] for s in r['settings']], form)}{unit}"
-                         for r in runs)
+        return "; ".join(f"vLLM {r['dtype']} on {r['model']}"
+                         + (f" ({r['trainer_dtype']} trainer)" if r.get("trainer_dtype", "float32") != "float32" else "")
+                         + f": {_span([s[field] for s in r['settings']], form)}{unit}" for r in runs)
 
     healthy = sum(s["healthy"] for r in runs for s in r["settings"])
     ratios = [x for r in runs for s in r["settings"] for x in (s["ratio_min"], s["ratio_max"])]
@@ -214,7 +215,7 @@ def sync_check(prefix: str = "") -> str:
     (docs/data/sync_check/*.json): false alarms over healthy syncs, detection delays, costs."""
     import json
 
-    rows = ["| model (V) | engine | lr | healthy syncs | false alarms | gap: baseline ± se → threshold | "
+    rows = ["| model (V) | engine · trainer | lr | healthy syncs | false alarms | gap: baseline ± se → threshold | "
             "engine tensors checked | no-op sync | tied head left | last layer left | wrong dtype | check / push s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted((ROOT / "docs" / "data" / "sync_check").glob("*.json")):
@@ -230,7 +231,8 @@ def sync_check(prefix: str = "") -> str:
                     cell += f" · params {d['params_syncs'] or 'not in ' + str(d['syncs_run'])}"
                 return cell
 
-            rows.append(f"| {run['model']} ({run['vocab']:,}) | vLLM {run['dtype']} | {row['lr']:g} | "
+            rows.append(f"| {run['model']} ({run['vocab']:,}) | vLLM {run['dtype']} · "
+                        f"{run.get('trainer_dtype', 'float32')} | {row['lr']:g} | "
                         f"{row['healthy']} | {row['false_alarms']} | {_num(row['baseline'])} ± "
                         f"{_num(row['standard_error'])} → {_num(row['threshold'])} | "
                         f"{str(row['params_checked']) + ' of ' + str(row['params_total']) if 'params_checked' in row else '–'} | "

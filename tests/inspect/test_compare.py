@@ -225,3 +225,26 @@ def test_a_non_finite_row_is_left_out_and_counted():
     assert s.skipped_rows == 1 and s.pairs == 3 and sum(s.bin_count) == 3 and s.corrected_violations == 0
     assert math.isnan(x["eps_max"][0]) and x["eps_max"][1] == 0.0
     assert len(s.scatter_p) == 4  # two picks of each kind, from the finite row only
+
+
+def test_a_bf16_trainer_is_scored_in_bf16_beside_a_bf16_engine(tiny, prompts):
+    """The trainer side as a bf16 policy (``--trainer bf16``: its weights bf16, no autocast): scored in its own
+    dtype — its log-probs are those of a bf16 forward, not an fp32 one — and the bf16 engine (KV cache) sits far
+    closer to it than to the fp32 trainer, whose gap is the dtype's."""
+    from offpolicy.inspect.specs import TRAINER_SPECS
+
+    model, tok = tiny
+    rollout = EngineSpec("bf16", dtype="bfloat16", attn_implementation="eager")
+    bf16_trainer = EngineSpec("bf16-eager", dtype="bfloat16", kv_cache=False, attn_implementation="eager")
+    assert TRAINER_SPECS["bf16"].dtype == "bfloat16" and TRAINER_SPECS["bf16"].autocast is None
+    same = compare_engines(model, prompts, rollout, bf16_trainer, CFG, tokenizer=tok, dvp_rhos=None)
+    mixed = compare_engines(model, prompts, rollout, FP32_EAGER, CFG, tokenizer=tok, dvp_rhos=None)
+    t, u = same.tokens, mixed.tokens
+    assert torch.equal(t.completion_ids[t.mask], u.completion_ids[u.mask])  # same seed, same engine: same samples
+    bf16_model = build_engine(model, bf16_trainer).model
+    assert next(bf16_model.parameters()).dtype == torch.bfloat16
+    logp, mask = sequence_logprobs(bf16_model, t.prompt_ids, [r[m].tolist() for r, m in zip(t.completion_ids, t.mask)])
+    assert torch.equal(t.trainer_logp[t.mask], logp[mask])  # the bf16 forward itself
+    gap_same = float((t.trainer_logp - t.rollout_logp)[t.mask].abs().mean())
+    gap_mixed = float((u.trainer_logp - u.rollout_logp)[u.mask].abs().mean())
+    assert gap_same < 0.5 * gap_mixed, (gap_same, gap_mixed)

@@ -27,6 +27,16 @@ def test_train_on_vllm_logs_every_sync_check(run_vllm_script, tmp_path):
     assert result["checkpoints"][-1] == "step_00000003.safetensors"
 
 
+def test_a_bf16_policy_on_vllm_checks_every_sync_in_its_own_dtype(run_vllm_script, tmp_path):
+    result = _run(run_vllm_script, tmp_path, "bf16")
+    assert "error" not in result, result
+    assert result["steps_done"] == 3 and len(result["sync"]) == 3
+    assert all(s["sync/ok"] == 1.0 and s["sync/gap"] <= s["sync/threshold"] for s in result["sync"])
+    assert result["sync"][0]["sync/baseline"] < 0.05  # two bf16 forwards of the same weights
+    assert all(s["sync/params_left"] == 0.0 for s in result["sync"][1:])
+    assert any(s["sync/step_rms"] > 0 for s in result["sync"][1:])  # the bf16 weights moved, the engine with them
+
+
 def test_a_head_left_behind_stops_the_run(run_vllm_script, tmp_path):
     result = _run(run_vllm_script, tmp_path, "broken")
     assert "error" in result, result

@@ -42,7 +42,9 @@ def example():
 
 @pytest.mark.slow
 def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
-    result = example.run(STEPS, log=tmp_path / "main_ppo.log")
+    """At verl's own precision defaults (FSDP's bf16 mixed precision for the actor, a bf16 vLLM engine) — what a
+    verl user runs; the two runs below keep both sides fp32."""
+    result = example.run(STEPS, log=tmp_path / "main_ppo.log", precision="bf16")
     assert result["rc"] == 0, result["tail"]
     assert result["steps"] == STEPS, result["tail"]
     # the initial sync (calibration) and one per step, every one passed and logged under verl's step metrics
@@ -51,6 +53,10 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     assert math.isfinite(result["reward_first"]) and math.isfinite(result["reward_last"])
     text = Path(result["log"]).read_text(errors="replace")
     assert "rollout_corr/" in text  # TIS ran in the driver after verl's advantages
+    flat = re.sub(r"\s+", "", re.sub(r"\x1b\[\d+m\([^)]*\)\x1b\[0m", "", text))
+    assert "'dtype':'bfloat16'" in flat  # verl's config dump: the rollout and the actor's mixed precision in bf16
+    # μ from a bf16 engine against a bf16 forward of fp32 weights: a real mismatch, not round-off
+    assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] > 1e-4, result["rollout_corr"]
 
 
 @pytest.mark.slow
@@ -69,6 +75,21 @@ def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(exampl
     assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] < 1e-4, result["rollout_corr"]
     assert "SyncCheckError" in text and "verl step 2: " in text, result["tail"]
     assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
+
+
+def test_precision_is_fp32_on_both_sides_or_verls_defaults(example, tmp_path):
+    def config(precision):
+        out = example.overrides(tmp_path, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path, precision=precision)
+        return dict(item.split("=", 1) for item in out)
+
+    fp32, bf16 = config("fp32"), config("bf16")
+    assert fp32["actor_rollout_ref.rollout.dtype"] == "float32"
+    assert fp32["+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == "fp32"
+    assert bf16["actor_rollout_ref.rollout.dtype"] == "bfloat16"
+    assert bf16["actor_rollout_ref.actor.fsdp_config.dtype"] == "bfloat16"
+    assert not any("mixed_precision" in key for key in bf16)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        config("fp8")
 
 
 def test_ranks_set_verls_world_size_and_split_the_batch(example, tmp_path):

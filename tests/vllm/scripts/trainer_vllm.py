@@ -2,7 +2,8 @@
 
 ``python trainer_vllm.py OUT ok``: 3 steps, metrics.jsonl read back. ``... OUT broken``: the engine's sync drops the
 tied output head from step 2 on, 6 steps at a larger learning rate (as a reload from the checkpoint's files does on vLLM's CPU backend): the sync check
-must stop the run, naming the step, with the last checkpoint intact."""
+must stop the run, naming the step, with the last checkpoint intact. ``... OUT bf16``: the policy itself in bf16
+(``model.dtype=bfloat16``) against the bf16 engine, 3 steps."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ if __name__ == "__main__":
                  "rollout.engine=vllm", "rollout.sampling.max_new_tokens=6", f"run.out_dir={out}", "run.checkpoint_every=1", "run.threads=2"]
     # the broken sync takes a larger learning rate so that the head it leaves behind drifts fast: with a small one
     # the gap grows step by step and the check trips later (docs/engines.md)
-    overrides += ["optim.lr=3e-4", "run.steps=3"] if mode == "ok" else ["optim.lr=3e-3", "run.steps=6"]
+    overrides += ["optim.lr=3e-3", "run.steps=6"] if mode == "broken" else ["optim.lr=3e-4", "run.steps=3"]
+    if mode == "bf16":
+        overrides += ["model.dtype=bfloat16", "rollout.dtype=bfloat16"]
     result: dict = {"mode": mode}
     if mode == "broken":
         real_push, calls = vllm_module.push_weights, []
