@@ -245,3 +245,33 @@ def test_a_raw_logprobs_vllm_server_is_refused(tmp_path, stub_vllm, stub_vllm_cl
     args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="logprobs_mode"):
         OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(), processing_class=tok)
+
+
+BF16_METHODS = {
+    "dvp": dict(dvp_rho=0.2, args=dict(temperature=0.25)),
+    "sampling_replay": dict(sampling_replay=True, args=dict(temperature=0.5, top_k=40, top_p=0.9)),
+    "alp": dict(alp={"init_std": 0.05, "lr": 0.05, "seed": 0}),
+    "tis": dict(correction={"name": "tis", "upper": 2.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_METHODS))
+def test_a_bf16_policy_trains_under_every_head_reading_method(tmp_path, name):
+    """The policy's own parameters bf16 with ``GRPOConfig(bf16=True)``, as a GPU user runs: each method that reads
+    the head or the hidden states trains two steps in TRL's loop, its metrics finite and the bf16 weights moving.
+    Score centering and top-K TRM need vLLM's top-K: tests/vllm/test_trl_live.py runs them."""
+    torch.manual_seed(0)
+    model, tok = build_tiny_model(seed=0)
+    model = model.to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    kw = dict(BF16_METHODS[name])
+    args = _args(tmp_path, bf16=True, learning_rate=1e-3, **kw.pop("args", {}))
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(),
+                                   processing_class=tok, **kw)
+    trainer.train()
+    assert next(trainer.model.parameters()).dtype == torch.bfloat16
+    losses = logged(trainer, "loss")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    ratios = logged(trainer, "offpolicy/loss/ratio_mean")
+    assert len(ratios) == 2 and all(math.isfinite(x) for x in ratios)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -26,7 +26,7 @@ SERVER_SCRIPT = Path(__file__).parent / "scripts" / "trl_server.py"
 RANKS_SCRIPT = Path(__file__).parent / "scripts" / "trl_ranks.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_vllm.py"
 METHODS = ["trl_is", "dvp", "trm8", "trm20_max", "m2po", "ipo", "centering"]
-BF16_POLICY = ["bf16_policy", "bf16_policy_noop_push"]  # the policy's own parameters bf16, as a GPU user loads it
+BF16_POLICY = ["bf16_policy", "bf16_policy_centering", "bf16_policy_noop_push"]  # the policy's own parameters bf16, as a GPU user loads it
 
 
 def _result(run_vllm_script, *args):
@@ -70,6 +70,14 @@ def test_a_bf16_policy_trains_three_steps_with_every_sync_checked(bf16):
     assert all(g <= t for g, t in zip(log["sync/gap"], log["sync/threshold"]))
     assert all(m > 0.5 for m in log["sync/engine_motion"])  # the engine followed the trainer at every sync
     assert all(n == 0.0 for n in log["sync/params_left"])
+
+
+def test_a_bf16_policy_runs_score_centering_and_trm_on_the_engines_top_k(bf16):
+    run = bf16["bf16_policy_centering"]
+    log = run["log"]
+    assert run["policy_dtype"] == "torch.bfloat16" and run["error"] is None and run["moved"]
+    assert len(log["sync/ok"]) == 2 and all(ok == 1.0 for ok in log["sync/ok"])
+    assert all(math.isfinite(x) for x in log["loss"])
 
 
 def test_a_bf16_policys_push_that_does_nothing_stops_at_the_first_sync(bf16):

@@ -95,6 +95,8 @@ if __name__ == "__main__":
         # default sync check on; 3 steps at a learning rate bf16 weights can hold (1e-6 would leave most unchanged)
         "bf16_policy": dict(policy_dtype="bfloat16", correction={"name": "tis", "upper": 2.0},
                             args=dict(bf16=True, max_steps=3, learning_rate=1e-3)),
+        "bf16_policy_centering": dict(policy_dtype="bfloat16", topk_logprobs=8, score_centering=True,
+                                      correction={"name": "tis", "upper": 2.0}, args=dict(bf16=True, learning_rate=1e-3)),
         "bf16_policy_noop_push": dict(policy_dtype="bfloat16", correction={"name": "tis", "upper": 2.0},
                                       args=dict(bf16=True, max_steps=3, learning_rate=1e-3)),
     }
