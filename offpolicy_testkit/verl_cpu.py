@@ -141,8 +141,10 @@ def setup_cpu_verl() -> None:
 
 
 def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro: int = 4,
-                remove_padding: bool = False):
-    """A verl ``TrainingWorker`` (FSDP2, fp32) on the model at ``path``, gradients recorded in ``worker.grads``.
+                remove_padding: bool = False, compute_dtype: str = "fp32"):
+    """A verl ``TrainingWorker`` (FSDP2, fp32 weights) on the model at ``path``, gradients recorded in
+    ``worker.grads``; ``compute_dtype="bf16"``: FSDP2's mixed precision computes the forward and backward in bf16, as
+    verl does by default.
 
     ``offpolicy=None``: verl's own engine. A dict: the user's setup — ``external_lib`` names the plug-in (which
     registers its engine for this device and vendor) and the dict is the ``OFFPOLICY_VERL`` settings block."""
@@ -155,7 +157,7 @@ def make_worker(path: str, offpolicy: dict | None = None, lr: float = 0.0, micro
     from verl.workers.engine_workers import TrainingWorker
 
     override = {"attn_implementation": "eager"}
-    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    fp32 = {"param_dtype": compute_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     training = TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=remove_padding,

@@ -296,6 +296,27 @@ def test_plugin_engine_scores_both_forwards_under_the_recipe(recipe_worker, work
     torch.testing.assert_close(torch.cat(seen) * mask, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_plugin_engine_scores_the_recipe_under_verls_bf16_mixed_precision(model_path, worker):
+    """verl's default precision (FSDP2 computing in bf16 over fp32 weights): the plug-in's engine scores DVP's
+    recipe in both forwards without refusing the dtype; the result is the fp32 one up to bf16's rounding of the
+    logits (well under the recipe's own effect), and an update step on it trains."""
+    sampling, reference = RECIPES["dvp"]
+    w = make_worker(model_path, {"sampling": sampling}, compute_dtype="bf16")
+    mask, responses = _inputs()[1][:, P:].bool(), _inputs()[0][:, P:]
+    expected = reference(_reference_logits(w) / TEMPERATURE, responses) * mask  # from the module's own bf16 forward
+    old = infer_logp(w, {"temperature": TEMPERATURE})
+    torch.testing.assert_close(old, expected, rtol=1e-5, atol=1e-5)
+    fp32 = reference(_reference_logits(worker) / TEMPERATURE, responses) * mask  # the same weights computed in fp32
+    diff = (old - fp32)[mask].abs()
+    assert 0 < float(diff.max()) < 0.05, float(diff.max())  # bf16's rounding of the logits, not another model
+    plain = infer_logp(worker, {"temperature": TEMPERATURE})
+    assert float((old - plain).abs().max()) > 0.1  # the recipe still acts
+    seen: list[torch.Tensor] = []
+    tensors = {"old_log_probs": old, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    _train(w, "vanilla", "token-mean", tensors, meta={"temperature": TEMPERATURE}, seen=seen)
+    assert seen and bool(torch.isfinite(torch.cat(seen)).all())
+
+
 ALP = {"init_std": 0.05, "lr": 0.1, "seed": 0}  # σ large enough to move fp32 log-probs visibly
 
 
