@@ -243,3 +243,15 @@ def test_without_sleep_mode_the_engine_is_not_woken_or_released():
     with awake_for_probe(gen):
         pass
     assert llm.events == []
+
+
+def test_a_vllm_without_release_kv_cache_memory_keeps_the_kv_cache_awake_and_trl_still_generates():
+    class OlderLLM(SleepingLLM):
+        release_kv_cache_memory = None  # before vLLM had it: the probe's KV cache stays awake until TRL sleeps
+
+    model, _ = build_tiny_model(seed=0)
+    llm = OlderLLM(model)
+    trainer, _, logged = _trainer(model, _generation(model, llm), SyncCheck())
+    _generate(trainer)
+    assert logged[-1]["sync/ok"] == 1.0 and "sleep(0)" not in llm.events
+    assert llm.events[-3:] == ["wake_up(kv_cache)", "generate", "sleep(2)"]  # TRL's wake-up found nothing asleep
