@@ -20,6 +20,11 @@ vLLM 0.32 (``nccl``, ``ipc``, …) is CUDA's — and refuses a server started wi
 :func:`server_sync_choice` skips the group there and :class:`FileSync` sends the weights through a folder the server
 reads (vLLM's dev-mode ``reload_weights(weights_path=...)``).
 
+Sleep mode (``vllm_enable_sleep_mode=True``, colocate): TRL's engine sleeps at level 2 between generations, so the
+check calibrates right after the first push instead of before it, and scores the probe with the KV cache woken after
+the push and released again before TRL's generation (:func:`awake_for_probe`): it never reads the engine's tensors or
+queues a request while they sleep.
+
 The probe is plain text through the trainer's tokenizer (:func:`default_probe`): TRL checks its first sync before
 its first generation. With several processes every rank runs the probe's trainer forward at the same points (under
 FSDP / ZeRO-3 that forward gathers parameters from all ranks); in server mode only the main process scores the engine
@@ -92,6 +97,48 @@ def colocate_sync(generation: Any) -> None:
         generation.llm.wake_up(tags=["weights"])
         generation._llm_weights_sleeping = False
     push_weights(generation.llm, trl_named_weights(generation))
+
+
+def sleeps(generation: Any) -> bool:
+    """Whether TRL puts this ``VLLMGeneration``'s engine to sleep between generations
+    (``GRPOConfig(vllm_enable_sleep_mode=True)``, colocate mode; TRL's server mode has no sleep)."""
+    return getattr(generation, "mode", None) == "colocate" and bool(getattr(generation, "enable_sleep_mode", False))
+
+
+@contextlib.contextmanager
+def awake_for_probe(generation: Any) -> Iterator[None]:
+    """Inside, TRL's sleeping colocated engine is fully awake for the sync check's probe; after, it is back where
+    TRL left it after its push. (No-op without :func:`sleeps`.)
+
+    TRL 1.16's order in sleep mode (``trl/generation/vllm_generation.py``): the engine sleeps at level 2 (weights and
+    KV cache discarded) right after it is built and after every generation; ``sync_weights`` wakes only the weights
+    (``wake_up(tags=["weights"])``) and pushes; ``generate`` wakes the KV cache, generates and sleeps again. So after
+    the push the weights are resident and the KV cache is not — and vLLM 0.32 schedules no request while any
+    memory sleeps (``EngineCore.wake_up`` resumes the paused scheduler only once nothing sleeps; a synchronous
+    ``LLM.generate`` would wait forever). Here: weights still asleep after the push → :class:`SyncCheckError` (the
+    push did not wake them; nothing is read); otherwise the KV cache is woken for the probe and, after it, released
+    again (``sleep(level=0)`` + ``release_kv_cache_memory()``: weights kept), which TRL's ``generate`` then wakes as
+    it always does. A vLLM without ``release_kv_cache_memory`` keeps the KV cache awake (TRL's wake-up is then a
+    no-op that vLLM logs)."""
+    if not sleeps(generation):
+        yield
+        return
+    if getattr(generation, "_llm_weights_sleeping", False):
+        raise SyncCheckError("sync check: vLLM's weights still sleep after the push (TRL's sync_weights wakes them "
+                             "first): the probe would read released memory; the push did not run")
+    llm = generation.llm
+    is_sleeping = getattr(llm.llm_engine, "is_sleeping", None)
+    woke = bool(is_sleeping()) if callable(is_sleeping) else True
+    if woke and llm.wake_up(tags=["kv_cache"]) is False:
+        raise SyncCheckError("sync check: vLLM is not fully awake after waking its KV cache (weights asleep?): the "
+                             "probe cannot be scored")
+    try:
+        yield
+    finally:
+        release = getattr(llm, "release_kv_cache_memory", None)
+        if woke and callable(release):
+            llm.sleep(level=0)  # pause scheduling: vLLM releases the KV cache only from a completed pause
+            release()
 
 
 def uses_files(generation: Any) -> bool:
@@ -252,6 +299,11 @@ class TRLSyncCheck:
             return
         check = self.check
         deferred = False
+        if check is not None and not self.calibrated and sleeps(self.generation):
+            # TRL sleeps the engine at level 2 right after building it: its weights are gone until the first push
+            self.calibrated = deferred = True
+            logger.info("sync check: vLLM sleeps between generations (vllm_enable_sleep_mode): it calibrates right "
+                        "after the first push, with the KV cache woken for the probe")
         if check is not None and not self.calibrated:
             self.calibrated = True
             try:
@@ -267,7 +319,7 @@ class TRLSyncCheck:
         pushed = time.perf_counter() - start
         if check is None:
             return
-        with _eval(self.model):
+        with awake_for_probe(self.generation), _eval(self.model):
             if deferred:  # raises if the two sides still differ: the first sync did not take
                 metrics = check.calibrate(self._scorer(), self.model)
             else:

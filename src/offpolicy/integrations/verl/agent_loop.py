@@ -5,7 +5,10 @@ verl's agent-loop worker builds ``sampling_params`` with temperature, top-p, top
 :class:`OffPolicyAgentLoop` as ``offpolicy_agent`` (verl's agent-loop registry; the worker imports the plug-in through
 ``actor_rollout_ref.model.external_lib``), selected by ``actor_rollout_ref.rollout.agent.default_agent_loop=
 offpolicy_agent``. It is verl's single-turn loop with :func:`recipe_sampling_params` applied to every request, so the
-engine samples from the same truncated distribution the trainer's engine scores (:mod:`.engine`).
+engine samples from the same truncated distribution the trainer's engine scores (:mod:`.engine`). At construction it
+refuses a config where that cannot hold (:func:`~offpolicy.integrations.verl.hosts.check_verl_host`): verl's own
+``rollout.top_k`` / ``rollout.top_p`` truncating outside the recipe, a recipe under a non-vLLM rollout or an actor
+strategy without the plug-in's engine.
 
 Top-K (``topk_logprobs: K``): verl 0.9.1's vLLM server sets ``logprobs`` to 0 (the sampled token only), so the loop
 asks the same server to score the finished sequence once more — ``max_tokens=1``, ``prompt_logprobs=K`` — and parses
@@ -32,14 +35,13 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
+from offpolicy.integrations.verl.hosts import AGENT_NAME, check_verl_host
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 from offpolicy.integrations.verl.topk import (
     TOPK_IDS_FIELD,
     TOPK_LOGP_FIELD,
     sequence_topk,
 )
-
-AGENT_NAME = "offpolicy_agent"
 
 
 def recipe_sampling_params(sampling_params: dict[str, Any], settings: VerlSettings) -> dict[str, Any]:
@@ -133,6 +135,8 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.offpolicy = settings_from_environment()
+        # verl's full config: no truncation the actor does not replay, no recipe a non-vLLM rollout cannot honour
+        check_verl_host(self.config, self.offpolicy, sync_check=False, agent_loop=True)
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
         params = recipe_sampling_params(sampling_params, self.offpolicy)

@@ -10,7 +10,9 @@ plug-in's trainer, :class:`OffPolicyTrainer` (registered as ``trainer.v1.trainer
 verl's ``_compute_advantage`` writes. verl's own correction (``algorithm.rollout_correction.rollout_is`` /
 ``rollout_rs``) and the plug-in's cannot both be on: their weights would multiply and their rejections compound, so
 the trainer refuses the pair at construction (:func:`refuse_double_correction`), as the TRL trainer refuses TRL's own
-importance sampling next to a correction. The metrics
+importance sampling next to a correction; it also refuses there every setting the actor strategy or rollout backend
+cannot honour (the plug-in's engine methods under Megatron, a sampling recipe under SGLang:
+:func:`~offpolicy.integrations.verl.hosts.check_verl_host`). The metrics
 use verl's names (``rollout_corr/…``). With ``topk_logprobs``, the engine's bound on KL(μ ‖ π_old) per token (computed
 in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too and is the divergence ``trm`` tests —
 TRM on the engine's top-K (arXiv 2512.23075 §4). The actor's loss (``vanilla`` or the plug-in's) multiplies by
@@ -27,6 +29,7 @@ from typing import Any
 import torch  # noqa: F401  (the doctest uses it)
 from torch import Tensor
 
+from offpolicy.integrations.verl.hosts import check_verl_host
 from offpolicy.integrations.verl.loss import rollout_correction
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
@@ -112,8 +115,11 @@ class OffPolicyTrainerMixin:
     config: Any
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        # refuse a double correction before verl builds anything (workers, the replay buffer)
-        refuse_double_correction(config.get("algorithm", None), settings_from_environment())
+        # refuse a double correction, or a setting this actor strategy / rollout backend cannot honour, before verl
+        # builds anything (workers, the replay buffer)
+        settings = settings_from_environment()
+        refuse_double_correction(config.get("algorithm", None), settings)
+        check_verl_host(config, settings, sync_check=True)
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]  # verl's trainer, after this mixin
 
     def _settings(self) -> VerlSettings:

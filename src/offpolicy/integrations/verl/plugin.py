@@ -91,15 +91,14 @@ def install() -> dict[str, str]:
 def _policy_loss() -> str:
     """``offpolicy`` (PPO), ``offpolicy_<objective>`` for every registered objective (cispo, sapo, dppo_tv, dppo_kl,
     gspo, reinforce, ipo, bypass …) and ``offpolicy_m2po`` (PPO + ``m2po(source="total")``). The ones that read μ
-    need the plug-in's engine, which hands the loss the micro-batch's ``rollout_log_probs``."""
+    need the plug-in's engine, which hands the loss the micro-batch's ``rollout_log_probs`` (refused under another
+    actor strategy: :func:`~offpolicy.integrations.verl.hosts.check_verl_host`)."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
+    from offpolicy.integrations.verl.hosts import plugin_policy_losses
     from offpolicy.integrations.verl.loss import register_verl_policy_loss
-    from offpolicy.registry import OBJECTIVES
 
-    names: dict[str, dict] = {"offpolicy": {"objective": "ppo"},
-                              **{f"offpolicy_{name}": {"objective": name} for name in OBJECTIVES},
-                              "offpolicy_m2po": {"objective": "ppo", "correction": {"name": "m2po", "source": "total"}}}
+    names = plugin_policy_losses()
     for loss_name, kwargs in names.items():
         if loss_name not in POLICY_LOSS_REGISTRY:
             register_verl_policy_loss(loss_name, **kwargs)
