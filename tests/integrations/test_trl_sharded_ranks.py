@@ -20,22 +20,10 @@ import pytest
 import torch
 
 from offpolicy.rollout.processes import free_port
+from offpolicy_testkit.trl_scoring import scoring_part
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve()
-
-
-def _scorer(recipe, centering):
-    from types import SimpleNamespace
-
-    from offpolicy.integrations.trl.parts.scoring import ReplayScoring
-    from offpolicy.integrations.trl.replay import ENGINE_ORDERS
-
-    s = ReplayScoring.__new__(ReplayScoring)  # the scoring part alone: no TRL trainer around it
-    s.offpolicy_recipe, s.offpolicy_order, s.offpolicy_budget = recipe, ENGINE_ORDERS["vllm"], 2**26
-    s.args = SimpleNamespace(temperature=0.7)
-    s.offpolicy_score_centering, s._offpolicy_advice_ks = centering, None
-    return s
 
 
 def _grad(weight):
@@ -47,7 +35,7 @@ def _grad(weight):
 
 def _compare(rank, model, ref, ids, att, topk, recipe, centering):
     """Max |Δ| of the per-token values and of the head's gradient, sharded vs unsharded."""
-    s = _scorer(recipe, centering)
+    s = scoring_part(recipe, centering)
     t_len = topk[0].shape[2]
 
     def engine_topk(r):  # the engine's top-K of rank r's batch, without a recipe (top-k TRM, score centering)
@@ -130,7 +118,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
         result["fsdp1_sharding"] = model_sharding(wrapped)
         result["fsdp1_groups"] = [dist.get_world_size(gr) for gr in training_groups(wrapped)]
         try:
-            _scorer(SamplingConfig(top_k=20), False)._offpolicy_scores(wrapped.module, ids[rank], att, 4)
+            scoring_part(SamplingConfig(top_k=20), False)._offpolicy_scores(wrapped.module, ids[rank], att, 4)
             result["fsdp1_error"] = None
         except Exception as err:  # noqa: BLE001 - the test names what was raised (a shape error is the bug)
             result["fsdp1_error"] = f"{type(err).__name__}: {err}"
@@ -144,7 +132,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(HERE.parents[2])  # offpolicy_testkit/, for the ranks as for pytest
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = []
