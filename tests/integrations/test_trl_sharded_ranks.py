@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from offpolicy.rollout.processes import free_port
-from offpolicy_testkit.trl_scoring import scoring_part
+from offpolicy_testkit.trl_scoring import run_two_ranks, scoring_part
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve()
@@ -130,22 +127,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded")
-    port = free_port()
-    root = str(HERE.parents[2])  # offpolicy_testkit/, for the ranks as for pytest
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung") from None
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_two_ranks(HERE, tmp_path_factory.mktemp("sharded"))
 
 
 @pytest.mark.parametrize("case", ["tied/replay", "tied/topk", "untied/replay", "untied/topk"])

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from offpolicy.rollout.processes import free_port
+from offpolicy_testkit.trl_scoring import run_two_ranks
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve()
@@ -28,12 +26,12 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
+    from offpolicy_testkit.trl_scoring import scoring_part
 
     from offpolicy.integrations.trl.parts.sharding import model_sharding, training_groups
     from offpolicy.models.tiny import build_tiny_model
     from offpolicy.rollout.param_check import ParameterCheck
     from offpolicy.rollout.sampling import SamplingConfig
-    from offpolicy_testkit.trl_scoring import scoring_part
 
     deepspeed.init_distributed(dist_backend="gloo")
     result: dict = {}
@@ -68,23 +66,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def test_zero3_head_options_refuse_placeholders_and_the_parameter_layer_judges_none(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
-    port = free_port()
-    root = str(HERE.parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung") from None
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    for r in range(2):
-        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+    results = run_two_ranks(HERE, tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    for result in results:
         assert result["head"] == {"shape": [0], "ds_shape": [4099, 128], "has_ds_tensor": True}
         assert result["gathered"] == [4099, 128]
         assert result["sharding"] == ["zero3", "zero3"] and result["groups"] == [2]
