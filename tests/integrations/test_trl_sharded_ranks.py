@@ -108,6 +108,13 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
         alp2.log_sigma.grad = torch.full_like(alp2.log_sigma, float(rank + 1))
         ALPSigmaHooks(alp2, lambda: shared).on_pre_optimizer_step(None, None, None)
         result["sigma_shared"] = alp2.log_sigma.grad.tolist()
+        hsdp, _ = build_tiny_model(seed=0)  # HSDP: replicated over both ranks, sharded over one
+        fully_shard(hsdp, mesh=mesh)
+        alp3 = LayerwisePerturbation(hsdp)
+        alp3.log_sigma.grad = torch.full_like(alp3.log_sigma, float(rank + 1))
+        ALPSigmaHooks(alp3, lambda: hsdp).on_pre_optimizer_step(None, None, None)
+        result["sigma_hsdp"] = alp3.log_sigma.grad.tolist()
+        result["groups_hsdp"] = [dist.get_world_size(gr) for gr in training_groups(hsdp)]
 
         # FSDP1: the head is refused, not read as a flat shard
         flat, _ = build_tiny_model(seed=0)
@@ -144,6 +151,7 @@ def test_alp_sigma_grad_is_averaged_over_the_group_the_model_trains_in(ranks):
         assert result["groups_alone"] == [1]
         assert set(result["sigma_alone"]) == {float(rank + 1)}  # a model of its own: nothing to average with
         assert set(result["sigma_shared"]) == {1.5}  # sharded over both ranks: the mean of 1 and 2
+        assert result["groups_hsdp"] == [2, 1] and set(result["sigma_hsdp"]) == {1.5}  # each mesh dimension in turn
 
 
 def test_fsdp1_head_is_refused_in_one_line(ranks):
