@@ -57,15 +57,32 @@ def _compare(rank, model, ref, ids, att, topk, recipe, centering):
             "grad_scale": float(grads[0].abs().max())}
 
 
+def _sigma_reduced(rank, mesh):
+    """σ's gradient (rank + 1 everywhere) after ALP's all-reduce on a tiny model ``fully_shard``-ed over ``mesh``
+    (None: every rank), and the sizes of the groups it was averaged over."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from offpolicy.integrations.trl.alp import ALPSigmaHooks
+    from offpolicy.integrations.trl.parts.sharding import training_groups
+    from offpolicy.models.tiny import build_tiny_model
+    from offpolicy.perturbation import LayerwisePerturbation
+
+    model, _ = build_tiny_model(seed=0)
+    fully_shard(model, mesh=mesh)
+    alp = LayerwisePerturbation(model)
+    alp.log_sigma.grad = torch.full_like(alp.log_sigma, float(rank + 1))
+    ALPSigmaHooks(alp, lambda: model).on_pre_optimizer_step(None, None, None)
+    return alp.log_sigma.grad.tolist(), [dist.get_world_size(g) for g in training_groups(model)]
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
-    from offpolicy.integrations.trl.alp import ALPSigmaHooks
     from offpolicy.integrations.trl.parts.sharding import model_sharding, training_groups
     from offpolicy.models.tiny import build_tiny_model
-    from offpolicy.perturbation import LayerwisePerturbation
     from offpolicy.rollout.sampling import SamplingConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -95,26 +112,9 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
         # ALP's σ: averaged over the model's own mesh (here a group of one: each rank trains its own model)
         mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "shard"))
-        alone, _ = build_tiny_model(seed=0)
-        fully_shard(alone, mesh=mesh["shard"])
-        alp = LayerwisePerturbation(alone)
-        alp.log_sigma.grad = torch.full_like(alp.log_sigma, float(rank + 1))
-        ALPSigmaHooks(alp, lambda: alone).on_pre_optimizer_step(None, None, None)
-        result["sigma_alone"] = alp.log_sigma.grad.tolist()
-        result["groups_alone"] = [dist.get_world_size(gr) for gr in training_groups(alone)]
-        shared, _ = build_tiny_model(seed=0)
-        fully_shard(shared)
-        alp2 = LayerwisePerturbation(shared)
-        alp2.log_sigma.grad = torch.full_like(alp2.log_sigma, float(rank + 1))
-        ALPSigmaHooks(alp2, lambda: shared).on_pre_optimizer_step(None, None, None)
-        result["sigma_shared"] = alp2.log_sigma.grad.tolist()
-        hsdp, _ = build_tiny_model(seed=0)  # HSDP: replicated over both ranks, sharded over one
-        fully_shard(hsdp, mesh=mesh)
-        alp3 = LayerwisePerturbation(hsdp)
-        alp3.log_sigma.grad = torch.full_like(alp3.log_sigma, float(rank + 1))
-        ALPSigmaHooks(alp3, lambda: hsdp).on_pre_optimizer_step(None, None, None)
-        result["sigma_hsdp"] = alp3.log_sigma.grad.tolist()
-        result["groups_hsdp"] = [dist.get_world_size(gr) for gr in training_groups(hsdp)]
+        for name, shard_mesh in (("alone", mesh["shard"]), ("shared", None), ("hsdp", mesh)):
+            # alone: each rank's own model; shared: sharded over both; hsdp: replicated over both, sharded over one
+            result[f"sigma_{name}"], result[f"groups_{name}"] = _sigma_reduced(rank, shard_mesh)
 
         # FSDP1: the head is refused, not read as a flat shard
         flat, _ = build_tiny_model(seed=0)
