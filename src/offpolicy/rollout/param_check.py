@@ -11,7 +11,8 @@ than the dtype's resolution leaves its cast — and the engine — unchanged: no
 Fingerprints are BLAKE2b digests of each tensor's bytes (read on the host: on a GPU engine this copies every weight
 once per sync). Engine tensors without storage (vLLM's CPU build repacks linear weights outside its parameters,
 leaving them empty), quantised ones (fp8, int packs: not a plain cast of their sources), ones without sources among
-the trainer's names, or whose sources this process holds only a shard of (FSDP) are not checked, and counted
+the trainer's names, or whose sources this process holds only a shard or a placeholder of (FSDP, ZeRO-3) are not
+checked, and counted
 (``sync/params_checked`` of ``sync/params_total``).
 """
 
@@ -63,8 +64,14 @@ PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _sharded(tensor: Tensor) -> bool:
-    """An FSDP2 DTensor: this process holds a shard, not the tensor the engine was given."""
-    return hasattr(tensor, "device_mesh")
+    """This process holds a shard or a placeholder of the trainer's tensor, not the tensor the engine was given: an
+    FSDP2 DTensor (``device_mesh``), an FSDP1 sharded state dict's ``ShardedTensor`` (``local_shards``), a ZeRO-3
+    parameter outside its gather (0 elements: its ``data`` in ``state_dict()``, DeepSpeed's
+    ``runtime/zero/partition_parameters.py``; a persistent or gathered one is whole, and judged), any 0-element or
+    meta tensor. Its fingerprint would never change: not judged, never counted as checked."""
+    if hasattr(tensor, "device_mesh") or hasattr(tensor, "local_shards"):
+        return True
+    return tensor.numel() == 0 or tensor.device.type == "meta"
 
 
 @dataclass

@@ -10,6 +10,7 @@ optimiser step; :func:`save_alp` / :func:`load_alp` write and read ``offpolicy_a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,45 +23,56 @@ ALP_CHECKPOINT_FILE = "offpolicy_alp.pt"
 
 
 def allreduce_sigma_grad(alp: LayerwisePerturbation, group: Any = None) -> bool:
-    """Average ``alp.log_sigma.grad`` over the processes of ``group`` (the default group) when torch.distributed is
-    initialised with more than one process; a process without a gradient contributes zeros (so no rank waits
-    forever). Returns True when it communicated.
+    """Average ``alp.log_sigma.grad`` over the processes of ``group`` (None: the default group; a list: each group
+    in turn — averaging over each dimension of a mesh averages over all of it) when torch.distributed is initialised
+    with more than one process; a process without a gradient contributes zeros (so no rank waits forever). Returns
+    True when it communicated.
 
     >>> alp = LayerwisePerturbation(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Identity()])))
     >>> allreduce_sigma_grad(alp)       # not distributed: nothing to do
     False
     """
-    processes = world_size(group)
-    if processes == 1:
-        return False
-    if alp.log_sigma.grad is None:
-        alp.log_sigma.grad = torch.zeros_like(alp.log_sigma)
-    dist.all_reduce(alp.log_sigma.grad, op=dist.ReduceOp.SUM, group=group)
-    alp.log_sigma.grad.div_(processes)
-    return True
+    groups = group if isinstance(group, list) else [group]
+    communicated = False
+    for g in groups:
+        processes = world_size(g)
+        if processes == 1:
+            continue
+        if alp.log_sigma.grad is None:
+            alp.log_sigma.grad = torch.zeros_like(alp.log_sigma)
+        dist.all_reduce(alp.log_sigma.grad, op=dist.ReduceOp.SUM, group=g)
+        alp.log_sigma.grad.div_(processes)
+        communicated = True
+    return communicated
 
 
 class ALPSigmaHooks:
     """The two optimiser-step events of :func:`alp_callback`'s callback: before the step σ's gradient is all-reduced
-    (:func:`allreduce_sigma_grad`), after it σ's gradient is dropped (the Trainer zeroes only the model's). Plain (no
-    transformers import here): :func:`alp_callback` puts it in front of ``transformers.TrainerCallback``."""
+    over the groups the model's gradients are averaged over (:func:`allreduce_sigma_grad`,
+    :func:`~offpolicy.integrations.trl.parts.sharding.training_groups` of ``model()``, the trained model as the
+    Trainer wrapped it; the default group without ``model``), after it σ's gradient is dropped (the Trainer zeroes
+    only the model's). Plain (no transformers import here): :func:`alp_callback` puts it in front of
+    ``transformers.TrainerCallback``."""
 
-    def __init__(self, alp: LayerwisePerturbation) -> None:
+    def __init__(self, alp: LayerwisePerturbation, model: Callable[[], Any] | None = None) -> None:
         self.alp = alp
+        self.model = model
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        allreduce_sigma_grad(self.alp)
+        from offpolicy.integrations.trl.parts.sharding import training_groups
+
+        allreduce_sigma_grad(self.alp, training_groups(self.model()) if self.model is not None else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.alp.log_sigma.grad = None
 
 
-def alp_callback(alp: LayerwisePerturbation) -> Any:
+def alp_callback(alp: LayerwisePerturbation, model: Callable[[], Any] | None = None) -> Any:
     """A ``transformers.TrainerCallback`` with :class:`ALPSigmaHooks`' two events (the callback's other events are
-    ``TrainerCallback``'s no-ops)."""
+    ``TrainerCallback``'s no-ops); ``model`` returns the trained model as wrapped (``trainer.model_wrapped``)."""
     from transformers import TrainerCallback
 
-    return type("ALPSigmaCallback", (ALPSigmaHooks, TrainerCallback), {"__module__": __name__})(alp)
+    return type("ALPSigmaCallback", (ALPSigmaHooks, TrainerCallback), {"__module__": __name__})(alp, model)
 
 
 def save_alp(alp: LayerwisePerturbation, folder: str | os.PathLike) -> str:

@@ -42,6 +42,7 @@ from offpolicy.integrations.trl.loss import (
 )
 from offpolicy.integrations.trl.parts.alp import ALPWiring, _check_alp
 from offpolicy.integrations.trl.parts.scoring import ReplayScoring, _check_plain_head, _grpo_args, _with_min_p
+from offpolicy.integrations.trl.parts.sharding import head_options, model_sharding, refuse_sharded_head
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
@@ -179,6 +180,9 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         self._setup_topk(train_args, correction, topk_logprobs, topk_bound, score_centering)
         if replay or topk_logprobs:
             _check_plain_head(getattr(self, "model", None))
+            refuse_sharded_head(head_options(sampling_replay=sampling_replay, dvp_rho=dvp_rho,
+                                             topk_logprobs=topk_logprobs, score_centering=score_centering),
+                                model_sharding(getattr(self, "model", None), getattr(self, "accelerator", None)))
         self._check_logprobs_mode(train_args)
         self._setup_alp(alp_cfg, aggregation, explicit)
         if self.offpolicy_alp is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from offpolicy.integrations.trl.alp import alp_callback, load_alp, save_alp
 from offpolicy.integrations.trl.parts import TRLBase
+from offpolicy.integrations.trl.parts.sharding import model_sharding
 from offpolicy.perturbation import DEFAULT_INIT_STD, DEFAULT_LR, LayerwisePerturbation, alp_clip_defaults
 
 ALP_KEYS = ("init_std", "lr", "layers", "layers_path", "seed", "level")
@@ -49,10 +50,16 @@ class ALPWiring(TRLBase):
         level = cfg.get("level", "token")
         low, high = alp_clip_defaults(level)  # validates level
         model = self.model
+        accelerator = getattr(self, "accelerator", None)
+        if model_sharding(model, accelerator) == "zero3":  # DeepSpeed partitions every parameter of the optimiser
+            raise ValueError("alp=: σ is a parameter outside the model, in the optimiser, which ZeRO-3 cannot "
+                             "partition; not supported under ZeRO-3 yet (use FSDP2 or DDP)")
         alp = LayerwisePerturbation(model, layers=cfg.get("layers", "all"),
                                     init_std=cfg.get("init_std", DEFAULT_INIT_STD),
                                     layers_path=cfg.get("layers_path"), seed=cfg.get("seed"))
-        device = next(model.parameters()).device
+        # the device the model computes on (accelerate's): an offloaded or sharded model's first parameter may sit
+        # on the CPU while its forward runs on the accelerator
+        device = accelerator.device if accelerator is not None else next(model.parameters()).device
         self.offpolicy_alp = alp.to(device)
         self.offpolicy_alp_level = level
         self.offpolicy_alp_lr = float(cfg.get("lr", DEFAULT_LR))
@@ -64,7 +71,7 @@ class ALPWiring(TRLBase):
             else (delta if delta is not None else 10.0),
         }
         if hasattr(self, "add_callback"):
-            self.add_callback(alp_callback(self.offpolicy_alp))
+            self.add_callback(alp_callback(self.offpolicy_alp, lambda: self.model_wrapped))
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's optimiser plus σ's own group (lr ``alp["lr"]``, no weight decay) when ALP is on."""

@@ -21,6 +21,7 @@ from torch import Tensor
 from offpolicy.corrections.vocabulary import dvp_keep
 from offpolicy.integrations.trl.head_pass import HeadScores, head_scores
 from offpolicy.integrations.trl.parts import TRLBase
+from offpolicy.integrations.trl.parts.sharding import gathered_head
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, trl_engine, trl_sampling_recipe
 from offpolicy.integrations.trl.topk import own_slack_rows
 
@@ -73,10 +74,7 @@ def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor,
     wrapped: Any = model  # a transformers / PEFT model: its methods are not on ``torch.nn.Module``'s type
     core = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
     head = core.get_output_embeddings()
-    weight, bias = head.weight, head.bias
-    if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head, as TRL's fused head does
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if bias is not None and hasattr(bias, "full_tensor") else bias
+    weight, bias = gathered_head(head.weight, head.bias)  # FSDP2: all-gathered; ZeRO-3 / FSDP1: refused
     return core.base_model, weight, bias
 
 
