@@ -25,6 +25,7 @@ for ``tests/corrections/test_gated_differences.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -45,11 +46,13 @@ def load_policy_loss():
     package = types.ModuleType("openrlhf.models")
     package.__path__ = [str(root)]
     sys.modules["openrlhf.models"] = package
-    for name in LOADED:
-        spec = importlib.util.spec_from_file_location(f"openrlhf.models.{name}", root / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    # stdout carries the record: an installed deepspeed logs its accelerator choice there on import
+    with contextlib.redirect_stdout(sys.stderr):
+        for name in LOADED:
+            spec = importlib.util.spec_from_file_location(f"openrlhf.models.{name}", root / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
     return sys.modules["openrlhf.models.loss"].PolicyLoss
 
 
