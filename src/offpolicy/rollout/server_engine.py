@@ -55,7 +55,9 @@ class ServerRolloutEngine:
         protocol: a :class:`ServerProtocol` (:class:`VLLMProtocol`, :class:`SGLangProtocol`,
             :class:`~offpolicy.rollout.llamacpp.LlamaCppProtocol`).
         vocab_size: the trainer's vocabulary: ids outside it are refused (None: not checked).
-        timeout: seconds per request.
+        timeout: seconds per request; a request not answered by then raises a
+            :class:`~offpolicy.rollout.http.ServerError` naming the server, the request, the sync (the engine's
+            count of :meth:`sync_weights` calls) and :attr:`timeout_setting`.
         tokenizer: optional, decodes ``texts`` when the server sends none.
 
     ``sync_weights`` cannot push tensors into a remote server: it writes the model into ``weights_dir`` — a
@@ -77,6 +79,8 @@ class ServerRolloutEngine:
         self.tokenizer = tokenizer
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._reload_folder: ReloadFolder | None = None
+        self.syncs = 0  # weight syncs so far: what a failed request names (the trainer syncs before every step)
+        self.timeout_setting = "timeout"  # the setting a timed-out request names (the trainer's: rollout.server.timeout)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Write ``model`` into the reload folder (``weights_dir``, or a temporary folder on this machine) and have
@@ -89,6 +93,7 @@ class ServerRolloutEngine:
                 self.weights_dir = Path(tempfile.mkdtemp(prefix="offpolicy-reload-"))
             self._reload_folder = ReloadFolder(self.weights_dir)
         self._reload_folder.write_model(model)
+        self.syncs += 1
         self.reload_weights(str(self.weights_dir))
 
     full_logits = False  # score() gives the sampled tokens' log-probs, not [B, T, V] logits
@@ -113,9 +118,9 @@ class ServerRolloutEngine:
         t = max((len(c) for c in completion_ids), default=0)
         logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
         for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-            what = f"{self.protocol.name} scoring request {i} ({self.protocol.path})"
+            what = f"{self.protocol.name} scoring request {i} ({self.protocol.path}) at sync {self.syncs}"
             answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
-                               what=what)
+                               what=what, setting=self.timeout_setting)
             values = self.protocol.parse_score(answer, list(p), list(c), where=what)  # type: ignore[attr-defined]
             logp[i, : len(values)] = torch.tensor(values)
             mask[i, : len(values)] = True
@@ -131,7 +136,10 @@ class ServerRolloutEngine:
             raise ValueError(f"reload_weights: the {self.protocol.name} protocol has no reload call")
         if Path(path).is_dir():  # a folder on this machine: checked here; a remote path is the server's to read
             check_reload_folder(path)
-        reload(self.url, str(path), timeout=self.timeout)
+        try:
+            reload(self.url, str(path), timeout=self.timeout)
+        except ServerError as err:
+            raise ServerError(f"{err} (at sync {self.syncs}; {self.timeout_setting}: {self.timeout:g} s)") from None
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
         """One request per prompt, row i with seed ``seed + i`` (sequential: reproducible on one server slot)."""
@@ -141,9 +149,9 @@ class ServerRolloutEngine:
         applied = self.protocol.applied(cfg)
         parsed = []
         for i, prompt in enumerate(prompt_ids):
-            what = f"{self.protocol.name} request {i} ({self.protocol.path})"
+            what = f"{self.protocol.name} request {i} ({self.protocol.path}) at sync {self.syncs}"
             answer = post_json(self.url + self.protocol.path, self.protocol.request(list(prompt), cfg, int(seed) + i),
-                               timeout=self.timeout, what=what)
+                               timeout=self.timeout, what=what, setting=self.timeout_setting)
             c = self.protocol.parse(answer, cfg, where=what, vocab_size=self.vocab_size)
             if c.missing:
                 fill = getattr(self.protocol, "fill_missing", None)
