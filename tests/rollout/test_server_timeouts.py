@@ -56,21 +56,22 @@ def _raises_within(timeout: float, call) -> str:
 
 def test_a_request_to_a_silent_server_stops_within_its_timeout(silent_server):
     message = _raises_within(0.5, lambda: post_json(silent_server + "/v1/completions", {"prompt": [1]}, timeout=0.5,
-                                                     what="probe", setting="rollout.server.timeout"))
-    assert message == (f"probe: {silent_server}/v1/completions did not answer within 0.5 s: is it running? "
-                       "(rollout.server.timeout)")
+                                                     what="probe"))
+    assert message == f"probe: {silent_server}/v1/completions did not answer within 0.5 s: is it running?"
 
 
 def test_the_server_engine_names_the_server_the_request_the_sync_and_the_setting(silent_server):
     engine = ServerRolloutEngine(silent_server, VLLMProtocol("tiny"), timeout=0.5)
-    engine.syncs, engine.timeout_setting = 3, "rollout.server.timeout"
+    engine.timeout_setting = "rollout.server.timeout"
     message = _raises_within(0.5, lambda: engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2), seed=0))
-    assert message.startswith("vllm request 0 (/v1/completions) at sync 3: ") and silent_server in message
-    assert message.endswith("within 0.5 s: is it running? (rollout.server.timeout)") and "\n" not in message
+    assert message == (f"vllm request 0 (/v1/completions): {silent_server}/v1/completions did not answer within "
+                       "0.5 s: is it running? (before the first sync; rollout.server.timeout: 0.5 s)")
+    engine.syncs = 3
     message = _raises_within(0.5, lambda: engine.score([[1, 2]], [[3]]))
-    assert message.startswith("vllm scoring request 0 (/v1/completions) at sync 3: ") and silent_server in message
+    assert message.startswith("vllm scoring request 0 (/v1/completions): ") and silent_server in message
+    assert message.endswith("is it running? (at sync 3; rollout.server.timeout: 0.5 s)") and "\n" not in message
     message = _raises_within(0.5, lambda: engine.reload_weights("/nonexistent/reload"))
-    assert "vllm weight reload /pause" in message and silent_server in message
+    assert message.startswith(f"vllm weight reload /pause: {silent_server}/pause did not answer")
     assert message.endswith("(at sync 3; rollout.server.timeout: 0.5 s)")
 
 

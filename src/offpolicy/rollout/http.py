@@ -21,12 +21,11 @@ class ServerError(ValueError):
     and the field."""
 
 
-def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_bytes: bool = False,
-              setting: str | None = None) -> Any:
+def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_bytes: bool = False) -> Any:
     """POST ``body`` as JSON (GET when ``body`` is None) and return the decoded answer (its bytes if ``as_bytes``);
-    :class:`ServerError` naming ``what`` (the request) on a refused connection, a timeout (naming ``setting``, the
-    timeout's setting, when given), an HTTP error status or malformed JSON."""
-    late = f"did not answer within {timeout:g} s: is it running?" + (f" ({setting})" if setting else "")
+    :class:`ServerError` naming ``what`` (the request) on a refused connection, a timeout, an HTTP error status or
+    malformed JSON."""
+    late = f"did not answer within {timeout:g} s: is it running?"
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                  method="GET" if body is None else "POST")

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,9 +120,10 @@ class ServerRolloutEngine:
         t = max((len(c) for c in completion_ids), default=0)
         logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
         for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-            what = f"{self.protocol.name} scoring request {i} ({self.protocol.path}) at sync {self.syncs}"
-            answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
-                               what=what, setting=self.timeout_setting)
+            what = f"{self.protocol.name} scoring request {i} ({self.protocol.path})"
+            with self._naming_the_sync():
+                answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
+                                   what=what)
             values = self.protocol.parse_score(answer, list(p), list(c), where=what)  # type: ignore[attr-defined]
             logp[i, : len(values)] = torch.tensor(values)
             mask[i, : len(values)] = True
@@ -136,10 +139,20 @@ class ServerRolloutEngine:
             raise ValueError(f"reload_weights: the {self.protocol.name} protocol has no reload call")
         if Path(path).is_dir():  # a folder on this machine: checked here; a remote path is the server's to read
             check_reload_folder(path)
-        try:
+        with self._naming_the_sync():
             reload(self.url, str(path), timeout=self.timeout)
+
+    @contextlib.contextmanager
+    def _naming_the_sync(self) -> Iterator[None]:
+        """A request's :class:`ServerError` (refused, timed out, broken off, an HTTP error) with the sync it
+        belongs to and the timeout's setting after it: ``"... (at sync 3; rollout.server.timeout: 30 s)"``."""
+        try:
+            yield
         except ServerError as err:
-            raise ServerError(f"{err} (at sync {self.syncs}; {self.timeout_setting}: {self.timeout:g} s)") from None
+            # the llama.cpp engine syncs by restarting its server: one sync_log entry per sync
+            syncs = max(self.syncs, len(getattr(self, "sync_log", ())))
+            when = f"at sync {syncs}" if syncs else "before the first sync"
+            raise ServerError(f"{err} ({when}; {self.timeout_setting}: {self.timeout:g} s)") from None
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
         """One request per prompt, row i with seed ``seed + i`` (sequential: reproducible on one server slot)."""
@@ -149,9 +162,11 @@ class ServerRolloutEngine:
         applied = self.protocol.applied(cfg)
         parsed = []
         for i, prompt in enumerate(prompt_ids):
-            what = f"{self.protocol.name} request {i} ({self.protocol.path}) at sync {self.syncs}"
-            answer = post_json(self.url + self.protocol.path, self.protocol.request(list(prompt), cfg, int(seed) + i),
-                               timeout=self.timeout, what=what, setting=self.timeout_setting)
+            what = f"{self.protocol.name} request {i} ({self.protocol.path})"
+            with self._naming_the_sync():
+                answer = post_json(self.url + self.protocol.path,
+                                   self.protocol.request(list(prompt), cfg, int(seed) + i), timeout=self.timeout,
+                                   what=what)
             c = self.protocol.parse(answer, cfg, where=what, vocab_size=self.vocab_size)
             if c.missing:
                 fill = getattr(self.protocol, "fill_missing", None)
