@@ -8,9 +8,9 @@ import asyncio
 import time
 
 import pytest
+from tests.rollout.test_server_timeouts import SLACK, silent_server  # noqa: F401 - the fixture
 
 from offpolicy.rollout.http import ServerError
-from tests.rollout.test_server_timeouts import SLACK, silent_server  # noqa: F401 - the fixture
 
 
 def test_trls_server_scorer_stops_within_the_timeout_naming_the_server_and_the_sync(silent_server):  # noqa: F811

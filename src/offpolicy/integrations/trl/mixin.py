@@ -45,8 +45,8 @@ from offpolicy.integrations.trl.parts.scoring import ReplayScoring, _check_plain
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
-from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
 from offpolicy.integrations.trl.ranks import every_rank_raises
+from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
 from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
 from offpolicy.integrations.trl.vllm_sync import (
     check_sync_setting,

@@ -52,11 +52,12 @@ class _Blocks:
     count = 0
 
 
-def _payload(error: BaseException | None) -> bytes:
+def _payload(error: BaseException | None) -> str:
+    """A verdict as the store holds it: "" for none, else the error's type and message as JSON."""
     if error is None:
-        return b""
+        return ""
     kind = type(error)
-    return json.dumps({"module": kind.__module__, "type": kind.__qualname__, "text": str(error)}).encode()
+    return json.dumps({"module": kind.__module__, "type": kind.__qualname__, "text": str(error)})
 
 
 def _rebuilt(rank: int, raw: bytes) -> BaseException:
