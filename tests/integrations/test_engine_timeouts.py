@@ -8,27 +8,29 @@ import asyncio
 import time
 
 import pytest
-from tests.rollout.test_server_timeouts import SLACK, silent_server  # noqa: F401 - the fixture
+from offpolicy_testkit.silent_server import silent_server
+
+SLACK = 2.0  # seconds past the timeout: thread start-up and the socket's wake-up on a loaded machine
 
 from offpolicy.rollout.http import ServerError
 
 
-def test_trls_server_scorer_stops_within_the_timeout_naming_the_server_and_the_sync(silent_server):  # noqa: F811
+def test_trls_server_scorer_stops_within_the_timeout_naming_the_server_and_the_sync():
     pytest.importorskip("requests")
+    import requests
     from trl.generation.vllm_client import VLLMClient
 
     from offpolicy.integrations.trl.vllm_sync import ServerScorer
 
     client = VLLMClient.__new__(VLLMClient)  # TRL's own client on the silent server (its __init__ asks the server)
-    import requests
-
-    client.session, client.base_url, client.model = requests.Session(), silent_server, "tiny"
-    scorer = ServerScorer(client, timeout=0.5, sync=lambda: 3)
-    start = time.monotonic()
-    with pytest.raises(ServerError) as info:
-        scorer.score([[1, 2], [1, 3]], [[4], [5]])
-    assert time.monotonic() - start < 0.5 + SLACK
-    assert str(info.value) == (f"vLLM server {silent_server} did not answer the sync check's probe (2 sequences) "
+    with silent_server() as url:
+        client.session, client.base_url, client.model = requests.Session(), url, "tiny"
+        scorer = ServerScorer(client, timeout=0.5, sync=lambda: 3)
+        start = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            scorer.score([[1, 2], [1, 3]], [[4], [5]])
+        assert time.monotonic() - start < 0.5 + SLACK
+    assert str(info.value) == (f"vLLM server {url} did not answer the sync check's probe (2 sequences) "
                                "within 0.5 s at sync 3: is it running? (GRPOConfig.vllm_server_timeout)")
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-
-from offpolicy.rollout.processes import free_port
+from offpolicy_testkit.gloo_ranks import run_ranks
 
 HERE = Path(__file__).resolve()
 
@@ -109,19 +107,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_an_exception_on_one_rank_is_raised_on_every_rank(tmp_path):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: another rank's exception did not reach it") from None
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    run_ranks(HERE, tmp_path, hung="a rank hung: another rank's exception did not reach it")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     # the failing rank raises its own error; the other raises the same type, naming the failing rank
     assert r1["value_error"] == {"type": "ValueError", "text": "probe row 2: bad"}

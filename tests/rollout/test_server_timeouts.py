@@ -3,12 +3,12 @@ timeout (plus a small slack), with one line naming the server, the request, the 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+from offpolicy_testkit.silent_server import silent_server as stub
 
 from offpolicy.rollout.http import ServerError, call_within, post_json
 from offpolicy.rollout.protocols import VLLMProtocol
@@ -20,29 +20,8 @@ SLACK = 2.0  # seconds past the timeout: thread start-up and the socket's own wa
 
 @pytest.fixture
 def silent_server() -> Iterator[str]:
-    """``http://127.0.0.1:PORT`` of a server that accepts every connection, reads nothing and answers nothing."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])  # kept open: the client waits for an answer that never comes
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    thread.join()
-    for conn in held:
-        conn.close()
-    listener.close()
+    with stub() as url:
+        yield url
 
 
 def _raises_within(timeout: float, call) -> str:
