@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-
-from offpolicy.rollout.processes import free_port
+from offpolicy_testkit.gloo_ranks import run_ranks
 
 HERE = Path(__file__).resolve()
 
@@ -78,19 +76,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_every_rank_joins_the_check_under_fsdp_and_raises_when_it_fails(tmp_path):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: the check's trainer forward did not complete on every rank") from None
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    run_ranks(HERE, tmp_path, hung="a rank hung: the check's trainer forward did not complete on every rank")
     main = json.loads((tmp_path / "rank0.json").read_text())
     other = json.loads((tmp_path / "rank1.json").read_text())
     logged = main["logged"]

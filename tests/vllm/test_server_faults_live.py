@@ -146,14 +146,18 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(model
     try:
         proc = _train(out, server.url)
 
+        killed: list[float] = []
+
         def kill_after_two_steps():
             while proc.poll() is None and len(_metrics(out)) < 2:
                 time.sleep(0.02)
             server.kill()
+            killed.append(time.monotonic())
 
         watcher = threading.Thread(target=kill_after_two_steps)
         watcher.start()
         output, _ = proc.communicate(timeout=600)
+        stopped = time.monotonic() - killed[0] if killed else None
         watcher.join()
     finally:
         server.close()
@@ -162,6 +166,9 @@ def test_a_server_killed_mid_run_stops_it_in_one_line_and_resume_continues(model
     assert proc.returncode != 0 and 2 <= done < 8, output
     last = [line for line in output.splitlines() if line.strip()][-1]
     assert "vllm" in last and server.url in last, last  # one line naming the engine and the request
+    assert "at sync" in last and "rollout.server.timeout: 30 s" in last, last  # ... the sync, the timeout's setting
+    print(f"kill-to-stop: {stopped:.1f} s")
+    assert stopped is not None and stopped < 30 + 30, stopped  # within rollout.server.timeout (+ the exit's slack)
     checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert checkpoints[-1] == f"step_{done:08d}.safetensors"  # every completed step saved, nothing half-written
 

@@ -8,6 +8,7 @@ import http.client
 import json
 import math
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,7 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_byte
     """POST ``body`` as JSON (GET when ``body`` is None) and return the decoded answer (its bytes if ``as_bytes``);
     :class:`ServerError` naming ``what`` (the request) on a refused connection, a timeout, an HTTP error status or
     malformed JSON."""
+    late = f"did not answer within {timeout:g} s: is it running?"
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                  method="GET" if body is None else "POST")
@@ -34,14 +36,14 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_byte
         detail = err.read()[:300].decode("utf-8", "replace")
         raise ServerError(f"{what}: {url} answered HTTP {err.code}: {detail}") from None
     except TimeoutError:
-        raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
+        raise ServerError(f"{what}: {url} {late}") from None
     except http.client.HTTPException as err:  # the server died while answering (incomplete read, bad status line)
         raise ServerError(f"{what}: {url} broke off its answer ({type(err).__name__}: {err})") from None
     except (urllib.error.URLError, ConnectionError, OSError) as err:
         reason = getattr(err, "reason", err)
         if isinstance(reason, (TimeoutError, socket.timeout)):
-            raise ServerError(f"{what}: {url} did not answer within {timeout:g} s") from None
-        raise ServerError(f"{what}: cannot reach {url} ({reason})") from None
+            raise ServerError(f"{what}: {url} {late}") from None
+        raise ServerError(f"{what}: cannot reach {url} ({reason}): is it running?") from None
     if as_bytes:
         return raw
     try:
@@ -49,6 +51,35 @@ def post_json(url: str, body: dict | None, *, timeout: float, what: str, as_byte
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ServerError(f"{what}: {url} answered malformed JSON ({err.msg if hasattr(err, 'msg') else err}): "
                           f"{raw[:120]!r}") from None
+
+
+def call_within(call: Callable[[], Any], timeout: float, *, what: str, request: str, when: str,
+                setting: str) -> Any:
+    """``call()``'s result within ``timeout`` seconds, for a client that sets no timeout of its own (TRL's
+    ``VLLMClient``). Past it, :class:`ServerError` ``"{what} did not answer {request} within {timeout} s at {when}:
+    is it running? ({setting})"``; an exception of ``call`` becomes a :class:`ServerError` naming the same. The call
+    runs in a daemon thread, left behind on a timeout: a request that never returns cannot be cancelled, and must
+    not keep the process from exiting."""
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = err
+        done.set()
+
+    threading.Thread(target=run, name=f"offpolicy-call {what}", daemon=True).start()
+    if not done.wait(timeout):
+        raise ServerError(f"{what} did not answer {request} within {timeout:g} s at {when}: is it running? "
+                          f"({setting})")
+    if "error" in outcome:
+        err = outcome["error"]
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        raise ServerError(f"{what} failed on {request} at {when} ({type(err).__name__}: {first}): is it "
+                          "running?") from err
+    return outcome["value"]
 
 
 def wait_until_healthy(url: str, *, timeout: float, what: str, healthy: Callable[[bytes], bool] = lambda raw: True,

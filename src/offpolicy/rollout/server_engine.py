@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,7 +57,9 @@ class ServerRolloutEngine:
         protocol: a :class:`ServerProtocol` (:class:`VLLMProtocol`, :class:`SGLangProtocol`,
             :class:`~offpolicy.rollout.llamacpp.LlamaCppProtocol`).
         vocab_size: the trainer's vocabulary: ids outside it are refused (None: not checked).
-        timeout: seconds per request.
+        timeout: seconds per request; a request not answered by then raises a
+            :class:`~offpolicy.rollout.http.ServerError` naming the server, the request, the sync (the engine's
+            count of :meth:`sync_weights` calls) and :attr:`timeout_setting`.
         tokenizer: optional, decodes ``texts`` when the server sends none.
 
     ``sync_weights`` cannot push tensors into a remote server: it writes the model into ``weights_dir`` — a
@@ -77,6 +81,8 @@ class ServerRolloutEngine:
         self.tokenizer = tokenizer
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._reload_folder: ReloadFolder | None = None
+        self.syncs = 0  # weight syncs so far: what a failed request names (the trainer syncs before every step)
+        self.timeout_setting = "timeout"  # the setting a timed-out request names (the trainer's: rollout.server.timeout)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Write ``model`` into the reload folder (``weights_dir``, or a temporary folder on this machine) and have
@@ -89,6 +95,7 @@ class ServerRolloutEngine:
                 self.weights_dir = Path(tempfile.mkdtemp(prefix="offpolicy-reload-"))
             self._reload_folder = ReloadFolder(self.weights_dir)
         self._reload_folder.write_model(model)
+        self.syncs += 1
         self.reload_weights(str(self.weights_dir))
 
     full_logits = False  # score() gives the sampled tokens' log-probs, not [B, T, V] logits
@@ -114,8 +121,9 @@ class ServerRolloutEngine:
         logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
         for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
             what = f"{self.protocol.name} scoring request {i} ({self.protocol.path})"
-            answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
-                               what=what)
+            with self._naming_the_sync():
+                answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
+                                   what=what)
             values = self.protocol.parse_score(answer, list(p), list(c), where=what)  # type: ignore[attr-defined]
             logp[i, : len(values)] = torch.tensor(values)
             mask[i, : len(values)] = True
@@ -131,7 +139,20 @@ class ServerRolloutEngine:
             raise ValueError(f"reload_weights: the {self.protocol.name} protocol has no reload call")
         if Path(path).is_dir():  # a folder on this machine: checked here; a remote path is the server's to read
             check_reload_folder(path)
-        reload(self.url, str(path), timeout=self.timeout)
+        with self._naming_the_sync():
+            reload(self.url, str(path), timeout=self.timeout)
+
+    @contextlib.contextmanager
+    def _naming_the_sync(self) -> Iterator[None]:
+        """A request's :class:`ServerError` (refused, timed out, broken off, an HTTP error) with the sync it
+        belongs to and the timeout's setting after it: ``"... (at sync 3; rollout.server.timeout: 30 s)"``."""
+        try:
+            yield
+        except ServerError as err:
+            # the llama.cpp engine syncs by restarting its server: one sync_log entry per sync
+            syncs = max(self.syncs, len(getattr(self, "sync_log", ())))
+            when = f"at sync {syncs}" if syncs else "before the first sync"
+            raise ServerError(f"{err} ({when}; {self.timeout_setting}: {self.timeout:g} s)") from None
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, *, seed: int) -> RolloutOutput:
         """One request per prompt, row i with seed ``seed + i`` (sequential: reproducible on one server slot)."""
@@ -142,8 +163,10 @@ class ServerRolloutEngine:
         parsed = []
         for i, prompt in enumerate(prompt_ids):
             what = f"{self.protocol.name} request {i} ({self.protocol.path})"
-            answer = post_json(self.url + self.protocol.path, self.protocol.request(list(prompt), cfg, int(seed) + i),
-                               timeout=self.timeout, what=what)
+            with self._naming_the_sync():
+                answer = post_json(self.url + self.protocol.path,
+                                   self.protocol.request(list(prompt), cfg, int(seed) + i), timeout=self.timeout,
+                                   what=what)
             c = self.protocol.parse(answer, cfg, where=what, vocab_size=self.vocab_size)
             if c.missing:
                 fill = getattr(self.protocol, "fill_missing", None)

@@ -118,5 +118,8 @@ def build_server_engine(spec: EngineSpec, *, model: Any = None, tokenizer: Any =
     or detected), ids checked against ``model``'s vocabulary; weight syncs go through ``spec.weights_dir``."""
     assert spec.server is not None  # EngineSpec(backend="server") requires an http(s) URL
     config = getattr(model, "config", None)
-    return connect_server(spec.server, protocol=spec.protocol, vocab_size=getattr(config, "vocab_size", None),
-                          timeout=spec.timeout, tokenizer=tokenizer, weights_dir=spec.weights_dir)
+    engine = connect_server(spec.server, protocol=spec.protocol, vocab_size=getattr(config, "vocab_size", None),
+                            timeout=spec.timeout, tokenizer=tokenizer, weights_dir=spec.weights_dir)
+    # the setting a timed-out request names: the trainer's config key, or the spec's own field
+    engine.timeout_setting = "rollout.server.timeout" if spec.name == "rollout.engine=server" else "timeout"
+    return engine

@@ -46,6 +46,7 @@ from offpolicy.integrations.trl.parts.sharding import head_options, model_shardi
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
+from offpolicy.integrations.trl.ranks import every_rank_raises
 from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
 from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
 from offpolicy.integrations.trl.vllm_sync import (
@@ -193,6 +194,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         self._setup_vllm_sync(train_args, sync_check, vllm_weights_dir)
 
     # -- the loss ---------------------------------------------------------------------------------------------
+    @every_rank_raises()  # a rank whose loss raises stops every rank here, not in the backward's all-reduce
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
         """TRL's loss (:mod:`~offpolicy.integrations.trl.terms`): offpolicy's objective × the correction chain
         (the user's, DVP's support, TRL's masks and loss-type weights) aggregated as ``loss_type`` does, plus

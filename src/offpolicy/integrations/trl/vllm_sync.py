@@ -50,7 +50,8 @@ from offpolicy.integrations.trl.patches import (  # noqa: F401 - re-exported: th
     extra_llm_kwargs,
     server_sync_choice,
 )
-from offpolicy.integrations.trl.ranks import world_size
+from offpolicy.integrations.trl.ranks import every_rank_raises
+from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncCheckError, SyncProbe
 from offpolicy.rollout.weight_sync import ReloadFolder
 
@@ -193,16 +194,27 @@ class ColocateScorer:
         return engine_tensors(self.llm)
 
 
+SERVER_TIMEOUT_SETTING = "GRPOConfig.vllm_server_timeout"  # TRL's setting (default 240 s) the scorer's wait reads
+
+
 class ServerScorer:
     """The same from a vLLM server, through TRL's ``VLLMClient.get_sequence_logprobs`` (``/v1/completions`` with
-    ``prompt_logprobs``)."""
+    ``prompt_logprobs``), answered within ``timeout`` seconds (TRL's ``vllm_server_timeout``; TRL's client sets
+    none, and retries a refused connection for about a minute) or a
+    :class:`~offpolicy.rollout.http.ServerError` naming the server, the probe and the sync (``sync()``)."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, client: Any, *, timeout: float = 240.0, sync: Any = lambda: "?") -> None:
+        self.client, self.timeout, self.sync = client, float(timeout), sync
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        answer = self.client.get_sequence_logprobs([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)],
-                                                   [len(p) for p in prompt_ids], top_logprobs=1)
+        from offpolicy.rollout.http import call_within
+
+        url = getattr(self.client, "base_url", "?")
+        answer = call_within(
+            lambda: self.client.get_sequence_logprobs([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)],
+                                                      [len(p) for p in prompt_ids], top_logprobs=1),
+            self.timeout, what=f"vLLM server {url}", request=f"the sync check's probe ({len(prompt_ids)} sequences)",
+            when=f"sync {self.sync()}", setting=SERVER_TIMEOUT_SETTING)
         t = max(len(c) for c in completion_ids)
         logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
         for i, (c, row) in enumerate(zip(completion_ids, answer["actual_logprobs"])):
@@ -251,6 +263,7 @@ class TRLSyncCheck:
         self.generation, self.model, self.check = generation, model, check
         self.push, self.step, self.log = push, step, log
         self.calibrated = False
+        self.syncs = 0  # the syncs this hook ran, the current one included: what a failed engine call names
         if check is not None:
             if probe is None and check.probe is None and tokenizer is None:
                 raise ValueError("sync_check: give the trainer's tokenizer (the probe is text through it) or a probe")
@@ -262,7 +275,8 @@ class TRLSyncCheck:
             if self.generation.mode == "colocate":
                 self.scorer = ColocateScorer(self.generation.llm)
             else:
-                self.scorer = ServerScorer(self.generation.vllm_client)
+                self.scorer = ServerScorer(self.generation.vllm_client, sync=lambda: self.syncs,
+                                           timeout=float(getattr(self.generation, "server_timeout", 240.0)))
         return self.scorer
 
     def _main(self) -> bool:
@@ -279,15 +293,18 @@ class TRLSyncCheck:
             self.check._score_trainer(self.model)
 
     def __call__(self) -> None:
-        if self.check is None:
-            self.push()
-            return
-        error: SyncCheckError | None = None
-        try:
-            self._sync_and_check()
-        except SyncCheckError as err:
-            error = err
-        _raise_on_any_rank(error)
+        self.syncs += 1
+        with every_rank_raises():  # a failed push, check or engine call on any rank stops every rank, naming it
+            try:
+                if self.check is None:
+                    self.push()
+                else:
+                    self._sync_and_check()
+            except ServerError as err:  # the weight push's requests (FileSync) know the server, not the sync
+                if f"at sync {self.syncs}" in str(err):
+                    raise
+                timeout = float(getattr(self.generation, "server_timeout", 240.0))
+                raise ServerError(f"{err} (at sync {self.syncs}; {SERVER_TIMEOUT_SETTING}: {timeout:g} s)") from None
 
     def _sync_and_check(self) -> None:
         if not self._main():
@@ -325,24 +342,6 @@ class TRLSyncCheck:
             else:
                 metrics = check.after_sync(self._scorer(), self.model, what=f"vLLM weight sync at step {self.step()}")
         self.log({**metrics, "sync/push_seconds": pushed})
-
-
-def _raise_on_any_rank(error: SyncCheckError | None) -> None:
-    """Every process raises when any one's check failed: the main process judges the server alone, and a rank left
-    running would wait in TRL's next collective until the launcher kills it, its log saying nothing of why. One
-    object all-gather per sync, only with several processes."""
-    import torch.distributed as dist
-
-    processes = world_size()
-    if processes > 1:
-        verdicts: list[Any] = [None] * processes
-        dist.all_gather_object(verdicts, None if error is None else str(error))
-        failed = [(rank, text) for rank, text in enumerate(verdicts) if text is not None]
-        if failed and error is None:
-            rank, text = failed[0]
-            raise SyncCheckError(f"rank {rank}: {text}")
-    if error is not None:
-        raise error
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, SYNC_CHECK_MODES
+from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,12 @@ class VerlClientScorer:
         return await asyncio.wait_for(asyncio.gather(*requests), self.timeout)
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[Tensor, Tensor]:
-        outs = run_coroutine(self._score(prompt_ids, completion_ids))
+        try:
+            outs = run_coroutine(self._score(prompt_ids, completion_ids))
+        except TimeoutError:  # asyncio.wait_for's: the server took the requests and never answered
+            raise ServerError(f"verl's rollout server did not answer the sync check's probe ({len(prompt_ids)} "
+                              f"sequences) within {self.timeout:g} s: is it running? (VerlClientScorer.TIMEOUT)"
+                              ) from None
         width = max(len(c) for c in completion_ids)
         logp = torch.zeros(len(prompt_ids), width)
         mask = torch.zeros(len(prompt_ids), width, dtype=torch.bool)
@@ -193,8 +199,11 @@ class VerlSyncCheck:
         mask = actor_mask.bool().cpu()
         return actor_logp.float().cpu() * mask, mask
 
-    def _engine_scores(self, engine: Any, mask: Tensor) -> Tensor:
-        engine_logp, engine_mask = engine.score(self.probe.prompt_ids, self.probe.completion_ids)
+    def _engine_scores(self, engine: Any, mask: Tensor, where: str = "") -> Tensor:
+        try:
+            engine_logp, engine_mask = engine.score(self.probe.prompt_ids, self.probe.completion_ids)
+        except ServerError as err:  # the scorer knows the server, the check knows the step and the replica
+            raise ServerError(f"{where}: {err}") from None
         if not torch.equal(engine_mask.bool().cpu(), mask):
             raise ValueError("sync check: the engine and the actor scored different tokens of the probe")
         return engine_logp.float().cpu() * mask
@@ -203,12 +212,13 @@ class VerlSyncCheck:
         """Calibrate (first sync) or judge replica ``index`` against the actor's log-probs of this sync."""
         start = time.perf_counter()
         engine, check = self.engines[index], self.replica_checks[index]
-        engine_logp = self._engine_scores(engine, mask)
+        where = f" (replica {index} of {len(self.engines)})" if len(self.engines) > 1 else ""
+        when = f"verl step {step}'s weight sync{where}"
+        engine_logp = self._engine_scores(engine, mask, when)
         if check.baseline is None:
-            again = self._engine_scores(engine, mask)
+            again = self._engine_scores(engine, mask, when)
             return check.calibrate_from(engine_logp, actor_logp, mask, again=again,
                                         seconds=time.perf_counter() - start)
-        where = f" (replica {index} of {len(self.engines)})" if len(self.engines) > 1 else ""
         return check.judge_scores(engine_logp, actor_logp, mask, seconds=time.perf_counter() - start,
                                   what=f"verl step {step}: weight sync into the rollout engine{where}")
 
