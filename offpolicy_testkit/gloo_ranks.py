@@ -16,7 +16,9 @@ def run_ranks(script: str | Path, out: str | Path, *, world: int = 2, timeout: f
     from offpolicy.rollout.processes import free_port
 
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parents[1])  # the ranks import offpolicy_testkit, as pytest's rootdir does
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = []
