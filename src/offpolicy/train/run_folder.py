@@ -234,9 +234,9 @@ def _count_lines(path: Path) -> int:
 def _configured_steps(config_yaml: Path) -> int | None:
     """``run.steps`` of the earlier run's ``config.yaml`` (None when absent or unreadable)."""
     try:
-        import yaml
+        from offpolicy.yaml_numbers import load_yaml
 
-        steps = (yaml.safe_load(config_yaml.read_text(encoding="utf-8")) or {}).get("run", {}).get("steps")
+        steps = (load_yaml(config_yaml.read_text(encoding="utf-8")) or {}).get("run", {}).get("steps")
     except Exception:  # missing, unreadable, damaged YAML, not a mapping: the folder is described without its plan
         return None
     return steps if isinstance(steps, int) else None
