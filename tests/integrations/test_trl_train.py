@@ -180,7 +180,8 @@ def test_alp_noise_in_the_update_only_sigma_learns_saved_apart_and_restored(tmp_
     assert not torch.equal(sigma1, init)
     model2, _ = build_tiny_model(seed=0)
     resumed = OffPolicyGRPOTrainer(model=model2, reward_funcs=varied_reward, args=_args(tmp_path, max_steps=1),
-                                   train_dataset=toy_dataset(), processing_class=tok, alp={"init_std": 0.05, "lr": 0.05})
+                                   train_dataset=toy_dataset(), processing_class=tok,
+                                   alp={"init_std": 0.05, "lr": 0.05, "seed": 0})  # the same settings: resumable
     assert torch.equal(resumed.offpolicy_alp.log_sigma.detach(), init)
     from transformers import TrainerCallback
 

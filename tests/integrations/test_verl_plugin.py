@@ -234,11 +234,11 @@ def test_opsm_in_the_driver_reads_the_advantages():
 
 
 def test_settings_errors_name_the_key():
-    with pytest.raises(ValueError, match="offpolicy.sampling.min_p"):
+    with pytest.raises(ValueError, match="OFFPOLICY_VERL: sampling.min_p"):
         parse_settings({"sampling": {"min_p": 2.0}})
     with pytest.raises(ValueError, match="unknown correction 'tiss'"):
         parse_settings({"correction": "tiss"})
-    with pytest.raises(ValueError, match="offpolicy.alp"):
+    with pytest.raises(ValueError, match="OFFPOLICY_VERL: alp"):
         parse_settings({"alp": {"sigma": 1.0}})
     with pytest.raises(ValueError, match="OFFPOLICY_VERL"):
         settings_from_text("{sampling: [")
@@ -336,7 +336,7 @@ def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
         apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,
                                  "advantages": torch.ones(B, R)}, parse_settings({"correction": correction,
                                                                                   "topk_logprobs": K}))
-    with pytest.raises(ValueError, match="offpolicy.topk_bound"):
+    with pytest.raises(ValueError, match="OFFPOLICY_VERL: topk_bound"):
         parse_settings({"topk_bound": "exact"})
 
 

@@ -211,7 +211,7 @@ def test_settings_parse_sync_check():
     assert parse_settings(None).sync_check == "error"
     assert parse_settings({"sync_check": "warn"}).sync_check == "warn"
     assert parse_settings({"sync_check": False}).sync_check == "off"  # YAML's bare off
-    with pytest.raises(ValueError, match="offpolicy.sync_check must be one of error, warn, off"):
+    with pytest.raises(ValueError, match="OFFPOLICY_VERL: sync_check must be one of error, warn, off"):
         parse_settings({"sync_check": "strict"})
     with pytest.raises(ValueError, match="sync_check must be one of"):
         VerlSyncCheck(None, None, SyncProbe([[1]], [[2]]), on_failure="off")

@@ -243,7 +243,7 @@ def test_an_overwriting_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tin
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"preset": "tis"}, "algorithm.preset='mis' (now 'tis')"),
+    ({"preset": "tis"}, "algorithm.preset is 'tis' here but 'mis' in the checkpoint (step 2)"),
     ({"run__seed": 7}, "run.seed=0 (now 7)"),
 ])
 def test_resume_refuses_a_checkpoint_of_another_run(extra, named, tmp_path, tiny_pair, make_overrides,

@@ -32,8 +32,15 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.out_dir."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace the run that run.out_dir holds (refused without this flag)."),
+    allow_changed: list[str] | None = typer.Option(
+        None, "--allow-changed", metavar="KEY",
+        help="With --resume: let this recipe setting (e.g. algorithm.is_upper, or a section: algorithm) differ from "
+             "the checkpoint's; recorded in run.out_dir/offpolicy_settings_changes.jsonl. Repeatable."),
 ) -> None:
-    """Train with one preset from a YAML config and key=value overrides. Models load from local paths only."""
+    """Train with one preset from a YAML config and key=value overrides. Models load from local paths only.
+
+    --resume refuses a checkpoint whose recipe settings (algorithm.*, alp.*, the sampling recipe) differ from the
+    config's, naming each; --allow-changed KEY resumes with the new value and records the change."""
     from offpolicy.train.config import load_config
     from offpolicy.train.loop import train as run_train
 
@@ -46,7 +53,8 @@ def train(
                   f"steps={cfg.run.steps} → {escape(cfg.run.out_dir)}", soft_wrap=True)
     with warnings_on(console):
         try:
-            result = run_train(cfg, resume=resume, overwrite=overwrite, console=console)
+            result = run_train(cfg, resume=resume, overwrite=overwrite, console=console,
+                               allow_changed=tuple(allow_changed or ()))
         except ValueError as err:
             fail(console, str(err))
         except OSError as err:  # a disk that fills up or a folder that turns read-only mid-run

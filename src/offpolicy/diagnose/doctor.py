@@ -128,13 +128,15 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """A YAML or JSON mapping, flattened to dotted keys (``a: {b: 1}`` and ``a.b: 1`` read the same)."""
     import yaml
 
+    from offpolicy.yaml_numbers import load_yaml
+
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as err:
         raise ValueError(f"config: cannot read {str(p)!r}: {err.strerror or err}") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if p.suffix == ".json" else load_yaml(text)  # 1e-4 a float, as OmegaConf reads it
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ValueError(f"config: {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
                          f"{str(err).splitlines()[0]}") from None

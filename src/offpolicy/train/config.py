@@ -41,9 +41,10 @@ from offpolicy.train.config_sections import (
     TaskConfig,
     VLLMSection,
 )
-from offpolicy.train.overrides import explain, set_override, yaml_problem
+from offpolicy.train.overrides import explain, set_override
 from offpolicy.train.presets import PRESET_PARAMETERS, PRESETS
 from offpolicy.train.proximal import check_loglinear
+from offpolicy.yaml_numbers import load_yaml, yaml_problem
 
 EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need no directory
 
@@ -294,7 +295,8 @@ def import_plugin(module: str) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config (or the defaults), apply ``key.sub=value`` overrides, validate everything.
 
-    An override's value is YAML (``3``, ``1e-4``, ``true``, ``[0, 1]``, ``null``) except for string fields
+    The file and an override's value are YAML with numbers as YAML 1.2 writes them (``3``, ``1e-4``, ``2e0``, ``.5``:
+    :mod:`offpolicy.yaml_numbers`), ``true``, ``[0, 1]``, ``null``; except for string fields
     (``run.out_dir``, ``task.name``, ``model.path`` …), which take the text as written (``run.out_dir=exp #1``).
 
     Raises ``ValueError`` naming the offending key for unknown keys, bad values and impossible combinations.
@@ -307,7 +309,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            loaded = load_yaml(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:  # not a ValueError: without this the CLI showed a parser traceback
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {yaml_problem(err)}") from None
         except (OSError, UnicodeDecodeError) as err:

@@ -88,11 +88,14 @@ def train(
     task: Any = None,
     console: Any = None,
     on_step_end: Callable[..., None] | None = None,
+    allow_changed: tuple[str, ...] | list[str] = (),
 ) -> TrainResult:
     """Run ``cfg.run.steps`` GRPO steps (see the module docstring). ``resume=True`` continues from the latest
     checkpoint in ``out_dir/checkpoints`` (or from the given file). A folder that holds an earlier run is refused
     (``ValueError`` naming it and what it holds) unless ``overwrite=True``, which replaces that run. ``model`` /
-    ``tokenizer`` / ``engine`` / ``task`` replace what the config would build (tests, notebooks).
+    ``tokenizer`` / ``engine`` / ``task`` replace what the config would build (tests, notebooks). A resume whose
+    recipe settings differ from the checkpoint's is refused unless ``allow_changed`` names them (``--allow-changed``;
+    :class:`~offpolicy.train.run_folder.RunFolder`).
 
     ``on_step_end(step, metrics)`` — or ``on_step_end(step, metrics, state)`` — runs after each completed step with
     its metrics as floats; with the :class:`~offpolicy.train.steps.TrainState` it may change the next steps
@@ -100,7 +103,7 @@ def train(
     rate again at the start of every step). A ``KeyboardInterrupt`` raised there (or a Ctrl-C)
     checkpoints the completed step and stops cleanly.
     """
-    folder = RunFolder(cfg, resume, overwrite)  # a bad out_dir or a checkpoint of another run fails before the model loads
+    folder = RunFolder(cfg, resume, overwrite, allow_changed)  # a bad out_dir or a checkpoint of another run fails before the model loads
     with folder, torch_threads(cfg.run.threads or torch.get_num_threads()):  # the folder is ours until the end
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)

@@ -1,6 +1,7 @@
 """``key.sub=value`` overrides into a config tree, and pydantic's and YAML's errors as one line naming the key.
 
-A value is YAML (``3``, ``1e-4``, ``true``, ``[0, 1]``, ``null``) except for string fields, which take the text as
+A value is YAML (``3``, ``1e-4``, ``true``, ``[0, 1]``, ``null``; numbers as :mod:`offpolicy.yaml_numbers` reads
+them) except for string fields, which take the text as
 written. :func:`offpolicy.train.config.load_config` applies them.
 """
 
@@ -12,6 +13,8 @@ from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+from offpolicy.yaml_numbers import load_yaml, yaml_problem
 
 
 def _is_text_field(annotation: Any) -> bool:
@@ -34,18 +37,12 @@ def _parse_text(text: str, optional: bool) -> str | None:
 
 
 def _parse_value(text: str) -> Any:
-    """``key=value`` values are YAML scalars/lists: ``3`` → int, ``1e-4`` → float, ``true`` → bool, ``[0,1]`` → list.
+    """``key=value`` values are YAML scalars/lists: ``3`` → int, ``1e-4`` → float, ``true`` → bool, ``[0,1]`` → list,
+    numbers as in config files (:mod:`offpolicy.yaml_numbers`).
 
     Raises ``yaml.YAMLError`` for text YAML cannot parse (the caller names the override).
     """
-    value = yaml.safe_load(text)
-    if isinstance(value, str):
-        # YAML reads "1e-4" as a string (no dot); accept it as a float.
-        try:
-            return float(value) if value.lower() not in ("nan", "inf", "-inf") else value
-        except ValueError:
-            return value
-    return value
+    return load_yaml(text)
 
 
 def _section_keys(section: type[BaseModel]) -> list[str]:
@@ -84,13 +81,6 @@ def set_override(tree: dict, key: str, text: str, root: type[BaseModel]) -> None
         if not isinstance(node, dict):
             raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} must be a mapping")
         cls = section
-
-
-def yaml_problem(err: yaml.YAMLError) -> str:
-    """The one-line gist of a YAML error (its ``problem`` and position, without the multi-line excerpt)."""
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    mark = getattr(err, "problem_mark", None)
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def explain(err: ValidationError) -> str:

@@ -10,8 +10,11 @@ log, checkpoints, the progress bar and the Ctrl-C contract — so that the train
   ``--overwrite`` (``overwrite=True``): then the earlier run's files (checkpoints, killed-save leftovers, TensorBoard
   events, the metrics log) are replaced, with one :class:`RunReplacedWarning`; a later ``--resume`` would otherwise
   continue the earlier run's checkpoint under this run's config.
-* ``--resume`` refuses a checkpoint of another preset or seed and one past ``run.steps``, and rewrites the metrics
-  after the checkpoint's step; both checks run before the model loads.
+* ``--resume`` refuses a checkpoint of another seed and one past ``run.steps``, and one whose recipe settings
+  (:func:`recipe_settings`: the preset, every ``algorithm`` and ``alp`` key, the sampling recipe, the threshold
+  controllers) differ from the config's, naming each key with both values — unless ``--allow-changed KEY`` names it:
+  then each change is appended to ``offpolicy_settings_changes.jsonl`` (step, key, old, new). It rewrites the
+  metrics after the checkpoint's step; the checks run before the model loads.
 * Ctrl-C: the first finishes the current step, checkpoints and stops; a second stops at once (no checkpoint: the
   weights are between two steps). A ``KeyboardInterrupt`` raised between steps (e.g. by ``on_step_end``) checkpoints
   the completed step.
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.folder_lock import FolderLock
+from offpolicy.resume_settings import CHANGES_FILE, check_resume, covers, flatten, record_changes
 from offpolicy.train.checkpoint import (
     checkpoint_files,
     latest_checkpoint,
@@ -57,12 +61,18 @@ class RunFolder:
     raises ``ValueError`` naming it.
     """
 
-    def __init__(self, cfg: TrainConfig, resume: bool | str | Path = False, overwrite: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, resume: bool | str | Path = False, overwrite: bool = False,
+                 allow_changed: tuple[str, ...] | list[str] = ()) -> None:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
+        self.allow_changed = tuple(allow_changed)
+        self.changes: list[dict[str, Any]] = []  # the allowed differences from the checkpoint, recorded by open()
         if resume and overwrite:
             raise ValueError("--resume continues the run in run.out_dir and --overwrite replaces it: pass one of them")
+        if self.allow_changed and not resume:
+            raise ValueError(f"--allow-changed {self.allow_changed[0]} applies to --resume only (a fresh run has no "
+                             "checkpoint settings to differ from)")
         if resume and not self.ckpt_dir.is_dir():  # nothing to resume: say so without creating the folder
             self._resume_checkpoint(resume)
         _writable_dir(self.out_dir)
@@ -105,6 +115,7 @@ class RunFolder:
                 return start
             for leftover in temp_files(self.ckpt_dir):  # half-written saves of the interrupted run: never usable
                 leftover.unlink(missing_ok=True)
+            record_changes(self.out_dir / CHANGES_FILE, self.changes, step=start, checkpoint=str(self.resume_from))
         else:
             self._clear_earlier_run()
         (self.out_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
@@ -148,9 +159,10 @@ class RunFolder:
     def _resume_checkpoint(self, resume: bool | str | Path) -> Path:
         """The checkpoint to resume from, checked against the config before anything is built or written.
 
-        Refuses a checkpoint written by another run (its stored preset / seed differ: continuing it would mix two
-        runs in one folder) and a ``run.steps`` below the checkpoint's step (nothing could run, and the config would
-        lie).
+        Refuses a checkpoint written by another run (its stored seed differs: continuing it would mix two runs in one
+        folder), one whose recipe settings differ from the config's in a key ``allow_changed`` does not name (the
+        allowed differences are kept in ``self.changes``) and a ``run.steps`` below the checkpoint's step (nothing
+        could run, and the config would lie).
         """
         cfg = self.cfg
         path = latest_checkpoint(self.ckpt_dir) if isinstance(resume, bool) else Path(resume)
@@ -158,13 +170,19 @@ class RunFolder:
             raise ValueError(f"--resume: no checkpoint in {str(self.ckpt_dir)!r}")
         info = read_checkpoint_info(path)  # names the file when it is corrupt or truncated
         stored = info.get("user", {})
-        ours = {"algorithm.preset": cfg.algorithm.preset, "run.seed": cfg.run.seed}
-        theirs = {"algorithm.preset": stored.get("preset"), "run.seed": stored.get("seed")}
-        differ = [f"{k}={theirs[k]!r} (now {ours[k]!r})" for k in ours
-                  if theirs[k] is not None and theirs[k] != ours[k]]
-        if differ:
-            raise ValueError(f"--resume: checkpoint {str(path)!r} was written with {', '.join(differ)}; resume with "
-                             "the same settings, or start a fresh run without --resume")
+        if stored.get("seed") is not None and stored["seed"] != cfg.run.seed:
+            raise ValueError(f"--resume: checkpoint {str(path)!r} was written with run.seed={stored['seed']!r} (now "
+                             f"{cfg.run.seed!r}); resume with the same seed, or start a fresh run without --resume")
+        here, theirs = recipe_settings(cfg), stored.get("settings")
+        if theirs is None:  # written before checkpoints held their settings: its preset is all there is to compare
+            theirs = {"algorithm.preset": stored["preset"]} if stored.get("preset") is not None else {}
+            here = {k: here[k] for k in theirs}
+        else:  # a key added to the config after this checkpoint was written counts as its default
+            theirs = {**{k: v for k, v in recipe_settings(TrainConfig()).items()
+                         if not any(covers(k, s) for s in theirs)}, **theirs}
+        where = f"--resume {self.out_dir}" if isinstance(resume, bool) else f"--resume {path}"
+        self.changes = check_resume(here, theirs, allowed=self.allow_changed, where=where, step=info["step"],
+                                    allow_hint=_allow_hint)
         if info["step"] > cfg.run.steps:
             raise ValueError(f"--resume: checkpoint {str(path)!r} is at step {info['step']}, past run.steps="
                              f"{cfg.run.steps}; set run.steps above {info['step']} to train further")
@@ -175,7 +193,8 @@ class RunFolder:
         its metrics.jsonl is emptied by the logger), with one warning naming the folder when there was anything."""
         metrics = self.out_dir / "metrics.jsonl"
         events = sorted((self.out_dir / "tensorboard").glob("events.out.tfevents.*"))
-        stale = checkpoint_files(self.ckpt_dir) + temp_files(self.ckpt_dir) + events
+        changes = [self.out_dir / CHANGES_FILE] if (self.out_dir / CHANGES_FILE).is_file() else []
+        stale = checkpoint_files(self.ckpt_dir) + temp_files(self.ckpt_dir) + events + changes
         if not stale and not (metrics.is_file() and metrics.stat().st_size > 0):
             return
         warnings.warn(f"run.out_dir {str(self.out_dir)!r} holds an earlier run: replacing its metrics, checkpoints "
@@ -234,9 +253,9 @@ def _count_lines(path: Path) -> int:
 def _configured_steps(config_yaml: Path) -> int | None:
     """``run.steps`` of the earlier run's ``config.yaml`` (None when absent or unreadable)."""
     try:
-        import yaml
+        from offpolicy.yaml_numbers import load_yaml
 
-        steps = (yaml.safe_load(config_yaml.read_text(encoding="utf-8")) or {}).get("run", {}).get("steps")
+        steps = (load_yaml(config_yaml.read_text(encoding="utf-8")) or {}).get("run", {}).get("steps")
     except Exception:  # missing, unreadable, damaged YAML, not a mapping: the folder is described without its plan
         return None
     return steps if isinstance(steps, int) else None
@@ -318,9 +337,34 @@ class _DeferredInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
+# the sampling recipe's keys (DVP / replay score under it) and the controllers' targets (they move the thresholds)
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_CONTROL_KEYS = ("trm_acceptance", "is_max_masked", "window")
+
+
+def recipe_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings a resume must keep, flat (``algorithm.is_upper`` …): every ``algorithm`` key (the preset, the
+    corrections, the objective and their thresholds), ALP's (``alp.*``), the sampling recipe
+    (``rollout.sampling.temperature`` / ``top_p`` / ``top_k`` / ``min_p``) and the threshold controllers'
+    targets (``control.trm_acceptance`` / ``is_max_masked`` / ``window``). Not the run's length, paths, logging or
+    the optimiser."""
+    sampling = cfg.rollout.sampling
+    return flatten({
+        "algorithm": cfg.algorithm.model_dump(mode="json"),
+        "alp": cfg.alp.model_dump(mode="json"),
+        "rollout": {"sampling": {k: getattr(sampling, k) for k in _SAMPLING_KEYS}},
+        "control": {k: getattr(cfg.control, k) for k in _CONTROL_KEYS},
+    })
+
+
+def _allow_hint(keys: list[str]) -> str:
+    return "pass " + " ".join(f"--allow-changed {k}" for k in keys)
+
+
 def _metadata(cfg: TrainConfig, state: Any) -> dict[str, Any]:
-    """A checkpoint's JSON header: the run's identity (checked on resume) and the controllers' state."""
-    meta: dict[str, Any] = {"preset": cfg.algorithm.preset, "seed": cfg.run.seed}
+    """A checkpoint's JSON header: the run's identity and recipe settings (checked on resume) and the controllers'
+    state."""
+    meta: dict[str, Any] = {"preset": cfg.algorithm.preset, "seed": cfg.run.seed, "settings": recipe_settings(cfg)}
     if state.control is not None:
         meta["control"] = state.control.state_dict()
     return meta

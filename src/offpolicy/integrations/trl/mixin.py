@@ -18,7 +18,9 @@ The mixin holds the constructor (the settings, checked before TRL's constructor 
 * top-k TRM — ``_generate_single_turn`` asks vLLM for K log-probs and takes the sampled token's entry,
   ``_generate_and_score_completions`` puts the top-k into TRL's batch (:mod:`~offpolicy.integrations.trl.parts.topk`);
 * the vLLM weight sync — ``VLLMGeneration.sync_weights`` replaced on the instance: through ``reload_weights`` on
-  vLLM's CPU backend, and checked after every sync (:mod:`~offpolicy.integrations.trl.parts.vllm`).
+  vLLM's CPU backend, and checked after every sync (:mod:`~offpolicy.integrations.trl.parts.vllm`);
+* resume — the method settings saved in ``_save_checkpoint`` and compared in ``train(resume_from_checkpoint=...)``
+  (:mod:`~offpolicy.integrations.trl.parts.resume`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from offpolicy.integrations.trl.loss import (
     trl_objective,
 )
 from offpolicy.integrations.trl.parts.alp import ALPWiring, _check_alp
+from offpolicy.integrations.trl.parts.resume import ResumeCheck, _check_allowed, trl_recipe
 from offpolicy.integrations.trl.parts.scoring import ReplayScoring, _check_plain_head, _grpo_args, _with_min_p
 from offpolicy.integrations.trl.parts.sharding import head_options, model_sharding, refuse_sharded_head
 from offpolicy.integrations.trl.parts.terms import TRLTerms
@@ -66,7 +69,7 @@ from offpolicy.rollout.sync_check import SyncCheck
 __all__ = ["OffPolicyGRPOMixin"]
 
 
-class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLLMWiring):
+class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLLMWiring, ResumeCheck):
     """In front of a ``GRPOTrainer`` (``class T(OffPolicyGRPOMixin, GRPOTrainer)``: ``OffPolicyGRPOTrainer``, or one's
     own subclass of it), the loss is :func:`offpolicy.policy_loss` with an offpolicy correction chain.
 
@@ -104,6 +107,10 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
     * ``vllm_server_sync`` — server mode: ``"auto"`` (TRL's NCCL transfer on a CUDA trainer, else files),
       ``"nccl"``, or ``"files"``: the weights written to ``vllm_weights_dir`` (a temporary folder by default; the
       server must read it) and reloaded through vLLM's dev-mode endpoints.
+
+    ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
+    the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
+    resumes with the new values and records them in ``output_dir/offpolicy_settings_changes.jsonl``.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         vllm_kwargs: dict[str, Any] | None = None,
         vllm_server_sync: str = "auto",
         vllm_weights_dir: str | None = None,
+        allow_changed: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         check_versions("trl", "torch", user="offpolicy's TRL trainer")  # before TRL's own init can fail on it
@@ -141,6 +149,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         if not (isinstance(memory_budget_bytes, int) and memory_budget_bytes > 0):
             raise ValueError(f"memory_budget_bytes must be an int > 0, got {memory_budget_bytes!r}")
         alp_cfg = _check_alp(alp)
+        _check_allowed(allow_changed)
         _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None, alp_cfg)
         if dvp_rho is not None:
             args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
@@ -192,6 +201,9 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             self._offpolicy_trls_loss = self._offpolicy_trls_clip = False
             self._offpolicy_cispo_cap = None
         self._setup_vllm_sync(train_args, sync_check, vllm_weights_dir)
+        self._setup_resume_check(allow_changed, trl_recipe(
+            correction, self.offpolicy_loss_kwargs, replay=replay, dvp_rho=dvp_rho, alp=alp_cfg,
+            topk_logprobs=topk_logprobs, topk_bound=topk_bound, score_centering=score_centering))
 
     # -- the loss ---------------------------------------------------------------------------------------------
     @every_rank_raises()  # a rank whose loss raises stops every rank here, not in the backward's all-reduce

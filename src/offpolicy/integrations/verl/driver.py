@@ -18,6 +18,7 @@ in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too 
 TRM on the engine's top-K (arXiv 2512.23075 §4). The actor's loss (``vanilla`` or the plug-in's) multiplies by
 ``rollout_is_weights``, as it does for verl's own correction.
 
+Its checkpoints hold the plug-in's settings, and a resume whose settings differ is refused (:mod:`.resume`).
 The same trainer runs the sync check after each of verl's weight syncs (``on_init_end`` calibrates, ``on_step_end``
 judges; :mod:`.sync_check`), unless the settings say ``sync_check: off``.
 """
@@ -129,6 +130,19 @@ class OffPolicyTrainerMixin:
             refuse_double_correction(self.config.get("algorithm", None), settings)
             self._offpolicy_settings = settings
         return settings
+
+    def _save_checkpoint(self) -> None:
+        from offpolicy.integrations.verl.resume import save_settings
+
+        # before verl's save, which ends by naming the folder in its tracker: a folder it names holds the settings
+        save_settings(self.config, int(getattr(self, "global_steps", 0)), self._settings())
+        super()._save_checkpoint()  # type: ignore[misc]  # verl's trainer, after this mixin
+
+    def _load_checkpoint(self) -> None:
+        from offpolicy.integrations.verl.resume import check_on_resume
+
+        check_on_resume(self.config, self._settings())  # settings unlike the checkpoint's: refused before loading
+        super()._load_checkpoint()  # type: ignore[misc]
 
     def on_init_end(self) -> None:
         super().on_init_end()  # type: ignore[misc]  # verl's initial sync: the sync check calibrates on it

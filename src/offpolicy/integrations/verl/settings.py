@@ -26,13 +26,23 @@ server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM'
 the default, ``warn`` or ``off``) runs the sync check after every weight sync of the plug-in's trainer
 (:mod:`.sync_check`).
 
-Every key is optional; an unknown key or a bad value is a ``ValueError`` naming it, raised when the block is read
-(the engine's construction, the driver's first step), not deep inside a step.
+Numbers are read as YAML 1.2 writes them (``1e-4``, ``2e0``, ``-.5``: :mod:`offpolicy.yaml_numbers`). Every key is
+optional; an unknown key or a value of the wrong type or range is a one-line ``ValueError`` naming its path
+(``OFFPOLICY_VERL: correction.upper must be a real number or null, got 'abc'``), raised when the block is read (the
+engine's construction, the driver's first step), not deep inside a step.
+
+``allow_changed`` (a list of setting names, e.g. ``[correction.upper]``) lets a resumed run (verl's
+``trainer.resume_mode``) use values that differ from those stored with its checkpoint; any other difference is
+refused (:mod:`.resume`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +50,7 @@ from typing import Any
 from offpolicy.registry import build_correction
 
 KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming",
-              "sync_check")
+              "sync_check", "allow_changed")
 SYNC_CHECK_MODES = ("error", "warn", "off")
 # a batch's flag (verl non-tensor data) asking the plug-in's engine for the model's plain log-probs, log softmax(z / T),
 # without the sampling recipe, top-K bounds or centring: the sync check's probe, which the engine side scores as
@@ -106,18 +116,129 @@ class VerlSettings:
     score_centering: bool = False
     naming: str = "verl"
     sync_check: str = "error"
+    allow_changed: tuple[str, ...] = ()
 
     @property
     def any_engine_method(self) -> bool:
         return self.sampling.active or self.alp is not None
 
 
+ENV_VAR = "OFFPOLICY_VERL"
+
+
+def _refuse(where: str, text: str) -> ValueError:
+    return ValueError(f"{ENV_VAR}: {where} {text}")
+
+
 def _number(where: str, value: Any, *, low: float, high: float, integer: bool = False) -> Any:
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not math.isfinite(float(value)) or not low <= value <= high:
-        kind = "an int" if integer else "a number"
-        raise ValueError(f"offpolicy.{where} must be {kind} in [{low}, {high}], got {value!r}")
+    """``value`` if it is a real number (an int with ``integer``) in [low, high]; else a ``ValueError`` naming
+    ``where``. A bool is not a number, and neither is text: ``'1e-4'`` quoted stays a string (unquoted, it is a
+    float: :mod:`offpolicy.yaml_numbers`)."""
+    kind = "an int" if integer else "a real number"
+    ok = isinstance(value, numbers.Integral) if integer else isinstance(value, numbers.Real)
+    if isinstance(value, bool) or not ok:
+        raise _refuse(where, f"must be {kind}, got {value!r}")
+    if not math.isfinite(float(value)) or not low <= value <= high:
+        raise _refuse(where, f"must be {kind} in [{low}, {high}], got {value!r}")
     return value
+
+
+def _mapping(where: str, value: Any, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _refuse(where, f"must be a mapping with keys among {', '.join(keys)}, got {value!r}")
+    for key in value:
+        if key not in keys:
+            raise _refuse(where, f"has no key {key!r}; known: {', '.join(keys)}")
+    return value
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (parsed YAML / JSON) fits a factory parameter's type hint: float / int / bool / str, their
+    ``| None`` and ``Literal`` forms; any other hint is left to the factory's own checks."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    return {float: "a real number", int: "an int", bool: "true or false", str: "text",
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _check_correction(where: str, spec: Any) -> None:
+    """Each entry of the correction spec: a registered name or ``{name: …, **params}`` whose parameters the factory
+    takes, each of the type its signature declares — the error names the entry's path (``correction.upper``,
+    ``correction[1].delta``) and the value, before the factory's own range checks run (their message gets the
+    path too)."""
+    from offpolicy.registry import CORRECTIONS
+
+    if isinstance(spec, (list, tuple)):
+        for i, entry in enumerate(spec):
+            _check_correction(f"{where}[{i}]", entry)
+        return
+    if spec is None or isinstance(spec, str):
+        name, params = spec, {}
+    elif isinstance(spec, Mapping):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise _refuse(f"{where}.name", f"must be a registered correction's name, got {name!r}")
+    else:
+        raise _refuse(where, f"must be a correction's name, a mapping {{name: …, …}} or a list of them, got {spec!r}")
+    if name is not None and name in CORRECTIONS.names():
+        factory = CORRECTIONS[name]
+        hints = typing.get_type_hints(factory)
+        takes = [p for p in inspect.signature(factory).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        open_ended = len(takes) < len(inspect.signature(factory).parameters)
+        for key in params:
+            if not open_ended and key not in {p.name for p in takes}:
+                raise _refuse(f"{where}.{key}", f"is not a parameter of {name!r}; it takes: "
+                              f"{', '.join(p.name for p in takes) or 'none'}")
+        for key, value in params.items():
+            hint = hints.get(key, Any)
+            if not _matches(value, hint):
+                raise _refuse(f"{where}.{key}", f"must be {_describe(hint)}, got {value!r}")
+    try:
+        build_correction(spec)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        first = message.split(" ", 1)[0]
+        raise ValueError(f"{ENV_VAR}: {where}.{message}" if first in params
+                         else f"{ENV_VAR}: {where}: {message}") from None
+
+
+def _alp(value: Any) -> ALPSettings | None:
+    if value is None or value is False:
+        return None
+    block = _mapping("alp", {} if value is True else value, ALP_KEYS)
+    alp = ALPSettings(**block)
+    _number("alp.init_std", alp.init_std, low=1e-12, high=10.0)
+    _number("alp.lr", alp.lr, low=0.0, high=10.0)
+    layers = alp.layers
+    if layers != "all" and not (isinstance(layers, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        raise _refuse("alp.layers", f"must be 'all' or a list of layer indices, got {layers!r}")
+    if alp.seed is not None:
+        _number("alp.seed", alp.seed, low=0, high=2**63 - 1, integer=True)
+    return alp
 
 
 def _plain(value: Any) -> Any:
@@ -131,8 +252,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _choice(where: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices or not isinstance(value, str):
+        raise _refuse(where, f"must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     """Read the plug-in's block (a dict or an OmegaConf node; ``None`` → everything off).
+
+    Every key is checked for its type and range; an error is one line naming the key's path:
 
     >>> s = parse_settings({"sampling": {"min_p": 0.01}, "alp": {}})
     >>> s.sampling.dvp_only, s.alp.init_std
@@ -140,71 +269,60 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     >>> parse_settings({"samplng": {}})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: offpolicy: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, ..., sync_check
+    ValueError: OFFPOLICY_VERL: unknown key 'samplng'; known: correction, sampling, alp, topk_logprobs, ..., allow_changed
+    >>> parse_settings({"correction": {"name": "tis", "upper": "abc"}})
+    Traceback (most recent call last):
+    ...
+    ValueError: OFFPOLICY_VERL: correction.upper must be a real number or null, got 'abc'
     """
     block = _plain(block)
     if block is None:
         return VerlSettings()
     if not isinstance(block, Mapping):
-        raise ValueError(f"offpolicy settings must be a mapping, got {type(block).__name__}")  # noqa: TRY004
+        raise ValueError(f"{ENV_VAR} must be a mapping, got {type(block).__name__}")  # noqa: TRY004
     for key in block:
         if key not in KNOWN_KEYS:
-            raise ValueError(f"offpolicy: unknown key {key!r}; known: {', '.join(KNOWN_KEYS)}")
+            raise ValueError(f"{ENV_VAR}: unknown key {key!r}; known: {', '.join(KNOWN_KEYS)}")
     correction = block.get("correction")
-    build_correction(correction)  # an unknown correction or parameter fails here, before the first step
+    _check_correction("correction", correction)  # an unknown correction or parameter fails here, before a step
 
-    sampling = block.get("sampling") or {}
-    if not isinstance(sampling, Mapping) or any(k not in SAMPLING_KEYS for k in sampling):
-        raise ValueError(f"offpolicy.sampling must be a mapping with keys among {SAMPLING_KEYS}, got {sampling!r}")
+    sampling = _mapping("sampling", block.get("sampling") or {}, SAMPLING_KEYS)
     min_p, top_k, top_p = (sampling.get(k) for k in SAMPLING_KEYS)
     if min_p is not None:
         _number("sampling.min_p", min_p, low=0.0, high=1.0)
         min_p = float(min_p) if min_p > 0 else None
     if top_k is not None:
         _number("sampling.top_k", top_k, low=-1, high=2**31, integer=True)
-        top_k = top_k if top_k > 0 else None
+        top_k = int(top_k) if top_k > 0 else None
     if top_p is not None:
         _number("sampling.top_p", top_p, low=1e-9, high=1.0)
         top_p = float(top_p) if top_p < 1 else None
+    alp = _alp(block.get("alp"))
 
-    alp_block = block.get("alp")
-    alp = None
-    if alp_block is not None and alp_block is not False:
-        alp_block = {} if alp_block is True else alp_block
-        if not isinstance(alp_block, Mapping) or any(k not in ALP_KEYS for k in alp_block):
-            raise ValueError(f"offpolicy.alp must be a mapping with keys among {ALP_KEYS}, got {alp_block!r}")
-        alp = ALPSettings(**alp_block)
-        _number("alp.init_std", alp.init_std, low=1e-12, high=10.0)
-        _number("alp.lr", alp.lr, low=0.0, high=10.0)
-
-    k = block.get("topk_logprobs", 0) or 0
-    _number("topk_logprobs", k, low=0, high=4096, integer=True)
-    bound = block.get("topk_bound", "upper")
-    if bound not in ("upper", "lower"):
-        raise ValueError(f"offpolicy.topk_bound must be 'upper' (certified) or 'lower', got {bound!r}")
+    k = block.get("topk_logprobs", 0)
+    _number("topk_logprobs", 0 if k is None else k, low=0, high=4096, integer=True)
+    bound = _choice("topk_bound", block.get("topk_bound", "upper"), ("upper", "lower"))
     centering = block.get("score_centering", False)
     if not isinstance(centering, bool):
-        raise ValueError(f"offpolicy.score_centering must be true or false, got {centering!r}")
+        raise _refuse("score_centering", f"must be true or false, got {centering!r}")
     if centering and not k:
-        raise ValueError("offpolicy.score_centering needs the engine's top-K: set topk_logprobs: K (K >= 1)")
+        raise _refuse("score_centering", "needs the engine's top-K: set topk_logprobs: K (K >= 1)")
     if centering and (alp is not None or any(v is not None for v in (min_p, top_k, top_p))):
         # the centre is Σ q̂ log p of the full tempered p: a recipe's truncated log-probs or ALP's noisy forward
         # would need their own centre (not built)
-        raise ValueError("offpolicy.score_centering cannot be combined with sampling (DVP / replay) or alp")
-    naming = block.get("naming", "verl")
-    if naming not in ("verl", "offpolicy", "trl", "swift"):
-        raise ValueError(f"offpolicy.naming must be one of verl, offpolicy, trl, swift; got {naming!r}")
+        raise _refuse("score_centering", "cannot be combined with sampling (DVP / replay) or alp")
+    naming = _choice("naming", block.get("naming", "verl"), ("verl", "offpolicy", "trl", "swift"))
     sync_check = block.get("sync_check", "error")
     if sync_check is False:  # YAML's bare `off` reads as false
         sync_check = "off"
-    if sync_check not in SYNC_CHECK_MODES:
-        raise ValueError(f"offpolicy.sync_check must be one of {', '.join(SYNC_CHECK_MODES)}; got {sync_check!r}")
+    sync_check = _choice("sync_check", sync_check, SYNC_CHECK_MODES)
+    allowed = block.get("allow_changed") or []
+    if isinstance(allowed, str) or not isinstance(allowed, (list, tuple)) or not all(
+            isinstance(a, str) and a for a in allowed):
+        raise _refuse("allow_changed", f"must be a list of setting names (e.g. [correction.upper]), got {allowed!r}")
     return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
-                        topk_logprobs=int(k), topk_bound=bound, score_centering=centering,
-                        naming=naming, sync_check=sync_check)
-
-
-ENV_VAR = "OFFPOLICY_VERL"
+                        topk_logprobs=int(k or 0), topk_bound=bound, score_centering=centering,
+                        naming=naming, sync_check=sync_check, allow_changed=tuple(allowed))
 
 
 def settings_from_text(text: str | None) -> VerlSettings:
@@ -217,10 +335,12 @@ def settings_from_text(text: str | None) -> VerlSettings:
         return VerlSettings()
     import yaml
 
+    from offpolicy.yaml_numbers import load_yaml, yaml_problem
+
     try:
-        block = yaml.safe_load(text)
+        block = load_yaml(text)
     except yaml.YAMLError as err:
-        raise ValueError(f"{ENV_VAR} is not YAML / JSON: {err}") from err
+        raise ValueError(f"{ENV_VAR} is not YAML / JSON: {yaml_problem(err)}") from None
     return parse_settings(block)
 
 
