@@ -2,7 +2,6 @@
 writes the JSON the docs quote; a check whose imports are missing is skipped, one that raises fails alone; without
 CUDA the real run refuses in one line."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from offpolicy_testkit.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = {"kernels", "param_digest", "train", "inspect"}
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu_check.py")
 
 
 @pytest.mark.slow  # a training subprocess and an inspection: 130 s at load average 13 on 2 cores

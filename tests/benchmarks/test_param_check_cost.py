@@ -1,18 +1,13 @@
 """benchmarks/param_check_cost.py: the Qwen2.5 parameter lists it builds, the bytes its real ParameterCheck reads on
 them (both sides, every tensor checked), and its fit."""
 
-import importlib.util
 import math
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from offpolicy_testkit.script_module import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("param_check_cost", ROOT / "benchmarks" / "param_check_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/param_check_cost.py")
 
 
 def test_the_parameter_lists_have_qwen25s_sizes():

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from offpolicy.rollout.hf import HFRolloutEngine
 from offpolicy.rollout import param_check
+from offpolicy.rollout.hf import HFRolloutEngine
 from offpolicy.rollout.param_check import ParameterCheck, device_digest, fingerprint, trainer_sources
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
