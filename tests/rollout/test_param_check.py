@@ -10,8 +10,9 @@ import copy
 import pytest
 import torch
 
+from offpolicy.rollout import param_check
 from offpolicy.rollout.hf import HFRolloutEngine
-from offpolicy.rollout.param_check import ParameterCheck, fingerprint, trainer_sources
+from offpolicy.rollout.param_check import ParameterCheck, device_digest, fingerprint, trainer_sources
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 
@@ -68,13 +69,17 @@ def rig():
 
     base, tok = load_model("tiny")
 
-    def build(leave: str | None, dtype: str = "bfloat16"):
+    def build(leave: str | None, dtype: str = "bfloat16", fingerprints: str = "blake2b"):
         model = copy.deepcopy(base)
         engine = FusedEngine(copy.deepcopy(model), dtype=dtype, tokenizer=tok, leave=leave)
         prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in [(3, 4), (12, 30), (7, 7), (25, 50)]]
         out = engine.generate(prompts, SamplingConfig(max_new_tokens=8), seed=0)
         check = SyncCheck(on_failure="warn")
         check.calibrate(engine, model, SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
+        if fingerprints == "digest":  # the device digest on these CPU tensors, as it runs on a GPU engine's
+            named, packed = engine.engine_parameters()
+            check.parameters = ParameterCheck(packed=packed, host_types=())
+            check.parameters.calibrate(named, model.state_dict())
         return model, engine, check
 
     return build
@@ -93,6 +98,110 @@ def test_fingerprints_see_one_changed_element_dtype_and_shape():
     y.view(torch.int16)[17] ^= 1  # the last bit of one element
     assert fingerprint(x) == fingerprint(x.clone()) and fingerprint(x) != fingerprint(y)
     assert fingerprint(x.float()) != fingerprint(x) and fingerprint(x.view(8, 8)) != fingerprint(x)
+
+
+def _reference_digest(words: list[int], block: int) -> list[int]:
+    """The device digest's formula in Python integers: h_k = Σ_b s_kb (Σ_j r_kj w_bj mod P) mod P."""
+    p, hashes = param_check.DIGEST_P, []
+    for k in range(param_check.DIGEST_K):
+        rows = param_check._coefficient(torch.device("cpu"), 0)[k].tolist()
+        h = 0
+        for b in range(0, -(-len(words) // block)):
+            segment, offset = divmod(b, block)
+            s_b = int(param_check._coefficient(torch.device("cpu"), 1 + segment)[k, offset])
+            inner = sum(r * w for r, w in zip(rows, words[b * block:(b + 1) * block])) % p
+            h = (h + s_b * inner) % p
+        hashes.append(h)
+    return hashes
+
+
+def _digest_values(digest: bytes) -> list[int]:
+    tail = digest[-4 * param_check.DIGEST_K:]
+    return [int.from_bytes(tail[4 * k:4 * k + 4], "little") for k in range(param_check.DIGEST_K)]
+
+
+def test_the_device_digest_is_its_formula_without_overflow():
+    # one block of 2¹⁶ words, each 0xFFFF (the largest word): Σ_j r_j w_j reaches ≈ 2⁶³ before its reduction — the
+    # int64 sum must equal the exact integer one
+    x = torch.full((param_check.BLOCK,), -1, dtype=torch.int16).view(torch.bfloat16)
+    assert _digest_values(device_digest(x)) == _reference_digest([0xFFFF] * param_check.BLOCK, param_check.BLOCK)
+
+
+def test_the_device_digest_spans_chunks_and_coefficient_segments(monkeypatch):
+    # blocks of 16 words, passes of 64: 3 segments of 16 blocks each, so every index computation is exercised
+    monkeypatch.setattr(param_check, "BLOCK", 16)
+    monkeypatch.setattr(param_check, "CHUNK", 64)
+    monkeypatch.setattr(param_check, "_coefficients", {})
+    x = torch.randn(16 * 16 * 2 + 40)  # float32: two words per element, the last block partial
+    words = (x.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    assert _digest_values(device_digest(x)) == _reference_digest(words, 16)
+    swapped = x.view(-1, 8).clone()  # two blocks (8 elements = 16 words each) trade places: another digest
+    swapped[[3, 20]] = swapped[[20, 3]]
+    late = x.clone()
+    late.view(torch.int16)[-1] ^= 1  # the last word, in the third segment
+    digests = {device_digest(x), device_digest(swapped.view(-1)), device_digest(late), device_digest(x[:-1])}
+    assert len(digests) == 4
+
+
+def test_the_device_digest_sees_one_changed_word_dtype_and_shape():
+    x = torch.randn(3 * param_check.CHUNK // 2 + 7, dtype=torch.bfloat16)  # more than one pass
+    for position in (0, param_check.BLOCK - 1, x.numel() - 1):
+        y = x.clone()
+        y.view(torch.int16)[position] ^= 1
+        assert device_digest(y) != device_digest(x)
+    assert device_digest(x.view(-1, 1)) != device_digest(x) and device_digest(x.half()) != device_digest(x)
+    assert device_digest(x.float(), torch.bfloat16) == device_digest(x)  # cast chunk by chunk: the same bytes
+    with pytest.raises(ValueError, match="dtype torch.int8"):
+        device_digest(torch.zeros(4, dtype=torch.int8))
+
+
+def _two_sides():
+    # the engine: one fused qkv tensor and a norm in bf16; the trainer: q, k, v and the norm in float32
+    trainer = {f"l.{n}_proj.w": torch.randn(64, 32) for n in "qkv"} | {"l.norm.w": torch.randn(32)}
+    engine = {"l.qkv_proj.w": torch.cat([trainer[f"l.{n}_proj.w"] for n in "qkv"]).bfloat16(),
+              "l.norm.w": trainer["l.norm.w"].bfloat16()}
+    return engine, trainer
+
+
+def test_bytes_read_per_sync_in_each_mode():
+    engine, trainer = _two_sides()
+    engine_bytes = sum(t.numel() * 2 for t in engine.values())  # bf16
+    trainer_fp32 = sum(t.numel() * 4 for t in trainer.values())
+    # hash: both sides through BLAKE2b on the host, the trainer's sources cast to bf16 first
+    hashed = ParameterCheck(packed=PACKED, mode="hash")
+    hashed.calibrate(engine.items(), trainer)
+    assert (hashed.bytes_hashed, hashed.bytes_digested) == (2 * engine_bytes, 0)
+    # device, where the tensors live off the host: nothing hashed or copied; each side read once in its own dtype
+    digested = ParameterCheck(packed=PACKED, host_types=())
+    digested.calibrate(engine.items(), trainer)
+    assert (digested.bytes_hashed, digested.bytes_copied) == (0, 0)
+    assert digested.bytes_digested == engine_bytes + trainer_fp32
+    # device, on the host: already there, hashed without a copy
+    host = ParameterCheck(packed=PACKED)
+    host.calibrate(engine.items(), trainer)
+    assert (host.bytes_hashed, host.bytes_copied, host.bytes_digested) == (2 * engine_bytes, 0, 0)
+    trainer["l.k_proj.w"] = trainer["l.k_proj.w"] + 1.0  # k moved, the engine's qkv did not: named either way
+    assert digested.after_sync(engine.items(), trainer) == ["l.qkv_proj.w"] == host.after_sync(engine.items(), trainer)
+
+
+def test_the_setting_selects_the_mode_and_rejects_another():
+    from offpolicy.models import load_model
+    from offpolicy.train.config import load_config
+
+    assert SyncCheck().parameter_mode == SyncCheck(parameters="device").parameter_mode == "device"
+    assert SyncCheck(parameters="hash").parameter_mode == "hash" and SyncCheck(parameters=False).parameter_mode is None
+    with pytest.raises(ValueError, match="parameters must be True, False or one of"):
+        SyncCheck(parameters="sha256")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ParameterCheck(mode="sha256")
+    model, tok = load_model("tiny")
+    check = SyncCheck(on_failure="warn", parameters="hash")
+    check.calibrate(FusedEngine(copy.deepcopy(model), dtype="bfloat16", tokenizer=tok), model, SyncProbe.from_text(tok))
+    assert check.parameters is not None and check.parameters.mode == "hash" and check.parameters.bytes_hashed > 0
+    cfg = load_config(None, ["rollout.sync_check_parameters=hash"])
+    assert cfg.rollout.sync_check_parameters == "hash"
+    with pytest.raises(ValueError, match="rollout.sync_check_parameters"):
+        load_config(None, ["rollout.sync_check_parameters=sha256"])
 
 
 def test_a_step_below_the_engines_resolution_is_no_verdict():
@@ -119,9 +228,10 @@ def test_a_quantised_engine_tensor_is_counted_not_judged():
     assert check.after_sync(engine.items(), trainer) == ["b"]
 
 
-@pytest.mark.parametrize("lr", [1e-9, 1e-6, 1e-5, 3e-4])
-def test_healthy_syncs_leave_nothing_behind(rig, lr):
-    model, engine, check = rig(None)
+@pytest.mark.parametrize("lr, fingerprints", [(1e-9, "blake2b"), (1e-6, "blake2b"), (1e-5, "blake2b"),
+                                               (3e-4, "blake2b"), (1e-9, "digest"), (3e-4, "digest")])
+def test_healthy_syncs_leave_nothing_behind(rig, lr, fingerprints):
+    model, engine, check = rig(None, fingerprints=fingerprints)
     for i in range(5):
         _adam_like_step(model, lr, seed=i)
         engine.sync_weights(model)
@@ -133,9 +243,10 @@ def test_healthy_syncs_leave_nothing_behind(rig, lr):
 
 # layer 1 in the engine's layout is 8 tensors; its two norm weights (≈ 1) move by 1e-6, below bf16's resolution
 # there (2⁻⁷): their casts do not change, no verdict — the other 6 are named
+@pytest.mark.parametrize("fingerprints", ["blake2b", "digest"])
 @pytest.mark.parametrize("leave, left", [("model.layers.1.", 6), ("lm_head", 1)])
-def test_a_part_left_behind_is_named_at_the_first_sync(rig, caplog, leave, left):
-    model, engine, check = rig(leave)
+def test_a_part_left_behind_is_named_at_the_first_sync(rig, caplog, leave, left, fingerprints):
+    model, engine, check = rig(leave, fingerprints=fingerprints)
     _adam_like_step(model, 1e-6)
     engine.sync_weights(model)
     with caplog.at_level("WARNING", logger="offpolicy.rollout.sync_check"):

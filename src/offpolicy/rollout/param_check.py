@@ -8,8 +8,11 @@ Each side is compared with itself at the previous sync, never with the other: th
 own layout (fused ``qkv_proj`` / ``gate_up_proj``, padded vocabulary rows), which the trainer cannot reproduce, but a
 tensor of the engine changes exactly when one of its sources changes in the engine's dtype. A source changed by less
 than the dtype's resolution leaves its cast — and the engine — unchanged: no verdict either way, no false alarm.
-Fingerprints are BLAKE2b digests of each tensor's bytes (read on the host: on a GPU engine this copies every weight
-once per sync). Engine tensors without storage (vLLM's CPU build repacks linear weights outside its parameters,
+Fingerprints are taken where each tensor lives (``mode="device"``, the default): on an accelerator a digest computed
+there (:func:`device_digest`: exact integer arithmetic, no host copy, 16 bytes back per tensor), on the host a BLAKE2b
+digest of its bytes (:func:`fingerprint`; on a CPU the faster of the two). ``mode="hash"`` hashes every tensor with
+BLAKE2b on the host, copying an accelerator's tensors there — about two model sizes per sync, which at 7 B costs more
+than the sync itself (docs/benchmarks.md). Engine tensors without storage (vLLM's CPU build repacks linear weights outside its parameters,
 leaving them empty), quantised ones (fp8, int packs: not a plain cast of their sources), ones without sources among
 the trainer's names, or whose sources this process holds only a shard or a placeholder of (FSDP, ZeRO-3) are not
 checked, and counted
@@ -37,6 +40,65 @@ def fingerprint(tensor: Tensor) -> bytes:
     digest = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}".encode(), digest_size=16)
     digest.update(data.reshape(-1).view(torch.uint8).numpy().data)
     return digest.digest()
+
+
+# the device digest: K universal hashes modulo the Mersenne prime P of the tensor's 16-bit words, in blocks of BLOCK
+# words. Each word w < 2¹⁶ times a coefficient r < P < 2³¹ is below 2⁴⁷, so a block's sum of 2¹⁶ such products stays
+# below 2⁶³: exact in int64 on any device, in any summation order, hence the same digest on a CPU and a GPU
+DIGEST_P = 2**31 - 1
+DIGEST_K = 2
+BLOCK = 1 << 16
+CHUNK = 1 << 22  # words per pass: 32 MiB of int64 temporaries on the tensor's device, whatever its size
+DIGEST_SEED = 20_260_101
+_coefficients: dict[tuple[str, int], Tensor] = {}
+
+
+def _coefficient(device: torch.device, segment: int) -> Tensor:
+    """The fixed random coefficients ``[K, BLOCK]`` in [1, P) of segment ``segment`` (0: the words within a block;
+    1, 2, …: the blocks, BLOCK at a time), generated on the CPU from a fixed seed and cached on ``device``."""
+    key = (str(device), segment)
+    if key not in _coefficients:
+        gen = torch.Generator().manual_seed(DIGEST_SEED + segment)
+        _coefficients[key] = torch.randint(1, DIGEST_P, (DIGEST_K, BLOCK), generator=gen).to(device)
+    return _coefficients[key]
+
+
+def device_digest(tensor: Tensor, dtype: torch.dtype | None = None) -> bytes:
+    """A digest of ``tensor.to(dtype)``'s bytes (dtype and shape included) computed on ``tensor``'s device, CHUNK
+    words at a time (the cast too: no full-size copy), 16 bytes brought back. With w_{b,j} the j-th 16-bit word of
+    block b and r, s fixed random coefficients in [1, P), each of the K hashes is
+    h = Σ_b s_b · (Σ_j r_j w_{b,j} mod P) mod P. Two different contents of one dtype and shape collide with
+    probability at most (2 / (P − 1))^K ≈ 8.7e-19 over the coefficients (a universal hash per level; the weights do
+    not depend on the seed), and never when they differ in one word (r_j, s_b ≠ 0 mod P).
+
+    >>> x = torch.randn(100_000, dtype=torch.bfloat16)
+    >>> y = x.clone(); y.view(torch.int16)[70_000] ^= 1
+    >>> device_digest(x) == device_digest(x.clone()), device_digest(x) == device_digest(y)
+    (True, False)
+    >>> device_digest(x.float(), torch.bfloat16) == device_digest(x)  # the cast is taken chunk by chunk
+    True
+    """
+    dtype = tensor.dtype if dtype is None else dtype
+    if torch.empty(0, dtype=dtype).element_size() < 2:
+        raise ValueError(f"device_digest: dtype {dtype} has elements of one byte; it digests 16-bit words")
+    flat = tensor.detach().reshape(-1)
+    per_word = torch.empty(0, dtype=dtype).element_size() // 2
+    step = CHUNK // per_word  # elements per pass; a multiple of BLOCK words
+    rows = _coefficient(flat.device, 0)
+    hashes = [0] * DIGEST_K
+    for start in range(0, flat.numel(), step):
+        words = flat[start:start + step].to(dtype).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+        n = words.numel()
+        blocks = -(-n // BLOCK)
+        words = torch.nn.functional.pad(words, (0, blocks * BLOCK - n)).view(blocks, BLOCK)
+        first = start * per_word // BLOCK  # this chunk's first block
+        segment, offset = divmod(first, BLOCK)  # CHUNK divides BLOCK²: a chunk's blocks lie in one segment
+        outer = _coefficient(flat.device, 1 + segment)[:, offset:offset + blocks]
+        for k in range(DIGEST_K):
+            inner = (words * rows[k]).sum(-1) % DIGEST_P
+            hashes[k] = (hashes[k] + int(((inner * outer[k]) % DIGEST_P).sum())) % DIGEST_P
+    head = f"{dtype}{tuple(tensor.shape)}".encode()
+    return head + b"".join(h.to_bytes(4, "little") for h in hashes)
 
 
 def trainer_sources(engine_name: str, packed: Mapping[str, list[str]], trainer_names: set[str]) -> list[str] | None:
@@ -74,6 +136,9 @@ def _sharded(tensor: Tensor) -> bool:
     return tensor.numel() == 0 or tensor.device.type == "meta"
 
 
+PARAMETER_MODES = ("device", "hash")
+
+
 @dataclass
 class ParameterCheck:
     """Fingerprints of the engine's tensors and of their trainer sources (cast to the engine tensor's dtype) at the
@@ -81,19 +146,45 @@ class ParameterCheck:
 
     Args:
         packed: the engine's fused modules (``packed_modules_mapping``).
+        mode: ``"device"`` — each tensor fingerprinted where it lives (:func:`device_digest` off the host, BLAKE2b
+            on it); ``"hash"`` — BLAKE2b of every tensor on the host, copied there.
+        host_types: the device types whose tensors ``"device"`` hashes with BLAKE2b (already on the host).
     """
 
     packed: Mapping[str, list[str]] = field(default_factory=dict)
+    mode: str = "device"
+    host_types: tuple[str, ...] = ("cpu",)
     _engine: dict[str, bytes] = field(default_factory=dict, repr=False)
     _trainer: dict[str, bytes] = field(default_factory=dict, repr=False)
     total: int = 0  # engine tensors seen at the last snapshot
     checked: int = 0  # of which judged: with storage, a plain float dtype, and whole sources among the trainer's names
+    # bytes the last snapshot read, both sides: through BLAKE2b on the host, copied there from a device to be hashed,
+    # and read where they live by device_digest (each source in its own dtype)
+    bytes_hashed: int = 0
+    bytes_copied: int = 0
+    bytes_digested: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in PARAMETER_MODES:
+            raise ValueError(f"mode must be one of {PARAMETER_MODES}, got {self.mode!r}")
+
+    def _fingerprint(self, tensor: Tensor, dtype: torch.dtype) -> bytes:
+        """``tensor`` cast to ``dtype``, fingerprinted as :attr:`mode` says; counts the bytes read."""
+        if self.mode == "device" and tensor.device.type not in self.host_types:
+            self.bytes_digested += tensor.numel() * tensor.element_size()
+            return device_digest(tensor, dtype)
+        cast = tensor.to(dtype)
+        size = cast.numel() * cast.element_size()
+        self.bytes_hashed += size
+        self.bytes_copied += size if cast.device.type != "cpu" else 0
+        return fingerprint(cast)
 
     def snapshot(self, engine_tensors: Iterable[tuple[str, Tensor]], trainer_state: Mapping[str, Tensor]
                  ) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """The fingerprints ``(engine, trainer)`` of every checkable engine tensor, keyed by its engine name."""
         names = set(trainer_state)
         engine, trainer, total = {}, {}, 0
+        self.bytes_hashed = self.bytes_copied = self.bytes_digested = 0
         with torch.no_grad():
             for name, tensor in engine_tensors:
                 total += 1
@@ -101,8 +192,8 @@ class ParameterCheck:
                 if (tensor.numel() == 0 or sources is None or tensor.dtype not in PLAIN_DTYPES
                         or any(_sharded(trainer_state[s]) for s in sources)):
                     continue
-                engine[name] = fingerprint(tensor)
-                trainer[name] = b"".join(fingerprint(trainer_state[s].to(tensor.dtype)) for s in sources)
+                engine[name] = self._fingerprint(tensor, tensor.dtype)
+                trainer[name] = b"".join(self._fingerprint(trainer_state[s], tensor.dtype) for s in sources)
         self.total, self.checked = total, len(engine)
         return engine, trainer
 

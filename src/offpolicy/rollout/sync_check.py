@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.rollout.param_check import ParameterCheck
+from offpolicy.rollout.param_check import PARAMETER_MODES, ParameterCheck
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +215,9 @@ class SyncCheck:
             still caught.
         on_failure: ``"error"`` raises :class:`SyncCheckError`; ``"warn"`` logs and reports ``sync/ok = 0``.
         parameters: with an engine whose tensors this process reads (``engine_parameters()``: in-process vLLM, TRL's
-            colocated engine), also run the parameter layer (:mod:`offpolicy.rollout.param_check`) — exact, but it
-            reads every engine tensor on the host once per sync.
+            colocated engine), also run the parameter layer (:mod:`offpolicy.rollout.param_check`): True or
+            ``"device"`` fingerprints each tensor where it lives (no host copy of a GPU's weights), ``"hash"`` hashes
+            every tensor with BLAKE2b on the host (about two model sizes copied and hashed per sync), False: off.
     """
 
     STALE_RESOLUTION = 2.0  # β counts once the trainer moved the probe this many times more than the noise does
@@ -224,7 +225,7 @@ class SyncCheck:
     REPEAT_RESOLUTION = 4.0  # ... and this many times the engine's own repeatability
 
     def __init__(self, *, z: float = 6.0, floor: float = 1e-5, max_baseline: float = 0.05, max_stale: float = 0.5,
-                 max_drift: float = 3.0, on_failure: str = "error", parameters: bool = True) -> None:
+                 max_drift: float = 3.0, on_failure: str = "error", parameters: bool | str = True) -> None:
         if not (isinstance(z, (int, float)) and math.isfinite(z) and z > 0):
             raise ValueError(f"z must be a finite number > 0, got {z!r}")
         if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
@@ -235,6 +236,8 @@ class SyncCheck:
             raise ValueError(f"max_stale must be in (0, 1), got {max_stale!r}")
         if not (isinstance(max_drift, (int, float)) and math.isfinite(max_drift) and max_drift >= 1):
             raise ValueError(f"max_drift must be a finite number >= 1, got {max_drift!r}")
+        if not (parameters is True or parameters is False or parameters in PARAMETER_MODES):
+            raise ValueError(f"parameters must be True, False or one of {PARAMETER_MODES}, got {parameters!r}")
         if on_failure not in SYNC_CHECK_ACTIONS:
             raise ValueError(f"on_failure must be one of {SYNC_CHECK_ACTIONS}, got {on_failure!r}")
         self.z, self.floor, self.on_failure, self.max_drift = float(z), float(floor), on_failure, float(max_drift)
@@ -246,7 +249,8 @@ class SyncCheck:
         self.noise_rms = 0.0  # root mean square of the engine − trainer residual at calibration
         self.repeat_rms = 0.0  # root mean square of the engine's own difference between two scorings
         self._verified: tuple[Tensor, Tensor] | None = None  # (trainer, engine) log-probs at the last verified sync
-        self.use_parameters = bool(parameters)
+        # None: no parameter layer
+        self.parameter_mode = "device" if parameters is True else None if parameters is False else str(parameters)
         self.parameters: ParameterCheck | None = None  # the parameter layer, for an engine whose tensors are readable
 
     @property
@@ -354,13 +358,13 @@ class SyncCheck:
             self.probe = probe
         start = time.perf_counter()
         self.parameters = None
-        if self.use_parameters and hasattr(engine, "engine_parameters"):
+        if self.parameter_mode and hasattr(engine, "engine_parameters"):
             try:
                 named, packed = engine.engine_parameters()
             except ValueError as err:  # e.g. a vLLM whose worker runs in another process: the tensors are out of reach
                 logger.warning("sync check: no parameter layer (%s); the behavioural tests judge alone", err)
             else:
-                self.parameters = ParameterCheck(packed=packed)
+                self.parameters = ParameterCheck(packed=packed, mode=self.parameter_mode)
                 self.parameters.calibrate(named, model.state_dict())
         engine_logp, trainer_logp, mask = self._score(engine, model)
         return self.calibrate_from(engine_logp, trainer_logp, mask, again=self._score_engine(engine)[0],

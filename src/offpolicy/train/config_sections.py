@@ -139,9 +139,10 @@ class RolloutConfig(ConfigSection):
     sync_check_z: float = Field(6.0, gt=0)
     sync_check_max_baseline: float = Field(0.05, gt=0)
     # the check's parameter layer (offpolicy.rollout.param_check) on an in-process engine: every engine tensor whose
-    # trainer sources changed must have changed; it reads every engine tensor on the host once per sync (on a GPU
-    # engine a copy of the weights: turn it off where that costs more than the sync)
-    sync_check_parameters: bool = True
+    # trainer sources changed must have changed. true / device: each tensor fingerprinted where it lives (a GPU's
+    # weights digested there, no host copy); hash: BLAKE2b of every tensor on the host (two model sizes copied and
+    # hashed per sync: docs/benchmarks.md); false: off
+    sync_check_parameters: bool | Literal["device", "hash"] = True
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
     vllm: VLLMSection = Field(default_factory=VLLMSection)
