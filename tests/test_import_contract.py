@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         "offpolicy.kernels.*", "offpolicy.ratios", "offpolicy.batch", "offpolicy.binary", "offpolicy.divergence",
         "offpolicy.bounds", "offpolicy.metrics", "offpolicy.position", "offpolicy.advantages", "offpolicy.topk_advice",
         "offpolicy.glossary", "offpolicy.catalog", "offpolicy.folder_lock",
+        # the user's numbers as written (YAML 1.2 floats) and the settings a resume compares: stdlib and yaml only
+        "offpolicy.yaml_numbers", "offpolicy.resume_settings",
         # the types and registries the methods are built on: a CorrectionResult is what metrics read
         "offpolicy.registry", "offpolicy.corrections.base", "offpolicy.objectives.base",
         # temperature / top-k / top-p / min-p as a function of logits: what an engine samples with and what sampling
