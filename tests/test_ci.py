@@ -286,3 +286,63 @@ def test_the_lint_step_fails_when_either_check_fails(tmp_path):
     assert _lint_status(tmp_path, ruff=0, mypy=0) == 0
     assert _lint_status(tmp_path, ruff=1, mypy=0) == 1  # ruff's finding is not hidden by mypy's success
     assert _lint_status(tmp_path, ruff=0, mypy=1) == 1
+
+
+# --- scripts/check_resolution.py (.ci/run's resolution step): its reading of pip's report and of pip's refusal ---
+def _resolution():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_resolution", ROOT / "scripts" / "check_resolution.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_resolution"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+RESOLUTION_DATA = ROOT / "tests" / "data" / "resolution"
+USER_PINS = {"vllm": "0.33.0", "torch": "2.14.0"}
+
+
+def test_resolution_a_report_that_keeps_the_users_versions():
+    import json
+
+    cr = _resolution()
+    report = json.loads((RESOLUTION_DATA / "trl_beside_vllm_0.33.json").read_text())  # recorded, trimmed
+    verdict = cr.judge("pip install -e '.[trl]'", 0, report, "", USER_PINS)
+    assert verdict.kind == "keeps" and verdict.changed == [] and cr.failure(verdict) is None
+    assert {k: verdict.versions[k] for k in ("torch", "vllm", "transformers", "trl")} == {
+        "torch": "2.14.0", "vllm": "0.33.0", "transformers": "5.20.2", "trl": "1.16.0"}
+    # the same report read against a user with torch 2.15.0: the package pip would change is named
+    verdict = cr.judge("pip install -e '.[trl]'", 0, report, "", {**USER_PINS, "torch": "2.15.0", "ray": "2.9.0"})
+    assert verdict.kind == "changed" and verdict.changed == ["torch 2.15.0 -> 2.14.0", "ray 2.9.0 -> not installed"]
+    assert cr.failure(verdict) == "changes the user's torch 2.15.0 -> 2.14.0, ray 2.9.0 -> not installed"
+    with pytest.raises(ValueError, match="format .2., this reads format 1"):
+        cr.read_report({**report, "version": "2"}, USER_PINS)
+
+
+def test_resolution_a_refusal_fails_unless_the_docs_explain_it():
+    cr = _resolution()
+    refused = (RESOLUTION_DATA / "verl_beside_vllm_0.33.txt").read_text()  # pip's ResolutionImpossible, recorded
+    assert cr.conflict_package(refused) == "transformers"
+    verdict = cr.judge("pip install -e '.[verl]'", 1, None, refused, USER_PINS)
+    assert verdict.kind == "refused" and verdict.conflict == "transformers"
+    assert cr.failure(verdict) is None  # KNOWN_CONFLICTS: the verl extra beside vLLM >= 0.32
+    other = cr.judge("pip install -e '.[trl]'", 1, None, refused, USER_PINS)
+    assert cr.failure(other).startswith("no resolution keeps the user's versions (conflict on transformers)")
+    # a known conflict that resolves: the docs would be wrong
+    assert "KNOWN_CONFLICTS" in cr.failure(cr.Verdict("pip install -e '.[verl]'", "keeps"))
+    # pip failing for another reason is an error, not a refusal
+    error = cr.judge("pip install -e '.[trl]'", 1, None, "ERROR: Could not find a version that satisfies x", USER_PINS)
+    assert error.kind == "error" and cr.failure(error).startswith("pip failed: ERROR: Could not find")
+
+
+def test_resolution_checks_the_readmes_install_lines():
+    cr = _resolution()
+    lines = cr.install_lines((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert lines == ["pip install -e '.[trl]'", "pip install -e '.[verl]'"]
+    assert cr.expected(lines[1])[0] == "transformers" and cr.expected(lines[0]) is None
+    with pytest.raises(ValueError, match="no ```bash block under '## Install'"):
+        cr.install_lines("# x\n")
+    with pytest.raises(ValueError, match="--user: want name==version, got 'vllm>=0.33'"):
+        cr.pins(["vllm>=0.33"])
+    assert "scripts/check_resolution.py" in CI.read_text(encoding="utf-8").split("scripts/build_docs.sh")[1]
