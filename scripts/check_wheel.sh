@@ -39,7 +39,7 @@ assert data and not missing, f"not in the wheel: {missing}"
 assert any(n.endswith("model.safetensors") for n in names) and any(n.endswith(".jsonl") for n in names)
 assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "LICENSE not in the wheel"
 meta = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
-for field in ("License-Expression: Apache-2.0", "Classifier: ", "Requires-Python: >=3.10", "Provides-Extra: cli",
+for field in ("License-Expression: Apache-2.0", "Classifier: ", "Requires-Python: >=3.11", "Provides-Extra: cli",
               "Description-Content-Type: text/markdown"):
     assert field in meta, f"METADATA lacks {field!r}"
 members = tarfile.open(sdist).getnames()

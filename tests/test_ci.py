@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_ci_pins_the_versions_the_adapters_and_the_record_were_tested_with():
 # throwaway repository whose README's test line runs the fake pip and pytest, and whose venv puts the fakes first.
 FAKE_VENV_BIN = {
     "pip": 'echo "pip $*" >>"$TRACE"\n',
-    "mkdocs": 'echo "mkdocs" >>"$TRACE"\n',
+    "mkdocs": 'echo "mkdocs $*" >>"$TRACE"\nexit "${FAKE_MKDOCS_STATUS:-0}"\n',
     "python": """if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pytest" ]; then
   shift 2
   echo "pytest require=${OFFPOLICY_REQUIRE_INTEGRATIONS:-} log=${OFFPOLICY_SKIPPED_LOG:+yes} $*" >>"$TRACE"
@@ -90,7 +91,7 @@ exec "$REAL_PYTHON" "$@"
 }
 
 
-def _run_fake_ci(tmp_path: Path, pytest_status: int) -> tuple[int, list[str]]:
+def _run_fake_ci(tmp_path: Path, pytest_status: int, **env_vars: str) -> tuple[int, list[str]]:
     repo, fakes, venv_bin = tmp_path / "repo", tmp_path / "bin", tmp_path / "venv-bin"
     for folder in (repo / ".ci", repo / "scripts", fakes, venv_bin):
         folder.mkdir(parents=True)
@@ -98,9 +99,13 @@ def _run_fake_ci(tmp_path: Path, pytest_status: int) -> tuple[int, list[str]]:
     readme_line = "pip install torch==2.13.0 -e '.[dev]' && python -m pytest      # the tests"
     (repo / "README.md").write_text(f"# x\n\n## Set up\n\n```bash\npip install x && x demo\n{readme_line}\n```\n")
     (repo / "pyproject.toml").write_text('[project.optional-dependencies]\ndocs = ["mkdocs"]\n')
-    for script in ("lint.sh", "install_vllm_cpu.sh", "check_wheel.sh"):
+    for script in ("lint.sh", "install_vllm_cpu.sh", "check_wheel.sh", "check_resolution.py"):
         (repo / "scripts" / script).write_text(f'#!/usr/bin/env bash\necho "{script}" >>"$TRACE"\n')
+    # the docs step's own script, as it is: its mkdocs is the fake
+    (repo / "scripts" / "build_docs.sh").write_text((ROOT / "scripts" / "build_docs.sh").read_text(encoding="utf-8"))
     executables = {**{fakes / "chromium": ""}, **{venv_bin / name: text for name, text in FAKE_VENV_BIN.items()},
+                   # rerun_targets' cut, failing on demand
+                   fakes / "cut": f'[ -n "${{FAKE_CUT_FAILS:-}}" ] && exit 1\nexec {shutil.which("cut")} "$@"\n',
                    # `python3 -m venv --clear DIR`: an activate script that puts the fakes first
                    fakes / "python3": f"""if [ "$1 $2" = "-m venv" ]; then
   mkdir -p "$4/bin"; printf 'export PATH="{venv_bin}:$PATH"\\ndeactivate() {{ :; }}\\n' >"$4/bin/activate"; exit 0
@@ -115,7 +120,7 @@ exec "$REAL_PYTHON" "$@"
     trace.touch()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFPOLICY_")}
     env.update(PATH=f"{fakes}:{env['PATH']}", TRACE=str(trace), REAL_PYTHON=sys.executable,
-               FAKE_PYTEST_STATUS=str(pytest_status))
+               FAKE_PYTEST_STATUS=str(pytest_status), **env_vars)
     out = subprocess.run(["bash", str(repo / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=120)
     return out.returncode, trace.read_text().splitlines()
 
@@ -134,10 +139,26 @@ def test_ci_runs_the_readme_line_first_then_the_integrations_with_skips_as_failu
         "pytest require=1 log= tests/vllm tests/integrations tests/rollout/test_vllm.py "
         "tests/corrections/test_gated_openrlhf.py tests/x.py::t",  # ... and what phase 1 skipped
         "check_wheel.sh",
-        trace[-2],  # the docs extra's requirements, from a temporary file
-        "mkdocs",
+        trace[-3],  # the docs extra's requirements, from a temporary file
+        trace[-2],  # scripts/build_docs.sh: every warning counts (no --quiet, which hides them from --strict)
+        "check_resolution.py",
     ]
-    assert trace[-2].startswith("pip install -q --upgrade -r ")
+    assert trace[-3].startswith("pip install -q --upgrade -r ")
+    assert trace[-2].startswith("mkdocs build --strict --site-dir ") and "--quiet" not in trace[-2]
+
+
+def test_ci_fails_when_the_docs_build_fails(tmp_path):
+    status, trace = _run_fake_ci(tmp_path, pytest_status=0, FAKE_MKDOCS_STATUS="1")
+    assert status != 0
+    assert trace[-1].startswith("mkdocs build --strict") and "check_resolution.py" not in trace
+
+
+def test_ci_fails_when_phase_2_targets_cannot_be_listed(tmp_path):
+    # the target list comes through a command substitution: a failing rerun_targets stops CI instead of running
+    # phase 2 without phase 1's skips
+    status, trace = _run_fake_ci(tmp_path, pytest_status=0, FAKE_CUT_FAILS="1")
+    assert status != 0
+    assert trace[-1] == "version check 1.16 0.9.1 0.11.2" and not any(line.startswith("pytest require=1") for line in trace)
 
 
 @pytest.mark.parametrize("pytest_status", [1, 5])  # 5: pytest collected no tests
@@ -205,3 +226,123 @@ def test_integration_skips_fail_when_ci_requires_the_integrations(tmp_path):
     assert failed == {"live::skipped-at-import", "test_fake.py::test_missing_package",
                       "test_fake.py::test_other_version", "test_module_skip.py::skipped-at-import"}, summary
     assert re.search(r"\b4 failed, 1 passed, 2 skipped in ", summary), summary  # the GPU and chromium skips stay skips
+
+
+# --- the docs step (scripts/build_docs.sh, which .ci/run calls) with the real mkdocs, on a copy of the docs ---
+def _docs_tools() -> str | None:
+    """PATH with the running interpreter's scripts first, or None when mkdocs or the docs extra is missing."""
+    import importlib.util
+
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    plugins = ("material", "mkdocstrings", "mkdocstrings_handlers.python")
+    if shutil.which("mkdocs", path=path) is None or any(importlib.util.find_spec(p.split(".")[0]) is None
+                                                        for p in plugins):
+        return None
+    return path
+
+
+DOCS_BREAKS = {  # what a broken page is, and what mkdocs says about it
+    "a page not in the nav": ("orphan.md", "# Orphan\n", 'not included in the "nav"'),
+    "a broken link": ("index.md", "\n[gone](no-such-page.md)\n", "no-such-page.md"),
+}
+
+
+@pytest.mark.slow  # one mkdocs build of the whole site each: ~20 s on 2 quiet cores
+@pytest.mark.parametrize("case", [None, *DOCS_BREAKS])
+def test_the_docs_step_fails_on_any_warning(tmp_path, case):
+    path = _docs_tools()
+    if path is None:
+        pytest.skip("mkdocs and the docs extra are not installed (pip install -e '.[docs]')")
+    tree = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", tree / "docs")
+    shutil.copytree(ROOT / "src", tree / "src", ignore=lambda folder, names: [  # the code, not the model weights
+        n for n in names if not n.endswith(".py") and not (Path(folder) / n).is_dir()])
+    (tree / "scripts").mkdir()
+    for name in ("mkdocs.yml", "scripts/build_docs.sh"):
+        shutil.copy2(ROOT / name, tree / name)
+    if case is not None:
+        page, text, said = DOCS_BREAKS[case]
+        with open(tree / "docs" / page, "a", encoding="utf-8") as f:
+            f.write(text)
+    out = subprocess.run(["bash", str(tree / "scripts" / "build_docs.sh"), str(tmp_path / "site")], capture_output=True,
+                         text=True, env={**os.environ, "PATH": path}, timeout=600)
+    said_all = out.stdout + out.stderr
+    if case is None:  # the docs as they are build without a warning
+        assert out.returncode == 0, said_all[-3000:]
+    else:
+        assert out.returncode != 0 and said in said_all and "Aborted with" in said_all, said_all[-3000:]
+
+
+def _lint_status(tmp_path: Path, ruff: int, mypy: int) -> int:
+    fake = tmp_path / "python"  # lint.sh's $PYTHON: `-m ruff ...` and `-m mypy` exit as told
+    fake.write_text(f'#!/usr/bin/env bash\ncase "$2" in ruff) exit {ruff} ;; mypy) exit {mypy} ;; esac\nexit 3\n')
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "lint.sh")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": str(fake)}, timeout=60)
+    return out.returncode
+
+
+def test_the_lint_step_fails_when_either_check_fails(tmp_path):
+    assert _lint_status(tmp_path, ruff=0, mypy=0) == 0
+    assert _lint_status(tmp_path, ruff=1, mypy=0) == 1  # ruff's finding is not hidden by mypy's success
+    assert _lint_status(tmp_path, ruff=0, mypy=1) == 1
+
+
+# --- scripts/check_resolution.py (.ci/run's resolution step): its reading of pip's report and of pip's refusal ---
+def _resolution():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_resolution", ROOT / "scripts" / "check_resolution.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_resolution"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+RESOLUTION_DATA = ROOT / "tests" / "data" / "resolution"
+USER_PINS = {"vllm": "0.33.0", "torch": "2.14.0"}
+
+
+def test_resolution_a_report_that_keeps_the_users_versions():
+    import json
+
+    cr = _resolution()
+    report = json.loads((RESOLUTION_DATA / "trl_beside_vllm_0.33.json").read_text())  # recorded, trimmed
+    verdict = cr.judge("pip install -e '.[trl]'", 0, report, "", USER_PINS)
+    assert verdict.kind == "keeps" and verdict.changed == [] and cr.failure(verdict) is None
+    assert {k: verdict.versions[k] for k in ("torch", "vllm", "transformers", "trl")} == {
+        "torch": "2.14.0", "vllm": "0.33.0", "transformers": "5.20.2", "trl": "1.16.0"}
+    # the same report read against a user with torch 2.15.0: the package pip would change is named
+    verdict = cr.judge("pip install -e '.[trl]'", 0, report, "", {**USER_PINS, "torch": "2.15.0", "ray": "2.9.0"})
+    assert verdict.kind == "changed" and verdict.changed == ["torch 2.15.0 -> 2.14.0", "ray 2.9.0 -> not installed"]
+    assert cr.failure(verdict) == "changes the user's torch 2.15.0 -> 2.14.0, ray 2.9.0 -> not installed"
+    with pytest.raises(ValueError, match="format .2., this reads format 1"):
+        cr.read_report({**report, "version": "2"}, USER_PINS)
+
+
+def test_resolution_a_refusal_fails_unless_the_docs_explain_it():
+    cr = _resolution()
+    refused = (RESOLUTION_DATA / "verl_beside_vllm_0.33.txt").read_text()  # pip's ResolutionImpossible, recorded
+    assert cr.conflict_package(refused) == "transformers"
+    verdict = cr.judge("pip install -e '.[verl]'", 1, None, refused, USER_PINS)
+    assert verdict.kind == "refused" and verdict.conflict == "transformers"
+    assert cr.failure(verdict) is None  # KNOWN_CONFLICTS: the verl extra beside vLLM >= 0.32
+    other = cr.judge("pip install -e '.[trl]'", 1, None, refused, USER_PINS)
+    assert cr.failure(other).startswith("no resolution keeps the user's versions (conflict on transformers)")
+    # a known conflict that resolves: the docs would be wrong
+    assert "KNOWN_CONFLICTS" in cr.failure(cr.Verdict("pip install -e '.[verl]'", "keeps"))
+    # pip failing for another reason is an error, not a refusal
+    error = cr.judge("pip install -e '.[trl]'", 1, None, "ERROR: Could not find a version that satisfies x", USER_PINS)
+    assert error.kind == "error" and cr.failure(error).startswith("pip failed: ERROR: Could not find")
+
+
+def test_resolution_checks_the_readmes_install_lines():
+    cr = _resolution()
+    lines = cr.install_lines((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert lines == ["pip install -e '.[trl]'", "pip install -e '.[verl]'"]
+    assert cr.expected(lines[1])[0] == "transformers" and cr.expected(lines[0]) is None
+    with pytest.raises(ValueError, match="no ```bash block under '## Install'"):
+        cr.install_lines("# x\n")
+    with pytest.raises(ValueError, match="--user: want name==version, got 'vllm>=0.33'"):
+        cr.pins(["vllm>=0.33"])
+    assert "scripts/check_resolution.py" in CI.read_text(encoding="utf-8").split("scripts/build_docs.sh")[1]

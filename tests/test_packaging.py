@@ -42,3 +42,15 @@ def test_the_wheel_check_is_an_executable_script():
     text = script.read_text(encoding="utf-8")
     assert os.access(script, os.X_OK)
     assert "-m build" in text and "demo --help" in text and "shipped_dir" in text
+
+
+def test_requires_python_is_what_the_extras_resolve_on():
+    # TRL 1.16 and vLLM declare Requires-Python >=3.11 (verl 0.9.1: >=3.10,<3.13): on 3.10 the trl and vllm extras
+    # could not resolve, so the package does not claim 3.10; every Python classifier lies inside the range
+    from packaging.specifiers import SpecifierSet
+
+    requires = SpecifierSet(PROJECT["project"]["requires-python"])
+    assert "3.10" not in requires and "3.11" in requires and "3.14" in requires
+    minors = [c.rsplit(" ", 1)[1] for c in PROJECT["project"]["classifiers"]
+              if c.startswith("Programming Language :: Python :: 3.")]
+    assert minors and all(m in requires for m in minors), minors

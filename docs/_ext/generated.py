@@ -70,9 +70,10 @@ def _spec(spec: dict) -> str:
 def versions(prefix: str = "") -> str:
     from offpolicy.integrations.versions import VERSIONS
 
-    rows = ["| package | supported (a warning outside) | tested | what depends on it |", "|---|---|---|---|"]
+    rows = ["| package | tested range (a warning outside) | pip installs | tested | what depends on it |",
+            "|---|---|---|---|---|"]
     for v in VERSIONS.values():
-        rows.append(f"| {v.package} | `{v.range}` | {v.tested} | {_cell(v.where)} |")
+        rows.append(f"| {v.package} | `{v.range}` | `{v.requirement}` | {v.tested} | {_cell(v.where)} |")
     return "\n".join(rows)
 
 

