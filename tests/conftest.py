@@ -108,15 +108,15 @@ def varying_task():
 
 
 # -- CI: no silent skips of the integrations ------------------------------------------------------------------------
-# A test of the TRL, verl, vLLM or OpenRLHF integration skips when its package is missing or at a version the adapter
+# A test of the TRL, verl, vLLM, OpenRLHF or DeepSpeed integration skips when its package is missing or at a version the adapter
 # does not support (importorskip, or a skip naming the version). That is right for a user's `python -m pytest`, and
 # wrong for CI's second phase, which installs those packages at the tested versions (TRL 1.16, verl 0.9.1, vLLM's
-# CPU build, OpenRLHF 0.11.2): there a skip means an adapter went untested. So .ci/run sets
+# CPU build, OpenRLHF 0.11.2, DeepSpeed 0.19.8): there a skip means an adapter went untested. So .ci/run sets
 # OFFPOLICY_REQUIRE_INTEGRATIONS=1 for that phase, and such a skip fails instead (a module or folder skipped at import
 # becomes one failing test). A skip for missing hardware (a CUDA GPU) stays a skip. OFFPOLICY_SKIPPED_LOG=<file>
 # appends "<node id>\t<reason>" for every integration skip, so that CI reruns those tests once the packages are in.
 
-_INTEGRATION_SKIP = re.compile(r"\b(trl|verl|vllm|openrlhf)\b|could not import '(datasets|hydra)\b", re.IGNORECASE)
+_INTEGRATION_SKIP = re.compile(r"\b(trl|verl|vllm|openrlhf|deepspeed)\b|could not import '(datasets|hydra)\b", re.IGNORECASE)
 _HARDWARE_SKIP = re.compile(r"\b(GPU|CUDA)\b")
 
 
