@@ -30,7 +30,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "offpolicy"
 # module can sit below its package (``rollout.sampling``: the sampling transform is a formula that corrections replay).
 LAYERS: list[tuple[str, list[str]]] = [
     ("kernels and formulas", [
-        "offpolicy.kernels.*", "offpolicy.ratios", "offpolicy.batch", "offpolicy.binary", "offpolicy.divergence",
+        "offpolicy.kernels.*", "offpolicy.ratios", "offpolicy.batch", "offpolicy.tolerances", "offpolicy.binary", "offpolicy.divergence",
         "offpolicy.bounds", "offpolicy.metrics", "offpolicy.position", "offpolicy.advantages", "offpolicy.topk_advice",
         "offpolicy.glossary", "offpolicy.catalog", "offpolicy.folder_lock",
         # the types and registries the methods are built on: a CorrectionResult is what metrics read
