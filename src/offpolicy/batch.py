@@ -37,7 +37,6 @@ from torch import Tensor
 
 from offpolicy.ratios import as_mask
 
-
 NONFINITE_ROLLOUT_LIMIT = 1e-3  # share of valid tokens whose μ may be NaN / ±inf before a batch is refused
 NONFINITE_ROLLOUT_ENV = "OFFPOLICY_MAX_NONFINITE_ROLLOUT"  # the same limit for a run (trainer, TRL, verl workers)
 

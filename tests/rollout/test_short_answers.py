@@ -5,13 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from offpolicy_testkit.stub_server import stub_servers
 
 from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.protocols import ServerCompletion, parse_sglang_generate
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.server_engine import ServerRolloutEngine
 from offpolicy.rollout.vllm import _to_output
-from offpolicy_testkit.stub_server import stub_servers
 
 
 class _ShortProtocol:

@@ -129,6 +129,7 @@ def _check_capture(rollout_logits: Tensor, reported: Tensor, ids: Tensor, mask: 
     diff = torch.where(same_nonfinite, 0.0, (got - want).double().abs())
     diff = torch.where(torch.isnan(diff), math.inf, diff)  # a NaN on one side only fails
     tol = log_softmax_tolerance(torch.float32, max_abs_finite(rollout_logits[mask]), rollout_logits.shape[-1])
+    assert isinstance(tol, Tensor)  # one tolerance per position
     ratio = diff / tol
     worst = int(ratio.argmax())
     err, margin = float(diff.max()), float(ratio[worst])
