@@ -146,3 +146,56 @@ def test_fuzz_wrong_shape_names_the_field(b, t, bad, shape):
     else:
         with pytest.raises(ValueError, match=f"^{bad}"):
             LogProbBatch(**kw)
+
+
+# -- non-finite μ: counted, and refused past the limit ------------------------------------------------------------
+def _mu_batch(n_bad: int, **kwargs):
+    import math
+
+    mu = torch.full((4, 500), -0.5)  # 2000 valid tokens
+    mu.view(-1)[torch.arange(n_bad) * 6 + 3] = torch.tensor([math.nan, -math.inf])[torch.arange(n_bad) % 2]
+    return LogProbBatch(logp=torch.zeros(4, 500), mask=torch.ones(4, 500), rollout_logp=mu, **kwargs)
+
+
+def test_nonfinite_rollout_within_the_limit_is_kept_and_past_it_refused(monkeypatch):
+    monkeypatch.delenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", raising=False)
+    assert _mu_batch(2).max_nonfinite_rollout == 1e-3  # 2 of 2000 = 1e-3: at the limit, kept
+    with pytest.raises(ValueError, match=r"rollout_logp: 3 of 2000 valid tokens \(0.15 %\) are NaN / ±inf, in rows "
+                                         r"\[0\] \(first at row 0, position 3\), above max_nonfinite_rollout = 0.001.*"
+                                         r"LogProbBatch\(max_nonfinite_rollout=...\) / OFFPOLICY_MAX_NONFINITE_ROLLOUT"):
+        _mu_batch(3)
+    _mu_batch(3, max_nonfinite_rollout=0.01)  # the argument raises the limit
+    _mu_batch(300, max_nonfinite_rollout=None)  # None: no limit
+    with pytest.raises(ValueError, match=r"in rows \[0, 1, 2, 3\]"):
+        _mu_batch(300)
+    # masked positions never count: a NaN in the padding is no failure of the engine
+    mu = torch.tensor([[-0.5, float("nan")]])
+    LogProbBatch(logp=torch.zeros(1, 2), mask=torch.tensor([[1.0, 0.0]]), rollout_logp=mu, max_nonfinite_rollout=0.0)
+
+
+def test_nonfinite_rollout_limit_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "0.01")
+    assert _mu_batch(3).max_nonfinite_rollout == 0.01
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")
+    assert _mu_batch(300).max_nonfinite_rollout is None
+    for bad in ("2", "lots"):
+        monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", bad)
+        with pytest.raises(ValueError, match="OFFPOLICY_MAX_NONFINITE_ROLLOUT must be a share in"):
+            _mu_batch(0)
+    monkeypatch.delenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT")
+    with pytest.raises(ValueError, match="max_nonfinite_rollout must be a share in"):
+        _mu_batch(0, max_nonfinite_rollout=1.5)
+
+
+def test_nonfinite_rollout_is_counted_in_the_metrics_and_refused_in_trls_loss_path(monkeypatch):
+    from offpolicy.integrations.trl.loss import batch_from_trl_inputs
+    from offpolicy.metrics import offpolicy_metrics
+
+    monkeypatch.delenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", raising=False)
+    mu = torch.tensor([[-0.5, float("nan"), -float("inf")], [-0.1, -0.2, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    m = offpolicy_metrics(torch.full((2, 3), -0.3), mu, mask, naming="trl")
+    assert m["sampling/nonfinite_rollout_tokens"].item() == 2.0  # the NaN and the −inf of row 0; row 1's is padding
+    inputs = {"completion_mask": mask, "advantages": torch.ones(2), "sampling_per_token_logps": mu}
+    with pytest.raises(ValueError, match="rollout_logp: 2 of 5 valid tokens"):
+        batch_from_trl_inputs(torch.zeros(2, 3), inputs)

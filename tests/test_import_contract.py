@@ -30,7 +30,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "offpolicy"
 # module can sit below its package (``rollout.sampling``: the sampling transform is a formula that corrections replay).
 LAYERS: list[tuple[str, list[str]]] = [
     ("kernels and formulas", [
-        "offpolicy.kernels.*", "offpolicy.ratios", "offpolicy.batch", "offpolicy.binary", "offpolicy.divergence",
+        "offpolicy.kernels.*", "offpolicy.ratios", "offpolicy.batch", "offpolicy.tolerances", "offpolicy.binary", "offpolicy.divergence",
         "offpolicy.bounds", "offpolicy.metrics", "offpolicy.position", "offpolicy.advantages", "offpolicy.topk_advice",
         "offpolicy.glossary", "offpolicy.catalog", "offpolicy.folder_lock",
         # the user's numbers as written (YAML 1.2 floats) and the settings a resume compares: stdlib and yaml only

@@ -274,7 +274,8 @@ def test_all_masked_batch_gives_zero_loss_and_zero_grad(objective, aggregation):
     assert all(torch.isfinite(v).item() for v in m.values())
 
 
-def test_nonfinite_valid_tokens_contribute_zero_and_are_counted():
+def test_nonfinite_valid_tokens_contribute_zero_and_are_counted(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     logp = leaf([[-1.0, float("nan"), -1.0, -1.0, -1.0]])
     old = torch.tensor([[-1.0, -1.0, float("inf"), -1.0, -1.0]])
     rollout = torch.tensor([[-1.0, -1.0, -1.0, float("-inf"), -1.0]])
@@ -410,7 +411,8 @@ def test_nonfinite_at_valid_positions_never_nan(data, objective, seed):
         return torch.where(hit, specials[torch.randint(0, 3, x.shape, generator=g)], x)
 
     lp = poison(logp_v).requires_grad_(True)
-    b = LogProbBatch(logp=lp, mask=mask, old_logp=poison(old), rollout_logp=poison(roll), advantages=adv)
+    b = LogProbBatch(logp=lp, mask=mask, old_logp=poison(old), rollout_logp=poison(roll), advantages=adv,
+                     max_nonfinite_rollout=None)  # non-finite μ on purpose: the never-NaN paths past the limit
     loss, m = policy_loss(b, objective=objective)
     assert torch.isfinite(loss)
     assert torch.isfinite(grad_of(loss, lp)).all()

@@ -117,7 +117,8 @@ def test_untouched_small_ratios_are_not_counted_as_clipped(pass_result):
         v = offpolicy_metrics(train, rollout, mask, weights, prefix="")
         assert v["clipped_frac"].item() == pytest.approx(expected, abs=1e-7)
 
-def test_nonfinite_valid_tokens_counted_and_excluded():
+def test_nonfinite_valid_tokens_counted_and_excluded(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     train, rollout, mask = example()
     train2 = torch.cat([train, torch.tensor([[float("inf")], [-1.0]])], dim=1)
     rollout2 = torch.cat([rollout, torch.tensor([[-1.0], [float("nan")]])], dim=1)
@@ -125,8 +126,9 @@ def test_nonfinite_valid_tokens_counted_and_excluded():
     a = offpolicy_metrics(train, rollout, mask)
     b = offpolicy_metrics(train2, rollout2, mask2)
     assert b["rollout_correction/nonfinite_tokens"].item() == 2.0
+    assert b["rollout_correction/nonfinite_rollout_tokens"].item() == 1.0  # the NaN μ; the inf is π's
     for k in a:
-        if not k.endswith("nonfinite_tokens"):
+        if "nonfinite" not in k:
             torch.testing.assert_close(a[k], b[k], msg=k)
 
 
@@ -259,7 +261,8 @@ def _messy_batch(data, B: int, T: int):
     mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=T, max_size=T), min_size=B, max_size=B)))
     from offpolicy.batch import LogProbBatch
 
-    return LogProbBatch(logp=old.clone(), old_logp=old, rollout_logp=rollout, mask=mask, advantages=torch.randn(B))
+    return LogProbBatch(logp=old.clone(), old_logp=old, rollout_logp=rollout, mask=mask, advantages=torch.randn(B),
+                        max_nonfinite_rollout=None)  # non-finite μ on purpose
 
 
 @settings(max_examples=60, deadline=None)

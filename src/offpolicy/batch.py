@@ -15,11 +15,20 @@ field                  shape        meaning
 ``versions``           [B, T]|None  integer policy version that generated each token (< 0: none), for decoupled PPO's
                                     log-linear proximal approximation (:mod:`offpolicy.objectives.proximal`)
 ``policy_version``     int|None     the version of the weights being trained (v_θ), with ``versions``
+``max_nonfinite_rollout``  float|None  the largest share of valid tokens whose ``rollout_logp`` may be NaN / ±inf
+                                    (default :data:`NONFINITE_ROLLOUT_LIMIT`; None: no limit)
 =====================  ===========  =================================================================
+
+Non-finite μ: a NaN or −inf rollout log-prob at a valid position is an engine that failed on that token (an overflow,
+raw log-probs of a token the recipe truncated). Every correction and loss leaves such tokens out (their sequence,
+where the method works per sequence), and the metrics count them (``nonfinite_rollout_tokens``,
+:func:`offpolicy.offpolicy_metrics`); past ``max_nonfinite_rollout`` of the valid tokens the batch is refused, naming
+how many, where, and the setting. Checking costs one device sync per batch built with ``rollout_logp``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +36,57 @@ import torch
 from torch import Tensor
 
 from offpolicy.ratios import as_mask
+
+NONFINITE_ROLLOUT_LIMIT = 1e-3  # share of valid tokens whose μ may be NaN / ±inf before a batch is refused
+NONFINITE_ROLLOUT_ENV = "OFFPOLICY_MAX_NONFINITE_ROLLOUT"  # the same limit for a run (trainer, TRL, verl workers)
+
+
+def default_nonfinite_rollout_limit() -> float | None:
+    """:data:`NONFINITE_ROLLOUT_LIMIT`, or the environment's ``OFFPOLICY_MAX_NONFINITE_ROLLOUT`` (a share in [0, 1],
+    or ``none`` for no limit) — one setting that reaches every host's batches, verl's remote workers included."""
+    text = os.environ.get(NONFINITE_ROLLOUT_ENV)
+    if text is None or not text.strip():
+        return NONFINITE_ROLLOUT_LIMIT
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{NONFINITE_ROLLOUT_ENV} must be a share in [0, 1] or 'none', got {text!r}")
+    return value
+
+
+def check_nonfinite_rollout(rollout_logp: Tensor, mask: Tensor, limit: float | None) -> None:
+    """Raise ``ValueError`` when more than ``limit`` of the valid tokens have a NaN / ±inf ``rollout_logp``
+    [B, T], saying how many, in which rows (first position), and which setting raises the limit.
+
+    >>> mu = torch.tensor([[-0.5, float("nan")], [-0.1, -0.2]])
+    >>> check_nonfinite_rollout(mu, torch.ones(2, 2), 0.5)       # 1 of 4: within
+    >>> check_nonfinite_rollout(mu, torch.ones(2, 2), 0.1)
+    Traceback (most recent call last):
+    ...
+    ValueError: rollout_logp: 1 of 4 valid tokens (25 %) are NaN / ±inf, in rows [0] (first at row 0, position 1), above max_nonfinite_rollout = 0.1: the rollout engine returned no usable log-prob there (an overflow, or raw log-probs of a token its recipe truncated); fix the engine, or raise the limit with LogProbBatch(max_nonfinite_rollout=...) / OFFPOLICY_MAX_NONFINITE_ROLLOUT
+    """
+    if limit is None or rollout_logp.numel() == 0:
+        return
+    valid = as_mask(mask)
+    bad = valid & ~torch.isfinite(rollout_logp)
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return
+    n = int(valid.sum())
+    if n_bad <= limit * n:
+        return
+    rows = bad.any(dim=-1).nonzero().flatten().tolist()
+    row, pos = (int(v) for v in bad.nonzero()[0])
+    shown = str(rows) if len(rows) <= 8 else f"{str(rows[:8])[:-1]}, …] ({len(rows)} rows)"
+    raise ValueError(
+        f"rollout_logp: {n_bad} of {n} valid tokens ({100 * n_bad / n:.3g} %) are NaN / ±inf, in rows {shown} (first "
+        f"at row {row}, position {pos}), above max_nonfinite_rollout = {limit:g}: the rollout engine returned no "
+        f"usable log-prob there (an overflow, or raw log-probs of a token its recipe truncated); fix the engine, or "
+        f"raise the limit with LogProbBatch(max_nonfinite_rollout=...) / {NONFINITE_ROLLOUT_ENV}")
 
 
 def _check_tensor(name: str, x: object) -> Tensor:
@@ -104,6 +164,7 @@ class LogProbBatch:
     extras: dict[str, Tensor] = field(default_factory=dict)
     versions: Tensor | None = None
     policy_version: int | None = None
+    max_nonfinite_rollout: float | None = field(default_factory=default_nonfinite_rollout_limit)
 
     def __post_init__(self) -> None:
         check_token_tensor("logp", self.logp)
@@ -124,6 +185,12 @@ class LogProbBatch:
         if self.policy_version is not None and (isinstance(self.policy_version, bool)
                                                 or not isinstance(self.policy_version, int)):
             raise ValueError(f"policy_version must be an int or None, got {self.policy_version!r}")
+        limit = self.max_nonfinite_rollout
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not 0.0 <= limit <= 1.0):
+            raise ValueError(f"max_nonfinite_rollout must be a share in [0, 1] or None, got {limit!r}")
+        if self.rollout_logp is not None:
+            check_nonfinite_rollout(self.rollout_logp.detach(), self.mask, limit)
 
     @property
     def batch_size(self) -> int:

@@ -78,6 +78,8 @@ DIAGNOSTICS: dict[str, str] = {
     "masked_frac": "share of valid tokens whose weight is 0 (dropped by the correction)",
     "accepted_frac": "1 − masked_frac",
     "nonfinite_tokens": "response positions where log π or log μ is NaN / ±inf (left out of every statistic)",
+    "nonfinite_rollout_tokens": "response positions where log μ is NaN / ±inf: the rollout engine's failures (past "
+                                "max_nonfinite_rollout, 1e-3 of the valid tokens, the batch is refused)",
 }
 
 ENTRIES: tuple[Entry, ...] = (

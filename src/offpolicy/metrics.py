@@ -31,6 +31,8 @@ name (prefix + …)          definition
 ``logp_abs_diff_mean/max`` E_V|r_t| / max_V |r_t| (TRL's ``sampling_logp_difference``)
 ``masked_frac``            fraction of valid tokens with w = 0;  ``accepted_frac`` = 1 − masked_frac
 ``nonfinite_tokens``       number of mask=1 positions where log π or log μ is NaN/±inf (excluded from everything)
+``nonfinite_rollout_tokens``  those of them where log μ is: the rollout engine's failures (a batch is refused past
+                           ``LogProbBatch.max_nonfinite_rollout`` of the valid tokens, 1e-3 by default)
 =========================  ================================================================================================
 
 w is ``weights`` (the correction weights actually applied) or, when None, the raw token ratio ρ_t. Empty input
@@ -87,7 +89,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
     "chi2_seq_product", "ess", "is_weight_mean", "is_weight_max", "is_weight_min", "clipped_frac", "raw_ratio_mean",
     "raw_ratio_max", "raw_ratio_min", "logp_abs_diff_mean", "logp_abs_diff_max", "masked_frac", "accepted_frac",
-    "nonfinite_tokens",
+    "nonfinite_tokens", "nonfinite_rollout_tokens",
 )  # fmt: skip
 
 
@@ -201,6 +203,7 @@ def offpolicy_metrics(
     out = _mismatch(zero_outside(pi, valid), tokens)
     out.update(_weight_stats(weights, tokens, level or "token", ratio_free))
     out["nonfinite_tokens"] = (count(m) - tokens.n_valid).float()
+    out["nonfinite_rollout_tokens"] = count(m & ~is_finite(mu)).float()
     return {names.key(name, prefix): out[name] for name in METRIC_NAMES}
 
 

@@ -101,7 +101,8 @@ def test_truncate_clamps_the_token_ratio_and_counts_what_it_moved():
     assert r.metrics["gated_is/filter_frac"].item() == 0.5
 
 
-def test_padding_and_undefined_tokens():
+def test_padding_and_undefined_tokens(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     # padding (mask 0) is neither a unit nor counted; a NaN μ on a valid token drops it (token level) or its sequence
     b = LogProbBatch(logp=torch.zeros(2, 3), old_logp=torch.zeros(2, 3),
                      rollout_logp=torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, float("inf")]]),

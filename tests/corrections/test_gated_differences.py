@@ -151,7 +151,8 @@ def test_empty_row_is_not_a_filtered_sequence():
     assert g.filtered.squeeze(-1).tolist() == [False, True, False]
 
 
-def test_zero_rollout_probability_is_dropped_at_every_gating():
+def test_zero_rollout_probability_is_dropped_at_every_gating(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     x = _tensors("neginf")
     # the clamped divergence of the −inf token is finite (it is what OpenRLHF gates on): KL((1e-6, ·) ‖ (1e-4, ·))
     # = 1e-6·ln(1e-2) + (1 − 1e-6)·ln((1 − 1e-6)/(1 − 1e-4)) = 9.442e-5, and |1e-6 − 1e-4| = 9.9e-5, both under δ ...
@@ -200,7 +201,8 @@ def openrlhf() -> dict[tuple, dict]:
     return {(r["batch"], r["level"], r["mode"], r["gating"]): r for r in records}
 
 
-def test_live_roundoff_drops_tokens_up_to_four_hundredths_apart(openrlhf):
+def test_live_roundoff_drops_tokens_up_to_four_hundredths_apart(openrlhf, monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     there = openrlhf[("roundoff", "token", "mask", "binary_kl")]
     coef, filter_frac = _ours("roundoff", "token", "mask", "binary_kl", [0.0, 5e-3])
     rho = [math.exp(d) for d in (torch.tensor(INPUTS["roundoff"]["old_logp"][0]).double() - ROUNDOFF_LOG_MU).tolist()]
@@ -225,7 +227,8 @@ def test_live_roundoff_drops_tokens_up_to_four_hundredths_apart(openrlhf):
     print(f"OpenRLHF drops {int(dropped.sum())} of {len(SCAN)}, up to |Δ| {float(delta[dropped].abs().max()):.4f}")
 
 
-def test_live_empty_row_counts_as_filtered_there(openrlhf):
+def test_live_empty_row_counts_as_filtered_there(openrlhf, monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     for gating, threshold in (("ratio", [0.5, 5.0]), ("binary_kl", [0.0, 0.1]), ("tv", [0.0, 0.1])):
         there = openrlhf[("empty", "seq", "mask", gating)]
         coef, filter_frac = _ours("empty", "seq", "mask", gating, threshold)
@@ -236,7 +239,8 @@ def test_live_empty_row_counts_as_filtered_there(openrlhf):
         torch.testing.assert_close(coef[mask], torch.tensor(there["coef"])[mask], rtol=1e-6, atol=1e-7)
 
 
-def test_live_zero_rollout_probability_weighs_inf_there(openrlhf):
+def test_live_zero_rollout_probability_weighs_inf_there(openrlhf, monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     rho1, rho2 = math.exp(0.1), math.exp(-0.1)
     cases = {  # OpenRLHF's coefficient and is_filter_ratio; this library's as in the test without OpenRLHF
         ("token", "mask", "binary_kl", (0.0, 5e-3)): ([INF, rho1, 0.0], 1 / 3),
@@ -255,7 +259,8 @@ def test_live_zero_rollout_probability_weighs_inf_there(openrlhf):
     assert openrlhf[("neginf", "token", "mask", "binary_kl")]["loss"] == INF
 
 
-def test_live_other_nonfinite_inputs(openrlhf):
+def test_live_other_nonfinite_inputs(openrlhf, monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     rho1 = math.exp(0.1)
     # log μ = NaN: OpenRLHF's NaN statistic fails the band in mask mode (as here: dropped) ...
     there = openrlhf[("nan", "token", "mask", "binary_kl")]

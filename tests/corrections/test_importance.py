@@ -502,7 +502,8 @@ def test_mis_and_icepop_metrics_by_hand():
     assert m["kept_frac"] == 0.5 and m["raw_ratio_max"] == pytest.approx(E**2, rel=1e-6)
 
 
-def test_nonfinite_metric_and_no_nan():
+def test_nonfinite_metric_and_no_nan(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     logp, mu = torch.tensor([[0.5, NAN, 0.0, 0.3]]), torch.tensor([[0.0, 0.0, -INF, 0.0]])
     b = LogProbBatch(logp=logp, rollout_logp=mu, mask=torch.ones(1, 4))
     r = tis(upper=10.0)(b)

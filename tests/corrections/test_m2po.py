@@ -143,7 +143,8 @@ def test_threshold_zero_drops_every_candidate_and_large_keeps_all():
     assert m2po(threshold=10.0)(b).keep.all()
 
 
-def test_nonfinite_log_ratio_is_dropped_never_nan():
+def test_nonfinite_log_ratio_is_dropped_never_nan(monkeypatch):
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # non-finite μ on purpose: the paths past the limit
     b = LogProbBatch(logp=torch.zeros(1, 3), rollout_logp=torch.tensor([[0.0, float("nan"), -0.1]]),
                      mask=torch.ones(1, 3), advantages=torch.tensor([1.0]))
     r = m2po()(b)

@@ -47,11 +47,29 @@ def test_inspect_llamacpp_exact_kl_floor_and_quantised_rows(sharp):
         m = inspect_engines(model, prompts, parse_spec(spec, "rollout"), trainer, SamplingConfig(max_new_tokens=4),
                             tokenizer=tok, layers=False, dvp_rhos=None)
         assert m.meta["rollout_view"] == "full" and m.tokens.kl_kind == "exact" and m.layers is None
-        assert m.meta["capture_max_abs_error"] < 1e-5
+        assert m.meta["capture_error_over_tolerance"] < 1.0  # μ replayed within float32 rounding
         kl[spec] = float(m.tokens.kl[m.tokens.mask].mean())
     # F32: the engines agree to float32 resolution (the float64 floor is ~1e-12); Q4_0 + q4_0 KV: a real mismatch
     assert abs(kl["backend=llamacpp,weights=f32"]) < 1e-6
     assert kl["backend=llamacpp,weights=q4_0,kv_cache_bits=4"] > 1e-4
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_inspect_llamacpp_capture_check_holds_at_one_and_two_threads(sharp, threads):
+    # llama-server decodes with torch's thread count: another summation order in its matmuls and softmax; the
+    # replay of μ from its full distribution stays within the float32 log-softmax tolerance (measured on the sharp tiny model: 5e-7 nats, 0.3 % of it, at both)
+    import torch
+
+    model, tok = sharp
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m = inspect_engines(model, [tok(t)["input_ids"] for t in ("12+34=", "Use 3 5 7 to make 22:")],
+                            parse_spec("backend=llamacpp,weights=f32", "rollout"), parse_spec("fp32", "trainer"),
+                            SamplingConfig(max_new_tokens=8), tokenizer=tok, layers=False, dvp_rhos=None)
+    finally:
+        torch.set_num_threads(before)
+    assert 0 < m.meta["capture_max_abs_error"] and m.meta["capture_error_over_tolerance"] < 0.5
 
 
 def test_inspect_a_running_server_gives_top_k_bounds(sharp, tmp_path):

@@ -3,8 +3,9 @@
 For each micro-batch of prompts: the rollout engine generates (its own path: KV cache, dtype, quantisation, noise),
 and the logits it sampled from are read at every step with a forward hook on its output projection — the very tensor
 generation used, not a re-computation. A check recomputes the sampled tokens' log-probs from them and requires the
-engine's reported μ to the last bit (a failed check raises: the engine transforms logits in a way this module does
-not replay). The trainer then scores the same tokens with one full forward (optionally under autocast). At every
+engine's reported μ up to rounding (a failed check raises: the engine transforms logits in a way this module does
+not replay; the tolerance is the float32 rounding of two log-softmaxes over V logits of the captured magnitude,
+:func:`offpolicy.tolerances.log_softmax_tolerance`). The trainer then scores the same tokens with one full forward (optionally under autocast). At every
 response position both full next-token distributions (tempered by the sampling temperature, untruncated) are compared:
 
 * exact KL(μ‖π) (TRM's D_KL, arXiv 2512.23075), KL(π‖μ), total variation — through the chunked kernels
@@ -49,11 +50,11 @@ from offpolicy.rollout.base import RolloutOutput
 from offpolicy.rollout.factory import build_engine as make_engine
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import score_tokens
+from offpolicy.tolerances import log_softmax_tolerance, max_abs_finite
 
 # ρ = e^-k, k = 1 … 20: DVP's default e^-13 is on the grid, and so are the looser and stricter neighbours.
 DVP_RHO_GRID: tuple[float, ...] = tuple(math.exp(-k) for k in range(1, 21))
 DVP_COVERAGE = 0.999  # the recommended ρ keeps at least this much of π's mass at every position (DVP Prop. 5.5's Z)
-CAPTURE_TOLERANCE = 1e-5  # nats: the recomputed μ must equal the reported one (it is bit-exact in practice)
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -108,8 +109,40 @@ class _MicroBatch:
     flat_rollout: Tensor | None  # [n, V] rollout logits at the valid positions (None: top-k view)
     flat_trainer: Tensor  # [n, V]
     capture_error: float
+    capture_ratio: float  # the largest capture error ÷ its tolerance (< 1: passed)
     generate_s: float
     score_s: float
+
+
+def _check_capture(rollout_logits: Tensor, reported: Tensor, ids: Tensor, mask: Tensor, sampling: SamplingConfig,
+                   *, first_row: int = 0) -> tuple[float, float]:
+    """The replayed μ of the sampled tokens (``process_logits`` on the captured ``[b, T, V]`` logits) against the
+    engine's reported ``[b, T]`` log-probs at the ``mask``'s positions: ``(max |error|, max error ÷ tolerance)``,
+    the tolerance per position :func:`~offpolicy.tolerances.log_softmax_tolerance` in float32 at that row's largest
+    finite |logit|. A non-finite value reported as the replay has it (an overflow) agrees. Raises ``ValueError``
+    naming the worst position past its tolerance."""
+    if not bool(mask.any()):
+        return 0.0, 0.0
+    check = process_logits(rollout_logits, sampling).gather(-1, ids[..., None]).squeeze(-1)
+    got, want = check[mask], reported[mask]
+    same_nonfinite = ~torch.isfinite(got) & (got == want) | (torch.isnan(got) & torch.isnan(want))
+    diff = torch.where(same_nonfinite, 0.0, (got - want).double().abs())
+    diff = torch.where(torch.isnan(diff), math.inf, diff)  # a NaN on one side only fails
+    tol = log_softmax_tolerance(torch.float32, max_abs_finite(rollout_logits[mask]), rollout_logits.shape[-1])
+    assert isinstance(tol, Tensor)  # one tolerance per position
+    ratio = diff / tol
+    worst = int(ratio.argmax())
+    err, margin = float(diff.max()), float(ratio[worst])
+    if not margin <= 1.0:
+        row, pos = (int(v) for v in mask.nonzero()[worst])
+        raise ValueError(
+            f"the rollout logits read from the engine's output projection do not reproduce its reported log-probs: "
+            f"prompt {first_row + row} position {pos} differs by {float(diff[worst]):.3g} nats, above the float32 "
+            f"rounding of two log-softmaxes over {rollout_logits.shape[-1]} logits of that size ({float(tol[worst]):.3g}"
+            f" nats, offpolicy.tolerances.log_softmax_tolerance): the engine changes the logits after its lm_head "
+            f"(a soft-cap, a logit processor, a penalty) in a way offpolicy inspect does not replay; compare it on "
+            f"its reported top-k instead (--rollout-view topk) or score its tokens in one forward (--sample-with)")
+    return err, margin
 
 
 def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, topk, seed, rows, autocast,
@@ -145,20 +178,12 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
         mask = out.mask
         ids = torch.tensor([c + [0] * (mask.shape[1] - len(c)) for c in out.completion_ids],
                            dtype=torch.long).reshape(mask.shape)
-        err = 0.0
+        err = margin = 0.0
         if rollout_logits is not None and sampler is None:
-            check = process_logits(rollout_logits, sampling).gather(-1, ids[..., None]).squeeze(-1)
-            diff = (check - out.logp)[mask]
-            same_nonfinite = ~torch.isfinite(check[mask]) & (check[mask] == out.logp[mask]) | (
-                torch.isnan(check[mask]) & torch.isnan(out.logp[mask]))  # an overflow reported as it happened
-            err = float(torch.where(same_nonfinite, 0.0, diff).abs().max()) if mask.any() else 0.0
-            if not err <= CAPTURE_TOLERANCE:
-                raise ValueError(f"the rollout logits read from the engine's output projection do not reproduce its "
-                                 f"reported log-probs (max error {err:.3g} nats): the engine changes the logits after "
-                                 f"its lm_head in a way offpolicy inspect does not replay")
+            err, margin = _check_capture(rollout_logits, out.logp, ids, mask, sampling, first_row=a)
         yield _MicroBatch(out=out, ids=ids, trainer_logp=torch.where(mask, trainer_logp, 0.0),
                           flat_rollout=None if rollout_logits is None else rollout_logits[mask],
-                          flat_trainer=trainer_logits[mask], capture_error=err, generate_s=t1 - t0, score_s=t2 - t1)
+                          flat_trainer=trainer_logits[mask], capture_error=err, capture_ratio=margin, generate_s=t1 - t0, score_s=t2 - t1)
 
 
 def compare_engines(
@@ -261,7 +286,7 @@ def compare_engines(
     kept: list[tuple[Tensor | None, Tensor, Tensor]] | None = []  # the logits for the DVP check, while they fit
     kept_bytes = 0
     timings = {"generate_s": 0.0, "score_s": 0.0, "compare_s": 0.0, "dvp_check_s": 0.0}
-    capture_error = 0.0
+    capture_error = capture_ratio = 0.0
     for mb in batches():
         t0 = time.perf_counter()
         per_pos, stats = _position_stats(mb, tau=tau, topk=topk, rhos=rhos, generator=gen, scratch=scratch)
@@ -278,6 +303,7 @@ def compare_engines(
         timings["score_s"] += mb.score_s
         timings["compare_s"] += time.perf_counter() - t0
         capture_error = max(capture_error, mb.capture_error)
+        capture_ratio = max(capture_ratio, mb.capture_ratio)
         _collect(parts, mb, per_pos, t_max)
     cat = {name: torch.cat(p) for name, p in parts.items()}
     tokens = _token_data(cat, kl_kind="exact" if view == "full" else "topk", prompt_ids=prompt_ids)
@@ -301,6 +327,7 @@ def compare_engines(
         "prompts": len(prompt_ids), "positions": int(tokens.mask.sum()), "vocab_size": vocab,
         "micro_batch_rows": rows,
         "capture_max_abs_error": capture_error if view == "full" and sampler is None else None,
+        "capture_error_over_tolerance": capture_ratio if view == "full" and sampler is None else None,
         "timings": timings,
     }
     return Measurements(tokens=tokens, vocab=vocab_stats, dvp=grid, meta=meta)

@@ -53,6 +53,22 @@ class ServerCompletion:
     text: str = ""
     missing: list[int] = field(default_factory=list)  # positions the server sent no log-prob for (see llamacpp)
 
+    def check_lengths(self, where: str) -> None:
+        """A :class:`ServerError` naming ``where`` (the request) unless there is one log-prob — and, when asked for,
+        one top-k row — per sampled token: a short answer is never padded (μ = 1 or a zero log-prob).
+
+        >>> ServerCompletion([5, 6], [-0.5]).check_lengths("vllm request 3")
+        Traceback (most recent call last):
+        ...
+        offpolicy.rollout.http.ServerError: vllm request 3: 2 tokens but 1 log-probs in the answer
+        """
+        if len(self.logp) != len(self.ids):
+            raise ServerError(f"{where}: {len(self.ids)} tokens but {len(self.logp)} log-probs in the answer")
+        for name in ("top_ids", "top_logp"):
+            rows = getattr(self, name)
+            if rows is not None and len(rows) != len(self.ids):
+                raise ServerError(f"{where}: {len(self.ids)} tokens but {len(rows)} {name} rows in the answer")
+
 
 class ServerProtocol(Protocol):
     """What a server client provides (see :class:`VLLMProtocol`, :class:`SGLangProtocol`,
@@ -333,6 +349,9 @@ def parse_sglang_generate(answer: Any, cfg: SamplingConfig, *, where: str = "req
             raise ServerError(f"{we} must be [logprob, id, text], got {str(e)[:80]}")
         logp.append(check_logprob(e[0], f"{we}[0]"))
         ids.append(check_token(e[1], f"{we}[1]", vocab_size))
+    n_out = meta.get("completion_tokens")
+    if isinstance(n_out, int) and not isinstance(n_out, bool) and n_out != len(entries):
+        raise ServerError(f"{w}: completion_tokens = {n_out} but output_token_logprobs has {len(entries)} entries")
     out_ids = answer.get("output_ids") if isinstance(answer, dict) else None
     if out_ids is not None and list(out_ids) != ids:
         raise ServerError(f"{where}: answer.output_ids {list(out_ids)[:8]}… differ from the ids in "

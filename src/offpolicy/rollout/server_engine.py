@@ -125,6 +125,8 @@ class ServerRolloutEngine:
                 answer = post_json(self.url + self.protocol.path, request(list(p), list(c)), timeout=self.timeout,
                                    what=what)
             values = self.protocol.parse_score(answer, list(p), list(c), where=what)  # type: ignore[attr-defined]
+            if len(values) != len(c):  # never a shorter mask: the sync check would judge fewer tokens than sent
+                raise ServerError(f"{what}: {len(values)} log-probs came back for {len(c)} completion tokens")
             logp[i, : len(values)] = torch.tensor(values)
             mask[i, : len(values)] = True
         return logp, mask
@@ -173,6 +175,7 @@ class ServerRolloutEngine:
                 if fill is None:
                     raise ServerError(f"{what}: no log-prob for positions {c.missing}")
                 c = fill(self.url, list(prompt), c, cfg, timeout=self.timeout, where=what)
+            c.check_lengths(what)
             if any(math.isnan(v) for v in c.logp):
                 raise ServerError(f"{what}: a sampled token has no log-prob (NaN)")
             if len(c.ids) > cfg.max_new_tokens:

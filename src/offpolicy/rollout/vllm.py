@@ -251,6 +251,9 @@ def prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids: list[
     logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
     for i, (p, c, out) in enumerate(zip(prompt_ids, completion_ids, outs)):
         entries = out.prompt_logprobs  # entry j: the distribution that predicted token j (None at j = 0)
+        if entries is None or len(entries) < len(p) + len(c):
+            raise ValueError(f"vLLM prompt_logprobs: row {i} (request {getattr(out, 'request_id', '?')}) has "
+                             f"{0 if entries is None else len(entries)} entries for {len(p) + len(c)} tokens")
         for j, tok in enumerate(c):
             entry = entries[len(p) + j]
             if entry is None or tok not in entry:
@@ -285,8 +288,14 @@ def _to_output(prompt_ids: list[list[int]], results: list, k: int, *, routes: bo
     topk_ids = torch.zeros(b, t, k, dtype=torch.long) if k > 0 else None
     for i, r in enumerate(results):
         steps = r.outputs[0].logprobs or []
+        if len(steps) != len(completions[i]):  # never μ = 1 (log-prob 0) at the positions left without one
+            raise ValueError(f"vLLM request {i} (id {getattr(r, 'request_id', '?')}): {len(completions[i])} tokens "
+                             f"but {len(steps)} log-prob entries")
         for j, (tok, step) in enumerate(zip(completions[i], steps)):
             mask[i, j] = True
+            if tok not in step:
+                raise ValueError(f"vLLM request {i} (id {getattr(r, 'request_id', '?')}) position {j}: the sampled "
+                                 f"token {tok} has no log-prob entry")
             logp[i, j] = step[tok].logprob  # the sampled token is always included
             if topk_ids is not None and topk_logp is not None:  # k > 0
                 ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]

@@ -89,10 +89,31 @@ def engine_rollout(engine: RolloutEngine | EngineSpec, *, sync_every: int = 1,
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         out = active.generate(prompt_ids, sampling_from_trl(trainer.args), seed=seed + calls[0])
         calls[0] += 1
-        logprobs = [out.logp[i, : len(c)].tolist() for i, c in enumerate(out.completion_ids)]
+        logprobs = rollout_logprob_lists(out, where=f"engine_rollout at step {step} (generation {calls[0]})")
         return {"prompt_ids": prompt_ids, "completion_ids": [list(c) for c in out.completion_ids], "logprobs": logprobs}
 
     return rollout
+
+
+def rollout_logprob_lists(out: RolloutOutput, *, where: str) -> list[list[float]]:
+    """Per completion, μ of each of its tokens (TRL's ``logprobs`` layout) — refusing, naming ``where`` and the
+    completion, a rollout with fewer valid log-probs than tokens (TRL would pad the row: μ = 1, a log-prob of 0).
+
+    >>> import torch
+    >>> out = RolloutOutput(prompt_ids=[[1]], completion_ids=[[5, 6]], logp=torch.tensor([[-0.5, 0.0]]),
+    ...     mask=torch.tensor([[True, False]]))
+    >>> rollout_logprob_lists(out, where="step 3")
+    Traceback (most recent call last):
+    ...
+    ValueError: step 3: completion 0 has 2 tokens but 1 log-probs from the engine
+    """
+    lists = []
+    for i, c in enumerate(out.completion_ids):
+        n = int(out.mask[i].sum()) if i < out.mask.shape[0] else 0
+        if n != len(c) or out.logp.shape[1] < len(c):
+            raise ValueError(f"{where}: completion {i} has {len(c)} tokens but {n} log-probs from the engine")
+        lists.append(out.logp[i, : len(c)].tolist())
+    return lists
 
 
 def vllm_logprob_lists(out: RolloutOutput, k: int) -> tuple[list[list[list[float]]], list[list[list[int]]]]:

@@ -201,25 +201,38 @@ class ServerScorer:
     """The same from a vLLM server, through TRL's ``VLLMClient.get_sequence_logprobs`` (``/v1/completions`` with
     ``prompt_logprobs``), answered within ``timeout`` seconds (TRL's ``vllm_server_timeout``; TRL's client sets
     none, and retries a refused connection for about a minute) or a
-    :class:`~offpolicy.rollout.http.ServerError` naming the server, the probe and the sync (``sync()``)."""
+    :class:`~offpolicy.rollout.http.ServerError` naming the server, the probe and the sync (``sync()``). A short
+    answer (fewer rows than sequences, fewer log-probs than tokens, an empty entry) is a ``ValueError`` naming the
+    probe scoring (``calls``: the first is the calibration before the first sync) and the sequence — never a shorter
+    mask, which would judge the sync on fewer tokens than were sent."""
 
     def __init__(self, client: Any, *, timeout: float = 240.0, sync: Any = lambda: "?") -> None:
         self.client, self.timeout, self.sync = client, float(timeout), sync
+        self.calls = 0
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         from offpolicy.rollout.http import call_within
 
+        self.calls += 1
+        what = f"vLLM server prompt_logprobs (probe scoring {self.calls})"
         url = getattr(self.client, "base_url", "?")
         answer = call_within(
             lambda: self.client.get_sequence_logprobs([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)],
                                                       [len(p) for p in prompt_ids], top_logprobs=1),
             self.timeout, what=f"vLLM server {url}", request=f"the sync check's probe ({len(prompt_ids)} sequences)",
             when=f"sync {self.sync()}", setting=SERVER_TIMEOUT_SETTING)
+        rows = answer.get("actual_logprobs") if isinstance(answer, dict) else None
+        if not isinstance(rows, list) or len(rows) != len(completion_ids):
+            got = len(rows) if isinstance(rows, list) else "no"
+            raise ValueError(f"{what}: {got} rows of actual_logprobs for {len(completion_ids)} sequences")
         t = max(len(c) for c in completion_ids)
         logp, mask = torch.zeros(len(prompt_ids), t), torch.zeros(len(prompt_ids), t, dtype=torch.bool)
-        for i, (c, row) in enumerate(zip(completion_ids, answer["actual_logprobs"])):
+        for i, (c, row) in enumerate(zip(completion_ids, rows)):
             if len(row) != len(c):
-                raise ValueError(f"vLLM server prompt_logprobs: row {i} has {len(row)} entries for {len(c)} tokens")
+                raise ValueError(f"{what}: sequence {i} has {len(row)} entries for {len(c)} tokens")
+            for j, v in enumerate(row):
+                if not v:
+                    raise ValueError(f"{what}: sequence {i} token {j} has no log-prob")
             logp[i, :len(c)] = torch.tensor([v[0] for v in row])
             mask[i, :len(c)] = True
         return logp, mask

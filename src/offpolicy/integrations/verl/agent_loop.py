@@ -108,6 +108,30 @@ def topk_from_prompt_logprobs(extra_fields: dict[str, Any], n_prompt: int, n_res
     return out_ids, out_logps
 
 
+def check_response_logprobs(sampling_params: dict[str, Any], response_ids: list[int],
+                            response_logprobs: list[float] | None, *, where: str) -> None:
+    """Refuse, naming ``where`` (the sample), a rollout that asked for log-probs and got fewer than its response
+    tokens: verl pads ``response_logprobs`` with 0.0 to the response length (μ = 1 at every missing token).
+
+    >>> check_response_logprobs({"logprobs": True}, [5, 6, 7], [-0.1, -0.2], where="sample 4")
+    Traceback (most recent call last):
+    ...
+    ValueError: sample 4: 3 response tokens but 2 rollout log-probs from the server (verl would pad μ = 1)
+    """
+    if sampling_params.get("logprobs") in (None, False) or not response_ids:
+        return
+    n = 0 if response_logprobs is None else len(response_logprobs)
+    if n != len(response_ids):
+        raise ValueError(f"{where}: {len(response_ids)} response tokens but {n} rollout log-probs from the server "
+                         "(verl would pad μ = 1)")
+
+
+def _sample_name(kwargs: dict[str, Any]) -> str:
+    """The sample as the dataset names it (its ``index`` / ``uid`` fields, when the batch carries them)."""
+    named = [f"{key} {kwargs[key]}" for key in ("uid", "index") if kwargs.get(key) is not None]
+    return "offpolicy_agent sample" + (f" ({', '.join(named)})" if named else "")
+
+
 class OffPolicyAgentLoopOutput(AgentLoopOutput):
     """verl's ``AgentLoopOutput`` whose ``as_dict()`` also returns the top-K as training-batch tensors."""
 
@@ -144,6 +168,8 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
         if k > 0:
             check_topk_temperature(params)  # before the generation: the first request of a run fails
         output = await super().run(params, priority=priority, **kwargs)
+        check_response_logprobs(params, list(output.response_ids), output.response_logprobs,
+                                where=_sample_name(kwargs))
         if k <= 0:
             return output
         ids: list[list[int]] = []
@@ -156,8 +182,12 @@ class OffPolicyAgentLoop(SingleTurnAgentLoop):
                 prompt_ids=list(output.prompt_ids) + list(output.response_ids),
                 sampling_params={**score, "max_tokens": 1, "prompt_logprobs": k},
             )
-            ids, logps = topk_from_prompt_logprobs(scored.extra_fields, len(output.prompt_ids),
-                                                   len(output.response_ids), k)
+            try:
+                ids, logps = topk_from_prompt_logprobs(scored.extra_fields, len(output.prompt_ids),
+                                                       len(output.response_ids), k)
+            except ValueError as err:
+                raise ValueError(f"{_sample_name(kwargs)}, top-K scoring request offpolicy-topk-{id(output)}: "
+                                 f"{err}") from None
         output = with_topk_output(output)
         # every sample carries the fields (verl stacks a field only when all samples of a put have it)
         output.extra_fields.update(rollout_topk_ids=ids, rollout_topk_logprobs=logps, rollout_topk_k=k)

@@ -43,6 +43,23 @@ def _main_process_value(value: Any) -> Any:
     return box[0]
 
 
+def logprobs_mode_verdict(client: Any) -> str | None:
+    """None when the vLLM server behind TRL's ``client`` reports processed log-probs, else the error to raise.
+
+    >>> from types import SimpleNamespace as NS
+    >>> logprobs_mode_verdict(NS(get_server_info=lambda: {"model_config": {"logprobs_mode": "raw_logprobs"}}))[:60]
+    'logprobs_mode: the vLLM server runs with --logprobs-mode raw'
+    """
+    try:
+        mode = client.get_server_info()["model_config"]["logprobs_mode"]
+    except (KeyError, TypeError):
+        mode = "unknown (its /server_info has no model_config.logprobs_mode)"
+    if mode == "processed_logprobs":
+        return None
+    return (f"logprobs_mode: the vLLM server runs with --logprobs-mode {mode}; μ must be the sampling distribution: "
+            "restart it with --logprobs-mode processed_logprobs")
+
+
 class VLLMWiring(TRLBase):
     """The vLLM engine's arguments, log-prob mode and weight-sync check (a part of ``OffPolicyGRPOMixin``)."""
 
@@ -59,16 +76,17 @@ class VLLMWiring(TRLBase):
             self.offpolicy_sync = install_vllm_sync(self, sync_check, files=file_sync)
 
     def _check_logprobs_mode(self, train_args: Any) -> None:
-        """μ must be vLLM's processed log-probs; TRL checks the server only with its own IS correction on."""
+        """μ must be vLLM's processed log-probs; TRL checks the server only with its own IS correction on. The main
+        process (the one holding TRL's client) asks the server and its verdict is broadcast, so every rank refuses
+        at start — a rank left running would wait in TRL's first collective."""
         if not (getattr(train_args, "use_vllm", False) and getattr(train_args, "vllm_mode", None) == "server"):
             return
         accelerator = getattr(self, "accelerator", None)
-        if accelerator is not None and not accelerator.is_main_process:
-            return
-        client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
-        if client is None:
-            return
-        mode = client.get_server_info()["model_config"]["logprobs_mode"]
-        if mode != "processed_logprobs":
-            raise ValueError(f"logprobs_mode: the vLLM server runs with --logprobs-mode {mode}; μ must be the "
-                             "sampling distribution: restart it with --logprobs-mode processed_logprobs")
+        main = accelerator is None or accelerator.is_main_process
+        verdict = None
+        if main:
+            client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
+            verdict = None if client is None else logprobs_mode_verdict(client)
+        verdict = _main_process_value(verdict)
+        if verdict is not None:
+            raise ValueError(verdict if main else f"rank 0 (the vLLM client's process): {verdict}")
