@@ -21,30 +21,12 @@ def scoring_part(recipe, centering: bool = False, temperature: float = 0.7):
 
 
 def run_two_ranks(script, out, *, env=None, timeout: float = 600) -> list[dict]:
-    """Run ``script`` as two processes (``python script RANK 2 PORT OUT``, one thread each, the repository root on
-    their path) and return each rank's ``OUT/rank{r}.json``; a rank that fails or hangs fails the test with the
-    ranks' output tails."""
+    """Run ``script`` as two processes (:func:`offpolicy_testkit.gloo_ranks.run_ranks`, ``env`` added to theirs) and
+    return each rank's ``OUT/rank{r}.json``; a rank that fails or hangs fails the test with the ranks' output tails."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from offpolicy.rollout.processes import free_port
+    from offpolicy_testkit.gloo_ranks import run_ranks
 
-    root = str(Path(__file__).resolve().parents[1])  # offpolicy_testkit/, for the ranks as for pytest
-    port = free_port()
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
-                "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(port), str(out)], env=full_env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"a rank of {Path(script).name} hung") from None
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    run_ranks(script, out, timeout=timeout, env=env, hung=f"a rank of {Path(script).name} hung")
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
