@@ -107,7 +107,9 @@ def cases(draw):
 def run_policy_loss(c):
     logp = c["logp"].float().requires_grad_(True)
     cast = lambda x: None if x is None else x.float()  # noqa: E731
+    # non-finite μ on purpose (it must never reach the loss): the batch-level limit off
     batch = LogProbBatch(logp=logp, mask=c["mask"], old_logp=cast(c["old"]), rollout_logp=cast(c["rollout"]),
+                         max_nonfinite_rollout=None,
                          advantages=c["adv"].float())
     correction = None
     if c["coef"] is not None:

@@ -190,7 +190,8 @@ class LogProbBatch:
                                   or not 0.0 <= limit <= 1.0):
             raise ValueError(f"max_nonfinite_rollout must be a share in [0, 1] or None, got {limit!r}")
         if self.rollout_logp is not None:
-            check_nonfinite_rollout(self.rollout_logp.detach(), self.mask, limit)
+            if not torch.compiler.is_compiling():  # a host-side verdict: outside a compiled graph only
+                check_nonfinite_rollout(self.rollout_logp.detach(), self.mask, limit)
 
     @property
     def batch_size(self) -> int:

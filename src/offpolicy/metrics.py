@@ -124,7 +124,7 @@ NAMINGS: dict[str, Naming] = {
 def metric_names(naming: str = "swift", prefix: str | None = None) -> tuple[str, ...]:
     """The keys :func:`offpolicy_metrics` returns under ``naming`` (and an optional ``prefix`` in place of its own).
 
-    >>> metric_names("verl")[:2], metric_names("trl")[-4]
+    >>> metric_names("verl")[:2], metric_names("trl")[-5]
     (('rollout_corr/kl', 'rollout_corr/k3_kl'), 'sampling/sampling_logp_difference/max')
     """
     return tuple(check_naming(naming).key(name, prefix) for name in METRIC_NAMES)

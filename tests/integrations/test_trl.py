@@ -177,12 +177,16 @@ def test_dapo_divides_the_sum_by_the_generation_batch_token_count():
     torch.testing.assert_close(got, mean * 5 / 10)
 
 
-def test_delta_is_the_dual_clip_and_nan_vllm_logprobs_do_not_drop_tokens_without_a_correction():
+def test_delta_is_the_dual_clip_and_nan_vllm_logprobs_do_not_drop_tokens_without_a_correction(monkeypatch):
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
     trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(delta=3.0), table=lp)
     assert trainer.offpolicy_loss_kwargs["objective"] == {"name": "ppo", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
     inputs = _inputs()
     inputs["sampling_per_token_logps"] = torch.full((2, 3), float("nan"))  # TRL's "missing" vLLM log-probs
+    # every valid μ non-finite: refused by default, naming the setting that lifts the limit
+    with pytest.raises(ValueError, match="OFFPOLICY_MAX_NONFINITE_ROLLOUT"):
+        trainer._compute_loss(torch.nn.Linear(1, 1).train(), dict(inputs))
+    monkeypatch.setenv("OFFPOLICY_MAX_NONFINITE_ROLLOUT", "none")  # the limit off: no token dropped without a correction
     got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), inputs)
     want = trainer._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
     torch.testing.assert_close(got, want)
