@@ -61,9 +61,10 @@ def config_value(config: Any, key: str) -> Any:
     try:
         from omegaconf import DictConfig, OmegaConf
     except ImportError:  # pragma: no cover - omegaconf comes with verl
-        DictConfig = ()  # type: ignore[assignment,misc]
-    if isinstance(config, DictConfig):
-        return OmegaConf.select(config, key, default=None, throw_on_missing=False)
+        pass
+    else:
+        if isinstance(config, DictConfig):
+            return OmegaConf.select(config, key, default=None, throw_on_missing=False)
     node = config
     for part in key.split("."):
         if not hasattr(node, "get"):
