@@ -221,9 +221,12 @@ def test_a_bf16_policys_push_that_does_nothing_stops_both_processes(bf16_ranks_r
     broken = bf16_ranks_runs["bf16_noop_push"]
     main, other = broken["ranks"]
     assert main["error"] is not None and "did not take" in main["error"]
-    assert main["error"].startswith("vLLM weight sync at step 1: ")
+    assert main["error"].startswith(f"vLLM weight sync at step {main['failed_at_step']}: ")
     assert other["error"] == f"rank 0: {main['error']}"
-    assert main["failed_at_step"] == other["failed_at_step"] == 1
+    # a server batches the probe with whatever else it runs: its answers repeat less exactly than an in-process
+    # engine's, so the first step's small bf16 move can sit inside that repeatability and the gap names the sync one
+    # step later (seen in CI: step 2, 0.226 nats against a 0.0132 baseline)
+    assert main["failed_at_step"] == other["failed_at_step"] in (1, 2)
 
 
 @pytest.fixture(scope="module")
