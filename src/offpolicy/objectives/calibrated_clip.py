@@ -24,7 +24,10 @@ Choices the paper leaves open, and the ones made here:
   update. A far tail (q = 0.001) is set by a handful of tokens in a batch of a few thousand and jumps from batch to
   batch; q = 0.05 would leave a twentieth of the batch clipped by noise. The quantiles ignore padding (and
   non-finite ratios), are detached, and take no host sync (a sort; :func:`masked_quantile`);
-* one pair of bounds per call of the loss — the optimiser minibatch, the batch the clip acts on.
+* one pair of bounds per call of the loss — the optimiser minibatch, the batch the clip acts on;
+* no ceiling: on an engine that *lags* the trainer, π_old/μ measures staleness, not rounding noise, and the range
+  widens with it (to no clip at all below 1 − ε_low ≤ 0). The method is made for low-precision rollouts of the
+  current weights; ``loss/calibrated_widened_*`` shows when it widened.
 
 ``loss/clipfrac_low`` / ``loss/clipfrac_high`` are PPO's (the tokens each calibrated bound holds);
 ``loss/calibrated_widened_low`` / ``_high`` flag every valid token when the batch's bound was widened past the floor,
