@@ -90,6 +90,8 @@ def delight(temperature: float = TEMPERATURE, policy: str = "old") -> Correction
             "delight/surprisal_mean": surprisal.sum() / n_defined.clamp(min=1),
             "delight/nonfinite_frac": (n_valid - n_defined) / n,
         }
+        # no ratio in these weights: the diagnostics' clipped_frac must not compare them with ρ (alone it counts the
+        # dropped tokens; chained with a ratio correction the chain's level is that correction's)
         return CorrectionResult(weights, defined, metrics, weight_level=None)
 
     return Correction("delight", apply, {"temperature": eta, "policy": policy})
