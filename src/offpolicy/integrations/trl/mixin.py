@@ -49,6 +49,7 @@ from offpolicy.integrations.trl.parts.sharding import head_options, model_shardi
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
+from offpolicy.integrations.trl.patches import check_request_timeout
 from offpolicy.integrations.trl.ranks import every_rank_raises
 from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
 from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
@@ -107,6 +108,10 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
     * ``vllm_server_sync`` — server mode: ``"auto"`` (TRL's NCCL transfer on a CUDA trainer, else files),
       ``"nccl"``, or ``"files"``: the weights written to ``vllm_weights_dir`` (a temporary folder by default; the
       server must read it) and reloaded through vLLM's dev-mode endpoints.
+    * ``vllm_request_timeout`` — server mode: seconds each request of TRL's vLLM client (generation, the weight
+      push) may take before an error names the server, the request and the step (TRL's client sets none: a hung
+      server would hold training forever); None (default) is ``GRPOConfig.vllm_server_timeout`` (240 s). Raise it
+      when one generation batch takes longer.
 
     ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
     the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
@@ -134,6 +139,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         vllm_kwargs: dict[str, Any] | None = None,
         vllm_server_sync: str = "auto",
         vllm_weights_dir: str | None = None,
+        vllm_request_timeout: float | None = None,
         allow_changed: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -154,6 +160,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         if dvp_rho is not None:
             args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
         check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine
+        request_timeout = check_request_timeout(vllm_request_timeout)
         cfg = _grpo_args(args, kwargs)
         with extra_llm_kwargs(_colocate_llm_kwargs(cfg, vllm_kwargs, topk_logprobs)), \
                 server_sync_choice(cfg, vllm_server_sync):
@@ -193,6 +200,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             refuse_sharded_head(head_options(sampling_replay=sampling_replay, dvp_rho=dvp_rho,
                                              topk_logprobs=topk_logprobs, score_centering=score_centering),
                                 model_sharding(getattr(self, "model", None), getattr(self, "accelerator", None)))
+        self.offpolicy_request_timeout = request_timeout
         self._check_logprobs_mode(train_args)
         self._setup_alp(alp_cfg, aggregation, explicit)
         if self.offpolicy_alp is not None:
