@@ -157,6 +157,26 @@ def _vllm_logprob(value: Any, where: str) -> float:
     return -math.inf if v <= VLLM_NEG_INF else v
 
 
+def vllm_logprobs_mode_verdict(vllm_config: Any, *, server: str = "the vLLM server") -> str | None:
+    """None when a vLLM server's resolved config — ``/server_info?config_format=json``'s ``vllm_config``, what TRL's
+    ``VLLMClient.get_server_info`` returns — reports processed log-probs (μ after temperature and truncation: the
+    distribution sampled from), else the one-line error to raise. Every host's start-up check is this one.
+
+    >>> vllm_logprobs_mode_verdict({"model_config": {"logprobs_mode": "processed_logprobs"}}) is None
+    True
+    >>> vllm_logprobs_mode_verdict({"model_config": {"logprobs_mode": "raw_logprobs"}})[:60]
+    'logprobs_mode: the vLLM server runs with --logprobs-mode raw'
+    """
+    try:
+        mode = vllm_config["model_config"]["logprobs_mode"]
+    except (KeyError, TypeError):
+        mode = "unknown (its /server_info has no model_config.logprobs_mode)"
+    if mode == "processed_logprobs":
+        return None
+    return (f"logprobs_mode: {server} runs with --logprobs-mode {mode}; μ must be the sampling distribution: "
+            "restart it with --logprobs-mode processed_logprobs")
+
+
 class VLLMProtocol:
     """vLLM's OpenAI completions endpoint (``python -m vllm.entrypoints.openai.api_server … --logprobs-mode
     processed_logprobs``), checked against a live vLLM 0.32 server (CPU build) in tests/vllm/."""

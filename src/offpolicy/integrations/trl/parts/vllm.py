@@ -47,20 +47,16 @@ def _main_process_value(value: Any) -> Any:
 
 
 def logprobs_mode_verdict(client: Any) -> str | None:
-    """None when the vLLM server behind TRL's ``client`` reports processed log-probs, else the error to raise.
+    """None when the vLLM server behind TRL's ``client`` reports processed log-probs, else the error to raise
+    (:func:`~offpolicy.rollout.protocols.vllm_logprobs_mode_verdict` on ``client.get_server_info()``).
 
     >>> from types import SimpleNamespace as NS
     >>> logprobs_mode_verdict(NS(get_server_info=lambda: {"model_config": {"logprobs_mode": "raw_logprobs"}}))[:60]
     'logprobs_mode: the vLLM server runs with --logprobs-mode raw'
     """
-    try:
-        mode = client.get_server_info()["model_config"]["logprobs_mode"]
-    except (KeyError, TypeError):
-        mode = "unknown (its /server_info has no model_config.logprobs_mode)"
-    if mode == "processed_logprobs":
-        return None
-    return (f"logprobs_mode: the vLLM server runs with --logprobs-mode {mode}; μ must be the sampling distribution: "
-            "restart it with --logprobs-mode processed_logprobs")
+    from offpolicy.rollout.protocols import vllm_logprobs_mode_verdict
+
+    return vllm_logprobs_mode_verdict(client.get_server_info())
 
 
 class VLLMWiring(TRLBase):
