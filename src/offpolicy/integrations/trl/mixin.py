@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.batch import nonfinite_rollout_limit
 from offpolicy.corrections.base import Correction, chain
 from offpolicy.integrations.trl.loss import (
     _MODEL_INPUT_KEYS,
@@ -113,6 +114,10 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
       server would hold training forever); None (default) is ``GRPOConfig.vllm_server_timeout`` (240 s). Raise it
       when one generation batch takes longer.
 
+    ``max_nonfinite_rollout`` — the largest share of a batch's valid tokens whose vLLM log-prob μ may be NaN / ±inf
+    (left out of the loss, counted); past it the loss is refused naming this keyword. None (default):
+    ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else 1e-3; 1: no limit.
+
     ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
     the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
     resumes with the new values and records them in ``output_dir/offpolicy_settings_changes.jsonl``.
@@ -140,6 +145,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         vllm_server_sync: str = "auto",
         vllm_weights_dir: str | None = None,
         vllm_request_timeout: float | None = None,
+        max_nonfinite_rollout: float | None = None,
         allow_changed: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -161,6 +167,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
         check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine
         request_timeout = check_request_timeout(vllm_request_timeout)
+        nonfinite_rollout_limit(max_nonfinite_rollout, setting="max_nonfinite_rollout")  # refused before TRL builds
         cfg = _grpo_args(args, kwargs)
         with extra_llm_kwargs(_colocate_llm_kwargs(cfg, vllm_kwargs, topk_logprobs)), \
                 server_sync_choice(cfg, vllm_server_sync):
@@ -201,6 +208,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
                                              topk_logprobs=topk_logprobs, score_centering=score_centering),
                                 model_sharding(getattr(self, "model", None), getattr(self, "accelerator", None)))
         self.offpolicy_request_timeout = request_timeout
+        self.offpolicy_max_nonfinite_rollout = max_nonfinite_rollout
         self._check_logprobs_mode(train_args)
         self._setup_alp(alp_cfg, aggregation, explicit)
         if self.offpolicy_alp is not None:
@@ -247,7 +255,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
                              f"{', '.join(self.offpolicy_needs_rollout)} read (a rollout_func without logprobs?)")
         if custom and s.center is not None:  # score centering: same value, centred score as gradient
             per_token_logps = centered_logp(per_token_logps, s.center)
-        batch = batch_from_trl_inputs(per_token_logps, inputs)
+        batch = batch_from_trl_inputs(per_token_logps, inputs, max_nonfinite_rollout=self.offpolicy_max_nonfinite_rollout)
         extra: dict[str, Any] = {}
         if self.offpolicy_recipe is not None:
             extra["extras"] = {"dvp_keep": s.inside, "dvp_mass": s.mass}
