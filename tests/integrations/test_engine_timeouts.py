@@ -53,7 +53,7 @@ def test_verls_replica_scorer_names_the_replica_and_the_step():
     assert time.monotonic() - start < 0.3 + SLACK
     assert str(info.value) == ("verl step 4's weight sync (replica 0 of 2): verl's rollout server did not answer the "
                                "sync check's probe (2 sequences) within 0.3 s: is it running? "
-                               "(VerlClientScorer.TIMEOUT)")
+                               "(OFFPOLICY_VERL: sync_check_timeout)")
 
 
 def _trl_client(url):
@@ -140,3 +140,21 @@ def test_the_trainers_train_bounds_trls_requests_by_its_setting_and_restores_the
         with pytest.raises(ValueError, match="^vllm_request_timeout must be a number of seconds > 0 or None"):
             check_request_timeout(bad)
     assert check_request_timeout(None) is None and check_request_timeout(5) == 5.0
+
+
+def test_verls_replica_timeout_is_a_setting_of_the_block_and_reaches_every_replica():
+    from types import SimpleNamespace as NS
+
+    from offpolicy.integrations.verl.settings import SYNC_CHECK_TIMEOUT, parse_settings
+    from offpolicy.integrations.verl.sync_check import engine_scorers
+
+    assert parse_settings({}).sync_check_timeout == SYNC_CHECK_TIMEOUT == 600.0
+    assert parse_settings({"sync_check_timeout": 45}).sync_check_timeout == 45.0
+    for bad in (0, -5, "60", True, float("inf")):
+        with pytest.raises(ValueError, match="^OFFPOLICY_VERL: sync_check_timeout must be a real number"):
+            parse_settings({"sync_check_timeout": bad})
+    one = NS(get_llm_client=lambda: "client")  # one replica: verl's LLMServerClient
+    assert [s.timeout for s in engine_scorers(one, 45.0)] == [45.0]
+    many = NS(llm_server_manager=NS(server_handles=["a", "b"]))  # one scorer per replica's server
+    assert [s.timeout for s in engine_scorers(many, 7.5)] == [7.5, 7.5]
+    assert [s.timeout for s in engine_scorers(one)] == [600.0]

@@ -123,8 +123,8 @@ def request_timeouts(client: Any, timeout: float, *, when: Callable[[], str] = l
     """While the block runs, every request TRL's ``client`` (a ``VLLMClient``) sends through its session — TRL 1.16
     sends them all with no timeout — is answered within ``timeout`` seconds or raises
     :class:`~offpolicy.rollout.http.ServerError` naming the server, the request, ``when()`` (the training step)
-    and the setting. Each try of TRL's retry policy gets the timeout too, so a request left behind by a timed-out
-    wait ends on its own. Only this client's session changes (an attribute of the instance, removed when the block
+    and the setting. Each try of TRL's retry policy gets twice the timeout as its own, so a request left behind by a
+    timed-out wait ends on its own. Only this client's session changes (an attribute of the instance, removed when the block
     ends): other clients in the process keep TRL's behaviour; a client that is not TRL's ``VLLMClient`` (one's own
     stand-in) is left as it is."""
     from trl.generation.vllm_client import VLLMClient
@@ -139,8 +139,8 @@ def request_timeouts(client: Any, timeout: float, *, when: Callable[[], str] = l
     def request(method: str, address: str, *args: Any, **kwargs: Any) -> Any:
         from offpolicy.rollout.http import call_within
 
-        if kwargs.get("timeout") is None:
-            kwargs["timeout"] = timeout
+        if kwargs.get("timeout") is None:  # twice the wait: the wait's own error comes first, never a try's
+            kwargs["timeout"] = 2 * timeout
         path = str(address)[len(url):] if str(address).startswith(url) else str(address)
         return call_within(lambda: original(method, address, *args, **kwargs), timeout,
                            what=f"vLLM server {url}", request=f"TRL's {str(method).upper()} {path or '/'}",

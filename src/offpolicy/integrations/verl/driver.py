@@ -163,7 +163,7 @@ class OffPolicyTrainerMixin:
         if check is None:
             from offpolicy.integrations.verl.sync_check import from_trainer
 
-            check = self._offpolicy_check = from_trainer(self, settings.sync_check)
+            check = self._offpolicy_check = from_trainer(self, settings.sync_check, settings.sync_check_timeout)
         metrics = check.after_sync(int(getattr(self, "global_steps", 0)))
         self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **metrics}
 

@@ -24,7 +24,8 @@ server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM'
 ``score_centering: true`` (needs ``topk_logprobs``) centres the score in the update forward on the engine's top-K
 (arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`); ``sync_check`` (``error``,
 the default, ``warn`` or ``off``) runs the sync check after every weight sync of the plug-in's trainer
-(:mod:`.sync_check`); ``max_nonfinite_rollout`` (a share in [0, 1]; unset: ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else
+(:mod:`.sync_check`), each replica answering its probe within ``sync_check_timeout`` seconds (600 by default);
+``max_nonfinite_rollout`` (a share in [0, 1]; unset: ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else
 1e-3) is the largest share of a batch's valid tokens whose μ may be NaN / ±inf, in the driver's correction and the
 workers' loss alike.
 
@@ -53,8 +54,11 @@ from typing import Any
 from offpolicy.registry import build_correction
 
 KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming",
-              "sync_check", "max_nonfinite_rollout", "allow_changed")
+              "sync_check", "sync_check_timeout", "max_nonfinite_rollout", "allow_changed")
 SYNC_CHECK_MODES = ("error", "warn", "off")
+# seconds a rollout replica may take to answer the sync check's probe: a hang, not a slow server (on 2 shared CPU
+# cores at a load of 28 one probe took over 120 s)
+SYNC_CHECK_TIMEOUT = 600.0
 # a batch's flag (verl non-tensor data) asking the plug-in's engine for the model's plain log-probs, log softmax(z / T),
 # without the sampling recipe, top-K bounds or centring: the sync check's probe, which the engine side scores as
 # vLLM's prompt log-probs (no sampler) — the two sides must compute the same thing
@@ -119,6 +123,7 @@ class VerlSettings:
     score_centering: bool = False
     naming: str = "verl"
     sync_check: str = "error"
+    sync_check_timeout: float = SYNC_CHECK_TIMEOUT
     max_nonfinite_rollout: float | None = None
     allow_changed: tuple[str, ...] = ()
 
@@ -321,6 +326,9 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     if sync_check is False:  # YAML's bare `off` reads as false
         sync_check = "off"
     sync_check = _choice("sync_check", sync_check, SYNC_CHECK_MODES)
+    timeout = block.get("sync_check_timeout")
+    timeout = SYNC_CHECK_TIMEOUT if timeout is None else float(
+        _number("sync_check_timeout", timeout, low=1e-3, high=86400.0))
     nonfinite = block.get("max_nonfinite_rollout")
     if nonfinite is not None:
         nonfinite = float(_number("max_nonfinite_rollout", nonfinite, low=0.0, high=1.0))
@@ -330,7 +338,8 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
         raise _refuse("allow_changed", f"must be a list of setting names (e.g. [correction.upper]), got {allowed!r}")
     return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
                         topk_logprobs=int(k or 0), topk_bound=bound, score_centering=centering,
-                        naming=naming, sync_check=sync_check, max_nonfinite_rollout=nonfinite,
+                        naming=naming, sync_check=sync_check, sync_check_timeout=timeout,
+                        max_nonfinite_rollout=nonfinite,
                         allow_changed=tuple(allowed))
 
 
