@@ -491,3 +491,52 @@ def run_checks(facts: ServerFacts, cfg: Mapping[str, Any], framework: str) -> li
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
     return [check(facts, cfg, framework) for check in CHECKS]
+
+
+def recipe_checks(path: str | Path) -> list[str]:
+    """``offpolicy doctor --recipe FILE``: the recipe validated (a ``ValueError`` naming the key otherwise), what it
+    needs (:func:`offpolicy.recipe.needs`) and, for each host, whether it accepts the recipe or the one line it
+    refuses it with (the host's own reading of it: the trainer's config, TRL's keywords and their checks, verl's
+    block parser)."""
+    from offpolicy.recipe import Recipe, needs
+    from offpolicy.registry import NEEDS
+
+    recipe = Recipe.load(Path(path), where="--recipe")
+    lines = [f"valid: {', '.join(recipe.to_dict()) or 'empty (every host keeps its defaults)'}"]
+    for need, who in needs(recipe).items():
+        lines.append(f"needs {need} ({NEEDS[need]}): {', '.join(who)}")
+    for host, read in (("trainer", _trainer_reads), ("trl", _trl_reads), ("verl", _verl_reads)):
+        try:
+            read(recipe)
+        except ValueError as err:
+            lines.append(f"{host}: refused: {err}")
+        else:
+            lines.append(f"{host}: accepted")
+    return lines
+
+
+def _trainer_reads(recipe: Any) -> None:
+    from offpolicy.train.config import TrainConfig, explain
+    from pydantic import ValidationError
+
+    try:
+        TrainConfig.model_validate({"algorithm": {"recipe": recipe.to_dict()}})
+    except ValidationError as err:
+        raise ValueError(explain(err)) from None
+
+
+def _trl_reads(recipe: Any) -> None:
+    from offpolicy.integrations.trl.parts.alp import _check_alp
+    from offpolicy.integrations.trl.parts.topk import _check_score_centering
+    from offpolicy.recipe.hosts import trl_keywords
+
+    kw = trl_keywords(recipe, {"sampling_replay": False, "dvp_rho": None, "alp": None, "topk_logprobs": 0,
+                               "score_centering": False})
+    _check_score_centering(kw["score_centering"], kw["topk_logprobs"], kw["sampling_replay"] or kw["dvp_rho"]
+                           is not None, _check_alp(kw["alp"]))
+
+
+def _verl_reads(recipe: Any) -> None:
+    from offpolicy.integrations.verl.settings import parse_settings
+
+    parse_settings({"recipe": recipe.to_dict()})
