@@ -516,8 +516,10 @@ def recipe_checks(path: str | Path) -> list[str]:
 
 
 def _trainer_reads(recipe: Any) -> None:
-    from offpolicy.train.config import TrainConfig, explain
     from pydantic import ValidationError
+
+    from offpolicy.train.config import TrainConfig
+    from offpolicy.train.overrides import explain
 
     try:
         TrainConfig.model_validate({"algorithm": {"recipe": recipe.to_dict()}})
