@@ -240,7 +240,7 @@ def register_aggregation(name: str) -> Callable[[Callable[..., Any]], Callable[.
 # of these it can supply (offpolicy.recipe.hosts) and refuses a recipe that needs one it cannot.
 NEEDS: dict[str, str] = {
     "rollout_logp": "the engine's log-probs μ of the sampled tokens",
-    "old_logp": "π_old's log-probs (the trainer's forward before the update)",
+    "old_logp": "π_old's log-probs, from the trainer's forward before the update",
     "engine_topk": "the engine's top-K log-probs and ids at each sampled position",
     "engine_logits": "the engine's full logits at each sampled position",
     "sampling_recipe": "the engine's sampling recipe (temperature, min-p, top-k, top-p), applied on both sides",

@@ -174,7 +174,8 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
     # OffPolicyGRPOTrainer's keywords
     OldSpelling("trl", "correction", "corrections", None,
                 lambda r: (list(r.corrections) or None) if _given(r, "corrections") else MISSING),
-    OldSpelling("trl", "objective", "objective", None, lambda r: _objective(r, strip=True)),
+    OldSpelling("trl", "objective", "objective", None,  # under ALP its unified-ratio loss replaces the objective
+                lambda r: MISSING if "alp" in r.transforms else _objective(r, strip=True)),
     *(OldSpelling("trl", k, f"objective.{k}", None, lambda r, k=k: _objective_param(r, k)) for k in CLIP_KEYS),
     OldSpelling("trl", "aggregation", "aggregation", None, lambda r: _section(r, "aggregation")),
     OldSpelling("trl", "metric_naming", "naming", "trl", lambda r: _section(r, "naming")),
@@ -285,7 +286,15 @@ def trl_keywords(recipe: Recipe | Mapping[str, Any] | str, given: Mapping[str, A
         "sampling_replay": {"top_k": (None,), "top_p": (None,), "min_p": (None,)},
     }, hint={"sampling_replay": "TRL replays its GRPOConfig's top_k / top_p / min_p: set them there",
              "score_centering": "TRL centres on vLLM's top-K without a weighting"})
+    _alp_objective(recipe, "OffPolicyGRPOTrainer: recipe")
     return _merge("trl", recipe, given, where, keywords=True)
+
+
+def _alp_objective(recipe: Recipe, where: str) -> None:
+    """With ALP the loss is its unified ratio π_{θ,σ}/μ (the bypass objective); only its clip range may be set."""
+    if "alp" in recipe.transforms and _objective(recipe, strip=True) not in (MISSING, None, "bypass"):
+        raise ValueError(f"{where}: transforms.alp is ALP's unified ratio π_{{θ,σ}}/μ, the bypass objective; the "
+                         f"recipe's objective is {recipe.objective!r}")
 
 
 def verl_block(block: Mapping[str, Any]) -> dict[str, Any]:
@@ -369,9 +378,7 @@ def trainer_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     check_host(recipe, "trainer")
     _refuse_params(recipe, "algorithm.recipe", {"alp": {"seed": (None,)}},
                    hint={"alp": "the reference trainer draws ALP's noise from run.seed"})
-    if "alp" in recipe.transforms and _objective(recipe, strip=True) not in (MISSING, None, "bypass"):
-        raise ValueError(f"{where}: transforms.alp is ALP's unified ratio π_{{θ,σ}}/μ, the bypass objective; the "
-                         f"recipe's objective is {recipe.objective!r}")
+    _alp_objective(recipe, where)
     out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in tree.items()}
     out["algorithm"] = {k: v for k, v in algorithm.items() if k != "recipe"}
     flat = _flatten(out)
