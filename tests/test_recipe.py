@@ -282,3 +282,28 @@ def test_recipe_is_exported_lazily():
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
     assert op.Recipe is Recipe and op.needs is needs
+
+
+# -- the docs page's tables are the code's ----------------------------------------------------------------------------
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    lines = text[text.index(header):].splitlines()[2:]
+    out = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        out.append([cell.strip() for cell in line.strip("|").split("|")])
+    return out
+
+
+def test_the_recipes_page_lists_the_old_spellings_and_the_hosts_needs():
+    page = (DATA.parents[2] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    assert _table(page, "| host | its setting |") == [[row.host, f"`{row.key}`", f"`{row.path}`"]
+                                                       for row in OLD_SPELLINGS]
+    supplies = _table(page, "| need | what it is |")
+    assert [r[0] for r in supplies] == [f"`{n}`" for n in op.NEEDS]
+    for need, _, *marks in supplies:
+        assert marks == ["yes" if need.strip("`") in h.supplies else "—" for h in HOSTS.values()], need
+    for name in TRANSFORMS:
+        assert f"| `{name}` |" in page

@@ -45,8 +45,8 @@ def _real(name: str, key: str, value: Any, low: float, high: float, *, closed_lo
           allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) or not (
-            (low <= value if closed_low else low < value) and value <= high):
+    x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(x) or not ((low <= x if closed_low else low < x) and x <= high):
         bracket = "[" if closed_low else "("
         raise ValueError(f"transform {name!r}: {key} must be a real number in {bracket}{low}, {high}], got {value!r}")
 

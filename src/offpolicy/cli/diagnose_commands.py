@@ -65,7 +65,8 @@ def doctor(
     head dtype, tied head, prefix caching, async scheduling, sync check, versions. One pass / FAIL line each with
     its fix; exit code 1 on any failure. Rewrites nothing."""
     console = make_console()
-    from offpolicy.diagnose.doctor import load_config, read_server, recipe_checks, run_checks
+    from offpolicy.diagnose.doctor import load_config, read_server, run_checks
+    from offpolicy.diagnose.recipe_check import recipe_checks
     from offpolicy.rollout.http import ServerError
 
     if recipe is not None:

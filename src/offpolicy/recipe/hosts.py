@@ -156,6 +156,29 @@ def _sampling(r: Recipe) -> Any:
     return out
 
 
+def _replay_value(r: Recipe, key: str) -> Any:
+    value = _param(r, "sampling_replay", key, MISSING)
+    return MISSING if value is None else value
+
+
+def _plugins(r: Recipe) -> Any:
+    specs = [{"name": t.name, **t.params} for t in r.bound_transforms() if t.entry.apply is not None]
+    return specs or MISSING
+
+
+def _describes_method(r: Recipe) -> bool:
+    return bool({"corrections", "objective", "transforms"} & r.model_fields_set)
+
+
+def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[Recipe], Any]:
+    """``recipe -> fn(recipe, *args)``: one row's getter."""
+    return lambda r: fn(r, *args)
+
+
+def _alp_clip(r: Recipe, key: str) -> Any:
+    return _objective_param(r, key) if "alp" in r.transforms else MISSING
+
+
 @dataclass(frozen=True)
 class OldSpelling:
     """One host's setting: ``key`` (dotted for a nested one), the recipe's ``path`` for it, the host's ``default``,
@@ -176,7 +199,7 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
                 lambda r: (list(r.corrections) or None) if _given(r, "corrections") else MISSING),
     OldSpelling("trl", "objective", "objective", None,  # under ALP its unified-ratio loss replaces the objective
                 lambda r: MISSING if "alp" in r.transforms else _objective(r, strip=True)),
-    *(OldSpelling("trl", k, f"objective.{k}", None, lambda r, k=k: _objective_param(r, k)) for k in CLIP_KEYS),
+    *(OldSpelling("trl", k, f"objective.{k}", None, _bind(_objective_param, k)) for k in CLIP_KEYS),
     OldSpelling("trl", "aggregation", "aggregation", None, lambda r: _section(r, "aggregation")),
     OldSpelling("trl", "metric_naming", "naming", "trl", lambda r: _section(r, "naming")),
     OldSpelling("trl", "sampling_replay", "transforms.sampling_replay", False,
@@ -214,7 +237,7 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
     OldSpelling("trainer", "algorithm.objective", "objective", None,
                 lambda r: MISSING if "alp" in r.transforms else _objective(r, strip=False)),
     *(OldSpelling("trainer", f"algorithm.{k}", f"objective.{k} (with transforms.alp)", None,
-                  lambda r, k=k: _objective_param(r, k) if "alp" in r.transforms else MISSING) for k in CLIP_KEYS),
+                  _bind(_alp_clip, k)) for k in CLIP_KEYS),
     OldSpelling("trainer", "algorithm.aggregation", "aggregation", "token_mean", lambda r: _section(r, "aggregation")),
     OldSpelling("trainer", "algorithm.dvp_rho", "transforms.dvp.rho", math.exp(-13),
                 lambda r: _param(r, "dvp", "rho", MISSING)),
@@ -224,30 +247,16 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
                 lambda r: _param(r, "proximal", "method", MISSING)),
     OldSpelling("trainer", "alp.enabled", "transforms.alp", False, lambda r: _present(r, "alp")),
     *(OldSpelling("trainer", f"alp.{k}", f"transforms.alp.{k}", default,
-                  lambda r, k=k: _param(r, "alp", k, MISSING))
+                  _bind(_param, "alp", k, MISSING))
       for k, default in (("init_std", 1e-4), ("lr", 5e-4), ("layers", "all"), ("level", "token"))),
     OldSpelling("trainer", "model.layers_path", "transforms.alp.layers_path", None,
                 lambda r: _param(r, "alp", "layers_path", MISSING)),
     *(OldSpelling("trainer", f"rollout.sampling.{k}", f"transforms.sampling_replay.{k}", default,
-                  lambda r, k=k: _replay_value(r, k)) for k, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))),
+                  _bind(_replay_value, k)) for k, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))),
     OldSpelling("trainer", "algorithm.transforms", "transforms (a plug-in's, with apply)", None, lambda r: _plugins(r)),
     OldSpelling("trainer", "rollout.sync_check", "sync_check", "auto", lambda r: _section(r, "sync_check")),
     OldSpelling("trainer", "run.metric_naming", "naming", "swift", lambda r: _section(r, "naming")),
 )
-
-
-def _replay_value(r: Recipe, key: str) -> Any:
-    value = _param(r, "sampling_replay", key, MISSING)
-    return MISSING if value is None else value
-
-
-def _plugins(r: Recipe) -> Any:
-    specs = [{"name": t.name, **t.params} for t in r.bound_transforms() if t.entry.apply is not None]
-    return specs or MISSING
-
-
-def _describes_method(r: Recipe) -> bool:
-    return bool({"corrections", "objective", "transforms"} & r.model_fields_set)
 
 
 def rows(host: str) -> tuple[OldSpelling, ...]:
