@@ -1,7 +1,7 @@
 """Registries: corrections, objectives and aggregations by name, so that a config, the CLI, the TRL trainer and the verl
 adapter can name a method — including one defined in a user's own module — without editing offpolicy.
 
-Three registries, one per kind (in the spirit of verl's ``@register_policy_loss`` and torchtune's config-named
+Four registries, one per kind (in the spirit of verl's ``@register_policy_loss`` and torchtune's config-named
 components):
 
 * :data:`CORRECTIONS` — factories ``(**params) -> Correction`` (``tis``, ``icepop``, ``opsm`` …);
@@ -9,7 +9,10 @@ components):
 * :data:`OBJECTIVES` — token-level losses ``(inputs, **params) -> TokenLoss`` (``ppo``, ``cispo``, ``sapo`` …);
   register with :func:`register_objective` (see :mod:`offpolicy.objectives`);
 * :data:`AGGREGATIONS` — ``(token_loss, mask, max_tokens) -> scalar`` (``token_mean``, ``token_sum`` …);
-  register with :func:`register_aggregation` (see :mod:`offpolicy.losses`).
+  register with :func:`register_aggregation` (see :mod:`offpolicy.losses`);
+* :data:`TRANSFORMS` — log-prob transforms (``dvp``, ``alp``, ``score_centering`` …, :mod:`offpolicy.transforms`):
+  their parameters and what they need (:data:`NEEDS`); register with :func:`register_transform`, build with
+  :func:`build_transform`.
 
 A *spec* names a registered entry and its parameters: ``"icepop"``, ``{"name": "opsm", "delta": 0.5}``, or a list of
 them (a chain). An unknown name or parameter is a ``ValueError`` that lists what exists, raised when the spec is

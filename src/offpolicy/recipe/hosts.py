@@ -43,16 +43,17 @@ CLIP_KEYS = ("clip_low", "clip_high", "dual_clip")
 @dataclass(frozen=True)
 class Host:
     """A host: its name in messages, what it can supply (keys of :data:`offpolicy.registry.NEEDS`) and the
-    built-in transforms it computes (a plug-in's, which has ``apply``, any host runs on the batch)."""
+    built-in transforms it computes; ``plugins``: whether it runs a plug-in transform's ``apply`` on the batch."""
 
     label: str
     supplies: frozenset[str]
     transforms: frozenset[str]
+    plugins: bool = False
 
 
 HOSTS: dict[str, Host] = {
     "trainer": Host("the reference trainer", frozenset(NEEDS),
-                    frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "exact_kl"})),
+                    frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "exact_kl"}), plugins=True),
     # μ only from vLLM or a rollout_func, the top-K only from vLLM (the trainer adds them when it has them)
     "trl": Host("OffPolicyGRPOTrainer", frozenset({"old_logp", "sampling_recipe", "hidden_states"}),
                 frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"})),
@@ -68,6 +69,9 @@ def check_host(recipe: Recipe, host: str, supplies: frozenset[str] | set[str] | 
     h = HOSTS[host]
     have = h.supplies if supplies is None else frozenset(supplies)
     for t in recipe.bound_transforms():
+        if t.entry.apply is not None and not h.plugins:
+            raise ValueError(f"{h.label}: recipe transform {t.name!r} is a plug-in's; this host runs no plug-in "
+                             "transforms yet (the reference trainer does)")
         if t.entry.apply is None and t.name not in h.transforms:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is not computed by this host (it computes "
                              f"{', '.join(sorted(h.transforms))})")
