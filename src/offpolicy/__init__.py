@@ -22,6 +22,12 @@ from offpolicy.binary import bernoulli_kl, bernoulli_tv
 from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
 
+# Calibrated importance sampling (a cap tighter for confident tokens)
+from offpolicy.corrections.calibrated import calibrated_is
+
+# The delight gate (advantage × surprisal, no behaviour probabilities)
+from offpolicy.corrections.delight import delight
+
 # Divergence-gated importance sampling (OpenRLHF's is_correction_*)
 from offpolicy.corrections.gated import gate, gated_is
 
@@ -74,6 +80,7 @@ from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_s
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
 from offpolicy.objectives import TokenInputs, TokenLoss
+from offpolicy.objectives.calibrated_clip import calibrated_clip
 from offpolicy.objectives.ipo import ipo
 from offpolicy.objectives.proximal import approximate_proximal, loglinear_proximal_logp
 from offpolicy.objectives.score_centering import (
@@ -163,11 +170,14 @@ __all__ = [
     "build_correction",
     "build_engine",
     "build_transform",
+    "calibrated_clip",
+    "calibrated_is",
     "centered_logp",
     "chain",
     "constrained_logp",
     "coverage_metrics",
     "decompose_log_ratio",
+    "delight",
     "divergence_fields",
     "divergence_kind",
     "dr_grpo_advantages",

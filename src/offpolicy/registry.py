@@ -24,7 +24,7 @@ chain(icepop(lower=0.5, upper=5.0, source='mismatch'), opsm(delta=0.5))
 >>> op.build_correction("tiss")
 Traceback (most recent call last):
 ...
-ValueError: unknown correction 'tiss'; registered: dvp_keep, gated_is, geo_mask, icepop, importance, kl_rejection, ln_trm, m2po, mis, opsm, ser, tis, trm, veto
+ValueError: unknown correction 'tiss'; registered: calibrated_is, delight, dvp_keep, gated_is, geo_mask, icepop, importance, kl_rejection, ln_trm, m2po, mis, opsm, ser, tis, trm, veto
 """
 
 from __future__ import annotations
