@@ -116,17 +116,25 @@ from offpolicy.ratios import (
 from offpolicy.registry import (
     AGGREGATIONS,
     CORRECTIONS,
+    NEEDS,
     OBJECTIVES,
+    TRANSFORMS,
+    Transform,
     build_correction,
+    build_transform,
     register_aggregation,
     register_correction,
     register_objective,
+    register_transform,
 )
 
 # Rollout engines: one spec, one factory, a registry of backends (hf, vllm, llamacpp, server, and any registered)
 from offpolicy.rollout.factory import build_engine, register_engine
 from offpolicy.rollout.spec import EngineSpec
 from offpolicy.topk_advice import TopKAdvice, topk_advice
+
+# The built-in log-prob transforms (DVP, sampling replay, score centering, π_prox, ALP, top-K bounds), described
+from offpolicy.transforms import BUILTIN_TRANSFORMS as _BUILTIN_TRANSFORMS  # noqa: F401 - registers them
 
 __version__ = "0.1.0"
 
@@ -145,11 +153,15 @@ __all__ = [
     "LogProbBatch",
     "METRIC_NAMES",
     "NAMINGS",
+    "NEEDS",
     "OBJECTIVES",
+    "Recipe",
+    "TRANSFORMS",
     "TokenInputs",
     "TokenLoss",
     "TokenStats",
     "TopKAdvice",
+    "Transform",
     "aggregate_log_ratio",
     "alp_policy_loss",
     "approximate_proximal",
@@ -157,6 +169,7 @@ __all__ = [
     "bernoulli_tv",
     "build_correction",
     "build_engine",
+    "build_transform",
     "calibrated_clip",
     "calibrated_is",
     "centered_logp",
@@ -204,6 +217,7 @@ __all__ = [
     "opsm",
     "opsm_decomposition",
     "opsm_mask",
+    "needs",
     "needs_rollout_logp",
     "policy_loss",
     "position_bin_edges",
@@ -212,6 +226,7 @@ __all__ = [
     "register_correction",
     "register_engine",
     "register_objective",
+    "register_transform",
     "replay_support_logp",
     "rloo_advantages",
     "sampled_is_weight",
@@ -240,3 +255,13 @@ __all__ = [
     "veto",
     "weighted_centered_logp",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """:class:`~offpolicy.recipe.Recipe` and :func:`~offpolicy.recipe.needs` on first access: the recipe schema
+    needs pydantic, which ``import offpolicy`` does not."""
+    if name in ("Recipe", "needs"):
+        from offpolicy import recipe
+
+        return getattr(recipe, name)
+    raise AttributeError(f"module 'offpolicy' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from offpolicy.batch import LogProbBatch
 from offpolicy.losses import policy_loss
 from offpolicy.perturbation import alp_policy_loss
 from offpolicy.ratios import masked_mean
+from offpolicy.registry import build_transform
 from offpolicy.rollout.routing import replay_routes
 from offpolicy.rollout.sampling import process_logits
 from offpolicy.train.build import DTYPES, nonfinite_fields
@@ -161,6 +162,8 @@ def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler:
 
 
 def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    for spec in state.cfg.algorithm.transforms or ():  # plug-in log-prob transforms, in the config's order
+        batch = build_transform(spec)(batch)
     if state.preset.score_centering is not None:  # the drift term's size per position, over the valid tokens
         loss, metrics = _loss_of(state, batch)
         return loss, {**metrics, **{k: masked_mean(v, batch.mask) for k, v in batch.extras.items()

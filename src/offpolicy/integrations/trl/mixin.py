@@ -118,6 +118,10 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
     (left out of the loss, counted); past it the loss is refused naming this keyword. None (default):
     ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else 1e-3; 1: no limit.
 
+    ``recipe=`` — a :class:`~offpolicy.Recipe`, a mapping or a YAML / JSON file path — sets the method in one
+    schema instead of the keywords above; it is mapped onto them through one table
+    (:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`), and a keyword that says otherwise is refused naming both.
+
     ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
     the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
     resumes with the new values and records them in ``output_dir/offpolicy_settings_changes.jsonl``.
@@ -147,9 +151,26 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         vllm_request_timeout: float | None = None,
         max_nonfinite_rollout: float | None = None,
         allow_changed: list[str] | None = None,
+        recipe: Any = None,
         **kwargs: Any,
     ) -> None:
         check_versions("trl", "torch", user="offpolicy's TRL trainer")  # before TRL's own init can fail on it
+        the_recipe = None
+        if recipe is not None:  # a Recipe, a mapping or a path: mapped onto the keywords below (recipe.hosts)
+            from offpolicy.recipe import Recipe
+            from offpolicy.recipe.hosts import trl_keywords
+
+            the_recipe = Recipe.load(recipe, where="OffPolicyGRPOTrainer: recipe")
+            mapped = trl_keywords(the_recipe, {
+                "correction": correction, "objective": objective, "aggregation": aggregation, "clip_low": clip_low,
+                "clip_high": clip_high, "dual_clip": dual_clip, "metric_naming": metric_naming,
+                "sampling_replay": sampling_replay, "dvp_rho": dvp_rho, "alp": alp, "topk_logprobs": topk_logprobs,
+                "topk_bound": topk_bound, "score_centering": score_centering, "sync_check": sync_check})
+            correction, objective, aggregation = mapped["correction"], mapped["objective"], mapped["aggregation"]
+            clip_low, clip_high, dual_clip = mapped["clip_low"], mapped["clip_high"], mapped["dual_clip"]
+            metric_naming, sampling_replay, dvp_rho = mapped["metric_naming"], mapped["sampling_replay"], mapped["dvp_rho"]
+            alp, topk_logprobs, topk_bound = mapped["alp"], mapped["topk_logprobs"], mapped["topk_bound"]
+            score_centering, sync_check = mapped["score_centering"], mapped["sync_check"]
         check_naming(metric_naming)
         correction = correction if isinstance(correction, Correction) else build_correction(correction)
         if dvp_rho is not None and not (isinstance(dvp_rho, (int, float)) and 0 < dvp_rho <= 1):
@@ -183,6 +204,12 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             raise ValueError("use_vllm: the engine's log-probs μ, which TRL has only from vLLM or a rollout_func "
                              f"(HF generate gives none), are read by {', '.join(self.offpolicy_needs_rollout)}; set "
                              "use_vllm=True or pass rollout_func=engine_rollout(...)")
+        if the_recipe is not None:  # what this run can fetch from its engine, against what the recipe needs
+            from offpolicy.recipe.hosts import HOSTS, check_host
+
+            check_host(the_recipe, "trl", HOSTS["trl"].supplies | ({"rollout_logp"} if has_mu else set())
+                       | ({"engine_topk"} if getattr(train_args, "use_vllm", False) else set()))
+        self.offpolicy_method_recipe = the_recipe
         self.offpolicy_correction = correction
         self.offpolicy_metric_naming = metric_naming
         loss_type = getattr(train_args, "loss_type", None)

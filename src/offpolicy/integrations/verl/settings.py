@@ -34,6 +34,10 @@ optional; an unknown key or a value of the wrong type or range is a one-line ``V
 (``OFFPOLICY_VERL: correction.upper must be a real number or null, got 'abc'``), raised when the block is read (the
 engine's construction, the driver's first step), not deep inside a step.
 
+The block may instead be a :class:`~offpolicy.Recipe` (``{corrections: [tis], transforms: {dvp: {rho: 1e-4}}}``)
+or hold one as ``recipe: <path or inline>``; it is mapped onto the keys above through
+:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`, and a key of the block that says otherwise is refused.
+
 ``allow_changed`` (a list of setting names, e.g. ``[correction.upper]``) lets a resumed run (verl's
 ``trainer.resume_mode``) use values that differ from those stored with its checkpoint; any other difference is
 refused (:mod:`.resume`).
@@ -290,6 +294,9 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
         return VerlSettings()
     if not isinstance(block, Mapping):
         raise ValueError(f"{ENV_VAR} must be a mapping, got {type(block).__name__}")  # noqa: TRY004
+    from offpolicy.recipe.hosts import verl_block
+
+    block = verl_block(block)  # a `recipe:` key, or a block that is itself a recipe, mapped onto the keys below
     for key in block:
         if key not in KNOWN_KEYS:
             raise ValueError(f"{ENV_VAR}: unknown key {key!r}; known: {', '.join(KNOWN_KEYS)}")
