@@ -139,13 +139,15 @@ class VersionedCollator(_trl_async.DataCollatorForRollout):
 def versioned_pipeline() -> Iterator[None]:
     """Within the block, TRL's ``get_train_dataloader`` builds :class:`VersionedRolloutQueueDataset` and
     :class:`VersionedCollator`; TRL's classes are put back after (nothing stays changed)."""
-    saved = _trl_async.RolloutQueueDataset, _trl_async.DataCollatorForRollout
-    _trl_async.RolloutQueueDataset, _trl_async.DataCollatorForRollout = (  # type: ignore[misc]
-        VersionedRolloutQueueDataset, VersionedCollator)
+    ours = {"RolloutQueueDataset": VersionedRolloutQueueDataset, "DataCollatorForRollout": VersionedCollator}
+    saved = {name: getattr(_trl_async, name) for name in ours}
+    for name, cls in ours.items():
+        setattr(_trl_async, name, cls)
     try:
         yield
     finally:
-        _trl_async.RolloutQueueDataset, _trl_async.DataCollatorForRollout = saved  # type: ignore[misc]
+        for name, cls in saved.items():
+            setattr(_trl_async, name, cls)
 
 
 class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
@@ -189,11 +191,6 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
     def get_train_dataloader(self) -> Any:
         with versioned_pipeline():
             return super().get_train_dataloader()
-
-    def _set_signature_columns_if_needed(self) -> None:
-        super()._set_signature_columns_if_needed()
-        if VERSION_KEY not in self._signature_columns:
-            self._signature_columns.append(VERSION_KEY)
 
     def _policy_version(self) -> int:
         """v_θ: rank 0's ``model_version`` (TRL bumps it on rank 0 only), broadcast when there are several ranks."""
@@ -262,14 +259,15 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
     def _offpolicy_log(self, batch: LogProbBatch, stale: Tensor, entropy: Tensor, result: Any,
                        metrics: dict[str, Tensor]) -> None:
         sink = self._metrics["train"]
-        pi = batch.logp.detach()
+        pi, mu = batch.logp.detach(), batch.rollout_logp
+        assert mu is not None  # offpolicy_batch sets μ
         old = batch.old_logp if batch.old_logp is not None else pi
         for name, value in metrics.items():
             sink[f"offpolicy/{name}"].append(float(value))
-        for name, value in offpolicy_metrics(pi, batch.rollout_logp, batch.mask, result,
+        for name, value in offpolicy_metrics(pi, mu, batch.mask, result,
                                              naming=self.offpolicy_metric_naming).items():
             sink[name].append(float(value))
-        for name, value in staleness_metrics(stale, pi, batch.rollout_logp, batch.mask, result, old).items():
+        for name, value in staleness_metrics(stale, pi, mu, batch.mask, result, old).items():
             sink[f"offpolicy/{name}"].append(float(value))
         sink["entropy"].append(float(entropy.detach().float().mean()) if entropy.numel() else 0.0)
 
