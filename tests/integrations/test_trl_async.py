@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from offpolicy.glossary import lookup
 from offpolicy.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -215,6 +216,8 @@ def test_trls_train_with_tis_logs_finite_staleness_metrics_per_bucket(model_dir,
     assert all(math.isfinite(v) for v in logged(trainer, "offpolicy/tis/weight_mean"))
     assert all(math.isfinite(v) for v in logged(trainer, "sampling/k3_kl"))
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    ours = {k for h in trainer.state.log_history for k in h if k.startswith(("offpolicy/", "sampling/"))}
+    assert len(ours) > 30 and [k for k in sorted(ours) if lookup(k) is None] == []  # each key in docs/metrics.md
 
 
 def test_loglinear_proximal_reads_each_tokens_staleness(model_dir, tmp_path, perturbed_inputs):
