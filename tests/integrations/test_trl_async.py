@@ -6,6 +6,8 @@ loss equal to TRL's own; a correction changing it by the hand-computed amount; a
 
 import math
 import queue
+import subprocess
+import sys
 from collections import defaultdict
 
 import numpy as np
@@ -101,6 +103,17 @@ def test_a_trl_other_than_1_16_is_refused_naming_the_version():
         with pytest.raises(RuntimeError, match=f"TRL {version} is installed") as err:
             check_async_trl(version)
         assert "\n" not in str(err.value) and str(err.value).startswith("trl:")
+
+
+def test_importing_the_trainer_under_another_trl_is_refused_in_one_line():
+    code = ("import offpolicy.integrations.versions as v; v.installed_version = lambda package: '1.18.0'\n"
+            "from offpolicy.integrations.trl import OffPolicyAsyncGRPOTrainer")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: trl: OffPolicyAsyncGRPOTrainer plugs into TRL 1.16's trl.experimental.async_grpo, but TRL "
+        "1.18.0 is installed (later releases move the async trainer); install trl 1.16")
+    assert "TRLExperimentalWarning" not in out.stderr  # refused before TRL's async module is imported
 
 
 # -- the samples' versions ---------------------------------------------------------------------------------------

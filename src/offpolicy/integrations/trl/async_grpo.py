@@ -40,11 +40,15 @@ The arguments (the same names as :class:`~offpolicy.integrations.trl.OffPolicyGR
 * ``clip_low=``, ``clip_high=``, ``dual_clip=`` — override TRL's ``epsilon`` / ``epsilon_high``.
 * ``metric_naming=`` — the mismatch metrics' names (``"trl"``: ``sampling/…``).
 
-Logged besides TRL's own: ``offpolicy/loss/…`` and the correction's metrics, the mismatch π_θ vs μ under
-``metric_naming``, ``entropy``, and ``offpolicy/staleness/mean``, ``/max`` and per staleness d
-``offpolicy/staleness/d<d>/k3_kl``, ``/clipped_frac``, ``/masked_frac``, ``/tokens``
-(:func:`~offpolicy.integrations.trl.staleness.staleness_metrics`). The metrics are rank 0's micro-batch (TRL's
-``ratio`` / ``kl`` are all-reduced; these are not).
+Logged: TRL's ``sample/…``, ``batch/…`` and ``perf/…`` metrics as before; in place of its loss metrics (``ratio``,
+``kl``, ``clip_ratio/…``), ``offpolicy/loss/…`` and the correction's metrics, the mismatch π_θ vs μ under
+``metric_naming`` (``sampling/k3_kl`` is TRL's ``kl``), ``entropy``, and ``offpolicy/staleness/mean``, ``/max`` and
+per staleness d ``offpolicy/staleness/d<d>/k3_kl``, ``/clipped_frac``, ``/masked_frac``, ``/tokens``
+(:func:`~offpolicy.integrations.trl.staleness.staleness_metrics`). They are each rank's own micro-batch (TRL
+all-reduces its loss metrics; these are not), logged from rank 0.
+
+TRL's ``AsyncRolloutWorker`` tags a group with the version at its first request; a request still running across a
+weight sync finishes on the newer weights, so for its later tokens d is an upper bound.
 
 TRL 1.16 only (:func:`check_async_trl`): the async trainer is experimental and TRL 1.18 moves it.
 """
