@@ -13,6 +13,8 @@ What they replace and why:
   copy of the policy (the "engine"), samples completions from it with a known perturbation (``noise_std``: fixed
   seeded Gaussian noise added to the engine's logits, and μ is the log-prob under those perturbed logits, i.e. the
   distribution that really sampled) and tags each sample with the policy version it was told last.
+  :class:`VLLMRolloutWorker` samples from a live vLLM server instead (μ = vLLM's log-probs), its weights pushed by
+  offpolicy's :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer` (tests/vllm/).
 * :class:`CopyWeightTransfer` — TRL's ``WeightTransferClient`` streams weights to vLLM over NCCL. This one copies the
   streamed ``(name, tensor)`` pairs into the worker's engine, so the engine samples with the weights of its version.
 
@@ -93,25 +95,24 @@ def cpu_constructor() -> Iterator[None]:
         async_grpo_trainer.get_peak_flops_per_device = before
 
 
-class PerturbedRolloutWorker:
-    """A ``RolloutWorkerProtocol`` (TRL 1.16) on CPU: ``rollout_buffer`` of ``RolloutSample``, an empty
-    ``metrics_queue``; completions sampled by ``engine`` (a copy of the policy, its weights set by
-    :class:`CopyWeightTransfer`) with ``noise_std`` Gaussian noise on its logits; group-normalised advantages of
-    ``reward_fn(completion_text, answer)``."""
+class _QueueWorker:
+    """A ``RolloutWorkerProtocol`` (TRL 1.16) filled in the trainer's thread: ``rollout_buffer`` of ``RolloutSample``,
+    an empty ``metrics_queue``; ``samples_per_version`` samples on ``start()`` and on every version bump, in groups of
+    ``num_generations`` completions of one prompt with group-normalised advantages of ``reward_fn(text, answer)``.
+    Subclasses sample one completion: ``_sample_one(prompt_ids) -> (ids, log μ)``.
 
-    def __init__(self, engine: torch.nn.Module, tokenizer: Any, prompts: Sequence[tuple[str, str]], reward_fn: Any, *,
-                 num_generations: int = 4, max_new_tokens: int = 6, samples_per_version: int = 8,
-                 noise_std: float = 0.0, seed: int = 0) -> None:
-        self.engine = copy.deepcopy(engine).eval()
-        self.engine.config._attn_implementation = "sdpa"  # the engine runs plain attention (its own forward)
+    The trainer's dataloader (accelerate's dispatcher) draws the next micro-batch before the current step's weight
+    sync, so at least two micro-batches must be queued before each sync: ``samples_per_version`` ≥ one step's samples
+    (the fill on ``start()`` and the cold sync's make the second)."""
+
+    def __init__(self, tokenizer: Any, prompts: Sequence[tuple[str, str]], reward_fn: Any, *,
+                 num_generations: int = 4, max_new_tokens: int = 6, samples_per_version: int = 8) -> None:
         self.tokenizer = tokenizer
         self.prompts = list(prompts)
         self.reward_fn = reward_fn
         self.num_generations = num_generations
         self.max_new_tokens = max_new_tokens
         self.samples_per_version = samples_per_version
-        self.noise_std = noise_std
-        self.generator = torch.Generator().manual_seed(seed)
         self.rollout_buffer: queue.Queue = queue.Queue()
         self.metrics_queue: queue.Queue = queue.Queue()
         self.model_version = 0
@@ -131,7 +132,7 @@ class PerturbedRolloutWorker:
         self._fill()
 
     def check_health(self, stale_after_s: float) -> None:
-        raise RuntimeError("PerturbedRolloutWorker: the trainer drained the queue; raise samples_per_version")
+        raise RuntimeError(f"{type(self).__name__}: the trainer drained the queue; raise samples_per_version")
 
     # -- sampling -----------------------------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -140,6 +141,9 @@ class PerturbedRolloutWorker:
                 self._pending = self._sample_group()
             self.rollout_buffer.put(self._pending.pop(0))
             self.versions_served.append(self.model_version)
+
+    def _sample_one(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        raise NotImplementedError
 
     @torch.no_grad()
     def _sample_group(self) -> list[Any]:
@@ -163,6 +167,19 @@ class PerturbedRolloutWorker:
                 metrics={"reward": float(reward)}))
         return out
 
+
+class PerturbedRolloutWorker(_QueueWorker):
+    """Completions sampled by ``engine`` (a copy of the policy, its weights set by :class:`CopyWeightTransfer`) with
+    ``noise_std`` Gaussian noise on its logits; μ is the log-prob under those perturbed logits."""
+
+    def __init__(self, engine: torch.nn.Module, tokenizer: Any, prompts: Sequence[tuple[str, str]], reward_fn: Any, *,
+                 noise_std: float = 0.0, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(tokenizer, prompts, reward_fn, **kwargs)
+        self.engine = copy.deepcopy(engine).eval()
+        self.engine.config._attn_implementation = "sdpa"  # the engine runs plain attention (its own forward)
+        self.noise_std = noise_std
+        self.generator = torch.Generator().manual_seed(seed)
+
     def _sample_one(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
         ids = torch.tensor([prompt_ids])
         new, logps = [], []
@@ -175,6 +192,34 @@ class PerturbedRolloutWorker:
             logps.append(float(logp[token]))
             ids = torch.cat([ids, torch.tensor([[token]])], 1)
         return new, logps
+
+
+class VLLMRolloutWorker(_QueueWorker):
+    """Completions from a vLLM server's ``/v1/completions`` (``url``; served model name ``model``; the server started
+    with ``--logprobs-mode processed_logprobs``): μ is vLLM's own log-prob of each sampled token. Its weights come
+    from the trainer through :class:`offpolicy.integrations.trl.async_sync.FileWeightTransfer`."""
+
+    def __init__(self, url: str, model: str, tokenizer: Any, prompts: Sequence[tuple[str, str]], reward_fn: Any, *,
+                 temperature: float = 1.0, seed: int = 0, timeout: float = 120.0, **kwargs: Any) -> None:
+        from offpolicy.rollout.protocols import VLLMProtocol
+        from offpolicy.rollout.sampling import SamplingConfig
+
+        super().__init__(tokenizer, prompts, reward_fn, **kwargs)
+        self.url = url.rstrip("/")
+        self.protocol = VLLMProtocol(model, ignore_eos=True)  # every completion max_new_tokens long
+        self.cfg = SamplingConfig(temperature=temperature, max_new_tokens=self.max_new_tokens)
+        self.seed, self.timeout, self.requests = seed, timeout, 0
+
+    def _sample_one(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        from offpolicy.rollout.http import post_json
+
+        self.requests += 1
+        where = f"vllm request {self.requests}"
+        body = self.protocol.request(prompt_ids, self.cfg, self.seed + self.requests)
+        answer = post_json(self.url + self.protocol.path, body, timeout=self.timeout, what=where)
+        done = self.protocol.parse(answer, self.cfg, where=where, vocab_size=None)
+        done.check_lengths(where)
+        return list(done.ids), list(done.logp)
 
 
 class CopyWeightTransfer:

@@ -36,7 +36,8 @@ The seed methods, each one argument (``docs/frameworks/trl.md`` has the full pag
 ``OffPolicyAsyncGRPOTrainer`` is the same switch for TRL 1.16's asynchronous ``AsyncGRPOTrainer``
 (``trl.experimental.async_grpo``; imported on first access as well): ``correction=``, ``objective=``, … on its
 packed loss path, each sample's policy version carried to the loss (staleness metrics, the log-linear π_prox);
-:mod:`offpolicy.integrations.trl.async_grpo` has how it plugs in.
+:mod:`offpolicy.integrations.trl.async_grpo` has how it plugs in. ``FileWeightTransfer`` is its weight transfer
+without NCCL (a reload folder a vLLM server reloads, e.g. vLLM's CPU build).
 
 Without vLLM, :func:`engine_rollout` makes one of offpolicy's own rollout engines (bf16 + KV cache, llama.cpp, a
 lagging copy) TRL's ``rollout_func``: its log-probs are μ, a real mismatch on any machine.
@@ -65,6 +66,7 @@ from __future__ import annotations
 from typing import Any
 
 from offpolicy.integrations.trl.alp import allreduce_sigma_grad
+from offpolicy.integrations.trl.async_sync import FileWeightTransfer
 from offpolicy.integrations.trl.loss import (
     TRL_LOSS_TYPES,
     batch_from_trl_inputs,
@@ -82,6 +84,7 @@ from offpolicy.losses import needs_rollout_logp
 __all__ = [
     "ENGINE_ORDERS",
     "FileSync",
+    "FileWeightTransfer",
     "OffPolicyAsyncGRPOTrainer",
     "OffPolicyGRPOMixin",
     "OffPolicyGRPOTrainer",

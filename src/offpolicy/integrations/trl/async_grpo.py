@@ -20,7 +20,8 @@ How TRL 1.16's ``AsyncGRPOTrainer`` is built, and where this plugs in:
   correction; with neither ``correction=`` nor ``objective=`` it is TRL's loss (``bypass``, r = π_θ/μ, TRL's
   ``epsilon`` / ``epsilon_high``, TRL's normaliser).
 * weight transfer and versions — every ``weight_sync_steps`` optimizer steps ``_sync_weight`` streams the weights
-  (``weight_transfer=``: NCCL into vLLM by default) and bumps ``model_version`` (rank 0's); the worker is told the new
+  (``weight_transfer=``: NCCL into vLLM by default; without CUDA
+  :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer`, a reload folder vLLM reloads) and bumps ``model_version`` (rank 0's); the worker is told the new
   version. A sample's staleness is d = v_θ − v_sample at the loss, in weight syncs (per optimizer step when
   ``weight_sync_steps=1``).
 * the rollout worker is untouched: any ``RolloutWorkerProtocol`` whose samples carry ``model_version`` works.
@@ -85,6 +86,7 @@ from trl.trainer.utils import pad  # noqa: E402
 
 from offpolicy.batch import LogProbBatch  # noqa: E402
 from offpolicy.corrections.base import Correction  # noqa: E402
+from offpolicy.integrations.trl.async_sync import FileWeightTransfer  # noqa: E402
 from offpolicy.integrations.trl.loss import trl_objective  # noqa: E402
 from offpolicy.integrations.trl.staleness import rows_from_packed, staleness_metrics, token_staleness  # noqa: E402
 from offpolicy.losses import policy_loss  # noqa: E402
@@ -176,6 +178,9 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         if aggregation is not None and aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}")
         super().__init__(*args, **kwargs)
+        transfer = getattr(self, "weight_transfer", None)
+        if isinstance(transfer, FileWeightTransfer):  # the tied names TRL's named_parameters stream leaves out
+            transfer.bind(self.accelerator.unwrap_model(self.model))
         default = "bypass" if correction is None else "ppo"  # TRL's own loss; with a correction r = 1, see above
         name, params = trl_objective(self.args, default if objective is None else objective)
         if correction is not None and name == "bypass":
