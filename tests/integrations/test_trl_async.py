@@ -248,3 +248,31 @@ def test_loglinear_proximal_reads_each_tokens_staleness(model_dir, tmp_path, per
     assert trainer._metrics["train"]["offpolicy/staleness/mean"][-1] > 3.0
     assert abs(stale.item() - fresh.item()) > 1e-4
     assert trainer._metrics["train"]["offpolicy/tis/weight_mean"][-1] != pytest.approx(1.0)
+
+
+# -- the weight transfer without NCCL ----------------------------------------------------------------------------
+def test_file_weight_transfer_writes_the_tied_head_and_asks_the_server_to_reload(model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from offpolicy.integrations.trl import FileWeightTransfer, async_sync
+
+    calls = []
+    monkeypatch.setattr(async_sync, "vllm_reload_weights", lambda url, path, **kw: calls.append((url, path, kw)))
+    with pytest.raises(ValueError, match="url must be the server's http"):
+        FileWeightTransfer("localhost:8000")
+    _, model, _ = model_dir
+    transfer = FileWeightTransfer("http://127.0.0.1:9/", tmp_path / "reload", timeout=7)
+    transfer.bind(model)
+    assert transfer.aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    transfer.init_weight_transfer()
+    transfer.pause()
+    transfer.send_weights(iter(model.named_parameters()))  # what TRL streams: the tied head once
+    transfer.resume()
+    assert transfer.pushes == 1
+    assert calls == [("http://127.0.0.1:9", str(tmp_path / "reload"),
+                      {"weights_path": str(tmp_path / "reload"), "timeout": 7.0})]
+    written = {}
+    for shard in (tmp_path / "reload").glob("*.safetensors"):
+        written.update(load_file(shard))
+    assert torch.equal(written["lm_head.weight"], model.model.embed_tokens.weight)
+    assert set(written) == {n for n, _ in model.named_parameters(remove_duplicate=False)}

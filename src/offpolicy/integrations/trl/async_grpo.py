@@ -23,7 +23,8 @@ How TRL 1.16's ``AsyncGRPOTrainer`` is built, and where this plugs in:
   (``weight_transfer=``: NCCL into vLLM by default; without CUDA
   :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer`, a reload folder vLLM reloads) and bumps ``model_version`` (rank 0's); the worker is told the new
   version. A sample's staleness is d = v_θ − v_sample at the loss, in weight syncs (per optimizer step when
-  ``weight_sync_steps=1``).
+  ``weight_sync_steps=1``). TRL's own ``sample/staleness_*`` is taken when the sample leaves the queue, and the
+  dataloader (accelerate's dispatcher) draws the next micro-batch before the step's sync: one version earlier.
 * the rollout worker is untouched: any ``RolloutWorkerProtocol`` whose samples carry ``model_version`` works.
 
 The arguments (the same names as :class:`~offpolicy.integrations.trl.OffPolicyGRPOTrainer`'s):
