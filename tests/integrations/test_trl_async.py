@@ -140,7 +140,7 @@ def test_a_sample_of_known_staleness_gives_that_staleness_on_each_of_its_complet
     inputs = _inputs(samples)
     assert inputs[VERSION_KEY].tolist() == [[5, 2, 4]]
     log_probs = torch.zeros(int((inputs["token_index"] >= 0).sum()))
-    batch, stale, _ = trainer.offpolicy_batch(inputs, log_probs)
+    batch, stale = trainer.offpolicy_batch(inputs, log_probs)
     assert stale.tolist() == [[0, 0, 0, -1], [3, 3, -1, -1], [1, 1, 1, 1]]  # −1: past each completion's end
     assert batch.versions.tolist() == [[5, 5, 5, -1], [2, 2, -1, -1], [4, 4, 4, 4]]
     assert batch.policy_version == 5

@@ -43,8 +43,8 @@ The arguments (the same names as :class:`~offpolicy.integrations.trl.OffPolicyGR
 * ``metric_naming=`` — the mismatch metrics' names (``"trl"``: ``sampling/…``).
 
 Logged: TRL's ``sample/…``, ``batch/…`` and ``perf/…`` metrics as before; in place of its loss metrics (``ratio``,
-``kl``, ``clip_ratio/…``), ``offpolicy/loss/…`` and the correction's metrics, the mismatch π_θ vs μ under
-``metric_naming`` (``sampling/k3_kl`` is TRL's ``kl``), ``entropy``, and ``offpolicy/staleness/mean``, ``/max`` and
+``kl``, ``clip_ratio/…``), ``offpolicy/loss/…`` and the correction's metrics, the mismatch π_old vs μ under
+``metric_naming`` (π_old = sg π_θ, so ``sampling/k3_kl`` is TRL's ``kl``; π_prox under loglinear), ``entropy``, and ``offpolicy/staleness/mean``, ``/max`` and
 per staleness d ``offpolicy/staleness/d<d>/k3_kl``, ``/clipped_frac``, ``/masked_frac``, ``/tokens``
 (:func:`~offpolicy.integrations.trl.staleness.staleness_metrics`). They are each rank's own micro-batch (TRL
 all-reduces its loss metrics; these are not), logged from rank 0.
@@ -226,9 +226,10 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._last_forward_time_s = time.time() - start
         return outputs.log_probs.flatten()[token_index], outputs.entropy.flatten()[token_index], outputs
 
-    def offpolicy_batch(self, inputs: dict[str, Any], log_probs: Tensor) -> tuple[LogProbBatch, Tensor, Tensor]:
-        """``(batch, staleness [S, T], entropy rows)``: the flat terms of this rank's row as ``[S, T]`` rows, μ =
-        TRL's ``old_log_probs``, per-token ``versions`` and v_θ (π_prox under loglinear)."""
+    def offpolicy_batch(self, inputs: dict[str, Any], log_probs: Tensor) -> tuple[LogProbBatch, Tensor]:
+        """``(batch, staleness [S, T])``: this rank's flat terms (``log_probs`` [M] = π_θ) as ``[S, T]`` rows, one per
+        completion: μ = TRL's ``old_log_probs``, each token's ``versions`` and v_θ (what the log-linear π_prox reads);
+        staleness −1 off the mask."""
         selected = inputs["token_index"] >= 0
         segment_id = inputs["segment_id"][selected]
         if VERSION_KEY not in inputs:
@@ -242,7 +243,7 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         stale = torch.where(on, stale, -1)
         batch = LogProbBatch(logp=logp, mask=mask, rollout_logp=mu, advantages=adv,
                              versions=torch.where(on, version - stale, -1), policy_version=version)
-        return batch, stale, segment_id
+        return batch, stale
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
@@ -250,7 +251,7 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         if return_outputs:
             raise ValueError("return_outputs: the async GRPO loss has no model outputs to return")
         log_probs, entropy, outputs = self._packed_forward(model, inputs)
-        batch, stale, segment_id = self.offpolicy_batch(inputs, log_probs)
+        batch, stale = self.offpolicy_batch(inputs, log_probs)
         if self._offpolicy_loglinear:  # π_prox once, so the correction and its metrics read the same π_old as the loss
             batch = approximate_proximal(batch)
         correction = self.offpolicy_correction
@@ -274,7 +275,8 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         old = batch.old_logp if batch.old_logp is not None else pi
         for name, value in metrics.items():
             sink[f"offpolicy/{name}"].append(float(value))
-        for name, value in offpolicy_metrics(pi, mu, batch.mask, result,
+        # the diagnostics compare π_old (sg π_θ, or π_prox under loglinear) with μ, as the correction does
+        for name, value in offpolicy_metrics(old, mu, batch.mask, result,
                                              naming=self.offpolicy_metric_naming).items():
             sink[name].append(float(value))
         for name, value in staleness_metrics(stale, pi, mu, batch.mask, result, old).items():
