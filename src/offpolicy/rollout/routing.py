@@ -69,6 +69,11 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
     return routers
 
 
+def is_moe(model: nn.Module) -> bool:
+    """Whether ``model`` has mixture-of-experts routers that routing replay handles (:func:`find_routers`)."""
+    return any(type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k") for m in model.modules())
+
+
 def route_dtype(num_experts: int) -> torch.dtype:
     """Integer dtype for stored expert ids: int16 where it fits (as vLLM returns them), else int32."""
     return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
