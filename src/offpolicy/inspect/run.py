@@ -38,7 +38,8 @@ def load_model(path: str, *, cache_dir: str | None = None):  # -> (model, tokeni
         return build_tiny_model(seed=0)
     local = Path(path).expanduser()
     if not local.is_dir():
-        raise ValueError(f"--model {path!r} is not one of {[*EMBEDDED, 'tiny-random']} or a local model directory")
+        raise ValueError(f"--model {path!r} is not {', '.join(repr(n) for n in (*EMBEDDED, 'tiny-random'))} or a "
+                         "local model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(local), local_files_only=True)
