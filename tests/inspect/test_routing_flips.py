@@ -131,3 +131,19 @@ def test_inspect_lab_moe_reports_flips_beside_the_dense_lab_model(tmp_path):
     assert beside["kl_mean_ratio"] == pytest.approx(summary["kl_mean"] / beside["kl_mean"])
     assert "routing flips (MoE)" in res.output and "beside lab" in res.output
     assert "Routing flips (mixture of experts)" in (tmp_path / "report.html").read_text()
+
+
+def test_routes_are_recorded_only_where_flips_can_be_counted():
+    from offpolicy.inspect.routing_flips import recording_routes
+    from offpolicy.inspect.specs import EngineSpec
+    from offpolicy.models.tiny import build_tiny_model
+    from offpolicy.rollout.routing import is_moe
+
+    moe, _ = _small_moe()
+    dense, _ = build_tiny_model(0, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                num_attention_heads=2, num_key_value_heads=1)
+    assert is_moe(moe) and not is_moe(dense)
+    spec = EngineSpec(name="bf16", dtype="bfloat16")
+    assert recording_routes(moe, spec).record_routes and not recording_routes(dense, spec).record_routes
+    assert not recording_routes(moe, EngineSpec(name="c", dtype="bfloat16", compile=True)).record_routes
+    assert not recording_routes(moe, EngineSpec(name="v", backend="vllm", dtype="bfloat16")).record_routes
