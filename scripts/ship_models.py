@@ -1,13 +1,17 @@
-"""Build the default embedded models (``tiny``, ``lab``) and write them into the package (offpolicy/models/data).
+"""Build the default embedded models (``tiny``, ``lab``, ``lab-moe``) and write them into the package
+(offpolicy/models/data).
 
 Run after changing a default recipe, the architecture or the tokenizer (tests/models/test_shipped.py fails until
-then): ``python scripts/ship_models.py``. Each model is warm-started from its seed (≈2 min on 2 cores for both),
-then its folder replaces the shipped one of the same ``<name>-<hash>``; folders of older recipes are removed.
+then): ``python scripts/ship_models.py`` (all of them) or ``python scripts/ship_models.py lab-moe`` (those named; the
+other shipped folders stay as they are). Each model is warm-started from its seed (≈2 min on 2 cores for the dense
+ones, ≈7 min for lab-moe), then its folder replaces the shipped one of the same ``<name>-<hash>``; folders of older
+recipes are removed.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,12 +19,14 @@ from offpolicy.models.cache import SHIPPED_DIR, build_model, model_dir
 from offpolicy.models.recipes import RECIPES
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(RECIPES))
+    if unknown:
+        raise SystemExit(f"unknown recipe(s) {unknown}: use some of {sorted(RECIPES)}")
     SHIPPED_DIR.mkdir(parents=True, exist_ok=True)
-    keep = set()
-    for name in RECIPES:
+    keep = {model_dir(name, "/").name for name in RECIPES}  # current folders of the recipes not rebuilt stay
+    for name in names or list(RECIPES):
         target = SHIPPED_DIR / model_dir(name, "/").name
-        keep.add(target.name)
         with tempfile.TemporaryDirectory(dir=SHIPPED_DIR) as tmp:
             (Path(tmp) / "model").mkdir()
             built = build_model(name, Path(tmp) / "model")
@@ -37,4 +43,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

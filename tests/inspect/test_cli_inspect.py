@@ -104,7 +104,7 @@ def test_diagnose_malformed_dump_is_one_line(tmp_path, content, needle):
     (["--fail-above", "kl"], "--fail-above: 'kl' is not metric=bound"),
     (["--fail-above", "kl=abc"], "the bound of 'kl' is 'abc'"),
     (["--fail-above", "colour=1"], "--fail-above: unknown metric 'colour'"),
-    (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is not 'tiny', 'lab', 'tiny-random' or a local"),
+    (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is not 'tiny', 'lab', 'lab-moe', 'tiny-random' or a local"),
     (["--task", "sudoku"], "unknown task 'sudoku'"),
     (["--rollout-view", "logits"], "--rollout-view must be full or topk"),
     (["--top-p", "0.9", "--rollout-view", "topk"], "untruncated sampling"),
@@ -156,7 +156,8 @@ def test_gate_metric_names_match_the_report(inspected):
     summary = json.loads((out / "report.json").read_text())
     settings = {"positions", "sequences", "report_version", "layer_threshold"}  # numbers, but not measurements
     numeric = {k for k, v in summary.items() if (v is None or isinstance(v, (int, float))) and not isinstance(v, bool)}
-    numeric -= settings | {"first_divergent_layer", "largest_share_layer", "layers"}  # None here only when absent
+    # None here only when absent (routing, beside: blocks of an MoE model / a model measured beside)
+    numeric -= settings | {"first_divergent_layer", "largest_share_layer", "layers", "routing", "beside"}
     assert numeric == REPORT_METRICS
     assert set(ALIASES.values()) <= REPORT_METRICS
 

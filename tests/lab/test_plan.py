@@ -68,7 +68,8 @@ def test_settings_are_plain_and_valid(tmp_path):
         assert len(plan.runs) == (treated + controlled * controls) * s["seeds"]
         cfg = planned_config(plan.runs[0])
         task = "free_digits" if name == "real_free" else "pattern"  # real_free: the task with free digits
-        assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == ("lab", task, {"length": 32}, 1)
+        model = "lab-moe" if name == "moe" else "lab"  # moe: the mixture-of-experts lab model
+        assert (cfg.model.path, cfg.task.name, cfg.task.options, cfg.run.threads) == (model, task, {"length": 32}, 1)
 
 
 def test_plan(tmp_path):

@@ -35,7 +35,8 @@ def test_simulated_sources_stay_on_the_transformers_engine():
     base = ["rollout.engine=llamacpp"]  # a base naming the real engine cannot leak into a simulated source
     for name in ("none", "int4+kv4", "lag8"):
         assert load_config(None, [*base, *mismatch_overrides(name)]).rollout.engine == "hf"
-    assert set(REAL_ENGINES) == {n for n in SOURCES if n.startswith(("gguf-", "vllm-"))} and len(REAL_ENGINES) == 8
+    assert set(REAL_ENGINES) == {n for n in SOURCES if n.startswith(("gguf-", "vllm-", "moe-vllm-"))}
+    assert len(REAL_ENGINES) == 9
 
 
 @pytest.mark.parametrize("bad", ["gguf-q4_0+kv4", "bf16+gguf-q8_0", "gguf-q8_0+lag8"])

@@ -12,6 +12,7 @@ import torch
 
 ws = importlib.import_module("offpolicy.models.warm_start")  # the package re-exports a function of that name
 cache = importlib.import_module("offpolicy.models.cache")
+RECIPES = importlib.import_module("offpolicy.models.recipes").RECIPES
 
 
 @pytest.mark.parametrize("load", [0.0, 1.9, 2.0, 22.0])
@@ -27,7 +28,18 @@ def test_the_warm_start_uses_a_fixed_thread_count(load, monkeypatch):
     assert torch.get_num_threads() == before  # restored
 
 
-@pytest.mark.parametrize("name", ["tiny", "lab"])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_builds_at_the_fixed_thread_count(name, tmp_path, monkeypatch):
+    # each default recipe (the MoE one too) goes through the same warm start, at WARM_START_THREADS
+    seen = []
+    monkeypatch.setattr(ws, "_train", lambda *a, **k: seen.append(torch.get_num_threads()) or {})
+    monkeypatch.setattr(cache, "evaluate_reward", lambda *a, **k: {})
+    with ws.torch_threads(1):
+        cache.build_model(name, tmp_path)
+    assert seen == [ws.WARM_START_THREADS]
+
+
+@pytest.mark.parametrize("name", ["tiny", "lab", "lab-moe"])
 def test_every_default_recipe_ships_with_the_package(name):
     # Fails when a default recipe, the architecture or the tokenizer changes without `python scripts/ship_models.py`.
     shipped = cache.shipped_dir(name)

@@ -28,10 +28,8 @@ def test_routing_replay_modes_train_and_report_the_flip_rate(mode, tmp_path, tin
     res = train(cfg, model=model, tokenizer=tok, task=varying_task())
     row = res.history[0]
     assert math.isfinite(row["loss/loss"]) and row["loss/grad_norm"] > 0
-    if mode == "none":
-        assert "routing/flip_rate" not in row
-    else:
-        assert 0.0 <= row["routing/flip_rate"] <= 1.0
+    # without replay too: the engine records its routes on an MoE model, and the trainer counts the flips
+    assert 0.0 <= row["routing/flip_rate"] <= 1.0
 
 
 def test_r3_with_an_fp32_engine_leaves_no_mismatch(tmp_path, tiny_pair, make_overrides, varying_task):

@@ -15,8 +15,11 @@ from offpolicy.cli.output import check_gate, print_inspection
 
 
 def inspect_command(
-    model: str = typer.Option("tiny", "--model", help="tiny or lab (embedded, warm-started), tiny-random, or a local "
-                              "model directory (nothing is downloaded)."),
+    model: str = typer.Option("tiny", "--model", help="tiny, lab or lab-moe (embedded, warm-started), tiny-random, or "
+                              "a local model directory (nothing is downloaded)."),
+    beside: str | None = typer.Option(None, "--beside", help="Also measure this model (same forms as --model) with "
+                                      "the same engines and prompts, and report this one's KL and k3 over it "
+                                      "(default: lab for --model lab-moe; 'none' for nothing)."),
     out: Path = typer.Option(Path("offpolicy-inspect"), "--out", help="Folder for report.html/.json, PNGs, tokens.jsonl."),
     rollout: list[str] | None = typer.Option(None, "--rollout", help="Rollout engine spec: a built-in (bf16, fp16, "
                                                 "fp32, fp32-head, int8, int4, kv8, kv4, w8kv8, noise; activation-quantised: fp8, "
@@ -84,13 +87,18 @@ def inspect_command(
         return
     make_dir(console, out, "--out")
     threads_before = torch.get_num_threads()
-    if threads is None and model in ("tiny", "lab", "tiny-random"):
+    from offpolicy.inspect.run import EMBEDDED
+
+    if threads is None and model in (*EMBEDDED, "tiny-random"):
         threads = 1  # as the demo: on a shared 2-core machine a second thread mostly spins (measured 2-5x slower)
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         with warnings_on(console):
+            beside_model = (("lab" if model == "lab-moe" else None) if beside is None
+                            else None if beside == "none" else beside)
             summaries = _inspect_runs(console, model, out, pairs, sampling, task=task, prompts=prompts, seed=seed,
+                                      beside=beside_model,
                                       ignore_eos=ignore_eos, topk=topk, layers=layers, layer_threshold=layer_threshold,
                                       rollout_view=rollout_view, budget=memory_budget_mb << 20, sampler=sampler)
     except ValueError as err:
@@ -131,14 +139,16 @@ def _check_sync(console: Console, model_path: str, rollouts, *, task: str, promp
 
 def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling, *, task: str, prompts: int,  # noqa: ANN001
                   seed: int, ignore_eos: bool, topk: int, layers: bool, layer_threshold: float, rollout_view: str,
-                  budget: int, sampler=None) -> list[dict]:  # noqa: ANN001
+                  budget: int, sampler=None, beside: str | None = None) -> list[dict]:  # noqa: ANN001
     from offpolicy.inspect.dump import write_dump
     from offpolicy.inspect.report import markdown_table, write_report
-    from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
+    from offpolicy.inspect.routing_flips import beside_numbers
+    from offpolicy.inspect.run import EMBEDDED, inspect_engines, load_model, task_prompts
+    from offpolicy.inspect.summary import summarize
 
     t0 = time.perf_counter()
     local = model_path if Path(model_path).is_dir() else None
-    if model_path in ("tiny", "lab"):
+    if model_path in EMBEDDED:
         from offpolicy.models import get_recipe, model_dir
         from offpolicy.models import model_path as embedded_path
 
@@ -147,6 +157,9 @@ def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling,
         local = str(embedded_path(model_path))  # its directory, for an engine that loads it itself (vLLM)
     model, tokenizer = load_model(model_path)
     prompt_ids = task_prompts(tokenizer, task, prompts, seed=seed)
+    other = load_model(beside) if beside is not None else None  # its tokenizer must encode the prompts the same way
+    if other is not None and task_prompts(other[1], task, prompts, seed=seed) != prompt_ids:
+        raise ValueError(f"--beside {beside!r}: its tokenizer encodes the prompts otherwise than {model_path!r}'s")
     summaries = []
     for rollout, trainer in pairs:
         folder = out if len(pairs) == 1 else out / f"{rollout.name}__{trainer.name}".replace("/", "_")
@@ -158,6 +171,12 @@ def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling,
                                    layer_threshold=layer_threshold, memory_budget_bytes=budget, model_path=local,
                                    sample_with=sampler)
         measured.meta.update({"model": model_path, "task": task})
+        if other is not None:
+            console.print(f"[bold]beside[/bold] {escape(str(beside))}: the same engines and prompts")
+            dense = inspect_engines(other[0], prompt_ids, rollout, trainer, sampling, tokenizer=other[1], seed=seed,
+                                    ignore_eos=ignore_eos, topk=topk, rollout_view=rollout_view, layers=False,
+                                    memory_budget_bytes=budget, sample_with=sampler, dvp_rhos=None)
+            measured.meta["beside"] = beside_numbers(summarize(dense), str(beside))
         summary = write_report(measured, folder)
         write_dump(measured, folder / "tokens.jsonl")
         print_inspection(console, summary, folder)

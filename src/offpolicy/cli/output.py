@@ -35,6 +35,19 @@ def print_inspection(console: Console, summary: dict, folder: Path, *, dump: boo
         th = "[" + ", ".join(f"{v:.4g}" for v in th) + "]" if isinstance(th, list) else f"{th:.4g}"
         rec.add_row(name, th, f"{r['kept_fraction']:.1%}", escape(r["target"]))
     console.print(rec)
+    routing = summary.get("routing")
+    if routing:
+        layers = ", ".join(f"{r:.2%}" for r in routing["flip_rate_per_layer"])
+        console.print(f"routing flips (MoE): {routing['flip_rate']:.2%} of routed token slots, per layer [{layers}]; "
+                      f"{routing['flipped_tokens']} response tokens flipped, mean KL(π‖μ) flipped "
+                      f"{g(routing['kl_reverse_flipped_mean'])} vs unflipped {g(routing['kl_reverse_unflipped_mean'])}"
+                      f" ({g(routing['kl_reverse_ratio'])}×)", soft_wrap=True)
+    beside = summary.get("beside")
+    if beside:
+        console.print(f"beside {escape(str(beside['model']))} (same engines and prompts): mean KL "
+                      f"{g(summary.get('kl_mean'))} vs {g(beside.get('kl_mean'))} ({g(beside.get('kl_mean_ratio'))}×), "
+                      f"k3 {g(summary.get('k3_kl'))} vs {g(beside.get('k3_kl'))} ({g(beside.get('k3_kl_ratio'))}×)",
+                      soft_wrap=True)
     extra = ", tokens.jsonl" if dump else ""
     console.print(f"report: {escape(str(folder / 'report.html'))} (+ report.json, PNGs{extra})")
 

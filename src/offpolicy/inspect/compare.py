@@ -37,6 +37,7 @@ from torch import Tensor
 
 import offpolicy as op
 from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats
+from offpolicy.inspect.routing_flips import RoutingFlips, recording_routes, route_flips
 from offpolicy.inspect.specs import EngineSpec, build_engine
 from offpolicy.inspect.vocabulary import (  # vocabulary statistics (once here; importable from here still)
     DEFAULT_MEMORY_BUDGET_BYTES,
@@ -48,6 +49,7 @@ from offpolicy.inspect.vocabulary import (  # vocabulary statistics (once here; 
 from offpolicy.kernels import row_chunks
 from offpolicy.rollout.base import RolloutOutput
 from offpolicy.rollout.factory import build_engine as make_engine
+from offpolicy.rollout.routing import RouteRecorder
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import score_tokens
 from offpolicy.tolerances import log_softmax_tolerance, max_abs_finite
@@ -112,6 +114,7 @@ class _MicroBatch:
     capture_ratio: float  # the largest capture error ÷ its tolerance (< 1: passed)
     generate_s: float
     score_s: float
+    routing: RoutingFlips | None = None  # MoE: the two sides' routing flips (an engine that records routes)
 
 
 def _check_capture(rollout_logits: Tensor, reported: Tensor, ids: Tensor, mask: Tensor, sampling: SamplingConfig,
@@ -173,9 +176,21 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
             out = roll_engine.generate(prompts, replace(sampling, logprobs_topk=topk), seed=mb_seed)
             rollout_logits = None
         t1 = time.perf_counter()
-        trainer_logp, _, trainer_logits = _score(train_engine.model, prompts, out.completion_ids, sampling, autocast)
+        engine_routes = getattr(out, "routed_experts", None) if sampler is None else None
+        recorder = (RouteRecorder(train_engine.model, batch_size=len(prompts)) if engine_routes is not None
+                    else contextlib.nullcontext())
+        with recorder:
+            trainer_logp, _, trainer_logits = _score(train_engine.model, prompts, out.completion_ids, sampling,
+                                                     autocast)
         t2 = time.perf_counter()
         mask = out.mask
+        routing = None
+        if isinstance(recorder, RouteRecorder) and engine_routes is not None:
+            # the trainer's routes at the positions the engine forwarded (P + C − 1 per row, rows from position 0)
+            lengths = [len(p) + len(c) - 1 for p, c in zip(prompts, out.completion_ids)]
+            routing = RoutingFlips.from_rows(route_flips(engine_routes, recorder.pop_rows(lengths)),
+                                             [len(p) for p in prompts], [len(c) for c in out.completion_ids],
+                                             mask.shape[1])
         ids = torch.tensor([c + [0] * (mask.shape[1] - len(c)) for c in out.completion_ids],
                            dtype=torch.long).reshape(mask.shape)
         err = margin = 0.0
@@ -183,7 +198,8 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
             err, margin = _check_capture(rollout_logits, out.logp, ids, mask, sampling, first_row=a)
         yield _MicroBatch(out=out, ids=ids, trainer_logp=torch.where(mask, trainer_logp, 0.0),
                           flat_rollout=None if rollout_logits is None else rollout_logits[mask],
-                          flat_trainer=trainer_logits[mask], capture_error=err, capture_ratio=margin, generate_s=t1 - t0, score_s=t2 - t1)
+                          flat_trainer=trainer_logits[mask], capture_error=err, capture_ratio=margin,
+                          generate_s=t1 - t0, score_s=t2 - t1, routing=routing)
 
 
 def compare_engines(
@@ -244,7 +260,8 @@ def compare_engines(
         raise ValueError("sample_with needs a transformers rollout engine with full logits and no logit noise (a "
                          "full forward cannot replay the noise), and a transformers sampler")
     roll_engine, train_engine = engines or (
-        _rollout_engine(model, rollout, tokenizer, model_path, topk, full=rollout_view == "full"),
+        _rollout_engine(model, recording_routes(model, rollout), tokenizer, model_path, topk,
+                        full=rollout_view == "full"),
         build_engine(model, trainer))
     # an engine outside this process (vLLM, a server) shows its full distribution only where it returns K = V
     full_capable = rollout.backend in ("hf", "llamacpp") or getattr(roll_engine, "reports_full_distribution", False)
@@ -287,6 +304,7 @@ def compare_engines(
     kept_bytes = 0
     timings = {"generate_s": 0.0, "score_s": 0.0, "compare_s": 0.0, "dvp_check_s": 0.0}
     capture_error = capture_ratio = 0.0
+    flips: list[RoutingFlips] = []
     for mb in batches():
         t0 = time.perf_counter()
         per_pos, stats = _position_stats(mb, tau=tau, topk=topk, rhos=rhos, generator=gen, scratch=scratch)
@@ -305,8 +323,11 @@ def compare_engines(
         capture_error = max(capture_error, mb.capture_error)
         capture_ratio = max(capture_ratio, mb.capture_ratio)
         _collect(parts, mb, per_pos, t_max)
+        if mb.routing is not None:
+            flips.append(mb.routing)
     cat = {name: torch.cat(p) for name, p in parts.items()}
     tokens = _token_data(cat, kl_kind="exact" if view == "full" else "topk", prompt_ids=prompt_ids)
+    routing = RoutingFlips.concat(flips, t_max) if flips else None
     grid = None
     if rhos:
         grid = DvpGrid(rhos=list(rhos), mass=cat["dvp_mass"], inside_trainer=cat["dvp_inside_trainer"],
@@ -330,7 +351,7 @@ def compare_engines(
         "capture_error_over_tolerance": capture_ratio if view == "full" and sampler is None else None,
         "timings": timings,
     }
-    return Measurements(tokens=tokens, vocab=vocab_stats, dvp=grid, meta=meta)
+    return Measurements(tokens=tokens, vocab=vocab_stats, dvp=grid, meta=meta, routing=routing)
 
 
 def _position_stats(mb: _MicroBatch, *, tau: float, topk: int, rhos: tuple[float, ...],

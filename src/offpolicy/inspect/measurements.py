@@ -174,3 +174,4 @@ class Measurements:
     layers: list[LayerError] | None = None
     layer_threshold: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    routing: Any = None  # mixture-of-experts models: offpolicy.inspect.routing_flips.RoutingFlips

@@ -93,6 +93,32 @@ _CAPTIONS = {
 }
 
 
+def _routing_section(summary: dict) -> str:
+    """Mixture-of-experts models: the routing flips per layer, the KL of flipped vs unflipped tokens, and the model
+    measured beside this one (empty for a dense model without ``beside``)."""
+    routing, beside = summary.get("routing"), summary.get("beside")
+    parts = []
+    if routing:
+        rows = [[f"layer {i}", r] for i, r in enumerate(routing["flip_rate_per_layer"])]
+        rows += [["all layers", routing["flip_rate"]]]
+        parts.append("<h2>Routing flips (mixture of experts)</h2><p>Share of routed token slots whose top-k expert set "
+                     "differs between the rollout engine and the trainer.</p>" + _table(["MoE layer", "flip rate"], rows))
+        kl_rows = [[name, routing[f"{key}_flipped_mean"], routing[f"{key}_unflipped_mean"], routing[f"{key}_ratio"]]
+                   for key, name in (("kl_reverse", "KL(π‖μ)"), ("kl", "KL(μ‖π)"))]
+        kl_rows.append(["tokens", routing["flipped_tokens"], routing["unflipped_tokens"], None])
+        parts.append("<p>Response tokens whose predicting position flipped in ≥ 1 layer against those with none.</p>"
+                     + _table(["full-vocabulary KL", "flipped", "unflipped", "ratio"], kl_rows))
+    if beside:
+        rows = [[name, summary.get(key), beside.get(key), beside.get(f"{key}_ratio")]
+                for key, name in (("kl_mean", "mean KL(μ‖π)"), ("kl_reverse_mean", "mean KL(π‖μ)"),
+                                  ("k3_kl", "k3 of the sampled token"))]
+        model = (summary.get("meta") or {}).get("model", "this model")
+        parts.append(f"<h2>Beside {html.escape(str(beside['model']))}</h2><p>The same engines, prompts and seed on "
+                     f"{html.escape(str(beside['model']))}.</p>"
+                     + _table(["metric", str(model), str(beside["model"]), "ratio"], rows))
+    return "".join(parts)
+
+
 def write_html(summary: dict, figures: dict[str, Path], path: Path) -> None:
     """A single self-contained HTML file: tables of the numbers and every PNG embedded as base64."""
     meta = summary.get("meta") or {}
@@ -129,6 +155,7 @@ def write_html(summary: dict, figures: dict[str, Path], path: Path) -> None:
         ("<h2>Per-layer relative error</h2>" + _table(["point", "relative error", "share"], layer_rows))
         if layer_rows else "<h2>Per-layer relative error</h2><p>not measured (no model)</p>",
         "<h2>Mismatch by position in the response</h2>" + _table(*depth_rows(summary)),
+        _routing_section(summary),
         "<h2>Figures</h2>" + "".join(imgs),
     ]
     style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}"

@@ -15,16 +15,19 @@ import torch
 from offpolicy.inspect.compare import DEFAULT_MEMORY_BUDGET_BYTES, DVP_RHO_GRID, compare_engines
 from offpolicy.inspect.layers import LAYER_THRESHOLD, layer_errors
 from offpolicy.inspect.measurements import Measurements
+from offpolicy.inspect.routing_flips import recording_routes
 from offpolicy.inspect.specs import EngineSpec, build_engine
 from offpolicy.perturbation import find_decoder_layers
 from offpolicy.rollout.sampling import SamplingConfig
 
+EMBEDDED = ("tiny", "lab", "lab-moe")  # the recipes of offpolicy.models.RECIPES, by name
+
 
 def load_model(path: str, *, cache_dir: str | None = None):  # -> (model, tokenizer)
-    """``"tiny"`` / ``"lab"`` (the embedded warm-started models, built and cached on first use), ``"tiny-random"``
+    """``"tiny"`` / ``"lab"`` / ``"lab-moe"`` (the embedded warm-started models, built and cached on first use), ``"tiny-random"``
     (random init, seed 0) or a local transformers directory (``local_files_only``: nothing is downloaded). float32,
     eval mode."""
-    if path in ("tiny", "lab"):
+    if path in EMBEDDED:
         from offpolicy.models import get_recipe
         from offpolicy.models import load_model as load_embedded
 
@@ -35,7 +38,8 @@ def load_model(path: str, *, cache_dir: str | None = None):  # -> (model, tokeni
         return build_tiny_model(seed=0)
     local = Path(path).expanduser()
     if not local.is_dir():
-        raise ValueError(f"--model {path!r} is not 'tiny', 'lab', 'tiny-random' or a local model directory")
+        raise ValueError(f"--model {path!r} is not {', '.join(repr(n) for n in (*EMBEDDED, 'tiny-random'))} or a "
+                         "local model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(local), local_files_only=True)
@@ -91,7 +95,7 @@ def inspect_engines(
     t0 = time.perf_counter()
     roll_engine = None
     if rollout.backend == "hf":
-        roll_engine = build_engine(model, rollout, tokenizer)
+        roll_engine = build_engine(model, recording_routes(model, rollout), tokenizer)
     train_engine = build_engine(model, trainer)
     engines = (roll_engine, train_engine) if roll_engine is not None else None
     measured = compare_engines(model, prompt_ids, rollout, trainer, sampling, tokenizer=tokenizer, seed=seed,

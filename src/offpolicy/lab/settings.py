@@ -13,7 +13,7 @@ run: vLLM in fp32 beside its bf16) and ``rule``, how groups are compared (:data:
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'quant', 'recent']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'quant', 'recent', 'moe']
 """
 
 from __future__ import annotations
@@ -155,6 +155,20 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "seeds": 3,
         "steps": 60,
     },
+    # the mixture-of-experts lab model (lab-moe: 8 experts, top-2) on a bf16 engine, whose router flips experts at
+    # near-ties: routing replay (R2: the update replays π_old's routes; R3: π_old and π_θ replay the engine's) beside
+    # the corrections that only see the ratio. Answers stay at the warm start's 32 digits: the model ends them there
+    # (eos), so a longer task would cap the reward at 32 / length instead of measuring more tokens.
+    "moe": {
+        "description": "lab-moe on a bf16 engine (routing flips): naive, TIS, IcePop, TRM, routing replay R2 / R3, "
+                       "DVP + MIS and score centering, naive on the fp32 control",
+        "overrides": [*[o for o in LAB_BASE if not o.startswith("model.path=")], "model.path=lab-moe"],
+        "presets": ["naive", "tis", "icepop", "trm", "r2", "r3", "dvp_mis", "score_centering"],
+        "mismatches": ["none", "moe-bf16"],
+        "control_presets": ["naive"],  # on the fp32 engine the IS weights are 1 and the routes agree: naive suffices
+        "seeds": 3,
+        "steps": 100,
+    },
 }
 
 
@@ -188,6 +202,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "calibrated_clip": ("naive", ["algorithm.objective=calibrated_clip"]),
     # the delight gate σ(A·(−log π_old)/η), η = 1: no μ read
     "delight": ("naive", ["algorithm.corrections=[{name: delight}]"]),
+    # routing replay on a mixture-of-experts model (offpolicy.rollout.routing): R2 replays π_old's own routes in the
+    # π_θ forwards (GSPO, arXiv 2507.18071 §5); R3 replays the rollout engine's routes in π_old and π_θ (arXiv
+    # 2510.11370)
+    "r2": ("naive", ["rollout.routing_replay=r2"]),
+    "r3": ("naive", ["rollout.routing_replay=r3"]),
     "kl_gate": ("naive", ["algorithm.corrections=[{name: gated_is, gating: binary_kl, upper: 0.005}]"]),
     "kl_gate_seq": ("naive", ["algorithm.corrections=[{name: gated_is, level: geometric, gating: binary_kl, "
                               "upper: 0.005}]"]),

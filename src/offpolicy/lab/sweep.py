@@ -144,13 +144,13 @@ class _Interrupts:
 
 def prepare_models(plan: SweepPlan) -> list[Path]:
     """Warm-start and cache each embedded model the plan uses (once, here), so parallel runs only load it."""
-    from offpolicy.models import get_recipe, model_path
+    from offpolicy.models import RECIPES, get_recipe, model_path
     from offpolicy.models.warm_start import torch_threads
 
     built, seen = [], set()
     for run in plan.runs:
         cfg = planned_config(run)
-        if cfg.model.path not in ("tiny", "lab"):
+        if cfg.model.path not in RECIPES:
             continue
         key = (cfg.model.path, json.dumps(cfg.model.tiny_config, sort_keys=True), cfg.model.cache_dir)
         if key in seen:

@@ -49,9 +49,12 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def _description(recipe: ModelRecipe) -> dict:
     """What the weights depend on (hashed into the directory name, stored next to the weights)."""
+    # The default architecture is left out, so the dense recipes keep the hash (and shipped folder) they had.
+    architecture = {} if recipe.architecture == "qwen2" else {"architecture": recipe.architecture}
     return {
         "version": TINY_MODEL_VERSION,
         "name": recipe.name,
+        **architecture,
         "config": {**TINY_CONFIG, **recipe.config},
         "vocab_size": VOCAB_SIZE,
         "task": {"name": recipe.task_name, **recipe.task_args},
@@ -110,7 +113,7 @@ def build_model(recipe: str | ModelRecipe, out: str | os.PathLike) -> Path:
     """Warm-start ``recipe``'s model from its seed and write it (weights, tokenizer, ``offpolicy_tiny.json``) into
     ``out``, an existing directory. Deterministic on one machine; see the module docstring for across machines."""
     recipe, out = get_recipe(recipe), Path(out)
-    model, tokenizer = build_tiny_model(seed=recipe.warm.seed, **recipe.config)
+    model, tokenizer = build_tiny_model(recipe.warm.seed, architecture=recipe.architecture, **recipe.config)
     task = recipe.task()
     stats = warm_start(model, tokenizer, task=task, recipe=recipe.warm)
     with torch_threads(1):

@@ -29,17 +29,37 @@ TINY_CONFIG: dict = {
 }
 
 
-def tiny_config(tokenizer, **overrides):  # -> Qwen2Config
-    """``Qwen2Config`` of the tiny model for ``tokenizer`` (vocab size and special ids taken from it).
+# The architectures an embedded recipe can name: transformers config and causal-LM classes. ``qwen3_moe`` is the
+# mixture-of-experts one (softmax → top-k router, no shared expert), whose ``Qwen3MoeTopKRouter`` routing replay
+# supports (offpolicy.rollout.routing).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
+def _classes(architecture: str) -> tuple[type, type]:
+    import transformers
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}")
+    config_name, model_name = ARCHITECTURES[architecture]
+    return getattr(transformers, config_name), getattr(transformers, model_name)
+
+
+def tiny_config(tokenizer, architecture: str = "qwen2", **overrides):  # -> Qwen2Config | Qwen3MoeConfig
+    """Config of the tiny model for ``tokenizer`` (vocab size and special ids taken from it): :data:`TINY_CONFIG`
+    with ``overrides``, for one of :data:`ARCHITECTURES` (default ``qwen2``).
 
     >>> from offpolicy.models.tokenizer import build_tokenizer
     >>> tiny_config(build_tokenizer()).num_hidden_layers
     4
+    >>> type(tiny_config(build_tokenizer(), "qwen3_moe", num_experts=8)).__name__
+    'Qwen3MoeConfig'
     """
-    from transformers import Qwen2Config
-
+    config_class, _ = _classes(architecture)
     cfg = {**TINY_CONFIG, **overrides}
-    return Qwen2Config(
+    return config_class(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -48,22 +68,22 @@ def tiny_config(tokenizer, **overrides):  # -> Qwen2Config
     )
 
 
-def build_tiny_model(seed: int = 0, **config_overrides):  # -> (Qwen2ForCausalLM, PreTrainedTokenizerFast)
+def build_tiny_model(seed: int = 0, *, architecture: str = "qwen2",
+                     **config_overrides):  # -> (PreTrainedModel, PreTrainedTokenizerFast)
     """Randomly initialised tiny model + tokenizer, fp32, eval mode; deterministic given ``seed``.
 
     >>> model, tok = build_tiny_model(seed=0)
     >>> sum(p.numel() for p in model.parameters()) > 1_000_000, model.dtype
     (True, torch.float32)
     """
-    from transformers import Qwen2ForCausalLM
-
     from offpolicy.models.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer, **config_overrides)
+    config = tiny_config(tokenizer, architecture, **config_overrides)
+    _, model_class = _classes(architecture)
     # Seed a private generator for init: fork_rng keeps the caller's global RNG untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.float().eval(), tokenizer

@@ -62,13 +62,22 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
     A router is a module whose class name ends in ``TopKRouter`` (transformers 5.x: ``Qwen2MoeTopKRouter``,
     ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``OlmoeTopKRouter``, …) with a ``top_k``.
     """
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    routers = [m for m in model.modules() if _is_router(m)]
     if not routers:
         raise ValueError(
             f"{type(model).__name__} has no mixture-of-experts router (a *TopKRouter module): routing replay needs "
             "an MoE model such as Qwen2-MoE, Qwen3-MoE, Mixtral or OLMoE"
         )
     return routers
+
+
+def _is_router(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k")
+
+
+def is_moe(model: nn.Module) -> bool:
+    """Whether ``model`` has mixture-of-experts routers that routing replay handles (:func:`find_routers`)."""
+    return any(_is_router(m) for m in model.modules())
 
 
 def route_dtype(num_experts: int) -> torch.dtype:

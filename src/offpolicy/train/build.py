@@ -4,6 +4,7 @@ rollout engine (through the engine factory), the sampling config, the advantage 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,10 @@ import torch
 from torch import Tensor
 
 from offpolicy.rollout.factory import build_engine as make_engine
+from offpolicy.rollout.routing import is_moe
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
-from offpolicy.train.config import TrainConfig
+from offpolicy.train.config import EMBEDDED_MODELS, TrainConfig
 from offpolicy.train.presets import PRESETS, SCORE_CENTERING_TOPK
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,8 +32,8 @@ def nonfinite_fields(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
-    """``tiny`` / ``lab`` (embedded, warm-started, cached), ``tiny-random`` (random init from run.seed) or a local
-    HF path.
+    """``tiny`` / ``lab`` / ``lab-moe`` (embedded, warm-started, cached), ``tiny-random`` (random init from
+    run.seed) or a local HF path.
 
     A local path is loaded with ``local_files_only=True``: offpolicy never downloads weights.
     """
@@ -39,8 +41,9 @@ def load_model(cfg: TrainConfig):  # -> (model, tokenizer)
     if m.path == "tiny-random":
         from offpolicy.models.tiny import build_tiny_model
 
-        model, tok = build_tiny_model(cfg.run.seed, **m.tiny_config)
-    elif m.path in ("tiny", "lab"):
+        sizes: dict[str, Any] = dict(m.tiny_config)  # architecture sizes (numbers), not build_tiny_model's keywords
+        model, tok = build_tiny_model(cfg.run.seed, **sizes)
+    elif m.path in EMBEDDED_MODELS:
         from offpolicy.models import get_recipe
         from offpolicy.models import load_model as load_embedded
 
@@ -88,8 +91,15 @@ def engine_spec(cfg: TrainConfig) -> EngineSpec:
 
 
 def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> RolloutEngine
-    """The run's rollout engine on ``model``: :func:`engine_spec` built by the factory."""
-    return make_engine(engine_spec(cfg), model=model, tokenizer=tokenizer)
+    """The run's rollout engine on ``model``: :func:`engine_spec` built by the factory.
+
+    On a mixture-of-experts model the transformers engine records its routes even without routing replay, so the
+    trainer measures the routing flips of every run (``routing/flip_rate``), replayed or not.
+    """
+    spec = engine_spec(cfg)
+    if spec.backend == "hf" and not spec.record_routes and not spec.compile and is_moe(model):
+        spec = dataclasses.replace(spec, record_routes=True)
+    return make_engine(spec, model=model, tokenizer=tokenizer)
 
 
 def sampling_config(cfg: TrainConfig) -> SamplingConfig:

@@ -46,7 +46,8 @@ from offpolicy.train.presets import PRESET_PARAMETERS, PRESETS
 from offpolicy.train.proximal import check_loglinear
 from offpolicy.yaml_numbers import load_yaml, yaml_problem
 
-EMBEDDED_MODELS = ("tiny", "lab", "tiny-random")  # model.path values that need no directory
+EMBEDDED_MODELS = ("tiny", "lab", "lab-moe", "tiny-random")  # model.path values that need no directory (the recipes
+# of offpolicy.models.RECIPES and a random init; tests/models/test_moe.py checks they agree)
 
 __all__ = [
     "EMBEDDED_MODELS",

@@ -18,7 +18,8 @@ class ConfigSection(BaseModel):
 
 class ModelConfig(ConfigSection):
     """``path``: a local HF model directory, an embedded model warm-started and cached on first use (``"tiny"``, the
-    1.6 M-parameter arithmetic model; ``"lab"``, the 5 M-parameter pattern model of the lab) or ``"tiny-random"``
+    1.6 M-parameter arithmetic model; ``"lab"``, the 5 M-parameter pattern model of the lab; ``"lab-moe"``, its
+    mixture-of-experts twin) or ``"tiny-random"``
     (the tiny architecture, random init from ``run.seed``: fast, for tests). ``tiny_config`` overrides the
     architecture of any embedded model (a larger ``lab`` is warm-started with the same recipe)."""
 
@@ -32,7 +33,8 @@ class ModelConfig(ConfigSection):
     @classmethod
     def _nonempty(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("model.path is empty: give a local model directory, 'tiny', 'lab' or 'tiny-random'")
+            raise ValueError("model.path is empty: give a local model directory, 'tiny', 'lab', 'lab-moe' or "
+                             "'tiny-random'")
         return v
 
 

@@ -240,7 +240,8 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
     single pass (:func:`single_pass`), where the update reuses this forward as π_θ's.
 
     Routing replay (mixture-of-experts, ``rollout.routing_replay``): ``r3`` routes π_old as the engine did, ``r2``
-    records π_old's own routes for the π_θ forwards.
+    records π_old's own routes for the π_θ forwards. Without replay, routes the engine recorded are only compared
+    with π_old's (the flip rate, nothing replayed).
     """
     cfg = state.cfg
     mode = cfg.rollout.routing_replay
@@ -248,10 +249,10 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
         mask = unscored_mask(rollout.completions, rollout.rollout_logp, rollout.versions)  # π_old is filled in by the
         mu = rollout.rollout_logp.to(mask.device)  # update with the approximation each row's loss read
         return Scored(mu.clone(), mask, mu, None, {}, rollout.routed_experts if mode == "r3" else None, None)
-    # r2 measures how often π_old's routes differ from the engine's where the engine's were recorded (a multi-turn
-    # rollout records none across its turns: no flip rate there)
+    # r2 (and no replay) measure how often π_old's routes differ from the engine's where the engine's were recorded
+    # (a multi-turn rollout records none across its turns: no flip rate there)
     routing = (replay_routes(state.model, rollout.routed_experts, mode="replay" if mode == "r3" else "compare")
-               if mode == "r3" or (mode == "r2" and rollout.routed_experts is not None) else None)
+               if mode == "r3" or rollout.routed_experts is not None else None)
     recorder = RouteRecorder(state.model, batch_size=len(rollout.prompt_ids)) if mode == "r2" else None
     reuse = single_pass(state)
     with torch.set_grad_enabled(reuse), routing or contextlib.nullcontext(), recorder or contextlib.nullcontext():
