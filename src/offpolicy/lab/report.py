@@ -12,8 +12,7 @@ draws the figures of :mod:`offpolicy.lab.plots` and writes:
   definitions and the runs that are missing (failed or not run yet);
 * ``report.html`` — the tables, the figures (PNG embedded as base64), the definitions, per-run numbers.
 
-The tables and the headline are :mod:`offpolicy.lab.tables`, the page :mod:`offpolicy.lab.report_html`; their names
-stay importable from here.
+The tables and the headline are :mod:`offpolicy.lab.tables`, the page :mod:`offpolicy.lab.report_html`.
 """
 
 from __future__ import annotations
@@ -30,41 +29,15 @@ from offpolicy.lab import stats as st
 from offpolicy.lab.mismatch import describe_mismatch
 from offpolicy.lab.report_html import render_html
 from offpolicy.lab.tables import (
-    DEFINITIONS,
-    DIFF_FORMS,
-    NUMBER_COLUMNS,
-    PAIRED_VERSUS,
-    VERDICT_HEADERS,
     definitions,
-    fmt,
-    fmt_comparison,
-    fmt_spread,
-    fmt_trend,
     headline,
     markdown_tables,
-    rich_table,
-    table_rows,
 )
 
 __all__ = [
-    "DEFINITIONS",
-    "DIFF_FORMS",
-    "NUMBER_COLUMNS",
-    "PAIRED_VERSUS",
-    "VERDICT_HEADERS",
     "LabReport",
-    "definitions",
-    "fmt",
-    "fmt_comparison",
-    "fmt_spread",
-    "fmt_trend",
-    "headline",
-    "markdown_tables",
-    "render_html",
-    "rich_table",
     "setting_rule",
     "sweep_report_stats",
-    "table_rows",
     "write_report",
 ]
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.rollout.factory import build_engine as make_engine
+from offpolicy.rollout.factory import build_engine
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
 from offpolicy.train.config import TrainConfig
@@ -78,9 +78,9 @@ def engine_spec(cfg: TrainConfig) -> EngineSpec:
     return EngineSpec(name=f"rollout.engine={r.engine}", backend=r.engine, dtype=r.dtype, **fields)
 
 
-def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> RolloutEngine
+def build_run_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> RolloutEngine
     """The run's rollout engine on ``model``: :func:`engine_spec` built by the factory."""
-    return make_engine(engine_spec(cfg), model=model, tokenizer=tokenizer)
+    return build_engine(engine_spec(cfg), model=model, tokenizer=tokenizer)
 
 
 def sampling_config(cfg: TrainConfig) -> SamplingConfig:
