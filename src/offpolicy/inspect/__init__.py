@@ -22,6 +22,7 @@ from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
 from offpolicy.inspect.specs import ROLLOUT_SPECS, TRAINER_SPECS, build_inspect_engine, parse_spec
 from offpolicy.inspect.summary import summarize
 from offpolicy.inspect.vocabulary import vocabulary_stats
+from offpolicy.rollout.spec import EngineSpec
 
 __all__ = [
     "DVP_RHO_GRID",

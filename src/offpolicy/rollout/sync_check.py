@@ -45,7 +45,7 @@ model the probe's tokens do not reach, and a change smaller than the run's own n
 
 An engine takes part when it has ``score(prompt_ids, completion_ids) -> (logp [B, T], mask [B, T])`` under its own
 numerics (:class:`~offpolicy.rollout.hf.HFRolloutEngine`, :class:`~offpolicy.rollout.vllm.VLLMRolloutEngine`, and
-:class:`~offpolicy.rollout.servers.ServerRolloutEngine` on a vLLM server, via prompt log-probs).
+:class:`~offpolicy.rollout.server_engine.ServerRolloutEngine` on a vLLM server, via prompt log-probs).
 """
 
 from __future__ import annotations
