@@ -346,8 +346,8 @@ def test_per_sequence_and_nonfinite_rows_agree_with_a_loop_over_rows(batch, seed
     g = torch.Generator().manual_seed(seed)
     junk = torch.tensor([NAN, INF, -INF])[torch.randint(0, 3, x.shape, generator=g)]
     y = torch.where(torch.rand(x.shape, generator=g) < 0.2, junk, x)  # non-finite values, valid or not
-    sums, means, maxes, bad = per_sequence(y, m, "sum"), per_sequence(y, m, "mean"), per_sequence(y, m, "max"), \
-        nonfinite_rows(y, m)
+    sums, means, maxes = (per_sequence(y, m, reduce) for reduce in ("sum", "mean", "max"))
+    bad = nonfinite_rows(y, m)
     for i in range(y.shape[0]):
         valid = [float(v) for v, k in zip(y[i], m[i]) if k]
         finite = [v for v in valid if math.isfinite(v)]
