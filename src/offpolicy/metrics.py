@@ -273,7 +273,7 @@ def _mismatch(pi: Tensor, t: _Tokens) -> dict[str, Tensor]:
     }
 
 
-def _weight_stats(weights: Tensor | None, t: _Tokens, level: str, ratio_free: bool) -> dict[str, Tensor]:
+def _weight_stats(weights: Tensor | None, t: _Tokens, level: Level, ratio_free: bool) -> dict[str, Tensor]:
     """ESS, the weight statistics and the clipped / masked fractions of the applied weights (ρ_t when None)."""
     if weights is None:
         w = keep_only(t.rho, t.valid)
