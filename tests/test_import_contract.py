@@ -43,8 +43,12 @@ LAYERS: list[tuple[str, list[str]]] = [
     ]),
     ("corrections and objectives", [
         "offpolicy.corrections.*", "offpolicy.objectives.*", "offpolicy.losses", "offpolicy.perturbation",
+        # the built-in log-prob transforms' descriptions (registry entries, no computation)
+        "offpolicy.transforms",
     ]),
-    ("rollout, models, tasks", ["offpolicy.rollout.*", "offpolicy.models.*", "offpolicy.tasks.*"]),
+    # the recipe schema reads the registries; every host (the trainer, the integrations) maps a recipe from it
+    ("rollout, models, tasks, recipes", ["offpolicy.rollout.*", "offpolicy.models.*", "offpolicy.tasks.*",
+                                         "offpolicy.recipe.*"]),
     # offpolicy/__init__.py: re-exports of the layers below, torch only (the engine factory included: EngineSpec,
     # build_engine, register_engine; no engine module imports more than torch until an engine is built)
     ("public API", ["offpolicy"]),

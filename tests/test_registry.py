@@ -17,9 +17,9 @@ REQUIRED = {"importance": {"level": "geometric", "mode": "mask", "upper": 2.0}, 
 
 def test_builtin_names():
     assert set(CORRECTIONS.names()) >= {"tis", "mis", "geo_mask", "icepop", "importance", "opsm", "veto", "trm",
-                                        "ln_trm", "ser", "kl_rejection", "dvp_keep"}
+                                        "ln_trm", "ser", "kl_rejection", "dvp_keep", "calibrated_is", "delight"}
     assert set(OBJECTIVES.names()) >= {"ppo", "decoupled", "bypass", "gspo", "reinforce", "cispo", "sapo", "dppo_tv",
-                                       "dppo_kl"}
+                                       "dppo_kl", "calibrated_clip"}
     assert set(AGGREGATIONS.names()) >= {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum"}
 
 
@@ -94,11 +94,22 @@ def _build(name: str):
     return CORRECTIONS[name](**REQUIRED.get(name, {}))
 
 
+# corrections that do not correct the mismatch and so are not the identity on policy: each must then not read μ at all
+# (the delight gate weighs A × surprisal, arXiv 2603.20521)
+INDEPENDENT_OF_MU = {"delight"}
+
+
 @pytest.mark.parametrize("name", CORRECTIONS.names())
 def test_every_registered_correction_is_the_identity_on_policy(name, random_batch):
     b = random_batch(seed=7, b=3, t=6, scale=0.0)  # π_θ = π_old = μ
     b = b.replace(rollout_logp=b.logp.clone(), old_logp=b.logp.clone())
     result = _build(name)(b)
+    if name in INDEPENDENT_OF_MU:  # the same result with any μ, or none
+        for other in (b.replace(rollout_logp=b.logp - 1.0), b.replace(rollout_logp=None)):
+            again = _build(name)(other)
+            assert torch.equal(again.weights, result.weights) and torch.equal(again.keep, result.keep), name
+        assert torch.equal(result.keep, b.bool_mask) and all(torch.isfinite(v) for v in result.metrics.values())
+        return
     assert torch.equal(result.keep, b.bool_mask) and torch.equal(result.weights, b.bool_mask.float()), name
     assert all(torch.isfinite(v) for v in result.metrics.values()), name
 

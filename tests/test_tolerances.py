@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,3 +76,51 @@ def test_helpers_and_their_arguments():
                           (lambda: log_softmax_tolerance(torch.float32, 1.0, 0), "vocab")):
         with pytest.raises(ValueError, match=message):
             call()
+
+
+# a server's log-prob above 0: the argmax token at p ≈ 1 in a float32 log-softmax (z_y − m = 0 exactly), against
+# float64, at the lab model's vocabulary and Qwen's; the worst error, the largest value above 0, ÷ the slack
+_MEASURE_SLACK = """
+import json, sys, torch
+from offpolicy.rollout.http import logprob_slack
+torch.set_num_threads(int(sys.argv[1]))
+g = torch.Generator().manual_seed(0)
+out = {}
+for v, scale, lead in ((4099, 1.0, 25.0), (4099, 10.0, 60.0), (152064, 3.0, 30.0)):
+    z = torch.randn(64, v, generator=g) * scale
+    z[:, 0] = z.amax(-1) + lead  # the argmax, p ≈ 1
+    f32 = torch.log_softmax(z, -1)[:, 0].double()
+    err = (f32 - torch.log_softmax(z.double(), -1)[:, 0]).abs().max().item()
+    out[f"{v}/{scale:g}"] = [err, err / logprob_slack(v), f32.max().item()]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_servers_logprob_slack_holds_at_one_and_two_threads(threads):
+    from offpolicy.rollout.http import logprob_slack
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _MEASURE_SLACK, str(threads)], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    for case, (err, ratio, top) in json.loads(run.stdout).items():
+        assert ratio < 0.25, (case, err, ratio)  # the slack holds with a margin of 4 at least
+        assert top <= 0.25 * logprob_slack(int(case.split("/")[0])), (case, top)  # above 0 by a quarter at most
+    # measured (both thread counts): errors ≤ 3.9e-9 nats (≤ 1e-4 of the slack), torch's value never above 0: the
+    # slack is a bound for any float32 kernel's summation order, not torch's own margin
+
+
+def test_a_servers_logprob_is_refused_past_its_slack_saying_what_to_do():
+    from offpolicy.rollout.http import LARGEST_VOCAB, ServerError, check_logprob, logprob_slack
+
+    slack = logprob_slack(4099)
+    # 8 · 2⁻²³ · (2 ln 4099 + √4099 / 2 + 1) = 4.7e-5 — a fixed 1e-4 was twice it at this vocabulary
+    assert slack == pytest.approx(8 * 2**-23 * (2 * math.log(4099) + math.sqrt(4099) / 2 + 1))
+    assert logprob_slack() == logprob_slack(LARGEST_VOCAB) and logprob_slack(152064) > slack
+    assert check_logprob(0.9 * slack, "x", vocab=4099) == 0.0 and check_logprob(-0.5, "x") == -0.5
+    assert check_logprob(float("-inf"), "x") == float("-inf")
+    for bad in (1.1 * slack, 0.5, float("nan"), float("inf")):  # 0.5: a probability, not a log-prob
+        with pytest.raises(ServerError, match=r"^x must be a log-prob ≤ 0 \(float32 rounding allows 4.7e-05 over a "
+                                              r"vocabulary of 4099\), got .*: the server is not reporting log-probs "
+                                              r"there .*--logprobs-mode processed_logprobs\)$"):
+            check_logprob(bad, "x", vocab=4099)

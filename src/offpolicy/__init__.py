@@ -22,6 +22,12 @@ from offpolicy.binary import bernoulli_kl, bernoulli_tv
 from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
 from offpolicy.corrections.base import Correction, CorrectionResult, chain
 
+# Calibrated importance sampling (a cap tighter for confident tokens)
+from offpolicy.corrections.calibrated import calibrated_is
+
+# The delight gate (advantage × surprisal, no behaviour probabilities)
+from offpolicy.corrections.delight import delight
+
 # Divergence-gated importance sampling (OpenRLHF's is_correction_*)
 from offpolicy.corrections.gated import gate, gated_is
 
@@ -74,6 +80,7 @@ from offpolicy.kernels import TokenStats, fused_logp, fused_token_stats, token_s
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import METRIC_NAMES, NAMINGS, metric_names, offpolicy_metrics
 from offpolicy.objectives import TokenInputs, TokenLoss
+from offpolicy.objectives.calibrated_clip import calibrated_clip
 from offpolicy.objectives.ipo import ipo
 from offpolicy.objectives.proximal import approximate_proximal, loglinear_proximal_logp
 from offpolicy.objectives.score_centering import (
@@ -111,17 +118,25 @@ from offpolicy.ratios import (
 from offpolicy.registry import (
     AGGREGATIONS,
     CORRECTIONS,
+    NEEDS,
     OBJECTIVES,
+    TRANSFORMS,
+    Transform,
     build_correction,
+    build_transform,
     register_aggregation,
     register_correction,
     register_objective,
+    register_transform,
 )
 
 # Rollout engines: one spec, one factory, a registry of backends (hf, vllm, llamacpp, server, and any registered)
 from offpolicy.rollout.factory import build_engine, register_engine
 from offpolicy.rollout.spec import EngineSpec
 from offpolicy.topk_advice import TopKAdvice, topk_advice
+
+# The built-in log-prob transforms (DVP, sampling replay, score centering, π_prox, ALP, top-K bounds), described
+from offpolicy.transforms import BUILTIN_TRANSFORMS as _BUILTIN_TRANSFORMS  # noqa: F401 - registers them
 
 __version__ = "0.1.0"
 
@@ -140,11 +155,15 @@ __all__ = [
     "LogProbBatch",
     "METRIC_NAMES",
     "NAMINGS",
+    "NEEDS",
     "OBJECTIVES",
+    "Recipe",
+    "TRANSFORMS",
     "TokenInputs",
     "TokenLoss",
     "TokenStats",
     "TopKAdvice",
+    "Transform",
     "aggregate_log_ratio",
     "alp_policy_loss",
     "approximate_proximal",
@@ -152,11 +171,15 @@ __all__ = [
     "bernoulli_tv",
     "build_correction",
     "build_engine",
+    "build_transform",
+    "calibrated_clip",
+    "calibrated_is",
     "centered_logp",
     "chain",
     "constrained_logp",
     "coverage_metrics",
     "decompose_log_ratio",
+    "delight",
     "divergence_fields",
     "divergence_kind",
     "dr_grpo_advantages",
@@ -196,6 +219,7 @@ __all__ = [
     "opsm",
     "opsm_decomposition",
     "opsm_mask",
+    "needs",
     "needs_rollout_logp",
     "nonfinite_rows",
     "per_sequence",
@@ -206,6 +230,7 @@ __all__ = [
     "register_correction",
     "register_engine",
     "register_objective",
+    "register_transform",
     "replay_support_logp",
     "rloo_advantages",
     "sampled_is_weight",
@@ -234,3 +259,13 @@ __all__ = [
     "veto",
     "weighted_centered_logp",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """:class:`~offpolicy.recipe.Recipe` and :func:`~offpolicy.recipe.needs` on first access: the recipe schema
+    needs pydantic, which ``import offpolicy`` does not."""
+    if name in ("Recipe", "needs"):
+        from offpolicy import recipe
+
+        return getattr(recipe, name)
+    raise AttributeError(f"module 'offpolicy' has no attribute {name!r}")

@@ -17,6 +17,8 @@ field                  shape        meaning
 ``policy_version``     int|None     the version of the weights being trained (v_θ), with ``versions``
 ``max_nonfinite_rollout``  float|None  the largest share of valid tokens whose ``rollout_logp`` may be NaN / ±inf
                                     (default :data:`NONFINITE_ROLLOUT_LIMIT`; None: no limit)
+``nonfinite_setting``  str|None     the setting a refusal names (a host's own key; None: ``LogProbBatch``'s and the
+                                    environment's)
 =====================  ===========  =================================================================
 
 Non-finite μ: a NaN or −inf rollout log-prob at a valid position is an engine that failed on that token (an overflow,
@@ -58,9 +60,42 @@ def default_nonfinite_rollout_limit() -> float | None:
     return value
 
 
-def check_nonfinite_rollout(rollout_logp: Tensor, mask: Tensor, limit: float | None) -> None:
+def nonfinite_rollout_limit(value: Any, *, setting: str) -> float | None:
+    """A host's ``max_nonfinite_rollout`` setting as the batch's limit: a share in [0, 1] (1: no limit), or None
+    for the default (:func:`default_nonfinite_rollout_limit`); anything else is a ``ValueError`` naming ``setting``.
+
+    >>> nonfinite_rollout_limit(0.01, setting="rollout.max_nonfinite_rollout")
+    0.01
+    >>> nonfinite_rollout_limit(2, setting="rollout.max_nonfinite_rollout")
+    Traceback (most recent call last):
+    ...
+    ValueError: rollout.max_nonfinite_rollout must be a share in [0, 1] (1: no limit) or unset, got 2
+    """
+    if value is None:
+        return default_nonfinite_rollout_limit()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{setting} must be a share in [0, 1] (1: no limit) or unset, got {value!r}")
+    return float(value)
+
+
+def nonfinite_fields(value: Any, *, setting: str) -> dict[str, Any]:
+    """The :class:`LogProbBatch` fields of a host's ``max_nonfinite_rollout`` setting named ``setting``: the limit
+    (:func:`nonfinite_rollout_limit`) and what a refusal names (the environment's variable too while the setting
+    is unset, since that is then where the limit comes from).
+
+    >>> nonfinite_fields(None, setting="rollout.max_nonfinite_rollout")["nonfinite_setting"]
+    'rollout.max_nonfinite_rollout / OFFPOLICY_MAX_NONFINITE_ROLLOUT'
+    """
+    limit = nonfinite_rollout_limit(value, setting=setting)
+    return {"max_nonfinite_rollout": limit,
+            "nonfinite_setting": setting if value is not None else f"{setting} / {NONFINITE_ROLLOUT_ENV}"}
+
+
+def check_nonfinite_rollout(rollout_logp: Tensor, mask: Tensor, limit: float | None, *,
+                            setting: str | None = None) -> None:
     """Raise ``ValueError`` when more than ``limit`` of the valid tokens have a NaN / ±inf ``rollout_logp``
-    [B, T], saying how many, in which rows (first position), and which setting raises the limit.
+    [B, T], saying how many, in which rows (first position), and which setting raises the limit (``setting``: a
+    host's key; None: ``LogProbBatch(max_nonfinite_rollout=...)`` and the environment's).
 
     >>> mu = torch.tensor([[-0.5, float("nan")], [-0.1, -0.2]])
     >>> check_nonfinite_rollout(mu, torch.ones(2, 2), 0.5)       # 1 of 4: within
@@ -82,11 +117,12 @@ def check_nonfinite_rollout(rollout_logp: Tensor, mask: Tensor, limit: float | N
     rows = bad.any(dim=-1).nonzero().flatten().tolist()
     row, pos = (int(v) for v in bad.nonzero()[0])
     shown = str(rows) if len(rows) <= 8 else f"{str(rows[:8])[:-1]}, …] ({len(rows)} rows)"
+    setting = setting or f"LogProbBatch(max_nonfinite_rollout=...) / {NONFINITE_ROLLOUT_ENV}"
     raise ValueError(
         f"rollout_logp: {n_bad} of {n} valid tokens ({100 * n_bad / n:.3g} %) are NaN / ±inf, in rows {shown} (first "
         f"at row {row}, position {pos}), above max_nonfinite_rollout = {limit:g}: the rollout engine returned no "
         f"usable log-prob there (an overflow, or raw log-probs of a token its recipe truncated); fix the engine, or "
-        f"raise the limit with LogProbBatch(max_nonfinite_rollout=...) / {NONFINITE_ROLLOUT_ENV}")
+        f"raise the limit with {setting}")
 
 
 def _check_tensor(name: str, x: object) -> Tensor:
@@ -165,6 +201,7 @@ class LogProbBatch:
     versions: Tensor | None = None
     policy_version: int | None = None
     max_nonfinite_rollout: float | None = field(default_factory=default_nonfinite_rollout_limit)
+    nonfinite_setting: str | None = None
 
     def __post_init__(self) -> None:
         check_token_tensor("logp", self.logp)
@@ -191,7 +228,7 @@ class LogProbBatch:
             raise ValueError(f"max_nonfinite_rollout must be a share in [0, 1] or None, got {limit!r}")
         if self.rollout_logp is not None:
             if not torch.compiler.is_compiling():  # a host-side verdict: outside a compiled graph only
-                check_nonfinite_rollout(self.rollout_logp.detach(), self.mask, limit)
+                check_nonfinite_rollout(self.rollout_logp.detach(), self.mask, limit, setting=self.nonfinite_setting)
 
     @property
     def batch_size(self) -> int:

@@ -41,7 +41,10 @@ PAPERS: dict[str, str] = {
     "2602.02276": "Kimi K2.5 (squared log-ratio penalty)",
     "2602.04879": "DPPO (trust region on probability differences)",
     "2603.19470": "Adaptive Layerwise Perturbation (ALP)",
+    "2603.20521": "Delightful Distributed Policy Gradient (the delight gate)",
     "2609.20807": "score centering",
+    "2609.22870": "calibrated clipping for low-precision rollouts",
+    "2609.32444": "calibrated importance sampling",
 }
 
 
@@ -87,6 +90,8 @@ METHODS: tuple[Method, ...] = (
            "this library", corrections=("importance",)),
     Method("gated IS", "importance-sampling", "a gate on ρ, the binary KL or TV of the sampled token; survivors keep ρ_t",
            None, "OpenRLHF is_correction", corrections=("gated_is",)),
+    Method("calibrated IS", "importance-sampling", "w = min(ρ, 1 + λ·max(1 − π_old(y), κ)): a tighter cap for "
+           "confident tokens", "2609.32444", "(unmeasured here)", corrections=("calibrated_is",)),
     Method("OPSM", "sequence-masks", "drop iff A < 0 and mean_t log(μ/π_θ) > δ", "2512.02556", "§3.1",
            corrections=("opsm",), presets=("opsm",)),
     Method("token veto", "sequence-masks", "drop the sequence if any ρ_t < τ (1e-4)", "2512.23087", "App. A",
@@ -107,6 +112,8 @@ METHODS: tuple[Method, ...] = (
     Method("bypass", "objectives", "PPO on π_θ/μ (no π_old forward)", None, "verl bypass mode",
            objectives=("bypass",)),
     Method("GSPO", "objectives", "PPO on the geometric sequence ratio", "2507.18071", "", objectives=("gspo",)),
+    Method("calibrated clipping", "objectives", "PPO on π_θ/μ, ε_low / ε_high widened to the batch's π_old/μ "
+           "1 % / 99 % quantiles", "2609.22870", "(unmeasured here)", objectives=("calibrated_clip",)),
     Method("REINFORCE", "objectives", "−A · log π_θ (no ratio)", None, "Williams 1992", objectives=("reinforce",)),
     Method("CISPO", "objectives", "−sg[clip(r)] · A · log π_θ", "2506.13585", "§3.1", objectives=("cispo",)),
     Method("SAPO", "objectives", "−(4/τ) σ(τ(r − 1)) · A", "2511.20347", "", objectives=("sapo",)),
@@ -116,6 +123,8 @@ METHODS: tuple[Method, ...] = (
            "2510.01161", "Alg. 1", corrections=("m2po",), presets=("m2po",)),
     Method("IPO", "stale", "−A·r·1[|π − μ| ≤ δ] + τ_kl (log r)²", None, "prime-rl loss.py", objectives=("ipo",),
            presets=("ipo",)),
+    Method("delight gate", "stale", "w = σ(A · (−log π_old(y)) / η): surprising failures suppressed, no μ",
+           "2603.20521", "(unmeasured here)", corrections=("delight",)),
     Method("score centering", "stale", "∇log π(y) − E_q[∇log π]: onehot(y) − q in the logits, exact or top-k; "
            "under TIS / IcePop w(r)∇log π(y) − E_q[w ∇log π]",
            "2609.20807", "", presets=("score_centering", "score_centering_topk", "score_centering_tis",

@@ -114,6 +114,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("loss/empty_batch", "1 when no token counted in the loss (all masked or empty), else 0"),
     Entry("loss/nonfinite_tokens", "valid tokens dropped for a NaN / inf log-prob the objective reads"),
     Entry("loss/ipo_masked", "share of tokens IPO masks, |π_θ(y) − μ(y)| > δ"),
+    Entry("loss/calibrated_widened_low", "calibrated_clip: 1 when the batch's π_old/μ quantile widened ε_low past "
+          "its floor (per minibatch; the step's mean is the share of minibatches widened)"),
+    Entry("loss/calibrated_widened_high", "calibrated_clip: the same for ε_high"),
     # -- corrections -----------------------------------------------------------------------------------------------
     Entry("<is>/raw_ratio_mean", "mean ratio π_old/μ (or π_θ/μ with source=total) before the correction"),
     Entry("<is>/raw_ratio_max", "largest ratio before the correction"),
@@ -122,6 +125,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("<is>/kept_frac", "share of valid tokens the correction keeps"),
     Entry("<is>/clipped_frac", "share of valid tokens whose weight was truncated or masked"),
     Entry("<is>/nonfinite_frac", "share of valid tokens with a non-finite ratio (dropped)"),
+    Entry("calibrated_is/cap_mean", "mean per-token cap 1 + λ·max(1 − π_old(y), κ) of calibrated IS"),
+    Entry("delight/weight_mean", "mean delight gate σ(A·(−log π)/η) over valid tokens (0 where dropped)"),
+    Entry("delight/kept_frac", "share of valid tokens the delight gate keeps (all with a finite surprisal)"),
+    Entry("delight/suppressed_frac", "share of valid tokens with negative delight (gate < ½: surprising failures)"),
+    Entry("delight/delight_mean", "mean delight A·(−log π(y)) over valid tokens"),
+    Entry("delight/surprisal_mean", "mean surprisal −log π(y) over valid tokens"),
+    Entry("delight/nonfinite_frac", "share of valid tokens with a non-finite surprisal or advantage (dropped)"),
     Entry("gated_is/filter_frac", "share of units (tokens or sequences) the gate drops"),
     Entry("gated_is/stat_mean", "mean of the gated statistic (ratio, binary KL or TV)"),
     Entry("gated_is/stat_max", "largest gated statistic"),
@@ -206,7 +216,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("inspect:k3_kl", "k3 estimate of KL(μ‖π) from the sampled tokens", "inspect"),
 )
 
-IS_NAMES = ("tis", "mis", "geo_mask", "icepop", "importance", "gated_is")
+IS_NAMES = ("tis", "mis", "geo_mask", "icepop", "importance", "gated_is", "calibrated_is")
 KL_MODES = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
             "seq_max_k3")
 _PLACEHOLDERS = {

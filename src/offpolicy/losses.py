@@ -314,6 +314,7 @@ def token_inputs(batch: LogProbBatch, reads: tuple[str, ...], *, corrected: bool
         advantages=clean(advantages),  # type: ignore[arg-type]
         valid=valid,
         corrected=corrected,
+        rollout_finite=None if batch.rollout_logp is None else valid & is_finite(batch.rollout_logp),
     )
 
 

@@ -1,7 +1,7 @@
 """Registries: corrections, objectives and aggregations by name, so that a config, the CLI, the TRL trainer and the verl
 adapter can name a method — including one defined in a user's own module — without editing offpolicy.
 
-Three registries, one per kind (in the spirit of verl's ``@register_policy_loss`` and torchtune's config-named
+Four registries, one per kind (in the spirit of verl's ``@register_policy_loss`` and torchtune's config-named
 components):
 
 * :data:`CORRECTIONS` — factories ``(**params) -> Correction`` (``tis``, ``icepop``, ``opsm`` …);
@@ -9,7 +9,10 @@ components):
 * :data:`OBJECTIVES` — token-level losses ``(inputs, **params) -> TokenLoss`` (``ppo``, ``cispo``, ``sapo`` …);
   register with :func:`register_objective` (see :mod:`offpolicy.objectives`);
 * :data:`AGGREGATIONS` — ``(token_loss, mask, max_tokens) -> scalar`` (``token_mean``, ``token_sum`` …);
-  register with :func:`register_aggregation` (see :mod:`offpolicy.losses`).
+  register with :func:`register_aggregation` (see :mod:`offpolicy.losses`);
+* :data:`TRANSFORMS` — log-prob transforms (``dvp``, ``alp``, ``score_centering`` …, :mod:`offpolicy.transforms`):
+  their parameters and what they need (:data:`NEEDS`); register with :func:`register_transform`, build with
+  :func:`build_transform`.
 
 A *spec* names a registered entry and its parameters: ``"icepop"``, ``{"name": "opsm", "delta": 0.5}``, or a list of
 them (a chain). An unknown name or parameter is a ``ValueError`` that lists what exists, raised when the spec is
@@ -21,7 +24,7 @@ chain(icepop(lower=0.5, upper=5.0, source='mismatch'), opsm(delta=0.5))
 >>> op.build_correction("tiss")
 Traceback (most recent call last):
 ...
-ValueError: unknown correction 'tiss'; registered: dvp_keep, gated_is, geo_mask, icepop, importance, kl_rejection, ln_trm, m2po, mis, opsm, ser, tis, trm, veto
+ValueError: unknown correction 'tiss'; registered: calibrated_is, delight, dvp_keep, gated_is, geo_mask, icepop, importance, kl_rejection, ln_trm, m2po, mis, opsm, ser, tis, trm, veto
 """
 
 from __future__ import annotations
@@ -230,3 +233,165 @@ def register_aggregation(name: str) -> Callable[[Callable[..., Any]], Callable[.
         return AGGREGATIONS.register(name, fn)
 
     return decorator
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Log-prob transforms
+# ---------------------------------------------------------------------------------------------------------------------
+
+# What a method reads besides π_θ, in one vocabulary for transforms, corrections and objectives: a host declares which
+# of these it can supply (offpolicy.recipe.hosts) and refuses a recipe that needs one it cannot.
+NEEDS: dict[str, str] = {
+    "rollout_logp": "the engine's log-probs μ of the sampled tokens",
+    "old_logp": "π_old's log-probs, from the trainer's forward before the update",
+    "engine_topk": "the engine's top-K log-probs and ids at each sampled position",
+    "engine_logits": "the engine's full logits at each sampled position",
+    "sampling_recipe": "the engine's sampling recipe (temperature, min-p, top-k, top-p), applied on both sides",
+    "policy_versions": "the policy version that sampled each token, as an asynchronous rollout records it",
+    "hidden_states": "hooks on the decoder layers of the trainer's model",
+}
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A registered log-prob transform: a method that changes the log-probs (or the per-token divergence) the loss
+    reads, before any correction sees them.
+
+    ``params``: each parameter's default (``REQUIRED`` for one without); ``needs``: keys of :data:`NEEDS`, a tuple or
+    a function of the bound parameters (score centering reads the engine's logits or its top-K, as configured);
+    ``provides``: what it changes (``"logp"``, ``"token_divergence"``, ``"old_logp"``); ``corrections``: corrections
+    it puts first in the chain (DVP's ``dvp_keep`` drops tokens outside the trainer's support); ``apply``:
+    ``(batch: LogProbBatch, **params) -> LogProbBatch`` for a transform a host runs on the batch before the loss
+    (a plug-in's), None for the built-in ones, which each host computes in its own scoring; ``check``: raises a
+    ``ValueError`` naming a parameter whose value is out of range.
+    """
+
+    name: str
+    params: Mapping[str, Any]
+    needs: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = ()
+    provides: str = "logp"
+    description: str = ""
+    corrections: tuple[str, ...] = ()
+    apply: Callable[..., Any] | None = None
+    check: Callable[[Mapping[str, Any]], None] | None = None  # raises ValueError naming a bad parameter value
+
+    def needs_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
+        return self.needs(params) if callable(self.needs) else self.needs
+
+    @property
+    def fn(self) -> Any:  # the Registry identifies an entry by its function (a re-registration replaces it)
+        return self.apply if self.apply is not None else self
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+TRANSFORMS: Registry[Transform] = Registry("transform")
+
+
+@dataclass(frozen=True)
+class BoundTransform:
+    """A transform with its parameters (defaults filled in): what :func:`build_transform` returns."""
+
+    entry: Transform
+    params: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return self.entry.needs_for(self.params)
+
+    def __call__(self, batch: Any) -> Any:
+        """The transformed batch (a plug-in's ``apply``); a built-in transform is computed by the host."""
+        if self.entry.apply is None:
+            raise ValueError(f"transform {self.name!r} is computed by the host's scoring, not on a batch")
+        return self.entry.apply(batch, **self.params)
+
+
+def register_transform(
+    name: str,
+    *,
+    needs: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = (),
+    provides: str = "logp",
+    description: str = "",
+    corrections: tuple[str, ...] = (),
+    params: Mapping[str, Any] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``fn(batch: LogProbBatch, **params) -> LogProbBatch`` as transform ``name``; its keyword
+    parameters (after the batch) and their defaults are the transform's, unless ``params`` says.
+
+    >>> import offpolicy as op
+    >>> @op.register_transform("shift_old", needs=("old_logp",), provides="old_logp")
+    ... def shift_old(batch, by: float = 0.0):
+    ...     return batch.replace(old_logp=batch.old_logp + by)
+    >>> op.build_transform({"name": "shift_old", "by": 0.5}).params
+    {'by': 0.5}
+    >>> TRANSFORMS.unregister("shift_old")
+    """
+    _check_needs(name, needs)
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = params
+        if own is None:
+            signature = list(inspect.signature(fn).parameters.values())[1:]
+            own = {p.name: REQUIRED if p.default is p.empty else p.default for p in signature
+                   if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        TRANSFORMS.register(name, Transform(name, dict(own), needs, provides, description, corrections, fn))
+        return fn
+
+    return decorator
+
+
+def describe_transform(entry: Transform) -> Transform:
+    """Register a transform that the hosts compute themselves (no ``apply``): the built-in ones."""
+    _check_needs(entry.name, entry.needs)
+    return TRANSFORMS.register(entry.name, entry)
+
+
+def _check_needs(name: str, needs: Any) -> None:
+    if not callable(needs):
+        unknown = [n for n in needs if n not in NEEDS]
+        if unknown:
+            raise ValueError(f"transform {name!r}: unknown need {unknown[0]!r}; known: {', '.join(NEEDS)}")
+
+
+def nearest(key: str, valid: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid key closest to ``key``, or ``''``."""
+    import difflib
+
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def build_transform(spec: str | Mapping[str, Any]) -> BoundTransform:
+    """A :class:`BoundTransform` from a name or ``{"name": …, **params}``: every parameter checked (an unknown one
+    names the nearest), a missing required one named, the defaults filled in.
+
+    >>> import offpolicy.transforms
+    >>> build_transform({"name": "dvp", "rho": 1e-4}).params
+    {'rho': 0.0001, 'coverage': None}
+    >>> build_transform({"name": "dvp", "rh": 1e-4})
+    Traceback (most recent call last):
+    ...
+    ValueError: transform 'dvp' has no parameter 'rh' (did you mean 'rho'?); it takes: rho, coverage
+    """
+    name, given = split_spec(spec, "transform")
+    entry = TRANSFORMS[name]
+    for key in given:
+        if key not in entry.params:
+            raise ValueError(f"transform {name!r} has no parameter {key!r}{nearest(key, list(entry.params))}; it "
+                             f"takes: {', '.join(entry.params) or 'none'}")
+    params = {k: given.get(k, default) for k, default in entry.params.items()}
+    missing = [k for k, v in params.items() if v is REQUIRED]
+    if missing:
+        raise ValueError(f"transform {name!r} needs parameter {missing[0]!r}")
+    if entry.check is not None:
+        entry.check(params)
+    return BoundTransform(entry, params)

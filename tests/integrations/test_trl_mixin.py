@@ -1,6 +1,6 @@
 """``OffPolicyGRPOMixin`` composed in front of a user's own ``GRPOTrainer`` subclass: the user's overrides and
 offpolicy's both run (on a stand-in base, and in TRL's real ``train()`` on a tiny random Qwen2); the module-level
-``OffPolicyGRPOTrainer`` is that composition with TRL's ``GRPOTrainer``; the old factory is a deprecated alias."""
+``OffPolicyGRPOTrainer`` is that composition with TRL's ``GRPOTrainer``."""
 
 from collections import defaultdict
 from types import SimpleNamespace

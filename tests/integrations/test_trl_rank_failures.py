@@ -137,6 +137,28 @@ def test_the_loss_reaches_every_rank_through_the_same_block(monkeypatch):
     assert len(seen) == 1 and isinstance(seen[0], KeyError)
 
 
+@pytest.mark.parametrize("why", ["untested torch", "no getter"])
+def test_without_the_private_store_a_failing_rank_raises_alone(monkeypatch, why):
+    """The private ``_get_default_store`` is read on the tested torch releases only; elsewhere (or where it is gone)
+    the failing rank raises its own error and the others go on: the behaviour without the exchange."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    from offpolicy.integrations.trl import ranks
+
+    assert ranks.world_size() == 1
+    monkeypatch.setattr(ranks, "world_size", lambda group=None: 2)  # as if two processes
+    monkeypatch.setattr(ranks._Blocks, "warned", False)
+    if why == "untested torch":
+        monkeypatch.setattr(torch, "__version__", "2.99.0")
+    else:
+        monkeypatch.delattr(distributed_c10d, "_get_default_store")
+    assert ranks._default_store() is None
+    with pytest.raises(ValueError, match="^mine$"):
+        ranks.raise_on_any_rank(ValueError("mine"))
+    ranks.raise_on_any_rank(None)  # nothing to wait for: returns
+
+
 if __name__ == "__main__":
     run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     # verdicts written and the group destroyed: leave without the interpreter's teardown, where gloo's worker

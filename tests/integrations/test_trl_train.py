@@ -276,3 +276,33 @@ def test_a_bf16_policy_trains_under_every_head_reading_method(tmp_path, name):
     ratios = logged(trainer, "offpolicy/loss/ratio_mean")
     assert len(ratios) == 2 and all(math.isfinite(x) for x in ratios)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+# the methods published since September, by name, with HF generate (no engine log-probs: μ = π_old), 2 steps each:
+# calibrated IS is then the identity, calibrated clipping plain PPO (nothing widened), and the delight gate — which
+# reads no μ — gates every token into (0, 1)
+RECENT_METHODS = {
+    "calibrated_is": (dict(correction={"name": "calibrated_is"}), "offpolicy/calibrated_is/weight_mean"),
+    "delight": (dict(correction={"name": "delight"}), "offpolicy/delight/weight_mean"),
+    "calibrated_clip": (dict(objective="calibrated_clip"), "offpolicy/loss/calibrated_widened_low"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECENT_METHODS))
+def test_recent_methods_train_by_name_with_hf_generate(tmp_path, name):
+    torch.manual_seed(0)
+    model, tok = build_tiny_model(seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    kw, metric = RECENT_METHODS[name]
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=_args(tmp_path, learning_rate=1e-3),
+                                   train_dataset=toy_dataset(), processing_class=tok, **kw)
+    trainer.train()
+    losses, values = logged(trainer, "loss"), logged(trainer, metric)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and len(values) == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    if name == "calibrated_is":
+        assert values == [1.0, 1.0] and logged(trainer, "offpolicy/calibrated_is/clipped_frac") == [0.0, 0.0]
+    elif name == "calibrated_clip":
+        assert values == [0.0, 0.0] and logged(trainer, "offpolicy/loss/calibrated_widened_high") == [0.0, 0.0]
+    else:
+        assert all(0.0 < v < 1.0 for v in values)

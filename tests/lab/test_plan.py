@@ -153,3 +153,15 @@ def test_presets_asked_for_keep_the_settings_control_choice(tmp_path):
                                                                   ("tis", "w4a4")]
     plan = plan_sweep(tmp_path, "quant", presets="tis", mismatches="w4a4", seeds=1)  # no control named: tis runs it
     assert sorted({(r.preset, r.mismatch) for r in plan.runs}) == [("tis", "none"), ("tis", "w4a4")]
+
+
+def test_the_recent_setting_runs_the_new_methods_on_lag8_and_w4a4(tmp_path):
+    plan = plan_sweep(tmp_path, "recent")
+    arms = {(r.preset, r.mismatch) for r in plan.runs}
+    for name in ("calibrated_is", "calibrated_clip", "delight"):
+        assert {(name, "lag8"), (name, "w4a4")} <= arms and (name, "none") not in arms
+    by_arm = {(r.preset, r.mismatch): planned_config(r) for r in plan.runs if r.name.endswith("__s0")}
+    assert by_arm[("calibrated_is", "lag8")].algorithm.corrections == [{"name": "calibrated_is"}]
+    assert by_arm[("delight", "w4a4")].algorithm.corrections == [{"name": "delight"}]
+    assert by_arm[("calibrated_clip", "lag8")].algorithm.objective == "calibrated_clip"
+    assert by_arm[("calibrated_clip", "lag8")].algorithm.preset == "naive"

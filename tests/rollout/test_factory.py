@@ -93,6 +93,9 @@ def test_llamacpp_kv_cache_type_by_name_or_bits():
         EngineSpec(backend="llamacpp", kv_cache_type="q5_k")
 
 
+PROCESSED = {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}  # a dev-mode /server_info
+
+
 @pytest.fixture
 def stub():
     with stub_servers() as start:
@@ -102,7 +105,8 @@ def stub():
 def test_server_client_from_a_spec_detects_the_protocol_and_reads_the_vocabulary(tiny, stub, tmp_path):
     model, tok = tiny
     completion = json.loads((DATA / "vllm_completions.json").read_text())
-    url, log = stub({"/v1/models": {"data": [{"id": "lab", "owned_by": "vllm"}]}, "/v1/completions": completion})
+    url, log = stub({"/v1/models": {"data": [{"id": "lab", "owned_by": "vllm"}]}, "/v1/completions": completion,
+                     "/server_info": PROCESSED})
     engine = build_engine(EngineSpec.parse(f"server={url},timeout=5,weights_dir={tmp_path}"), model=model)
     assert isinstance(engine, ServerRolloutEngine) and isinstance(engine.protocol, VLLMProtocol)
     assert engine.protocol.model == "lab"  # detected: /props and /get_model_info answer 404, /v1/models is vLLM's
@@ -110,11 +114,12 @@ def test_server_client_from_a_spec_detects_the_protocol_and_reads_the_vocabulary
     assert engine.vocab_size == model.config.vocab_size
     out = engine.generate([[1, 19, 31]], SamplingConfig(max_new_tokens=3, logprobs_topk=2), seed=7)
     assert out.completion_ids == [[20, 223, 2]]
-    assert [p for p, _ in log] == ["/props", "/get_model_info", "/v1/models", "/v1/models", "/v1/completions"]
-    # protocol given: no detection requests
-    url2, log2 = stub({"/v1/models": {"data": [{"id": "lab", "owned_by": "vllm"}]}})
+    assert [p for p, _ in log] == ["/props", "/get_model_info", "/v1/models", "/server_info", "/v1/models",
+                                   "/v1/completions"]
+    # protocol given: no detection requests; the log-prob mode and the served model's name only
+    url2, log2 = stub({"/v1/models": {"data": [{"id": "lab", "owned_by": "vllm"}]}, "/server_info": PROCESSED})
     assert isinstance(build_engine(EngineSpec(server=url2, protocol="vllm")).protocol, VLLMProtocol)
-    assert [p for p, _ in log2] == ["/v1/models"]  # the served model's name only
+    assert [p for p, _ in log2] == ["/server_info", "/v1/models"]
 
 
 class _RecordedVLLM:

@@ -234,3 +234,42 @@ def test_split_routes_and_output_validation():
     with pytest.raises(ValueError, match="routed_experts has 1 rows"):
         RolloutOutput([[1], [2]], [[3], [4]], torch.zeros(2, 1), torch.ones(2, 1, dtype=torch.bool),
                       routed_experts=[torch.zeros(1, 2, 2)])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The gate check's tolerance: from the dtype and the number of experts, not a fixed 1e-5
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gate_check_holds_within_its_tolerance_at_one_and_two_threads_and_catches_another_gate(threads, dtype):
+    from offpolicy.rollout.routing import _gate_renormalises, _gate_weights, gate_tolerance
+
+    cfg = Qwen3MoeConfig(**{**COMMON, "hidden_size": 256}, moe_intermediate_size=16, num_experts=128,
+                         num_experts_per_tok=8, head_dim=8, norm_topk_prob=True)  # Qwen3-MoE's 128 experts, top 8
+    torch.manual_seed(0)
+    router = find_routers(AutoModelForCausalLM.from_config(cfg).eval())[0].to(dtype)
+    with torch.no_grad():
+        router.weight.mul_(40.0)  # router logits up to |z| ≈ 20, as trained routers reach
+    h = torch.randn(512, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the native softmax's summation order
+    try:
+        with torch.no_grad():
+            logits, weights, experts = router(h)
+    finally:
+        torch.set_num_threads(before)
+    tol = gate_tolerance(logits, weights)
+    # another kernel's gate: the softmax in float64 (another rounding than the replay's float32), cast alike
+    probs = torch.softmax(logits.double(), dim=-1).gather(-1, experts)
+    other = (probs / probs.sum(-1, keepdim=True)).to(dtype)
+    gap = float((_gate_weights(logits, experts, True).to(dtype).float() - other.float()).abs().max())
+    # measured (both thread counts, |z| ≤ 52): float32 gap 1.2e-7 of a 1.7e-4 tolerance; bfloat16 gap 0 of 8.0e-3
+    assert gap <= 0.6 * tol, (gap, tol)
+    assert _gate_renormalises(router, logits, other, experts) is True
+    assert _gate_renormalises(router, logits, weights, experts) is True
+    # another gate (weights off by 2 % — a temperature, a bias): refused, saying by how much and what to do
+    with pytest.raises(ValueError, match=r"off by .* past the .* that rounding allows for torch\.(float32|bfloat16) "
+                                         r"weights over 128 experts.*rollout\.routing_replay=none"):
+        _gate_renormalises(router, logits, weights * 1.02 if dtype == torch.float32 else weights * 1.1, experts)

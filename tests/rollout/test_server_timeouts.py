@@ -59,6 +59,7 @@ def test_the_trainers_server_engine_names_its_config_key(silent_server, monkeypa
     from offpolicy.rollout.spec import EngineSpec
 
     monkeypatch.setattr(servers, "served_model", lambda url, timeout=10.0: "tiny")
+    monkeypatch.setattr(servers, "check_vllm_logprobs_mode", lambda url, timeout=10.0: None)
     spec = EngineSpec(name="rollout.engine=server", backend="server", server=silent_server, protocol="vllm",
                       timeout=0.5)
     assert servers.build_server_engine(spec).timeout_setting == "rollout.server.timeout"

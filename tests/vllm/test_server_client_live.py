@@ -160,3 +160,10 @@ def test_inspect_against_the_server_measures_the_exact_kl(server, tmp_path):
     assert report["kl_source"] == "exact"  # --max-logprobs -1: K = V, the full distribution
     assert 0 <= report["kl_mean"] < 1e-6  # fp32 against fp32: the round-off floor
     assert report["positions"] > 0
+
+
+def test_a_server_with_raw_logprobs_is_refused_at_connection(vllm_servers):
+    raw = vllm_servers.get("tiny", "float32", extra_args=("--logprobs-mode", "raw_logprobs"))  # the last flag wins
+    with pytest.raises(ValueError, match=rf"^logprobs_mode: the vLLM server at {raw.url} runs with --logprobs-mode "
+                                         "raw_logprobs; .*restart it with --logprobs-mode processed_logprobs$"):
+        connect_server(raw.url)

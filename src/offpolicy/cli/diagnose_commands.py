@@ -50,21 +50,37 @@ def diagnose(
 
 
 def doctor(
-    server: str = typer.Option(..., "--server", help="The running vLLM server's base URL, e.g. http://127.0.0.1:8000."),
+    server: str | None = typer.Option(None, "--server", help="The running vLLM server's base URL, e.g. "
+                                      "http://127.0.0.1:8000."),
     trl_config: Path | None = typer.Option(None, "--trl-config", help="TRL: GRPOConfig fields as YAML/JSON (plus "
                                            "model_name_or_path and an offpolicy: block of the trainer's keywords)."),
     verl_config: Path | None = typer.Option(None, "--verl-config", help="verl: the trainer config YAML (nested or "
                                             "dotted keys)."),
     vllm_args: str | None = typer.Option(None, "--vllm-args", help="The server's command line, for what it does not "
                                          "report (outside vLLM's dev mode), e.g. '--logprobs-mode processed_logprobs'."),
+    recipe: Path | None = typer.Option(None, "--recipe", help="A recipe file (offpolicy.Recipe, YAML/JSON): validate "
+                                       "it, list what it needs and which hosts accept it (no server needed)."),
 ) -> None:
     """Check a recipe against a running vLLM server before a run: log-probs mode, sampling parameters, served and
     head dtype, tied head, prefix caching, async scheduling, sync check, versions. One pass / FAIL line each with
     its fix; exit code 1 on any failure. Rewrites nothing."""
     console = make_console()
     from offpolicy.diagnose.doctor import load_config, read_server, run_checks
+    from offpolicy.diagnose.recipe_check import recipe_checks
     from offpolicy.rollout.http import ServerError
 
+    if recipe is not None:
+        try:
+            lines = recipe_checks(recipe)
+        except ValueError as err:
+            fail(console, str(err))
+        console.print(f"[bold]doctor[/bold] recipe {escape(str(recipe))}", soft_wrap=True)
+        for line in lines:
+            console.print(escape(line), soft_wrap=True)
+        if server is None:
+            return
+    if server is None:
+        fail(console, "give --server (a running vLLM server) or --recipe FILE")
     if (trl_config is None) == (verl_config is None):
         fail(console, "give one of --trl-config or --verl-config")
     framework, path = ("trl", trl_config) if trl_config is not None else ("verl", verl_config)

@@ -11,19 +11,36 @@ from offpolicy.cli.base import fail, make_console, os_error, warnings_on
 from offpolicy.cli.output import print_summary
 
 
-def presets() -> None:
-    """List the presets: each names a correction chain + an objective."""
+def presets(
+    name: str | None = typer.Argument(None, help="A preset: print its recipe as YAML (a file to start from)."),
+    write: Path | None = typer.Option(None, "--write", help="With NAME: write the recipe to this file too."),
+) -> None:
+    """List the presets: each names a correction chain + an objective, and is a named recipe (offpolicy.recipe)."""
     from rich.table import Table
 
+    from offpolicy.recipe.named import named_recipe
     from offpolicy.train.presets import list_presets
 
+    console = make_console()
+    if name is not None:
+        try:
+            text = named_recipe(name).dump(write)
+        except ValueError as err:
+            fail(console, str(err))
+        except OSError as err:
+            fail(console, os_error(err))
+        console.print(escape(text.rstrip()), soft_wrap=True)
+        return
+    if write is not None:
+        fail(console, "--write needs a preset NAME (offpolicy presets NAME --write FILE)")
     table = Table(title="offpolicy presets")
     table.add_column("preset")
     table.add_column("objective")
+    table.add_column("transforms")
     table.add_column("what it does")
-    for name, objective, description in list_presets():
-        table.add_row(name, objective, description)
-    make_console().print(table)
+    for preset, objective, description in list_presets():
+        table.add_row(preset, objective, ", ".join(named_recipe(preset).transforms) or "-", description)
+    console.print(table)
 
 
 def train(

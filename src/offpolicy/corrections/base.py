@@ -8,8 +8,8 @@ functions, variants are wrappers, not mode strings). Its result carries
 * ``metrics``  dict of 0-d tensors, prefixed with the correction's name — never synced here;
 * ``weight_level`` what the weights are: the level of the importance ratio they carry (``"token"`` /
   ``"sequence"`` / ``"geometric"``, ``"mixed"`` in a chain of several), or None for a pure mask (opsm, veto, trm …,
-  whose weights are only the padding mask). :func:`~offpolicy.offpolicy_metrics` reads it to tell "truncated" from
-  "masked".
+  whose weights are only the padding mask; also a weight that carries no ratio, the delight gate's σ(A·surprisal)).
+  :func:`~offpolicy.offpolicy_metrics` reads it to tell "truncated" from "masked".
 
 Dropped tokens keep their place in the loss *denominator* (the padding mask decides it, not ``keep``): this is the
 Trust-Region-Masking convention (normalise by the total batch, arXiv 2512.23075 §4) and keeps the loss scale stable

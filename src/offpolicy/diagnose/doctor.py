@@ -491,3 +491,4 @@ def run_checks(facts: ServerFacts, cfg: Mapping[str, Any], framework: str) -> li
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
     return [check(facts, cfg, framework) for check in CHECKS]
+

@@ -13,7 +13,7 @@ run: vLLM in fp32 beside its bf16) and ``rule``, how groups are compared (:data:
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'quant']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'quant', 'recent']
 """
 
 from __future__ import annotations
@@ -142,6 +142,19 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "seeds": 3,
         "steps": 60,
     },
+    # the methods published since September, not yet run here: calibrated IS (arXiv 2609.32444), calibrated clipping
+    # (arXiv 2609.22870) and the delight gate (arXiv 2603.20521), beside naive and TIS on the engine that lags by up to
+    # 7 updates and on NVFP4 W4A4 (the low-precision rollout calibrated clipping is made for)
+    "recent": {
+        "description": "calibrated IS, calibrated clipping and the delight gate beside naive and TIS, on an engine "
+                       "synced every 8 steps and on NVFP4 W4A4, naive on the fp32 control",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "calibrated_is", "calibrated_clip", "delight"],
+        "mismatches": ["none", "lag8", "w4a4"],
+        "control_presets": ["naive"],  # on the fp32 engine calibrated IS is the identity, calibrated clipping PPO
+        "seeds": 3,
+        "steps": 60,
+    },
 }
 
 
@@ -169,6 +182,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     # decoupled PPO under TIS (the objective's behaviour weight π_prox/μ capped at 2, as `tis`) with π_prox from
     # AReaL's log-linear interpolation by policy versions instead of the trainer's forward (offpolicy.train.proximal)
     "tis_loglinear": ("tis", ["algorithm.objective=decoupled", "algorithm.proximal=loglinear"]),
+    # calibrated IS at the paper's κ = 5e-3 and λ = 1 (the cap 2 of TIS at an uncertain token, tighter at a confident one)
+    "calibrated_is": ("naive", ["algorithm.corrections=[{name: calibrated_is}]"]),
+    # PPO on π_θ/μ with its range widened to the batch's 1 % / 99 % quantiles of π_old/μ (floored at ε = 0.2)
+    "calibrated_clip": ("naive", ["algorithm.objective=calibrated_clip"]),
+    # the delight gate σ(A·(−log π_old)/η), η = 1: no μ read
+    "delight": ("naive", ["algorithm.corrections=[{name: delight}]"]),
     "kl_gate": ("naive", ["algorithm.corrections=[{name: gated_is, gating: binary_kl, upper: 0.005}]"]),
     "kl_gate_seq": ("naive", ["algorithm.corrections=[{name: gated_is, level: geometric, gating: binary_kl, "
                               "upper: 0.005}]"]),

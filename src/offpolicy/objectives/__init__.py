@@ -18,6 +18,9 @@ name           per-token loss (A advantage, r ratio, sg stop-gradient)          
 ``ipo``        −A r 1[|π_θ(y) − μ(y)| ≤ δ] + τ_kl (log r)², r = π_θ/μ (prime-rl)          ``ipo.py``
 =============  ==========================================================================  =================
 
+``calibrated_clip`` (``calibrated_clip.py``, arXiv 2609.22870) is the PPO term on r = π_θ/μ whose ε_low / ε_high are
+widened to the batch's π_old/μ quantiles (floored at the usual ε): low-precision rollout noise is not clipped.
+
 Score centering (arXiv 2609.20807, ``score_centering.py``) is not an objective of its own: it changes the score that
 any objective differentiates (:func:`~offpolicy.objectives.score_centering.centered_logp`), from the sampler's
 distribution, which a token-level objective does not see; the reference trainer wires it (preset ``score_centering``).
@@ -26,7 +29,16 @@ sampled token's weight in the same log-prob (presets ``score_centering_tis`` / `
 ``proximal.py`` is ``decoupled``'s ``proximal="loglinear"``: π_old from the batch's policy versions (AReaL).
 """
 
-from offpolicy.objectives import cispo, dppo, ipo, ppo, reinforce, sapo, score_centering  # noqa: F401  (registers)
+from offpolicy.objectives import (  # noqa: F401  (registers)
+    calibrated_clip,
+    cispo,
+    dppo,
+    ipo,
+    ppo,
+    reinforce,
+    sapo,
+    score_centering,
+)
 from offpolicy.objectives.base import TokenInputs, TokenLoss
 
 __all__ = ["TokenInputs", "TokenLoss"]

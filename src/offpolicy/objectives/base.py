@@ -23,7 +23,9 @@ class TokenInputs:
 
     ``logp`` log π_θ (carries the gradient); ``old_logp`` log π_old (detached; log π_θ detached when the batch has
     none: a single update on fresh rollouts); ``rollout_logp`` log μ (detached; None when the batch has none);
-    ``advantages`` A per token; ``corrected``: a correction's coefficient will multiply the loss.
+    ``advantages`` A per token; ``corrected``: a correction's coefficient will multiply the loss; ``rollout_finite``
+    where μ was finite among the valid tokens (None: wherever it is given) — for an objective that uses μ where it has
+    it without reading it (a non-finite μ it does not read is 0 in ``rollout_logp``, as every cleaned value).
     """
 
     logp: Tensor
@@ -32,6 +34,7 @@ class TokenInputs:
     advantages: Tensor
     valid: Tensor
     corrected: bool = False
+    rollout_finite: Tensor | None = None
 
     def log_ratio(self, denominator: Tensor, level: str = "token") -> Tensor:
         """log(π_θ / denominator) per token, the gradient flowing through π_θ; 0 where not valid.

@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 class ServerError(ValueError):
     """A server is down, timed out, or answered something the trainer cannot use; the message names the request
@@ -119,13 +121,36 @@ def get_field(obj: Any, key: str | int, where: str, kind: type | tuple[type, ...
     return value
 
 
-def check_logprob(value: Any, where: str) -> float:
-    """A finite log-prob ≤ 0 (up to 1e-4 of rounding), or −inf; anything else (NaN, a string, > 0) is refused."""
+LARGEST_VOCAB = 2**18  # 262,144 (Gemma 3's), the largest vocabulary in common use: the slack when none is known
+
+
+def logprob_slack(vocab: int | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """How far above 0 an engine's log-prob can come out through rounding alone: a log-prob above 0 is the sampled
+    token at p ≈ 1, the argmax, where z_y − m = 0 exactly and the other shifted logits add ≈ nothing — so the
+    logits' magnitude drops out and what is left is the log-softmax's V-term sum and its log,
+    :func:`~offpolicy.tolerances.log_softmax_tolerance` at A = 0 (servers report log-probs in float32;
+    ``vocab`` None: :data:`LARGEST_VOCAB`).
+
+    >>> round(logprob_slack(151936), 6)   # 8 · 1.19e-7 · (2 log V + √V/2 + 1), Qwen's vocabulary
+    0.00021
+    """
+    from offpolicy.tolerances import log_softmax_tolerance
+
+    return float(log_softmax_tolerance(dtype, 0.0, LARGEST_VOCAB if vocab is None else int(vocab)))
+
+
+def check_logprob(value: Any, where: str, *, vocab: int | None = None) -> float:
+    """A finite log-prob ≤ 0 (up to :func:`logprob_slack` of rounding over ``vocab`` logits, clamped to 0), or
+    −inf; anything else (NaN, a string, > 0) is refused, saying what the server should send."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ServerError(f"{where} must be a number, got {type(value).__name__}: {str(value)[:80]}")
     v = float(value)
-    if math.isnan(v) or v > 1e-4 or v == math.inf:
-        raise ServerError(f"{where} must be a log-prob ≤ 0, got {v}")
+    slack = logprob_slack(vocab)
+    if math.isnan(v) or v > slack or v == math.inf:
+        raise ServerError(f"{where} must be a log-prob ≤ 0 (float32 rounding allows {slack:.2g} over a vocabulary of "
+                          f"{LARGEST_VOCAB if vocab is None else vocab}), got {v}: the server is not reporting "
+                          "log-probs there (a probability or a logit?); check its log-prob settings (vLLM: "
+                          "--logprobs-mode processed_logprobs)")
     return min(v, 0.0)
 
 

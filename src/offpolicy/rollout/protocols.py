@@ -152,9 +152,29 @@ def _vllm_token_id(key: Any, where: str, vocab_size: int | None) -> int:
         raise ServerError(f"{where} = {key!r} has no integer id") from None
 
 
-def _vllm_logprob(value: Any, where: str) -> float:
-    v = check_logprob(value, where)
+def _vllm_logprob(value: Any, where: str, vocab: int | None = None) -> float:
+    v = check_logprob(value, where, vocab=vocab)
     return -math.inf if v <= VLLM_NEG_INF else v
+
+
+def vllm_logprobs_mode_verdict(vllm_config: Any, *, server: str = "the vLLM server") -> str | None:
+    """None when a vLLM server's resolved config — ``/server_info?config_format=json``'s ``vllm_config``, what TRL's
+    ``VLLMClient.get_server_info`` returns — reports processed log-probs (μ after temperature and truncation: the
+    distribution sampled from), else the one-line error to raise. Every host's start-up check is this one.
+
+    >>> vllm_logprobs_mode_verdict({"model_config": {"logprobs_mode": "processed_logprobs"}}) is None
+    True
+    >>> vllm_logprobs_mode_verdict({"model_config": {"logprobs_mode": "raw_logprobs"}})[:60]
+    'logprobs_mode: the vLLM server runs with --logprobs-mode raw'
+    """
+    try:
+        mode = vllm_config["model_config"]["logprobs_mode"]
+    except (KeyError, TypeError):
+        mode = "unknown (its /server_info has no model_config.logprobs_mode)"
+    if mode == "processed_logprobs":
+        return None
+    return (f"logprobs_mode: {server} runs with --logprobs-mode {mode}; μ must be the sampling distribution: "
+            "restart it with --logprobs-mode processed_logprobs")
 
 
 class VLLMProtocol:
@@ -252,7 +272,7 @@ def parse_vllm_completion(answer: Any, cfg: SamplingConfig, *, where: str = "req
     if len(values) != len(tokens):
         raise ServerError(f"{w}.logprobs: {len(tokens)} tokens but {len(values)} token_logprobs")
     ids = [_vllm_token_id(t, f"{w}.logprobs.tokens[{j}]", vocab_size) for j, t in enumerate(tokens)]
-    logp = [_vllm_logprob(v, f"{w}.logprobs.token_logprobs[{j}]") for j, v in enumerate(values)]
+    logp = [_vllm_logprob(v, f"{w}.logprobs.token_logprobs[{j}]", vocab_size) for j, v in enumerate(values)]
     for j, v in enumerate(logp):
         if v == -math.inf:
             raise ServerError(f"{w}.logprobs.token_logprobs[{j}]: the sampled token {ids[j]} has probability 0 "
@@ -269,7 +289,7 @@ def parse_vllm_completion(answer: Any, cfg: SamplingConfig, *, where: str = "req
             wj = f"{w}.logprobs.top_logprobs[{j}]"
             if not isinstance(row, dict):
                 raise ServerError(f"{wj} must be an object of 'token_id:<id>': logprob, got {type(row).__name__}")
-            pairs = sorted(((_vllm_token_id(key, f"{wj} key", vocab_size), _vllm_logprob(v, f"{wj}[{key!r}]"))
+            pairs = sorted(((_vllm_token_id(key, f"{wj} key", vocab_size), _vllm_logprob(v, f"{wj}[{key!r}]", vocab_size))
                             for key, v in row.items()), key=lambda p: -p[1])
             finite = sum(math.isfinite(v) for _, v in pairs)
             if width is not None and finite > width + 1:
@@ -347,7 +367,7 @@ def parse_sglang_generate(answer: Any, cfg: SamplingConfig, *, where: str = "req
         we = f"{w}.output_token_logprobs[{j}]"
         if not isinstance(e, list) or len(e) < 2:
             raise ServerError(f"{we} must be [logprob, id, text], got {str(e)[:80]}")
-        logp.append(check_logprob(e[0], f"{we}[0]"))
+        logp.append(check_logprob(e[0], f"{we}[0]", vocab=vocab_size))
         ids.append(check_token(e[1], f"{we}[1]", vocab_size))
     n_out = meta.get("completion_tokens")
     if isinstance(n_out, int) and not isinstance(n_out, bool) and n_out != len(entries):
@@ -371,7 +391,7 @@ def parse_sglang_generate(answer: Any, cfg: SamplingConfig, *, where: str = "req
             for m, e in enumerate(row):
                 if not isinstance(e, list) or len(e) < 2:
                     raise ServerError(f"{wj}[{m}] must be [logprob, id, text], got {str(e)[:80]}")
-                pairs.append((check_token(e[1], f"{wj}[{m}][1]", vocab_size), check_logprob(e[0], f"{wj}[{m}][0]")))
+                pairs.append((check_token(e[1], f"{wj}[{m}][1]", vocab_size), check_logprob(e[0], f"{wj}[{m}][0]", vocab=vocab_size)))
             pairs.sort(key=lambda p: -p[1])
             top_ids.append([i for i, _ in pairs[:k]])
             top_logp.append([v for _, v in pairs[:k]])

@@ -53,6 +53,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from offpolicy.tolerances import eps, log_softmax_tolerance, max_abs_finite, rounding_tolerance
+
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
     """The model's MoE routers in module order (one per MoE layer); ``ValueError`` if it has none.
@@ -246,18 +248,38 @@ def _gate_weights(logits: Tensor, experts: Tensor, renormalise: bool) -> Tensor:
     return weights / weights.sum(dim=-1, keepdim=True) if renormalise else weights
 
 
+def gate_tolerance(logits: Tensor, weights: Tensor) -> float:
+    """How far the replay's gate weights (:func:`_gate_weights`) and the router's own may differ through rounding
+    alone, in probability: two float32 softmaxes over the E router logits of magnitude ≤ A (transformers' routers
+    take the softmax in float32 from the same logits, as the replay does;
+    :func:`~offpolicy.tolerances.log_softmax_tolerance` — p ≤ 1, so an error in log p bounds the error in p), the
+    k-term renormalising sum (:func:`~offpolicy.tolerances.rounding_tolerance`), and each side's rounding of weights
+    ≤ 1 to the weights' dtype (u each: ε)."""
+    a = float(max_abs_finite(logits.detach().float()).max()) if logits.numel() else 0.0
+    k = max(int(weights.shape[-1]), 1)
+    softmax = float(log_softmax_tolerance(torch.float32, a, int(logits.shape[-1])))
+    return softmax + rounding_tolerance(torch.float32, 1.0, terms=k) + eps(weights.dtype)
+
+
 def _gate_renormalises(router: nn.Module, logits: Tensor, weights: Tensor, experts: Tensor) -> bool:
-    """Whether ``router`` renormalises its top-k weights; checked against its own native output, so a router whose
-    gate is computed another way is refused instead of replayed wrongly."""
+    """Whether ``router`` renormalises its top-k weights; checked against its own native output within
+    :func:`gate_tolerance`, so a router whose gate is computed another way is refused instead of replayed wrongly."""
     declared = bool(getattr(router, "norm_topk_prob", True))  # Mixtral has no flag and always renormalises
+    tol = gate_tolerance(logits, weights)
+    gaps = []
     with torch.no_grad():
         for renormalise in (declared, not declared):
             mine = _gate_weights(logits, experts, renormalise).to(weights.dtype)
-            if torch.allclose(mine.float(), weights.detach().float(), rtol=1e-5, atol=1e-6):
+            gap = float((mine.float() - weights.detach().float()).abs().max()) if weights.numel() else 0.0
+            if gap <= tol:
                 return renormalise
+            gaps.append(gap)
     raise ValueError(
-        f"routing replay cannot reproduce the gate weights of {type(router).__name__}: it supports routers whose "
-        "weights are the softmax of the router logits at the top-k experts, optionally renormalised"
+        f"routing replay cannot reproduce the gate weights of {type(router).__name__} (off by {min(gaps):.3g} at "
+        f"best, past the {tol:.3g} that rounding allows for {weights.dtype} weights "
+        f"over {logits.shape[-1]} experts): it supports routers whose weights are the softmax of the router logits at "
+        "the top-k experts, optionally renormalised; train without it (rollout.routing_replay=none) or give the "
+        "router that gate"
     )
 
 

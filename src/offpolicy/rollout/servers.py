@@ -16,7 +16,7 @@ from typing import Any
 from offpolicy.rollout.factory import register_engine
 from offpolicy.rollout.http import ServerError, post_json
 from offpolicy.rollout.llamacpp import connect_llamacpp
-from offpolicy.rollout.protocols import ServerProtocol, SGLangProtocol, VLLMProtocol
+from offpolicy.rollout.protocols import ServerProtocol, SGLangProtocol, VLLMProtocol, vllm_logprobs_mode_verdict
 from offpolicy.rollout.server_engine import ServerRolloutEngine
 from offpolicy.rollout.spec import SERVER_PROTOCOLS, EngineSpec
 
@@ -51,10 +51,32 @@ def served_model(url: str, *, timeout: float = 10.0) -> str:
         raise ServerError(f"{url}/v1/models: answer.data[0].id is missing: {str(models)[:200]}") from None
 
 
+def check_vllm_logprobs_mode(url: str, *, timeout: float = 10.0) -> None:
+    """Refuse, at start, a vLLM server whose log-probs are not the sampling distribution: its resolved config
+    (``GET /server_info?config_format=json``, a dev-mode endpoint) judged by
+    :func:`~offpolicy.rollout.protocols.vllm_logprobs_mode_verdict`, the check TRL's server mode runs too. A server
+    outside dev mode (``/server_info`` answers 404) cannot say, and could not reload weights either: refused, saying
+    how to start it."""
+    url = url.rstrip("/")
+    try:
+        answer = post_json(url + "/server_info?config_format=json", None, timeout=timeout, what="GET /server_info")
+    except ServerError as err:
+        if "answered HTTP 404" not in str(err):
+            raise
+        raise ServerError(f"logprobs_mode: the vLLM server at {url} has no /server_info (not in dev mode), so its "
+                          "--logprobs-mode cannot be checked; start it with VLLM_SERVER_DEV_MODE=1 (its weight "
+                          "reload needs it too) and --logprobs-mode processed_logprobs") from None
+    verdict = vllm_logprobs_mode_verdict(answer.get("vllm_config") if isinstance(answer, dict) else None,
+                                         server=f"the vLLM server at {url}")
+    if verdict is not None:
+        raise ValueError(verdict)
+
+
 def connect_server(url: str, *, protocol: str | None = None, vocab_size: int | None = None, timeout: float = 120.0,
                    tokenizer=None, weights_dir: str | os.PathLike | None = None) -> ServerRolloutEngine:
     """The engine interface on a running vLLM, SGLang or llama.cpp server at ``url`` (``protocol`` None: detected
-    by :func:`detect_protocol`); ``weights_dir``: where :meth:`ServerRolloutEngine.sync_weights` writes the model
+    by :func:`detect_protocol`; a vLLM server's log-prob mode checked first, :func:`check_vllm_logprobs_mode`);
+    ``weights_dir``: where :meth:`ServerRolloutEngine.sync_weights` writes the model
     for the server to reload."""
     protocol = protocol or detect_protocol(url)
     if protocol not in SERVER_PROTOCOLS:
@@ -63,6 +85,8 @@ def connect_server(url: str, *, protocol: str | None = None, vocab_size: int | N
         engine = connect_llamacpp(url, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer)
         engine.weights_dir = Path(weights_dir) if weights_dir is not None else None
         return engine
+    if protocol == "vllm":  # μ must be the distribution sampled from: refused at start, not after training on it
+        check_vllm_logprobs_mode(url, timeout=timeout)
     proto: ServerProtocol = VLLMProtocol(served_model(url)) if protocol == "vllm" else SGLangProtocol()
     return ServerRolloutEngine(url, proto, vocab_size=vocab_size, timeout=timeout, tokenizer=tokenizer,
                                weights_dir=weights_dir)

@@ -18,6 +18,15 @@ from offpolicy.train.config import TrainConfig
 from offpolicy.train.presets import PRESETS, SCORE_CENTERING_TOPK
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NONFINITE_SETTING = "rollout.max_nonfinite_rollout"  # what a batch refused for its non-finite μ names
+
+
+def nonfinite_fields(cfg: TrainConfig) -> dict[str, Any]:
+    """The :class:`~offpolicy.batch.LogProbBatch` fields of the run's limit on non-finite μ:
+    ``rollout.max_nonfinite_rollout`` (unset: ``OFFPOLICY_MAX_NONFINITE_ROLLOUT`` or 1e-3), named on a refusal."""
+    from offpolicy.batch import nonfinite_fields as fields
+
+    return fields(cfg.rollout.max_nonfinite_rollout, setting=NONFINITE_SETTING)
 
 
 def load_model(cfg: TrainConfig):  # -> (model, tokenizer)

@@ -107,6 +107,28 @@ class AlgorithmConfig(ConfigSection):
     # kept (min-p(ρ) ∩ top-p(1 − ε)), on the engine's side and the trainer's; null = the paper's fixed ρ
     dvp_coverage: float | None = Field(None, gt=0, lt=1)
     veto_threshold: float | None = Field(None, gt=0, lt=1)
+    # a Recipe (offpolicy.recipe: a file path, inline YAML / mapping, or a named recipe), mapped onto the keys above,
+    # alp.*, rollout.* and run.metric_naming when the config is read (offpolicy.recipe.hosts.trainer_tree); the
+    # config then holds the mapped keys and no recipe
+    recipe: str | dict[str, Any] | None = None
+    # plug-in log-prob transforms (registered with offpolicy.register_transform, with an apply), run on each
+    # minibatch before the loss, in this order
+    transforms: list[str | dict[str, Any]] | None = None
+
+    @field_validator("transforms")
+    @classmethod
+    def _plugin_transforms(cls, v: list[Any] | None) -> list[Any] | None:
+        from offpolicy.registry import build_transform
+
+        for i, spec in enumerate(v or []):
+            try:
+                bound = build_transform(spec)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"entry {i}: {err}") from None
+            if bound.entry.apply is None:
+                raise ValueError(f"entry {i}: {bound.name!r} is a built-in transform, set by the preset and its keys "
+                                 "(or algorithm.recipe)")
+        return v
 
     @field_validator("preset")
     @classmethod
@@ -176,6 +198,9 @@ class TrainConfig(ConfigSection):
                 raise ValueError(f"plugins must be a list of modules, got {plugins!r}")
             for module in plugins:
                 import_plugin(module)
+            from offpolicy.recipe.hosts import trainer_tree
+
+            data = trainer_tree(data)  # after the plug-ins: a recipe may name what they register
         return data
 
     @model_validator(mode="after")

@@ -143,6 +143,10 @@ class RolloutConfig(ConfigSection):
     # weights digested there, no host copy); hash: BLAKE2b of every tensor on the host (two model sizes copied and
     # hashed per sync: docs/benchmarks.md); false: off
     sync_check_parameters: bool | Literal["device", "hash"] = True
+    # the largest share of a batch's valid tokens whose engine log-prob μ may be NaN / ±inf (left out of the loss,
+    # counted as */nonfinite_rollout_tokens); past it the step is refused naming this key. Unset: the environment's
+    # OFFPOLICY_MAX_NONFINITE_ROLLOUT, else 1e-3; 1: no limit
+    max_nonfinite_rollout: float | None = Field(None, ge=0, le=1)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     llamacpp: LlamaCppSection = Field(default_factory=LlamaCppSection)
     vllm: VLLMSection = Field(default_factory=VLLMSection)

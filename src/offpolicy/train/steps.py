@@ -39,6 +39,7 @@ from offpolicy.train.build import (
     advantage_fn,
     build_run_engine,
     load_model,
+    nonfinite_fields,
     sampling_config,
 )
 from offpolicy.train.config import TrainConfig, objective_call
@@ -295,7 +296,7 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     mask = scored.mask
     at_old = LogProbBatch(logp=scored.old_logp, mask=mask, old_logp=scored.old_logp, rollout_logp=scored.rollout_logp,
                           advantages=rollout.advantages, token_divergence=scored.token_divergence,
-                          extras=scored.extras)
+                          extras=scored.extras, **nonfinite_fields(state.cfg))
     corrected = state.correction(at_old) if state.correction is not None else None
     metrics: dict[str, Tensor | float] = dict(
         offpolicy_metrics(scored.old_logp, scored.rollout_logp, mask, corrected, naming=naming))

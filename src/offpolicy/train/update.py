@@ -15,9 +15,10 @@ from offpolicy.batch import LogProbBatch
 from offpolicy.losses import policy_loss
 from offpolicy.perturbation import alp_policy_loss
 from offpolicy.ratios import masked_mean
+from offpolicy.registry import build_transform
 from offpolicy.rollout.routing import replay_routes
 from offpolicy.rollout.sampling import process_logits
-from offpolicy.train.build import DTYPES
+from offpolicy.train.build import DTYPES, nonfinite_fields
 from offpolicy.train.presets import SCORE_CENTERING_TOPK
 from offpolicy.train.proximal import proximal_method, with_versions
 from offpolicy.train.scoring import score_policy
@@ -64,7 +65,7 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
         return LogProbBatch(logp=logp[rows], mask=scored.mask[rows], old_logp=scored.old_logp[rows],
                             rollout_logp=scored.rollout_logp[rows], advantages=rollout.advantages[rows],
                             token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows],
-                            extras={k: v[rows] for k, v in extras.items()})
+                            extras={k: v[rows] for k, v in extras.items()}, **nonfinite_fields(state.cfg))
     ids = rows.tolist()
     routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
         else contextlib.nullcontext()
@@ -95,6 +96,7 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],
         token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows, :t], extras=extras,
+        **nonfinite_fields(state.cfg),
     )
 
 
@@ -160,6 +162,8 @@ def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler:
 
 
 def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    for spec in state.cfg.algorithm.transforms or ():  # plug-in log-prob transforms, in the config's order
+        batch = build_transform(spec)(batch)
     if state.preset.score_centering is not None:  # the drift term's size per position, over the valid tokens
         loss, metrics = _loss_of(state, batch)
         return loss, {**metrics, **{k: masked_mean(v, batch.mask) for k, v in batch.extras.items()

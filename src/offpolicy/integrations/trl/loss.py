@@ -9,7 +9,7 @@ from typing import Any
 import torch  # noqa: F401 - the doctests use it
 from torch import Tensor
 
-from offpolicy.batch import LogProbBatch
+from offpolicy.batch import LogProbBatch, nonfinite_fields
 from offpolicy.corrections.base import Correction
 from offpolicy.losses import policy_loss
 from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
@@ -21,8 +21,13 @@ def _loss_mask(inputs: dict[str, Any]) -> Tensor:
     return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
 
 
-def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> LogProbBatch:
-    """Map TRL's ``inputs`` dict and the current per-token log-probs [B, T] to a :class:`LogProbBatch`.
+NONFINITE_SETTING = "OffPolicyGRPOTrainer(max_nonfinite_rollout=...)"  # what a batch refused for non-finite μ names
+
+
+def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any], *,
+                          max_nonfinite_rollout: float | None = None) -> LogProbBatch:
+    """Map TRL's ``inputs`` dict and the current per-token log-probs [B, T] to a :class:`LogProbBatch`;
+    ``max_nonfinite_rollout``: the trainer's limit on non-finite μ (None: the default), named on a refusal.
 
     >>> b = batch_from_trl_inputs(torch.zeros(2, 3), {"completion_mask": torch.ones(2, 3), "advantages": torch.ones(2)})
     >>> b.old_logp is None, torch.equal(b.rollout_logp, torch.zeros(2, 3))
@@ -37,7 +42,8 @@ def batch_from_trl_inputs(per_token_logps: Tensor, inputs: dict[str, Any]) -> Lo
     if rollout is None:
         # no separate inference engine: μ = π_old, and π_old = π_θ (detached) when TRL skipped that forward
         rollout = old if old is not None else per_token_logps.detach()
-    return LogProbBatch(logp=per_token_logps, mask=mask, old_logp=old, rollout_logp=rollout, advantages=inputs["advantages"])
+    return LogProbBatch(logp=per_token_logps, mask=mask, old_logp=old, rollout_logp=rollout, advantages=inputs["advantages"],
+                        **nonfinite_fields(max_nonfinite_rollout, setting=NONFINITE_SETTING))
 
 
 def trl_policy_loss(

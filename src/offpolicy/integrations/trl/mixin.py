@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.batch import nonfinite_rollout_limit
 from offpolicy.corrections.base import Correction, chain
 from offpolicy.integrations.trl.loss import (
     _MODEL_INPUT_KEYS,
@@ -49,7 +50,7 @@ from offpolicy.integrations.trl.parts.sharding import head_options, model_shardi
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
-from offpolicy.integrations.trl.patches import extra_llm_kwargs, server_sync_choice
+from offpolicy.integrations.trl.patches import check_request_timeout, extra_llm_kwargs, server_sync_choice
 from offpolicy.integrations.trl.ranks import every_rank_raises
 from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
 from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
@@ -104,6 +105,18 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
     * ``vllm_server_sync`` — server mode: ``"auto"`` (TRL's NCCL transfer on a CUDA trainer, else files),
       ``"nccl"``, or ``"files"``: the weights written to ``vllm_weights_dir`` (a temporary folder by default; the
       server must read it) and reloaded through vLLM's dev-mode endpoints.
+    * ``vllm_request_timeout`` — server mode: seconds each request of TRL's vLLM client (generation, the weight
+      push) may take before an error names the server, the request and the step (TRL's client sets none: a hung
+      server would hold training forever); None (default) is ``GRPOConfig.vllm_server_timeout`` (240 s). Raise it
+      when one generation batch takes longer.
+
+    ``max_nonfinite_rollout`` — the largest share of a batch's valid tokens whose vLLM log-prob μ may be NaN / ±inf
+    (left out of the loss, counted); past it the loss is refused naming this keyword. None (default):
+    ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else 1e-3; 1: no limit.
+
+    ``recipe=`` — a :class:`~offpolicy.Recipe`, a mapping or a YAML / JSON file path — sets the method in one
+    schema instead of the keywords above; it is mapped onto them through one table
+    (:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`), and a keyword that says otherwise is refused naming both.
 
     ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
     the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
@@ -131,10 +144,29 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         vllm_kwargs: dict[str, Any] | None = None,
         vllm_server_sync: str = "auto",
         vllm_weights_dir: str | None = None,
+        vllm_request_timeout: float | None = None,
+        max_nonfinite_rollout: float | None = None,
         allow_changed: list[str] | None = None,
+        recipe: Any = None,
         **kwargs: Any,
     ) -> None:
         check_versions("trl", "torch", user="offpolicy's TRL trainer")  # before TRL's own init can fail on it
+        the_recipe = None
+        if recipe is not None:  # a Recipe, a mapping or a path: mapped onto the keywords below (recipe.hosts)
+            from offpolicy.recipe import Recipe
+            from offpolicy.recipe.hosts import trl_keywords
+
+            the_recipe = Recipe.load(recipe, where="OffPolicyGRPOTrainer: recipe")
+            mapped = trl_keywords(the_recipe, {
+                "correction": correction, "objective": objective, "aggregation": aggregation, "clip_low": clip_low,
+                "clip_high": clip_high, "dual_clip": dual_clip, "metric_naming": metric_naming,
+                "sampling_replay": sampling_replay, "dvp_rho": dvp_rho, "alp": alp, "topk_logprobs": topk_logprobs,
+                "topk_bound": topk_bound, "score_centering": score_centering, "sync_check": sync_check})
+            correction, objective, aggregation = mapped["correction"], mapped["objective"], mapped["aggregation"]
+            clip_low, clip_high, dual_clip = mapped["clip_low"], mapped["clip_high"], mapped["dual_clip"]
+            metric_naming, sampling_replay, dvp_rho = mapped["metric_naming"], mapped["sampling_replay"], mapped["dvp_rho"]
+            alp, topk_logprobs, topk_bound = mapped["alp"], mapped["topk_logprobs"], mapped["topk_bound"]
+            score_centering, sync_check = mapped["score_centering"], mapped["sync_check"]
         check_naming(metric_naming)
         correction = correction if isinstance(correction, Correction) else build_correction(correction)
         if dvp_rho is not None and not (isinstance(dvp_rho, (int, float)) and 0 < dvp_rho <= 1):
@@ -151,6 +183,8 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         if dvp_rho is not None:
             args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
         check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine
+        request_timeout = check_request_timeout(vllm_request_timeout)
+        nonfinite_rollout_limit(max_nonfinite_rollout, setting="max_nonfinite_rollout")  # refused before TRL builds
         cfg = _grpo_args(args, kwargs)
         with extra_llm_kwargs(_colocate_llm_kwargs(cfg, vllm_kwargs, topk_logprobs)), \
                 server_sync_choice(cfg, vllm_server_sync):
@@ -166,6 +200,12 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             raise ValueError("use_vllm: the engine's log-probs μ, which TRL has only from vLLM or a rollout_func "
                              f"(HF generate gives none), are read by {', '.join(self.offpolicy_needs_rollout)}; set "
                              "use_vllm=True or pass rollout_func=engine_rollout(...)")
+        if the_recipe is not None:  # what this run can fetch from its engine, against what the recipe needs
+            from offpolicy.recipe.hosts import HOSTS, check_host
+
+            check_host(the_recipe, "trl", HOSTS["trl"].supplies | ({"rollout_logp"} if has_mu else set())
+                       | ({"engine_topk"} if getattr(train_args, "use_vllm", False) else set()))
+        self.offpolicy_method_recipe = the_recipe
         self.offpolicy_correction = correction
         self.offpolicy_metric_naming = metric_naming
         loss_type = getattr(train_args, "loss_type", None)
@@ -190,6 +230,8 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             refuse_sharded_head(head_options(sampling_replay=sampling_replay, dvp_rho=dvp_rho,
                                              topk_logprobs=topk_logprobs, score_centering=score_centering),
                                 model_sharding(getattr(self, "model", None), getattr(self, "accelerator", None)))
+        self.offpolicy_request_timeout = request_timeout
+        self.offpolicy_max_nonfinite_rollout = max_nonfinite_rollout
         self._check_logprobs_mode(train_args)
         self._setup_alp(alp_cfg, aggregation, explicit)
         if self.offpolicy_alp is not None:
@@ -236,7 +278,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
                              f"{', '.join(self.offpolicy_needs_rollout)} read (a rollout_func without logprobs?)")
         if custom and s.center is not None:  # score centering: same value, centred score as gradient
             per_token_logps = centered_logp(per_token_logps, s.center)
-        batch = batch_from_trl_inputs(per_token_logps, inputs)
+        batch = batch_from_trl_inputs(per_token_logps, inputs, max_nonfinite_rollout=self.offpolicy_max_nonfinite_rollout)
         extra: dict[str, Any] = {}
         if self.offpolicy_recipe is not None:
             extra["extras"] = {"dvp_keep": s.inside, "dvp_mass": s.mass}

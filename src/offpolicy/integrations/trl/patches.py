@@ -8,6 +8,10 @@ against, each citing the TRL code it stands in for, each restoring what it chang
 * :func:`server_sync_choice` — ``trl/generation/vllm_generation.py`` (TRL 1.16), ``VLLMGeneration.__init__``:
   ``self.vllm_client.init_communicator(device=accelerator.device)`` opens an NCCL group that raises on a CPU
   trainer; ``VLLMClient.init_communicator`` is replaced while the trainer is built.
+* :func:`request_timeouts` — ``trl/generation/vllm_client.py`` (TRL 1.16), ``VLLMClient._post`` / ``_get`` /
+  ``get_server_info`` / ``reset_prefix_cache``: ``self.session.post(url, **kwargs)`` with no timeout, so a server
+  that accepts and never answers holds generation and the weight push forever; the client's own session's
+  ``request`` is given one while the trainer trains.
 
 What else the adapter reads of TRL's internals without changing it (``VLLMGeneration._iter_named_params``, the
 stream TRL's own sync sends) is named where it is read (:mod:`offpolicy.integrations.trl.vllm_sync`).
@@ -17,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 SERVER_SYNCS = ("auto", "nccl", "files")
+REQUEST_TIMEOUT_SETTING = "vllm_request_timeout"  # OffPolicyGRPOTrainer's keyword (default GRPOConfig.vllm_server_timeout)
 
 
 def _target(module: Any, name: str, what: str) -> Any:
@@ -100,3 +105,53 @@ def server_sync_choice(cfg: Any, setting: str) -> Iterator[None]:
         yield
     finally:
         setattr(VLLMClient, "init_communicator", original)  # noqa: B010
+
+
+def check_request_timeout(value: Any) -> float | None:
+    """``vllm_request_timeout``: seconds a request of TRL's vLLM client may take (generation, the weight push, the
+    server's info), or None for ``GRPOConfig.vllm_server_timeout`` (TRL's 240 s; the sync check's probe waits as
+    long)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"vllm_request_timeout must be a number of seconds > 0 or None, got {value!r}")
+    return float(value)
+
+
+@contextlib.contextmanager
+def request_timeouts(client: Any, timeout: float, *, when: Callable[[], str] = lambda: "?") -> Iterator[None]:
+    """While the block runs, every request TRL's ``client`` (a ``VLLMClient``) sends through its session — TRL 1.16
+    sends them all with no timeout — is answered within ``timeout`` seconds or raises
+    :class:`~offpolicy.rollout.http.ServerError` naming the server, the request, ``when()`` (the training step)
+    and the setting. Each try of TRL's retry policy gets twice the timeout as its own, so a request left behind by a
+    timed-out wait ends on its own. Only this client's session changes (an attribute of the instance, removed when the block
+    ends): other clients in the process keep TRL's behaviour; a client that is not TRL's ``VLLMClient`` (one's own
+    stand-in) is left as it is."""
+    from trl.generation.vllm_client import VLLMClient
+
+    if not isinstance(client, VLLMClient):
+        yield
+        return
+    session = _target(client, "session", "request_timeouts")
+    original = _target(session, "request", "request_timeouts")
+    url = getattr(client, "base_url", "?")
+
+    def request(method: str, address: str, *args: Any, **kwargs: Any) -> Any:
+        from offpolicy.rollout.http import call_within
+
+        if kwargs.get("timeout") is None:  # twice the wait: the wait's own error comes first, never a try's
+            kwargs["timeout"] = 2 * timeout
+        path = str(address)[len(url):] if str(address).startswith(url) else str(address)
+        return call_within(lambda: original(method, address, *args, **kwargs), timeout,
+                           what=f"vLLM server {url}", request=f"TRL's {str(method).upper()} {path or '/'}",
+                           when=when(), setting=f"{REQUEST_TIMEOUT_SETTING}: {timeout:g} s")
+
+    had = "request" in vars(session)
+    session.request = request
+    try:
+        yield
+    finally:
+        if had:
+            session.request = original
+        else:
+            del session.request  # the class's method again

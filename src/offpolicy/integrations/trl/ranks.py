@@ -13,6 +13,10 @@ all-gather of verdicts meeting another rank's FSDP all-gather would hang or mix 
 verdict under the block's number and waits for everyone's; a rank that failed waits at most
 :data:`FAILED_RANK_WAIT` seconds for the others (one left blocked in a collective of its block that the failing
 rank skipped — an FSDP gather — never writes) and then raises its own error alone, as before.
+
+The store is the default group's own (:func:`_default_store`): torch 2.13 has no public getter for it, so the private
+``distributed_c10d._get_default_store`` is read, on the torch releases the adapter is tested with only; on another
+(or where it is gone) the failing rank raises alone, as it did before this module, and every other rank goes on.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import contextlib
 import datetime
 import importlib
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 FAILED_RANK_WAIT = 60.0  # seconds a failed rank waits for the others' verdicts before it raises alone
 _KEY = "offpolicy/verdict"
@@ -50,6 +57,7 @@ class _Blocks:
     count names the same block on every rank."""
 
     count = 0
+    warned = False  # _default_store's notice, once per process
 
 
 def _payload(error: BaseException | None) -> str:
@@ -78,6 +86,26 @@ def _rebuilt(rank: int, raw: bytes) -> BaseException:
     return RankFailure(f"rank {rank}: {fields['type']}: {fields['text']}")
 
 
+def _default_store() -> Any | None:
+    """The default process group's key-value store (torchrun's TCP store, or the one its init method built), or
+    None on a torch release outside the tested range or without the private getter (logged once)."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    from offpolicy.integrations.versions import VERSIONS
+
+    # no public getter in torch 2.13; a TCPStore rebuilt from MASTER_ADDR / MASTER_PORT would miss file:// and tcp://
+    getter = getattr(distributed_c10d, "_get_default_store", None)
+    if getter is None or not VERSIONS["torch"].supports(torch.__version__):
+        if not _Blocks.warned:
+            _Blocks.warned = True
+            logger.warning("every_rank_raises: torch %s is outside the tested range or has no "
+                           "distributed_c10d._get_default_store: an exception is raised on its own rank only",
+                           torch.__version__)
+        return None
+    return getter()
+
+
 def raise_on_any_rank(error: BaseException | None) -> None:
     """Raise ``error`` (this rank's, or None) on this rank, or the first other rank's error when this one has none.
     Every rank must call it at the same points. One store write, one wait and one read per rank per call, only
@@ -87,9 +115,11 @@ def raise_on_any_rank(error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
+    store = _default_store()
+    if store is None:  # no store to share verdicts through: this rank's own error, as without this module
+        if error is not None:
+            raise error
+        return
     block, rank = _Blocks.count, dist.get_rank()
     _Blocks.count += 1
     keys = [f"{_KEY}/{block}/{r}" for r in range(processes)]

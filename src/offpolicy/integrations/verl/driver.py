@@ -67,7 +67,8 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
                          "bounds): the old-log-prob forward did not run on the top-K (bypass mode?)")
     weights, keep, metrics = rollout_correction(batch["old_log_probs"].float(), batch["rollout_log_probs"].float(),
                                                 mask, settings.correction, advantages=batch["advantages"].float(),
-                                                naming=settings.naming, token_divergence=divergence)
+                                                naming=settings.naming, token_divergence=divergence,
+                                                max_nonfinite_rollout=settings.max_nonfinite_rollout)
     kept = mask.bool() & keep
     weights = weights.float() * kept
     if batch.get("rollout_is_weights") is not None:
@@ -162,7 +163,7 @@ class OffPolicyTrainerMixin:
         if check is None:
             from offpolicy.integrations.verl.sync_check import from_trainer
 
-            check = self._offpolicy_check = from_trainer(self, settings.sync_check)
+            check = self._offpolicy_check = from_trainer(self, settings.sync_check, settings.sync_check_timeout)
         metrics = check.after_sync(int(getattr(self, "global_steps", 0)))
         self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **metrics}
 

@@ -49,8 +49,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.batch import LogProbBatch
+from offpolicy.batch import LogProbBatch, nonfinite_fields, nonfinite_rollout_limit
 from offpolicy.corrections.base import Correction, CorrectionResult
+from offpolicy.integrations.verl.settings import NONFINITE_SETTING, nonfinite_limit_from_environment
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
 from offpolicy.ratios import LOG_RATIO_BOUND
@@ -242,6 +243,7 @@ def verl_policy_loss_fn(
     objective: str | dict[str, Any] = "ppo",
     legacy_tuple: bool = False,
     verl_version: str | None = None,
+    max_nonfinite_rollout: float | None = None,
 ) -> Callable[..., Any]:
     """Build a function with verl's policy-loss signature that computes :func:`offpolicy.policy_loss`.
 
@@ -260,7 +262,9 @@ def verl_policy_loss_fn(
 
     ``verl_version`` picks the ``agg_loss`` rules to match (they changed: ``seq-mean-token-sum-norm`` divides by the
     sequence count since verl 0.7.1, ``token-sum`` exists since 0.9); default: the installed verl's version, or the
-    newest rules known here when verl is not installed.
+    newest rules known here when verl is not installed. ``max_nonfinite_rollout``: the limit on non-finite μ (None:
+    ``OFFPOLICY_VERL``'s ``max_nonfinite_rollout``, else the default), named ``OFFPOLICY_VERL: max_nonfinite_rollout``
+    on a refusal.
 
     >>> fn = verl_policy_loss_fn()
     >>> lp = torch.zeros(1, 2, requires_grad=True)
@@ -274,6 +278,7 @@ def verl_policy_loss_fn(
     else:
         rules = _installed_verl_version() or NEWEST_VERL_RULES
     correction = correction if isinstance(correction, Correction) else build_correction(correction)
+    nonfinite_rollout_limit(max_nonfinite_rollout, setting="max_nonfinite_rollout")  # a bad value fails here
     spec = verl_objective(objective, None)  # an unknown objective or parameter fails here, not in the first step
     needs_mu = needs_rollout_logp(correction, spec["name"])
 
@@ -296,8 +301,10 @@ def verl_policy_loss_fn(
         if mu is not None and mu.shape != log_prob.shape:
             raise ValueError(f"rollout_log_probs: shape {tuple(mu.shape)} differs from log_prob's "
                              f"{tuple(log_prob.shape)}")
+        limit = max_nonfinite_rollout if max_nonfinite_rollout is not None else nonfinite_limit_from_environment()
         batch = LogProbBatch(logp=log_prob, old_logp=old_log_prob, mask=response_mask, advantages=advantages,
-                             rollout_logp=None if mu is None else mu.to(log_prob.device).float())
+                             rollout_logp=None if mu is None else mu.to(log_prob.device).float(),
+                             **nonfinite_fields(limit, setting=NONFINITE_SETTING))
         result = correction(batch) if correction is not None else None
         if rollout_is_weights is not None:
             external = CorrectionResult(rollout_is_weights.detach().float(), batch.bool_mask, {})
@@ -347,6 +354,7 @@ def rollout_correction(
     prefix: str | None = None,
     diagnostics: bool = True,
     token_divergence: Tensor | None = None,
+    max_nonfinite_rollout: float | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Apply an offpolicy correction to verl's batch tensors: ``(weights [B,T], keep [B,T] bool, metrics)``.
 
@@ -356,6 +364,8 @@ def rollout_correction(
     tests. ``correction`` is a Correction or registered names (:func:`offpolicy.build_correction`). The metrics are the correction's, under the naming's prefix
     (``prefix`` replaces it), and — ``diagnostics`` — the mismatch diagnostics of :func:`offpolicy.offpolicy_metrics`
     under ``naming`` (verl's ``rollout_corr/…`` names by default), as verl's own helper returns both.
+    ``max_nonfinite_rollout``: the limit on non-finite μ (``OFFPOLICY_VERL``'s; None: the default), named
+    ``OFFPOLICY_VERL: max_nonfinite_rollout`` on a refusal.
 
     >>> from offpolicy.corrections.importance import tis
     >>> w, keep, m = rollout_correction(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -2.0]]), torch.ones(1, 2), tis(upper=2.0))
@@ -376,6 +386,7 @@ def rollout_correction(
         rollout_logp=rollout_log_probs,
         mask=response_mask,
         advantages=advantages,
+        **nonfinite_fields(max_nonfinite_rollout, setting=NONFINITE_SETTING),
     )
     if token_divergence is not None:  # KL(μ ‖ π_old) bounds from the engine's top-K: what ``trm`` tests
         batch = batch.replace(token_divergence=token_divergence, token_divergence_kind="topk")

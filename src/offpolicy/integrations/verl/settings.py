@@ -24,12 +24,19 @@ server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM'
 ``score_centering: true`` (needs ``topk_logprobs``) centres the score in the update forward on the engine's top-K
 (arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`); ``sync_check`` (``error``,
 the default, ``warn`` or ``off``) runs the sync check after every weight sync of the plug-in's trainer
-(:mod:`.sync_check`).
+(:mod:`.sync_check`), each replica answering its probe within ``sync_check_timeout`` seconds (600 by default);
+``max_nonfinite_rollout`` (a share in [0, 1]; unset: ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else
+1e-3) is the largest share of a batch's valid tokens whose μ may be NaN / ±inf, in the driver's correction and the
+workers' loss alike.
 
 Numbers are read as YAML 1.2 writes them (``1e-4``, ``2e0``, ``-.5``: :mod:`offpolicy.yaml_numbers`). Every key is
 optional; an unknown key or a value of the wrong type or range is a one-line ``ValueError`` naming its path
 (``OFFPOLICY_VERL: correction.upper must be a real number or null, got 'abc'``), raised when the block is read (the
 engine's construction, the driver's first step), not deep inside a step.
+
+The block may instead be a :class:`~offpolicy.Recipe` (``{corrections: [tis], transforms: {dvp: {rho: 1e-4}}}``)
+or hold one as ``recipe: <path or inline>``; it is mapped onto the keys above through
+:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`, and a key of the block that says otherwise is refused.
 
 ``allow_changed`` (a list of setting names, e.g. ``[correction.upper]``) lets a resumed run (verl's
 ``trainer.resume_mode``) use values that differ from those stored with its checkpoint; any other difference is
@@ -38,6 +45,7 @@ refused (:mod:`.resume`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -50,8 +58,11 @@ from typing import Any
 from offpolicy.registry import build_correction
 
 KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming",
-              "sync_check", "allow_changed")
+              "sync_check", "sync_check_timeout", "max_nonfinite_rollout", "allow_changed")
 SYNC_CHECK_MODES = ("error", "warn", "off")
+# seconds a rollout replica may take to answer the sync check's probe: a hang, not a slow server (on 2 shared CPU
+# cores at a load of 28 one probe took over 120 s)
+SYNC_CHECK_TIMEOUT = 600.0
 # a batch's flag (verl non-tensor data) asking the plug-in's engine for the model's plain log-probs, log softmax(z / T),
 # without the sampling recipe, top-K bounds or centring: the sync check's probe, which the engine side scores as
 # vLLM's prompt log-probs (no sampler) — the two sides must compute the same thing
@@ -116,6 +127,8 @@ class VerlSettings:
     score_centering: bool = False
     naming: str = "verl"
     sync_check: str = "error"
+    sync_check_timeout: float = SYNC_CHECK_TIMEOUT
+    max_nonfinite_rollout: float | None = None
     allow_changed: tuple[str, ...] = ()
 
     @property
@@ -124,6 +137,7 @@ class VerlSettings:
 
 
 ENV_VAR = "OFFPOLICY_VERL"
+NONFINITE_SETTING = f"{ENV_VAR}: max_nonfinite_rollout"  # what a batch refused for its non-finite μ names
 
 
 def _refuse(where: str, text: str) -> ValueError:
@@ -280,6 +294,9 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
         return VerlSettings()
     if not isinstance(block, Mapping):
         raise ValueError(f"{ENV_VAR} must be a mapping, got {type(block).__name__}")  # noqa: TRY004
+    from offpolicy.recipe.hosts import verl_block
+
+    block = verl_block(block)  # a `recipe:` key, or a block that is itself a recipe, mapped onto the keys below
     for key in block:
         if key not in KNOWN_KEYS:
             raise ValueError(f"{ENV_VAR}: unknown key {key!r}; known: {', '.join(KNOWN_KEYS)}")
@@ -316,13 +333,21 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
     if sync_check is False:  # YAML's bare `off` reads as false
         sync_check = "off"
     sync_check = _choice("sync_check", sync_check, SYNC_CHECK_MODES)
+    timeout = block.get("sync_check_timeout")
+    timeout = SYNC_CHECK_TIMEOUT if timeout is None else float(
+        _number("sync_check_timeout", timeout, low=1e-3, high=86400.0))
+    nonfinite = block.get("max_nonfinite_rollout")
+    if nonfinite is not None:
+        nonfinite = float(_number("max_nonfinite_rollout", nonfinite, low=0.0, high=1.0))
     allowed = block.get("allow_changed") or []
     if isinstance(allowed, str) or not isinstance(allowed, (list, tuple)) or not all(
             isinstance(a, str) and a for a in allowed):
         raise _refuse("allow_changed", f"must be a list of setting names (e.g. [correction.upper]), got {allowed!r}")
     return VerlSettings(correction=correction, sampling=SamplingRecipe(min_p, top_k, top_p), alp=alp,
                         topk_logprobs=int(k or 0), topk_bound=bound, score_centering=centering,
-                        naming=naming, sync_check=sync_check, allow_changed=tuple(allowed))
+                        naming=naming, sync_check=sync_check, sync_check_timeout=timeout,
+                        max_nonfinite_rollout=nonfinite,
+                        allow_changed=tuple(allowed))
 
 
 def settings_from_text(text: str | None) -> VerlSettings:
@@ -349,3 +374,16 @@ def settings_from_environment() -> VerlSettings:
     import os
 
     return settings_from_text(os.environ.get(ENV_VAR))
+
+
+@functools.lru_cache(maxsize=8)
+def _nonfinite_from_text(text: str | None) -> float | None:
+    return settings_from_text(text).max_nonfinite_rollout
+
+
+def nonfinite_limit_from_environment() -> float | None:
+    """``max_nonfinite_rollout`` of the ``OFFPOLICY_VERL`` block (None: unset), read once per block text: what the
+    workers' policy loss, which verl calls per micro-batch, reads."""
+    import os
+
+    return _nonfinite_from_text(os.environ.get(ENV_VAR))

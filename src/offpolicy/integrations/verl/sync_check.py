@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, SYNC_CHECK_MODES
+from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, SYNC_CHECK_MODES, SYNC_CHECK_TIMEOUT
 from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 
@@ -62,7 +62,7 @@ class VerlClientScorer:
     request per row with ``max_tokens=1`` and ``prompt_logprobs=0``; the server's prompt log-probs are the raw
     model's (T = 1), each given token's own (the sync check's engine interface)."""
 
-    TIMEOUT = 600.0  # a hang, not a slow server: on 2 shared CPU cores at a load of 28 one probe took over 120 s
+    TIMEOUT = SYNC_CHECK_TIMEOUT  # OFFPOLICY_VERL's sync_check_timeout when the block does not set it
 
     def __init__(self, client: Any, timeout: float = TIMEOUT) -> None:
         self.client, self.timeout, self.calls = client, timeout, 0
@@ -81,7 +81,7 @@ class VerlClientScorer:
             outs = run_coroutine(self._score(prompt_ids, completion_ids))
         except TimeoutError:  # asyncio.wait_for's: the server took the requests and never answered
             raise ServerError(f"verl's rollout server did not answer the sync check's probe ({len(prompt_ids)} "
-                              f"sequences) within {self.timeout:g} s: is it running? (VerlClientScorer.TIMEOUT)"
+                              f"sequences) within {self.timeout:g} s: is it running? (OFFPOLICY_VERL: sync_check_timeout)"
                               ) from None
         width = max(len(c) for c in completion_ids)
         logp = torch.zeros(len(prompt_ids), width)
@@ -240,16 +240,17 @@ class VerlSyncCheck:
         return metrics
 
 
-def engine_scorers(trainer: Any) -> list[Any]:
+def engine_scorers(trainer: Any, timeout: float = SYNC_CHECK_TIMEOUT) -> list[Any]:
     """One scorer per rollout replica: each replica's own server where verl runs several
-    (``llm_server_manager.server_handles``), else verl's ``LLMServerClient``."""
+    (``llm_server_manager.server_handles``), else verl's ``LLMServerClient``; each waits ``timeout`` seconds
+    (``OFFPOLICY_VERL``'s ``sync_check_timeout``) for its probe."""
     handles = list(getattr(getattr(trainer, "llm_server_manager", None), "server_handles", None) or [])
     if len(handles) > 1:
-        return [VerlClientScorer(ServerClient(handle)) for handle in handles]
-    return [VerlClientScorer(trainer.get_llm_client())]
+        return [VerlClientScorer(ServerClient(handle), timeout) for handle in handles]
+    return [VerlClientScorer(trainer.get_llm_client(), timeout)]
 
 
-def from_trainer(trainer: Any, on_failure: str) -> VerlSyncCheck:
+def from_trainer(trainer: Any, on_failure: str, timeout: float = SYNC_CHECK_TIMEOUT) -> VerlSyncCheck:
     """The check for a verl v1 ``PPOTrainer`` after its setup: its rollout replicas (:func:`engine_scorers`), its
     actor worker group (data-parallel size from verl's dispatch info) and the probe from its tokenizer."""
     import os
@@ -263,7 +264,7 @@ def from_trainer(trainer: Any, on_failure: str) -> VerlSyncCheck:
         dp_size = max(mapping) + 1
     except Exception as err:  # noqa: BLE001 - a worker group without the query: one rank
         logger.info("sync check: no dispatch info for the actor mesh (%s); data-parallel size 1", err)
-    engines = engine_scorers(trainer)
+    engines = engine_scorers(trainer, timeout)
     logger.info("sync check: %d rollout replica(s), actor data-parallel size %d", len(engines), dp_size)
     return VerlSyncCheck(engines if len(engines) > 1 else engines[0],
                          lambda probe: actor_probe_logprobs(wg, probe, dp_size=dp_size), probe,

@@ -2,14 +2,17 @@
 server's log-prob mode checked, and the weight sync through ``reload_weights`` / files, checked after every sync
 (:mod:`offpolicy.integrations.trl.vllm_sync`).
 
-Settings: ``vllm_kwargs``, ``vllm_server_sync``, ``vllm_weights_dir``, ``sync_check``. Metrics: ``sync/…``.
+Settings: ``vllm_kwargs``, ``vllm_server_sync``, ``vllm_weights_dir``, ``vllm_request_timeout``, ``sync_check``.
+Metrics: ``sync/…``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from offpolicy.integrations.trl.parts import TRLBase
+from offpolicy.integrations.trl.patches import request_timeouts
 from offpolicy.integrations.trl.ranks import world_size
 from offpolicy.integrations.trl.vllm_sync import FileSync, TRLSyncCheck, install_vllm_sync, uses_files, vllm_on_cpu
 from offpolicy.rollout.sync_check import SyncCheck
@@ -44,20 +47,16 @@ def _main_process_value(value: Any) -> Any:
 
 
 def logprobs_mode_verdict(client: Any) -> str | None:
-    """None when the vLLM server behind TRL's ``client`` reports processed log-probs, else the error to raise.
+    """None when the vLLM server behind TRL's ``client`` reports processed log-probs, else the error to raise
+    (:func:`~offpolicy.rollout.protocols.vllm_logprobs_mode_verdict` on ``client.get_server_info()``).
 
     >>> from types import SimpleNamespace as NS
     >>> logprobs_mode_verdict(NS(get_server_info=lambda: {"model_config": {"logprobs_mode": "raw_logprobs"}}))[:60]
     'logprobs_mode: the vLLM server runs with --logprobs-mode raw'
     """
-    try:
-        mode = client.get_server_info()["model_config"]["logprobs_mode"]
-    except (KeyError, TypeError):
-        mode = "unknown (its /server_info has no model_config.logprobs_mode)"
-    if mode == "processed_logprobs":
-        return None
-    return (f"logprobs_mode: the vLLM server runs with --logprobs-mode {mode}; μ must be the sampling distribution: "
-            "restart it with --logprobs-mode processed_logprobs")
+    from offpolicy.rollout.protocols import vllm_logprobs_mode_verdict
+
+    return vllm_logprobs_mode_verdict(client.get_server_info())
 
 
 class VLLMWiring(TRLBase):
@@ -75,6 +74,25 @@ class VLLMWiring(TRLBase):
             file_sync = FileSync(self.vllm_generation, weights_dir) if files else None
             self.offpolicy_sync = install_vllm_sync(self, sync_check, files=file_sync)
 
+    def _request_timeouts(self) -> contextlib.AbstractContextManager[None]:
+        """Server mode: every request of TRL's client answered within ``vllm_request_timeout`` seconds (None:
+        ``GRPOConfig.vllm_server_timeout``), or an error naming the server, the request and the training step
+        (:func:`~offpolicy.integrations.trl.patches.request_timeouts`); elsewhere nothing changes."""
+        generation = getattr(self, "vllm_generation", None)
+        client = getattr(generation, "vllm_client", None) if getattr(generation, "mode", None) == "server" else None
+        if client is None:  # colocate, HF generate, or a process other than the one holding TRL's client
+            return contextlib.nullcontext()
+        timeout = getattr(self, "offpolicy_request_timeout", None)
+        if timeout is None:
+            timeout = float(getattr(getattr(self, "args", None), "vllm_server_timeout", 240.0))
+        return request_timeouts(client, timeout,
+                                when=lambda: f"training step {getattr(getattr(self, 'state', None), 'global_step', '?')}")
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``train``, with its vLLM server requests bounded (:meth:`_request_timeouts`) until it returns."""
+        with self._request_timeouts():
+            return super().train(*args, **kwargs)
+
     def _check_logprobs_mode(self, train_args: Any) -> None:
         """μ must be vLLM's processed log-probs; TRL checks the server only with its own IS correction on. The main
         process (the one holding TRL's client) asks the server and its verdict is broadcast, so every rank refuses
@@ -86,7 +104,8 @@ class VLLMWiring(TRLBase):
         verdict = None
         if main:
             client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
-            verdict = None if client is None else logprobs_mode_verdict(client)
+            with self._request_timeouts():  # the server's info within the same timeout as training's requests
+                verdict = None if client is None else logprobs_mode_verdict(client)
         verdict = _main_process_value(verdict)
         if verdict is not None:
             raise ValueError(verdict if main else f"rank 0 (the vLLM client's process): {verdict}")
