@@ -176,6 +176,15 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("topk/kl_lower_mean", "mean coarse-grained lower bound on KL(μ‖π_θ) from vLLM's top-K", "TRL"),
     Entry("topk/kl_upper_mean", "mean certified upper bound on KL(μ‖π_θ) from vLLM's top-K", "TRL"),
     Entry("topk/kl_upper_max", "largest certified upper bound", "TRL"),
+    # -- asynchronous rollouts (TRL's AsyncGRPOTrainer) --------------------------------------------------------------
+    Entry("staleness/mean", "mean staleness of the step's tokens: the trainer's policy version − the version that "
+          "sampled them (TRL's async trainer counts weight syncs)", "TRL"),
+    Entry("staleness/max", "largest staleness among the step's tokens", "TRL"),
+    Entry("staleness/d<d>/k3_kl", "k3 mismatch of π_θ against μ over the tokens of staleness d", "TRL"),
+    Entry("staleness/d<d>/clipped_frac", "share of the staleness-d tokens whose correction weight was truncated or "
+          "masked (0 without a correction)", "TRL"),
+    Entry("staleness/d<d>/masked_frac", "share of the staleness-d tokens the correction dropped (weight 0)", "TRL"),
+    Entry("staleness/d<d>/tokens", "number of tokens of staleness d in the micro-batch", "TRL"),
     # -- control -----------------------------------------------------------------------------------------------------
     Entry("control/trm_max_kl", "TRM-Max δ the controller chose for the step",
           "trainer"),
@@ -225,6 +234,7 @@ _PLACEHOLDERS = {
     "<layer>": "[^/]+",
     "<stat>": "[^/]+",
     "<bin>": r"pos\d+-\d+",
+    "<d>": r"\d+",
 }
 
 

@@ -33,6 +33,12 @@ The seed methods, each one argument (``docs/frameworks/trl.md`` has the full pag
 * ``topk_logprobs=K, score_centering=True`` — score centering (arXiv 2609.20807) on vLLM's top-K with the
   proportional tail: π_θ's log-probs carry the centred score (value unchanged) for every objective and correction.
 
+``OffPolicyAsyncGRPOTrainer`` is the same switch for TRL 1.16's asynchronous ``AsyncGRPOTrainer``
+(``trl.experimental.async_grpo``; imported on first access as well): ``correction=``, ``objective=``, … on its
+packed loss path, each sample's policy version carried to the loss (staleness metrics, the log-linear π_prox);
+:mod:`offpolicy.integrations.trl.async_grpo` has how it plugs in. ``FileWeightTransfer`` is its weight transfer
+without NCCL (a reload folder a vLLM server reloads, e.g. vLLM's CPU build).
+
 Without vLLM, :func:`engine_rollout` makes one of offpolicy's own rollout engines (bf16 + KV cache, llama.cpp, a
 lagging copy) TRL's ``rollout_func``: its log-probs are μ, a real mismatch on any machine.
 
@@ -60,6 +66,7 @@ from __future__ import annotations
 from typing import Any
 
 from offpolicy.integrations.trl.alp import allreduce_sigma_grad
+from offpolicy.integrations.trl.async_sync import FileWeightTransfer
 from offpolicy.integrations.trl.loss import (
     TRL_LOSS_TYPES,
     batch_from_trl_inputs,
@@ -77,6 +84,8 @@ from offpolicy.losses import needs_rollout_logp
 __all__ = [
     "ENGINE_ORDERS",
     "FileSync",
+    "FileWeightTransfer",
+    "OffPolicyAsyncGRPOTrainer",
     "OffPolicyGRPOMixin",
     "OffPolicyGRPOTrainer",
     "TRL_LOSS_TYPES",
@@ -104,4 +113,8 @@ def __getattr__(name: str) -> Any:
         from offpolicy.integrations.trl.grpo import OffPolicyGRPOTrainer
 
         return OffPolicyGRPOTrainer
+    if name == "OffPolicyAsyncGRPOTrainer":  # TRL 1.16's trl.experimental.async_grpo, imported on first access too
+        from offpolicy.integrations.trl.async_grpo import OffPolicyAsyncGRPOTrainer
+
+        return OffPolicyAsyncGRPOTrainer
     raise AttributeError(name)
