@@ -136,7 +136,7 @@ def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0, 
     """Float64 full-vocabulary KL(μ‖π) of each engine in ``specs`` against the fp32 model."""
     from offpolicy.inspect.compare import _llamacpp_engine
     from offpolicy.inspect.run import load_model, task_prompts
-    from offpolicy.inspect.specs import build_engine, parse_spec
+    from offpolicy.inspect.specs import build_inspect_engine, parse_spec
     from offpolicy.rollout.sampling import SamplingConfig
     from offpolicy.rollout.scoring import score_tokens
 
@@ -168,7 +168,7 @@ def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0, 
             log_mu = torch.full((*out.mask.shape, vocab), float("-inf"), dtype=torch.float64).scatter(
                 -1, out.topk_ids, out.topk_logp.double())
         else:
-            engine = build_engine(model, spec, tok)
+            engine = build_inspect_engine(model, spec, tok)
             out = engine.generate(prompts, SamplingConfig(max_new_tokens=tokens), seed=seed)
             with torch.no_grad():
                 log_mu = engine.score(prompts, out.completion_ids, None, return_logits=True)[2].double()

@@ -39,10 +39,11 @@ def _overrides(proximal: str, out_dir: str) -> list[str]:
 
 def _states(out_dir: str) -> dict[str, Any]:
     from offpolicy.train import steps
+    from offpolicy.train.build import load_model
     from offpolicy.train.config import load_config
 
     first = load_config(None, _overrides("recompute", out_dir))
-    model, tok = steps.load_model(first)
+    model, tok = load_model(first)
     states = {}
     for arm in ARMS:
         cfg = load_config(None, _overrides(arm, out_dir))
@@ -53,6 +54,7 @@ def _states(out_dir: str) -> dict[str, Any]:
 def _timed_step(state: Any, weights: dict[str, torch.Tensor], seed: int) -> dict[str, float]:
     """One trainer step from ``weights`` (rollout, scoring, update, metrics), its seconds and its phases'."""
     from offpolicy.train import steps
+    from offpolicy.train.update import update_step
 
     state.model.load_state_dict(weights)
     marks = [(time.perf_counter(), time.process_time())]
@@ -60,7 +62,7 @@ def _timed_step(state: Any, weights: dict[str, torch.Tensor], seed: int) -> dict
     marks.append((time.perf_counter(), time.process_time()))
     scored = steps.score_step(state, rollout)
     marks.append((time.perf_counter(), time.process_time()))
-    updates = steps.update_step(state, rollout, scored, seed)
+    updates = update_step(state, rollout, scored, seed)
     marks.append((time.perf_counter(), time.process_time()))
     steps.metrics_step(state, rollout, scored, updates, started=marks[0][0])
     marks.append((time.perf_counter(), time.process_time()))
@@ -77,7 +79,7 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 
 def run(repeats: int) -> dict[str, Any]:
-    from offpolicy.train.steps import step_seed
+    from offpolicy.train.build import step_seed
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out_dir:

@@ -101,8 +101,10 @@ def bench_phases(model, tok, *, batch: int, new_tokens: int, steps: int, preset:
                  extra: tuple[str, ...] = ()) -> None:
     """CPU seconds of each phase of :mod:`offpolicy.train.steps`, per step (the first step warms up and is left out
     of the mean)."""
+    from offpolicy.train.build import step_seed
     from offpolicy.train.config import load_config
-    from offpolicy.train.steps import build_state, metrics_step, rollout_step, score_step, step_seed, update_step
+    from offpolicy.train.steps import build_state, metrics_step, rollout_step, score_step
+    from offpolicy.train.update import update_step
 
     cfg = load_config(None, _step_overrides(preset, batch, new_tokens, extra))
     state = build_state(cfg, model=model, tokenizer=tok)

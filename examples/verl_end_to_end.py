@@ -16,8 +16,10 @@ With the rollout at TP = 1 verl's hybrid engine makes each rank a rollout replic
 full weights (an FSDP all-gather all ranks join) and pushes them into its own vLLM server; the sync check's actor
 forward runs on every rank and the engine side is scored on every replica.
 
-What a CPU lacks is bridged by :mod:`offpolicy.integrations.verl.cpu_bridge` (named first in the job's
-``VERL_USE_EXTERNAL_MODULES``) and a metadata-only ``vllm`` distribution alias on ``PYTHONPATH``; Ray gets one
+What a CPU lacks is bridged by ``offpolicy_testkit.verl_cpu_bridge`` — a CPU-CI harness shipped with the repository,
+not with the package (named first in the job's ``VERL_USE_EXTERNAL_MODULES``; the repository root goes on the job's
+``PYTHONPATH`` so that every Ray worker imports it) — and a metadata-only ``vllm`` distribution alias on
+``PYTHONPATH``; Ray gets one
 logical GPU for verl's resource pool, which nothing touches. ``--break-sync-at K`` is a test harness: this file,
 named in ``VERL_USE_EXTERNAL_MODULES`` too, makes vLLM's worker drop the weights it receives from the K-th sync after
 the initial one (it still receives them, so verl's sender finishes normally).
@@ -39,6 +41,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository: offpolicy_testkit/ (the CPU bridge) sits there, beside examples/
 BREAK_ENV = "OFFPOLICY_VERL_E2E_BREAK_SYNC_AT"
 PRECISIONS = ("fp32", "bf16")
 DATA_SOURCE = "offpolicy/arithmetic"
@@ -101,7 +104,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     per_rank = prompts * samples // ranks
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    modules = "offpolicy.integrations.verl.cpu_bridge,offpolicy.integrations.verl.plugin"
+    modules = "offpolicy_testkit.verl_cpu_bridge,offpolicy.integrations.verl.plugin"
     if env.get(BREAK_ENV):
         modules += ",verl_end_to_end"
     sampling = "" if dvp is None else f", sampling: {{min_p: {dvp}}}"
@@ -183,14 +186,17 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
         dvp: float | None = None, precision: str = "fp32") -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
-    from offpolicy.integrations.verl.cpu_bridge import vllm_distribution_alias
+    if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is examples/, the test kit is one folder up
+        sys.path.insert(0, str(ROOT))
+    from offpolicy_testkit.verl_cpu_bridge import vllm_distribution_alias
+
     from offpolicy.rollout.vllm_server import vllm_cpu_env
 
     folder = Path(tempfile.mkdtemp(prefix="verl-e2e-"))
     alias = vllm_distribution_alias(folder / "alias")
     model = model_copy(folder)
     train, val = write_data(folder, steps, prompts)
-    path = os.pathsep.join(p for p in (str(alias), str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(alias), str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**vllm_cpu_env(folder / "cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path,
            "RAY_memory_monitor_refresh_ms": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if break_sync_at is not None:
@@ -267,7 +273,7 @@ def _descendants(root: int) -> list[int]:
 def _break_sync_in_vllm() -> None:
     """The harness (imported by verl in every process when ``--break-sync-at K`` is given): in vLLM's worker, the
     K-th sync after the initial one and every later one receive the weights and drop them."""
-    from offpolicy.integrations.verl import cpu_bridge
+    from offpolicy_testkit import verl_cpu_bridge as cpu_bridge
 
     broken_from = int(os.environ[BREAK_ENV])
     calls = {"n": -1}  # the first call is verl's initial sync (on_init_end)

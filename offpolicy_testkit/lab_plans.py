@@ -6,7 +6,7 @@ from __future__ import annotations
 def small_plan(out, tiny_run, **kw):
     """The ``quick`` setting cut to naive and mis × (none, bf16) × 2 seeds × 3 steps unless ``kw`` says otherwise;
     ``extra``: trainer overrides after the tiny model's."""
-    from offpolicy.lab.sweep import plan_sweep
+    from offpolicy.lab.plan import plan_sweep
 
     kw.setdefault("presets", "naive,mis")
     kw.setdefault("mismatches", "none,bf16")

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from offpolicy.rollout.multi_turn import TurnPrompt, run_turns
+from offpolicy.rollout.prompts import step_prompts
 from offpolicy.train import steps
 from offpolicy.train.config import load_config
-from offpolicy.train.data import step_prompts
 from offpolicy.train.multi_turn import mask_scored, multi_turn_metrics, rollout_of
 
 

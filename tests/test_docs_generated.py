@@ -60,7 +60,6 @@ def test_the_sync_checks_values_come_from_its_data():
 
 def test_no_measured_value_ships_in_the_glossary_module():
     import dataclasses
-    import warnings
 
     from offpolicy import glossary
 
@@ -68,7 +67,4 @@ def test_no_measured_value_ships_in_the_glossary_module():
     assert all(isinstance(v, str) for v in glossary.DIAGNOSTICS.values())
     entry = glossary.lookup("sampling/ess")
     assert entry is not None and entry.means == glossary.DIAGNOSTICS["ess"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert entry.measured == ""  # the deprecated attribute: empty, with a warning naming where the values went
-    assert any(issubclass(w.category, DeprecationWarning) and "measured.json" in str(w.message) for w in caught)
+    assert not hasattr(entry, "measured")  # the values are in docs/data/glossary/measured.json

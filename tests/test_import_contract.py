@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels and formulas", [
         "offpolicy.kernels.*", "offpolicy.ratios", "offpolicy.batch", "offpolicy.tolerances", "offpolicy.binary", "offpolicy.divergence",
         "offpolicy.bounds", "offpolicy.metrics", "offpolicy.position", "offpolicy.advantages", "offpolicy.topk_advice",
-        "offpolicy.glossary", "offpolicy.catalog", "offpolicy.folder_lock",
+        "offpolicy.glossary", "offpolicy.catalog", "offpolicy.folder_lock", "offpolicy.atomic_files",
         # the user's numbers as written (YAML 1.2 floats) and the settings a resume compares: stdlib and yaml only
         "offpolicy.yaml_numbers", "offpolicy.resume_settings",
         # the types and registries the methods are built on: a CorrectionResult is what metrics read

@@ -92,9 +92,9 @@ class _StandInGRPOTrainer:
 
 
 def test_trls_keyword_reaches_the_loss_batch_and_names_itself():
-    from offpolicy.integrations.trl import make_offpolicy_grpo_trainer
+    from offpolicy.integrations.trl import OffPolicyGRPOMixin
 
-    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    cls = type("OffPolicyGRPOTrainer", (OffPolicyGRPOMixin, _StandInGRPOTrainer), {})
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
     model = torch.nn.Linear(1, 1).train()
     loss = cls(table=lp, max_nonfinite_rollout=0.25)._compute_loss(model, _mu_one_bad_of_five())

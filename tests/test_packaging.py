@@ -54,3 +54,13 @@ def test_requires_python_is_what_the_extras_resolve_on():
     minors = [c.rsplit(" ", 1)[1] for c in PROJECT["project"]["classifiers"]
               if c.startswith("Programming Language :: Python :: 3.")]
     assert minors and all(m in requires for m in minors), minors
+
+
+def test_what_is_not_the_product_stays_out_of_the_package():
+    # pytest's configuration (the doctest ignores: the root conftest.py) and verl's CPU-CI bridge (a cpu platform and
+    # vLLM CPU weight sync for main_ppo on a machine without an accelerator) ship with the repository, not the wheel
+    src = ROOT / "src" / "offpolicy"
+    assert sorted(str(p.relative_to(src)) for p in src.rglob("conftest.py")) == []
+    assert (ROOT / "conftest.py").is_file() and (ROOT / "offpolicy_testkit" / "verl_cpu_bridge.py").is_file()
+    bridge = [p.name for p in (src / "integrations" / "verl").glob("*.py") if "set_platform(" in p.read_text("utf-8")]
+    assert bridge == []

@@ -23,6 +23,8 @@ from offpolicy.ratios import (
     masked_mean,
     masked_min,
     masked_sum,
+    nonfinite_rows,
+    per_sequence,
     sequence_log_ratio,
 )
 
@@ -171,6 +173,41 @@ def test_sequence_log_ratio_by_hand():
         sequence_log_ratio(r, m, "bogus")  # type: ignore[arg-type]
 
 
+def test_per_sequence_by_hand():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, NAN, 4.0], [-5.0, -1.0, 0.0], [9.0, 9.0, 9.0]])
+    m = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    close(per_sequence(x, m, "sum"), [3.0, 7.0, -6.0, 0.0])  # the NaN adds 0 …
+    close(per_sequence(x, m, "mean"), [1.5, 7.0 / 3.0, -3.0, 0.0])  # … and 1 to the length; an empty row is 0
+    close(per_sequence(x, m, "max"), [2.0, 4.0, -1.0, 0.0])  # the NaN is left out; an all-negative row keeps its max
+    assert per_sequence(x, m, "mean", keepdim=True).shape == (4, 1)
+    assert per_sequence(x.to(torch.bfloat16), m, "sum").dtype == torch.float32
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        per_sequence(x, m, "median")
+
+
+def test_per_sequence_is_the_row_form_of_the_masked_reductions_and_the_levels():
+    x = torch.tensor([[0.5, -0.25, INF], [NAN, 0.75, 0.125]])
+    m = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert torch.equal(per_sequence(x, m, "sum"), masked_sum(x, m, dim=-1))
+    assert torch.equal(per_sequence(x, m, "mean"), masked_mean(x, m, dim=-1))
+    assert torch.equal(per_sequence(x, m, "max"), masked_max(x, m, dim=-1))
+    assert torch.equal(sequence_log_ratio(x, m, "sequence"), per_sequence(x, m, "sum"))
+    assert torch.equal(sequence_log_ratio(x, m, "geometric"), per_sequence(x, m, "mean"))
+
+
+def test_per_sequence_gradient_only_at_valid_finite_positions():
+    x = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    per_sequence(x, torch.tensor([[1, 1, 0]]), "mean").sum().backward()
+    assert x.grad.tolist() == [[0.5, 0.5, 0.0]]
+
+
+def test_nonfinite_rows_by_hand():
+    x = torch.tensor([[0.0, NAN], [1.0, INF], [-INF, 2.0], [1.0, 2.0]])
+    m = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    assert nonfinite_rows(x, m).tolist() == [True, False, True, False]  # row 1's inf is padding
+    assert nonfinite_rows(torch.zeros(0, 3), torch.zeros(0, 3)).shape == (0,)
+
+
 def test_decompose_by_hand():
     logp = torch.tensor([[-1.0, -3.0]])
     old = torch.tensor([[-1.5, -2.0]])
@@ -195,6 +232,9 @@ def test_padding_never_contributes(batch, seed):
     for f in (masked_sum, masked_mean, masked_max, masked_min):
         assert torch.equal(f(x, m, dim=-1), f(y, m, dim=-1))
         assert torch.equal(f(x, m), f(y, m))
+    for reduce in ("sum", "mean", "max"):
+        assert torch.equal(per_sequence(x, m, reduce), per_sequence(y, m, reduce))
+    assert not nonfinite_rows(y, m).any()
     for level in LEVELS:
         assert torch.equal(aggregate_log_ratio(x, m, level), aggregate_log_ratio(y, m, level))
     assert torch.equal(log_ratio(x, torch.zeros_like(x), m), log_ratio(y, torch.zeros_like(y), m))
@@ -297,3 +337,21 @@ def test_mean_over_sequences_is_the_masked_mean_over_rows(rows):
     n = nonempty.float().sum().clamp(min=1.0)
     torch.testing.assert_close(mean_over_sequences(x, nonempty), torch.where(nonempty, x, 0.0).sum() / n)
     torch.testing.assert_close(mean_over_sequences(flag, nonempty), (flag & nonempty).float().sum() / n)
+
+
+@settings(max_examples=100, deadline=None)
+@given(token_batches(), st.integers(0, 1000))
+def test_per_sequence_and_nonfinite_rows_agree_with_a_loop_over_rows(batch, seed):
+    x, m = batch
+    g = torch.Generator().manual_seed(seed)
+    junk = torch.tensor([NAN, INF, -INF])[torch.randint(0, 3, x.shape, generator=g)]
+    y = torch.where(torch.rand(x.shape, generator=g) < 0.2, junk, x)  # non-finite values, valid or not
+    sums, means, maxes = (per_sequence(y, m, reduce) for reduce in ("sum", "mean", "max"))
+    bad = nonfinite_rows(y, m)
+    for i in range(y.shape[0]):
+        valid = [float(v) for v, k in zip(y[i], m[i]) if k]
+        finite = [v for v in valid if math.isfinite(v)]
+        assert bool(bad[i]) == (len(finite) < len(valid))
+        assert sums[i].item() == pytest.approx(sum(finite), abs=1e-5)
+        assert means[i].item() == pytest.approx(sum(finite) / max(len(valid), 1), abs=1e-5)
+        assert maxes[i].item() == (max(finite) if finite else 0.0)

@@ -15,9 +15,11 @@ import sys
 
 from offpolicy.lab.settings import LAB_BASE
 from offpolicy.lab.staleness import topk_gap_table
+from offpolicy.train.build import DTYPES, build_run_engine, step_seed
 from offpolicy.train.checkpoint import latest_checkpoint, load_checkpoint
 from offpolicy.train.config import load_config
-from offpolicy.train.steps import DTYPES, build_engine, build_state, rollout_step, score_policy, step_seed
+from offpolicy.train.scoring import score_policy
+from offpolicy.train.steps import build_state, rollout_step
 
 KS = [1, 2, 5, 10, 20, 50]
 sweep = sys.argv[1]
@@ -29,7 +31,7 @@ results = {}
 for name, engine_model, dtype in (("stale (initial → trained 20 steps)", initial, "float32"),
                                   ("numeric (bf16 engine, trained weights)", state.model, "bfloat16")):
     engine_cfg = load_config(None, [*LAB_BASE, "run.out_dir=/tmp/topk_gap_unused", f"rollout.dtype={dtype}"])
-    state.engine = build_engine(engine_cfg, copy.deepcopy(engine_model), state.tokenizer)
+    state.engine = build_run_engine(engine_cfg, copy.deepcopy(engine_model), state.tokenizer)
     rollout = rollout_step(state, step_seed(0, 0), sync_weights=False)
     q = state.engine.score(rollout.prompt_ids, rollout.completions, state.sampling, return_logits=True)[2]
     _, mask, p, _ = score_policy(state.model, rollout.prompt_ids, rollout.completions, state.sampling,

@@ -111,6 +111,8 @@ from offpolicy.ratios import (
     log_ratio,
     masked_mean,
     masked_sum,
+    nonfinite_rows,
+    per_sequence,
     sequence_log_ratio,
 )
 from offpolicy.registry import (
@@ -219,6 +221,8 @@ __all__ = [
     "opsm_mask",
     "needs",
     "needs_rollout_logp",
+    "nonfinite_rows",
+    "per_sequence",
     "policy_loss",
     "position_bin_edges",
     "position_metrics",

@@ -23,7 +23,6 @@ True
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,13 +38,6 @@ class Entry:
     key: str
     means: str
     logged_by: str = "trainer, TRL"
-
-    @property
-    def measured(self) -> str:
-        """Deprecated (always ``""``): the measured values moved to docs/data/glossary/measured.json."""
-        warnings.warn("Entry.measured is deprecated and empty: the measured values are in "
-                      "docs/data/glossary/measured.json", DeprecationWarning, stacklevel=2)
-        return ""
 
 
 # The diagnostics: name → meaning. Names per framework come from offpolicy.metrics.NAMINGS.

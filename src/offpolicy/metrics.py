@@ -81,6 +81,8 @@ from offpolicy.ratios import (
     mean_over_sequences,
     min_where,
     pad_nonempty,
+    per_sequence,
+    sequence_log_ratio,
     zero_outside,
 )
 
@@ -218,7 +220,7 @@ class _Tokens:
         self.n = self.n_valid.clamp(min=1)
         self.any_valid = self.n_valid > 0
         self.length = count(valid, dim=-1)  # valid tokens per sequence
-        self.row_sum = r.sum(dim=-1)  # Σ_t log ρ_t per sequence
+        self.row_sum = per_sequence(r, valid, "sum")  # Σ_t log ρ_t per sequence
         # added to a value, it puts the invalid positions beyond any min; subtracted, below any max
         self.out_of_reach = FLOAT32_MAX * as_factor(~valid)
         self.rho = torch.exp(self.r_safe)  # ρ, 1 at invalid positions
@@ -232,11 +234,11 @@ def _mismatch(pi: Tensor, t: _Tokens) -> dict[str, Tensor]:
     """The divergence, perplexity and χ² metrics from log π (0 at invalid positions) and the log-ratio."""
     expm1 = torch.expm1(t.r_safe)  # ρ − 1, accurate for the tiny log-ratios of a well-matched engine; 0 at invalid
     nonempty = t.length > 0
-    length = t.length.clamp(min=1)
-    mean_pi = pi.sum(dim=-1) / length
-    mean_mu = mean_pi - t.row_sum / length
+    mean_pi = per_sequence(pi, t.valid, "mean")
+    mean_r = per_sequence(t.r, t.valid, "mean")  # the geometric log-ratio, unclamped
+    mean_mu = mean_pi - mean_r
     d = mean_mu - mean_pi  # log PPL_π − log PPL_μ per sequence
-    geometric = (t.row_sum / length).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    geometric = mean_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     product = t.row_sum.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     r_max, r_min = t.max_min(t.r_safe)
     abs_r = t.r.abs()
@@ -271,7 +273,7 @@ def _mismatch(pi: Tensor, t: _Tokens) -> dict[str, Tensor]:
     }
 
 
-def _weight_stats(weights: Tensor | None, t: _Tokens, level: str, ratio_free: bool) -> dict[str, Tensor]:
+def _weight_stats(weights: Tensor | None, t: _Tokens, level: Level, ratio_free: bool) -> dict[str, Tensor]:
     """ESS, the weight statistics and the clipped / masked fractions of the applied weights (ρ_t when None)."""
     if weights is None:
         w = keep_only(t.rho, t.valid)
@@ -285,8 +287,7 @@ def _weight_stats(weights: Tensor | None, t: _Tokens, level: str, ratio_free: bo
             if level == "token":
                 raw = t.rho
             else:
-                per_sequence = t.row_sum if level == "sequence" else t.row_sum / t.length.clamp(min=1)
-                raw = torch.exp(per_sequence.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).unsqueeze(-1)
+                raw = torch.exp(sequence_log_ratio(t.r, t.valid, level)).unsqueeze(-1)
             # relative tolerance: a weight that is the ratio itself must not count as changed through rounding
             clipped = count(t.valid & ((w - raw).abs() > raw * 1e-6)) / t.n
     w_mean = w.sum() / t.n

@@ -233,6 +233,58 @@ def min_where(x: Tensor, keep: Tensor, dim: int | None = None) -> Tensor:
     return -max_where(-x, keep, dim)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Per sequence: one value per row of a [B, T] tensor over its valid tokens, and whether a row holds a non-finite one.
+# Every correction, metric and host adapter that reduces a row says it with these two.
+# ---------------------------------------------------------------------------------------------------------------------
+
+Reduce = Literal["sum", "mean", "max"]
+REDUCES: tuple[str, ...] = ("sum", "mean", "max")
+LEVEL_REDUCE: dict[str, Reduce] = {"sequence": "sum", "geometric": "mean"}  # a sequence-level log-ratio per row
+
+
+def per_sequence(x: Tensor, mask: Tensor, reduce: Reduce, *, keepdim: bool = False) -> Tensor:
+    """``x`` ``[B, T]`` reduced over each row's valid tokens (``mask`` ``[B, T]``): float32 ``[B]`` (``[B, 1]`` with
+    ``keepdim``).
+
+    * ``sum``  Σ_t m_t x_t
+    * ``mean`` Σ_t m_t x_t / max(1, Σ_t m_t): the length is the row's number of valid tokens; 0 for an empty row
+    * ``max``  max_t of x_t over the valid tokens; 0 for an empty row
+
+    A masked position never contributes, whatever it holds; a NaN/±inf at a valid position counts as 0 in ``sum`` and
+    ``mean`` (and 1 in the length) and is left out of ``max`` — whether its row is kept is the caller's decision
+    (:func:`nonfinite_rows`). The gradient flows to x where it is valid and finite.
+
+    >>> x = torch.tensor([[0.1, 0.3, 9.0], [float("nan"), -0.4, 0.0]]); m = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    >>> per_sequence(x, m, "sum"), per_sequence(x, m, "mean"), per_sequence(x, m, "max")
+    (tensor([ 0.4000, -0.4000]), tensor([ 0.2000, -0.2000]), tensor([ 0.3000, -0.4000]))
+    >>> per_sequence(x, torch.zeros(2, 3), "mean", keepdim=True)
+    tensor([[0.],
+            [0.]])
+    """
+    m = as_mask(mask)
+    if reduce == "max":
+        valid = m & is_finite(x)
+        out = max_where(zero_outside(x.float(), valid), valid, dim=-1)
+    elif reduce in ("sum", "mean"):
+        out = zero_outside(x.float(), m).sum(dim=-1)  # zero_outside also zeroes a non-finite valid value
+        if reduce == "mean":
+            out = out / count(m, dim=-1).clamp(min=1)
+    else:
+        raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+    return out.unsqueeze(-1) if keepdim else out
+
+
+def nonfinite_rows(x: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` bool: True where a valid position of the row (``mask`` ``[B, T]``) holds NaN/±inf in ``x`` ``[B, T]``
+    — a sequence whose statistic is unknown, which a mask drops rather than keeps silently.
+
+    >>> nonfinite_rows(torch.tensor([[0.0, float("nan")], [1.0, float("inf")]]), torch.tensor([[1, 1], [1, 0]]))
+    tensor([ True, False])
+    """
+    return count(as_mask(mask) & ~is_finite(x), dim=-1) > 0
+
+
 def log_ratio(numerator_logp: Tensor, denominator_logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token log(numerator/denominator), float32, 0 at masked or non-finite positions, clamped to ±20.
 
@@ -264,14 +316,9 @@ def aggregate_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tenso
     """
     check_level(level)
     m = as_mask(mask)
-    r = masked_fill_invalid(log_ratio_, m)
     if level == "token":
-        out = r
-    elif level == "sequence":
-        out = r.sum(dim=-1, keepdim=True)
-    else:
-        out = r.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
-    return out.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * m  # broadcast back to [B, T]
+        return masked_fill_invalid(log_ratio_, m).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * m
+    return sequence_log_ratio(log_ratio_, m, level).unsqueeze(-1) * m  # broadcast back to [B, T]
 
 
 def sequence_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tensor:
@@ -279,10 +326,7 @@ def sequence_log_ratio(log_ratio_: Tensor, mask: Tensor, level: Level) -> Tensor
     if level == "token":
         raise ValueError("level='token' has no per-sequence value; use 'sequence' or 'geometric'")
     check_level(level)
-    s = masked_sum(log_ratio_, mask, dim=-1)
-    if level == "geometric":
-        s = s / masked_count(mask, dim=-1).clamp(min=1.0)
-    return s.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return per_sequence(log_ratio_, mask, LEVEL_REDUCE[level]).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def decompose_log_ratio(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:

@@ -20,12 +20,12 @@ ValueError: --resume runs/x: a.x is 3.0 here but 2.0 in the checkpoint (step 40)
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from offpolicy.atomic_files import write_atomic
 
 SETTINGS_FILE = "offpolicy_settings.json"  # beside a TRL / verl checkpoint: the recipe it was trained with
 CHANGES_FILE = "offpolicy_settings_changes.jsonl"  # in the run folder: every allowed change, one line per key
@@ -154,15 +154,7 @@ def read_changes(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _replace(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=path.suffix, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data, prefix=".tmp_", suffix=path.suffix)
 
 
 __all__ = ["CHANGES_FILE", "SETTINGS_FILE", "check_resume", "correction_settings", "covers", "flatten", "jsonable",

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from offpolicy.divergence import topk_kl_upper_bound
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.ratios import nonfinite_rows, per_sequence
 
 VACUOUS_BELOW = 0.5  # the bound is vacuous when it could certify fewer than half of the sequences
 SUGGEST_AT = 0.9  # a suggested K makes at least this fraction of sequences certifiable (π standing in for μ)
@@ -101,11 +102,11 @@ def certifiable_fraction(slack: Tensor, mask: Tensor, *, max_kl: float | None, a
     if not bool(rows.any()):
         return 1.0
     ok = torch.ones_like(rows)
+    unknown = nonfinite_rows(slack, m)  # a NaN / inf slack certifies nothing, as in TRM's own test
     if max_kl is not None:
-        ok &= torch.where(m, slack, torch.zeros_like(slack)).amax(dim=-1) <= max_kl
+        ok &= (per_sequence(slack, m, "max") <= max_kl) & ~unknown
     if avg_kl is not None:
-        mean = torch.where(m, slack, torch.zeros_like(slack)).sum(-1) / m.sum(-1).clamp(min=1)
-        ok &= mean <= avg_kl
+        ok &= (per_sequence(slack, m, "mean") <= avg_kl) & ~unknown
     return float(ok[rows].float().mean())
 
 

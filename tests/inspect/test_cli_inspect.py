@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from offpolicy.cli import app
-from offpolicy.inspect.report import FIGURES
+from offpolicy.inspect.figures import FIGURES
 
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--prompts", "4", "--max-new-tokens", "6", "--ignore-eos"]

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy.inspect.compare import DVP_RHO_GRID, compare_engines, dvp_check, vocabulary_stats
-from offpolicy.inspect.specs import EngineSpec, build_engine
+from offpolicy.inspect.compare import DVP_RHO_GRID, compare_engines
+from offpolicy.inspect.specs import build_inspect_engine
+from offpolicy.inspect.vocabulary import dvp_check, vocabulary_stats
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.scoring import sequence_logprobs
+from offpolicy.rollout.spec import EngineSpec
 
 CFG = SamplingConfig(max_new_tokens=8)
 FP32_EAGER = EngineSpec("fp32-eager", dtype="float32", kv_cache=False, attn_implementation="eager")
@@ -23,7 +25,7 @@ def test_exact_kl_tv_match_an_independent_computation(tiny, prompts):
     """KL(μ‖π), KL(π‖μ), TV and top-k overlap at every position equal float64 sums over the engines' own logits."""
     model, tok = tiny
     rollout = EngineSpec("bf16", dtype="bfloat16")
-    roll, train = build_engine(model, rollout, tok), build_engine(model, FP32_EAGER)
+    roll, train = build_inspect_engine(model, rollout, tok), build_inspect_engine(model, FP32_EAGER)
     m = compare_engines(model, prompts, rollout, FP32_EAGER, CFG, engines=(roll, train), dvp_rhos=None, topk=5)
     t = m.tokens
     out = roll.generate(prompts, CFG, seed=0)  # one micro-batch: the same seed, so the same samples
@@ -203,12 +205,12 @@ def test_sample_with_compares_engines_on_identical_sequences(tiny, prompts):
     assert torch.equal(a.tokens.completion_ids, b.tokens.completion_ids) and torch.equal(a.tokens.mask, b.tokens.mask)
     assert torch.equal(a.tokens.trainer_logp, b.tokens.trainer_logp)
     m = a.tokens.mask
-    out = build_engine(model, sampler, tok).generate(prompts, CFG, seed=0)
+    out = build_inspect_engine(model, sampler, tok).generate(prompts, CFG, seed=0)
     assert a.tokens.completion_ids[m].tolist() == sum(out.completion_ids, [])
-    engine = build_engine(model, head, tok)
+    engine = build_inspect_engine(model, head, tok)
     logp, _, zr = engine.score(out.prompt_ids, out.completion_ids, CFG, return_logits=True)
     assert torch.equal(b.tokens.rollout_logp[m], logp[out.mask])
-    _, _, zt = sequence_logprobs(build_engine(model, FP32_EAGER).model, out.prompt_ids, out.completion_ids,
+    _, _, zt = sequence_logprobs(build_inspect_engine(model, FP32_EAGER).model, out.prompt_ids, out.completion_ids,
                                  return_logits=True)
     torch.testing.assert_close(b.tokens.kl[m], op.token_kl(zr[out.mask], zt[out.mask]))
     assert a.meta["sampled_with"]["name"] == "fp32" and a.meta["capture_max_abs_error"] is None
@@ -241,7 +243,7 @@ def test_a_bf16_trainer_is_scored_in_bf16_beside_a_bf16_engine(tiny, prompts):
     mixed = compare_engines(model, prompts, rollout, FP32_EAGER, CFG, tokenizer=tok, dvp_rhos=None)
     t, u = same.tokens, mixed.tokens
     assert torch.equal(t.completion_ids[t.mask], u.completion_ids[u.mask])  # same seed, same engine: same samples
-    bf16_model = build_engine(model, bf16_trainer).model
+    bf16_model = build_inspect_engine(model, bf16_trainer).model
     assert next(bf16_model.parameters()).dtype == torch.bfloat16
     logp, mask = sequence_logprobs(bf16_model, t.prompt_ids, [r[m].tolist() for r, m in zip(t.completion_ids, t.mask)])
     assert torch.equal(t.trainer_logp[t.mask], logp[mask])  # the bf16 forward itself

@@ -16,7 +16,7 @@ from offpolicy.diagnose.dumps import (
     read_any,
     topk_kl_from_logprobs,
 )
-from offpolicy.inspect.report import summarize
+from offpolicy.inspect.summary import summarize
 
 # Two sequences; valid tokens: row 0 all three, row 1 the first two.
 IDS = torch.tensor([[11, 12, 13], [14, 15, 0]])

@@ -7,14 +7,15 @@ import pytest
 from offpolicy.inspect.layers import first_divergent, hook_points, layer_errors, layer_shares
 from offpolicy.inspect.measurements import LayerError
 from offpolicy.inspect.run import inspect_engines
-from offpolicy.inspect.specs import EngineSpec, build_engine
+from offpolicy.inspect.specs import build_inspect_engine
 from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.spec import EngineSpec
 
 TRAINER = EngineSpec("fp32", dtype="float32", kv_cache=False, attn_implementation=None)
 
 
 def _errors(model, spec, prompts, completions):
-    return layer_errors(build_engine(model, spec), build_engine(model, TRAINER), prompts, completions)
+    return layer_errors(build_inspect_engine(model, spec), build_inspect_engine(model, TRAINER), prompts, completions)
 
 
 @pytest.mark.parametrize("layer", [0, 2, 3])
@@ -76,6 +77,6 @@ def test_shares_and_first_by_hand():
 
 def test_layer_errors_refuses_mismatched_inputs(tiny):
     model, _ = tiny
-    engine = build_engine(model, TRAINER)
+    engine = build_inspect_engine(model, TRAINER)
     with pytest.raises(ValueError, match="same length"):
         layer_errors(engine, engine, [[1, 2]], [])

@@ -12,8 +12,9 @@ import tempfile
 import pytest
 import torch
 
+from offpolicy.inspect.figures import FIGURES
 from offpolicy.inspect.measurements import Measurements, TokenData
-from offpolicy.inspect.report import FIGURES, markdown_table, write_report
+from offpolicy.inspect.report import markdown_table, write_report
 from offpolicy.inspect.run import inspect_engines
 from offpolicy.inspect.specs import ROLLOUT_SPECS, TRAINER_SPECS
 from offpolicy.rollout.sampling import SamplingConfig

@@ -62,10 +62,11 @@ def _small_moe():
 def test_the_flips_agree_with_routing_replays_own_count():
     # the engine's recorded routes replayed in "compare" mode around the trainer's forward count the same flips as
     # inspect's per-position comparison of both sides' records
-    from offpolicy.inspect.specs import EngineSpec, build_engine
+    from offpolicy.inspect.specs import build_inspect_engine as build_engine
     from offpolicy.rollout.routing import RouteRecorder, replay_routes
     from offpolicy.rollout.sampling import SamplingConfig
     from offpolicy.rollout.scoring import score_tokens
+    from offpolicy.rollout.spec import EngineSpec
 
     model, tok = _small_moe()
     engine = build_engine(model, EngineSpec(name="bf16", dtype="bfloat16", record_routes=True), tok)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy.inspect.specs import ROLLOUT_SPECS, TRAINER_SPECS, EngineSpec, build_engine, parse_spec
+from offpolicy.inspect.specs import ROLLOUT_SPECS, TRAINER_SPECS, build_inspect_engine, parse_spec
+from offpolicy.rollout.spec import EngineSpec
 
 
 def test_builtins_and_overrides():
@@ -58,21 +59,21 @@ def test_describe():
         "float32 + KV cache + int4 KV cache (layers 1)")
 
 
-def test_build_engine_applies_every_knob(tiny):
+def test_build_inspect_engine_applies_every_knob(tiny):
     model, tok = tiny
-    engine = build_engine(model, parse_spec("fp16,weight_bits=4,kv_cache_bits=8,quantize_layers=1,lm_head_fp32=1,"
+    engine = build_inspect_engine(model, parse_spec("fp16,weight_bits=4,kv_cache_bits=8,quantize_layers=1,lm_head_fp32=1,"
                                             "noise=0.5,kv_cache=false", "rollout"), tok)
     assert engine.dtype == torch.float16 and not engine.kv_cache
     assert (engine.weight_bits, engine.kv_cache_bits, engine.quantize_layers) == (4, 8, frozenset({1}))
     assert engine.lm_head_fp32 and engine.logit_noise == 0.5
     assert engine.model.lm_head.weight.dtype == torch.float32
     with pytest.raises(ValueError, match="backend='vllm'"):
-        build_engine(model, EngineSpec(backend="vllm"))
+        build_inspect_engine(model, EngineSpec(backend="vllm"))
 
 
 def test_quant_specs_parse_by_format_name_or_alias_and_build_the_engine(tiny):
-    from offpolicy.inspect.specs import QUANT_LABELS
     from offpolicy.rollout.quant_formats import QUANT_FORMATS
+    from offpolicy.rollout.spec import QUANT_LABELS
 
     assert set(QUANT_LABELS) == set(QUANT_FORMATS)
     s = parse_spec("backend=hf,quant=w4a4", "rollout")
@@ -84,7 +85,7 @@ def test_quant_specs_parse_by_format_name_or_alias_and_build_the_engine(tiny):
     for name in ("fp8", "fp8-dynamic", "fp8-block", "mxfp8"):
         assert ROLLOUT_SPECS[name].quant == name
     model, tok = tiny
-    engine = build_engine(model, parse_spec("fp32,quant=mxfp8,quantize_layers=2", "rollout"), tok)
+    engine = build_inspect_engine(model, parse_spec("fp32,quant=mxfp8,quantize_layers=2", "rollout"), tok)
     assert (engine.quant, engine.quantize_layers) == ("mxfp8", frozenset({2}))
     lin = engine.model.model.layers[2].mlp.up_proj
     assert torch.equal(lin.weight, QUANT_FORMATS["mxfp8"].weight(model.model.layers[2].mlp.up_proj.weight))

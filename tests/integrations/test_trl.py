@@ -11,7 +11,7 @@ from offpolicy_testkit.trl_toy import toy_step_inputs as _inputs
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.importance import tis
-from offpolicy.integrations.trl import batch_from_trl_inputs, make_offpolicy_grpo_trainer, trl_policy_loss
+from offpolicy.integrations.trl import OffPolicyGRPOMixin, batch_from_trl_inputs, trl_policy_loss
 from offpolicy.losses import policy_loss
 
 
@@ -58,9 +58,13 @@ class _StandInGRPOTrainer:
         return self.table, None, None
 
 
+class _Trainer(OffPolicyGRPOMixin, _StandInGRPOTrainer):
+    """The mixin in front of the stand-in, as ``OffPolicyGRPOTrainer`` is in front of ``GRPOTrainer``."""
+
+
 def test_subclass_computes_offpolicy_loss_and_logs_metrics():
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
-    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    cls = _Trainer
     trainer = cls(table=lp, correction=tis(upper=2.0))
     model = torch.nn.Linear(1, 1).train()
     loss = trainer._compute_loss(model, _inputs())
@@ -83,7 +87,7 @@ def test_corrections_and_objectives_by_name_and_the_mismatch_metrics_under_trls_
     # A correction spec by name gives the same loss as the object; TRL's loss_type cispo maps to the cispo objective
     # with TRL's cap (weight = min(r, epsilon_high)); the mismatch diagnostics use TRL's sampling/… names
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
-    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    cls = _Trainer
     by_name = cls(table=lp, correction=[{"name": "tis", "upper": 2.0}])
     assert torch.equal(by_name._compute_loss(torch.nn.Linear(1, 1).train(), _inputs()),
                        cls(table=lp, correction=tis(upper=2.0))._compute_loss(torch.nn.Linear(1, 1).train(), _inputs()))
@@ -117,7 +121,7 @@ def test_corrections_and_objectives_by_name_and_the_mismatch_metrics_under_trls_
     ],
 )
 def test_subclass_refuses_only_contradictions(kw, trainer_kw, name):
-    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    cls = _Trainer
     with pytest.raises(ValueError, match=name):
         cls(args=_args(**kw), **trainer_kw)
 
@@ -130,7 +134,7 @@ def test_subclass_refuses_only_contradictions(kw, trainer_kw, name):
 ])
 def test_subclass_accepts_trls_options(kw):
     # each is reproduced (tests/integrations/test_trl_options.py trains them beside vanilla TRL)
-    make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(**kw))
+    _Trainer(args=_args(**kw))
 
 
 def _batch(inputs, table):
@@ -145,7 +149,7 @@ def _batch(inputs, table):
 def test_loss_types_and_gradient_accumulation_scale_as_trl(loss_type, aggregation, max_tokens):
     # TRL divides the micro-batch loss by the accumulation steps itself (the HF Trainer does not): 4 steps → 1/4
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
-    cls = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)
+    cls = _Trainer
     trainer = cls(args=_args(loss_type=loss_type, max_completion_length=3), table=lp, accumulation=4)
     got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
     kw = {} if max_tokens is None else {"max_tokens": max_tokens}
@@ -159,7 +163,7 @@ def test_loss_types_and_gradient_accumulation_scale_as_trl(loss_type, aggregatio
 def test_dr_grpo_divides_by_max_completion_length_not_the_padded_width():
     # 3 padded tokens, max_completion_length 6: Σ m·L / (B · 6), half of Σ m·L / (B · 3)
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
-    trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(loss_type="dr_grpo", max_completion_length=6),
+    trainer = _Trainer(args=_args(loss_type="dr_grpo", max_completion_length=6),
                                                                table=lp)
     got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), _inputs())
     padded, _ = policy_loss(_batch(_inputs(), lp), aggregation="seq_mean_token_sum_norm", clip_low=0.2, clip_high=0.28)
@@ -170,7 +174,7 @@ def test_dapo_divides_the_sum_by_the_generation_batch_token_count():
     # TRL: Σ_micro-batch m·L / (num_items_in_batch / processes · accumulation / steps_per_generation)
     # here: 5 valid tokens; num_items_in_batch = 20, 1 process, accumulation 2, steps_per_generation 4 → divisor 10
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
-    trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(loss_type="dapo"), table=lp, accumulation=2)
+    trainer = _Trainer(args=_args(loss_type="dapo"), table=lp, accumulation=2)
     inputs = {**_inputs(), "num_items_in_batch": torch.tensor(20)}
     got = trainer._compute_loss(torch.nn.Linear(1, 1).train(), inputs)
     mean, _ = policy_loss(_batch(_inputs(), lp), clip_low=0.2, clip_high=0.28)  # Σ m·L / 5
@@ -179,7 +183,7 @@ def test_dapo_divides_the_sum_by_the_generation_batch_token_count():
 
 def test_delta_is_the_dual_clip_and_nan_vllm_logprobs_do_not_drop_tokens_without_a_correction(monkeypatch):
     lp = torch.tensor([[-0.9, -2.1, -0.4], [-1.1, -0.9, 0.0]], requires_grad=True)
-    trainer = make_offpolicy_grpo_trainer(_StandInGRPOTrainer)(args=_args(delta=3.0), table=lp)
+    trainer = _Trainer(args=_args(delta=3.0), table=lp)
     assert trainer.offpolicy_loss_kwargs["objective"] == {"name": "ppo", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
     inputs = _inputs()
     inputs["sampling_per_token_logps"] = torch.full((2, 3), float("nan"))  # TRL's "missing" vLLM log-probs

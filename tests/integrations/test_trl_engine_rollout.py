@@ -100,18 +100,14 @@ def test_the_recipe_is_trls():
     assert (off.top_k, off.top_p, off.min_p) == (None, None, None)
 
 
-def test_vllm_logprob_lists_left_the_public_api_with_one_release_of_its_old_name():
-    # a test helper (offpolicy_testkit.vllm_layout): no longer in offpolicy.integrations.trl's __all__; the old name
-    # still answers, the same as the helper, with a DeprecationWarning
-    from offpolicy_testkit.vllm_layout import vllm_logprob_lists
+def test_vllm_logprob_lists_is_a_test_helper_outside_the_package():
+    # vLLM's layout for stubs of TRL's VLLMClient lives in offpolicy_testkit.vllm_layout, not in the library
+    import doctest
+
+    from offpolicy_testkit import vllm_layout
 
     import offpolicy.integrations.trl as trl_api
-    from offpolicy.rollout.base import RolloutOutput
 
-    assert "vllm_logprob_lists" not in trl_api.__all__
-    out = RolloutOutput(prompt_ids=[[1]], completion_ids=[[5, 6]], logp=torch.tensor([[-0.1, -2.0]]),
-                        mask=torch.ones(1, 2, dtype=torch.bool), topk_logp=torch.tensor([[[-0.1], [-0.5]]]),
-                        topk_ids=torch.tensor([[[5], [7]]]))
-    with pytest.warns(DeprecationWarning, match="test helper"):
-        old = trl_api.vllm_logprob_lists(out, 1)
-    assert old == vllm_logprob_lists(out, 1) == ([[[pytest.approx(-0.1)], [-0.5, -2.0]]], [[[5], [7, 6]]])
+    assert not hasattr(trl_api, "vllm_logprob_lists") and "vllm_logprob_lists" not in trl_api.__all__
+    result = doctest.testmod(vllm_layout)
+    assert result.attempted > 0 and result.failed == 0

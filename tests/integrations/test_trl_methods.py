@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from offpolicy.divergence import token_kl
 from offpolicy.integrations.trl import (
     ENGINE_ORDERS,
+    OffPolicyGRPOMixin,
     allreduce_sigma_grad,
-    make_offpolicy_grpo_trainer,
     pad_topk,
     replay_logp,
     sampled_token_logprobs,
@@ -223,8 +223,12 @@ class _StandIn:
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
 
+class _Trainer(OffPolicyGRPOMixin, _StandIn):
+    """The mixin in front of the stand-in, as ``OffPolicyGRPOTrainer`` is in front of ``GRPOTrainer``."""
+
+
 def test_subclass_argument_checks():
-    cls = make_offpolicy_grpo_trainer(_StandIn)
+    cls = _Trainer
     with pytest.raises(ValueError, match="dvp_rho"):
         cls(dvp_rho=0.0)
     with pytest.raises(ValueError, match="dvp_rho: pass args"):
@@ -250,7 +254,7 @@ def test_raw_vllm_server_logprobs_are_refused():
             info = {"model_config": {"logprobs_mode": mode}}
             self.vllm_generation = SimpleNamespace(vllm_client=SimpleNamespace(get_server_info=lambda: info))
 
-    cls = make_offpolicy_grpo_trainer(WithServer)
+    cls = type("WithServerTrainer", (OffPolicyGRPOMixin, WithServer), {})
     with pytest.raises(ValueError, match="logprobs_mode"):
         cls()
     cls(mode="processed_logprobs")
@@ -262,6 +266,6 @@ def test_heads_that_scale_or_softcap_and_alp_on_logits_are_refused():
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         _check_plain_head(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=30.0)))
     _check_plain_head(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=None, logit_scale=1.0)))
-    cls = make_offpolicy_grpo_trainer(_StandIn)
+    cls = _Trainer
     with pytest.raises(ValueError, match="layers='logits'"):
         cls(alp={"layers": "logits"})

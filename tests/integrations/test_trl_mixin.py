@@ -1,6 +1,6 @@
 """``OffPolicyGRPOMixin`` composed in front of a user's own ``GRPOTrainer`` subclass: the user's overrides and
 offpolicy's both run (on a stand-in base, and in TRL's real ``train()`` on a tiny random Qwen2); the module-level
-``OffPolicyGRPOTrainer`` is that composition with TRL's ``GRPOTrainer``; the old factory is a deprecated alias."""
+``OffPolicyGRPOTrainer`` is that composition with TRL's ``GRPOTrainer``."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch
 from offpolicy_testkit.trl_toy import toy_step_inputs as _inputs
 
 from offpolicy.corrections.importance import tis
-from offpolicy.integrations.trl import OffPolicyGRPOMixin, make_offpolicy_grpo_trainer, trl_policy_loss
+from offpolicy.integrations.trl import OffPolicyGRPOMixin, trl_policy_loss
 
 
 class _StandInGRPOTrainer:
@@ -55,12 +55,6 @@ def test_the_mixin_in_front_of_a_users_subclass_on_a_stand_in():
     assert mro.index(OffPolicyGRPOMixin) < mro.index(_UserTrainer) < mro.index(_StandInGRPOTrainer)
 
 
-def test_the_factory_is_a_deprecated_alias():
-    with pytest.warns(DeprecationWarning, match="make_offpolicy_grpo_trainer"):
-        cls = make_offpolicy_grpo_trainer(_UserTrainer)
-    assert cls.__bases__ == (OffPolicyGRPOMixin, _UserTrainer)
-
-
 trl = pytest.importorskip("trl")
 
 
@@ -71,8 +65,6 @@ def test_the_module_level_trainer_is_the_mixin_in_front_of_grpo_trainer():
     assert adapter.OffPolicyGRPOTrainer is OffPolicyGRPOTrainer
     assert OffPolicyGRPOTrainer.__bases__ == (OffPolicyGRPOMixin, trl.GRPOTrainer)
     assert OffPolicyGRPOTrainer.__qualname__ == "OffPolicyGRPOTrainer"  # not a class built inside a function
-    with pytest.warns(DeprecationWarning):
-        assert make_offpolicy_grpo_trainer() is OffPolicyGRPOTrainer
 
 
 @pytest.mark.slow

@@ -12,13 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from offpolicy.integrations.trl.patches import check_server_sync, server_sync_choice
 from offpolicy.integrations.trl.vllm_sync import (
     FileSync,
     TRLSyncCheck,
-    check_server_sync,
     check_sync_setting,
     default_probe,
-    server_sync_choice,
     trl_named_weights,
     uses_files,
 )
@@ -150,7 +149,7 @@ def test_the_file_sync_writes_every_tensor_and_calls_the_dev_endpoints(tmp_path,
 
     from safetensors.torch import load_file
 
-    from offpolicy.rollout.servers import vllm_reload_weights
+    from offpolicy.rollout.protocols import vllm_reload_weights
 
     calls = []
     home = importlib.import_module(vllm_reload_weights.__module__)  # where the reload looks post_json up

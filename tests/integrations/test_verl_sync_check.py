@@ -354,8 +354,7 @@ def test_cpu_bridge_asks_for_gloo_once_and_restores_what_it_replaced(monkeypatch
     unless the caller names a backend, and :func:`uninstall` puts verl's functions back."""
     import verl.models.transformers.monkey_patch as verl_patches
     import verl.utils.distributed as verl_distributed
-
-    from offpolicy.integrations.verl import cpu_bridge
+    from offpolicy_testkit import verl_cpu_bridge as cpu_bridge
 
     calls = []
     wrapped = cpu_bridge._gloo_only(lambda timeout_second=None, backend=None: calls.append(backend))

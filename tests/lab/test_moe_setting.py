@@ -6,7 +6,7 @@ from collections import Counter
 
 from offpolicy.lab.mismatch import REAL_ENGINES, describe_mismatch, mismatch_settings
 from offpolicy.lab.settings import get_setting
-from offpolicy.lab.sweep import plan_sweep, planned_config
+from offpolicy.lab.plan import plan_sweep, planned_config
 
 
 def test_the_moe_sources_name_the_moe_model_and_its_engine():

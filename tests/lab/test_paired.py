@@ -88,7 +88,7 @@ def test_the_same_sweep_by_ranges(tmp_path):
 def test_the_report_states_the_paired_rule(tmp_path):
     from rich.console import Console
 
-    from offpolicy.lab.report import rich_table
+    from offpolicy.lab.tables import rich_table
 
     report = write_report(make_sweep(tmp_path, "quick"))
     assert "seed by seed" in report.table.read_text() and "2/2ⁿ" in report.table.read_text()

@@ -12,8 +12,8 @@ from offpolicy.lab.mismatch import (
     mismatch_overrides,
     mismatch_settings,
 )
+from offpolicy.lab.plan import plan_sweep, planned_config
 from offpolicy.lab.settings import SETTINGS, get_setting
-from offpolicy.lab.sweep import plan_sweep, planned_config
 
 
 @pytest.mark.parametrize("name, dtype, weight_bits, kv_bits, noise", [

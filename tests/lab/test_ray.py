@@ -16,7 +16,8 @@ import pytest
 from offpolicy_testkit.lab_plans import no_prepare, small_plan
 
 from offpolicy.lab.ray_exec import RayExecutor, forwarded_env
-from offpolicy.lab.sweep import read_summary, run_state, run_sweep
+from offpolicy.lab.sweep import run_sweep
+from offpolicy.lab.sweep_folder import read_summary, run_state
 
 ray = pytest.importorskip("ray")
 

@@ -46,7 +46,7 @@ def test_a_real_engine_combines_with_nothing(bad):
 
 
 def test_real_setting_plans_valid_runs(tmp_path):
-    from offpolicy.lab.sweep import plan_sweep
+    from offpolicy.lab.plan import plan_sweep
 
     s = get_setting("real")
     assert s["seeds"] >= 3 and "none" in s["mismatches"] and {"naive", "tis"} <= set(s["presets"])
@@ -57,7 +57,7 @@ def test_real_setting_plans_valid_runs(tmp_path):
 
 
 def test_real_free_setting_runs_the_stochastic_task(tmp_path):
-    from offpolicy.lab.sweep import plan_sweep
+    from offpolicy.lab.plan import plan_sweep
 
     plan = plan_sweep(tmp_path, "real_free")
     cfgs = [load_config(None, list(run.overrides)) for run in plan.runs]

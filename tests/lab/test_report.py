@@ -199,7 +199,7 @@ def test_headline_names_every_separated_comparison(report):
 
 
 def test_headline_when_nothing_separates():
-    from offpolicy.lab.report import headline
+    from offpolicy.lab.tables import headline
 
     c = st.compare([0.1, 0.3], [0.2, 0.4], "naive, x")  # overlap on [0.2, 0.3]
     group = {"preset": "tis", "mismatch": "x", "versus": {"naive": {"reward_last": c}}}

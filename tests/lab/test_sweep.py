@@ -14,7 +14,9 @@ import pytest
 from offpolicy_testkit.lab_plans import no_prepare, small_plan
 from rich.console import Console
 
-from offpolicy.lab.sweep import config_conflicts, plan_sweep, planned_config, read_summary, run_state, run_sweep
+from offpolicy.lab.plan import plan_sweep, planned_config
+from offpolicy.lab.sweep import run_sweep
+from offpolicy.lab.sweep_folder import config_conflicts, read_summary, run_state
 from offpolicy.train.config import config_to_yaml
 
 

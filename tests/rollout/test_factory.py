@@ -301,8 +301,8 @@ def hf_spy():
 
 
 def test_the_trainer_builds_its_engine_through_the_registry(hf_spy, tiny):
+    from offpolicy.train.build import build_run_engine as trainer_engine
     from offpolicy.train.config import load_config
-    from offpolicy.train.steps import build_engine as trainer_engine
 
     model, tok = tiny
     cfg = load_config(None, ["rollout.dtype=float16", "rollout.kv_cache_bits=8", "rollout.sampler=multinomial",

@@ -26,12 +26,12 @@ def stub():
 
 
 def _trainer_engine(url, tmp_path, tiny):
+    from offpolicy.train.build import build_run_engine
     from offpolicy.train.config import load_config
-    from offpolicy.train.steps import build_engine
 
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "rollout.engine=server", f"rollout.server.url={url}",
                              "rollout.server.protocol=vllm", "rollout.server.timeout=5"])
-    return build_engine(cfg, *tiny)
+    return build_run_engine(cfg, *tiny)
 
 
 def test_the_trainer_refuses_a_server_with_raw_logprobs_before_any_request(stub, tmp_path, tiny):

@@ -150,23 +150,3 @@ def test_http_error_names_request(stub):
     engine = ServerRolloutEngine(url, SGLangProtocol(), vocab_size=4099)
     with pytest.raises(ServerError, match=r"sglang request 0 \(/generate\): .* answered HTTP 404"):
         engine.generate([[1]], SamplingConfig(max_new_tokens=2), seed=0)
-
-
-def test_names_moved_out_of_servers_keep_their_old_import_path():
-    # offpolicy.rollout.servers held the HTTP helpers, the protocols and the engine until they moved to their own
-    # modules; the old path gives the same objects for one release
-    import offpolicy.rollout.servers as old
-    import offpolicy.rollout.vllm as vllm_engine
-    from offpolicy.rollout import http, protocols, server_engine
-
-    for module, names in ((http, ["ServerError", "post_json", "wait_until_healthy", "get_field", "check_token",
-                                  "check_logprob"]),
-                          (protocols, ["ServerCompletion", "ServerProtocol", "VLLMProtocol", "SGLangProtocol",
-                                       "parse_vllm_completion", "parse_vllm_prompt_logprobs", "parse_sglang_generate",
-                                       "check_sglang_sampling", "vllm_reload_weights", "sglang_reload_weights",
-                                       "VLLM_NEG_INF"]),
-                          (server_engine, ["ServerRolloutEngine", "completions_to_output"])):
-        for name in names:
-            assert getattr(old, name) is getattr(module, name), name
-    for name in ("vllm_sampling", "check_vllm_filter_order", "VLLM_MIN_TEMPERATURE"):
-        assert getattr(vllm_engine, name) is getattr(protocols, name), name

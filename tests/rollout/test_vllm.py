@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from offpolicy.rollout.base import RolloutEngine
+from offpolicy.rollout.protocols import check_vllm_filter_order, vllm_sampling
 from offpolicy.rollout.sampling import SamplingConfig
-from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output, check_vllm_filter_order, vllm_sampling
+from offpolicy.rollout.vllm import VLLMRolloutEngine, _to_output
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_GPU = torch.cuda.is_available()

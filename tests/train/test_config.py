@@ -85,11 +85,11 @@ def test_impossible_combinations_fail_naming_the_key(overrides, match):
 def test_the_trainers_engine_draws_with_the_configured_sampler():
     from offpolicy.lab.settings import LAB_BASE
     from offpolicy.models.tiny import build_tiny_model
-    from offpolicy.train.steps import build_engine
+    from offpolicy.train.build import build_run_engine
 
     model, tok = build_tiny_model()
-    assert build_engine(load_config(None, []), model, tok).sampler == "inverse_cdf"  # the trainer's default
-    assert build_engine(load_config(None, ["rollout.sampler=multinomial"]), model, tok).sampler == "multinomial"
+    assert build_run_engine(load_config(None, []), model, tok).sampler == "inverse_cdf"  # the trainer's default
+    assert build_run_engine(load_config(None, ["rollout.sampler=multinomial"]), model, tok).sampler == "multinomial"
     assert "rollout.sampler=multinomial" in LAB_BASE  # the lab's recorded runs drew with torch.multinomial
 
 

@@ -113,7 +113,7 @@ def test_controlled_run_logs_its_thresholds_and_resumes_exactly(tmp_path, tiny_p
 
 
 def test_dvp_coverage_config_and_sampling():
-    from offpolicy.train.steps import sampling_config
+    from offpolicy.train.build import sampling_config
 
     cfg = load_config(None, ["algorithm.preset=dvp_mis", "algorithm.dvp_coverage=0.01"])
     s = sampling_config(cfg)
@@ -124,7 +124,7 @@ def test_dvp_coverage_config_and_sampling():
 
 def test_adaptive_safe_set_keeps_its_mass_and_prunes_more_where_confident():
     from offpolicy.rollout.sampling import SamplingConfig, process_logits
-    from offpolicy.train.steps import adaptive_dvp_fields
+    from offpolicy.train.scoring import adaptive_dvp_fields
 
     # row 0 confident: logits (14, 0 × 49) → p₀ = e¹⁴ / (e¹⁴ + 49) = 1 − 4.0e-5 ≥ 1 − ε, so top-p(1 − 1e-3) keeps
     # token 0 alone (Z = 0.99996); row 1 flat: p = 1/50 each, 1 − ε = 0.999 needs all 50 (49 hold only 0.98)

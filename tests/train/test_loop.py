@@ -14,7 +14,8 @@ from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.tasks import RewardError
 from offpolicy.train.config import load_config
 from offpolicy.train.logging import read_metrics
-from offpolicy.train.loop import exact_token_kl, train
+from offpolicy.train.loop import train
+from offpolicy.train.scoring import exact_token_kl
 
 PRESETS_TO_RUN = ["naive", "tis", "mis", "geo_mask", "icepop", "opsm", "trm", "dvp", "dvp_mis", "alp"]
 
@@ -49,7 +50,7 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
 def test_an_overwriting_run_into_an_existing_out_dir_starts_a_new_log(tmp_path, fresh, make_overrides, varying_task):
     # with --overwrite, a second run in the same folder replaces metrics.jsonl (appending would give 4 rows, and the
     # demo's summary would read the first run's first row and the second run's last)
-    from offpolicy.train.loop import RunReplacedWarning
+    from offpolicy.train.run_folder import RunReplacedWarning
 
     model, tok = fresh
     train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok, task=varying_task())
@@ -222,7 +223,7 @@ def test_an_overwriting_run_replaces_an_earlier_run_in_its_out_dir(tmp_path, tin
     # Expected: an overwriting run into a folder holding an earlier run removes that run's checkpoints (and killed-save
     # leftovers, and TensorBoard event files) with one warning naming the folder: with only metrics.jsonl emptied, a
     # later --resume would continue the *earlier* run's step-4 checkpoint (metrics steps [1, 2, 3, 5]).
-    from offpolicy.train.loop import RunReplacedWarning
+    from offpolicy.train.run_folder import RunReplacedWarning
 
     run = _runner(tmp_path, tiny_pair, make_overrides, varying_task)
     with warnings.catch_warnings():

@@ -4,7 +4,6 @@ loss on AReaL's interpolation — equal to the forward's on fresh data, the hand
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 
 import pytest
@@ -13,12 +12,13 @@ import torch
 from offpolicy.batch import LogProbBatch
 from offpolicy.losses import policy_loss
 from offpolicy.train import steps
+from offpolicy.train import update as UPDATE  # where the update's private helpers live
 from offpolicy.train.config import load_config, objective_call
 from offpolicy.train.loop import train
 from offpolicy.train.proximal import with_versions
+from offpolicy.train.scoring import score_policy
 
 DECOUPLED = {"name": "decoupled", "clip_low": 0.2, "clip_high": 0.28}  # the trainer's clip range
-UPDATE = importlib.import_module(steps.update_step.__module__)  # where the update's private helpers live
 
 
 def _cfg(tmp_path, make_overrides, proximal="loglinear", preset="tis", **extra):
@@ -58,7 +58,7 @@ def test_each_rollout_carries_the_engines_version_per_token_and_padding_none(tmp
     state = _state(tmp_path, model, tok, varying_task(), make_overrides)
     state.policy_version = 5  # as after 5 steps: a sync hands the engine version 5
     rollout = steps.rollout_step(state, seed=1)
-    _, mask, _, _ = steps.score_policy(model, rollout.prompt_ids, rollout.completions, state.sampling,
+    _, mask, _, _ = score_policy(model, rollout.prompt_ids, rollout.completions, state.sampling,
                                        dtype=torch.float32)
     assert rollout.versions is not None and rollout.versions.dtype == torch.int64
     assert torch.equal(rollout.versions, torch.where(mask, 5, -1))
@@ -102,7 +102,7 @@ def test_loglinear_skips_the_proximal_forward(proximal, minibatches, expected, t
     rollout = steps.rollout_step(state, seed=1)
     forwards = _Forwards(state.model)
     scored = steps.score_step(state, rollout)
-    steps.update_step(state, rollout, scored, seed=1)
+    UPDATE.update_step(state, rollout, scored, seed=1)
     forwards.handle.remove()
     assert forwards.n == expected
     assert state.policy_version == 1
@@ -145,7 +145,7 @@ def test_on_stale_data_the_loss_reads_the_hand_computed_interpolation(tmp_path, 
         rollout = steps.rollout_step(state, seed=step, sync_weights=step == 0)
         scored = steps.score_step(state, rollout)
         seen.clear()
-        steps.update_step(state, rollout, scored, seed=step)
+        UPDATE.update_step(state, rollout, scored, seed=step)
     assert len(seen) == 2
     for batch, loss in seen:
         valid = batch.bool_mask

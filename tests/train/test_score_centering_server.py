@@ -12,10 +12,10 @@ import torch
 from offpolicy.objectives.score_centering import sampler_topk, score_center_topk, topk_drift_tv
 from offpolicy.rollout.hf import HFRolloutEngine
 from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.train.build import sampling_config
 from offpolicy.train.config import load_config
 from offpolicy.train.loop import train
 from offpolicy.train.presets import SCORE_CENTERING_TOPK
-from offpolicy.train.steps import sampling_config
 
 PROMPTS = [[1, 5, 9], [2, 7], [3, 4, 8, 6]]
 

@@ -13,6 +13,8 @@ from offpolicy.rollout.scoring import sequence_logprobs
 from offpolicy.train import steps
 from offpolicy.train.config import load_config
 from offpolicy.train.loop import train
+from offpolicy.train.scoring import score_policy
+from offpolicy.train.update import update_step
 
 
 def _state(tmp_path, model, tok, task, make_overrides, **extra):
@@ -39,12 +41,12 @@ def test_the_scoring_forward_is_pi_old_and_serves_the_update_once(preset, tmp_pa
     rollout = steps.rollout_step(state, seed=3)
     scored = steps.score_step(state, rollout)
     with torch.no_grad():  # the separate no-grad forward the trainer used to run: bitwise the same π_old
-        expected = steps.score_policy(model, rollout.prompt_ids, rollout.completions, state.sampling,
+        expected = score_policy(model, rollout.prompt_ids, rollout.completions, state.sampling,
                                       dtype=torch.float32, dvp_rho=state.cfg.algorithm.dvp_rho if preset == "dvp_mis"
                                       else None)[0]
     assert torch.equal(scored.old_logp, expected) and not scored.old_logp.requires_grad
     assert scored.theta is not None and scored.theta[0].requires_grad
-    updates = steps.update_step(state, rollout, scored, seed=3)
+    updates = update_step(state, rollout, scored, seed=3)
     assert len(updates) == 1 and math.isfinite(float(updates[0]["loss/loss"]))
     assert scored.theta is None  # the graph is released after its backward
 

@@ -63,7 +63,7 @@ def _check_sync_cli(model_dir, url):
 
 def test_every_sync_into_a_sharded_model_takes_and_leaves_its_files_untouched(sharded_copy, vllm_cache, tmp_path):
     from offpolicy.models import load_model
-    from offpolicy.rollout.servers import vllm_reload_weights
+    from offpolicy.rollout.protocols import vllm_reload_weights
 
     model, tok = load_model("tiny")
     before = _hashes(sharded_copy)

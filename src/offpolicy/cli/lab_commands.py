@@ -68,8 +68,10 @@ def lab(
 def _lab(out: Path, setting: str, presets_: str | None, mismatch: str | None, seeds: int | None,
          steps: int | None, jobs: int | None, overrides: list[str] | None, *, report_only: bool,
          keep_checkpoints: bool, title: str | None, executor: str = "local", address: str | None = None) -> None:
-    from offpolicy.lab.report import rich_table, write_report
-    from offpolicy.lab.sweep import plan_sweep, run_sweep
+    from offpolicy.lab.plan import plan_sweep
+    from offpolicy.lab.report import write_report
+    from offpolicy.lab.sweep import run_sweep
+    from offpolicy.lab.tables import rich_table
 
     console = make_console()
     result = None

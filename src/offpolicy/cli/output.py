@@ -13,7 +13,7 @@ from offpolicy.cli.base import fail
 
 
 def print_inspection(console: Console, summary: dict, folder: Path, *, dump: bool = True) -> None:
-    """An inspection's mismatch numbers and recommended thresholds (a :func:`offpolicy.inspect.report.summarize`
+    """An inspection's mismatch numbers and recommended thresholds (a :func:`offpolicy.inspect.summary.summarize`
     result) as two tables, and where its report went."""
     from rich.table import Table
 

@@ -51,6 +51,7 @@ from offpolicy.binary import bernoulli_kl, bernoulli_tv
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.corrections.importance import behaviour_log_ratio, check_name, check_source, check_threshold
 from offpolicy.ratios import (
+    LEVEL_REDUCE,
     LOG_RATIO_BOUND,
     as_mask,
     broadcast_rows,
@@ -58,6 +59,8 @@ from offpolicy.ratios import (
     is_finite,
     keep_only,
     max_where,
+    nonfinite_rows,
+    per_sequence,
     zero_outside,
 )
 from offpolicy.registry import register_correction
@@ -201,10 +204,8 @@ def gate(log_mu: Tensor, log_num: Tensor, mask: Tensor, *, level: str = "token",
     else:
         tokens = count(m, dim=-1).unsqueeze(-1)
         unit_valid = tokens > 0
-        unit_defined = unit_valid & (count(finite, dim=-1).unsqueeze(-1) == tokens)
-        unit = s.sum(dim=-1, keepdim=True)
-        if level == "geometric":
-            unit = unit / tokens.clamp(min=1)
+        unit_defined = unit_valid & ~nonfinite_rows(r, m).unsqueeze(-1)
+        unit = per_sequence(s, m, LEVEL_REDUCE[level], keepdim=True)
     inside = _inside(unit, lo, hi, log_space)
     if mode == "truncate":  # token level, ratio: every defined token kept, its ratio clamped into the band
         keep_unit = unit_defined

@@ -59,6 +59,7 @@ from torch import Tensor
 from offpolicy.batch import LogProbBatch, check_mask, check_token_tensor
 from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.ratios import (
+    LEVEL_REDUCE,
     LOG_RATIO_BOUND,
     as_factor,
     as_mask,
@@ -68,7 +69,9 @@ from offpolicy.ratios import (
     is_finite,
     keep_only,
     min_where,
+    nonfinite_rows,
     pad_nonempty,
+    per_sequence,
     zero_outside,
 )
 from offpolicy.registry import register_correction
@@ -282,10 +285,8 @@ def _weights(r: Tensor, m: Tensor, level: str, mode: str, lo: float | None, hi: 
         weights, raw = keep_only(weights, keep), ratio
     else:  # every decision is per sequence: taken on [B, 1] and broadcast to the sequence's tokens
         tokens = count(m, dim=-1).unsqueeze(-1)
-        defined = (count(finite, dim=-1).unsqueeze(-1) == tokens) & (tokens > 0)  # not empty, nothing undefined
-        log_ratio = clean.sum(dim=-1, keepdim=True)
-        if level == "geometric":
-            log_ratio = log_ratio / tokens.clamp(min=1)
+        defined = ~nonfinite_rows(r, m).unsqueeze(-1) & (tokens > 0)  # not empty, nothing undefined
+        log_ratio = per_sequence(clean, m, LEVEL_REDUCE[level], keepdim=True)
         ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         # a mask compares the unclamped log-ratio: exp rounding must not drop a ratio exactly on a bound
         row_keep = defined if mode == "truncate" else defined & _inside(log_ratio, lo, hi)

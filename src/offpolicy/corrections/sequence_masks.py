@@ -34,8 +34,9 @@ from offpolicy.ratios import (
     count,
     float_mask,
     is_finite,
-    masked_mean,
     mean_over_sequences,
+    nonfinite_rows,
+    per_sequence,
     zero_outside,
 )
 from offpolicy.registry import register_correction
@@ -136,10 +137,9 @@ def opsm_decomposition(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, mas
     m = as_mask(mask)
     pi, old, mu = (x.detach().float() for x in (logp, old_logp, rollout_logp))
     use = m & is_finite(pi) & is_finite(old) & is_finite(mu)
-    length = count(m, dim=-1).clamp(min=1)
 
-    def per_sequence_mean(x: Tensor) -> Tensor:
-        return zero_outside(x, use).sum(dim=-1) / length
+    def per_sequence_mean(x: Tensor) -> Tensor:  # over the valid tokens: a token not finite in all three adds 0
+        return per_sequence(zero_outside(x, use), m, "mean")
 
     return {"statistic": per_sequence_mean(mu - pi), "mismatch": per_sequence_mean(mu - old),
             "staleness": per_sequence_mean(old - pi)}
@@ -148,7 +148,7 @@ def opsm_decomposition(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, mas
 def _sequence_advantage_sign_negative(advantages: Tensor, like: Tensor, m: Tensor) -> Tensor:
     """[B] bool: A_i < 0, with per-token advantages reduced to their mean over valid tokens."""
     a = token_advantages(advantages, like)
-    seq = advantages.float() if advantages.dim() == 1 else masked_mean(a, m, dim=-1)
+    seq = advantages.float() if advantages.dim() == 1 else per_sequence(a, m, "mean")
     return seq < 0
 
 
@@ -188,8 +188,8 @@ def opsm_mask(
     assert d is not None
     m = as_mask(mask)
     divergence = behaviour.detach().float() - logp.detach().float()  # log μ − log π_θ per token
-    statistic = masked_mean(divergence, m, dim=-1)  # a non-finite token adds 0 to the sum and 1 to the length
-    unknown = count(m & ~is_finite(divergence), dim=-1) > 0
+    statistic = per_sequence(divergence, m, "mean")  # a non-finite token adds 0 to the sum and 1 to the length
+    unknown = nonfinite_rows(divergence, m)
     # A negative sample whose divergence is unknown (non-finite log-probs) is dropped too: never kept silently.
     drop = _sequence_advantage_sign_negative(advantages, logp, m) & ((statistic > d) | unknown)
     return broadcast_rows(m, ~drop)

@@ -25,16 +25,17 @@ from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.corrections.importance import behaviour_log_ratio, check_source, check_threshold
 from offpolicy.ratios import (
     LOG_RATIO_BOUND,
+    Reduce,
     as_mask,
     broadcast_rows,
     count,
     float_mask,
     is_finite,
     masked_fill_invalid,
-    masked_max,
-    masked_mean,
     mean_over_sequences,
+    nonfinite_rows,
     pad_nonempty,
+    per_sequence,
     zero_outside,
 )
 from offpolicy.registry import register_correction
@@ -85,11 +86,6 @@ def _row_keep(m: Tensor, row_ok: Tensor) -> Tensor:
     return broadcast_rows(m, row_ok)
 
 
-def _nonfinite_row(x: Tensor, m: Tensor) -> Tensor:
-    """[B] True where a valid position holds NaN/±inf: such a sequence is dropped, never kept silently."""
-    return count(m & ~is_finite(x), dim=-1) > 0
-
-
 def trust_region_mask(
     token_divergence: Tensor,
     mask: Tensor,
@@ -126,9 +122,9 @@ def trust_region_mask(
 def _trm_keep(max_div: Tensor, avg_div: Tensor, m: Tensor, mx: float | None, av: float | None) -> Tensor:
     ok = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
     if mx is not None:
-        ok = ok & (masked_max(max_div, m, dim=-1) <= mx) & ~_nonfinite_row(max_div, m)
+        ok = ok & (per_sequence(max_div, m, "max") <= mx) & ~nonfinite_rows(max_div, m)
     if av is not None:
-        ok = ok & (masked_mean(avg_div, m, dim=-1) <= av) & ~_nonfinite_row(avg_div, m)
+        ok = ok & (per_sequence(avg_div, m, "mean") <= av) & ~nonfinite_rows(avg_div, m)
     return _row_keep(m, ok)
 
 
@@ -173,7 +169,7 @@ def ln_trm_mask(log_ratio: Tensor, mask: Tensor, *, eps: float, delta: float, th
 def _ser_statistic(log_ratio: Tensor, m: Tensor) -> Tensor:
     r = masked_fill_invalid(log_ratio, m)
     dev = (torch.exp(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) - 1.0).abs()
-    return masked_mean(dev, m, dim=-1)
+    return per_sequence(dev, m, "mean")
 
 
 def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
@@ -196,7 +192,7 @@ def ser_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float) -> Tensor:
 
 def _keep_rows_at_most(statistic: Tensor, threshold: float, log_ratio: Tensor, m: Tensor) -> Tensor:
     """Keep a sequence iff its ``statistic`` [B] ≤ ``threshold`` and none of its valid log-ratios is non-finite."""
-    return _row_keep(m, (statistic <= threshold) & ~_nonfinite_row(log_ratio, m))
+    return _row_keep(m, (statistic <= threshold) & ~nonfinite_rows(log_ratio, m))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -243,13 +239,13 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
             max_divergence, avg_divergence = k2(clean), k3(clean)  # 0 where r is not finite (in the statistics) …
         keep = _trm_keep(max_divergence, avg_divergence, m, mx, av)
         if batch.token_divergence is None:  # … but a non-finite r is an unbounded divergence: its sequence is dropped
-            keep = broadcast_rows(keep, count(m & ~finite, dim=-1) == 0)
+            keep = broadcast_rows(keep, ~nonfinite_rows(r, m))
         nonempty = count(m, dim=-1) > 0
         metrics = {
             "trm/accept_rate": mean_over_sequences(count(keep, dim=-1) > 0, nonempty),
             # the statistics leave non-finite divergences out (they count as 0 in the mean)
-            "trm/max_divergence_mean": mean_over_sequences(masked_max(max_divergence, m, dim=-1), nonempty),
-            "trm/avg_divergence_mean": mean_over_sequences(masked_mean(avg_divergence, m, dim=-1), nonempty),
+            "trm/max_divergence_mean": mean_over_sequences(per_sequence(max_divergence, m, "max"), nonempty),
+            "trm/avg_divergence_mean": mean_over_sequences(per_sequence(avg_divergence, m, "mean"), nonempty),
         }
         for name in ("exact", "topk", "k_estimator"):
             metrics[f"trm/divergence_{name}"] = torch.tensor(float(kind == name), device=m.device)
@@ -321,8 +317,9 @@ def _row_statistic_mask(
 # ---------------------------------------------------------------------------------------------------------------------
 
 _K_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k2": k2, "k3": k3}
+_SEQUENCE_REDUCE: dict[str, Reduce] = {"seq_sum": "sum", "seq_mean": "mean", "seq_max": "max"}  # k ≥ 0 per token
 KL_REJECTION_MODES: tuple[str, ...] = tuple(
-    f"{agg}_{k}" for agg in ("token", "seq_sum", "seq_mean", "seq_max") for k in ("k2", "k3")
+    f"{agg}_{k}" for agg in ("token", *_SEQUENCE_REDUCE) for k in ("k2", "k3")
 )
 
 
@@ -373,13 +370,8 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
             n = count(m).clamp(min=1)
             rejected, stat_mean = count(m & ~keep) / n, k.sum() / n
         else:
-            if aggregate == "seq_sum":
-                stat = k.sum(dim=-1)
-            elif aggregate == "seq_mean":
-                stat = k.sum(dim=-1) / count(m, dim=-1).clamp(min=1)
-            else:  # k ≥ 0, so the 0s at padding never win the max
-                stat = k.amax(dim=-1)
-            keep_row = (stat <= u) & (count(m & ~defined, dim=-1) == 0)
+            stat = per_sequence(k, m, _SEQUENCE_REDUCE[aggregate])
+            keep_row = (stat <= u) & ~nonfinite_rows(r, m)
             keep = broadcast_rows(m, keep_row)
             nonempty = count(m, dim=-1) > 0
             rejected, stat_mean = mean_over_sequences(~keep_row, nonempty), mean_over_sequences(stat, nonempty)

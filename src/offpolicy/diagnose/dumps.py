@@ -35,6 +35,7 @@ import torch
 
 from offpolicy.inspect.dump import DumpError, parse_record, read_jsonl, tokens_from_records
 from offpolicy.inspect.measurements import TokenData
+from offpolicy.ratios import per_sequence
 
 VERL_KEYS = {"rollout": "rollout_log_probs", "trainer": "old_log_probs", "ids": "responses", "mask": "response_mask"}
 TRL_KEYS = {"rollout": "sampling_per_token_logps", "trainer": "old_per_token_logps", "ids": "completion_ids",
@@ -147,7 +148,7 @@ def _advantages(data: dict, fmt: str, source: str, mask: torch.Tensor) -> torch.
     if a.dim() == 2:  # verl: token-level, one value repeated over the response — take the mean over valid tokens
         if a.shape != mask.shape:
             raise DumpError(f"{source}: field 'advantages' has shape {tuple(a.shape)}, the mask {tuple(mask.shape)}")
-        a = (a.float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        a = per_sequence(a, mask, "mean")
     if a.dim() != 1 or a.shape[0] != mask.shape[0]:
         raise DumpError(f"{source}: field 'advantages' must be [B] or [B, T], got shape {tuple(a.shape)}")
     return a.float()

@@ -11,15 +11,18 @@ Components (one family per file): :mod:`~offpolicy.inspect.specs` (engine specs)
 'bfloat16 + KV cache + int4 KV cache'
 """
 
-from offpolicy.inspect.compare import DVP_RHO_GRID, compare_engines, vocabulary_stats
+from offpolicy.inspect.compare import DVP_RHO_GRID, compare_engines
 from offpolicy.inspect.dump import SCHEMA_VERSION, DumpError, read_dump, write_dump
 from offpolicy.inspect.gate import check_bounds, parse_bounds
 from offpolicy.inspect.layers import LAYER_THRESHOLD, first_divergent, hook_points, layer_errors, layer_shares
 from offpolicy.inspect.measurements import DvpGrid, LayerError, Measurements, TokenData, VocabStats
 from offpolicy.inspect.recommend import preset_effects, recommend
-from offpolicy.inspect.report import markdown_table, summarize, write_report
+from offpolicy.inspect.report import markdown_table, write_report
 from offpolicy.inspect.run import inspect_engines, load_model, task_prompts
-from offpolicy.inspect.specs import ROLLOUT_SPECS, TRAINER_SPECS, EngineSpec, build_engine, parse_spec
+from offpolicy.inspect.specs import ROLLOUT_SPECS, TRAINER_SPECS, build_inspect_engine, parse_spec
+from offpolicy.inspect.summary import summarize
+from offpolicy.inspect.vocabulary import vocabulary_stats
+from offpolicy.rollout.spec import EngineSpec
 
 __all__ = [
     "DVP_RHO_GRID",
@@ -34,7 +37,7 @@ __all__ = [
     "Measurements",
     "TokenData",
     "VocabStats",
-    "build_engine",
+    "build_inspect_engine",
     "check_bounds",
     "compare_engines",
     "first_divergent",

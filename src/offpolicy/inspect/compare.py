@@ -38,8 +38,8 @@ from torch import Tensor
 import offpolicy as op
 from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats
 from offpolicy.inspect.routing_flips import RoutingFlips, recording_routes, route_flips
-from offpolicy.inspect.specs import EngineSpec, build_engine
-from offpolicy.inspect.vocabulary import (  # vocabulary statistics (once here; importable from here still)
+from offpolicy.inspect.specs import build_inspect_engine
+from offpolicy.inspect.vocabulary import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     _dvp_summary,
     dvp_check,
@@ -48,10 +48,11 @@ from offpolicy.inspect.vocabulary import (  # vocabulary statistics (once here; 
 )
 from offpolicy.kernels import row_chunks
 from offpolicy.rollout.base import RolloutOutput
-from offpolicy.rollout.factory import build_engine as make_engine
+from offpolicy.rollout.factory import build_engine
 from offpolicy.rollout.routing import RouteRecorder
 from offpolicy.rollout.sampling import SamplingConfig, process_logits
 from offpolicy.rollout.scoring import score_tokens
+from offpolicy.rollout.spec import EngineSpec
 from offpolicy.tolerances import log_softmax_tolerance, max_abs_finite
 
 # ρ = e^-k, k = 1 … 20: DVP's default e^-13 is on the grid, and so are the looser and stricter neighbours.
@@ -262,7 +263,7 @@ def compare_engines(
     roll_engine, train_engine = engines or (
         _rollout_engine(model, recording_routes(model, rollout), tokenizer, model_path, topk,
                         full=rollout_view == "full"),
-        build_engine(model, trainer))
+        build_inspect_engine(model, trainer))
     # an engine outside this process (vLLM, a server) shows its full distribution only where it returns K = V
     full_capable = rollout.backend in ("hf", "llamacpp") or getattr(roll_engine, "reports_full_distribution", False)
     view = rollout_view if full_capable else "topk"
@@ -293,7 +294,7 @@ def compare_engines(
     gen = torch.Generator().manual_seed(int(seed) + 1)
     sampler = None
     if sample_with is not None:
-        sampler = build_engine(model, sample_with, tokenizer)
+        sampler = build_inspect_engine(model, sample_with, tokenizer)
         if ignore_eos:
             sampler.eos_token_id = None
     batches = partial(_micro_batches, roll_engine, train_engine, prompt_ids, sampling, view=view, topk=topk,
@@ -429,7 +430,7 @@ def _rollout_engine(model, spec: EngineSpec, tokenizer, model_path: str | None, 
                              "simulated knobs are for the transformers engine")
         spec = replace(spec, max_logprobs=-1 if full else topk)
     try:
-        engine = make_engine(spec, model=model, tokenizer=tokenizer, model_path=model_path)
+        engine = build_engine(spec, model=model, tokenizer=tokenizer, model_path=model_path)
     except ImportError as err:  # no vLLM / xllamacpp: one line, as for any other bad setting
         raise ValueError(f"--rollout backend={spec.backend}: {err}") from None
     if spec.backend == "server":

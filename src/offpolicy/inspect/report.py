@@ -6,8 +6,7 @@
 be measured (no full logits, no model) is ``null``, never a made-up number.
 
 The numbers are :mod:`offpolicy.inspect.summary`, the figures (``FIGURES``, PNG) :mod:`offpolicy.inspect.figures`;
-this module writes them with a self-contained ``report.html``, and the mismatch table of several inspections. The
-names of the two stay importable from here.
+this module writes them with a self-contained ``report.html``, and the mismatch table of several inspections.
 """
 
 from __future__ import annotations
@@ -20,38 +19,15 @@ from typing import Any
 
 from offpolicy.inspect.depth import depth_rows
 from offpolicy.inspect.figures import (
-    FIGURES,
-    plot_envelope,
-    plot_error_by_p,
-    plot_layers,
-    plot_quantiles,
-    plot_scatter,
-    plot_sign,
-    plot_trm,
-    trm_curves,
     write_figures,
 )
 from offpolicy.inspect.measurements import Measurements
-from offpolicy.inspect.summary import REPORT_VERSION, SAMPLED_TAIL_P, headline, summarize
+from offpolicy.inspect.summary import headline, summarize
 
 __all__ = [
-    "FIGURES",
-    "REPORT_VERSION",
-    "SAMPLED_TAIL_P",
     "TABLE_COLUMNS",
-    "headline",
     "markdown_table",
-    "plot_envelope",
-    "plot_error_by_p",
-    "plot_layers",
-    "plot_quantiles",
-    "plot_scatter",
-    "plot_sign",
-    "plot_trm",
-    "summarize",
     "table_row",
-    "trm_curves",
-    "write_figures",
     "write_html",
     "write_report",
 ]

@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
-from offpolicy.inspect.compare import DEFAULT_MEMORY_BUDGET_BYTES, DVP_RHO_GRID, compare_engines
+from offpolicy.inspect.compare import DVP_RHO_GRID, compare_engines
 from offpolicy.inspect.layers import LAYER_THRESHOLD, layer_errors
 from offpolicy.inspect.measurements import Measurements
 from offpolicy.inspect.routing_flips import recording_routes
-from offpolicy.inspect.specs import EngineSpec, build_engine
+from offpolicy.inspect.specs import build_inspect_engine
+from offpolicy.inspect.vocabulary import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.perturbation import find_decoder_layers
 from offpolicy.rollout.sampling import SamplingConfig
+from offpolicy.rollout.spec import EngineSpec
 
 EMBEDDED = ("tiny", "lab", "lab-moe")  # the recipes of offpolicy.models.RECIPES, by name
 
@@ -95,8 +97,8 @@ def inspect_engines(
     t0 = time.perf_counter()
     roll_engine = None
     if rollout.backend == "hf":
-        roll_engine = build_engine(model, recording_routes(model, rollout), tokenizer)
-    train_engine = build_engine(model, trainer)
+        roll_engine = build_inspect_engine(model, recording_routes(model, rollout), tokenizer)
+    train_engine = build_inspect_engine(model, trainer)
     engines = (roll_engine, train_engine) if roll_engine is not None else None
     measured = compare_engines(model, prompt_ids, rollout, trainer, sampling, tokenizer=tokenizer, seed=seed,
                                ignore_eos=ignore_eos, topk=topk, rollout_view=rollout_view, dvp_rhos=dvp_rhos,

@@ -1,7 +1,7 @@
 """Engine specs: how the rollout side samples and how the trainer side scores, as data.
 
 An :class:`~offpolicy.rollout.spec.EngineSpec` says which numerics one side uses (it lives in
-:mod:`offpolicy.rollout.spec` and is re-exported here); :func:`offpolicy.rollout.build_engine` turns it into an engine.
+:mod:`offpolicy.rollout.spec`); :func:`offpolicy.rollout.build_engine` turns it into an engine.
 The rollout side samples with it (generation path: KV cache or not, its own dtype and quantisation, or a real engine);
 the trainer side scores the sampled tokens with one full forward, as every trainer does, optionally under autocast over
 the float32 weights (mixed precision).
@@ -22,16 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy.rollout.factory import build_engine as make_engine
-from offpolicy.rollout.spec import (  # noqa: F401 - moved to offpolicy.rollout.spec; re-exported from here
-    BACKENDS,
-    DTYPE_ALIASES,
-    GGUF_WEIGHTS,
-    LLAMACPP_KV,
-    QUANT_LABELS,
-    SERVER_PROTOCOLS,
-    EngineSpec,
-)
+from offpolicy.rollout.factory import build_engine
+from offpolicy.rollout.spec import EngineSpec
 
 # The rollout engines the README's mismatch table measures. Each is what a production setting does, on the HF engine.
 ROLLOUT_SPECS: dict[str, EngineSpec] = {
@@ -113,13 +105,13 @@ def check_side(spec: EngineSpec, side: str) -> None:
         raise ValueError(f"{option}: autocast — a rollout engine runs in its parameter dtype; set dtype instead")
 
 
-def build_engine(model: torch.nn.Module, spec: EngineSpec, tokenizer=None):  # -> HFRolloutEngine
+def build_inspect_engine(model: torch.nn.Module, spec: EngineSpec, tokenizer=None):  # -> HFRolloutEngine
     """An :class:`~offpolicy.rollout.hf.HFRolloutEngine` with ``spec``'s numerics on a private copy of ``model``
     (through :func:`offpolicy.rollout.build_engine`); inspect's own sides, which are transformers engines.
 
     ``autocast`` is not the engine's business: the trainer side passes it to the scoring forward.
     """
     if spec.backend != "hf":
-        raise ValueError(f"build_engine builds the transformers engine; backend={spec.backend!r} is built by "
+        raise ValueError(f"build_inspect_engine builds the transformers engine; backend={spec.backend!r} is built by "
                          "offpolicy.inspect.compare")
-    return make_engine(spec, model=model, tokenizer=tokenizer)
+    return build_engine(spec, model=model, tokenizer=tokenizer)

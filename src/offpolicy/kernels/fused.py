@@ -50,14 +50,7 @@ from torch import Tensor
 
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.fused_autograd import _FusedLinearStats, _LogitStats
-from offpolicy.kernels.fused_tiles import (  # noqa: F401 - rest_mass_bounds, topk_rest_mass: re-exported (moved)
-    _AUX_OUTPUTS,
-    DIFF_OUTPUTS,
-    IGNORE_INDEX,
-    _Config,
-    rest_mass_bounds,
-    topk_rest_mass,
-)
+from offpolicy.kernels.fused_tiles import _AUX_OUTPUTS, DIFF_OUTPUTS, IGNORE_INDEX, _Config
 
 
 @dataclass(frozen=True)

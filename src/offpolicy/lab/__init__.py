@@ -23,19 +23,13 @@ from offpolicy.lab.mismatch import (
     mismatch_overrides,
     mismatch_settings,
 )
+from offpolicy.lab.plan import PlannedRun, SweepPlan, plan_sweep
 from offpolicy.lab.ray_exec import RayExecutor
 from offpolicy.lab.report import LabReport, write_report
 from offpolicy.lab.settings import SETTINGS, get_setting
 from offpolicy.lab.stats import load_run_metrics, run_stats, sweep_stats
-from offpolicy.lab.sweep import (
-    PlannedRun,
-    SweepPlan,
-    SweepResult,
-    plan_sweep,
-    read_summary,
-    run_state,
-    run_sweep,
-)
+from offpolicy.lab.sweep import run_sweep
+from offpolicy.lab.sweep_folder import SweepResult, read_summary, run_state
 
 __all__ = [
     "CONTROL",

@@ -85,9 +85,12 @@ def update_envelopes(overrides: Sequence[str], presets: Sequence[str] | Mapping[
     samples with the config's model, not the checkpoint (the batch is as old as the checkpoint's updates); ``task``
     replaces the config's (tests).
     """
+    from offpolicy.train.build import DTYPES
     from offpolicy.train.checkpoint import load_checkpoint
     from offpolicy.train.config import load_config
-    from offpolicy.train.steps import DTYPES, build_state, rollout_step, score_policy, score_step, update_step
+    from offpolicy.train.scoring import score_policy
+    from offpolicy.train.steps import build_state, rollout_step, score_step
+    from offpolicy.train.update import update_step
 
     if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
         raise ValueError(f"updates must be an int >= 1, got {updates!r}")

@@ -12,59 +12,31 @@ draws the figures of :mod:`offpolicy.lab.plots` and writes:
   definitions and the runs that are missing (failed or not run yet);
 * ``report.html`` — the tables, the figures (PNG embedded as base64), the definitions, per-run numbers.
 
-The tables and the headline are :mod:`offpolicy.lab.tables`, the page :mod:`offpolicy.lab.report_html`; their names
-stay importable from here.
+The tables and the headline are :mod:`offpolicy.lab.tables`, the page :mod:`offpolicy.lab.report_html`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offpolicy.atomic_files import write_atomic
 from offpolicy.lab import stats as st
 from offpolicy.lab.mismatch import describe_mismatch
 from offpolicy.lab.report_html import render_html
 from offpolicy.lab.tables import (
-    DEFINITIONS,
-    DIFF_FORMS,
-    NUMBER_COLUMNS,
-    PAIRED_VERSUS,
-    VERDICT_HEADERS,
     definitions,
-    fmt,
-    fmt_comparison,
-    fmt_spread,
-    fmt_trend,
     headline,
     markdown_tables,
-    rich_table,
-    table_rows,
 )
 
 __all__ = [
-    "DEFINITIONS",
-    "DIFF_FORMS",
-    "NUMBER_COLUMNS",
-    "PAIRED_VERSUS",
-    "VERDICT_HEADERS",
     "LabReport",
-    "definitions",
-    "fmt",
-    "fmt_comparison",
-    "fmt_spread",
-    "fmt_trend",
-    "headline",
-    "markdown_tables",
-    "render_html",
-    "rich_table",
     "setting_rule",
     "sweep_report_stats",
-    "table_rows",
     "write_report",
 ]
 
@@ -151,17 +123,6 @@ def _engine(mismatch: str, plan: dict[str, Any]) -> str:
 # -- files -----------------------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(out: str | Path) -> LabReport:
     """Read the sweep in ``out`` and write ``report.html``, ``plots/*.png``, ``lab_table.md`` and ``lab_stats.json``.
 
@@ -184,11 +145,11 @@ def write_report(out: str | Path) -> LabReport:
     plots = plot_sweep(groups, lab["presets"], lab["mismatches"], last, out / "plots",
                        seeds if lab["rule"] == "paired" else None)
     table = out / "lab_table.md"
-    _atomic_write(table, markdown_tables(lab))
+    write_atomic(table, markdown_tables(lab))
     stats_path = out / "lab_stats.json"
-    _atomic_write(stats_path, json.dumps(_json_safe(lab), indent=1))
+    write_atomic(stats_path, json.dumps(_json_safe(lab), indent=1))
     report = out / "report.html"
-    _atomic_write(report, render_html(lab, plots))
+    write_atomic(report, render_html(lab, plots))
     return LabReport(out, report, table, stats_path, plots, lab)
 
 

@@ -244,9 +244,10 @@ def evaluate_run(run_dir: str | Path, *, prompts: int = 8, seed: int = EVAL_SEED
     """
     import json
 
+    from offpolicy.train.build import step_seed
     from offpolicy.train.checkpoint import latest_checkpoint, load_checkpoint
     from offpolicy.train.config import load_config
-    from offpolicy.train.steps import build_state, rollout_step, step_seed
+    from offpolicy.train.steps import build_state, rollout_step
 
     run = Path(run_dir)
     checkpoint = latest_checkpoint(run / "checkpoints")

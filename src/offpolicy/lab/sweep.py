@@ -50,15 +50,13 @@ from typing import Any
 from offpolicy.folder_lock import FolderLock
 from offpolicy.lab.launch import last_log_line, start_run, train_command
 
-# the plan and the folder's state live in their own modules; their names stay importable from here
-from offpolicy.lab.plan import PlannedRun, SweepPlan, plan_sweep, planned_config
+# the plan and the folder's state live in their own modules
+from offpolicy.lab.plan import PlannedRun, SweepPlan, planned_config
 from offpolicy.lab.sweep_folder import (
-    SUMMARY,
     FailedRun,
     SweepResult,
     _metrics_last_step,
     config_conflicts,
-    read_summary,
     run_state,
     write_summary,
 )
@@ -69,20 +67,9 @@ LOCK_FILE = ".lab.lock"  # the sweep folder's lock (its owner's pid, host and co
 __all__ = [
     "LOCK_FILE",
     "RUN_LOG",
-    "SUMMARY",
-    "FailedRun",
-    "PlannedRun",
-    "SweepPlan",
-    "SweepResult",
-    "config_conflicts",
     "default_jobs",
-    "plan_sweep",
-    "planned_config",
     "prepare_models",
-    "read_summary",
-    "run_state",
     "run_sweep",
-    "write_summary",
 ]
 
 

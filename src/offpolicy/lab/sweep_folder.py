@@ -5,14 +5,13 @@ plan) and ``summary.json``, the sweep's record of its finished, failed and pendi
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from offpolicy.atomic_files import write_atomic
 from offpolicy.lab.plan import PlannedRun, SweepPlan, planned_config
 
 SUMMARY = "summary.json"
@@ -150,14 +149,7 @@ def write_summary(result: SweepResult) -> Path:
         "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     path = plan.out / SUMMARY
-    fd, tmp = tempfile.mkstemp(prefix=".summary-", suffix=".json", dir=plan.out)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, indent=1), prefix=".summary-", suffix=".json")
     return path
 
 

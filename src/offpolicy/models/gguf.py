@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from offpolicy.atomic_files import replacing
 
 GGUF_WEIGHTS: tuple[str, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0")
 GGUF_MISSING = "GGUF export needs the gguf package: pip install 'offpolicy[llamacpp]'"
@@ -155,45 +156,41 @@ def export_gguf(model: torch.nn.Module, tokenizer, path: str | os.PathLike, *, w
     meta = tokenizer_metadata(tokenizer, cfg.vocab_size)
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.close(fd)
-    writer = gguf.GGUFWriter(tmp, _ARCHES[arch].lower())
-    try:
-        writer.add_name(name or getattr(cfg, "name_or_path", "") or arch)
-        writer.add_file_type(_FILE_TYPE[weights])
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(n_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_head_count(n_head)
-        writer.add_head_count_kv(n_kv)
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_rope_freq_base(float(rope_theta))
-        writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-        writer.add_vocab_size(cfg.vocab_size)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(meta["pre"])
-        writer.add_token_list(meta["tokens"])
-        writer.add_token_types(meta["types"])
-        writer.add_token_merges(meta["merges"])
-        for key in ("bos", "eos", "pad"):
-            if meta[key] is not None:
-                getattr(writer, f"add_{key}_token_id")(int(meta[key]))
-        # Prompts reach the server as token ids (nothing added); for text, encode as transformers does (bos first).
-        writer.add_add_bos_token(meta["bos"] is not None)
-        _add_tensors(gguf, writer, model, arch, n_layers, n_head, n_kv, weights, embeddings)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), _ARCHES[arch].lower())
+        try:
+            writer.add_name(name or getattr(cfg, "name_or_path", "") or arch)
+            writer.add_file_type(_FILE_TYPE[weights])
+            writer.add_context_length(cfg.max_position_embeddings)
+            writer.add_embedding_length(cfg.hidden_size)
+            writer.add_block_count(n_layers)
+            writer.add_feed_forward_length(cfg.intermediate_size)
+            writer.add_head_count(n_head)
+            writer.add_head_count_kv(n_kv)
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+            writer.add_rope_dimension_count(head_dim)
+            writer.add_rope_freq_base(float(rope_theta))
+            writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+            writer.add_vocab_size(cfg.vocab_size)
+            writer.add_tokenizer_model("gpt2")
+            writer.add_tokenizer_pre(meta["pre"])
+            writer.add_token_list(meta["tokens"])
+            writer.add_token_types(meta["types"])
+            writer.add_token_merges(meta["merges"])
+            for key in ("bos", "eos", "pad"):
+                if meta[key] is not None:
+                    getattr(writer, f"add_{key}_token_id")(int(meta[key]))
+            # Prompts reach the server as token ids (nothing added); for text, encode as transformers does (bos first).
+            writer.add_add_bos_token(meta["bos"] is not None)
+            _add_tensors(gguf, writer, model, arch, n_layers, n_head, n_kv, weights, embeddings)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+        except BaseException:
+            writer.close()
+            raise
     return path
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from offpolicy.ratios import LEVELS, count, keep_only
+from offpolicy.ratios import LEVEL_REDUCE, LEVELS, keep_only, per_sequence
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,8 @@ class TokenInputs:
         token = self.logp - denominator
         if level == "token":
             return token
-        per_sequence = token.detach().sum(dim=-1, keepdim=True)
-        if level == "geometric":
-            per_sequence = per_sequence / count(self.valid, dim=-1).unsqueeze(-1).clamp(min=1)
-        return keep_only(per_sequence + (self.logp - self.logp.detach()), self.valid)
+        sequence = per_sequence(token.detach(), self.valid, LEVEL_REDUCE[level], keepdim=True)
+        return keep_only(sequence + (self.logp - self.logp.detach()), self.valid)
 
 
 @dataclass(frozen=True)

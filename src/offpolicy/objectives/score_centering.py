@@ -33,7 +33,7 @@ Two ways to get c = Σ_a q_a log p_a, differentiable with respect to the trainer
 The peers' PRs are open and their code is not stored here; the proportional-tail formula above is the rule their
 descriptions name ("proportional-tail centered loss", "sampler-expected, calibration-weighted score"), derived here.
 
-Both distributions are the full tempered ones (temperature only, like :func:`~offpolicy.train.steps.exact_token_kl`):
+Both distributions are the full tempered ones (temperature only, like :func:`~offpolicy.train.scoring.exact_token_kl`):
 top-k / top-p truncation of two different logit sets cuts them at different tokens.
 """
 

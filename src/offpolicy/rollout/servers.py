@@ -4,65 +4,21 @@
 The clients themselves live beside it: HTTP and the answer checks in :mod:`offpolicy.rollout.http`, the vLLM and
 SGLang request and answer shapes in :mod:`offpolicy.rollout.protocols`, llama.cpp's in
 :mod:`offpolicy.rollout.llamacpp`, the engine in :mod:`offpolicy.rollout.server_engine`, reload folders in
-:mod:`offpolicy.rollout.weight_sync`. Their names were all in this module before: they are re-exported here for one
-release (import them from their modules).
+:mod:`offpolicy.rollout.weight_sync`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from offpolicy.rollout.factory import register_engine
-from offpolicy.rollout.http import (  # noqa: F401 - re-exported for one release (moved to offpolicy.rollout.http)
-    ServerError,
-    check_logprob,
-    check_token,
-    get_field,
-    post_json,
-    wait_until_healthy,
-)
+from offpolicy.rollout.http import ServerError, post_json
 from offpolicy.rollout.llamacpp import connect_llamacpp
-from offpolicy.rollout.protocols import (  # noqa: F401 - re-exported for one release (moved to .protocols)
-    VLLM_NEG_INF,
-    ServerCompletion,
-    ServerProtocol,
-    SGLangProtocol,
-    VLLMProtocol,
-    check_sglang_sampling,
-    parse_sglang_generate,
-    parse_vllm_completion,
-    parse_vllm_prompt_logprobs,
-    sglang_reload_weights,
-    vllm_logprobs_mode_verdict,
-    vllm_reload_weights,
-)
-from offpolicy.rollout.server_engine import (  # noqa: F401 - re-exported for one release (moved to .server_engine)
-    ServerRolloutEngine,
-    completions_to_output,
-)
-from offpolicy.rollout.spec import EngineSpec
-from offpolicy.rollout.weight_sync import ReloadFolder
-
-
-def write_reload_checkpoint(model: torch.nn.Module, folder: str | Path) -> Path:
-    """``ReloadFolder(folder).write_model(model)``: every tensor of the state dict under its own name, in a folder of
-    the project's own (a model directory is refused). Kept for one release; use
-    :class:`~offpolicy.rollout.weight_sync.ReloadFolder`."""
-    return ReloadFolder(folder).write_model(model)
-
-
-def write_reload_tensors(named: Iterable[tuple[str, torch.Tensor]], folder: str | Path) -> Path:
-    """``ReloadFolder(folder).write(named)``. Kept for one release; use
-    :class:`~offpolicy.rollout.weight_sync.ReloadFolder`."""
-    return ReloadFolder(folder).write(named)
-
-
-SERVER_PROTOCOLS = ("vllm", "sglang", "llamacpp")
+from offpolicy.rollout.protocols import ServerProtocol, SGLangProtocol, VLLMProtocol, vllm_logprobs_mode_verdict
+from offpolicy.rollout.server_engine import ServerRolloutEngine
+from offpolicy.rollout.spec import SERVER_PROTOCOLS, EngineSpec
 
 
 def detect_protocol(url: str, *, timeout: float = 10.0) -> str:

@@ -34,7 +34,7 @@ DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16", "f16": "float16",
 }  # fmt: skip
 BACKENDS = ("hf", "vllm", "llamacpp", "server")  # the built-in backends; more are registered with register_engine
-SERVER_PROTOCOLS = ("vllm", "sglang", "llamacpp")  # offpolicy.rollout.servers.SERVER_PROTOCOLS
+SERVER_PROTOCOLS = ("vllm", "sglang", "llamacpp")  # what offpolicy.rollout.servers.connect_server speaks
 GGUF_WEIGHTS = ("f32", "f16", "bf16", "q8_0", "q4_0")  # offpolicy.models.gguf.GGUF_WEIGHTS (no gguf import here)
 LLAMACPP_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # offpolicy.rollout.llamacpp.KV_CACHE_TYPES (a test checks)
 LLAMACPP_KV = {32: "f32", 16: "f16", 8: "q8_0", 4: "q4_0"}  # kv_cache_bits → llama.cpp's KV cache type

@@ -45,7 +45,7 @@ model the probe's tokens do not reach, and a change smaller than the run's own n
 
 An engine takes part when it has ``score(prompt_ids, completion_ids) -> (logp [B, T], mask [B, T])`` under its own
 numerics (:class:`~offpolicy.rollout.hf.HFRolloutEngine`, :class:`~offpolicy.rollout.vllm.VLLMRolloutEngine`, and
-:class:`~offpolicy.rollout.servers.ServerRolloutEngine` on a vLLM server, via prompt log-probs).
+:class:`~offpolicy.rollout.server_engine.ServerRolloutEngine` on a vLLM server, via prompt log-probs).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.ratios import per_sequence
 from offpolicy.rollout.param_check import PARAMETER_MODES, ParameterCheck
 
 logger = logging.getLogger(__name__)
@@ -186,11 +187,9 @@ def gap_standard_error(residual: Tensor, mask: Tensor) -> float:
     >>> round(gap_standard_error(r, torch.ones(3, 2, dtype=torch.bool)), 4)
     0.0333
     """
-    a = residual.float().abs() * mask
-    counts = mask.sum(-1)
-    rows = counts > 0
+    rows = mask.sum(-1) > 0
     if int(rows.sum()) >= 2:
-        means = a.sum(-1)[rows] / counts[rows]
+        means = per_sequence(residual.abs(), mask, "mean")[rows]
         return float(means.std() / math.sqrt(means.numel()))
     tokens = residual.float().abs()[mask]
     return float(tokens.std() / math.sqrt(tokens.numel())) if tokens.numel() > 1 else 0.0

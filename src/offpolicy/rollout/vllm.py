@@ -41,13 +41,7 @@ import torch
 
 from offpolicy.rollout.base import RolloutOutput, check_prompt_ids
 from offpolicy.rollout.factory import register_engine
-from offpolicy.rollout.protocols import (  # noqa: F401 - the recipe as SamplingParams (moved; re-exported for one release)
-    VLLM_GREEDY_BELOW,
-    VLLM_LOGIT_BIAS_BOUND,
-    VLLM_MIN_TEMPERATURE,
-    check_vllm_filter_order,
-    vllm_sampling,
-)
+from offpolicy.rollout.protocols import vllm_sampling
 from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.rollout.factory import build_engine as make_engine
+from offpolicy.rollout.factory import build_engine
 from offpolicy.rollout.routing import is_moe
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
@@ -90,7 +90,7 @@ def engine_spec(cfg: TrainConfig) -> EngineSpec:
     return EngineSpec(name=f"rollout.engine={r.engine}", backend=r.engine, dtype=r.dtype, **fields)
 
 
-def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> RolloutEngine
+def build_run_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> RolloutEngine
     """The run's rollout engine on ``model``: :func:`engine_spec` built by the factory.
 
     On a mixture-of-experts model the transformers engine records its routes even without routing replay, so the
@@ -99,7 +99,7 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # -> Rol
     spec = engine_spec(cfg)
     if spec.backend == "hf" and not spec.record_routes and not spec.compile and is_moe(model):
         spec = dataclasses.replace(spec, record_routes=True)
-    return make_engine(spec, model=model, tokenizer=tokenizer)
+    return build_engine(spec, model=model, tokenizer=tokenizer)
 
 
 def sampling_config(cfg: TrainConfig) -> SamplingConfig:

@@ -22,12 +22,13 @@ import json
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from offpolicy.atomic_files import replacing
 
 _NAME = re.compile(r"^step_(\d+)\.safetensors$")
 _TMP = re.compile(r"^\.tmp_.*\.safetensors$")  # what a save killed between mkstemp and os.replace leaves behind
@@ -171,14 +172,9 @@ def save_checkpoint(
     for name, value in (extra_tensors or {}).items():
         tensors[f"extra.{name}"] = value.detach().to("cpu").contiguous().clone()
     target = checkpoint_path(d, step)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".safetensors", dir=d)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"offpolicy": json.dumps(meta)})
-        os.replace(tmp, target)  # atomic on POSIX: a crash leaves either the old file or the new one, never half
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # a crash leaves either the old file or the new one, never half (a killed save: a .tmp_*.safetensors leftover)
+    with replacing(target, prefix=".tmp_", suffix=".safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"offpolicy": json.dumps(meta)})
     if keep_last is not None and keep_last > 0:
         olds = sorted((p for p in d.glob("step_*.safetensors") if _NAME.match(p.name)), key=lambda p: p.name)
         for old in olds[:-keep_last]:

@@ -1,10 +1,10 @@
 """Trainer-side glue to :mod:`offpolicy.tasks`: the task a config names, with its reward function.
 
 Prompts per step and checked rewards (:func:`step_prompts`, :func:`compute_rewards`, :class:`Prompt`) live in
-:mod:`offpolicy.rollout.prompts`, below the trainer, where the warm start's evaluation reaches them too; they are
-importable from here as before. Prompts are drawn fresh each step from ``task.examples(n, seed)`` with a seed derived
+:mod:`offpolicy.rollout.prompts`, below the trainer, where the warm start's evaluation reaches them too. Prompts are drawn fresh each step from ``task.examples(n, seed)`` with a seed derived
 from ``(run.seed, step)``, so a resumed run needs no data-loader state.
 
+>>> from offpolicy.rollout.prompts import step_prompts
 >>> from offpolicy.tasks import get_task
 >>> from offpolicy.models.tokenizer import build_tokenizer
 >>> p = step_prompts(get_task("arithmetic"), build_tokenizer(), 2, seed=0)
@@ -17,10 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
 from offpolicy.tasks import get_task
 
-__all__ = ["Prompt", "compute_rewards", "load_task", "resolve_reward_fn", "step_prompts"]
+__all__ = ["load_task", "resolve_reward_fn"]
 
 
 def resolve_reward_fn(spec: str | None):  # -> RewardFn | None

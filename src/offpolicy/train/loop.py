@@ -35,31 +35,25 @@ import torch
 from offpolicy.models.warm_start import torch_threads
 from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.tasks import is_multi_turn
+from offpolicy.train.build import step_seed
 from offpolicy.train.config import TrainConfig
 from offpolicy.train.control import Control
 from offpolicy.train.multi_turn import multi_turn_step
 from offpolicy.train.proximal import resumed_versions
-from offpolicy.train.run_folder import RunFolder, RunReplacedWarning
+from offpolicy.train.run_folder import RunFolder
 from offpolicy.train.schedule import is_scheduled, lr_at
 from offpolicy.train.steps import (
     Rollout,
     TrainState,
-    build_engine,
     build_state,
-    exact_token_kl,
     kl_metric_name,
-    load_model,
     metrics_step,
     rollout_step,
-    sampling_config,
-    score_policy,
     score_step,
-    step_seed,
-    update_step,
 )
+from offpolicy.train.update import update_step
 
-__all__ = ["RunReplacedWarning", "TrainResult", "TrainState", "build_engine", "exact_token_kl", "load_model",
-           "sampling_config", "score_policy", "train"]
+__all__ = ["TrainResult", "train"]
 
 
 @dataclass

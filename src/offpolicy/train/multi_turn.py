@@ -33,9 +33,9 @@ from torch import Tensor
 
 from offpolicy.rollout.conversation import MODES, Conversation, TrainerView, trainer_view
 from offpolicy.rollout.multi_turn import TurnPrompt, run_turns
+from offpolicy.rollout.prompts import compute_rewards, step_prompts
 from offpolicy.rollout.sync_check import SyncProbe
 from offpolicy.rollout.turn_drift import retokenization_drift, turn_metrics, turn_mismatch, view_drift
-from offpolicy.train.data import compute_rewards, step_prompts
 from offpolicy.train.proximal import proximal_method, token_versions
 from offpolicy.train.steps import Rollout, Scored, TrainState, score_step
 

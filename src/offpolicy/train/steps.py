@@ -30,33 +30,28 @@ from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.position import position_metrics
 from offpolicy.ratios import masked_mean
 from offpolicy.registry import build_correction
+from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
 from offpolicy.rollout.routing import RouteRecorder, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 from offpolicy.train.build import (
     DTYPES,
     advantage_fn,
-    build_engine,
-    engine_spec,
+    build_run_engine,
     load_model,
     nonfinite_fields,
     sampling_config,
-    step_seed,
 )
 from offpolicy.train.config import TrainConfig, objective_call
-from offpolicy.train.data import Prompt, compute_rewards, load_task, step_prompts
+from offpolicy.train.data import load_task
 from offpolicy.train.presets import PRESETS, Preset, chain_specs
 from offpolicy.train.proximal import proximal_method, token_versions, unscored_mask
-from offpolicy.train.scoring import adaptive_dvp_fields, exact_token_kl, score_policy
-from offpolicy.train.update import update_step
+from offpolicy.train.scoring import exact_token_kl, score_policy
 
 # What the trainer builds from the config, its scoring forward and its update live in offpolicy.train.build, .scoring
-# and .update; importable from here as before.
-__all__ = [
-    "DTYPES", "Rollout", "Scored", "TrainState", "adaptive_dvp_fields", "advantage_fn", "build_engine", "build_state",
-    "engine_spec", "exact_token_kl", "kl_metric_name", "load_model", "metrics_step", "rollout_step",
-    "sampling_config", "score_policy", "score_step", "single_pass", "step_seed", "update_step",
-]
+# and .update.
+__all__ = ["Rollout", "Scored", "TrainState", "build_state", "kl_metric_name", "metrics_step", "rollout_step",
+           "score_step", "single_pass"]
 
 
 # -- the state -------------------------------------------------------------------------------------------------------
@@ -118,7 +113,7 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
         model, tokenizer = load_model(cfg)
     if tokenizer is None:
         raise ValueError("tokenizer: pass one together with model=")
-    engine = engine if engine is not None else build_engine(cfg, model, tokenizer)
+    engine = engine if engine is not None else build_run_engine(cfg, model, tokenizer)
     if cfg.rollout.sync_every > 1 and not isinstance(getattr(engine, "model", None), torch.nn.Module):
         raise ValueError("rollout.sync_every > 1 needs an engine whose weights are a module at engine.model "
                          "(they are saved in checkpoints)")

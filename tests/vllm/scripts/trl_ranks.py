@@ -57,7 +57,7 @@ def launch(url: str, kind: str) -> dict:
 def restore(url: str) -> None:
     """The server gets the tiny checkpoint's weights back, every tensor (the tied head under its own name)."""
     from offpolicy.models import load_model
-    from offpolicy.rollout.servers import vllm_reload_weights
+    from offpolicy.rollout.protocols import vllm_reload_weights
     from offpolicy.rollout.weight_sync import ReloadFolder
 
     model, _ = load_model("tiny")

@@ -74,11 +74,11 @@ from offpolicy.integrations.trl.loss import (
     trl_policy_loss,
 )
 from offpolicy.integrations.trl.mixin import OffPolicyGRPOMixin
+from offpolicy.integrations.trl.patches import extra_llm_kwargs, server_sync_choice
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
 from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
 from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
-from offpolicy.integrations.trl.trainer import make_offpolicy_grpo_trainer
-from offpolicy.integrations.trl.vllm_sync import FileSync, extra_llm_kwargs, install_vllm_sync, server_sync_choice
+from offpolicy.integrations.trl.vllm_sync import FileSync, install_vllm_sync
 from offpolicy.losses import needs_rollout_logp
 
 __all__ = [
@@ -94,7 +94,6 @@ __all__ = [
     "engine_rollout",
     "extra_llm_kwargs",
     "install_vllm_sync",
-    "make_offpolicy_grpo_trainer",
     "needs_rollout_logp",
     "pad_topk",
     "replay_logp",
@@ -118,8 +117,4 @@ def __getattr__(name: str) -> Any:
         from offpolicy.integrations.trl.async_grpo import OffPolicyAsyncGRPOTrainer
 
         return OffPolicyAsyncGRPOTrainer
-    if name == "vllm_logprob_lists":  # a test helper, public by mistake: one release of the old name
-        from offpolicy.integrations.trl import rollout
-
-        return rollout.vllm_logprob_lists  # warns when called
     raise AttributeError(name)

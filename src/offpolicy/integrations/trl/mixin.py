@@ -50,15 +50,11 @@ from offpolicy.integrations.trl.parts.sharding import head_options, model_shardi
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
-from offpolicy.integrations.trl.patches import check_request_timeout
+from offpolicy.integrations.trl.patches import check_request_timeout, extra_llm_kwargs, server_sync_choice
 from offpolicy.integrations.trl.ranks import every_rank_raises
 from offpolicy.integrations.trl.terms import kl_to_reference, trl_log_weight
 from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
-from offpolicy.integrations.trl.vllm_sync import (
-    check_sync_setting,
-    extra_llm_kwargs,
-    server_sync_choice,
-)
+from offpolicy.integrations.trl.vllm_sync import check_sync_setting
 from offpolicy.integrations.versions import check_versions
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.losses import needs_rollout_logp, policy_loss

@@ -25,6 +25,7 @@ from offpolicy.corrections.base import Correction, CorrectionResult
 from offpolicy.integrations.trl.replay import penalised, support_entropy
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.row_maps import head_row_map
+from offpolicy.ratios import per_sequence
 from offpolicy.rollout.sampling import SamplingConfig
 
 
@@ -41,8 +42,7 @@ def trl_log_weight(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> 
         return log_ratio
     if level != "sequence":
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
-    m = mask.to(log_ratio.dtype)
-    return ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return per_sequence(log_ratio, mask, "mean", keepdim=True)
 
 
 def kl_to_reference(logp: Tensor, ref_logp: Tensor, weight: Tensor | None = None) -> Tensor:

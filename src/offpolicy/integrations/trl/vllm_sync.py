@@ -44,12 +44,6 @@ from typing import Any
 
 import torch
 
-from offpolicy.integrations.trl.patches import (  # noqa: F401 - re-exported: their home is the patches module
-    SERVER_SYNCS,
-    check_server_sync,
-    extra_llm_kwargs,
-    server_sync_choice,
-)
 from offpolicy.integrations.trl.ranks import every_rank_raises
 from offpolicy.rollout.http import ServerError
 from offpolicy.rollout.sync_check import SYNC_CHECK_ACTIONS, SyncCheck, SyncCheckError, SyncProbe
@@ -161,7 +155,7 @@ class FileSync:
         self._reload: ReloadFolder | None = None
 
     def __call__(self) -> None:
-        from offpolicy.rollout.servers import vllm_reload_weights
+        from offpolicy.rollout.protocols import vllm_reload_weights
 
         named = trl_named_weights(self.generation)  # lazy: each tensor is copied while TRL's gather holds it
         if not getattr(self.generation.accelerator, "is_main_process", True):

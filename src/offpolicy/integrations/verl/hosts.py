@@ -28,7 +28,7 @@ from typing import Any
 
 from offpolicy.integrations.verl.settings import VerlSettings
 
-FSDP_STRATEGIES = ("fsdp", "fsdp2")  # the backends the plug-in's engine is registered for (plugin.register_engine)
+FSDP_STRATEGIES = ("fsdp", "fsdp2")  # the backends the plug-in's engine is registered for (plugin.register_verl_engine)
 REPLAYED_ROLLOUTS = ("vllm",)  # rollout backends whose truncation order and reported log-probs the engine replays
 STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.name"

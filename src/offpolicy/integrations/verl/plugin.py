@@ -40,7 +40,7 @@ def registered() -> dict[str, str]:
     return dict(_REGISTERED)
 
 
-def register_engine(device: str | None = None, vendor: str | None = None) -> str:
+def register_verl_engine(device: str | None = None, vendor: str | None = None) -> str:
     """Register the engine subclass for ``device`` / ``vendor`` (default: verl's current ones); idempotent."""
     from verl.utils.device import get_device_name, get_vendor
     from verl.workers.engine.base import EngineRegistry
@@ -75,7 +75,7 @@ def install() -> dict[str, str]:
     check_versions("verl", "vllm", "torch", user="offpolicy's verl plug-in")
     parts = {
         "policy_loss": lambda: _policy_loss(),
-        "engine": register_engine,
+        "engine": register_verl_engine,
         "agent_loop": _agent_loop,
         "trainer": register_trainer,
     }

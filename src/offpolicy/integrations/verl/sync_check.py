@@ -271,5 +271,5 @@ def from_trainer(trainer: Any, on_failure: str, timeout: float = SYNC_CHECK_TIME
                          on_failure=on_failure)
 
 
-__all__ = ["SYNC_CHECK_MODES", "ServerClient", "VerlClientScorer", "VerlSyncCheck", "actor_probe_logprobs",
+__all__ = ["ServerClient", "VerlClientScorer", "VerlSyncCheck", "actor_probe_logprobs",
            "engine_scorers", "from_trainer", "probe_batch", "run_coroutine"]

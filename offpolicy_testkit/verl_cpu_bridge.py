@@ -1,8 +1,10 @@
 """CPU only: what verl 0.9.1 and vLLM's CPU build lack for ``verl.trainer.main_ppo`` on a machine without an
-accelerator — for the end-to-end example (examples/verl_end_to_end.py) and its test, never on a GPU.
+accelerator — for the end-to-end example (examples/verl_end_to_end.py) and its test (CPU CI), never on a GPU. A
+harness shipped with the repository, not with the offpolicy package.
 
-Named first in the job's ``VERL_USE_EXTERNAL_MODULES`` (``offpolicy.integrations.verl.cpu_bridge,
-offpolicy.integrations.verl.plugin``), so verl imports it on ``import verl`` in every process of the run — the
+Named first in the job's ``VERL_USE_EXTERNAL_MODULES`` (``offpolicy_testkit.verl_cpu_bridge,
+offpolicy.integrations.verl.plugin``; the example puts the repository root on the job's ``PYTHONPATH`` so that
+every Ray worker imports it), so verl imports it on ``import verl`` in every process of the run — the
 driver's task runner, the FSDP worker, the vLLM server actor and vLLM's engine-core process. :func:`install` does
 nothing where CUDA is available or outside the versions it was written for (verl 0.9.1, vLLM's CPU build 0.32);
 otherwise it
@@ -80,7 +82,7 @@ def vllm_distribution_alias(root: Path | None = None) -> Path:
 
 def cpu_platform() -> Any:
     """verl's ``PlatformBase`` on the CPU (see the module docstring, 1)."""
-    from offpolicy.integrations.verl.platform_cpu import CPUPlatform  # imports verl
+    from offpolicy_testkit.verl_cpu_platform import CPUPlatform  # imports verl
 
     return CPUPlatform()
 

@@ -1,5 +1,5 @@
-"""verl's ``PlatformBase`` on the CPU (:mod:`offpolicy.integrations.verl.cpu_bridge`, 1): a module that imports verl,
-loaded by :func:`~offpolicy.integrations.verl.cpu_bridge.cpu_platform` only where verl is installed."""
+"""verl's ``PlatformBase`` on the CPU (:mod:`offpolicy_testkit.verl_cpu_bridge`, 1): a module that imports verl,
+loaded by :func:`offpolicy_testkit.verl_cpu_bridge.cpu_platform` only where verl is installed."""
 
 from __future__ import annotations
 
