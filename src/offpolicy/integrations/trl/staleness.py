@@ -86,8 +86,8 @@ def staleness_metrics(staleness: Tensor, train_logp: Tensor, rollout_logp: Tenso
 
     >>> st = torch.tensor([[0, 0], [2, -1]]); m = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     >>> out = staleness_metrics(st, torch.zeros(2, 2), torch.tensor([[0.0, 0.0], [-1.0, 0.0]]), m)
-    >>> out["staleness/mean"].item(), out["staleness/max"].item(), out["staleness/d0/k3_kl"].item()
-    (0.6666666865348206, 2.0, 0.0)
+    >>> round(out["staleness/mean"].item(), 6), out["staleness/max"].item(), out["staleness/d0/k3_kl"].item()
+    (0.666667, 2.0, 0.0)
     >>> round(out["staleness/d2/k3_kl"].item(), 4)   # ρ = e: e − 1 − 1
     0.7183
     """
