@@ -253,7 +253,7 @@ def repack_cpu_experts(model: Any) -> int:
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if type(experts).__name__ == "CPUUnquantizedExperts":
+        if experts is not None and type(experts).__name__ == "CPUUnquantizedExperts":
             experts.process_weights_after_loading(module)
             repacked += 1
     return repacked
