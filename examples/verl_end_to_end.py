@@ -8,6 +8,7 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py --ranks 2 --steps 3  # two FSDP ranks (gloo), two vLLM replicas
     python examples/verl_end_to_end.py --dvp 1e-3           # DVP: vLLM samples with min-p, the actor scores likewise
     python examples/verl_end_to_end.py --precision bf16     # verl's own defaults: bf16 compute, bf16 rollout
+    python examples/verl_end_to_end.py --correction calibrated_is  # another correction by name (default: TIS)
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
 
@@ -45,6 +46,7 @@ ROOT = HERE.parent  # the repository: offpolicy_testkit/ (the CPU bridge) sits t
 BREAK_ENV = "OFFPOLICY_VERL_E2E_BREAK_SYNC_AT"
 PRECISIONS = ("fp32", "bf16")
 DATA_SOURCE = "offpolicy/arithmetic"
+TIS = "{name: tis, upper: 2.0}"  # the correction of the runs unless told otherwise
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt as the tiny model was trained
 
 
@@ -90,7 +92,7 @@ def model_copy(folder: Path) -> Path:
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
               ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
-              precision: str = "fp32") -> list[str]:
+              precision: str = "fp32", correction: str = TIS) -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
     default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
     bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
@@ -98,7 +100,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     Each rank holds its share of the step's ``prompts × samples`` rows; with the rollout at TP = 1 verl's hybrid
     engine makes every rank a rollout replica of its own (one vLLM server per rank, each fed by its rank's push).
     ``dvp``: DVP's ρ — the plug-in's agent loop (``offpolicy_agent``) asks vLLM to sample with ``min_p = ρ`` and the
-    actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``)."""
+    actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``). ``correction``: the
+    plug-in's correction after verl's advantages, as ``OFFPOLICY_VERL``'s ``correction`` value in YAML (a name such
+    as ``calibrated_is``, a mapping with its parameters, or a list of either)."""
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
@@ -109,7 +113,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         modules += ",verl_end_to_end"
     sampling = "" if dvp is None else f", sampling: {{min_p: {dvp}}}"
     job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules,
-               "OFFPOLICY_VERL": f"{{correction: {{name: tis, upper: 2.0}}, sync_check: {sync_check}{sampling}}}"}
+               "OFFPOLICY_VERL": f"{{correction: {correction}, sync_check: {sync_check}{sampling}}}"}
     out = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
         f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={prompts}",
@@ -183,7 +187,7 @@ def parse_log(text: str) -> dict:
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
-        dvp: float | None = None, precision: str = "fp32") -> dict:
+        dvp: float | None = None, precision: str = "fp32", correction: str = TIS) -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is examples/, the test kit is one folder up
@@ -203,7 +207,7 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
         env[BREAK_ENV] = str(break_sync_at)
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
                *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
-                         precision)]
+                         precision, correction)]
     log = log or folder / "main_ppo.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -305,9 +309,12 @@ def main() -> int:
     parser.add_argument("--dvp", type=float, default=None, help="DVP's ρ: vLLM samples with min_p = ρ")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32 on both sides, or verl's defaults (bf16 compute, bf16 engine)")
+    parser.add_argument("--correction", default=TIS,
+                        help="the plug-in's correction in YAML: a name (calibrated_is, delight, …) or a mapping")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
-                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision)
+                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision,
+                 correction=args.correction)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "
