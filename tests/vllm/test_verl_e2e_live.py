@@ -112,6 +112,38 @@ def test_the_correction_is_an_argument_tis_unless_told(example, tmp_path):
     assert repr(build_correction(parsed.correction)).startswith("calibrated_is(")
 
 
+def test_the_embedded_models_resolve_by_name_with_their_tasks(example, tmp_path):
+    """``--model lab-moe`` (and ``lab``) where ``tiny`` is: the model's files with a chat template, the pattern task's
+    rows, and verl's reward function grading them with the task's own reward. (Resolution only: a verl run on
+    lab-moe is not part of these tests.)"""
+    import json
+
+    import pandas as pd
+
+    copy = example.model_copy(tmp_path, "lab-moe")
+    assert json.loads((copy / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((copy / "tokenizer_config.json").read_text())["chat_template"] == example.CHAT_TEMPLATE
+    out = example.overrides(copy, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path)
+    assert f"actor_rollout_ref.model.path={copy}" in out
+    train, _ = example.write_data(tmp_path, 3, 2, "lab-moe")
+    rows = pd.read_parquet(train)
+    assert len(rows) == 6 and set(rows["data_source"]) == {"offpolicy/pattern"}
+    row = rows.iloc[0]
+    info = dict(row["extra_info"])
+    assert info["model"] == "lab-moe" and row["prompt"][0]["content"] == info["pattern"] + ">"
+    truth = row["reward_model"]["ground_truth"]
+    assert example.compute_score(row["data_source"], truth, truth, info) == 1.0  # the exact repetition
+    assert example.compute_score(row["data_source"], "x" * len(truth), truth, info) == 0.0
+    # the tiny model's arithmetic rows keep verl's closeness reward and carry no task name
+    tiny, _ = example.write_data(tmp_path, 1, 2)
+    first = pd.read_parquet(tiny).iloc[0]
+    assert first["data_source"] == example.DATA_SOURCE and "model" not in dict(first["extra_info"])
+    answer = int(first["reward_model"]["ground_truth"])
+    assert example.compute_score(example.DATA_SOURCE, str(answer + 1), str(answer)) == 0.5
+    with pytest.raises(ValueError, match="unknown embedded model 'lab-mo'"):
+        example.model_copy(tmp_path, "lab-mo")
+
+
 def test_ranks_set_verls_world_size_and_split_the_batch(example, tmp_path):
     """``ranks`` is verl's ``trainer.n_gpus_per_node`` (and Ray's logical GPUs); each rank's micro-batch is its share
     of the step's prompts × samples rows; a rank count that does not divide them is refused."""
