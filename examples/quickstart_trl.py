@@ -4,6 +4,7 @@ that really differs from the trainer — on CPU, nothing downloaded. docs/quicks
     python examples/quickstart_trl.py                       # 8 steps, ~60 s on 2 cores (the first run also builds
                                                             # the embedded lab model if it is not cached)
     python examples/quickstart_trl.py --steps 4 --out runs/trl_quickstart
+    python examples/quickstart_trl.py --model lab-moe     # the lab model's mixture-of-experts twin (8 experts, top-2)
 
 The engine is offpolicy's own (:class:`offpolicy.rollout.hf.HFRolloutEngine`: a bf16 copy of the model that samples
 with a KV cache) handed to TRL as its ``rollout_func`` (:func:`offpolicy.integrations.trl.engine_rollout`); its
@@ -31,7 +32,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer, engine_rollout
-from offpolicy.models import get_recipe, load_model
+from offpolicy.models import RECIPES, get_recipe, load_model
 from offpolicy.rollout.hf import HFRolloutEngine
 
 # what to read in TRL's log (metric_naming="trl": the mismatch under TRL's sampling/ names, the correction under
@@ -46,11 +47,13 @@ COLUMNS = {
 }
 
 
-def run(steps: int, sync_every: int, upper: float, out: str, seed: int = 0) -> list[dict[str, float]]:
-    """Train ``steps`` GRPO steps in TRL with TIS on a lagging bf16 engine; returns TRL's per-step log rows."""
+def run(steps: int, sync_every: int, upper: float, out: str, seed: int = 0, model_name: str = "lab"
+        ) -> list[dict[str, float]]:
+    """Train ``steps`` GRPO steps in TRL with TIS on a lagging bf16 engine; returns TRL's per-step log rows.
+    ``model_name``: an embedded model (``lab``; ``lab-moe``, its mixture-of-experts twin; ``tiny``)."""
     torch.manual_seed(seed)
-    model, tokenizer = load_model("lab")           # 5 M parameters, warm-started on the `pattern` task
-    task = get_recipe("lab").task()
+    model, tokenizer = load_model(model_name)      # lab: 5 M parameters, warm-started on the `pattern` task
+    task = get_recipe(model_name).task()
     data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer, **e.meta} for e in task.examples(256, seed=0)])
     args = GRPOConfig(
         output_dir=out, max_steps=steps, per_device_train_batch_size=8, num_generations=8, max_completion_length=16,
@@ -75,10 +78,12 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=4, help="the engine takes the trainer's weights every N steps")
     parser.add_argument("--upper", type=float, default=2.0, help="TIS cap C in w = min(π_old/μ, C)")
     parser.add_argument("--out", type=Path, default=None, help="TRL's output_dir (default: a temporary folder)")
+    parser.add_argument("--model", default="lab", choices=list(RECIPES),
+                        help="embedded model (lab-moe: the lab model's mixture-of-experts twin)")
     cli = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(cli.steps, cli.sync_every, cli.upper, str(cli.out or tmp))
+        rows = run(cli.steps, cli.sync_every, cli.upper, str(cli.out or tmp), model_name=cli.model)
     print(f"\nTIS (cap {cli.upper:g}) in TRL, engine synced every {cli.sync_every} steps")
     print("step  engine lag " + " ".join(f"{name:>11}" for name in COLUMNS))
     for step, h in enumerate(rows):

@@ -35,7 +35,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig
 
 from offpolicy.integrations.trl import OffPolicyGRPOTrainer, engine_rollout
-from offpolicy.models import get_recipe, load_model
+from offpolicy.models import RECIPES, get_recipe, load_model
 from offpolicy.rollout.hf import HFRolloutEngine
 
 COLUMNS = {"reward": "reward", "dvp/mass_mean": "offpolicy/dvp/mass_mean", "dvp/mass_min": "offpolicy/dvp/mass_min",
@@ -45,7 +45,8 @@ COLUMNS = {"reward": "reward", "dvp/mass_mean": "offpolicy/dvp/mass_mean", "dvp/
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="lab", choices=["tiny", "lab"], help="embedded model")
+    parser.add_argument("--model", default="lab", choices=list(RECIPES),
+                        help="embedded model (lab-moe: the lab model's mixture-of-experts twin)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--dvp-rho", type=float, default=1e-3)
     parser.add_argument("--alp-init-std", type=float, default=1e-2)
@@ -55,7 +56,7 @@ def main() -> None:
     torch.manual_seed(0)
     started = time.perf_counter()
     model, tokenizer = load_model(cli.model)
-    task = get_recipe(cli.model).task()  # the task the model was warm-started on (tiny: arithmetic, lab: pattern)
+    task = get_recipe(cli.model).task()  # the task the model was warm-started on (tiny: arithmetic, lab and lab-moe: pattern)
     data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer, **e.meta} for e in task.examples(256, seed=0)])
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,6 +8,8 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py --ranks 2 --steps 3  # two FSDP ranks (gloo), two vLLM replicas
     python examples/verl_end_to_end.py --dvp 1e-3           # DVP: vLLM samples with min-p, the actor scores likewise
     python examples/verl_end_to_end.py --precision bf16     # verl's own defaults: bf16 compute, bf16 rollout
+    python examples/verl_end_to_end.py --correction calibrated_is  # another correction by name (default: TIS)
+    python examples/verl_end_to_end.py --model lab-moe      # the mixture-of-experts lab model on its pattern task
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
 
@@ -45,30 +47,45 @@ ROOT = HERE.parent  # the repository: offpolicy_testkit/ (the CPU bridge) sits t
 BREAK_ENV = "OFFPOLICY_VERL_E2E_BREAK_SYNC_AT"
 PRECISIONS = ("fp32", "bf16")
 DATA_SOURCE = "offpolicy/arithmetic"
+TIS = "{name: tis, upper: 2.0}"  # the correction of the runs unless told otherwise
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt as the tiny model was trained
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """verl's custom reward function: the arithmetic task's answer graded by closeness, 1 / (1 + |got − answer|)
-    for a well-formed integer (1 exact), 0 otherwise. The task's own reward (1 exact, 0.1 any other integer) gives
-    the tiny model's two samples of a prompt the same 0.1 nearly always — GRPO's advantages are then 0 and the weights
-    do not move; closeness makes the samples differ."""
+    """verl's custom reward function. The arithmetic task (the tiny model's): the answer graded by closeness,
+    1 / (1 + |got − answer|) for a well-formed integer (1 exact), 0 otherwise. The task's own reward (1 exact, 0.1
+    any other integer) gives the tiny model's two samples of a prompt the same 0.1 nearly always — GRPO's advantages
+    are then 0 and the weights do not move; closeness makes the samples differ. Any other embedded model's task (the
+    pattern task of ``lab`` and ``lab-moe``): its own reward, with the example's columns from ``extra_info``."""
+    if data_source != DATA_SOURCE:
+        from offpolicy.models import get_recipe
+
+        info = dict(extra_info or {})
+        task = get_recipe(info.pop("model")).task()
+        columns = {k: [v] for k, v in info.items() if k != "index"}
+        return float(task.reward([solution_str], answer=[ground_truth], **columns)[0])
     from offpolicy.tasks.base import parse_int
 
     got = parse_int(solution_str)
     return 0.0 if got is None else 1.0 / (1.0 + abs(got - int(ground_truth)))
 
 
-def write_data(folder: Path, steps: int, prompts: int) -> tuple[Path, Path]:
-    """verl's parquet rows (``data_source``, chat ``prompt``, ``reward_model.ground_truth``) from the task."""
+def write_data(folder: Path, steps: int, prompts: int, model: str = "tiny") -> tuple[Path, Path]:
+    """verl's parquet rows (``data_source``, chat ``prompt``, ``reward_model.ground_truth``) from the task the
+    embedded ``model`` was warm-started on (tiny: arithmetic; lab, lab-moe: pattern)."""
     import pandas as pd
 
-    from offpolicy.tasks.arithmetic import ArithmeticTask
+    from offpolicy.models import get_recipe
+
+    task = get_recipe(model).task()
+    source = DATA_SOURCE if task.name == "arithmetic" else f"offpolicy/{task.name}"
+    extra = {} if source == DATA_SOURCE else {"model": model}  # compute_score rebuilds the task from its name
 
     def rows(n: int, seed: int) -> list[dict]:
-        return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": ex.prompt}], "ability": "math",
-                 "reward_model": {"style": "rule", "ground_truth": ex.answer}, "extra_info": {"index": i}}
-                for i, ex in enumerate(ArithmeticTask().examples(n, seed))]
+        return [{"data_source": source, "prompt": [{"role": "user", "content": ex.prompt}], "ability": task.name,
+                 "reward_model": {"style": "rule", "ground_truth": ex.answer},
+                 "extra_info": {"index": i, **extra, **(ex.meta if extra else {})}}
+                for i, ex in enumerate(task.examples(n, seed))]
 
     train, val = folder / "train.parquet", folder / "val.parquet"
     pd.DataFrame(rows(steps * prompts, 0)).to_parquet(train)
@@ -76,12 +93,13 @@ def write_data(folder: Path, steps: int, prompts: int) -> tuple[Path, Path]:
     return train, val
 
 
-def model_copy(folder: Path) -> Path:
-    """The tiny model's files with a chat template (verl applies one to every prompt; the tiny model has none)."""
+def model_copy(folder: Path, model: str = "tiny") -> Path:
+    """An embedded model's files (``tiny``, ``lab``, ``lab-moe``: :data:`offpolicy.models.RECIPES`) with a chat
+    template (verl applies one to every prompt; the embedded models have none)."""
     from offpolicy.models import model_path
 
-    out = folder / "tiny"
-    shutil.copytree(model_path("tiny"), out)
+    out = folder / model
+    shutil.copytree(model_path(model), out)
     config = json.loads((out / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config))
@@ -90,7 +108,7 @@ def model_copy(folder: Path) -> Path:
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
               ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
-              precision: str = "fp32") -> list[str]:
+              precision: str = "fp32", correction: str = TIS) -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
     default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
     bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
@@ -98,7 +116,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     Each rank holds its share of the step's ``prompts × samples`` rows; with the rollout at TP = 1 verl's hybrid
     engine makes every rank a rollout replica of its own (one vLLM server per rank, each fed by its rank's push).
     ``dvp``: DVP's ρ — the plug-in's agent loop (``offpolicy_agent``) asks vLLM to sample with ``min_p = ρ`` and the
-    actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``)."""
+    actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``). ``correction``: the
+    plug-in's correction after verl's advantages, as ``OFFPOLICY_VERL``'s ``correction`` value in YAML (a name such
+    as ``calibrated_is``, a mapping with its parameters, or a list of either)."""
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
@@ -109,7 +129,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         modules += ",verl_end_to_end"
     sampling = "" if dvp is None else f", sampling: {{min_p: {dvp}}}"
     job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules,
-               "OFFPOLICY_VERL": f"{{correction: {{name: tis, upper: 2.0}}, sync_check: {sync_check}{sampling}}}"}
+               "OFFPOLICY_VERL": f"{{correction: {correction}, sync_check: {sync_check}{sampling}}}"}
     out = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
         f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={prompts}",
@@ -183,7 +203,7 @@ def parse_log(text: str) -> dict:
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
-        dvp: float | None = None, precision: str = "fp32") -> dict:
+        dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny") -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is examples/, the test kit is one folder up
@@ -194,16 +214,16 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
 
     folder = Path(tempfile.mkdtemp(prefix="verl-e2e-"))
     alias = vllm_distribution_alias(folder / "alias")
-    model = model_copy(folder)
-    train, val = write_data(folder, steps, prompts)
+    model_dir = model_copy(folder, model)
+    train, val = write_data(folder, steps, prompts, model)
     path = os.pathsep.join(p for p in (str(alias), str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**vllm_cpu_env(folder / "cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path,
            "RAY_memory_monitor_refresh_ms": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if break_sync_at is not None:
         env[BREAK_ENV] = str(break_sync_at)
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
-               *overrides(model, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
-                         precision)]
+               *overrides(model_dir, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
+                         precision, correction)]
     log = log or folder / "main_ppo.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -305,9 +325,14 @@ def main() -> int:
     parser.add_argument("--dvp", type=float, default=None, help="DVP's ρ: vLLM samples with min_p = ρ")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32 on both sides, or verl's defaults (bf16 compute, bf16 engine)")
+    parser.add_argument("--model", default="tiny", choices=("tiny", "lab", "lab-moe"),
+                        help="embedded model (lab-moe: the lab model's mixture-of-experts twin) and its task")
+    parser.add_argument("--correction", default=TIS,
+                        help="the plug-in's correction in YAML: a name (calibrated_is, delight, …) or a mapping")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
-                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision)
+                 sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision,
+                 correction=args.correction, model=args.model)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

@@ -130,3 +130,34 @@ def test_lab_moe_trains_with_r3_routing_replay(tmp_path):
     ])
     row = train(cfg).history[0]
     assert 0.0 <= row["routing/flip_rate"] <= 1.0 and math.isfinite(row["loss/loss"])
+
+
+@pytest.mark.parametrize("overrides, warned", [(["rollout.engine=vllm"], "rollout.engine=vllm"),
+                                               (["rollout.compile=true"], "rollout.engine=hf (compiled)"),
+                                               ([], None)])
+def test_an_engine_without_routes_says_the_flip_rate_is_not_logged(monkeypatch, overrides, warned):
+    """vLLM (and any engine that records no routes) gives the trainer nothing to count flips against: one warning
+    says routing/flip_rate is not logged; the transformers engine records its routes and warns nothing."""
+    import warnings
+
+    from offpolicy.train import build
+    from offpolicy.train.config import load_config
+
+    built = []
+    monkeypatch.setattr(build, "build_engine", lambda spec, **kw: built.append(spec) or spec)  # nothing started
+    model, tok = cache.load_model("lab-moe")
+    cfg = load_config(None, ["model.path=lab-moe", *overrides])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build.build_run_engine(cfg, model, tok)
+    notes = [str(w.message) for w in caught if "routing/flip_rate" in str(w.message)]
+    if warned is None:
+        assert notes == [] and built[0].record_routes
+    else:
+        assert len(notes) == 1 and f"the engine {warned} records no routes" in notes[0], notes
+        assert not built[0].record_routes
+    dense, dense_tok = cache.load_model("tiny")  # a dense model: no routes to speak of, no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build.build_run_engine(cfg, dense, dense_tok)
+    assert not [w for w in caught if "routing/flip_rate" in str(w.message)]

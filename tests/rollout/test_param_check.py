@@ -228,6 +228,62 @@ def test_a_quantised_engine_tensor_is_counted_not_judged():
     assert check.after_sync(engine.items(), trainer) == ["b"]
 
 
+def _moe_sides(layout: str, experts: int = 4, hidden: int = 6, inner: int = 3):
+    """One MoE layer: the trainer's experts stacked (transformers >= 5) or one module per expert, in float32; the
+    engine's as vLLM 0.32's fused experts store them (``experts.routed_experts.w13_weight`` [E, 2I, H] and
+    ``w2_weight`` [E, H, I]) in bf16."""
+    gate_up, down = torch.randn(experts, 2 * inner, hidden), torch.randn(experts, hidden, inner)
+    if layout == "stacked":
+        trainer = {"m.l.0.mlp.experts.gate_up_proj": gate_up, "m.l.0.mlp.experts.down_proj": down}
+    else:
+        trainer = {}
+        for e in range(experts):
+            trainer |= {f"m.l.0.mlp.experts.{e}.gate_proj.weight": gate_up[e, :inner],
+                        f"m.l.0.mlp.experts.{e}.up_proj.weight": gate_up[e, inner:],
+                        f"m.l.0.mlp.experts.{e}.down_proj.weight": down[e]}
+    trainer["m.l.0.mlp.gate.weight"] = torch.randn(experts, hidden)  # the router: a plain tensor on both sides
+    engine = {"m.l.0.mlp.experts.routed_experts.w13_weight": gate_up.bfloat16(),
+              "m.l.0.mlp.experts.routed_experts.w2_weight": down.bfloat16(),
+              "m.l.0.mlp.gate.weight": trainer["m.l.0.mlp.gate.weight"].bfloat16()}
+    return engine, trainer
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_vllms_fused_experts_are_checked_against_the_trainers_experts(layout):
+    engine, trainer = _moe_sides(layout)
+    check = ParameterCheck()
+    check.calibrate(engine.items(), trainer)
+    assert (check.checked, check.total) == (3, 3)  # both expert tensors and the router
+    moved = {k: v + 0.5 for k, v in trainer.items()}
+    synced = {"m.l.0.mlp.experts.routed_experts.w13_weight": engine["m.l.0.mlp.experts.routed_experts.w13_weight"] + 0.5,
+              "m.l.0.mlp.experts.routed_experts.w2_weight": engine["m.l.0.mlp.experts.routed_experts.w2_weight"],
+              "m.l.0.mlp.gate.weight": engine["m.l.0.mlp.gate.weight"] + 0.5}
+    # every source moved; the engine took the gate-and-up experts and the router, not the down projections
+    assert check.after_sync(synced.items(), moved) == ["m.l.0.mlp.experts.routed_experts.w2_weight"]
+    # one expert's down projection moves, the engine's stacked tensor with it: nothing left behind
+    if layout == "stacked":
+        moved["m.l.0.mlp.experts.down_proj"] = moved["m.l.0.mlp.experts.down_proj"].index_add(
+            0, torch.tensor([2]), torch.ones(1, 6, 3))
+    else:
+        moved["m.l.0.mlp.experts.2.down_proj.weight"] = moved["m.l.0.mlp.experts.2.down_proj.weight"] + 1.0
+    synced["m.l.0.mlp.experts.routed_experts.w2_weight"] = synced["m.l.0.mlp.experts.routed_experts.w2_weight"] + 1.0
+    assert check.after_sync(synced.items(), moved) == []
+
+
+def test_an_engine_holding_a_share_of_the_experts_is_counted_not_judged():
+    # expert parallelism: the engine's stacked tensor holds 2 of the trainer's 4 experts, so a change in the other
+    # two would read as a tensor left behind; it is counted and left to the behavioural tests
+    engine, trainer = _moe_sides("stacked")
+    engine["m.l.0.mlp.experts.routed_experts.w2_weight"] = engine["m.l.0.mlp.experts.routed_experts.w2_weight"][:2]
+    check = ParameterCheck()
+    check.calibrate(engine.items(), trainer)
+    assert (check.checked, check.total) == (2, 3)
+    assert trainer_sources("m.l.0.mlp.experts.routed_experts.w2_weight", {}, set(trainer)) == [
+        "m.l.0.mlp.experts.down_proj"]
+    assert trainer_sources("m.l.0.mlp.experts.routed_experts.w2_weight", {}, {"m.l.0.mlp.gate.weight"}) is None
+    assert trainer_sources("m.l.0.mlp.shared.w2_weight", {}, set(trainer)) is None  # not under an experts module
+
+
 @pytest.mark.parametrize("lr, fingerprints", [(1e-9, "blake2b"), (1e-6, "blake2b"), (1e-5, "blake2b"),
                                                (3e-4, "blake2b"), (1e-9, "digest"), (3e-4, "digest")])
 def test_healthy_syncs_leave_nothing_behind(rig, lr, fingerprints):

@@ -168,6 +168,44 @@ def test_the_push_takes_the_path_vllms_platform_supports(monkeypatch, cpu, path)
         push_weights(_llm(log), iter(named), method="copy")
 
 
+class CPUUnquantizedExperts:
+    """Stands for vLLM 0.32's CPU experts kernel: records the layers it prepacks."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def process_weights_after_loading(self, layer):
+        self.log.append(layer.name)
+
+
+def _moe_model(log, layers=2):
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for i in range(layers):
+        experts, dense = torch.nn.Module(), torch.nn.Module()
+        experts.name = f"layers.{i}.mlp.experts"
+        experts.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=CPUUnquantizedExperts(log)))
+        dense.quant_method = SimpleNamespace()  # a linear layer's method: no MoE kernel
+        model.layers.append(torch.nn.ModuleList([experts, dense]))
+    return model
+
+
+@pytest.mark.parametrize("version, repacked", [("0.32.0", 2), ("0.33.0", 0)])
+def test_the_cpu_reload_prepacks_the_experts_again_on_the_versions_that_need_it(monkeypatch, version, repacked):
+    from offpolicy.rollout import vllm as module
+
+    _platform(monkeypatch, cpu=True)
+    sys.modules["vllm"].__version__ = version
+    log: list = []
+    llm = _llm(log)
+    llm.llm_engine.model_executor.driver_worker.worker.model_runner.model = _moe_model(log)
+    assert module.push_weights(llm, iter([("lm_head.weight", torch.zeros(2))])) == "reload_weights"
+    # the reload, then each MoE layer prepacked as at load (vLLM 0.32 leaves them unpacked), then the cache reset
+    prepacked = [f"layers.{i}.mlp.experts" for i in range(repacked)]
+    assert log == [("reload_weights", ["lm_head.weight"]), *prepacked, ("reset_prefix_cache", None)]
+    assert module.repack_cpu_experts(torch.nn.Linear(2, 2)) == 0  # a dense model: nothing to repack
+
+
 def test_without_vllm_the_platform_is_read_from_the_machine(monkeypatch):
     from offpolicy.rollout.vllm import vllm_platform_is_cpu
 

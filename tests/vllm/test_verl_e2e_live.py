@@ -61,10 +61,11 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
 
 @pytest.mark.slow
 def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
-    """A second run, with DVP (min-p 0.05: vLLM samples inside the safe set through the plug-in's agent loop, the
+    """A second run, with DVP and calibrated IS (min-p 0.05: vLLM samples inside the safe set through the plug-in's agent loop, the
     actor scores over its own): the engine's μ equals the actor's π_old to round-off — a recipe applied on one side
     only would part them by the safe set's missing mass — and the push that does nothing from step 2 stops the run."""
-    result = example.run(STEPS, break_sync_at=2, log=tmp_path / "main_ppo_broken.log", dvp=0.05)
+    result = example.run(STEPS, break_sync_at=2, log=tmp_path / "main_ppo_broken.log", dvp=0.05,
+                         correction="calibrated_is")
     assert result["rc"] != 0, result["tail"]
     text = Path(result["log"]).read_text(errors="replace")
     # verl pretty-prints its config to a width, wrapping a key and its value onto two lines behind Ray's prefix as the
@@ -73,6 +74,10 @@ def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(exampl
     assert "'default_agent_loop':'offpolicy_agent'" in flat and "min_p: 0.05" in text
     assert result["steps"] == 1 and result["sync_ok"] == [1.0], result["tail"]  # the probe calibrated under DVP
     assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] < 1e-4, result["rollout_corr"]
+    # this run's correction is calibrated IS (arXiv 2609.32444), by name: with μ = π_old to round-off its cap is
+    # barely above 1 and caps nothing
+    assert "'OFFPOLICY_VERL':'{correction:calibrated_is," in flat
+    assert result["rollout_corr"]["rollout_corr/calibrated_is/clipped_frac"] == 0.0, result["rollout_corr"]
     assert "SyncCheckError" in text and "verl step 2: " in text, result["tail"]
     assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
 
@@ -90,6 +95,53 @@ def test_precision_is_fp32_on_both_sides_or_verls_defaults(example, tmp_path):
     assert not any("mixed_precision" in key for key in bf16)
     with pytest.raises(ValueError, match="precision must be one of"):
         config("fp8")
+
+
+def test_the_correction_is_an_argument_tis_unless_told(example, tmp_path):
+    def settings(**kw):
+        out = example.overrides(tmp_path, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path, **kw)
+        return next(v for k, v in (item.split("=", 1) for item in out) if k.endswith("env_vars.OFFPOLICY_VERL"))
+
+    assert settings() == "'{correction: {name: tis, upper: 2.0}, sync_check: error}'"
+    assert settings(correction="calibrated_is", dvp=0.05) == ("'{correction: calibrated_is, sync_check: error, "
+                                                              "sampling: {min_p: 0.05}}'")
+    from offpolicy.integrations.verl.settings import settings_from_text
+    from offpolicy.registry import build_correction
+
+    parsed = settings_from_text(settings(correction="calibrated_is").strip("'"))  # as the plug-in reads the variable
+    assert repr(build_correction(parsed.correction)).startswith("calibrated_is(")
+
+
+def test_the_embedded_models_resolve_by_name_with_their_tasks(example, tmp_path):
+    """``--model lab-moe`` (and ``lab``) where ``tiny`` is: the model's files with a chat template, the pattern task's
+    rows, and verl's reward function grading them with the task's own reward. (Resolution only: a verl run on
+    lab-moe is not part of these tests.)"""
+    import json
+
+    import pandas as pd
+
+    copy = example.model_copy(tmp_path, "lab-moe")
+    assert json.loads((copy / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((copy / "tokenizer_config.json").read_text())["chat_template"] == example.CHAT_TEMPLATE
+    out = example.overrides(copy, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path)
+    assert f"actor_rollout_ref.model.path={copy}" in out
+    train, _ = example.write_data(tmp_path, 3, 2, "lab-moe")
+    rows = pd.read_parquet(train)
+    assert len(rows) == 6 and set(rows["data_source"]) == {"offpolicy/pattern"}
+    row = rows.iloc[0]
+    info = dict(row["extra_info"])
+    assert info["model"] == "lab-moe" and row["prompt"][0]["content"] == info["pattern"] + ">"
+    truth = row["reward_model"]["ground_truth"]
+    assert example.compute_score(row["data_source"], truth, truth, info) == 1.0  # the exact repetition
+    assert example.compute_score(row["data_source"], "x" * len(truth), truth, info) == 0.0
+    # the tiny model's arithmetic rows keep verl's closeness reward and carry no task name
+    tiny, _ = example.write_data(tmp_path, 1, 2)
+    first = pd.read_parquet(tiny).iloc[0]
+    assert first["data_source"] == example.DATA_SOURCE and "model" not in dict(first["extra_info"])
+    answer = int(first["reward_model"]["ground_truth"])
+    assert example.compute_score(example.DATA_SOURCE, str(answer + 1), str(answer)) == 0.5
+    with pytest.raises(ValueError, match="unknown embedded model 'lab-mo'"):
+        example.model_copy(tmp_path, "lab-mo")
 
 
 def test_ranks_set_verls_world_size_and_split_the_batch(example, tmp_path):

@@ -5,9 +5,10 @@ behavioural layer's job, :mod:`offpolicy.rollout.sync_check`); it catches what t
 under a small learning rate: a part of the model left behind while its drift is still below the run's noise.
 
 Each side is compared with itself at the previous sync, never with the other: the engine stores its tensors in its
-own layout (fused ``qkv_proj`` / ``gate_up_proj``, padded vocabulary rows), which the trainer cannot reproduce, but a
-tensor of the engine changes exactly when one of its sources changes in the engine's dtype. A source changed by less
-than the dtype's resolution leaves its cast — and the engine — unchanged: no verdict either way, no false alarm.
+own layout (fused ``qkv_proj`` / ``gate_up_proj``, padded vocabulary rows, a mixture-of-experts layer's experts
+stacked into two tensors: :func:`trainer_sources`), which the trainer cannot reproduce, but a tensor of the engine
+changes exactly when one of its sources changes in the engine's dtype. A source changed by less than the dtype's
+resolution leaves its cast — and the engine — unchanged: no verdict either way, no false alarm.
 Fingerprints are taken where each tensor lives (``mode="device"``, the default): on an accelerator a digest computed
 there (:func:`device_digest`: exact integer arithmetic, no host copy, 16 bytes back per tensor), on the host a BLAKE2b
 digest of its bytes (:func:`fingerprint`; on a CPU the faster of the two). ``mode="hash"`` hashes every tensor with
@@ -101,10 +102,56 @@ def device_digest(tensor: Tensor, dtype: torch.dtype | None = None) -> bytes:
     return head + b"".join(h.to_bytes(4, "little") for h in hashes)
 
 
+# vLLM's fused experts (``FusedMoE``) store each MoE layer's experts as two stacked tensors, ``w13_weight``
+# ``[E, 2I, H]`` (every expert's gate and up projections) and ``w2_weight`` ``[E, H, I]`` (its down projection), under
+# ``<layer>.experts.`` (``<layer>.experts.routed_experts.`` in vLLM 0.32). Their trainer sources, in the layouts a
+# transformers model holds: the stacked experts of transformers ≥ 5 (``experts.gate_up_proj`` / ``experts.down_proj``,
+# Qwen2/3-MoE, Mixtral, OLMoE), or one module per expert (``experts.<e>.gate_proj`` + ``up_proj`` / ``down_proj``;
+# Mixtral's ``w1`` + ``w3`` / ``w2``).
+EXPERT_TENSORS = {"w13_weight": ("gate_up_proj", (("gate_proj", "up_proj"), ("w1", "w3"))),
+                  "w2_weight": ("down_proj", (("down_proj",), ("w2",)))}
+EXPERT_INFIXES = ("routed_experts",)  # wrappers vLLM puts between ``experts`` and the stacked tensor
+
+
+def expert_sources(engine_name: str, trainer_names: set[str]) -> list[str] | None:
+    """The trainer's names a vLLM fused-experts tensor (``…experts[.routed_experts].w13_weight`` / ``w2_weight``) is
+    built from: the stacked tensor of transformers ≥ 5, else every expert's modules in expert order (as many as
+    the trainer has, from expert 0); None for another name or when the trainer holds neither layout.
+
+    >>> names = {"l.0.mlp.experts.gate_up_proj", "l.0.mlp.experts.down_proj"}
+    >>> expert_sources("l.0.mlp.experts.routed_experts.w13_weight", names)
+    ['l.0.mlp.experts.gate_up_proj']
+    >>> per_expert = {f"l.0.mlp.experts.{e}.{m}.weight" for e in range(2) for m in ("w1", "w2", "w3")}
+    >>> expert_sources("l.0.mlp.experts.w13_weight", per_expert)
+    ['l.0.mlp.experts.0.w1.weight', 'l.0.mlp.experts.0.w3.weight', 'l.0.mlp.experts.1.w1.weight', 'l.0.mlp.experts.1.w3.weight']
+    >>> expert_sources("l.0.mlp.experts.w2_weight", names - {"l.0.mlp.experts.down_proj"}) is None
+    True
+    """
+    head, _, leaf = engine_name.rpartition(".")
+    if leaf not in EXPERT_TENSORS:
+        return None
+    for infix in EXPERT_INFIXES:
+        head = head.removesuffix(f".{infix}")
+    if not head.endswith("experts"):
+        return None
+    stacked, per_expert = EXPERT_TENSORS[leaf]
+    if f"{head}.{stacked}" in trainer_names:
+        return [f"{head}.{stacked}"]
+    for modules in per_expert:
+        sources: list[str] = []
+        while all(f"{head}.{len(sources) // len(modules)}.{m}.weight" in trainer_names for m in modules):
+            e = len(sources) // len(modules)
+            sources += [f"{head}.{e}.{m}.weight" for m in modules]
+        if sources:
+            return sources
+    return None
+
+
 def trainer_sources(engine_name: str, packed: Mapping[str, list[str]], trainer_names: set[str]) -> list[str] | None:
     """The trainer's names an engine tensor is built from: itself, or — for a fused module of ``packed`` (vLLM's
-    ``packed_modules_mapping``, e.g. ``qkv_proj → [q_proj, k_proj, v_proj]``) — each source module's; None when one
-    is not among ``trainer_names``.
+    ``packed_modules_mapping``, e.g. ``qkv_proj → [q_proj, k_proj, v_proj]``) — each source module's, or — for vLLM's
+    fused experts of a mixture-of-experts layer — the experts' (:func:`expert_sources`); None when one is not among
+    ``trainer_names``.
 
     >>> names = {"l.0.q_proj.weight", "l.0.k_proj.weight", "l.0.v_proj.weight", "l.0.norm.weight"}
     >>> trainer_sources("l.0.qkv_proj.weight", {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, names)
@@ -112,6 +159,9 @@ def trainer_sources(engine_name: str, packed: Mapping[str, list[str]], trainer_n
     >>> trainer_sources("l.0.norm.weight", {}, names), trainer_sources("l.0.rotary.cache", {}, names)
     (['l.0.norm.weight'], None)
     """
+    experts = expert_sources(engine_name, trainer_names)
+    if experts is not None:
+        return experts
     parts = engine_name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -192,6 +242,9 @@ class ParameterCheck:
                 if (tensor.numel() == 0 or sources is None or tensor.dtype not in PLAIN_DTYPES
                         or any(_sharded(trainer_state[s]) for s in sources)):
                     continue
+                if (expert_sources(name, names) is not None
+                        and sum(trainer_state[s].numel() for s in sources) != tensor.numel()):
+                    continue  # the engine holds a share of the experts (expert parallelism): not the same tensors
                 engine[name] = self._fingerprint(tensor, tensor.dtype)
                 trainer[name] = b"".join(self._fingerprint(trainer_state[s], tensor.dtype) for s in sources)
         self.total, self.checked = total, len(engine)

@@ -5,6 +5,7 @@ rollout engine (through the engine factory), the sampling config, the advantage 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,17 @@ def build_run_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer):  # ->
     """The run's rollout engine on ``model``: :func:`engine_spec` built by the factory.
 
     On a mixture-of-experts model the transformers engine records its routes even without routing replay, so the
-    trainer measures the routing flips of every run (``routing/flip_rate``), replayed or not.
+    trainer measures the routing flips of every run (``routing/flip_rate``), replayed or not. An engine that records
+    no routes (vLLM, llama.cpp, a server, a compiled transformers engine) gives nothing to count them against: the run
+    logs no ``routing/flip_rate`` — never a 0 that would read as "no flips" — and says so in one warning.
     """
     spec = engine_spec(cfg)
     if spec.backend == "hf" and not spec.record_routes and not spec.compile and is_moe(model):
         spec = dataclasses.replace(spec, record_routes=True)
+    if not spec.record_routes and is_moe(model):
+        warnings.warn(f"routing/flip_rate is not logged: the model is a mixture of experts, but the engine "
+                      f"{spec.name}{' (compiled)' if spec.compile else ''} records no routes to compare with the "
+                      "trainer's (flips are counted on rollout.engine=hf, not compiled)", stacklevel=2)
     return build_engine(spec, model=model, tokenizer=tokenizer)
 
 

@@ -3,12 +3,15 @@
 ``python trainer_vllm.py OUT ok``: 3 steps, metrics.jsonl read back. ``... OUT broken``: the engine's sync drops the
 tied output head from step 2 on, 6 steps at a larger learning rate (as a reload from the checkpoint's files does on vLLM's CPU backend): the sync check
 must stop the run, naming the step, with the last checkpoint intact. ``... OUT bf16``: the policy itself in bf16
-(``model.dtype=bfloat16``) against the bf16 engine, 3 steps."""
+(``model.dtype=bfloat16``) against the bf16 engine, 3 steps. ``... OUT moe``: the mixture-of-experts lab model
+(lab-moe) on its pattern task, 3 steps; the sync of step 3 leaves every expert's down projection behind (vLLM's stacked
+``w2_weight``), which the parameter layer must name; the warnings the run gave are returned."""
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -25,6 +28,8 @@ if __name__ == "__main__":
     overrides += ["optim.lr=3e-3", "run.steps=6"] if mode == "broken" else ["optim.lr=3e-4", "run.steps=3"]
     if mode == "bf16":
         overrides += ["model.dtype=bfloat16", "rollout.dtype=bfloat16"]
+    if mode == "moe":
+        overrides += ["model.path=lab-moe", "task.name=pattern", "task.options={length: 6}"]
     result: dict = {"mode": mode}
     if mode == "broken":
         real_push, calls = vllm_module.push_weights, []
@@ -35,13 +40,26 @@ if __name__ == "__main__":
             real_push(llm, [(k, v) for k, v in named if k != "lm_head.weight"] if len(calls) > 1 else named)
 
         vllm_module.push_weights = push_without_head
-    try:
-        res = train(load_config(None, overrides))
-        result["steps_done"] = res.steps_done
-    except SyncCheckError as err:
-        result["error"] = str(err)
+    if mode == "moe":
+        real_push, calls = vllm_module.push_weights, []
+
+        def push_without_experts(llm, named):
+            calls.append(1)
+            named = list(named)
+            real_push(llm, [(k, v) for k, v in named if "experts.down_proj" not in k] if len(calls) > 2 else named)
+
+        vllm_module.push_weights = push_without_experts
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            res = train(load_config(None, overrides))
+            result["steps_done"] = res.steps_done
+        except SyncCheckError as err:
+            result["error"] = str(err)
+    result["warnings"] = [str(w.message) for w in caught]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
     result["sync"] = [{k: v for k, v in m.items() if k.startswith("sync/")} for m in metrics]
     result["checkpoints"] = sorted(p.name for p in (out / "checkpoints").glob("*")) if (out / "checkpoints").exists() else []
     result["reward"] = [m.get("reward/mean") for m in metrics]
+    result["routing"] = [{k: v for k, v in m.items() if k.startswith("routing/")} for m in metrics]
     print("RESULT " + json.dumps(result))
