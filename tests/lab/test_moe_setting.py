@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 from offpolicy.lab.mismatch import REAL_ENGINES, describe_mismatch, mismatch_settings
-from offpolicy.lab.settings import get_setting
 from offpolicy.lab.plan import plan_sweep, planned_config
+from offpolicy.lab.settings import get_setting
 
 
 def test_the_moe_sources_name_the_moe_model_and_its_engine():
