@@ -43,8 +43,6 @@ from torch import Tensor
 if TYPE_CHECKING:  # offpolicy.train.steps imports this module
     from offpolicy.train.steps import TrainState
 
-MODES = ("none", "queue", "partial")  # rollout.async_mode ("off" would be YAML's false)
-
 
 # -- the schedules (pure) -----------------------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
 from offpolicy.rollout.routing import RouteRecorder, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
+from offpolicy.tasks import is_multi_turn
 from offpolicy.train.async_rollout import check_async, partial_generate, queue_generate, staleness_metrics
 from offpolicy.train.build import (
     DTYPES,
@@ -44,7 +45,6 @@ from offpolicy.train.build import (
     sampling_config,
 )
 from offpolicy.train.config import TrainConfig, objective_call
-from offpolicy.tasks import is_multi_turn
 from offpolicy.train.data import load_task
 from offpolicy.train.presets import PRESETS, Preset, chain_specs
 from offpolicy.train.proximal import proximal_method, token_versions, unscored_mask
