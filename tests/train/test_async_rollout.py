@@ -209,6 +209,9 @@ def test_a_short_run_logs_per_token_staleness(tmp_path, fresh, varying_task, mak
     assert first["staleness/max"] == 0.0  # version 0: nothing older exists
     assert 0.0 <= last["staleness/mean"] <= last["staleness/max"] <= k
     assert all(abs(row["loss/loss"]) < float("inf") for row in result.history)
+    from offpolicy.glossary import lookup
+
+    assert sorted(k for k in last if k.startswith("staleness/") and lookup(k) is None) == []  # each in the glossary
 
 
 def test_a_lagging_engine_logs_its_staleness_too(tmp_path, fresh, varying_task, make_overrides):
