@@ -212,6 +212,24 @@ def test_a_short_run_logs_per_token_staleness(tmp_path, fresh, varying_task, mak
     from offpolicy.glossary import lookup
 
     assert sorted(k for k in last if k.startswith("staleness/") and lookup(k) is None) == []  # each in the glossary
+    for row in result.history:  # the split by staleness covers every valid token once, and only d ≤ K
+        ds = sorted(int(key.split("/")[1][1:]) for key in row if key.endswith("/tokens") and key.startswith("staleness/d"))
+        assert ds and max(ds) == row["staleness/max"] and max(ds) <= k
+        n = row["response/length_mean"] * 2 * 2  # prompts × group size rows
+        assert sum(row[f"staleness/d{d}/tokens"] for d in ds) == pytest.approx(n)
+
+
+def test_the_staleness_numbers_agree_with_the_trl_integrations_split():
+    from offpolicy.integrations.trl.staleness import staleness_metrics as trl_split
+
+    versions = partial_versions([6, 3, 5], 7, 3, 6)  # S = 2: versions 5, 6, 7
+    stale = torch.where(versions >= 0, 7 - versions, -1)
+    mask = (versions >= 0).float()
+    theirs = trl_split(stale, torch.zeros(3, 6), torch.zeros(3, 6), mask)
+    ours = staleness_metrics(versions, 7)
+    for key in ("staleness/mean", "staleness/max"):
+        assert float(ours[key]) == pytest.approx(float(theirs[key]))
+    assert [float(theirs[f"staleness/d{d}/tokens"]) for d in (2, 1, 0)] == [6.0, 5.0, 3.0]
 
 
 def test_a_lagging_engine_logs_its_staleness_too(tmp_path, fresh, varying_task, make_overrides):
@@ -220,6 +238,8 @@ def test_a_lagging_engine_logs_its_staleness_too(tmp_path, fresh, varying_task, 
     history = train(load_config(None, ov), model=model, tokenizer=tok, task=varying_task()).history
     assert [row["staleness/max"] for row in history] == [0.0, 1.0, 2.0]  # synced at step 0 only
     assert Counter(row["staleness/versions_per_answer"] for row in history) == Counter({1.0: 3})
+    assert [sorted(k for k in row if k.endswith("/tokens")) for row in history] == [
+        ["staleness/d0/tokens"], ["staleness/d1/tokens"], ["staleness/d2/tokens"]]  # one staleness per lagging batch
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -178,6 +178,7 @@ class Rollout:
     sync_metrics: dict[str, float] = field(default_factory=dict)  # sync/* of this step's weight sync check
     versions: Tensor | None = None  # [B, T] int64: the engine's weights version per sampled token, −1 on padding
     staleness: dict[str, Any] = field(default_factory=dict)  # staleness/* of the step (offpolicy.train.async_rollout)
+    trainer_version: int | None = None  # v_θ when sampled: a token's staleness is this − its version
 
 
 def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True, step: int | None = None) -> Rollout:
@@ -208,7 +209,7 @@ def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True, ste
     return Rollout(prompts, prompt_ids, out.completion_ids, out.logp, rewards, state.advantage_fn(rewards, a.group_size),
                    getattr(out, "routed_experts", None), seconds, topk_ids=getattr(out, "topk_ids", None),
                    topk_logp=getattr(out, "topk_logp", None), sync_metrics=sync_metrics, versions=versions,
-                   staleness=staleness_metrics(versions, state.policy_version))
+                   staleness=staleness_metrics(versions, state.policy_version), trainer_version=state.policy_version)
 
 
 def _async_rollout(state: TrainState, prompts: list[Prompt], prompt_ids: list[list[int]], seed: int,
@@ -224,7 +225,7 @@ def _async_rollout(state: TrainState, prompts: list[Prompt], prompt_ids: list[li
     rewards = compute_rewards(state.task, prompts, a.group_size, gen.texts, gen.completions)
     staleness = {**staleness_metrics(gen.versions, state.policy_version), "staleness/dropped": float(gen.dropped)}
     return Rollout(prompts, prompt_ids, gen.completions, gen.logp, rewards, state.advantage_fn(rewards, a.group_size),
-                   None, seconds, versions=gen.versions, staleness=staleness)
+                   None, seconds, versions=gen.versions, staleness=staleness, trainer_version=state.policy_version)
 
 
 # -- 2. scoring --------------------------------------------------------------------------------------------------------
@@ -354,7 +355,23 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     metrics["time/tokens_per_s"] = float(mask.sum()) / max(step_seconds, 1e-9)
     metrics.update(rollout.sync_metrics)
     metrics.update(rollout.staleness)
+    if rollout.versions is not None and rollout.trainer_version is not None:
+        metrics.update(_by_staleness(rollout, scored, corrected))
     return metrics
+
+
+def _by_staleness(rollout: Rollout, scored: Scored, corrected: Any) -> dict[str, Tensor]:
+    """Per staleness d present, ``staleness/d<d>/k3_kl`` (π_old against μ), ``/clipped_frac`` and ``/masked_frac`` of
+    the correction at π_old, ``/tokens`` — the split the TRL integration logs (its
+    :func:`~offpolicy.integrations.trl.staleness.staleness_metrics`, which imports no TRL)."""
+    from offpolicy.integrations.trl.staleness import staleness_metrics as split
+
+    assert rollout.versions is not None and rollout.trainer_version is not None
+    t = scored.mask.shape[1]
+    versions = rollout.versions[:, :t].to(scored.mask.device)
+    stale = torch.where(versions >= 0, rollout.trainer_version - versions, -1)
+    out = split(stale, scored.old_logp, scored.rollout_logp, scored.mask, corrected)
+    return {k: v for k, v in out.items() if k.startswith("staleness/d")}
 
 
 def kl_metric_name(naming: str) -> str:
