@@ -98,7 +98,7 @@ def _state(tmp_path, fresh, task, make_overrides, mode, k, preset="tis", **extra
 
 def _history_of(state, versions: int) -> list[dict[str, torch.Tensor]]:
     """Versions 0 … versions − 1 of the trainer, each the last moved by seeded noise; the state left at the last."""
-    state.weight_history = WeightHistory(keep=state.cfg.rollout.max_staleness + 1)
+    state.weight_history = WeightHistory(state.model, keep=state.cfg.rollout.max_staleness + 1)
     weights = []
     g = torch.Generator().manual_seed(0)
     for v in range(versions):

@@ -22,11 +22,11 @@ carries into every minibatch's :class:`~offpolicy.LogProbBatch` (``versions``, `
 log-linear π_prox (:mod:`offpolicy.train.proximal`) reads it per token; μ itself is each token's own version's
 log-prob, so the recomputed π_prox and the corrections see per-token staleness through π_old / μ. The trainer logs
 ``staleness/mean`` and ``staleness/max`` over the valid tokens (v − version), ``staleness/dropped`` (groups the queue
-dropped this step) and ``staleness/versions_per_answer`` (mean of max − min + 1 over rows, verl's partial span + 1).
+dropped this step), ``staleness/versions_per_answer`` (mean of max − min + 1 over rows, verl's partial span + 1)
+and, per staleness d, the mismatch and the correction's clipped / masked shares (``staleness/d<d>/*``).
 
 A stylised model, not a simulated generator: the queue's latencies are i.i.d. draws, not the lengths of earlier
-answers. The weight history is not checkpointed: a resumed run starts its history from the resumed weights (older
-versions fall back to the oldest it holds), so a resumed async run is not the uninterrupted one.
+answers. The weight history is saved in checkpoints, so a resumed run samples from the same old weights.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -143,33 +143,60 @@ def staleness_metrics(versions: Tensor, version: int) -> dict[str, Tensor]:
 # -- the weight history -------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class WeightHistory:
-    """The trainer's weights at the last ``keep`` versions (CPU copies) and a scratch copy of the model that the
-    engine syncs from, so that the engine samples with any of them in its own numerics (cast, quantised)."""
+class WeightHistory(torch.nn.Module):
+    """The trainer's weights at the last ``keep`` versions, a ring of buffers (slot = version mod ``keep``, so a
+    checkpoint holds them and a resumed run samples from the same old weights), and a scratch copy of the model that
+    the engine syncs from, so that the engine samples with any of them in its own numerics (cast, quantised)."""
 
-    keep: int
-    snapshots: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-    scratch: torch.nn.Module | None = None
+    versions: Tensor  # [keep] int64 buffer: the version in each slot, −1 when empty
+
+    def __init__(self, model: torch.nn.Module, keep: int):
+        super().__init__()
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self._keys = list(model.state_dict())
+        for slot in range(keep):
+            for j, value in enumerate(model.state_dict().values()):
+                self.register_buffer(f"slot{slot}_{j}", torch.zeros_like(value, device="cpu"))
+        self.register_buffer("versions", torch.full((keep,), -1, dtype=torch.long))  # −1: an empty slot
+        self._scratch = (copy.deepcopy(model).requires_grad_(False),)  # a tuple: not a submodule, not saved
+
+    def held(self) -> list[int]:
+        """The versions held, oldest first."""
+        return sorted(int(v) for v in self.versions if v >= 0)
 
     def record(self, version: int, model: torch.nn.Module) -> None:
-        """Keep ``model``'s weights as ``version``; forget versions older than the last ``keep``."""
-        if version not in self.snapshots:
-            self.snapshots[version] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        for old in [v for v in self.snapshots if v <= version - self.keep]:
-            del self.snapshots[old]
-        if self.scratch is None:
-            self.scratch = copy.deepcopy(model).requires_grad_(False)
+        """Keep ``model``'s weights as ``version`` (replacing the version ``keep`` older in its slot)."""
+        slot = version % self.keep
+        if int(self.versions[slot]) == version:
+            return
+        with torch.no_grad():
+            for j, value in enumerate(model.state_dict().values()):
+                self._slot(slot, j).copy_(value.detach())
+        self.versions[slot] = version
 
     def sync(self, engine: Any, version: int) -> int:
-        """Push version ``version``'s weights into ``engine`` (the oldest held when it is older: a resumed run);
-        returns the version pushed."""
-        held = [v for v in self.snapshots if v <= version] or [min(self.snapshots)]
-        use = max(held)
-        assert self.scratch is not None  # record() ran
-        self.scratch.load_state_dict(self.snapshots[use])
-        engine.sync_weights(self.scratch)
+        """Push version ``version``'s weights into ``engine`` (the newest older one held when it is not; the oldest
+        held when none is older); returns the version pushed."""
+        held = self.held()
+        if not held:
+            raise ValueError("the weight history is empty: record() a version before sync()")
+        use = max([v for v in held if v <= version] or [held[0]])
+        slot = use % self.keep
+        scratch = self._scratch[0]
+        scratch.load_state_dict({key: self._slot(slot, j) for j, key in enumerate(self._keys)})
+        engine.sync_weights(scratch)
         return use
+
+    @property
+    def scratch(self) -> torch.nn.Module:
+        return self._scratch[0]
+
+    def _slot(self, slot: int, j: int) -> Tensor:
+        buffer = getattr(self, f"slot{slot}_{j}")
+        assert isinstance(buffer, Tensor)
+        return buffer
 
 
 # -- generation --------------------------------------------------------------------------------------------------------
@@ -266,7 +293,7 @@ def _decode(tokenizer: Any, completions: list[list[int]]) -> list[str]:
 def _history(state: TrainState) -> WeightHistory:
     """The state's weight history, with the trainer's current weights recorded as the current version."""
     if state.weight_history is None:
-        state.weight_history = WeightHistory(keep=state.cfg.rollout.max_staleness + 1)
+        state.weight_history = WeightHistory(state.model, keep=state.cfg.rollout.max_staleness + 1)
     state.weight_history.record(state.policy_version, state.model)
     return state.weight_history
 

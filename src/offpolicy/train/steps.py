@@ -35,7 +35,13 @@ from offpolicy.rollout.routing import RouteRecorder, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 from offpolicy.tasks import is_multi_turn
-from offpolicy.train.async_rollout import check_async, partial_generate, queue_generate, staleness_metrics
+from offpolicy.train.async_rollout import (
+    WeightHistory,
+    check_async,
+    partial_generate,
+    queue_generate,
+    staleness_metrics,
+)
 from offpolicy.train.build import (
     DTYPES,
     advantage_fn,
@@ -149,8 +155,10 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
                              "score given tokens (no score()), so its syncs cannot be checked; set rollout.sync_check=off")
         sync_check = SyncCheck(z=cfg.rollout.sync_check_z, max_baseline=cfg.rollout.sync_check_max_baseline,
                                on_failure=action, parameters=cfg.rollout.sync_check_parameters)
+    # an asynchronous rollout's weight history, built here so that a resumed run's checkpoint can fill it
+    history = (WeightHistory(model, keep=cfg.rollout.max_staleness + 1) if cfg.rollout.async_mode != "none" else None)
     return TrainState(
-        cfg=cfg, model=model, tokenizer=tokenizer, task=task,
+        cfg=cfg, model=model, tokenizer=tokenizer, task=task, weight_history=history,
         engine=engine, sampling=sampling_config(cfg),
         optimizer=torch.optim.AdamW(groups, betas=cfg.optim.betas), alp=alp, correction_specs=specs,
         correction=build_correction(specs), objective=objective, objective_params=objective_params,
