@@ -176,15 +176,22 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("topk/kl_lower_mean", "mean coarse-grained lower bound on KL(μ‖π_θ) from vLLM's top-K", "TRL"),
     Entry("topk/kl_upper_mean", "mean certified upper bound on KL(μ‖π_θ) from vLLM's top-K", "TRL"),
     Entry("topk/kl_upper_max", "largest certified upper bound", "TRL"),
-    # -- asynchronous rollouts (TRL's AsyncGRPOTrainer) --------------------------------------------------------------
+    # -- asynchronous rollouts (TRL's AsyncGRPOTrainer; the trainer's rollout.sync_every / rollout.async_mode) -------
     Entry("staleness/mean", "mean staleness of the step's tokens: the trainer's policy version − the version that "
-          "sampled them (TRL's async trainer counts weight syncs)", "TRL"),
-    Entry("staleness/max", "largest staleness among the step's tokens", "TRL"),
-    Entry("staleness/d<d>/k3_kl", "k3 mismatch of π_θ against μ over the tokens of staleness d", "TRL"),
+          "sampled them (TRL's async trainer counts weight syncs, the reference trainer its steps)", "trainer, TRL"),
+    Entry("staleness/max", "largest staleness among the step's tokens", "trainer, TRL"),
+    Entry("staleness/dropped", "groups the queue dropped this step for being more than rollout.max_staleness "
+          "versions old (rollout.async_mode=queue)", "trainer"),
+    Entry("staleness/versions_per_answer", "mean over answers of max − min + 1 of their tokens' versions (1: one "
+          "version per answer; > 1: the weights switched mid-answer, rollout.async_mode=partial)", "trainer"),
+    Entry("staleness/d<d>/k3_kl", "k3 mismatch of π_θ (the reference trainer: π_old) against μ over the tokens of "
+          "staleness d", "trainer, TRL"),
     Entry("staleness/d<d>/clipped_frac", "share of the staleness-d tokens whose correction weight was truncated or "
-          "masked (0 without a correction)", "TRL"),
-    Entry("staleness/d<d>/masked_frac", "share of the staleness-d tokens the correction dropped (weight 0)", "TRL"),
-    Entry("staleness/d<d>/tokens", "number of tokens of staleness d in the micro-batch", "TRL"),
+          "masked (0 without a correction)", "trainer, TRL"),
+    Entry("staleness/d<d>/masked_frac", "share of the staleness-d tokens the correction dropped (weight 0)",
+          "trainer, TRL"),
+    Entry("staleness/d<d>/tokens", "number of tokens of staleness d in the micro-batch (the reference trainer: "
+          "the step)", "trainer, TRL"),
     # -- control -----------------------------------------------------------------------------------------------------
     Entry("control/trm_max_kl", "TRM-Max δ the controller chose for the step",
           "trainer"),

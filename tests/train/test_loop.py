@@ -90,6 +90,9 @@ def test_engine_lag_is_a_mismatch_only_between_syncs(tmp_path, fresh, make_overr
     # the engine's stale weights (synced at step 0, next at 3) are restored; torch.multinomial's draws give this
     # 4-step run non-zero advantages (the inverse-CDF draws of the same seeds give four zero-advantage steps)
     ("naive", {"rollout__sync_every": 3, "rollout__sampler": "multinomial"}),
+    # an asynchronous rollout's weight history (the versions before the resume point it samples with) is restored
+    ("tis", {"rollout__async_mode": "queue", "rollout__max_staleness": 2, "rollout__sampler": "multinomial"}),
+    ("tis", {"rollout__async_mode": "partial", "rollout__max_staleness": 2, "rollout__sampler": "multinomial"}),
 ])
 def test_resume_reproduces_uninterrupted_run(preset, extra, tmp_path, tiny_pair, make_overrides, varying_task):
     model0, tok = tiny_pair

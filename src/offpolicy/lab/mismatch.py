@@ -4,7 +4,10 @@ Numerics (``bf16``, ``int8``, ``int4``, ``kv8``, ``kv4``; activation-quantised s
 ``fp8-dynamic``, ``fp8-block``, ``mxfp8``, ``w4a16``, ``w4a4``) change how the engine computes; lag (``lag1``, ``lag4``,
 ``lag8``, ``lag16``, ``lag64``) changes *which* weights it computes with — an asynchronous pipeline's engine samples with
 a policy some updates old (``lagK``: synced every K steps, K ≥ 4; ``lag1``: every 2 steps, so at most 1 update old),
-the off-policy part of μ that the same corrections address (``bf16+lag8`` has both). Every source is a complete
+the off-policy part of μ that the same corrections address (``bf16+lag8`` has both). ``queueK`` and ``partialK``
+are the asynchronous trainers' data instead of one lag (:mod:`offpolicy.train.async_rollout`): groups up to K
+versions old in one batch, older ones dropped (TRL's queue), or answers whose weights switch mid-answer over K
+versions (verl's partial rollout); neither combines with a lag. Every source is a complete
 description of the rollout engine (dtype, KV cache, weight / KV-cache quantisation, logit noise, weight lag) as
 trainer config overrides, so a name means the same engine whatever the base setting says. ``none``
 is the control: an fp32 engine (μ = π up to fp32 rounding, k3 KL ≈ 1e-14 per token); every other source starts from
@@ -50,6 +53,8 @@ ENGINE_BASE: dict[str, Any] = {
     "rollout.quant": None,
     "rollout.logit_noise": 0.0,
     "rollout.sync_every": 1,
+    "rollout.async_mode": "none",
+    "rollout.max_staleness": 0,
     "rollout.engine": "hf",
     "rollout.llamacpp.weights": "q8_0",
     "rollout.llamacpp.kv_cache_type": None,
@@ -94,6 +99,19 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
     "lag64": ({"rollout.sync_every": 64},
               "fp32 engine synced every 64 steps: samples with weights up to 63 updates old (a run shorter than 64 "
               "steps never syncs: every rollout comes from the initial policy)"),
+    # an asynchronous trainer's data (offpolicy.train.async_rollout): per-group or per-token versions, not one lag
+    "queue4": ({"rollout.async_mode": "queue", "rollout.max_staleness": 4},
+               "fp32 engine feeding a queue: each group generated with weights 0 to 4 updates old, older ones dropped "
+               "(TRL's AsyncGRPOTrainer, max_staleness 4)"),
+    "queue8": ({"rollout.async_mode": "queue", "rollout.max_staleness": 8},
+               "fp32 engine feeding a queue: each group generated with weights 0 to 8 updates old, older ones dropped "
+               "(TRL's AsyncGRPOTrainer, max_staleness 8)"),
+    "partial4": ({"rollout.async_mode": "partial", "rollout.max_staleness": 4},
+                 "fp32 engine whose weights switch mid-answer: each answer over 4 versions, 3 to 0 updates old "
+                 "(verl's fully async partial rollout)"),
+    "partial8": ({"rollout.async_mode": "partial", "rollout.max_staleness": 8},
+                 "fp32 engine whose weights switch mid-answer: each answer over 8 versions, 7 to 0 updates old "
+                 "(verl's fully async partial rollout)"),
     "noise": ({"rollout.logit_noise": 0.3},
               "seeded Gaussian noise σ = 0.3 on the engine's logits (a synthetic stand-in; an extra, not a default)"),
     "gguf-f32": (_gguf("f32", "f32"),
@@ -161,6 +179,9 @@ def mismatch_settings(name: str) -> dict[str, Any]:
                                  f"{part!r} sets {key}={_yaml(value)}")
             settings[key] = value
             set_by[key] = part
+    if settings["rollout.sync_every"] != 1 and settings["rollout.async_mode"] != "none":
+        raise ValueError(f"mismatch {name!r}: a lagging engine (rollout.sync_every) and an asynchronous one "
+                         "(rollout.async_mode) both set which weights each sample uses; choose one")
     return settings
 
 

@@ -13,7 +13,7 @@ run: vLLM in fp32 beside its bf16) and ``rule``, how groups are compared (:data:
 >>> get_setting("fast")
 Traceback (most recent call last):
 ...
-ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'quant', 'recent', 'moe']
+ValueError: --setting 'fast' is unknown; choose one of ['quick', 'control', 'full', 'real', 'real_free', 'vllm', 'stale', 'async', 'quant', 'recent', 'moe']
 """
 
 from __future__ import annotations
@@ -128,6 +128,21 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "seeds": 3,
         "steps": 20,
     },
+    # the asynchronous trainers' data (offpolicy.train.async_rollout) beside the engine that lags as a whole: a queue
+    # of groups 0 to 4 versions old (TRL's AsyncGRPOTrainer, max_staleness 4), answers whose weights switch
+    # mid-answer over 4 versions (verl's partial rollout), and lag4 (every sample of a step equally old, 0 to 3).
+    # Decoupled PPO with π_prox recomputed and with AReaL's log-linear π_prox from the per-token versions. The stale
+    # setting's 20 steps
+    "async": {
+        "description": "a staleness-bounded queue, partial rollouts and a lagging engine: naive, TIS, IcePop, "
+                       "decoupled PPO (π_prox recomputed, log-linear), M2PO and IPO",
+        "overrides": [*LAB_BASE],
+        "presets": ["naive", "tis", "icepop", "tis_decoupled", "tis_loglinear", "m2po", "ipo"],
+        "mismatches": ["none", "queue4", "partial4", "lag4"],
+        "control_presets": ["naive"],  # the fp32 on-policy control
+        "seeds": 3,
+        "steps": 20,
+    },
     # activation-quantised serving engines (docs/engines.md): NVFP4 W4A4 and fp8 W8A8 with per-tensor scales (vLLM's
     # --quantization fp8; verl #7519's "fp8 tensorwise"), each with truncated IS, a rollout gate (IcePop), score
     # centering in both forms (the plain centred score and NeMo-RL's IS-mode centre under token TIS), DVP's safe set and
@@ -196,6 +211,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     # decoupled PPO under TIS (the objective's behaviour weight π_prox/μ capped at 2, as `tis`) with π_prox from
     # AReaL's log-linear interpolation by policy versions instead of the trainer's forward (offpolicy.train.proximal)
     "tis_loglinear": ("tis", ["algorithm.objective=decoupled", "algorithm.proximal=loglinear"]),
+    # the same decoupled PPO under TIS with π_prox recomputed by the trainer's forward (the setting's reference for it)
+    "tis_decoupled": ("tis", ["algorithm.objective=decoupled", "algorithm.proximal=recompute"]),
     # calibrated IS at the paper's κ = 5e-3 and λ = 1 (the cap 2 of TIS at an uncertain token, tighter at a confident one)
     "calibrated_is": ("naive", ["algorithm.corrections=[{name: calibrated_is}]"]),
     # PPO on π_θ/μ with its range widened to the batch's 1 % / 99 % quantiles of π_old/μ (floored at ε = 0.2)

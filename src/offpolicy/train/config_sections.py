@@ -94,7 +94,8 @@ class ServerSection(ConfigSection):
 
 # rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "quant": None, "logit_noise": 0.0,
-                   "sync_every": 1, "routing_replay": "none", "compile": False}
+                   "sync_every": 1, "routing_replay": "none", "compile": False, "async_mode": "none",
+                   "max_staleness": 0}
 
 
 class RolloutConfig(ConfigSection):
@@ -120,6 +121,11 @@ class RolloutConfig(ConfigSection):
     # weights pushed to the engine every k steps (k > 1: the engine samples with a policy up to k − 1 updates old,
     # as an asynchronous rollout pipeline does; the off-policy part of μ that the corrections see)
     sync_every: int = Field(1, ge=1)
+    # an asynchronous trainer's data (offpolicy.train.async_rollout): queue — each group generated with weights up to
+    # max_staleness versions old, older ones dropped (TRL's AsyncGRPOTrainer); partial — each answer generated over
+    # max_staleness versions, the weights switching mid-answer (verl's fully async partial rollout)
+    async_mode: Literal["none", "queue", "partial"] = "none"
+    max_staleness: int = Field(0, ge=0)
     # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
     # routes in the π_θ forwards (offpolicy.rollout.routing)
     routing_replay: Literal["none", "r2", "r3"] = "none"

@@ -372,10 +372,13 @@ def _metadata(cfg: TrainConfig, state: Any) -> dict[str, Any]:
 
 def _extra_modules(state: Any) -> dict[str, Any] | None:
     """What a checkpoint holds besides the model and optimizer: ALP's σ, and the engine's own (lagging) weights when
-    ``rollout.sync_every > 1``, so that a resumed run samples from the same stale policy as the uninterrupted one."""
+    ``rollout.sync_every > 1`` — or the weight history of ``rollout.async_mode`` — so that a resumed run samples from
+    the same stale policy as the uninterrupted one."""
     modules = {"alp": state.alp} if state.alp is not None else {}
     if state.cfg.rollout.sync_every > 1:
         modules["engine"] = state.engine.model
+    if getattr(state, "weight_history", None) is not None:  # rollout.async_mode: the old versions it samples with
+        modules["weight_history"] = state.weight_history
     return modules or None
 
 

@@ -34,6 +34,14 @@ from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
 from offpolicy.rollout.routing import RouteRecorder, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
+from offpolicy.tasks import is_multi_turn
+from offpolicy.train.async_rollout import (
+    WeightHistory,
+    check_async,
+    partial_generate,
+    queue_generate,
+    staleness_metrics,
+)
 from offpolicy.train.build import (
     DTYPES,
     advantage_fn,
@@ -82,6 +90,7 @@ class TrainState:
     sync_check: SyncCheck | None = None  # every weight sync verified (rollout.sync_check)
     policy_version: int = 0  # v_θ: the steps completed (offpolicy.train.proximal)
     engine_version: int = 0  # the trainer's version at the engine's last weight sync
+    weight_history: Any = None  # rollout.async_mode: the last versions' weights (offpolicy.train.async_rollout)
 
     @property
     def preset(self) -> Preset:
@@ -117,6 +126,10 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
     if cfg.rollout.sync_every > 1 and not isinstance(getattr(engine, "model", None), torch.nn.Module):
         raise ValueError("rollout.sync_every > 1 needs an engine whose weights are a module at engine.model "
                          "(they are saved in checkpoints)")
+    task = task if task is not None else load_task(cfg.task)
+    check_async(cfg, engine)
+    if cfg.rollout.async_mode != "none" and is_multi_turn(task):
+        raise ValueError(f"rollout.async_mode={cfg.rollout.async_mode} is single-turn only; the task is multi-turn")
     alp = None
     if cfg.alp.enabled:
         layers = cfg.alp.layers if isinstance(cfg.alp.layers, str) else list(cfg.alp.layers)
@@ -133,14 +146,19 @@ def build_state(cfg: TrainConfig, *, model: torch.nn.Module | None = None, token
     if cfg.rollout.sync_check == "auto" and not can_score:
         action = "off"  # llama.cpp's protocol has no teacher-forced scoring; its sync is an export and a restart
     sync_check = None
+    if action != "off" and cfg.rollout.async_mode != "none":  # each call syncs an older version on purpose
+        raise ValueError(f"rollout.sync_check={cfg.rollout.sync_check!r}: rollout.async_mode={cfg.rollout.async_mode} "
+                         "syncs old weight versions on purpose; set rollout.sync_check=off")
     if action != "off":
         if not can_score:
             raise ValueError(f"rollout.sync_check={cfg.rollout.sync_check!r}: the engine {type(engine).__name__} cannot "
                              "score given tokens (no score()), so its syncs cannot be checked; set rollout.sync_check=off")
         sync_check = SyncCheck(z=cfg.rollout.sync_check_z, max_baseline=cfg.rollout.sync_check_max_baseline,
                                on_failure=action, parameters=cfg.rollout.sync_check_parameters)
+    # an asynchronous rollout's weight history, built here so that a resumed run's checkpoint can fill it
+    history = (WeightHistory(model, keep=cfg.rollout.max_staleness + 1) if cfg.rollout.async_mode != "none" else None)
     return TrainState(
-        cfg=cfg, model=model, tokenizer=tokenizer, task=task if task is not None else load_task(cfg.task),
+        cfg=cfg, model=model, tokenizer=tokenizer, task=task, weight_history=history,
         engine=engine, sampling=sampling_config(cfg),
         optimizer=torch.optim.AdamW(groups, betas=cfg.optim.betas), alp=alp, correction_specs=specs,
         correction=build_correction(specs), objective=objective, objective_params=objective_params,
@@ -167,6 +185,8 @@ class Rollout:
     topk_logp: Tensor | None = None
     sync_metrics: dict[str, float] = field(default_factory=dict)  # sync/* of this step's weight sync check
     versions: Tensor | None = None  # [B, T] int64: the engine's weights version per sampled token, −1 on padding
+    staleness: dict[str, Any] = field(default_factory=dict)  # staleness/* of the step (offpolicy.train.async_rollout)
+    trainer_version: int | None = None  # v_θ when sampled: a token's staleness is this − its version
 
 
 def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True, step: int | None = None) -> Rollout:
@@ -179,6 +199,8 @@ def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True, ste
     a = state.cfg.algorithm
     prompts = step_prompts(state.task, state.tokenizer, state.cfg.task.prompts_per_step, seed)
     prompt_ids = [p.ids for p in prompts for _ in range(a.group_size)]
+    if state.cfg.rollout.async_mode != "none":
+        return _async_rollout(state, prompts, prompt_ids, seed, t0)
     check, sync_metrics = state.sync_check, {}
     if sync_weights:
         state.engine.sync_weights(state.model)
@@ -191,10 +213,27 @@ def rollout_step(state: TrainState, seed: int, *, sync_weights: bool = True, ste
                                        SyncProbe.from_rollout(out.prompt_ids, out.completion_ids))
     seconds = time.perf_counter() - t0
     rewards = compute_rewards(state.task, prompts, a.group_size, out.texts, out.completion_ids)
+    versions = token_versions(out.completion_ids, out.logp, state.engine_version)
     return Rollout(prompts, prompt_ids, out.completion_ids, out.logp, rewards, state.advantage_fn(rewards, a.group_size),
                    getattr(out, "routed_experts", None), seconds, topk_ids=getattr(out, "topk_ids", None),
-                   topk_logp=getattr(out, "topk_logp", None), sync_metrics=sync_metrics,
-                   versions=token_versions(out.completion_ids, out.logp, state.engine_version))
+                   topk_logp=getattr(out, "topk_logp", None), sync_metrics=sync_metrics, versions=versions,
+                   staleness=staleness_metrics(versions, state.policy_version), trainer_version=state.policy_version)
+
+
+def _async_rollout(state: TrainState, prompts: list[Prompt], prompt_ids: list[list[int]], seed: int,
+                   t0: float) -> Rollout:
+    """``rollout.async_mode``'s rollout: a queue of groups up to ``max_staleness`` versions old, or answers whose
+    weights switch mid-answer (:mod:`offpolicy.train.async_rollout`); per-token versions on the rollout."""
+    a = state.cfg.algorithm
+    if state.cfg.rollout.async_mode == "queue":
+        gen = queue_generate(state, prompt_ids, a.group_size, seed)
+    else:
+        gen = partial_generate(state, prompt_ids, seed)
+    seconds = time.perf_counter() - t0
+    rewards = compute_rewards(state.task, prompts, a.group_size, gen.texts, gen.completions)
+    staleness = {**staleness_metrics(gen.versions, state.policy_version), "staleness/dropped": float(gen.dropped)}
+    return Rollout(prompts, prompt_ids, gen.completions, gen.logp, rewards, state.advantage_fn(rewards, a.group_size),
+                   None, seconds, versions=gen.versions, staleness=staleness, trainer_version=state.policy_version)
 
 
 # -- 2. scoring --------------------------------------------------------------------------------------------------------
@@ -323,7 +362,24 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     metrics["time/rollout_s"] = rollout.seconds
     metrics["time/tokens_per_s"] = float(mask.sum()) / max(step_seconds, 1e-9)
     metrics.update(rollout.sync_metrics)
+    metrics.update(rollout.staleness)
+    if rollout.versions is not None and rollout.trainer_version is not None:
+        metrics.update(_by_staleness(rollout, scored, corrected))
     return metrics
+
+
+def _by_staleness(rollout: Rollout, scored: Scored, corrected: Any) -> dict[str, Tensor]:
+    """Per staleness d present, ``staleness/d<d>/k3_kl`` (π_old against μ), ``/clipped_frac`` and ``/masked_frac`` of
+    the correction at π_old, ``/tokens`` — the split the TRL integration logs (its
+    :func:`~offpolicy.integrations.trl.staleness.staleness_metrics`, which imports no TRL)."""
+    from offpolicy.integrations.trl.staleness import staleness_metrics as split
+
+    assert rollout.versions is not None and rollout.trainer_version is not None
+    t = scored.mask.shape[1]
+    versions = rollout.versions[:, :t].to(scored.mask.device)
+    stale = torch.where(versions >= 0, rollout.trainer_version - versions, -1)
+    out = split(stale, scored.old_logp, scored.rollout_logp, scored.mask, corrected)
+    return {k: v for k, v in out.items() if k.startswith("staleness/d")}
 
 
 def kl_metric_name(naming: str) -> str:

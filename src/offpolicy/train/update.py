@@ -41,6 +41,9 @@ def update_step(state: TrainState, rollout: Rollout, scored: Scored, seed: int) 
         order = torch.randperm(len(rollout.prompt_ids), generator=order_generator)
         for rows in order.tensor_split(cfg.optim.minibatches):
             batch = _minibatch(state, rollout, scored, rows)
+            if rollout.versions is not None and not loglinear:  # per-token versions for what reads them
+                batch = batch.replace(versions=rollout.versions[rows, : batch.seq_len].to(batch.logp.device),
+                                      policy_version=state.policy_version)
             if loglinear:  # AReaL's π_prox from versions (offpolicy.train.proximal); epoch 1 feeds the π_old metrics
                 assert rollout.versions is not None  # score_step refuses a rollout without
                 batch = with_versions(batch, rollout.versions[rows], state.policy_version,
