@@ -304,3 +304,35 @@ def _weight_stats(weights: Tensor | None, t: _Tokens, level: Level, ratio_free: 
         "masked_frac": masked.float(),
         "accepted_frac": 1.0 - masked.float(),
     }
+
+
+def metrics_by_staleness(staleness: Tensor, train_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                      result: CorrectionResult | None = None, corrected_logp: Tensor | None = None) -> dict[str, Tensor]:
+    """``staleness/mean``, ``staleness/max`` and, per staleness d present, ``staleness/d<d>/k3_kl`` (π_θ =
+    ``train_logp`` against μ = ``rollout_logp``), ``/clipped_frac``, ``/masked_frac`` (of ``result``, the correction
+    applied, against the ratio it was computed from: ``corrected_logp``/μ, ``corrected_logp`` defaulting to
+    ``train_logp``; π_prox under the log-linear proximal policy) and ``/tokens``. All inputs ``[S, T]``,
+    ``staleness`` −1 off the mask.
+
+    >>> st = torch.tensor([[0, 0], [2, -1]]); m = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    >>> out = metrics_by_staleness(st, torch.zeros(2, 2), torch.tensor([[0.0, 0.0], [-1.0, 0.0]]), m)
+    >>> round(out["staleness/mean"].item(), 6), out["staleness/max"].item(), out["staleness/d0/k3_kl"].item()
+    (0.666667, 2.0, 0.0)
+    >>> round(out["staleness/d2/k3_kl"].item(), 4)   # ρ = e: e − 1 − 1
+    0.7183
+    """
+    valid = mask.bool() & (staleness >= 0)
+    values = staleness[valid].float()
+    out: dict[str, Tensor] = {
+        "staleness/mean": values.mean() if values.numel() else torch.zeros(()),
+        "staleness/max": values.max() if values.numel() else torch.zeros(()),
+    }
+    for d in torch.unique(staleness[valid]).tolist():
+        bucket = (valid & (staleness == d)).float()
+        out[f"staleness/d{d}/k3_kl"] = offpolicy_metrics(train_logp, rollout_logp, bucket, prefix="")["k3_kl"]
+        m = offpolicy_metrics(train_logp if corrected_logp is None else corrected_logp, rollout_logp, bucket, result,
+                              prefix="")
+        for name in ("clipped_frac", "masked_frac"):
+            out[f"staleness/d{d}/{name}"] = m[name]
+        out[f"staleness/d{d}/tokens"] = bucket.sum()
+    return out

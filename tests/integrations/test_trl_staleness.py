@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offpolicy.corrections.base import CorrectionResult
-from offpolicy.integrations.trl.staleness import rows_from_packed, staleness_metrics, token_staleness
+from offpolicy.integrations.trl.staleness import rows_from_packed, token_staleness
+from offpolicy.metrics import metrics_by_staleness
 
 
 def test_rows_from_packed_lays_each_completion_in_order_and_pads_with_fill():
@@ -62,7 +63,7 @@ def test_staleness_metrics_by_hand():
     w[1, 0] = 2.0
     keep = mask.bool().clone()
     keep[1, 1] = False
-    out = staleness_metrics(staleness, pi, mu, mask, CorrectionResult(w, keep, {}, weight_level="token"))
+    out = metrics_by_staleness(staleness, pi, mu, mask, CorrectionResult(w, keep, {}, weight_level="token"))
     assert out["staleness/mean"].item() == pytest.approx(1.5)
     assert out["staleness/max"].item() == 3.0
     assert out["staleness/d0/k3_kl"].item() == 0.0 and out["staleness/d0/tokens"].item() == 2.0
@@ -75,7 +76,7 @@ def test_staleness_metrics_by_hand():
 
 
 def test_staleness_metrics_without_a_correction_or_valid_tokens():
-    out = staleness_metrics(torch.tensor([[1, 1]]), torch.zeros(1, 2), torch.full((1, 2), -0.5), torch.ones(1, 2))
+    out = metrics_by_staleness(torch.tensor([[1, 1]]), torch.zeros(1, 2), torch.full((1, 2), -0.5), torch.ones(1, 2))
     assert out["staleness/d1/clipped_frac"].item() == 0.0 and out["staleness/d1/k3_kl"].item() > 0
-    empty = staleness_metrics(torch.full((1, 2), -1), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2))
+    empty = metrics_by_staleness(torch.full((1, 2), -1), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2))
     assert set(empty) == {"staleness/mean", "staleness/max"} and empty["staleness/mean"].item() == 0.0

@@ -71,7 +71,7 @@ def test_failed_runs_make_the_command_fail_after_the_others(tmp_path, tiny_run, 
     (["--seeds", "0"], "error: --seeds must be an int >= 1, got 0"),
     (["--jobs", "0"], "error: --jobs must be an int >= 1, got 0"),
     (["--setting", "huge"], "error: --setting 'huge' is unknown; choose one of ['quick', 'control', 'full', 'real', "
-     "'real_free', 'vllm', 'stale', 'quant', 'recent', 'moe']"),
+     "'real_free', 'vllm', 'stale', 'async', 'quant', 'recent', 'moe']"),
     (["run.seed=4"], "error: override 'run.seed=4': the sweep sets run.seed itself (use --seeds)"),
     (["rollout.dtype=float16"], "error: override 'rollout.dtype=float16': the sweep sets rollout.dtype itself "
                                 "(use --mismatch)"),

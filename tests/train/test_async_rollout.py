@@ -220,7 +220,7 @@ def test_a_short_run_logs_per_token_staleness(tmp_path, fresh, varying_task, mak
 
 
 def test_the_staleness_numbers_agree_with_the_trl_integrations_split():
-    from offpolicy.integrations.trl.staleness import staleness_metrics as trl_split
+    from offpolicy.metrics import metrics_by_staleness as trl_split
 
     versions = partial_versions([6, 3, 5], 7, 3, 6)  # S = 2: versions 5, 6, 7
     stale = torch.where(versions >= 0, 7 - versions, -1)

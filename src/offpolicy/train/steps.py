@@ -25,7 +25,7 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction
-from offpolicy.metrics import NAMINGS, offpolicy_metrics
+from offpolicy.metrics import NAMINGS, metrics_by_staleness, offpolicy_metrics
 from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.position import position_metrics
 from offpolicy.ratios import masked_mean
@@ -370,15 +370,13 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
 
 def _by_staleness(rollout: Rollout, scored: Scored, corrected: Any) -> dict[str, Tensor]:
     """Per staleness d present, ``staleness/d<d>/k3_kl`` (π_old against μ), ``/clipped_frac`` and ``/masked_frac`` of
-    the correction at π_old, ``/tokens`` — the split the TRL integration logs (its
-    :func:`~offpolicy.integrations.trl.staleness.staleness_metrics`, which imports no TRL)."""
-    from offpolicy.integrations.trl.staleness import staleness_metrics as split
-
+    the correction at π_old, ``/tokens`` — the split the TRL integration logs
+    (:func:`offpolicy.metrics.metrics_by_staleness`)."""
     assert rollout.versions is not None and rollout.trainer_version is not None
     t = scored.mask.shape[1]
     versions = rollout.versions[:, :t].to(scored.mask.device)
     stale = torch.where(versions >= 0, rollout.trainer_version - versions, -1)
-    out = split(stale, scored.old_logp, scored.rollout_logp, scored.mask, corrected)
+    out = metrics_by_staleness(stale, scored.old_logp, scored.rollout_logp, scored.mask, corrected)
     return {k: v for k, v in out.items() if k.startswith("staleness/d")}
 
 

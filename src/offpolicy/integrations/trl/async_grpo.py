@@ -46,7 +46,7 @@ Logged: TRL's ``sample/…``, ``batch/…`` and ``perf/…`` metrics as before; 
 ``kl``, ``clip_ratio/…``), ``offpolicy/loss/…`` and the correction's metrics, the mismatch π_old vs μ under
 ``metric_naming`` (π_old = sg π_θ, so ``sampling/k3_kl`` is TRL's ``kl``; π_prox under loglinear), ``entropy``, and ``offpolicy/staleness/mean``, ``/max`` and
 per staleness d ``offpolicy/staleness/d<d>/k3_kl``, ``/clipped_frac``, ``/masked_frac``, ``/tokens``
-(:func:`~offpolicy.integrations.trl.staleness.staleness_metrics`). They are each rank's own micro-batch (TRL
+(:func:`~offpolicy.metrics.metrics_by_staleness`). They are each rank's own micro-batch (TRL
 all-reduces its loss metrics; these are not), logged from rank 0.
 
 TRL's ``AsyncRolloutWorker`` tags a group with the version at its first request; a request still running across a
@@ -89,9 +89,13 @@ from offpolicy.batch import LogProbBatch  # noqa: E402
 from offpolicy.corrections.base import Correction  # noqa: E402
 from offpolicy.integrations.trl.async_sync import FileWeightTransfer  # noqa: E402
 from offpolicy.integrations.trl.loss import trl_objective  # noqa: E402
-from offpolicy.integrations.trl.staleness import rows_from_packed, staleness_metrics, token_staleness  # noqa: E402
+from offpolicy.integrations.trl.staleness import rows_from_packed, token_staleness  # noqa: E402
 from offpolicy.losses import policy_loss  # noqa: E402
-from offpolicy.metrics import check_naming, offpolicy_metrics  # noqa: E402
+from offpolicy.metrics import (  # noqa: E402
+    check_naming,
+    metrics_by_staleness,  # noqa: E402
+    offpolicy_metrics,
+)
 from offpolicy.objectives.proximal import approximate_proximal  # noqa: E402
 from offpolicy.registry import AGGREGATIONS, CorrectionSpec, build_correction  # noqa: E402
 
@@ -279,7 +283,7 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         for name, value in offpolicy_metrics(old, mu, batch.mask, result,
                                              naming=self.offpolicy_metric_naming).items():
             sink[name].append(float(value))
-        for name, value in staleness_metrics(stale, pi, mu, batch.mask, result, old).items():
+        for name, value in metrics_by_staleness(stale, pi, mu, batch.mask, result, old).items():
             sink[f"offpolicy/{name}"].append(float(value))
         sink["entropy"].append(float(entropy.detach().float().mean()) if entropy.numel() else 0.0)
 

@@ -8,7 +8,7 @@ its completion (``segment_id``, non-decreasing, the completion's tokens in order
 the terms out as ``[S, T]`` rows (one per completion, the mask 0 past its end), the layout
 :class:`~offpolicy.LogProbBatch` and every correction read.
 
-:func:`staleness_metrics` logs ``staleness/mean`` and ``staleness/max`` over the valid tokens and, for each
+:func:`offpolicy.metrics.metrics_by_staleness` logs ``staleness/mean`` and ``staleness/max`` over the valid tokens and, for each
 staleness value d present, over its tokens: the mismatch k3 = E[ρ − log ρ − 1] with ρ = π_θ/μ
 (:func:`offpolicy.offpolicy_metrics`' ``k3_kl``), and the correction's ``clipped_frac`` (weight ≠ the raw ratio:
 truncated or dropped) and ``masked_frac`` (weight 0: dropped), 0 without a correction.
@@ -19,10 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.base import CorrectionResult
-from offpolicy.metrics import offpolicy_metrics
-
-__all__ = ["rows_from_packed", "staleness_metrics", "token_staleness"]
+__all__ = ["rows_from_packed", "token_staleness"]
 
 
 def rows_from_packed(segment_id: Tensor, *values: Tensor, fill: float = 0.0) -> tuple[Tensor, ...]:
@@ -74,35 +71,3 @@ def token_staleness(sample_version: Tensor, segment_id: Tensor, policy_version: 
         raise ValueError(f"sample_version: a sample's version is newer than the trainer's ({policy_version}): "
                          f"{int(versions.max())}")
     return staleness
-
-
-def staleness_metrics(staleness: Tensor, train_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
-                      result: CorrectionResult | None = None, corrected_logp: Tensor | None = None) -> dict[str, Tensor]:
-    """``staleness/mean``, ``staleness/max`` and, per staleness d present, ``staleness/d<d>/k3_kl`` (π_θ =
-    ``train_logp`` against μ = ``rollout_logp``), ``/clipped_frac``, ``/masked_frac`` (of ``result``, the correction
-    applied, against the ratio it was computed from: ``corrected_logp``/μ, ``corrected_logp`` defaulting to
-    ``train_logp``; π_prox under the log-linear proximal policy) and ``/tokens``. All inputs ``[S, T]``,
-    ``staleness`` −1 off the mask.
-
-    >>> st = torch.tensor([[0, 0], [2, -1]]); m = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    >>> out = staleness_metrics(st, torch.zeros(2, 2), torch.tensor([[0.0, 0.0], [-1.0, 0.0]]), m)
-    >>> round(out["staleness/mean"].item(), 6), out["staleness/max"].item(), out["staleness/d0/k3_kl"].item()
-    (0.666667, 2.0, 0.0)
-    >>> round(out["staleness/d2/k3_kl"].item(), 4)   # ρ = e: e − 1 − 1
-    0.7183
-    """
-    valid = mask.bool() & (staleness >= 0)
-    values = staleness[valid].float()
-    out: dict[str, Tensor] = {
-        "staleness/mean": values.mean() if values.numel() else torch.zeros(()),
-        "staleness/max": values.max() if values.numel() else torch.zeros(()),
-    }
-    for d in torch.unique(staleness[valid]).tolist():
-        bucket = (valid & (staleness == d)).float()
-        out[f"staleness/d{d}/k3_kl"] = offpolicy_metrics(train_logp, rollout_logp, bucket, prefix="")["k3_kl"]
-        m = offpolicy_metrics(train_logp if corrected_logp is None else corrected_logp, rollout_logp, bucket, result,
-                              prefix="")
-        for name in ("clipped_frac", "masked_frac"):
-            out[f"staleness/d{d}/{name}"] = m[name]
-        out[f"staleness/d{d}/tokens"] = bucket.sum()
-    return out
