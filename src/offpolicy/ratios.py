@@ -244,8 +244,8 @@ LEVEL_REDUCE: dict[str, Reduce] = {"sequence": "sum", "geometric": "mean"}  # a 
 
 
 def per_sequence(x: Tensor, mask: Tensor, reduce: Reduce, *, keepdim: bool = False) -> Tensor:
-    """``x`` ``[B, T]`` reduced over each row's valid tokens (``mask`` ``[B, T]``): float32 ``[B]`` (``[B, 1]`` with
-    ``keepdim``).
+    """``x`` ``[B, T]`` reduced over each row's valid tokens (``mask`` ``[B, T]``): ``[B]`` (``[B, 1]`` with
+    ``keepdim``) in float32, or float64 for a float64 ``x`` (a half-precision sum would round per token).
 
     * ``sum``  Σ_t m_t x_t
     * ``mean`` Σ_t m_t x_t / max(1, Σ_t m_t): the length is the row's number of valid tokens; 0 for an empty row
@@ -263,11 +263,12 @@ def per_sequence(x: Tensor, mask: Tensor, reduce: Reduce, *, keepdim: bool = Fal
             [0.]])
     """
     m = as_mask(mask)
+    wide = x if x.dtype == torch.float64 else x.float()
     if reduce == "max":
         valid = m & is_finite(x)
-        out = max_where(zero_outside(x.float(), valid), valid, dim=-1)
+        out = max_where(zero_outside(wide, valid), valid, dim=-1)
     elif reduce in ("sum", "mean"):
-        out = zero_outside(x.float(), m).sum(dim=-1)  # zero_outside also zeroes a non-finite valid value
+        out = zero_outside(wide, m).sum(dim=-1)  # zero_outside also zeroes a non-finite valid value
         if reduce == "mean":
             out = out / count(m, dim=-1).clamp(min=1)
     else:
