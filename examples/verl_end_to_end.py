@@ -108,7 +108,7 @@ def model_copy(folder: Path, model: str = "tiny") -> Path:
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
               ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
-              precision: str = "fp32", correction: str = TIS) -> list[str]:
+              precision: str = "fp32", correction: str = TIS, loop: str = "main_ppo") -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
     default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
     bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
@@ -118,13 +118,21 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     ``dvp``: DVP's ρ — the plug-in's agent loop (``offpolicy_agent``) asks vLLM to sample with ``min_p = ρ`` and the
     actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``). ``correction``: the
     plug-in's correction after verl's advantages, as ``OFFPOLICY_VERL``'s ``correction`` value in YAML (a name such
-    as ``calibrated_is``, a mapping with its parameters, or a list of either)."""
+    as ``calibrated_is``, a mapping with its parameters, or a list of either). ``loop``: verl's loop —
+    ``main_ppo`` (synchronous, the plug-in's trainer by ``trainer.v1.trainer_mode``), ``one_step_off_policy`` or
+    ``fully_async`` (the trainer and one vLLM server apart, on one more logical GPU, the weights over the test
+    kit's CPU checkpoint engine: :func:`offpolicy_testkit.verl_async.loop_overrides`)."""
+    from offpolicy_testkit.verl_async import loop_overrides
+
+    separated = loop_overrides(loop, ranks)
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     modules = "offpolicy_testkit.verl_cpu_bridge,offpolicy.integrations.verl.plugin"
+    if separated:  # the separated loops' CPU harness (a checkpoint engine, a vLLM keyword) after the bridge
+        modules = modules.replace(",", ",offpolicy_testkit.verl_async,", 1)
     if env.get(BREAK_ENV):
         modules += ",verl_end_to_end"
     sampling = "" if dvp is None else f", sampling: {{min_p: {dvp}}}"
@@ -151,15 +159,16 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.agent.num_workers=1",
-        "trainer.v1.trainer_mode=offpolicy", f"trainer.n_gpus_per_node={ranks}", "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={ranks}", "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.logger=[console]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.device=cpu",
         "reward.num_workers=1", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         f"reward.custom_reward_function.path={Path(__file__).resolve()}",
         "reward.custom_reward_function.name=compute_score",
-        "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={ranks}",
+        "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={ranks + (1 if separated else 0)}",
         "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
     ]
+    out += separated or ["trainer.v1.trainer_mode=offpolicy"]  # the synchronous loop: the plug-in's trainer by name
     if precision == "fp32":  # the actor's forward in fp32 as the engine's (verl's default mixed precision is bf16)
         out += ["actor_rollout_ref.actor.fsdp_config.dtype=float32",
                 "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
@@ -203,8 +212,10 @@ def parse_log(text: str) -> dict:
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
-        dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny") -> dict:
-    """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
+        dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny",
+        loop: str = "main_ppo") -> dict:
+    """Run ``python -m verl.trainer.main_ppo`` (``loop="main_ppo"``; another loop: through the plug-in's entry point
+    ``python -m offpolicy.integrations.verl.async_loops LOOP``) in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is examples/, the test kit is one folder up
         sys.path.insert(0, str(ROOT))
@@ -221,10 +232,11 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
            "RAY_memory_monitor_refresh_ms": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if break_sync_at is not None:
         env[BREAK_ENV] = str(break_sync_at)
-    command = [sys.executable, "-m", "verl.trainer.main_ppo",
+    entry = ["verl.trainer.main_ppo"] if loop == "main_ppo" else ["offpolicy.integrations.verl.async_loops", loop]
+    command = [sys.executable, "-m", *entry,
                *overrides(model_dir, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
-                         precision, correction)]
-    log = log or folder / "main_ppo.log"
+                         precision, correction, loop)]
+    log = log or folder / f"{loop}.log"
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
@@ -327,12 +339,14 @@ def main() -> int:
                         help="fp32 on both sides, or verl's defaults (bf16 compute, bf16 engine)")
     parser.add_argument("--model", default="tiny", choices=("tiny", "lab", "lab-moe"),
                         help="embedded model (lab-moe: the lab model's mixture-of-experts twin) and its task")
+    parser.add_argument("--loop", default="main_ppo", choices=("main_ppo", "one_step_off_policy", "fully_async"),
+                        help="verl's loop: synchronous main_ppo, or an asynchronous one (the trainer and vLLM apart)")
     parser.add_argument("--correction", default=TIS,
                         help="the plug-in's correction in YAML: a name (calibrated_is, delight, …) or a mapping")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
                  sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision,
-                 correction=args.correction, model=args.model)
+                 correction=args.correction, model=args.model, loop=args.loop)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

@@ -243,9 +243,14 @@ class VerlSyncCheck:
 def engine_scorers(trainer: Any, timeout: float = SYNC_CHECK_TIMEOUT) -> list[Any]:
     """One scorer per rollout replica: each replica's own server where verl runs several
     (``llm_server_manager.server_handles``), else verl's ``LLMServerClient``; each waits ``timeout`` seconds
-    (``OFFPOLICY_VERL``'s ``sync_check_timeout``) for its probe."""
+    (``OFFPOLICY_VERL``'s ``sync_check_timeout``) for its probe. A trainer without ``get_llm_client`` (verl's
+    separated loops) scores each server it holds directly — the fully async trainer holds no server manager, only
+    its checkpoint manager's replicas (each replica's ``_server_handle``)."""
     handles = list(getattr(getattr(trainer, "llm_server_manager", None), "server_handles", None) or [])
-    if len(handles) > 1:
+    if not handles:
+        replicas = getattr(getattr(trainer, "checkpoint_manager", None), "replicas", None) or []
+        handles = [r._server_handle for r in replicas if getattr(r, "_server_handle", None) is not None]
+    if len(handles) > 1 or (handles and not hasattr(trainer, "get_llm_client")):
         return [VerlClientScorer(ServerClient(handle), timeout) for handle in handles]
     return [VerlClientScorer(trainer.get_llm_client(), timeout)]
 
