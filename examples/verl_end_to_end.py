@@ -122,9 +122,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     ``main_ppo`` (synchronous, the plug-in's trainer by ``trainer.v1.trainer_mode``), ``one_step_off_policy`` or
     ``fully_async`` (the trainer and one vLLM server apart, on one more logical GPU, the weights over the test
     kit's CPU checkpoint engine: :func:`offpolicy_testkit.verl_async.loop_overrides`)."""
-    from offpolicy_testkit.verl_async import loop_overrides
+    from offpolicy_testkit.verl_async import loop_overrides, merged
 
-    separated = loop_overrides(loop, ranks)
+    separated = loop_overrides(loop, ranks, steps, prompts)
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
@@ -168,7 +168,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         "ray_kwargs.ray_init.num_cpus=16", f"+ray_kwargs.ray_init.num_gpus={ranks + (1 if separated else 0)}",
         "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
     ]
-    out += separated or ["trainer.v1.trainer_mode=offpolicy"]  # the synchronous loop: the plug-in's trainer by name
+    out = merged(out, separated or ["trainer.v1.trainer_mode=offpolicy"])  # synchronous: the plug-in's trainer by name
     if precision == "fp32":  # the actor's forward in fp32 as the engine's (verl's default mixed precision is bf16)
         out += ["actor_rollout_ref.actor.fsdp_config.dtype=float32",
                 "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",

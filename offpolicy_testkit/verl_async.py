@@ -194,12 +194,16 @@ def register() -> str:
     return BACKEND
 
 
-def loop_overrides(loop: str, ranks: int = 1) -> list[str]:
-    """verl's config for ``loop`` beyond the synchronous example's: nothing for ``main_ppo``; for the separated
-    loops a rollout pool of its own (one logical GPU: one vLLM server), the hybrid engine off, the weights over
-    :class:`CPUCheckpointEngine`, and the decoupled mode (``bypass_mode=false``: the loops' configs default to
-    bypass, where π_old *is* the rollout's μ and a correction has nothing to correct). ``ranks`` > 1 is refused
-    there: one rollout replica is what these runs afford on a shared CPU."""
+def loop_overrides(loop: str, ranks: int = 1, steps: int = 2, prompts: int = 2) -> list[str]:
+    """verl's config for ``loop`` beyond the synchronous example's (a key given here replaces the example's): nothing
+    for ``main_ppo``; for the separated loops a rollout pool of its own (one logical GPU: one vLLM server), the
+    hybrid engine off, the weights over :class:`CPUCheckpointEngine`, and the decoupled mode (``bypass_mode=false``:
+    the loops' configs default to bypass, where π_old *is* the rollout's μ and a correction has nothing to correct).
+    ``fully_async`` also: the rollouter's stream of single prompts (``gen_batch_size=1``, ``train_batch_size=0``),
+    ``steps × prompts`` of them, a weight sync after every step (``trigger_parameter_sync_step=1``), samples up to
+    one version stale in the queue (``staleness_threshold=1``) and partial rollouts (an aborted trajectory resumes
+    under the new weights: its ``min_global_steps`` < ``max_global_steps``). ``ranks`` > 1 is refused there: one
+    rollout replica is what these runs afford on a shared CPU."""
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {tuple(LOOPS)}, got {loop!r}")
     if loop == "main_ppo":
@@ -208,11 +212,22 @@ def loop_overrides(loop: str, ranks: int = 1) -> list[str]:
         raise ValueError(f"ranks must be 1 in the {loop} loop on a CPU, got {ranks}")
     # the loops' Hydra configs find verl's base config by a path relative to the working directory
     # (``file://verl/trainer/config``: verl's repository root); the package's copy instead
-    out = ["hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+    out = ["hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.hybrid_engine=false",
+           "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
            f"actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND}",
            f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={__name__}",
            "algorithm.rollout_correction.bypass_mode=false"]
+    if loop == "fully_async":
+        out += ["data.train_batch_size=0", "data.gen_batch_size=1", f"rollout.total_rollout_steps={steps * prompts}",
+                "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1",
+                "async_training.partial_rollout=true", "async_training.require_batches=1"]
     return out
+
+
+def merged(base: list[str], extra: list[str]) -> list[str]:
+    """Hydra overrides ``base`` with each key of ``extra`` replacing ``base``'s (or appended)."""
+    keys = {item.split("=", 1)[0].lstrip("+") for item in extra}
+    return [item for item in base if item.split("=", 1)[0].lstrip("+") not in keys] + list(extra)
 
 
 try:  # verl imports this module by name (custom_backend_module) before it builds the backend

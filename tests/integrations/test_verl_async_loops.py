@@ -12,6 +12,7 @@ those loops (:mod:`offpolicy_testkit.verl_async`), without a live run (tests/vll
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import threading
 from types import SimpleNamespace
@@ -22,10 +23,12 @@ import torch
 
 pytest.importorskip("verl")
 
+from offpolicy_testkit import verl_async  # noqa: E402
 from verl import DataProto  # noqa: E402
 
 from offpolicy.integrations.verl import async_loops  # noqa: E402
 from offpolicy.integrations.verl.async_loops import (  # noqa: E402
+    AsyncSeparatedTrainerMixin,
     SeparatedTrainerMixin,
     make_separated_trainer_class,
     refuse_in_separated_loop,
@@ -35,7 +38,6 @@ from offpolicy.integrations.verl.async_loops import (  # noqa: E402
 )
 from offpolicy.integrations.verl.driver import corrected  # noqa: E402
 from offpolicy.integrations.verl.settings import parse_settings  # noqa: E402
-from offpolicy_testkit import verl_async  # noqa: E402
 
 TIS = parse_settings({"correction": {"name": "tis", "upper": 2.0}, "sync_check": "off"})
 DECOUPLED = {"algorithm": {"rollout_correction": {"bypass_mode": False}},
@@ -133,12 +135,16 @@ class _Loop:
 
 
 class _AsyncLoop(_Loop):
-    """The fully async trainer's ``_fit_update_weights`` is a coroutine; its version is ``current_param_version``."""
+    """The fully async trainer's ``_fit_update_weights`` is a coroutine (None: this step did not sync); its version
+    is ``current_param_version``."""
 
     current_param_version = 5
+    sync_now = True
 
     async def _fit_update_weights(self):
         await asyncio.sleep(0)
+        if not self.sync_now:
+            return None
         self.synced += 1
         return {"timing": 1.0}
 
@@ -173,8 +179,7 @@ def test_the_mixin_corrects_after_the_advantages_and_checks_each_sync(monkeypatc
     trainer._fit_collect_metrics(out)
     assert trainer._offpolicy_check.calls == [(0, 1), (1, 2)]
     assert trainer.metrics["sync/checks"] == 2.0 and trainer.metrics["verl/collected"] == 1.0
-    assert "rollout_corr/tis/clipped_frac" in trainer.metrics or any(k.startswith("rollout_corr/")
-                                                                      for k in trainer.metrics)
+    assert trainer.metrics["rollout_corr/tis/clipped_frac"] == pytest.approx(0.5)  # verl's names, TIS's metrics
     assert trainer.metrics["offpolicy/staleness/d1/tokens"] == 2.0  # version 1 trains data of version 0
     trainer.metrics = {}
     trainer._fit_collect_metrics(out)
@@ -184,7 +189,11 @@ def test_the_mixin_corrects_after_the_advantages_and_checks_each_sync(monkeypatc
 def test_the_mixin_checks_after_an_asynchronous_sync_and_reads_the_param_version(monkeypatch):
     settings = parse_settings({"correction": "tis"})
     trainer, data = _trainer(_AsyncLoop, monkeypatch, settings, versions=([3], [4]))
+    assert inspect.iscoroutinefunction(type(trainer)._fit_update_weights)  # Ray awaits only coroutine functions
+    assert isinstance(trainer, AsyncSeparatedTrainerMixin)
     assert asyncio.run(trainer._fit_update_weights()) == {"timing": 1.0}
+    trainer.sync_now = False  # a step between syncs (trigger_parameter_sync_step > 1): nothing to check
+    assert asyncio.run(trainer._fit_update_weights()) is None
     assert trainer._offpolicy_check.calls == [(5, 1)]
     trainer._fit_compute_advantage(data)
     assert trainer.metrics["offpolicy/staleness/d2/tokens"] == 2.0  # 5 − 3
@@ -283,6 +292,10 @@ def test_the_pause_bridge_translates_verls_keyword():
 
 def test_loop_overrides_set_the_separated_loops_apart_and_refuse_what_they_cannot_run():
     assert verl_async.loop_overrides("main_ppo") == []
+    stream = dict(item.split("=", 1) for item in verl_async.loop_overrides("fully_async", steps=3, prompts=2))
+    assert stream["data.train_batch_size"] == "0" and stream["rollout.total_rollout_steps"] == "6"
+    assert stream["async_training.trigger_parameter_sync_step"] == "1"
+    assert verl_async.merged(["a=1", "+b=2", "c=3"], ["b=5", "d=4"]) == ["a=1", "c=3", "b=5", "d=4"]
     config = dict(item.split("=", 1) for item in verl_async.loop_overrides("one_step_off_policy"))
     assert config["actor_rollout_ref.hybrid_engine"] == "false"
     assert config["actor_rollout_ref.rollout.checkpoint_engine.backend"] == verl_async.BACKEND

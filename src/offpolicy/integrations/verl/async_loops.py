@@ -173,14 +173,14 @@ class SeparatedTrainerMixin:
 
     def _fit_update_weights(self) -> Any:
         out = super()._fit_update_weights()  # type: ignore[misc]
-        if hasattr(out, "__await__"):  # the fully async trainer's is a coroutine: check once it has synced
-            return self._offpolicy_after_async_sync(out)
         self._offpolicy_sync_check()
         return out
 
-    async def _offpolicy_after_async_sync(self, pending: Any) -> Any:
-        out = await pending
-        self._offpolicy_sync_check()
+    async def _fit_update_weights_then_check(self) -> Any:
+        # the fully async trainer's sync, past this class's synchronous override (which would check too early)
+        out = await super(SeparatedTrainerMixin, self)._fit_update_weights()  # type: ignore[misc]  # noqa: UP008
+        if out is not None:  # None: this step did not sync
+            self._offpolicy_sync_check()
         return out
 
     def _fit_collect_metrics(self, batch: Any) -> Any:
@@ -190,14 +190,27 @@ class SeparatedTrainerMixin:
         return out
 
 
+class AsyncSeparatedTrainerMixin(SeparatedTrainerMixin):
+    """:class:`SeparatedTrainerMixin` for the fully async trainer, whose ``_fit_update_weights`` is a coroutine
+    (called through Ray on an async actor, so the override must be a coroutine function too) that returns None when
+    this step did not sync (``trigger_parameter_sync_step`` > 1): the check runs after a sync only."""
+
+    async def _fit_update_weights(self) -> Any:  # type: ignore[override]
+        return await self._fit_update_weights_then_check()
+
+
 def make_separated_trainer_class(base: type, loop: str = "one_step_off_policy") -> type:
     """``base`` (verl's ``OneStepOffRayTrainer`` or ``FullyAsyncTrainer``'s class) with
-    :class:`SeparatedTrainerMixin` in front, for ``loop``; named ``OffPolicy<base>``."""
+    :class:`SeparatedTrainerMixin` (:class:`AsyncSeparatedTrainerMixin` where ``base``'s weight sync is a coroutine)
+    in front, for ``loop``; named ``OffPolicy<base>``."""
+    import inspect
+
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {tuple(LOOPS)}, got {loop!r}")
+    update = getattr(base, "_fit_update_weights", None)
+    mixin = AsyncSeparatedTrainerMixin if inspect.iscoroutinefunction(update) else SeparatedTrainerMixin
     name = f"OffPolicy{base.__name__}"
-    return type(name, (SeparatedTrainerMixin, base), {"__module__": __name__, "__qualname__": name,
-                                                     "offpolicy_loop": loop})
+    return type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "offpolicy_loop": loop})
 
 
 @contextlib.contextmanager
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         verl_main()
 
 
-__all__ = ["LOOPS", "SeparatedTrainerMixin", "main", "make_separated_trainer_class", "refuse_in_separated_loop",
+__all__ = ["LOOPS", "AsyncSeparatedTrainerMixin", "SeparatedTrainerMixin", "main", "make_separated_trainer_class", "refuse_in_separated_loop",
            "staleness_metrics", "swapped", "task_runner", "trajectory_versions"]
 
 if __name__ == "__main__":
