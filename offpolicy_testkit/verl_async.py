@@ -202,7 +202,8 @@ def loop_overrides(loop: str, ranks: int = 1, steps: int = 2, prompts: int = 2) 
     ``fully_async`` also: the rollouter's stream of single prompts (``gen_batch_size=1``, ``train_batch_size=0``),
     ``steps × prompts`` of them, a weight sync after every step (``trigger_parameter_sync_step=1``), samples up to
     one version stale in the queue (``staleness_threshold=1``) and partial rollouts (an aborted trajectory resumes
-    under the new weights: its ``min_global_steps`` < ``max_global_steps``). ``ranks`` > 1 is refused there: one
+    under the new weights: its ``min_global_steps`` < ``max_global_steps``), and Ray's logical CPUs raised to
+    32 for verl's actors' requests. ``ranks`` > 1 is refused there: one
     rollout replica is what these runs afford on a shared CPU."""
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {tuple(LOOPS)}, got {loop!r}")
@@ -210,15 +211,15 @@ def loop_overrides(loop: str, ranks: int = 1, steps: int = 2, prompts: int = 2) 
         return []
     if ranks != 1:
         raise ValueError(f"ranks must be 1 in the {loop} loop on a CPU, got {ranks}")
-    # the loops' Hydra configs find verl's base config by a path relative to the working directory
-    # (``file://verl/trainer/config``: verl's repository root); the package's copy instead
-    out = ["hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.hybrid_engine=false",
+    out = ["actor_rollout_ref.hybrid_engine=false",
            "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
            f"actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND}",
            f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={__name__}",
            "algorithm.rollout_correction.bypass_mode=false"]
     if loop == "fully_async":
-        out += ["data.train_batch_size=0", "data.gen_batch_size=1", f"rollout.total_rollout_steps={steps * prompts}",
+        # Ray's logical CPUs: the runner, the trainer and the rollouter actors ask for 1 + 10 + 10, the message
+        # queue for 2 (nothing pins them); the example's 16 would leave the rollouter pending forever
+        out += ["ray_kwargs.ray_init.num_cpus=32", "data.train_batch_size=0", "data.gen_batch_size=1", f"rollout.total_rollout_steps={steps * prompts}",
                 "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1",
                 "async_training.partial_rollout=true", "async_training.require_batches=1"]
     return out

@@ -305,3 +305,17 @@ def test_loop_overrides_set_the_separated_loops_apart_and_refuse_what_they_canno
         verl_async.loop_overrides("async")
     with pytest.raises(ValueError, match="ranks must be 1 in the one_step_off_policy loop on a CPU, got 2"):
         verl_async.loop_overrides("one_step_off_policy", ranks=2)
+
+
+def test_the_entry_point_finds_verls_base_config_in_the_package_unless_told():
+    assert async_loops.hydra_overrides(["a=1"]) == [async_loops.SEARCHPATH, "a=1"]
+    assert async_loops.hydra_overrides(["+hydra.searchpath=[file:///x]", "a=1"]) == ["+hydra.searchpath=[file:///x]",
+                                                                                       "a=1"]
+    with pytest.raises(SystemExit, match="usage: python -m offpolicy.integrations.verl.async_loops"):
+        async_loops.main(["sync"])
+
+
+def test_the_module_doctests_pass():
+    import doctest
+
+    assert doctest.testmod(async_loops).failed == 0

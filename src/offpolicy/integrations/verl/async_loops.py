@@ -195,7 +195,7 @@ class AsyncSeparatedTrainerMixin(SeparatedTrainerMixin):
     (called through Ray on an async actor, so the override must be a coroutine function too) that returns None when
     this step did not sync (``trigger_parameter_sync_step`` > 1): the check runs after a sync only."""
 
-    async def _fit_update_weights(self) -> Any:  # type: ignore[override]
+    async def _fit_update_weights(self) -> Any:
         return await self._fit_update_weights_then_check()
 
 
@@ -249,7 +249,7 @@ def task_runner(loop: str) -> Any:
         verl_trainer = getattr(entry, trainer_name)
         remote = hasattr(verl_trainer, "__ray_actor_class__")
         base = verl_trainer.__ray_actor_class__ if remote else verl_trainer
-        ours = make_separated_trainer_class(base, loop)
+        ours: Any = make_separated_trainer_class(base, loop)
         if remote:
             ours = ray.remote(**_remote_options(verl_trainer))(ours)
         runner = getattr(entry, runner_name).__ray_actor_class__()
@@ -259,6 +259,24 @@ def task_runner(loop: str) -> Any:
     name = f"OffPolicy{runner_name}"
     cls = type(name, (), {"run": run, "__module__": __name__, "__qualname__": name})
     return ray.remote(**_remote_options(verl_runner))(cls)
+
+
+SEARCHPATH = "hydra.searchpath=[pkg://verl.trainer.config]"
+
+
+def hydra_overrides(argv: list[str]) -> list[str]:
+    """The user's overrides, with verl's base config found in the installed package: the loops' configs name it
+    by a path relative to the working directory (``file://verl/trainer/config``, verl's repository root), so
+    :data:`SEARCHPATH` is added unless the overrides set ``hydra.searchpath`` themselves.
+
+    >>> hydra_overrides(["trainer.nnodes=1"])
+    ['hydra.searchpath=[pkg://verl.trainer.config]', 'trainer.nnodes=1']
+    >>> hydra_overrides(["hydra.searchpath=[file:///x]"])
+    ['hydra.searchpath=[file:///x]']
+    """
+    if any(a.lstrip("+").startswith("hydra.searchpath=") for a in argv):
+        return list(argv)
+    return [SEARCHPATH, *argv]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,15 +295,16 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(module_name)
     # verl's main under Hydra again, its config folder by absolute path: Hydra resolves verl's relative
     # ``config_path`` from the module it is started from, which here is this one
-    config_path = str(Path(module.__file__).resolve().parent / "config")
+    config_path = str(Path(str(module.__file__)).resolve().parent / "config")
     verl_main = hydra.main(config_path=config_path, config_name=config_name, version_base=None)(module.main.__wrapped__)
-    sys.argv = [sys.argv[0], *argv]  # Hydra reads the overrides from sys.argv
+    sys.argv = [sys.argv[0], *hydra_overrides(argv)]  # Hydra reads the overrides from sys.argv
     with swapped(module, runner_name, task_runner(loop)):
         verl_main()
 
 
-__all__ = ["LOOPS", "AsyncSeparatedTrainerMixin", "SeparatedTrainerMixin", "main", "make_separated_trainer_class", "refuse_in_separated_loop",
-           "staleness_metrics", "swapped", "task_runner", "trajectory_versions"]
+__all__ = ["LOOPS", "SEARCHPATH", "AsyncSeparatedTrainerMixin", "SeparatedTrainerMixin", "hydra_overrides", "main",
+           "make_separated_trainer_class", "refuse_in_separated_loop", "staleness_metrics", "swapped", "task_runner",
+           "trajectory_versions"]
 
 if __name__ == "__main__":
     main()
