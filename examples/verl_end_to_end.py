@@ -186,12 +186,13 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
 
 def parse_log(text: str) -> dict:
     """Steps, the reward of the first and last step and the sync checks from verl's console lines
-    (``step:N - key:value - …``)."""
+    (``step:N - key:value - …``); ``checks_run``: the sync checks the plug-in's trainer logged having run (the fully
+    async trainer logs a step's metrics at the next sync, so its last check reaches no step line)."""
     steps = []
     for line in text.splitlines():
         m = re.search(r"step:(\d+) - (.*)", line)
-        if not m:
-            continue
+        if not m or "critic/score/mean:" not in line:  # a training step's line (the fully async trainer also logs
+            continue                                    # the rollouter's timing under step numbers)
         metrics = {}
         for item in m.group(2).split(" - "):
             key, _, value = item.partition(":")
@@ -206,6 +207,7 @@ def parse_log(text: str) -> dict:
             "reward_last": rewards[-1] if rewards else float("nan"),
             "checks": int(last.get("sync/checks", 0)), "passed": int(last.get("sync/passed", 0)),
             "replicas": int(last.get("sync/replicas", 1)),
+            "checks_run": len(re.findall(r"sync check after the weight sync of step \d+", text)),
             "sync_ok": [s[1].get("sync/ok") for s in steps],
             "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")}}
 

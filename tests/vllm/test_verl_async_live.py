@@ -59,14 +59,15 @@ def _step_metrics(text: str) -> list[dict]:
     return steps
 
 
-def _check_trained(result: dict, steps: int) -> list[dict]:
+def _check_trained(result: dict, steps: int, logged_steps: int) -> list[dict]:
     assert result["rc"] == 0, result["tail"]
     logged = _step_metrics(Path(result["log"]).read_text(errors="replace"))
-    assert len(logged) == steps, result["tail"]
+    assert len(logged) == logged_steps, result["tail"]
     last = logged[-1]
-    # the initial sync (calibration) and one per step, every one passed
-    assert [m["sync/ok"] for m in logged] == [1.0] * steps
-    assert last["sync/checks"] == last["sync/passed"] >= steps
+    # the initial sync (calibration) and one per step ran, every logged one passed (a failed one stops the run)
+    assert result["checks_run"] == steps + 1, result["tail"]
+    assert [m["sync/ok"] for m in logged] == [1.0] * logged_steps
+    assert last["sync/checks"] == last["sync/passed"] >= logged_steps
     for m in logged:
         assert m["rollout_corr/tis/kept_frac"] == 1.0  # TIS ran in the trainer, after verl's advantages
         corr = {k: v for k, v in m.items() if k.startswith(("rollout_corr/", "offpolicy/staleness/", "sync/"))}
@@ -78,7 +79,7 @@ def _check_trained(result: dict, steps: int) -> list[dict]:
 @pytest.mark.slow
 def test_one_step_off_policy_trains_one_version_stale_with_every_sync_checked(example, tmp_path):
     result = example.run(2, samples=SAMPLES, loop="one_step_off_policy", log=tmp_path / "one_step.log")
-    logged = _check_trained(result, 2)
+    logged = _check_trained(result, 2, 2)
     assert logged[-1]["sync/checks"] == 3.0  # the initial sync and the sync of each step
     for m in logged:  # sampled by the weights synced one step earlier: one version stale, one version each
         assert m["offpolicy/staleness/mean"] == 1.0 and m["offpolicy/staleness/span_max"] == 0.0
@@ -105,9 +106,13 @@ def test_one_step_off_policy_a_push_that_does_nothing_fails_the_run_naming_the_s
 
 @pytest.mark.slow
 def test_fully_async_trains_with_partial_rollouts_and_every_sync_checked(example, tmp_path):
-    result = example.run(2, samples=SAMPLES, loop="fully_async", log=tmp_path / "fully_async.log")
-    logged = _check_trained(result, 2)
-    for m in logged:
-        assert m["offpolicy/staleness/span_max"] >= 0.0 and m["offpolicy/staleness/max"] <= 2.0
+    """3 steps: verl's fully async trainer logs a step's metrics (aggregated over its sync cycle) at the next
+    sync, so the last step's never reach the log — 2 step lines, 4 checks."""
+    result = example.run(3, samples=SAMPLES, loop="fully_async", log=tmp_path / "fully_async.log")
+    logged = _check_trained(result, 3, 2)
+    assert logged[0]["offpolicy/staleness/max"] == 0.0  # step 1 trains on samples of version 0, at version 0
+    for m in logged:  # samples at most staleness_threshold = 1 version behind, each within the versions it spans
+        assert m["offpolicy/staleness/max"] <= 1.0
+        assert 0.0 <= m["offpolicy/staleness/span_mean"] <= m["offpolicy/staleness/span_max"] <= 1.0
     text = Path(result["log"]).read_text(errors="replace")
     assert "'partial_rollout': True" in re.sub(r"\s+", " ", text)
