@@ -10,8 +10,14 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py --precision bf16     # verl's own defaults: bf16 compute, bf16 rollout
     python examples/verl_end_to_end.py --correction calibrated_is  # another correction by name (default: TIS)
     python examples/verl_end_to_end.py --model lab-moe      # the mixture-of-experts lab model on its pattern task
+    python examples/verl_end_to_end.py --loop one_step_off_policy --steps 2  # verl's one-step off-policy loop
+    python examples/verl_end_to_end.py --loop fully_async --steps 3          # verl's fully async loop
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
+
+``--loop`` runs one of verl's asynchronous loops instead (the trainer and one vLLM server apart, the weights over the
+test kit's CPU checkpoint engine, ``offpolicy_testkit.verl_async``) through the plug-in's entry point
+``python -m offpolicy.integrations.verl.async_loops LOOP``.
 
 ``--ranks R`` shards the actor over R FSDP ranks (verl's ``trainer.n_gpus_per_node``, R processes joined by gloo).
 With the rollout at TP = 1 verl's hybrid engine makes each rank a rollout replica of its own: every rank gathers the

@@ -116,3 +116,16 @@ def test_fully_async_trains_with_partial_rollouts_and_every_sync_checked(example
         assert 0.0 <= m["offpolicy/staleness/span_mean"] <= m["offpolicy/staleness/span_max"] <= 1.0
     text = Path(result["log"]).read_text(errors="replace")
     assert "'partial_rollout': True" in re.sub(r"\s+", " ", text)
+
+
+@pytest.mark.slow
+def test_fully_async_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
+    """The push does nothing from the second sync on: the trainer's check after that sync stops the run (the
+    rollouter keeps sampling meanwhile; the check scores the probe on the replica's own server)."""
+    result = example.run(3, samples=SAMPLES, loop="fully_async", break_sync_at=2,
+                         log=tmp_path / "fully_async_broken.log")
+    assert result["rc"] != 0, result["tail"]
+    text = Path(result["log"]).read_text(errors="replace")
+    failed = re.search(r"SyncCheckError: verl step (\d+): weight sync into the rollout engine: ", text)
+    assert failed and int(failed.group(1)) >= 2, result["tail"]
+    assert result["checks_run"] >= 2  # the initial sync and step 1's passed before it
