@@ -95,7 +95,7 @@ class ServerSection(ConfigSection):
 # rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "quant": None, "logit_noise": 0.0,
                    "sync_every": 1, "routing_replay": "none", "compile": False, "async_mode": "none",
-                   "max_staleness": 0}
+                   "max_staleness": 0, "version_record": "token"}
 
 
 class RolloutConfig(ConfigSection):
@@ -126,6 +126,9 @@ class RolloutConfig(ConfigSection):
     # max_staleness versions, the weights switching mid-answer (verl's fully async partial rollout)
     async_mode: Literal["none", "queue", "partial"] = "none"
     max_staleness: int = Field(0, ge=0)
+    # the policy version each token records: token — its own (the weights that sampled it); sequence — the answer's
+    # oldest on every token, all a host that keeps one version span per trajectory (verl's min_global_steps) can give
+    version_record: Literal["token", "sequence"] = "token"
     # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
     # routes in the π_θ forwards (offpolicy.rollout.routing)
     routing_replay: Literal["none", "r2", "r3"] = "none"
