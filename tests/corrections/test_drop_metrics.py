@@ -141,8 +141,7 @@ def test_a_function_of_your_own_gets_the_names_and_a_host_factor_can_opt_out():
 
 
 def test_trl_and_verl_log_the_same_names_after_their_prefix():
-    pytest.importorskip("transformers")
-    from offpolicy.integrations.verl.loss import rollout_correction
+    from offpolicy.integrations.verl.loss import rollout_correction  # torch only: verl is not imported
 
     b = batch([[0.0, 1.0, -1.0, 2.0]], advantages=[1.0])
     correction = op.chain(op.tis(upper=2.0), op.icepop())
