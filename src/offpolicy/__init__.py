@@ -20,7 +20,7 @@ from offpolicy.binary import bernoulli_kl, bernoulli_tv
 
 # Full-distribution methods: divergences, fused kernels, bounds
 from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
-from offpolicy.corrections.base import Correction, CorrectionResult, chain
+from offpolicy.corrections.base import Correction, CorrectionResult, chain, drop_metrics
 
 # Calibrated importance sampling (a cap tighter for confident tokens)
 from offpolicy.corrections.calibrated import calibrated_is
@@ -183,6 +183,7 @@ __all__ = [
     "divergence_fields",
     "divergence_kind",
     "dr_grpo_advantages",
+    "drop_metrics",
     "dvp_bias_bound",
     "dvp_fields",
     "dvp_keep",

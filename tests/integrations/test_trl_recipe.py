@@ -48,7 +48,7 @@ def test_dvp_tis_recipe_file_trains_as_its_keywords_do(tmp_path):
     assert trainer.args.min_p == 0.001 and trainer.offpolicy_recipe.min_p == 0.001  # DVP's ρ reached the engine
     assert trainer.offpolicy_method_recipe == Recipe.load(DATA / "dvp_tis.yaml")
     trainer.train()
-    assert logged(trainer, "offpolicy/dvp/outside_frac") == [0.0]  # every sampled token inside the safe set
+    assert logged(trainer, "offpolicy/dvp_keep/masked_frac") == [0.0]  # every sampled token inside the safe set
     assert len(logged(trainer, "offpolicy/tis/weight_mean")) == 1
     # the old keywords give the same internal settings
     torch.manual_seed(0)

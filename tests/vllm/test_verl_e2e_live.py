@@ -77,7 +77,7 @@ def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(exampl
     # this run's correction is calibrated IS (arXiv 2609.32444), by name: with μ = π_old to round-off its cap is
     # barely above 1 and caps nothing
     assert "'OFFPOLICY_VERL':'{correction:calibrated_is," in flat
-    assert result["rollout_corr"]["rollout_corr/calibrated_is/clipped_frac"] == 0.0, result["rollout_corr"]
+    assert result["rollout_corr"]["rollout_corr/calibrated_is/capped_frac"] == 0.0, result["rollout_corr"]
     assert "SyncCheckError" in text and "verl step 2: " in text, result["tail"]
     assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
-from offpolicy.corrections.base import Correction
+from offpolicy.corrections.base import Correction, CorrectionResult, drop_metrics
 from offpolicy.metrics import NAMINGS, metrics_by_staleness, offpolicy_metrics
 from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.position import position_metrics
@@ -330,7 +330,8 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     """The step's metrics (tensors, synced once by the caller): the mismatch diagnostics between π_old and μ under
     ``run.metric_naming`` (with the correction chain's result at π_old), the minibatches' mean loss metrics
     (which include each correction's own), rewards, response length, TRM's exact KL, the mismatch per position bin
-    (``mismatch/by_position/…``, :func:`offpolicy.position.position_metrics`), the masked fraction, ALP's σ, MoE
+    (``mismatch/by_position/…``, :func:`offpolicy.position.position_metrics`), the whole correction's
+    :func:`~offpolicy.corrections.base.drop_metrics` under ``correction/``, ALP's σ, MoE
     routing flips and timings."""
     naming = state.cfg.run.metric_naming
     mask = scored.mask
@@ -353,8 +354,9 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
                                               if scored.token_divergence is not None else torch.tensor(float("nan")))
     # the same mismatch per position bin of the response: does it grow with depth? (exact KL where TRM computed it)
     metrics.update(position_metrics(scored.old_logp, scored.rollout_logp, mask, token_kl=scored.token_divergence))
-    metrics["correction/masked_frac"] = (1.0 - masked_mean((corrected.coefficient != 0).float(), mask)
-                                         if corrected is not None else torch.zeros(()))
+    # the whole correction in every correction's vocabulary (correction/kept_frac, /masked_frac, /capped_frac, …)
+    metrics.update(drop_metrics("correction", corrected if corrected is not None else CorrectionResult.identity(at_old),
+                                mask))
     if state.alp is not None:
         metrics.update(state.alp.metrics())
     step_seconds = time.perf_counter() - started
