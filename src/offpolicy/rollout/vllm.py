@@ -49,6 +49,7 @@ from offpolicy.rollout.protocols import vllm_sampling
 from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
+from offpolicy.rollout.vllm_worker import repack_cpu_experts
 
 VLLM_MISSING = (
     "VLLMRolloutEngine needs vLLM: pip install 'offpolicy[vllm]' on a GPU machine; on a CPU machine "
@@ -253,33 +254,6 @@ def push_weights(llm: Any, named_tensors, *, method: str = "auto") -> str:
         worker.model_runner.model.load_weights(weights)
     llm.reset_prefix_cache()
     return method
-
-
-# vLLM versions whose CPU backend's reload leaves fused-MoE experts unpacked (checked on 0.32: see repack_cpu_experts)
-CPU_EXPERTS_REPACK_VERSIONS = ("0.32.",)
-
-
-def repack_cpu_experts(model: Any) -> int:
-    """Prepack every fused-MoE layer's experts again after a ``reload_weights`` on vLLM's CPU backend; returns the
-    number of layers repacked (0 on a dense model, another backend or another vLLM version).
-
-    At load, vLLM 0.32's CPU experts (``CPUUnquantizedExperts``) prepack ``w13_weight`` / ``w2_weight`` into the
-    layout of their grouped GEMM; its layer-wise reload writes the new weights back in the checkpoint's layout
-    without that step, and the kernel reads them as packed: on lab-moe the engine's log-probs move from 0.009 to 0.19
-    nats per token from the trainer's with the same weights on both sides. This runs the step the first load ran
-    (the layer's own ``process_weights_after_loading``), after which the engine is back at 0.009 exactly."""
-    import vllm
-
-    if not str(getattr(vllm, "__version__", "")).startswith(CPU_EXPERTS_REPACK_VERSIONS):
-        return 0
-    repacked = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__ == "CPUUnquantizedExperts":
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
 
 
 def prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids: list[list[int]]
