@@ -82,6 +82,32 @@ def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(exampl
     assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
 
 
+NEW_METHODS_STEPS = 3  # one extra run for both methods, short: CI time
+
+
+@pytest.mark.slow
+def test_delight_and_calibrated_clip_train_by_name_in_verls_loop(example, tmp_path):
+    """One run with the delight gate (arXiv 2603.20521) as the driver's correction and calibrated clipping
+    (arXiv 2609.22870) as verl's policy loss (``offpolicy_calibrated_clip``), both by name, at verl's bf16 defaults
+    (a real μ ≠ π_old for the clip range to calibrate on): every step trains and is checked, each method's own
+    metrics reach verl's step log, and the loss is not the uncorrected one — delight's weights are σ(A · surprisal),
+    never all 1 (the weights the run without a correction applies)."""
+    result = example.run(NEW_METHODS_STEPS, log=tmp_path / "main_ppo_new_methods.log", precision="bf16",
+                         correction="delight", loss_mode="offpolicy_calibrated_clip")
+    assert result["rc"] == 0, result["tail"]
+    assert result["steps"] == NEW_METHODS_STEPS and result["sync_ok"] == [1.0] * NEW_METHODS_STEPS, result["tail"]
+    text = Path(result["log"]).read_text(errors="replace")
+    flat = re.sub(r"\s+", "", re.sub(r"\x1b\[\d+m\([^)]*\)\x1b\[0m", "", text))
+    assert "'OFFPOLICY_VERL':'{correction:delight," in flat and "'loss_mode':'offpolicy_calibrated_clip'" in flat
+    for step in result["metrics"]:
+        # the delight gate's metric from the driver, calibrated clipping's from the actor's policy loss
+        assert 0.0 <= step["rollout_corr/delight/suppressed_frac"] <= 1.0, step
+        widened = [v for k, v in step.items() if k.endswith("loss/calibrated_widened_low")]
+        assert len(widened) == 1 and 0.0 <= widened[0] <= 1.0, sorted(step)
+        assert math.isfinite(step["actor/pg_loss"]), step
+        assert abs(step["rollout_corr/rollout_is_mean"] - 1.0) > 1e-3, step  # the gate weighed the loss
+
+
 def test_precision_is_fp32_on_both_sides_or_verls_defaults(example, tmp_path):
     def config(precision):
         out = example.overrides(tmp_path, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path, precision=precision)
