@@ -9,6 +9,7 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py --dvp 1e-3           # DVP: vLLM samples with min-p, the actor scores likewise
     python examples/verl_end_to_end.py --precision bf16     # verl's own defaults: bf16 compute, bf16 rollout
     python examples/verl_end_to_end.py --correction calibrated_is  # another correction by name (default: TIS)
+    python examples/verl_end_to_end.py --correction delight --loss-mode offpolicy_calibrated_clip  # and a policy loss
     python examples/verl_end_to_end.py --model lab-moe      # the mixture-of-experts lab model on its pattern task
 
 It ends on one line: ``verl end to end: N steps, reward A -> B, sync checks K/K ok in S s``.
@@ -108,7 +109,7 @@ def model_copy(folder: Path, model: str = "tiny") -> Path:
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
               ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
-              precision: str = "fp32", correction: str = TIS) -> list[str]:
+              precision: str = "fp32", correction: str = TIS, loss_mode: str | None = None) -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
     default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
     bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
@@ -118,7 +119,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     ``dvp``: DVP's ρ — the plug-in's agent loop (``offpolicy_agent``) asks vLLM to sample with ``min_p = ρ`` and the
     actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``). ``correction``: the
     plug-in's correction after verl's advantages, as ``OFFPOLICY_VERL``'s ``correction`` value in YAML (a name such
-    as ``calibrated_is``, a mapping with its parameters, or a list of either)."""
+    as ``calibrated_is``, a mapping with its parameters, or a list of either). ``loss_mode``: verl's policy loss
+    (``actor_rollout_ref.actor.policy_loss.loss_mode``), e.g. one the plug-in registers (``offpolicy_calibrated_clip``);
+    None: verl's default."""
     if ranks < 1 or (prompts * samples) % ranks:
         raise ValueError(f"ranks must be >= 1 and divide prompts × samples = {prompts * samples}, got {ranks}")
     per_rank = prompts * samples // ranks
@@ -168,6 +171,8 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
                 "actor_rollout_ref.rollout.dtype=float32"]
     else:  # verl's defaults, said out loud: bf16 compute over fp32 master weights, a bf16 engine
         out += ["actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
+    if loss_mode is not None:  # the plug-in's losses are registered by its external_lib in every worker
+        out += [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"]
     if dvp is not None:
         out += ["actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent",
                 "actor_rollout_ref.model.use_fused_kernels=false"]
@@ -198,12 +203,14 @@ def parse_log(text: str) -> dict:
             "checks": int(last.get("sync/checks", 0)), "passed": int(last.get("sync/passed", 0)),
             "replicas": int(last.get("sync/replicas", 1)),
             "sync_ok": [s[1].get("sync/ok") for s in steps],
-            "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")}}
+            "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")},
+            "metrics": [s[1] for s in steps]}
 
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
-        dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny") -> dict:
+        dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny",
+        loss_mode: str | None = None) -> dict:
     """Run ``python -m verl.trainer.main_ppo`` in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
     if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is examples/, the test kit is one folder up
@@ -223,7 +230,7 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
         env[BREAK_ENV] = str(break_sync_at)
     command = [sys.executable, "-m", "verl.trainer.main_ppo",
                *overrides(model_dir, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
-                         precision, correction)]
+                         precision, correction, loss_mode)]
     log = log or folder / "main_ppo.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -329,10 +336,12 @@ def main() -> int:
                         help="embedded model (lab-moe: the lab model's mixture-of-experts twin) and its task")
     parser.add_argument("--correction", default=TIS,
                         help="the plug-in's correction in YAML: a name (calibrated_is, delight, …) or a mapping")
+    parser.add_argument("--loss-mode", default=None,
+                        help="verl's policy loss, e.g. offpolicy_calibrated_clip (default: verl's own)")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
                  sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision,
-                 correction=args.correction, model=args.model)
+                 correction=args.correction, model=args.model, loss_mode=args.loss_mode)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

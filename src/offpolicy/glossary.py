@@ -198,6 +198,10 @@ ENTRIES: tuple[Entry, ...] = (
           "exist)", "trainer"),
     Entry("mismatch/by_position/<stat>/<bin>", "the mismatch statistic (kl, k2_kl, k3_kl, kl_exact, "
           "logp_abs_diff_mean, tokens) over the response positions of one doubling bin", "trainer"),
+    # -- mixture of experts: routing flips ---------------------------------------------------------------------------
+    Entry("routing/flip_rate", "MoE: share of the (position, layer) slots the engine routed whose top-k expert set "
+          "π_old's router picks differently (not logged where the engine records no routes)", "trainer"),
+    Entry("routing/flip_rate/layer<n>", "the same share in MoE layer n alone (router order, from 0)", "trainer"),
     # -- verl's own names for the plug-in's loss ---------------------------------------------------------------------
     Entry("actor/grad_norm", "gradient norm before clipping (verl's name)", "verl"),
     Entry("actor/pg_clipfrac", "share of tokens where PPO's clip is active (verl's name)", "verl"),
@@ -255,6 +259,7 @@ _PLACEHOLDERS = {
     "<stat>": "[^/]+",
     "<bin>": r"pos\d+-\d+",
     "<d>": r"\d+",
+    "<n>": r"\d+",
 }
 
 

@@ -92,6 +92,11 @@ class ServerSection(ConfigSection):
     timeout: float = Field(120.0, gt=0)
 
 
+# R3 replays the engine's routes; vLLM's CPU build has no way to return them (offpolicy.rollout.vllm.routes_unavailable)
+VLLM_R3_REFUSED = ("rollout.routing_replay=r3 replays the engine's routes, which rollout.engine=vllm cannot give: vLLM "
+                   "0.32's CPU build returns no routed experts (only its Model Runner V2 does, and that needs Triton), "
+                   "and vLLM's GPU path is not wired into the trainer; use rollout.engine=hf")
+
 # rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "quant": None, "logit_noise": 0.0,
                    "sync_every": 1, "routing_replay": "none", "compile": False, "async_mode": "none",
@@ -189,6 +194,8 @@ class RolloutConfig(ConfigSection):
             section = {"llamacpp": "rollout.llamacpp (weights, kv_cache_type)",
                        "vllm": "rollout.dtype and rollout.vllm (kv_cache_dtype)",
                        "server": "the server's own settings"}.get(self.engine, f"the {self.engine} backend's builder")
+            if self.engine == "vllm" and self.routing_replay == "r3":
+                raise ValueError(VLLM_R3_REFUSED)
             for key, default in _HF_ENGINE_ONLY.items():
                 if getattr(self, key) != default:
                     raise ValueError(f"rollout.{key}={getattr(self, key)!r} only applies to rollout.engine=hf; the "

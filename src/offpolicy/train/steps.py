@@ -31,7 +31,7 @@ from offpolicy.position import position_metrics
 from offpolicy.ratios import masked_mean
 from offpolicy.registry import build_correction
 from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
-from offpolicy.rollout.routing import RouteRecorder, replay_routes
+from offpolicy.rollout.routing import RouteRecorder, flip_rate_metrics, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 from offpolicy.tasks import is_multi_turn
@@ -256,6 +256,8 @@ class Scored:
     # single pass (:func:`single_pass`): π_θ's log-probs ``[B, T]`` and DVP extras *with* their autograd graph — the
     # same forward as π_old's, which the update uses instead of a second one; dropped once the update has used it
     theta: tuple[Tensor, dict[str, Tensor]] | None = None
+    # MoE: flipped and routed (position, layer) counts of each MoE layer (the per-layer ``routing/flip_rate/layer{i}``)
+    flip_counts: tuple[list[int], list[int]] | None = None
 
 
 def single_pass(state: TrainState) -> bool:
@@ -319,7 +321,8 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
         head = (rollout.topk_ids.to(old_logp.device), rollout.topk_logp.to(old_logp.device))
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
                   routing.flip_rate if routing is not None else None,
-                  roll_logits if state.preset.score_centering else None, theta=theta, sampler_head=head)
+                  roll_logits if state.preset.score_centering else None, theta=theta, sampler_head=head,
+                  flip_counts=(routing.flips_per_layer, routing.routed_per_layer) if routing is not None else None)
 
 
 # -- 4. metrics --------------------------------------------------------------------------------------------------------
@@ -341,7 +344,9 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     corrected = state.correction(at_old) if state.correction is not None else None
     metrics: dict[str, Tensor | float] = dict(
         offpolicy_metrics(scored.old_logp, scored.rollout_logp, mask, corrected, naming=naming))
-    if scored.flip_rate is not None:  # the engine's routes that π_old's own router would change
+    if scored.flip_counts is not None:  # the engine's routes that π_old's own router would change, per MoE layer
+        metrics.update(flip_rate_metrics(*scored.flip_counts))
+    elif scored.flip_rate is not None:
         metrics["routing/flip_rate"] = scored.flip_rate
     for name in updates[0]:
         metrics[name] = torch.stack([u[name].float() for u in updates]).mean()
