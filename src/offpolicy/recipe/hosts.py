@@ -56,7 +56,8 @@ HOSTS: dict[str, Host] = {
                     frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "exact_kl"}), plugins=True),
     # μ only from vLLM or a rollout_func, the top-K only from vLLM (the trainer adds them when it has them)
     "trl": Host("OffPolicyGRPOTrainer", frozenset({"old_logp", "sampling_recipe", "hidden_states"}),
-                frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"})),
+                frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"}),
+                plugins=True),
     "verl": Host("OFFPOLICY_VERL", frozenset({"rollout_logp", "old_logp", "engine_topk", "sampling_recipe",
                                               "hidden_states"}),
                  frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"})),
@@ -71,7 +72,7 @@ def check_host(recipe: Recipe, host: str, supplies: frozenset[str] | set[str] | 
     for t in recipe.bound_transforms():
         if t.entry.apply is not None and not h.plugins:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is a plug-in's; this host runs no plug-in "
-                             "transforms yet (the reference trainer does)")
+                             "transforms yet (the reference trainer and OffPolicyGRPOTrainer do)")
         if t.entry.apply is None and t.name not in h.transforms:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is not computed by this host (it computes "
                              f"{', '.join(sorted(h.transforms))})")
