@@ -126,3 +126,36 @@ def test_the_centred_logp_keeps_a_ratio_of_one_on_policy():
                            ["score_centering"])
     _, metrics = op.policy_loss(out)
     assert math.isclose(float(metrics["loss/ratio_mean"]), 1.0, abs_tol=1e-7)
+
+
+def test_alp_with_score_centering_is_alps_value_with_the_centred_score():
+    # the update forward's noisy logits z + σε (ALP), the engine's μ and q: ALP alone gives
+    # L = −A/T Σ_t r_t, r_t = π_{θ,σ}(y_t)/μ_t inside the clip range, ∂L/∂z_t = −A r_t/T (onehot(y_t) − p_t);
+    # score centering replaces p_t by q_t in the score, the value unchanged
+    from offpolicy.perturbation import alp_policy_loss
+
+    eps = torch.tensor([[[0.3, -0.1, 0.2], [-0.4, 0.1, 0.0]]])
+    z = (torch.tensor([[[1.0, 0.0, -1.0], [0.5, 0.5, 0.0]]]) + 0.1 * eps).requires_grad_(True)
+    y = torch.tensor([[1, 0]])
+    q = torch.tensor([[[0.2, 0.5, 0.3], [0.6, 0.3, 0.1]]])
+    logp = torch.log_softmax(z, -1).gather(-1, y[..., None]).squeeze(-1)
+    mu = logp.detach() + torch.tensor([[0.05, -0.05]])  # r = (e^−0.05, e^0.05): inside ALP's (0.8, 1.28)
+    advantage = 1.5
+
+    def loss(centre: bool):
+        extras = forward_extras(center=score_center(z, q.log())) if centre else {}
+        batch = LogProbBatch(logp=logp, mask=torch.ones(1, 2), rollout_logp=mu, advantages=torch.tensor([advantage]),
+                             extras=extras)
+        value, _ = alp_policy_loss(apply_transforms(batch, ["alp", "score_centering"]))
+        return value, torch.autograd.grad(value, z, retain_graph=True)[0]
+
+    r = torch.exp(torch.tensor([-0.05, 0.05]))
+    p = torch.softmax(z.detach(), -1)[0]
+    onehot = torch.nn.functional.one_hot(y[0], 3).float()
+    alone, alone_grad = loss(False)
+    both, both_grad = loss(True)
+    assert math.isclose(alone.item(), -advantage * r.mean().item(), rel_tol=1e-6)
+    assert both.item() == alone.item()  # the value is ALP's
+    coefficient = (-advantage * r / 2)[:, None]
+    assert torch.allclose(alone_grad[0], coefficient * (onehot - p), atol=1e-6)
+    assert torch.allclose(both_grad[0], coefficient * (onehot - q[0]), atol=1e-6)

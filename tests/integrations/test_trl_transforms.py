@@ -87,3 +87,33 @@ def test_a_plugin_transform_whose_input_trl_cannot_fetch_is_refused_naming_it(pl
     with pytest.raises(ValueError, match=r"^OffPolicyGRPOTrainer: rollout_logp \(the engine's log-probs μ of the "
                                          r"sampled tokens\), which mu_as_old needs, cannot be supplied"):
         _trainer(tmp_path, recipe={"transforms": {"mu_as_old": {}}})
+
+
+def test_alp_with_score_centering_keeps_alps_loss_and_centres_its_gradient(tmp_path, stub_vllm, stub_vllm_client):
+    # one batch with vLLM's top-4 (the stub server), the same ALP noise twice: with score centering the loss is ALP's
+    # own value (the centred log-probs have the same value), the gradient is not (the score is centred on q̂)
+    from offpolicy_testkit.trl_toy import loss_and_grad
+
+    torch.manual_seed(0)
+    model, tok = build_tiny_model(seed=0)
+    stub_vllm["client"] = stub_vllm_client(model, tok)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=1, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
+                      save_strategy="no", beta=0.0, seed=0, use_vllm=True, vllm_mode="server",
+                      vllm_importance_sampling_correction=False)
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(),
+                                   processing_class=tok, sync_check=None,
+                                   recipe={"transforms": {"alp": {"init_std": 0.03, "seed": 0},
+                                                          "score_centering": {"source": "topk", "k": 4}}})
+    assert trainer.offpolicy_alp is not None and trainer.offpolicy_score_centering
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 4)
+    trainer.offpolicy_alp.reseed(7)
+    both, g_both = loss_and_grad(trainer, trainer._compute_loss, inputs)
+    assert "offpolicy/alp/sigma_mean" in trainer._metrics["train"]
+    trainer.offpolicy_score_centering = False  # ALP alone on the same batch and noise
+    trainer.offpolicy_transforms = [t for t in trainer.offpolicy_transforms if t.name != "score_centering"]
+    trainer.offpolicy_alp.reseed(7)
+    alone, g_alone = loss_and_grad(trainer, trainer._compute_loss, inputs)
+    torch.testing.assert_close(both, alone, rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(g_both).all() and ((g_both - g_alone).norm() / g_alone.norm()).item() > 1e-3

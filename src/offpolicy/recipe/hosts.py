@@ -353,7 +353,9 @@ def trainer_preset(recipe: Recipe) -> str:
     chosen = [name for name in ("dvp", "alp", "score_centering", "exact_kl") if name in t]
     if len(chosen) > 1:
         raise ValueError(f"algorithm.recipe: the reference trainer combines at most one of dvp, alp, "
-                         f"score_centering and exact_kl; the recipe has {', '.join(chosen)}")
+                         f"score_centering and exact_kl; the recipe has {', '.join(chosen)} (each is a preset of its "
+                         "own and a run has one preset; OffPolicyGRPOTrainer and OFFPOLICY_VERL combine alp with "
+                         "score_centering)")
     if not chosen:
         return "naive"
     name = chosen[0]

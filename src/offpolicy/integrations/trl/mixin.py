@@ -180,7 +180,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             raise ValueError(f"memory_budget_bytes must be an int > 0, got {memory_budget_bytes!r}")
         alp_cfg = _check_alp(alp)
         _check_allowed(allow_changed)
-        _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None, alp_cfg)
+        _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None)
         if dvp_rho is not None:
             args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
         check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine

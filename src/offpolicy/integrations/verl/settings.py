@@ -324,10 +324,10 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
         raise _refuse("score_centering", f"must be true or false, got {centering!r}")
     if centering and not k:
         raise _refuse("score_centering", "needs the engine's top-K: set topk_logprobs: K (K >= 1)")
-    if centering and (alp is not None or any(v is not None for v in (min_p, top_k, top_p))):
-        # the centre is Σ q̂ log p of the full tempered p: a recipe's truncated log-probs or ALP's noisy forward
-        # would need their own centre (not built)
-        raise _refuse("score_centering", "cannot be combined with sampling (DVP / replay) or alp")
+    if centering and any(v is not None for v in (min_p, top_k, top_p)):
+        # the centre is Σ q̂ log p of the full tempered p: a recipe's truncated log-probs would need their own centre
+        # (not built); ALP composes, its centre taken from the same noisy update forward as π_{θ,σ}
+        raise _refuse("score_centering", "cannot be combined with sampling (DVP / replay)")
     naming = _choice("naming", block.get("naming", "verl"), ("verl", "offpolicy", "trl", "swift"))
     sync_check = block.get("sync_check", "error")
     if sync_check is False:  # YAML's bare `off` reads as false
