@@ -60,7 +60,8 @@ HOSTS: dict[str, Host] = {
                 plugins=True),
     "verl": Host("OFFPOLICY_VERL", frozenset({"rollout_logp", "old_logp", "engine_topk", "sampling_recipe",
                                               "hidden_states"}),
-                 frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"})),
+                 frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"}),
+                 plugins=True),
 }
 
 
@@ -72,7 +73,7 @@ def check_host(recipe: Recipe, host: str, supplies: frozenset[str] | set[str] | 
     for t in recipe.bound_transforms():
         if t.entry.apply is not None and not h.plugins:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is a plug-in's; this host runs no plug-in "
-                             "transforms yet (the reference trainer and OffPolicyGRPOTrainer do)")
+                             "transforms")
         if t.entry.apply is None and t.name not in h.transforms:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is not computed by this host (it computes "
                              f"{', '.join(sorted(h.transforms))})")
@@ -231,6 +232,8 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
                 lambda r: _param(r, "topk_bounds", "bound", "upper")),
     OldSpelling("verl", "score_centering", "transforms.score_centering", False,
                 lambda r: _present(r, "score_centering")),
+    OldSpelling("verl", "plugin_transforms", "transforms (a plug-in's, with apply)", (), lambda r: _plugins(r),
+                norm=lambda v: [dict(s) for s in v or ()]),
     OldSpelling("verl", "naming", "naming", "verl", lambda r: _section(r, "naming")),
     OldSpelling("verl", "sync_check", "sync_check", "error", lambda r: _section(r, "sync_check"),
                 norm=lambda v: "off" if v is False else v),
