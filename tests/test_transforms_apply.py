@@ -159,3 +159,31 @@ def test_alp_with_score_centering_is_alps_value_with_the_centred_score():
     coefficient = (-advantage * r / 2)[:, None]
     assert torch.allclose(alone_grad[0], coefficient * (onehot - p), atol=1e-6)
     assert torch.allclose(both_grad[0], coefficient * (onehot - q[0]), atol=1e-6)
+
+
+def test_the_fetch_plan_reads_the_needs_not_the_names():
+    from offpolicy.transforms import FetchPlan, fetch_plan
+
+    assert fetch_plan([]) == FetchPlan()
+    assert fetch_plan(["score_centering"]) == FetchPlan(logits=True)  # exact: the engine's full logits
+    assert fetch_plan([{"name": "score_centering", "source": "topk", "k": 5}]).topk == 5
+    assert fetch_plan([{"name": "proximal", "method": "loglinear"}, "dvp"]) == FetchPlan(versions=True,
+                                                                                           sampling_recipe=True)
+
+    @register_transform("my_head", needs=("engine_topk",))
+    def my_head(batch, k: int = 4):
+        return batch
+
+    @register_transform("no_k", needs=("engine_topk",))
+    def no_k(batch):
+        return batch
+
+    try:
+        assert fetch_plan(["my_head"]).topk == 4  # a plug-in's K, by the same rule as the built-ins'
+        with pytest.raises(ValueError, match=r"^transforms.my_head.k=4 and transforms.topk_bounds.k=8: the engine "):
+            fetch_plan(["my_head", {"name": "topk_bounds", "k": 8}])
+        with pytest.raises(ValueError, match=r"^transform 'no_k' needs engine_topk but has no int parameter 'k'"):
+            fetch_plan(["no_k"])
+    finally:
+        TRANSFORMS.unregister("my_head")
+        TRANSFORMS.unregister("no_k")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from offpolicy.registry import REQUIRED, BoundTransform, Transform, build_transform, describe_transform
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
     from offpolicy.batch import LogProbBatch
 
-__all__ = ["BUILTIN_TRANSFORMS", "apply_transforms", "forward_extras"]
+__all__ = ["BUILTIN_TRANSFORMS", "FetchPlan", "apply_transforms", "fetch_plan", "forward_extras"]
 
 DVP_RHO = math.exp(-13)  # the paper's ρ (offpolicy.corrections.vocabulary.DEFAULT_RHO)
 SCORE_CENTERING_K = 20  # vLLM's default max_logprobs
@@ -128,6 +129,52 @@ def _check_alp(p: Mapping[str, Any]) -> None:
 def _check_topk(p: Mapping[str, Any]) -> None:
     _int("topk_bounds", "k", p["k"], 1)
     _choice("topk_bounds", "bound", p["bound"], ("upper", "lower"))
+
+
+# -- what a host fetches from its engine, from the transforms' needs ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """What a run's transforms need a host to fetch besides π_θ (keys of :data:`offpolicy.registry.NEEDS`):
+    ``topk`` — the engine's top-K log-probs per sampled token (K; 0: none), ``logits`` — its full logits,
+    ``versions`` — per-token policy versions, ``hidden_states`` — hooks on the decoder layers, ``sampling_recipe``
+    — the engine's sampling recipe on both sides."""
+
+    topk: int = 0
+    logits: bool = False
+    versions: bool = False
+    hidden_states: bool = False
+    sampling_recipe: bool = False
+
+
+def fetch_plan(transforms: Sequence[BoundTransform | str | Mapping[str, Any]]) -> FetchPlan:
+    """The :class:`FetchPlan` of ``transforms``, read off each one's ``needs`` (never its name): a transform that
+    needs ``engine_topk`` says how many with its parameter ``k``; two that ask for different K are refused (the
+    engine reports one top-K per token).
+
+    >>> fetch_plan([{"name": "topk_bounds", "k": 8}, {"name": "score_centering", "source": "topk", "k": 8}, "alp"])
+    FetchPlan(topk=8, logits=False, versions=False, hidden_states=True, sampling_recipe=False)
+    >>> fetch_plan([{"name": "topk_bounds", "k": 8}, {"name": "score_centering", "source": "topk"}])
+    Traceback (most recent call last):
+    ...
+    ValueError: transforms.score_centering.k=20 and transforms.topk_bounds.k=8: the engine reports one top-K per token; make them equal
+    """
+    bound = [t if isinstance(t, BoundTransform) else build_transform(t) for t in transforms]
+    ks: dict[str, int] = {}
+    for t in bound:
+        if "engine_topk" in t.needs:
+            if not isinstance(t.params.get("k"), int):
+                raise ValueError(f"transform {t.name!r} needs engine_topk but has no int parameter 'k' (how many "
+                                 "log-probs per token to fetch)")
+            ks[t.name] = t.params["k"]
+    if len(set(ks.values())) > 1:
+        named = " and ".join(f"transforms.{n}.k={k}" for n, k in sorted(ks.items()))
+        raise ValueError(f"{named}: the engine reports one top-K per token; make them equal")
+    needs = {n for t in bound for n in t.needs}
+    return FetchPlan(topk=next(iter(ks.values()), 0), logits="engine_logits" in needs,
+                     versions="policy_versions" in needs, hidden_states="hidden_states" in needs,
+                     sampling_recipe="sampling_recipe" in needs)
 
 
 # -- the forward stage's results, by name (what a host's scoring writes into LogProbBatch.extras) ----------------------

@@ -26,6 +26,7 @@ from typing import Any
 
 from offpolicy.recipe.schema import RECIPE_KEYS, Recipe, needs
 from offpolicy.registry import NEEDS
+from offpolicy.transforms import fetch_plan
 
 __all__ = ["HOSTS", "OLD_SPELLINGS", "Host", "OldSpelling", "check_host", "trainer_tree", "trl_keywords",
            "verl_block"]
@@ -122,14 +123,13 @@ def _section(r: Recipe, name: str, off: Any = MISSING) -> Any:
 
 
 def _topk(r: Recipe) -> Any:
-    k = _param(r, "topk_bounds", "k", None)
-    centering = _param(r, "score_centering", "k", None)
-    if k is MISSING:
+    """The K log-probs per token the engine reports: what the transforms' needs ask for (engine_topk)."""
+    if not _given(r, "transforms"):
         return MISSING
-    if k is not None and centering is not None and k != centering:
-        raise ValueError(f"recipe: transforms.topk_bounds.k={k} and transforms.score_centering.k={centering}: the "
-                         "engine reports one top-K; make them equal")
-    return k if k is not None else (centering if centering is not None else 0)
+    try:
+        return fetch_plan(r.bound_transforms()).topk
+    except ValueError as err:
+        raise ValueError(f"recipe: {err}") from None
 
 
 def _present(r: Recipe, transform: str, yes: Any = True, no: Any = False) -> Any:
