@@ -129,6 +129,7 @@ from offpolicy.registry import (
     register_objective,
     register_transform,
 )
+from offpolicy.transforms import apply_transforms, fetch_plan
 
 # Rollout engines: one spec, one factory, a registry of backends (hf, vllm, llamacpp, server, and any registered)
 from offpolicy.rollout.factory import build_engine, register_engine
@@ -166,6 +167,7 @@ __all__ = [
     "Transform",
     "aggregate_log_ratio",
     "alp_policy_loss",
+    "apply_transforms",
     "approximate_proximal",
     "bernoulli_kl",
     "bernoulli_tv",
@@ -186,6 +188,7 @@ __all__ = [
     "dvp_bias_bound",
     "dvp_fields",
     "dvp_keep",
+    "fetch_plan",
     "find_decoder_layers",
     "gate",
     "gated_is",
