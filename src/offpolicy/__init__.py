@@ -129,7 +129,6 @@ from offpolicy.registry import (
     register_objective,
     register_transform,
 )
-from offpolicy.transforms import apply_transforms, fetch_plan
 
 # Rollout engines: one spec, one factory, a registry of backends (hf, vllm, llamacpp, server, and any registered)
 from offpolicy.rollout.factory import build_engine, register_engine
@@ -138,6 +137,7 @@ from offpolicy.topk_advice import TopKAdvice, topk_advice
 
 # The built-in log-prob transforms (DVP, sampling replay, score centering, π_prox, ALP, top-K bounds), described
 from offpolicy.transforms import BUILTIN_TRANSFORMS as _BUILTIN_TRANSFORMS  # noqa: F401 - registers them
+from offpolicy.transforms import apply_transforms, fetch_plan
 
 __version__ = "0.1.0"
 
