@@ -117,7 +117,9 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
 
     ``recipe=`` — a :class:`~offpolicy.Recipe`, a mapping or a YAML / JSON file path — sets the method in one
     schema instead of the keywords above; it is mapped onto them through one table
-    (:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`), and a keyword that says otherwise is refused naming both.
+    (:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`), and a keyword that says otherwise is refused naming both. A
+    recipe's plug-in transforms (:func:`offpolicy.register_transform`) run on every loss batch after the built-ins'
+    batch steps (:func:`offpolicy.transforms.apply_transforms`); one whose input this run cannot fetch is refused.
 
     ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
     the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
