@@ -137,6 +137,7 @@ from offpolicy.topk_advice import TopKAdvice, topk_advice
 
 # The built-in log-prob transforms (DVP, sampling replay, score centering, π_prox, ALP, top-K bounds), described
 from offpolicy.transforms import BUILTIN_TRANSFORMS as _BUILTIN_TRANSFORMS  # noqa: F401 - registers them
+from offpolicy.transforms import apply_transforms, fetch_plan
 
 __version__ = "0.1.0"
 
@@ -166,6 +167,7 @@ __all__ = [
     "Transform",
     "aggregate_log_ratio",
     "alp_policy_loss",
+    "apply_transforms",
     "approximate_proximal",
     "bernoulli_kl",
     "bernoulli_tv",
@@ -187,6 +189,7 @@ __all__ = [
     "dvp_bias_bound",
     "dvp_fields",
     "dvp_keep",
+    "fetch_plan",
     "find_decoder_layers",
     "gate",
     "gated_is",
