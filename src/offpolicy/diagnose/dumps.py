@@ -40,7 +40,6 @@ from offpolicy.ratios import per_sequence
 VERL_KEYS = {"rollout": "rollout_log_probs", "trainer": "old_log_probs", "ids": "responses", "mask": "response_mask"}
 TRL_KEYS = {"rollout": "sampling_per_token_logps", "trainer": "old_per_token_logps", "ids": "completion_ids",
             "mask": "completion_mask"}
-FORMATS = ("offpolicy", "verl", "trl")
 TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
