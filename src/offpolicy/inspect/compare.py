@@ -203,25 +203,12 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
                           generate_s=t1 - t0, score_s=t2 - t1, routing=routing)
 
 
-def compare_engines(
-    model: torch.nn.Module,
-    prompt_ids: list[list[int]],
-    rollout: EngineSpec,
-    trainer: EngineSpec,
-    sampling: SamplingConfig,
-    *,
-    tokenizer=None,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    topk: int = 20,
-    rollout_view: str = "full",
-    dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
-    dvp_coverage: float = DVP_COVERAGE,
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-    model_path: str | None = None,
-    engines: tuple | None = None,
-    sample_with: EngineSpec | None = None,
-) -> Measurements:
+def compare_engines(model: torch.nn.Module, prompt_ids: list[list[int]], rollout: EngineSpec, trainer: EngineSpec,
+                    sampling: SamplingConfig, *, tokenizer=None, seed: int = 0, ignore_eos: bool = False,
+                    topk: int = 20, rollout_view: str = "full", dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
+                    dvp_coverage: float = DVP_COVERAGE, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                    model_path: str | None = None, engines: tuple | None = None,
+                    sample_with: EngineSpec | None = None) -> Measurements:
     """Sample with ``rollout``, score with ``trainer``, compare at every response position (module docstring).
 
     ``prompt_ids``: token-id lists; ``sampling``: the rollout's sampling (``max_new_tokens``, temperature, truncation);

@@ -70,25 +70,12 @@ def _layer_rows(model: torch.nn.Module, longest: int, budget: int) -> int:
     return max(1, budget // per_row)
 
 
-def inspect_engines(
-    model: torch.nn.Module,
-    prompt_ids: list[list[int]],
-    rollout: EngineSpec,
-    trainer: EngineSpec,
-    sampling: SamplingConfig,
-    *,
-    tokenizer=None,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    topk: int = 20,
-    rollout_view: str = "full",
-    layers: bool = True,
-    layer_threshold: float = LAYER_THRESHOLD,
-    dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-    model_path: str | None = None,
-    sample_with: EngineSpec | None = None,
-) -> Measurements:
+def inspect_engines(model: torch.nn.Module, prompt_ids: list[list[int]], rollout: EngineSpec, trainer: EngineSpec,
+                    sampling: SamplingConfig, *, tokenizer=None, seed: int = 0, ignore_eos: bool = False,
+                    topk: int = 20, rollout_view: str = "full", layers: bool = True,
+                    layer_threshold: float = LAYER_THRESHOLD, dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
+                    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, model_path: str | None = None,
+                    sample_with: EngineSpec | None = None) -> Measurements:
     """:func:`~offpolicy.inspect.compare.compare_engines`, then (``layers``) the per-layer relative errors on the
     same sequences (:func:`~offpolicy.inspect.layers.layer_errors`; not for a vLLM rollout, whose internals are out of
     reach). Arguments as there; ``layer_threshold``: where a layer counts as divergent."""
