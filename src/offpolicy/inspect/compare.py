@@ -440,8 +440,3 @@ def _probe_full_distribution(engine) -> None:
         engine.reports_full_distribution = True
     except ServerError:  # the server caps K (--max-logprobs): top-k bounds instead
         engine.reports_full_distribution = False
-
-
-def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
-    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp); kept for benchmarks/engines.py."""
-    return _rollout_engine(model, spec, tokenizer, None, 1)
