@@ -18,6 +18,7 @@ from offpolicy.inspect.measurements import Measurements
 from offpolicy.inspect.routing_flips import recording_routes
 from offpolicy.inspect.specs import build_inspect_engine
 from offpolicy.inspect.vocabulary import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.objectives.base import check_positive
 from offpolicy.perturbation import find_decoder_layers
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
@@ -79,8 +80,7 @@ def inspect_engines(model: torch.nn.Module, prompt_ids: list[list[int]], rollout
     """:func:`~offpolicy.inspect.compare.compare_engines`, then (``layers``) the per-layer relative errors on the
     same sequences (:func:`~offpolicy.inspect.layers.layer_errors`; not for a vLLM rollout, whose internals are out of
     reach). Arguments as there; ``layer_threshold``: where a layer counts as divergent."""
-    if not (isinstance(layer_threshold, (int, float)) and layer_threshold > 0 and layer_threshold < float("inf")):
-        raise ValueError(f"layer_threshold must be a finite number > 0, got {layer_threshold!r}")
+    check_positive("layer_threshold", layer_threshold)
     t0 = time.perf_counter()
     roll_engine = None
     if rollout.backend == "hf":

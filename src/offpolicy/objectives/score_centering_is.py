@@ -42,12 +42,10 @@ scale — or, for a masked token, drop — the centring term) trains on A·(w_y 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from offpolicy.objectives.base import check_positive
+from offpolicy.objectives.base import check_nonnegative, check_positive
 from offpolicy.objectives.score_centering import _check_head, _check_pair, _head
 
 WEIGHTINGS = ("tis", "icepop", "none")
@@ -67,12 +65,10 @@ def check_weighting(weighting: object, lower: object, upper: object) -> tuple[st
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    for name, x in (("lower", lower), ("upper", upper)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
-    if lower > upper:  # type: ignore[operator]
+    lo, hi = check_nonnegative("lower", lower), check_nonnegative("upper", upper)
+    if lo > hi:
         raise ValueError(f"lower must be <= upper, got lower={lower!r}, upper={upper!r}")
-    return weighting, float(lower), float(upper)  # type: ignore[arg-type]
+    return weighting, lo, hi
 
 
 def is_weight(ratio: Tensor, weighting: str, lower: float, upper: float) -> Tensor:
