@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 import offpolicy as op
-from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats
+from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats, pad_time
 from offpolicy.inspect.routing_flips import RoutingFlips, recording_routes, route_flips
 from offpolicy.inspect.specs import build_inspect_engine
 from offpolicy.inspect.vocabulary import (
@@ -80,14 +80,6 @@ def _add_engine_noise(steps: list[Tensor], sigma: float, seed: int) -> list[Tens
         return steps
     gen = torch.Generator(device=steps[0].device).manual_seed(int(seed) + 7919)
     return [s + sigma * torch.randn(s.shape, generator=gen, device=s.device) for s in steps]
-
-
-def _pad_time(x: Tensor, t: int, value: float | int = 0) -> Tensor:
-    """Right-pad dim 1 of ``x`` to length ``t``."""
-    if x.shape[1] == t:
-        return x
-    pad = torch.full((x.shape[0], t - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
-    return torch.cat([x, pad], dim=1)
 
 
 def micro_batch_rows(prompt_len: int, max_new_tokens: int, vocab: int, budget: int) -> int:
@@ -379,11 +371,11 @@ def _collect(parts: dict[str, list[Tensor]], mb: _MicroBatch, per_pos: dict[str,
             continue
         full = torch.zeros((*mask.shape, *flat.shape[1:]), dtype=flat.dtype)
         full[mask] = flat.detach().to(full.dtype)
-        parts.setdefault(name, []).append(_pad_time(full, t_max))
-    parts.setdefault("mask", []).append(_pad_time(mask, t_max, False))
-    parts.setdefault("ids", []).append(_pad_time(mb.ids, t_max))
-    parts.setdefault("rollout_logp", []).append(_pad_time(mb.out.logp, t_max))
-    parts.setdefault("trainer_logp", []).append(_pad_time(mb.trainer_logp, t_max))
+        parts.setdefault(name, []).append(pad_time(full, t_max))
+    parts.setdefault("mask", []).append(pad_time(mask, t_max, False))
+    parts.setdefault("ids", []).append(pad_time(mb.ids, t_max))
+    parts.setdefault("rollout_logp", []).append(pad_time(mb.out.logp, t_max))
+    parts.setdefault("trainer_logp", []).append(pad_time(mb.trainer_logp, t_max))
 
 
 _OPTIONAL_TOKEN_FIELDS = ("kl", "kl_upper", "kl_reverse", "tv", "topk_overlap", "eps_max", "topk_ids",
