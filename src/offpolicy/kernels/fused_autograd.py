@@ -40,26 +40,22 @@ def _rows(x: Tensor | None, a: int, b: int) -> Tensor | None:
     return None if x is None else x[a:b]
 
 
-def _linear_tile(h: Tensor, weight_slice: Tensor, bias: Tensor | None, v0: int, inv_t: float,
-                 scratch: _Scratch) -> Tensor:
-    """z = (h Wᵀ + b) / τ of rows ``h`` and vocabulary slice ``weight_slice`` (from ``v0``), both already in the
-    compute dtype, in the scratch's ``logits`` buffer."""
-    logits_tile = scratch.new("logits", (h.shape[0], weight_slice.shape[0]), h.dtype, h.device)
+def _linear_tile(h: Tensor, w: Tensor, bias: Tensor | None, v0: int, inv_t: float, scratch: _Scratch) -> Tensor:
+    """z = (h wᵀ + b) / τ of rows ``h`` and the vocabulary slice ``w`` starting at ``v0`` (both in compute dtype)."""
+    tile = scratch.new("logits", (h.shape[0], w.shape[0]), h.dtype, h.device)
     if bias is None:
-        logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)
+        tile = torch.mm(h, w.t(), out=tile)
     else:  # a −inf bias entry (masked vocabulary) must not turn 0 · z into NaN
-        end = v0 + weight_slice.shape[0]
-        logits_tile = torch.addmm(bias[v0:end], h, weight_slice.t(), out=logits_tile).clamp_(min=_NEG_LOGIT)
-    return logits_tile.mul_(inv_t) if inv_t != 1.0 else logits_tile
+        tile = torch.addmm(bias[v0:v0 + w.shape[0]], h, w.t(), out=tile).clamp_(min=_NEG_LOGIT)
+    return tile.mul_(inv_t) if inv_t != 1.0 else tile
 
 
-def _logit_tile(logits: Tensor, a: int, c: int, v0: int, v1: int, dtype: torch.dtype, inv_t: float,
-                scratch: _Scratch) -> Tensor:
-    """z / τ of the given logits' tile, an owned copy in the compute dtype (the chunk math works in place); −inf
-    logits (masked vocabulary) become _NEG_LOGIT so that 0 · z terms (entropy, gradients) read 0, not NaN."""
-    logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
-    logits_tile.clamp_(min=_NEG_LOGIT)
-    return logits_tile.mul_(inv_t) if inv_t != 1.0 else logits_tile
+def _logit_tile(logits: Tensor, a: int, c: int, v0: int, v1: int, dtype, inv_t: float, scratch: _Scratch) -> Tensor:
+    """z / τ of a tile of given logits, an owned copy (the chunk math works in place); −inf logits (masked
+    vocabulary) become _NEG_LOGIT so that 0 · z terms (entropy, gradients) read 0, not NaN."""
+    tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
+    tile.clamp_(min=_NEG_LOGIT)
+    return tile.mul_(inv_t) if inv_t != 1.0 else tile
 
 
 def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, rollout, topk_logp, topk_ids, dtype):
