@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from offpolicy.lab.plots import pyplot
 from offpolicy.lab.stats import trailing_mean
 from offpolicy.train.logging import read_metrics
 
@@ -132,11 +133,7 @@ def summary_table(rows: list[dict[str, Any]], title: str = "offpolicy summary"):
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: str | Path) -> list[Path]:
     """One PNG per metric in :data:`PLOTS` (all runs overlaid) plus ``overview.png``; returns the written paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: never open a window
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -41,6 +41,16 @@ CURVES: tuple[tuple[str, str, str, str, float | None, bool], ...] = (
 )
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the headless Agg backend (a figure is written, never shown in a window)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(plt: Any, fig: Any, path: str | Path, *, dpi: int = 90, rect: tuple | None = None) -> Path:
     """Lay out (``tight_layout``, within ``rect`` when given), write ``path`` (creating its folder) and close."""
     fig.tight_layout(**({"rect": rect} if rect is not None else {}))
@@ -182,11 +192,7 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
     paired rule): ``final_reward.png`` then joins each seed's dots across the presets of a mismatch source. Returns
     the written paths, the overview first.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     presets = [p for p in presets if any((p, m) in groups for m in mismatches)]

@@ -179,12 +179,9 @@ def plot_staleness(report: dict[str, Any], path: str | Path, presets: Sequence[s
     """Two panels against the lag (log axis, sync period in steps): last-quarter reward and worst drawdown, median
     over seeds with min–max bars, one line per preset (``presets``: only these, in the report's order); the control's
     range as a grey band."""
-    import matplotlib
+    from offpolicy.lab.plots import preset_colors, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from offpolicy.lab.plots import preset_colors, save_figure
+    plt = pyplot()
 
     colors = preset_colors(report["presets"])
     shown = [p for p in report["presets"] if presets is None or p in presets]
