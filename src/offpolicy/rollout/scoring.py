@@ -19,11 +19,7 @@ from torch import Tensor
 from offpolicy.rollout.base import pad_ids
 from offpolicy.rollout.decode import cache_keyword
 from offpolicy.rollout.routing import replay_routes
-from offpolicy.rollout.sampling import (
-    SamplingConfig,
-    completion_history,
-    process_logits,
-)
+from offpolicy.rollout.sampling import SamplingConfig, completion_history, process_logits
 
 
 def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
