@@ -138,9 +138,6 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
 # Sources that are a whole real engine (combined with nothing)
 REAL_ENGINES = tuple(name for name in SOURCES if name.startswith(("gguf-", "vllm-", "moe-vllm-")))
 
-# Sources a user names explicitly; no setting runs them by default (logit noise is not a real engine's numerics).
-EXTRAS = ("noise",)
-
 
 def parse_mismatch(name: str) -> tuple[str, ...]:
     """The named sources of ``name`` (``"int8+kv4"`` → ``("int8", "kv4")``), in canonical order.

@@ -248,11 +248,6 @@ def parse_vllm_prompt_logprobs(answer: Any, ids: list[int], start: int, *, where
     return out
 
 
-def _truncation_width(cfg: SamplingConfig) -> int | None:
-    """The most tokens a top-k truncation can keep (None: no top-k)."""
-    return cfg.top_k
-
-
 def parse_vllm_completion(answer: Any, cfg: SamplingConfig, *, where: str = "request",
                           vocab_size: int | None = None) -> ServerCompletion:
     """Parse a vLLM ``/v1/completions`` answer (``choices[0].logprobs``: ``tokens`` as ``"token_id:<id>"``,
@@ -285,7 +280,7 @@ def parse_vllm_completion(answer: Any, cfg: SamplingConfig, *, where: str = "req
         if len(rows) != len(ids):
             raise ServerError(f"{w}.logprobs: {len(ids)} tokens but {len(rows)} top_logprobs entries")
         top_ids, top_logp = [], []
-        width = _truncation_width(cfg)
+        width = cfg.top_k  # the most tokens a top-k truncation keeps (None: no top-k)
         for j, row in enumerate(rows):
             wj = f"{w}.logprobs.top_logprobs[{j}]"
             if not isinstance(row, dict):
