@@ -134,9 +134,9 @@ def _vllm_row(model_name: str, spec_text: str, n_prompts: int, tokens: int) -> N
 def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0, *,
                    specs: tuple[str, ...] = MISMATCH_SPECS, header: bool = True) -> None:
     """Float64 full-vocabulary KL(μ‖π) of each engine in ``specs`` against the fp32 model."""
-    from offpolicy.inspect.compare import _llamacpp_engine
     from offpolicy.inspect.run import load_model, task_prompts
     from offpolicy.inspect.specs import build_inspect_engine, parse_spec
+    from offpolicy.rollout import build_engine
     from offpolicy.rollout.sampling import SamplingConfig
     from offpolicy.rollout.scoring import score_tokens
 
@@ -162,7 +162,7 @@ def mismatch_table(model_name: str, n_prompts: int, tokens: int, seed: int = 0, 
             log_mu = torch.full((*out.mask.shape, vocab), float("-inf"), dtype=torch.float64).scatter(
                 -1, out.topk_ids, out.topk_logp.double())
         elif spec.backend == "llamacpp":
-            engine = _llamacpp_engine(model, spec, tok)
+            engine = build_engine(spec, model=model, tokenizer=tok)
             out = engine.generate(prompts, SamplingConfig(max_new_tokens=tokens, logprobs_topk=vocab), seed=seed)
             engine.close()
             log_mu = torch.full((*out.mask.shape, vocab), float("-inf"), dtype=torch.float64).scatter(

@@ -41,7 +41,7 @@ COLUMNS = {
     "k3 KL": "sampling/k3_kl",
     "ratio min": "offpolicy/tis/raw_ratio_min",
     "ratio max": "offpolicy/tis/raw_ratio_max",
-    "TIS capped": "offpolicy/tis/clipped_frac",
+    "TIS capped": "offpolicy/tis/capped_frac",
     "weight mean": "offpolicy/tis/weight_mean",
     "reward": "reward",
 }

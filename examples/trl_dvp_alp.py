@@ -39,7 +39,7 @@ from offpolicy.models import RECIPES, get_recipe, load_model
 from offpolicy.rollout.hf import HFRolloutEngine
 
 COLUMNS = {"reward": "reward", "dvp/mass_mean": "offpolicy/dvp/mass_mean", "dvp/mass_min": "offpolicy/dvp/mass_min",
-           "dvp/outside": "offpolicy/dvp/outside_frac", "alp/σ_mean": "offpolicy/alp/sigma_mean",
+           "dvp/outside": "offpolicy/dvp_keep/masked_frac", "alp/σ_mean": "offpolicy/alp/sigma_mean",
            "ratio min": "offpolicy/loss/ratio_min", "ratio max": "offpolicy/loss/ratio_max"}
 
 

@@ -33,10 +33,10 @@ COLUMNS = {  # TRL's log names (docs/metrics.md)
     "baseline": "sync/baseline",                     # the same before any sync: the engine's own numerics
     "check s": "sync/seconds",                       # what the check cost
     "|Δlogp|": "sampling/sampling_logp_difference/mean",  # μ vs π_old on the sampled tokens
-    "TIS capped": "offpolicy/tis/clipped_frac",
+    "TIS capped": "offpolicy/tis/capped_frac",
     "TIS w mean": "offpolicy/tis/weight_mean",
     "KL bound max": "offpolicy/topk/kl_upper_max",   # TRM's certified bound, largest token
-    "TRM kept": "offpolicy/trm/accept_rate",
+    "TRM dropped": "offpolicy/trm/masked_seq_frac",  # the share of sequences TRM drops
     "reward": "reward",
 }
 
@@ -95,9 +95,9 @@ def main() -> None:
           f"trainer on the probe (its own numerics: {last['sync/baseline']:.3g}); the check took "
           f"{sum(h['sync/seconds'] for h in rows) / len(rows):.2f} s per sync, the push "
           f"{sum(h['sync/push_seconds'] for h in rows) / len(rows):.2f} s")
-    print(f"TIS: capped {100 * last['offpolicy/tis/clipped_frac']:.1f} % of the tokens' weights at 2 (mean weight "
+    print(f"TIS: capped {100 * last['offpolicy/tis/capped_frac']:.1f} % of the tokens' weights at 2 (mean weight "
           f"{last['offpolicy/tis/weight_mean']:.4f}): the bf16 mismatch is small")
-    print(f"TRM: kept {100 * last['offpolicy/trm/accept_rate']:.0f} % of the sequences; the top-{cli.topk} held "
+    print(f"TRM: kept {100 * (1 - last['offpolicy/trm/masked_seq_frac']):.0f} % of the sequences; the top-{cli.topk} held "
           f"{100 * last['offpolicy/topk/head_mass']:.2f} % of μ")
     if advice is not None:
         print(f"top-K diagnosis: {advice.message()}")

@@ -9,6 +9,7 @@ advantages and the sync check after every weight sync (``sync/*`` in verl's cons
     python examples/verl_end_to_end.py --dvp 1e-3           # DVP: vLLM samples with min-p, the actor scores likewise
     python examples/verl_end_to_end.py --precision bf16     # verl's own defaults: bf16 compute, bf16 rollout
     python examples/verl_end_to_end.py --correction calibrated_is  # another correction by name (default: TIS)
+    python examples/verl_end_to_end.py --correction delight --loss-mode offpolicy_calibrated_clip  # and a policy loss
     python examples/verl_end_to_end.py --model lab-moe      # the mixture-of-experts lab model on its pattern task
     python examples/verl_end_to_end.py --loop one_step_off_policy --steps 2  # verl's one-step off-policy loop
     python examples/verl_end_to_end.py --loop fully_async --steps 3          # verl's fully async loop
@@ -114,7 +115,8 @@ def model_copy(folder: Path, model: str = "tiny") -> Path:
 
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
               ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
-              precision: str = "fp32", correction: str = TIS, loop: str = "main_ppo") -> list[str]:
+              precision: str = "fp32", correction: str = TIS, loss_mode: str | None = None,
+              loop: str = "main_ppo") -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
     default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
     bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
@@ -124,7 +126,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     ``dvp``: DVP's ρ — the plug-in's agent loop (``offpolicy_agent``) asks vLLM to sample with ``min_p = ρ`` and the
     actor scores over its own min-p safe set (``OFFPOLICY_VERL: {sampling: {min_p: ρ}}``). ``correction``: the
     plug-in's correction after verl's advantages, as ``OFFPOLICY_VERL``'s ``correction`` value in YAML (a name such
-    as ``calibrated_is``, a mapping with its parameters, or a list of either). ``loop``: verl's loop —
+    as ``calibrated_is``, a mapping with its parameters, or a list of either). ``loss_mode``: verl's policy loss
+    (``actor_rollout_ref.actor.policy_loss.loss_mode``), e.g. one the plug-in registers (``offpolicy_calibrated_clip``);
+    None: verl's default. ``loop``: verl's loop —
     ``main_ppo`` (synchronous, the plug-in's trainer by ``trainer.v1.trainer_mode``), ``one_step_off_policy`` or
     ``fully_async`` (the trainer and one vLLM server apart, on one more logical GPU, the weights over the test
     kit's CPU checkpoint engine: :func:`offpolicy_testkit.verl_async.loop_overrides`)."""
@@ -183,6 +187,8 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
                 "actor_rollout_ref.rollout.dtype=float32"]
     else:  # verl's defaults, said out loud: bf16 compute over fp32 master weights, a bf16 engine
         out += ["actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
+    if loss_mode is not None:  # the plug-in's losses are registered by its external_lib in every worker
+        out += [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"]
     if dvp is not None:
         out += ["actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent",
                 "actor_rollout_ref.model.use_fused_kernels=false"]
@@ -215,13 +221,14 @@ def parse_log(text: str) -> dict:
             "replicas": int(last.get("sync/replicas", 1)),
             "checks_run": len(re.findall(r"sync check after the weight sync of step \d+", text)),
             "sync_ok": [s[1].get("sync/ok") for s in steps],
-            "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")}}
+            "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")},
+            "metrics": [s[1] for s in steps]}
 
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
         dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny",
-        loop: str = "main_ppo") -> dict:
+        loss_mode: str | None = None, loop: str = "main_ppo") -> dict:
     """Run ``python -m verl.trainer.main_ppo`` (``loop="main_ppo"``; another loop: through the plug-in's entry point
     ``python -m offpolicy.integrations.verl.async_loops LOOP``) in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
@@ -243,7 +250,7 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
     entry = ["verl.trainer.main_ppo"] if loop == "main_ppo" else ["offpolicy.integrations.verl.async_loops", loop]
     command = [sys.executable, "-m", *entry,
                *overrides(model_dir, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
-                         precision, correction, loop)]
+                         precision, correction, loss_mode, loop)]
     log = log or folder / f"{loop}.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -351,10 +358,12 @@ def main() -> int:
                         help="verl's loop: synchronous main_ppo, or an asynchronous one (the trainer and vLLM apart)")
     parser.add_argument("--correction", default=TIS,
                         help="the plug-in's correction in YAML: a name (calibrated_is, delight, …) or a mapping")
+    parser.add_argument("--loss-mode", default=None,
+                        help="verl's policy loss, e.g. offpolicy_calibrated_clip (default: verl's own)")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
                  sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision,
-                 correction=args.correction, model=args.model, loop=args.loop)
+                 correction=args.correction, model=args.model, loss_mode=args.loss_mode, loop=args.loop)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

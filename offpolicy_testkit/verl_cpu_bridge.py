@@ -17,8 +17,10 @@ otherwise it
 3. replaces ``vLLMColocateWorkerExtension.update_weights_from_ipc`` (verl/workers/rollout/vllm_rollout/utils.py), in
    the vLLM process only: it receives the buckets as verl's does (``BucketedWeightReceiver``) and loads them with the
    worker's ``reload_weights(weights_iterator=…)`` instead of ``model.load_weights`` per bucket, which fails on the
-   CPU backend once its layers have been repacked (``'Parameter' object has no attribute 'weight_loader'``) — the
-   path :func:`offpolicy.rollout.vllm.push_weights` takes on vLLM's CPU backend too;
+   CPU backend once its layers have been repacked (``'Parameter' object has no attribute 'weight_loader'``), then
+   prepacks a mixture-of-experts model's experts again (:func:`offpolicy.rollout.vllm.repack_cpu_experts`: the
+   reload leaves them unpacked) — the path :func:`offpolicy.rollout.vllm.push_weights` takes on vLLM's CPU backend
+   too;
 4. switches verl's TRL check off (``verl.models.transformers.monkey_patch.is_trl_available``: it patches TRL's
    ``AutoModelForCausalLMWithValueHead``, which TRL ≥ 1.0 no longer has);
 5. has verl's ``initialize_global_process_group_ray`` (verl/utils/distributed.py) ask torch for ``cpu:gloo`` where
@@ -91,7 +93,8 @@ def update_weights_from_ipc_cpu(self: Any, peft_config: dict | None = None, base
                                 use_shm: bool = False) -> None:
     """Stands in for verl 0.9.1's ``vLLMColocateWorkerExtension.update_weights_from_ipc`` on vLLM's CPU backend:
     every bucket received (verl's ``BucketedWeightReceiver``, copied out of its reused buffer), then one
-    ``reload_weights(weights_iterator=…)`` of the worker (vLLM's own reload, which reprocesses the layers)."""
+    ``reload_weights(weights_iterator=…)`` of the worker (vLLM's own reload, which reprocesses the layers) and the
+    MoE experts prepacked again."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
     if peft_config:
@@ -104,7 +107,13 @@ def update_weights_from_ipc_cpu(self: Any, peft_config: dict | None = None, base
     receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"), use_shm=use_shm)
     receiver.receive_weights(on_bucket_received=on_bucket_received)
     self.reload_weights(weights_iterator=iter(received))
-    logger.info("offpolicy CPU bridge: %d tensors reloaded into vLLM's CPU worker", len(received))
+    # vLLM 0.32's CPU reload leaves a mixture-of-experts model's fused experts unpacked: prepack them as the first
+    # load did (what offpolicy.rollout.vllm.push_weights does after its reload)
+    from offpolicy.rollout.vllm import repack_cpu_experts
+
+    repacked = repack_cpu_experts(self.model_runner.model)
+    logger.info("offpolicy CPU bridge: %d tensors reloaded into vLLM's CPU worker (%d MoE layers repacked)",
+                len(received), repacked)
 
 
 def _gloo_only(initialize: Any) -> Any:

@@ -178,7 +178,7 @@ def draw_choosing_flowchart(path: Path) -> None:
         ("entropy collapses", "entropy · actor/entropy\nand the clipped share", "token TIS;\nsampling replay or DVP"),
         ("response length blows up", "completions/mean_length ·\nresponse_length/mean, k3 vs length",
          "a length-neutral test:\nLN-TRM, TRM-Avg, geo. IS"),
-        ("sequence test drops most\nsequences", "offpolicy/trm/accept_rate ·\nrollout_corr/trm/accept_rate < 0.7",
+        ("sequence test drops most\nsequences", "offpolicy/trm/masked_seq_frac ·\nrollout_corr/trm/masked_seq_frac > 0.3",
          "TRM-Avg, LN-TRM, or\noffpolicy inspect's δ"),
     ]
     fig, ax = plt.subplots(figsize=(10, 6.6))

@@ -36,7 +36,7 @@ def test_readme_five_lines():
 
     assert loss.item() == 0.0
     assert torch.allclose(logp.grad, -adv[:, None].expand(2, 3) / 6)
-    assert metrics["chain/kept_token_frac"].item() == 1.0
+    assert metrics["chain/kept_frac"].item() == 1.0  # on policy: nothing masked or capped
     assert all(isinstance(v, torch.Tensor) for v in metrics.values())
 
 

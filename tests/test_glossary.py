@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.glossary import DIAGNOSTICS, ENTRIES, lookup
+from offpolicy.glossary import DIAGNOSTICS, ENTRIES, IS_NAMES, KL_MODES, RENAMED, lookup
 from offpolicy.metrics import METRIC_NAMES, NAMINGS
 from offpolicy.registry import CORRECTIONS, OBJECTIVES, build_correction
 
@@ -87,7 +87,7 @@ def test_every_key_the_trainer_logs_is_known():
                 "algorithm.group_size=2", "rollout.sampling.max_new_tokens=4", *CONTROLLERS.get(preset, [])])
             seen |= set(train(cfg).history[0])
     assert unknown(seen) == []
-    assert {"alp/sigma_mean", "control/trm_max_kl", "dvp/mass_min", "trm/accept_rate"} <= seen  # the runs covered them
+    assert {"alp/sigma_mean", "control/trm_max_kl", "dvp/mass_min", "trm/masked_seq_frac"} <= seen  # the runs covered them
 
 
 def test_every_metric_the_guide_names_is_in_the_glossary():
@@ -100,3 +100,31 @@ def test_every_metric_the_guide_names_is_in_the_glossary():
     keys = [k for line in rows for k in re.findall(r"`([^`]+)`", line)]
     trl_own = {"grad_norm"}  # TRL's and ms-swift's own (the HF Trainer's) gradient norm
     assert len(keys) > 10 and unknown(k for k in keys if k not in trl_own) == []
+
+
+def _instances(name: str) -> list[str]:
+    """A renamed-table name with its placeholder filled in every way (``<is>/x`` → ``tis/x``, ``mis/x``, …)."""
+    for placeholder, names in (("<is>", IS_NAMES), ("<kl_mode>", KL_MODES)):
+        if placeholder in name:
+            return [name.replace(placeholder, n) for n in names]
+    return [name]
+
+
+def test_no_correction_logs_a_renamed_metric_and_every_new_name_is_known():
+    import re
+
+    name = re.compile(r"[<\w>]+(?:/\w+)+")
+    logged: set[str] = set()
+    for correction in CORRECTIONS.names():
+        spec = {"name": correction, **EXAMPLES.get(correction, {})}
+        logged |= set(op.chain(build_correction(spec))(_batch()).metrics)
+    for mode in KL_MODES:
+        logged |= set(op.kl_rejection(mode, upper=0.1)(_batch()).metrics)
+    assert len(RENAMED) >= 10
+    for old, new in RENAMED:
+        gone = set(_instances(name.findall(old)[0]))
+        replacements = [k for found in name.findall(new) for k in _instances(found)]
+        if not gone & set(replacements):  # a name kept with a new meaning (kept_frac) is still logged
+            assert not gone & logged, old
+        assert replacements and unknown(replacements) == [], new
+        assert all(k in logged for k in replacements), new  # what says it now is logged

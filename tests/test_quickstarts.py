@@ -31,10 +31,11 @@ def test_the_trl_quickstart_corrects_a_real_mismatch(tmp_path):
     k3 = [r["sampling/k3_kl"] for r in rows]
     # step 1: a synced bf16 engine, numerics only; step 4: three steps of lag — a mismatch TIS has to act on
     assert 0 < k3[0] < 1e-2 and k3[3] > 20 * k3[0] and k3[1] < k3[2] < k3[3]
-    for r in rows:  # TIS's own bookkeeping: w = min(ρ, 2), every token kept, capped iff some ratio passed the cap
-        assert r["offpolicy/tis/kept_frac"] == 1.0
+    for r in rows:  # TIS's own bookkeeping: w = min(ρ, 2), nothing masked, capped iff some ratio passed the cap
+        assert r["offpolicy/tis/masked_frac"] == 0.0
+        assert r["offpolicy/tis/kept_frac"] + r["offpolicy/tis/capped_frac"] == pytest.approx(1.0)
         assert r["offpolicy/tis/weight_mean"] <= r["offpolicy/tis/raw_ratio_mean"] + 1e-6
-        assert (r["offpolicy/tis/clipped_frac"] > 0) == (r["offpolicy/tis/raw_ratio_max"] > 2.0)
+        assert (r["offpolicy/tis/capped_frac"] > 0) == (r["offpolicy/tis/raw_ratio_max"] > 2.0)
     ours = [k for k in rows[0] if k.startswith(("offpolicy/", "sampling/"))]
     assert len(ours) > 30 and [k for k in ours if lookup(k) is None] == []
 
@@ -51,7 +52,7 @@ def test_the_trl_examples_take_the_mixture_of_experts_lab_model(tmp_path):
     row = rows[0]
     # the bf16 engine on lab-moe against the fp32 trainer: a real mismatch (bf16 rounding, experts flipped at
     # near-ties), and TIS's bookkeeping on it
-    assert 0 < row["sampling/k3_kl"] < 1e-2 and row["offpolicy/tis/kept_frac"] == 1.0
+    assert 0 < row["sampling/k3_kl"] < 1e-2 and row["offpolicy/tis/masked_frac"] == 0.0
     assert row["offpolicy/tis/weight_mean"] <= row["offpolicy/tis/raw_ratio_mean"] + 1e-6
     for name in ("quickstart_trl", "trl_dvp_alp"):  # both take it by name where they take lab
         out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), "--help"], capture_output=True,

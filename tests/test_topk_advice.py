@@ -80,7 +80,7 @@ def test_trm_on_the_upper_bound_never_keeps_more_than_the_certifiable_fraction(v
     batch = LogProbBatch(logp=torch.zeros(3, 5), rollout_logp=torch.zeros(3, 5), mask=mask.float(),
                          token_divergence=upper, token_divergence_kind="topk")
     for max_kl, avg_kl in [(0.05, 0.001), (0.5, None), (None, 0.1)]:
-        accepted = float(trm(max_kl=max_kl, avg_kl=avg_kl)(batch).metrics["trm/accept_rate"])
+        accepted = 1.0 - float(trm(max_kl=max_kl, avg_kl=avg_kl)(batch).metrics["trm/masked_seq_frac"])
         advice = topk_advice(lower, upper, mask, top.values, max_kl=max_kl, avg_kl=avg_kl)
         assert accepted <= advice.certifiable + 1e-6
 

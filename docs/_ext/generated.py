@@ -164,7 +164,7 @@ FRAMEWORK_KEYS = {
 TRL_SYNC_KEYS = ("gap", "baseline", "threshold", "ratio", "engine_motion", "stale_fraction", "ok", "seconds",
                  "push_seconds")
 # Correction families whose metrics verl's driver logs under rollout_corr/ (the correction runs once per step there).
-VERL_CORRECTION_FAMILIES = ("<is>", "gated_is", "opsm", "veto", "trm", "ln_trm", "ser", "<kl_mode>", "chain", "dvp")
+VERL_CORRECTION_FAMILIES = ("<correction>", "<is>", "gated_is", "opsm", "veto", "trm", "ln_trm", "ser", "<kl_mode>", "chain", "dvp")
 
 
 def _framework_keys(entry) -> tuple[str, str]:
@@ -198,12 +198,28 @@ def glossary_entries(prefix: str = "") -> str:
         cells = " | ".join(_key(k) if k else "–" for k in (own, trl, verl))
         rows.append(f"| {cells} | {_cell(e.means)} | {_cell(values.get(e.key, ''))} |")
     rows.append("")
-    rows.append(f"`<is>` is one of {', '.join(f'`{n}`' for n in IS_NAMES)}; `<kl_mode>` one of "
+    rows.append("`<correction>` is any correction's name: its registered name (`tis`, `opsm`, …; a `kl_rejection`'s "
+                "is its mode), `chain` for a chain of several, the `name=` you gave, and `correction` for the "
+                "reference trainer's whole correction (the trainer only). "
+                f"`<is>` is one of {', '.join(f'`{n}`' for n in IS_NAMES)}; `<kl_mode>` one of "
                 f"{', '.join(f'`{n}`' for n in KL_MODES)}; `<layer>` a layer index; `<bin>` a position bin "
                 "(`pos00008-00015`). The TRL trainer logs offpolicy's keys under `offpolicy/` "
-                "(`offpolicy/tis/clipped_frac`) beside TRL's own; verl's driver logs a correction's keys under "
+                "(`offpolicy/tis/capped_frac`) beside TRL's own; verl's driver logs a correction's keys under "
                 "`rollout_corr/`, and the policy loss's `loss/…` keys as the loss returns them. `report.json` keys are "
                 "written by `offpolicy inspect`. A blank \"measured here\" cell: not measured in the lab.")
+    return "\n".join(rows)
+
+
+def glossary_renamed(prefix: str = "") -> str:
+    """The correction metrics renamed when every correction came to log the same four names (``glossary.RENAMED``)."""
+    from offpolicy.glossary import RENAMED
+
+    def code(text: str) -> str:  # every metric name as code (a bare <is> would be an HTML tag)
+        return _cell(re.sub(r"([<\w>]+(?:/\w+)+)", r"`\1`", text))
+
+    rows = ["| old name | what says it now |", "|---|---|"]
+    for old, new in RENAMED:
+        rows.append(f"| {code(old)} | {code(new)} |")
     return "\n".join(rows)
 
 
@@ -250,6 +266,7 @@ BLOCKS: dict[str, Callable[..., str]] = {
     "versions": versions,
     "glossary_diagnostics": glossary_diagnostics,
     "glossary_entries": glossary_entries,
+    "glossary_renamed": glossary_renamed,
 }
 
 

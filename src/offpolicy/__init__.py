@@ -20,7 +20,7 @@ from offpolicy.binary import bernoulli_kl, bernoulli_tv
 
 # Full-distribution methods: divergences, fused kernels, bounds
 from offpolicy.bounds import dvp_bias_bound, mismatch_envelope, trm_bounds
-from offpolicy.corrections.base import Correction, CorrectionResult, chain
+from offpolicy.corrections.base import Correction, CorrectionResult, chain, drop_metrics
 
 # Calibrated importance sampling (a cap tighter for confident tokens)
 from offpolicy.corrections.calibrated import calibrated_is
@@ -137,6 +137,7 @@ from offpolicy.topk_advice import TopKAdvice, topk_advice
 
 # The built-in log-prob transforms (DVP, sampling replay, score centering, π_prox, ALP, top-K bounds), described
 from offpolicy.transforms import BUILTIN_TRANSFORMS as _BUILTIN_TRANSFORMS  # noqa: F401 - registers them
+from offpolicy.transforms import apply_transforms, fetch_plan
 
 __version__ = "0.1.0"
 
@@ -166,6 +167,7 @@ __all__ = [
     "Transform",
     "aggregate_log_ratio",
     "alp_policy_loss",
+    "apply_transforms",
     "approximate_proximal",
     "bernoulli_kl",
     "bernoulli_tv",
@@ -183,9 +185,11 @@ __all__ = [
     "divergence_fields",
     "divergence_kind",
     "dr_grpo_advantages",
+    "drop_metrics",
     "dvp_bias_bound",
     "dvp_fields",
     "dvp_keep",
+    "fetch_plan",
     "find_decoder_layers",
     "gate",
     "gated_is",

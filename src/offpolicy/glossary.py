@@ -14,8 +14,8 @@ Three kinds of keys, looked up by :func:`lookup`:
 What the project measured for a metric is not shipped here: docs/_ext/generated.py reads it from the JSON under
 docs/data/ (docs/data/glossary/measured.json, docs/data/sync_check/*.json) into the glossary's "measured here" column.
 
->>> lookup("offpolicy/tis/clipped_frac").key, lookup("sampling/k3_kl").key
-('<is>/clipped_frac', 'k3_kl')
+>>> lookup("offpolicy/tis/capped_frac").key, lookup("sampling/k3_kl").key
+('<correction>/capped_frac', 'k3_kl')
 >>> lookup("no/such/metric") is None
 True
 """
@@ -117,51 +117,46 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("loss/calibrated_widened_low", "calibrated_clip: 1 when the batch's π_old/μ quantile widened ε_low past "
           "its floor (per minibatch; the step's mean is the share of minibatches widened)"),
     Entry("loss/calibrated_widened_high", "calibrated_clip: the same for ε_high"),
-    # -- corrections -----------------------------------------------------------------------------------------------
+    # -- what every correction drops or caps (offpolicy.corrections.base.drop_metrics) --------------------------------
+    Entry("<correction>/kept_frac", "share of valid tokens the correction leaves as they were: neither masked nor "
+          "capped (kept + masked + capped = 1; a reweighted token, as the delight gate's, counts as kept)"),
+    Entry("<correction>/masked_frac", "share of valid tokens the correction drops from the loss (weight · keep = 0); "
+          "a dropped sequence counts each of its tokens"),
+    Entry("<correction>/capped_frac", "share of valid tokens still in the loss whose weight was truncated to a bound "
+          "(TIS, calibrated IS, gated_is in truncate mode; 0 for a mask)"),
+    Entry("<correction>/masked_seq_frac", "share of sequences (with ≥ 1 valid token) whose every token the correction "
+          "drops (TRM's acceptance rate is 1 − it)"),
+    # -- each correction's own -------------------------------------------------------------------------------------
     Entry("<is>/raw_ratio_mean", "mean ratio π_old/μ (or π_θ/μ with source=total) before the correction"),
     Entry("<is>/raw_ratio_max", "largest ratio before the correction"),
     Entry("<is>/raw_ratio_min", "smallest ratio before the correction"),
     Entry("<is>/weight_mean", "mean weight after the correction"),
-    Entry("<is>/kept_frac", "share of valid tokens the correction keeps"),
-    Entry("<is>/clipped_frac", "share of valid tokens whose weight was truncated or masked"),
     Entry("<is>/nonfinite_frac", "share of valid tokens with a non-finite ratio (dropped)"),
     Entry("calibrated_is/cap_mean", "mean per-token cap 1 + λ·max(1 − π_old(y), κ) of calibrated IS"),
     Entry("delight/weight_mean", "mean delight gate σ(A·(−log π)/η) over valid tokens (0 where dropped)"),
-    Entry("delight/kept_frac", "share of valid tokens the delight gate keeps (all with a finite surprisal)"),
     Entry("delight/suppressed_frac", "share of valid tokens with negative delight (gate < ½: surprising failures)"),
     Entry("delight/delight_mean", "mean delight A·(−log π(y)) over valid tokens"),
     Entry("delight/surprisal_mean", "mean surprisal −log π(y) over valid tokens"),
     Entry("delight/nonfinite_frac", "share of valid tokens with a non-finite surprisal or advantage (dropped)"),
-    Entry("gated_is/filter_frac", "share of units (tokens or sequences) the gate drops"),
     Entry("gated_is/stat_mean", "mean of the gated statistic (ratio, binary KL or TV)"),
     Entry("gated_is/stat_max", "largest gated statistic"),
-    Entry("opsm/masked_seq_frac", "share of sequences OPSM drops (A < 0 and mean log(μ/π_θ) > δ)"),
     Entry("opsm/stat_mean", "mean over sequences of mean_t log(μ/π_θ)"),
     Entry("opsm/mismatch_term_mean", "the part of OPSM's statistic from μ vs π_old (the engines' mismatch)"),
     Entry("opsm/staleness_term_mean", "the part from π_old vs π_θ (the policy's movement within the step)"),
-    Entry("veto/vetoed_seq_frac", "share of sequences dropped because a token ratio is below τ"),
-    Entry("trm/accept_rate", "share of sequences TRM keeps"),
     Entry("trm/max_divergence_mean", "mean over sequences of max_t KL_t"),
     Entry("trm/avg_divergence_mean", "mean over sequences of mean_t KL_t"),
     Entry("trm/divergence_exact", "1 when TRM tested the exact per-token KL from the logits"),
     Entry("trm/divergence_topk", "1 when TRM tested the engine's top-K bound"),
     Entry("trm/divergence_k_estimator", "1 when TRM fell back to the k-estimators of the sampled token"),
-    Entry("ln_trm/accept_rate", "share of sequences LN-TRM keeps"),
     Entry("ln_trm/stat_mean", "mean of LN-TRM's length-neutral statistic"),
-    Entry("ser/accept_rate", "share of sequences SER keeps"),
     Entry("ser/stat_mean", "mean of SER's statistic"),
-    Entry("<kl_mode>/rejected_frac", "share rejected by verl's k2 / k3 rejection mode (the key is the mode)"),
     Entry("<kl_mode>/stat_mean", "mean of the k2 / k3 statistic of that mode"),
-    Entry("m2po/masked_frac", "share of tokens M2PO drops"),
     Entry("m2po/candidate_frac", "share of tokens in PPO's active quadrants (the candidates M2PO may drop)"),
     Entry("m2po/m2_before", "second moment of log(π_θ/μ) over the candidates before masking"),
     Entry("m2po/m2_after", "second moment after masking (≤ τ)"),
-    Entry("chain/kept_token_frac", "share of valid tokens the whole correction chain keeps"),
-    Entry("correction/masked_frac", "share of valid tokens the correction chain drops", "trainer"),
     # -- vocabulary, ALP, score centering, top-K --------------------------------------------------------------------
     Entry("dvp/mass_mean", "mean probability mass of the trainer's min-p safe set"),
     Entry("dvp/mass_min", "smallest safe-set mass (DVP's bias bound uses it)"),
-    Entry("dvp/outside_frac", "share of sampled tokens outside the trainer's safe set (they leave the loss)"),
     Entry("alp/sigma_mean", "mean learnable noise scale σ over the perturbed layers"),
     Entry("alp/sigma_min", "smallest σ"),
     Entry("alp/sigma_max", "largest σ"),
@@ -203,6 +198,10 @@ ENTRIES: tuple[Entry, ...] = (
           "exist)", "trainer"),
     Entry("mismatch/by_position/<stat>/<bin>", "the mismatch statistic (kl, k2_kl, k3_kl, kl_exact, "
           "logp_abs_diff_mean, tokens) over the response positions of one doubling bin", "trainer"),
+    # -- mixture of experts: routing flips ---------------------------------------------------------------------------
+    Entry("routing/flip_rate", "MoE: share of the (position, layer) slots the engine routed whose top-k expert set "
+          "π_old's router picks differently (not logged where the engine records no routes)", "trainer"),
+    Entry("routing/flip_rate/layer<n>", "the same share in MoE layer n alone (router order, from 0)", "trainer"),
     # -- verl's own names for the plug-in's loss ---------------------------------------------------------------------
     Entry("actor/grad_norm", "gradient norm before clipping (verl's name)", "verl"),
     Entry("actor/pg_clipfrac", "share of tokens where PPO's clip is active (verl's name)", "verl"),
@@ -232,16 +231,35 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("inspect:k3_kl", "k3 estimate of KL(μ‖π) from the sampled tokens", "inspect"),
 )
 
+# Names that corrections logged before every correction answered with drop_metrics, and what says it now: docs/metrics.md
+# prints this table ("old name → new name"); tests/test_glossary.py checks that no correction logs an old name and that
+# every new one is known.
+RENAMED: tuple[tuple[str, str], ...] = (
+    ("<is>/clipped_frac", "<is>/masked_frac + <is>/capped_frac"),
+    ("<is>/kept_frac (a capped token counted as kept)", "<is>/kept_frac + <is>/capped_frac"),
+    ("gated_is/filter_frac (OpenRLHF's is_filter_ratio)", "gated_is/masked_frac (+ gated_is/capped_frac in truncate "
+     "mode); gated_is/masked_seq_frac at the sequence levels"),
+    ("veto/vetoed_seq_frac", "veto/masked_seq_frac"),
+    ("trm/accept_rate", "1 − trm/masked_seq_frac"),
+    ("ln_trm/accept_rate", "1 − ln_trm/masked_seq_frac"),
+    ("ser/accept_rate", "1 − ser/masked_seq_frac"),
+    ("<kl_mode>/rejected_frac", "<kl_mode>/masked_frac (token modes); <kl_mode>/masked_seq_frac (sequence modes)"),
+    ("chain/kept_token_frac", "1 − chain/masked_frac"),
+    ("dvp/outside_frac", "dvp_keep/masked_frac"),
+)
+
 IS_NAMES = ("tis", "mis", "geo_mask", "icepop", "importance", "gated_is", "calibrated_is")
 KL_MODES = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
             "seq_max_k3")
 _PLACEHOLDERS = {
+    "<correction>": "[^/]+",  # any correction's name: registered, chain, the trainer's correction, or a name= given
     "<is>": "(?:" + "|".join(IS_NAMES) + ")",
     "<kl_mode>": "(?:" + "|".join(KL_MODES) + ")",
     "<layer>": "[^/]+",
     "<stat>": "[^/]+",
     "<bin>": r"pos\d+-\d+",
     "<d>": r"\d+",
+    "<n>": r"\d+",
 }
 
 

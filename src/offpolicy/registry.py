@@ -262,8 +262,11 @@ class Transform:
     ``provides``: what it changes (``"logp"``, ``"token_divergence"``, ``"old_logp"``); ``corrections``: corrections
     it puts first in the chain (DVP's ``dvp_keep`` drops tokens outside the trainer's support); ``apply``:
     ``(batch: LogProbBatch, **params) -> LogProbBatch`` for a transform a host runs on the batch before the loss
-    (a plug-in's), None for the built-in ones, which each host computes in its own scoring; ``check``: raises a
-    ``ValueError`` naming a parameter whose value is out of range.
+    (a plug-in's), None for the built-in ones; ``on_batch``: a built-in's batch step, the same signature, which
+    finishes on the batch what the host's scoring forward computed from the logits (score centering's centre put
+    into the log-probs' gradient, top-K TRM's bound chosen) — :func:`offpolicy.transforms.apply_transforms` runs
+    ``apply`` or ``on_batch`` of each; ``check``: raises a ``ValueError`` naming a parameter whose value is out of
+    range.
     """
 
     name: str
@@ -274,6 +277,7 @@ class Transform:
     corrections: tuple[str, ...] = ()
     apply: Callable[..., Any] | None = None
     check: Callable[[Mapping[str, Any]], None] | None = None  # raises ValueError naming a bad parameter value
+    on_batch: Callable[..., Any] | None = None  # a built-in's batch step (apply_transforms)
 
     def needs_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         return self.needs(params) if callable(self.needs) else self.needs
@@ -307,6 +311,11 @@ class BoundTransform:
     @property
     def needs(self) -> tuple[str, ...]:
         return self.entry.needs_for(self.params)
+
+    @property
+    def plugin(self) -> bool:
+        """A plug-in's transform (it has ``apply``), not a built-in one."""
+        return self.entry.apply is not None
 
     def __call__(self, batch: Any) -> Any:
         """The transformed batch (a plug-in's ``apply``); a built-in transform is computed by the host."""

@@ -55,7 +55,7 @@ def test_empty_chain_is_identity():
     b = LogProbBatch(logp=torch.zeros(2, 2), mask=torch.tensor([[1, 0], [1, 1]]))
     r = chain()(b)
     assert r.weights.tolist() == [[1.0, 0.0], [1.0, 1.0]] and r.keep.tolist() == [[True, False], [True, True]]
-    assert r.metrics["chain/kept_token_frac"].item() == 1.0
+    assert r.metrics["chain/kept_frac"].item() == 1.0 and r.metrics["chain/masked_frac"].item() == 0.0
 
 
 def test_chain_by_hand_and_repr():
@@ -64,11 +64,14 @@ def test_chain_by_hand_and_repr():
     c = chain(tis(upper=2.0), icepop(lower=0.5, upper=5.0))
     r = c(b)
     # tis: (1, min(2.718, 2) = 2, 0.368); icepop keeps 1 and 2.718 (in [0.5, 5]) with w = ρ, drops 0.368
-    # product: (1·1, 2·2.718 = 5.4366, 0); keep (T, T, F) → kept_token_frac 2/3
+    # product: (1·1, 2·2.718 = 5.4366, 0); keep (T, T, F): the chain masks 1/3, caps 1/3 (tis's), keeps 1/3
     torch.testing.assert_close(r.weights, torch.tensor([[1.0, 2.0 * torch.e, 0.0]]))
     assert r.keep.tolist() == [[True, True, False]]
-    assert r.metrics["chain/kept_token_frac"].item() == pytest.approx(2 / 3)
-    assert "tis/clipped_frac" in r.metrics and "icepop/kept_frac" in r.metrics
+    m = {k: round(v.item(), 6) for k, v in r.metrics.items()}
+    assert (m["chain/kept_frac"], m["chain/masked_frac"], m["chain/capped_frac"]) == (0.333333, 0.333333, 0.333333)
+    assert (m["tis/kept_frac"], m["tis/masked_frac"], m["tis/capped_frac"]) == (0.666667, 0.0, 0.333333)
+    assert (m["icepop/kept_frac"], m["icepop/masked_frac"], m["icepop/capped_frac"]) == (0.666667, 0.333333, 0.0)
+    assert m["chain/masked_seq_frac"] == m["tis/masked_seq_frac"] == m["icepop/masked_seq_frac"] == 0.0
     assert repr(c).startswith("chain(tis(level='token'") and c.parts[1].name == "icepop"
 
 
@@ -80,7 +83,7 @@ def test_chain_refuses_two_parts_whose_metrics_collide_and_accepts_renamed_ones(
     assert "tis/weight_mean" in r.metrics and "tis_geo/weight_mean" in r.metrics
     # a nested chain's own summary is superseded by the outer one's, not a clash
     r = chain(chain(tis(), icepop()), chain(opsm(delta=0.1)))(batch)
-    assert "chain/kept_token_frac" in r.metrics and "opsm/masked_seq_frac" in r.metrics
+    assert "chain/kept_frac" in r.metrics and "opsm/masked_seq_frac" in r.metrics
 
 
 # ---------------------------------------------------------------------------------------------------------------------

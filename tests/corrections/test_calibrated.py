@@ -33,8 +33,8 @@ def test_by_hand():
     torch.testing.assert_close(r.weights, torch.tensor([[1.5, 1.005, 0.5, 1.2]]))
     assert r.keep.all()
     m = {k.split("/")[1]: v.item() for k, v in r.metrics.items()}
-    assert m["clipped_frac"] == pytest.approx(3 / 4)  # all but the 0.5
-    assert m["kept_frac"] == 1.0 and m["nonfinite_frac"] == 0.0
+    assert m["capped_frac"] == pytest.approx(3 / 4)  # all but the 0.5
+    assert m["kept_frac"] == pytest.approx(1 / 4) and m["masked_frac"] == 0.0 and m["nonfinite_frac"] == 0.0
     assert m["cap_mean"] == pytest.approx((1.5 + 1.005 + 1.9 + 1.2) / 4)
     assert m["weight_mean"] == pytest.approx((1.5 + 1.005 + 0.5 + 1.2) / 4)
     assert m["raw_ratio_max"] == pytest.approx(2.5, rel=1e-6) and m["raw_ratio_min"] == pytest.approx(0.5, rel=1e-6)
@@ -59,7 +59,8 @@ def test_padding_and_undefined_tokens():
     r = calibrated_is()(b.replace(old_logp=old))
     assert r.keep.tolist() == [[True, False, False]] and r.weights.tolist()[0][1:] == [0.0, 0.0]
     assert r.metrics["calibrated_is/nonfinite_frac"].item() == pytest.approx(1 / 2)
-    assert r.metrics["calibrated_is/clipped_frac"].item() == pytest.approx(1.0)  # one capped, one dropped
+    m = {k: v.item() for k, v in r.metrics.items()}  # of the two valid tokens one capped, one dropped
+    assert (m["calibrated_is/capped_frac"], m["calibrated_is/masked_frac"], m["calibrated_is/kept_frac"]) == (0.5, 0.5, 0)
     with pytest.raises(ValueError, match="rollout_logp"):
         calibrated_is()(b.replace(rollout_logp=None))
 
@@ -114,7 +115,7 @@ def test_properties(batch, lam, kappa):
     assert (r.weights <= t.weights + 1e-6).all()
     # on policy every weight is 1 (the cap is ≥ 1 + λκ > 1)
     on = calibrated_is(lam=lam, kappa=kappa)(batch.replace(rollout_logp=batch.old_logp.clone()))
-    assert torch.equal(on.weights, valid.float()) and on.metrics["calibrated_is/clipped_frac"].item() == 0.0
+    assert torch.equal(on.weights, valid.float()) and on.metrics["calibrated_is/kept_frac"].item() == 1.0
     # what padding holds does not matter
     junk = batch.replace(rollout_logp=torch.where(valid, batch.rollout_logp, torch.tensor(float("nan"))),
                          old_logp=torch.where(valid, batch.old_logp, torch.tensor(float("inf"))))

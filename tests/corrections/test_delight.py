@@ -41,7 +41,8 @@ def test_by_hand_without_mu():
     assert r.weights[1, 0].item() == pytest.approx(1 / 10001)  # a rare failure suppressed
     assert r.keep.tolist() == [[True] * 4, [True, True, False, False]]
     m = {k.split("/")[1]: v.item() for k, v in r.metrics.items()}
-    assert m["suppressed_frac"] == pytest.approx(2 / 6) and m["kept_frac"] == 1.0 and m["nonfinite_frac"] == 0.0
+    assert m["suppressed_frac"] == pytest.approx(2 / 6) and m["kept_frac"] == 1.0 and m["masked_frac"] == 0.0
+    assert m["capped_frac"] == 0.0 and m["nonfinite_frac"] == 0.0  # a gated token is reweighted, not capped
     assert m["surprisal_mean"] == pytest.approx((2 * ln2 + 2 * ln100 + l09) / 6, rel=1e-5)
     assert m["delight_mean"] == pytest.approx((2 * ln2 + ln100 - 2 * ln100 - 2 * l09) / 6, rel=1e-5)
     assert m["weight_mean"] == pytest.approx(sum(map(sum, expected)) / 6, rel=1e-5)

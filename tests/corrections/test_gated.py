@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from offpolicy import build_correction, chain, icepop, mis, tis
 from offpolicy.batch import LogProbBatch
-from offpolicy.corrections.base import CorrectionResult
+from offpolicy.corrections.base import DROP_NAMES, CorrectionResult
 from offpolicy.corrections.gated import gate, gate_bounds, gated_is
 
 LN = math.log
@@ -41,7 +41,7 @@ def test_ratio_gate_at_token_level_by_hand():
     assert r.keep.tolist() == [[True, False, False, True]]
     torch.testing.assert_close(r.weights, torch.tensor([[1.0, 0.0, 0.0, 1.5]]))
     m = {k.split("/")[1]: v.item() for k, v in r.metrics.items()}
-    assert m["filter_frac"] == 0.5 and m["kept_frac"] == 0.5
+    assert m["masked_frac"] == 0.5 and m["kept_frac"] == 0.5 and m["capped_frac"] == 0.0
     assert m["weight_mean"] == pytest.approx((1 + 1.5) / 4)  # 0.625
     assert m["stat_mean"] == pytest.approx((1 + 3 + 0.25 + 1.5) / 4)  # 1.4375: the ratio itself
     assert m["stat_max"] == pytest.approx(3.0) and m["nonfinite_frac"] == 0.0
@@ -59,7 +59,7 @@ def test_binary_kl_gate_at_sequence_level_keeps_each_tokens_own_weight():
     assert loose.metrics["gated_is/stat_max"].item() == pytest.approx(0.0719205, rel=1e-5)
     tight = gated_is(level="geometric", gating="binary_kl", upper=0.05)(b)  # 0.0719 > 0.05: row 0 dropped
     assert tight.keep.tolist() == [[False, False], [True, True]]
-    assert tight.metrics["gated_is/filter_frac"].item() == 0.5  # one of two sequences
+    assert tight.metrics["gated_is/masked_seq_frac"].item() == 0.5  # one of two sequences
     assert tight.metrics["gated_is/kept_frac"].item() == 0.5  # two of four tokens
     # the sum over the sequence (level="sequence"): 0.143841 > 0.1 drops row 0 at the looser bound
     assert gated_is(level="sequence", gating="binary_kl", upper=0.1)(b).keep.tolist() == [[False, False], [True, True]]
@@ -93,12 +93,14 @@ def test_product_and_geometric_levels_of_the_ratio_by_hand():
 
 
 def test_truncate_clamps_the_token_ratio_and_counts_what_it_moved():
-    # ρ = (1, 3, 0.25, 1.5) clamped into [0.5, 2] = (1, 2, 0.5, 1.5); two of four moved (OpenRLHF's is_filter_ratio)
+    # ρ = (1, 3, 0.25, 1.5) clamped into [0.5, 2] = (1, 2, 0.5, 1.5); two of four moved (OpenRLHF's is_filter_ratio):
+    # capped, none masked
     b = _batch([[0.5, 0.2, 0.4, 0.2]], [[0.5, 0.6, 0.1, 0.3]])
     r = gated_is(mode="truncate", lower=0.5, upper=2.0)(b)
     assert r.keep.all()
     torch.testing.assert_close(r.weights, torch.tensor([[1.0, 2.0, 0.5, 1.5]]))
-    assert r.metrics["gated_is/filter_frac"].item() == 0.5
+    m = {k: v.item() for k, v in r.metrics.items()}
+    assert (m["gated_is/capped_frac"], m["gated_is/masked_frac"], m["gated_is/kept_frac"]) == (0.5, 0.0, 0.5)
 
 
 def test_padding_and_undefined_tokens(monkeypatch):
@@ -109,11 +111,12 @@ def test_padding_and_undefined_tokens(monkeypatch):
                      mask=torch.tensor([[1, 1, 1], [1, 1, 0]]))
     tok = gated_is()(b)
     assert tok.keep.tolist() == [[True, False, True], [True, True, False]]
-    assert tok.metrics["gated_is/filter_frac"].item() == pytest.approx(1 / 5)  # the NaN token of five valid ones
+    assert tok.metrics["gated_is/masked_frac"].item() == pytest.approx(1 / 5)  # the NaN token of five valid ones
     assert tok.metrics["gated_is/nonfinite_frac"].item() == pytest.approx(1 / 5)
     seq = gated_is(level="geometric", gating="binary_kl")(b)
     assert seq.keep.tolist() == [[False, False, False], [True, True, False]]
-    assert seq.metrics["gated_is/filter_frac"].item() == 0.5
+    assert seq.metrics["gated_is/masked_seq_frac"].item() == 0.5
+    assert seq.metrics["gated_is/masked_frac"].item() == pytest.approx(3 / 5)  # row 0's three valid tokens
     assert all(bool(torch.isfinite(v)) for v in seq.metrics.values())
 
 
@@ -138,11 +141,13 @@ def test_token_ratio_gate_is_icepop_and_truncation_is_tis(random_batch, shape, b
     g = gated_is(lower=lower, upper=upper)(batch)
     i = icepop(lower=lower if lower is not None else 0.0, upper=upper if upper is not None else 1e30)(batch)
     assert torch.equal(g.keep, i.keep) and torch.equal(g.weights, i.weights)
-    assert g.metrics["gated_is/filter_frac"].item() == pytest.approx(i.metrics["icepop/clipped_frac"].item())
+    for name in DROP_NAMES:
+        assert g.metrics[f"gated_is/{name}"].item() == pytest.approx(i.metrics[f"icepop/{name}"].item()), name
     t = gated_is(mode="truncate", lower=lower, upper=upper)(batch)
     tt = tis(lower=lower, upper=upper)(batch)
     assert torch.equal(t.keep, tt.keep) and torch.equal(t.weights, tt.weights)
-    assert t.metrics["gated_is/filter_frac"].item() == pytest.approx(tt.metrics["tis/clipped_frac"].item())
+    for name in DROP_NAMES:
+        assert t.metrics[f"gated_is/{name}"].item() == pytest.approx(tt.metrics[f"tis/{name}"].item()), name
 
 
 @settings(max_examples=40, deadline=None)
@@ -180,7 +185,7 @@ def test_keep_is_inside_the_mask_and_weights_are_the_kept_ratios(random_batch, s
     assert bool((r.weights[~r.keep] == 0).all())
     assert r.weight_level == "token" and not r.weights.requires_grad
     assert all(bool(torch.isfinite(v)) for v in r.metrics.values())
-    assert 0.0 <= r.metrics["gated_is/filter_frac"].item() <= 1.0
+    assert 0.0 <= r.metrics["gated_is/masked_frac"].item() <= 1.0
 
 
 @settings(max_examples=30, deadline=None)
@@ -203,7 +208,7 @@ def test_nearby_policies_are_never_rejected(seed, dtype, kw):
     old = (mu.float() + 1e-6 * (2 * torch.rand(mu.shape, generator=g) - 1)).clamp(max=0.0).to(dtype)
     b = LogProbBatch(logp=old, old_logp=old, rollout_logp=mu, mask=torch.ones(mu.shape))
     r = gated_is(**kw)(b)
-    assert bool(r.keep.all()) and r.metrics["gated_is/filter_frac"].item() == 0.0, kw
+    assert bool(r.keep.all()) and r.metrics["gated_is/masked_frac"].item() == 0.0, kw
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -228,10 +233,10 @@ def test_by_name_and_in_a_chain():
     both = build_correction([spec, {"name": "icepop"}])(b)
     one_by_one = CorrectionResult.identity(b).then(c(b)).then(icepop()(b))
     assert torch.equal(both.keep, one_by_one.keep) and torch.equal(both.weights, one_by_one.weights)
-    assert "gated_is/filter_frac" in both.metrics
+    assert "gated_is/masked_frac" in both.metrics
     # two gates need two names (their metrics would collide)
     two = chain(gated_is(), gated_is(gating="tv", upper=0.1, name="tv_gate"))(b)
-    assert {"gated_is/filter_frac", "tv_gate/filter_frac"} <= set(two.metrics)
+    assert {"gated_is/masked_frac", "tv_gate/masked_frac"} <= set(two.metrics)
 
 
 @pytest.mark.parametrize(("kw", "match"), [
@@ -269,15 +274,15 @@ def test_needs_the_rollout_log_probs():
 
 
 def test_its_masked_fraction_under_each_frameworks_name(random_batch):
-    # what each framework calls the masked fraction of the applied correction is 1 − gated_is/kept_frac (at token
-    # level also OpenRLHF's is_filter_ratio = gated_is/filter_frac)
+    # what each framework calls the masked fraction of the applied correction is gated_is/masked_frac (at token
+    # level in mask mode also OpenRLHF's is_filter_ratio; nothing is capped, so it is 1 − gated_is/kept_frac)
     from offpolicy import offpolicy_metrics
 
     batch = random_batch(3, 4, 12, 0.5)
     r = gated_is(gating="binary_kl", upper=1e-3)(batch)
-    masked = 1.0 - r.metrics["gated_is/kept_frac"].item()
+    masked = r.metrics["gated_is/masked_frac"].item()
     assert 0.0 < masked < 1.0
-    assert r.metrics["gated_is/filter_frac"].item() == pytest.approx(masked)
+    assert 1.0 - r.metrics["gated_is/kept_frac"].item() == pytest.approx(masked)
     for naming, key in (("verl", "rollout_corr/rollout_rs_masked_fraction"), ("swift", "rollout_correction/masked_frac"),
                         ("trl", "sampling/masked_frac"), ("openrlhf", "train/masked_frac")):
         m = offpolicy_metrics(batch.old_logp, batch.rollout_logp, batch.mask, r, naming=naming)

@@ -6,7 +6,7 @@ design"):
    (spacing 6e-8 near 1), so at μ ≈ 2.5e-5 it comes out negative for |Δ log p| up to 0.04 and its ``[0, δ]`` test
    drops those tokens; the exact KL here keeps them;
 2. **empty rows at sequence level** — OpenRLHF's per-row statistic of an all-padding row is 0/0 = NaN, which fails the
-   band, and ``is_filter_ratio`` averages over every row: the empty row counts as filtered; ``filter_frac`` here
+   band, and ``is_filter_ratio`` averages over every row: the empty row counts as filtered; ``masked_seq_frac`` here
    averages over non-empty sequences;
 3. **μ(y) = 0 (log μ = −inf) under a divergence gate** — OpenRLHF clamps μ into [1e-6, 1 − 1e-6], so the binary-KL /
    TV statistic is finite, the token can pass, and its weight e^(b − a) is inf (an inf loss); its clip mode clamps the
@@ -105,15 +105,25 @@ def _tensors(name: str) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in INPUTS[name].items()}
 
 
+
+def is_filter_ratio(metrics: dict, level: str) -> float:
+    """OpenRLHF's ``is_filter_ratio`` in offpolicy's names: the share of units masked or capped — valid tokens
+    (``masked_frac + capped_frac``; only clip mode caps) or, at OpenRLHF's ``seq`` level, sequences."""
+    if level == "seq":
+        return metrics["gated_is/masked_seq_frac"].item()
+    return metrics["gated_is/masked_frac"].item() + metrics["gated_is/capped_frac"].item()
+
+
 def _ours(name: str, level: str, mode: str, gating: str, threshold: list[float]):
-    """gated_is at OpenRLHF's setting on batch ``name``, at log π_θ = log π_old: (coefficient [B, T], filter_frac)."""
+    """gated_is at OpenRLHF's setting on batch ``name``, at log π_θ = log π_old: (coefficient [B, T], its
+    is_filter_ratio)."""
     x = _tensors(name)
     low, high = threshold
     correction = gated_is(level=LEVELS[level], mode=MODES[mode], gating=gating, lower=low, upper=high)
     mask = x["mask"].bool()
     result = correction(LogProbBatch(logp=x["old_logp"], old_logp=x["old_logp"], rollout_logp=x["rollout_logp"],
                                      mask=mask, advantages=-torch.ones(mask.shape[0])))
-    return result.coefficient, result.metrics["gated_is/filter_frac"].item()
+    return result.coefficient, is_filter_ratio(result.metrics, level)
 
 
 def _exact_binary_kl(log_mu: float, log_pi: float) -> float:

@@ -66,6 +66,15 @@ def _ours(case: dict, x: dict[str, torch.Tensor]):
     return result, loss, kl
 
 
+
+def is_filter_ratio(metrics: dict, level: str) -> float:
+    """OpenRLHF's ``is_filter_ratio`` in offpolicy's names: the share of units masked or capped — valid tokens
+    (``masked_frac + capped_frac``; only clip mode caps) or, at OpenRLHF's ``seq`` level, sequences."""
+    if level == "seq":
+        return metrics["gated_is/masked_seq_frac"].item()
+    return metrics["gated_is/masked_frac"].item() + metrics["gated_is/capped_frac"].item()
+
+
 def _compare(record: dict) -> list[str]:
     """Check every case of one OpenRLHF record; returns the case names checked."""
     inputs = {name: _tensors(batch) for name, batch in record["inputs"].items()}
@@ -76,7 +85,7 @@ def _compare(record: dict) -> list[str]:
         coef = torch.tensor(case["coef"])
         result, loss, kl = _ours(case, x)
         name = f"{case['batch']}/{case['level']}/{case['mode']}/{case['gating']}"
-        filter_frac = result.metrics["gated_is/filter_frac"].item()
+        filter_frac = is_filter_ratio(result.metrics, case["level"])
         if case["batch"] == "moderate":  # the definitions coincide: the same numbers
             torch.testing.assert_close(result.coefficient[mask], coef[mask], rtol=1e-6, atol=1e-7, msg=name)
             assert filter_frac == pytest.approx(case["is_filter_ratio"], abs=1e-7), name

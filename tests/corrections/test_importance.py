@@ -484,8 +484,8 @@ def test_tis_metrics_by_hand():
     assert m["raw_ratio_max"] == pytest.approx(E, rel=1e-6)  # TRL would log 2 here
     assert m["raw_ratio_min"] == pytest.approx(1 / E, rel=1e-6)
     assert m["weight_mean"] == pytest.approx((1 + 2 + 1 / E) / 3, rel=1e-6)  # 1.1226
-    assert m["kept_frac"] == 1.0
-    assert m["clipped_frac"] == pytest.approx(1 / 3)  # only e was changed
+    assert m["capped_frac"] == pytest.approx(1 / 3)  # only e was changed
+    assert m["kept_frac"] == pytest.approx(2 / 3) and m["masked_frac"] == 0.0
     assert m["nonfinite_frac"] == 0.0  # the NaN is padding
 
 
@@ -493,13 +493,13 @@ def test_mis_and_icepop_metrics_by_hand():
     b = LogProbBatch(logp=torch.zeros(1, 4), rollout_logp=torch.tensor([[0.0, -1.0, 1.0, -2.0]]), mask=torch.ones(1, 4))
     # ρ = 1, e = 2.718, 1/e = 0.368, e² = 7.389
     m = _metrics(mis(upper=2.0, lower=0.5)(b), "mis")
-    assert m["kept_frac"] == 0.25 and m["clipped_frac"] == 0.75  # only ρ = 1 survives [0.5, 2]
+    assert m["kept_frac"] == 0.25 and m["masked_frac"] == 0.75 and m["capped_frac"] == 0.0  # only ρ = 1 in [0.5, 2]
     assert m["weight_mean"] == pytest.approx(0.25)  # (1 + 0 + 0 + 0)/4
     r = icepop()(b)
     assert r.keep.tolist() == [[True, True, False, False]]  # [0.5, 5] keeps 1 and e
     close(r.weights, [[1.0, E, 0.0, 0.0]])
     m = _metrics(r, "icepop")
-    assert m["kept_frac"] == 0.5 and m["raw_ratio_max"] == pytest.approx(E**2, rel=1e-6)
+    assert m["kept_frac"] == 0.5 and m["masked_frac"] == 0.5 and m["raw_ratio_max"] == pytest.approx(E**2, rel=1e-6)
 
 
 def test_nonfinite_metric_and_no_nan(monkeypatch):
@@ -509,7 +509,7 @@ def test_nonfinite_metric_and_no_nan(monkeypatch):
     r = tis(upper=10.0)(b)
     m = _metrics(r, "tis")
     # NaN - 0 = NaN and 0 - (-inf) = +inf: 2 of 4 valid tokens non-finite, dropped
-    assert m["nonfinite_frac"] == 0.5 and m["kept_frac"] == 0.5
+    assert m["nonfinite_frac"] == 0.5 and m["kept_frac"] == 0.5 and m["masked_frac"] == 0.5
     # raw statistics only over the defined ratios e^0.5 = 1.6487 and e^0.3 = 1.3499 (not the placeholder 1 of the others)
     assert m["raw_ratio_min"] == pytest.approx(math.exp(0.3), rel=1e-6)
     assert m["raw_ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(0.3)) / 2, rel=1e-6)

@@ -48,7 +48,9 @@ def test_sequence_modes_by_hand(mode, upper, kept_rows):
     r = kl_rejection(mode, upper=upper)(batch(R, M))
     assert r.keep.any(-1).tolist() == kept_rows
     assert torch.equal(r.keep, r.keep & M.bool())  # only valid tokens are kept
-    assert r.metrics[f"{mode}/rejected_frac"].item() == pytest.approx(kept_rows[:2].count(False) / 2)  # of 2 non-empty
+    assert r.metrics[f"{mode}/masked_seq_frac"].item() == pytest.approx(kept_rows[:2].count(False) / 2)  # of 2 non-empty
+    dropped_tokens = sum(n for n, kept in zip((2, 3), kept_rows) if not kept)  # row 0 has 2 valid tokens, row 1 3
+    assert r.metrics[f"{mode}/masked_frac"].item() == pytest.approx(dropped_tokens / 5)
 
 
 def test_the_threshold_is_inclusive():
@@ -69,7 +71,8 @@ def test_token_modes_by_hand():
     # token_k2 at 0.03: keeps k2 = 0.02 and the three 0.005, drops 0.08 → 1 of 5 valid tokens rejected
     r = kl_rejection("token_k2", upper=0.03)(batch(R, M))
     assert r.keep.tolist() == [[True, False, False], [True, True, True], [False, False, False]]
-    assert r.metrics["token_k2/rejected_frac"].item() == pytest.approx(1 / 5)
+    assert r.metrics["token_k2/masked_frac"].item() == pytest.approx(1 / 5)
+    assert r.metrics["token_k2/masked_seq_frac"].item() == 0.0  # no sequence lost every token
     assert r.metrics["token_k2/stat_mean"].item() == pytest.approx((0.02 + 0.08 + 3 * 0.005) / 5, rel=1e-5)
     r = kl_rejection("token_k3", upper=0.02)(batch(R, M))  # 0.021403 and 0.070320 above 0.02
     assert r.keep.tolist() == [[False, False, False], [True, True, True], [False, False, False]]
@@ -100,7 +103,7 @@ def test_k1_modes_point_to_mis_and_bad_arguments_are_named():
 
 def test_two_modes_chain_under_their_own_names():
     r = chain(kl_rejection("token_k2", upper=0.03), kl_rejection("seq_mean_k3", upper=0.045))(batch(R, M))
-    assert {"token_k2/rejected_frac", "seq_mean_k3/rejected_frac"} <= set(r.metrics)
+    assert {"token_k2/masked_frac", "seq_mean_k3/masked_frac"} <= set(r.metrics)
     # AND of both: token_k2 drops (0, 1); seq_mean_k3 drops row 0 → only row 1 left
     assert r.keep.tolist() == [[False, False, False], [True, True, True], [False, False, False]]
 
@@ -125,7 +128,7 @@ def test_on_policy_keeps_every_valid_token(seed, mode):
     m = torch.rand(3, 6, generator=g) < 0.7
     r = kl_rejection(mode, upper=1e-12)(batch(torch.zeros(3, 6), m))  # r = 0 → k = 0 ≤ any threshold
     assert torch.equal(r.keep, m) and torch.equal(r.weights, m.float())
-    assert r.metrics[f"{mode}/rejected_frac"].item() == 0.0
+    assert r.metrics[f"{mode}/masked_frac"].item() == 0.0 and r.metrics[f"{mode}/kept_frac"].item() == 1.0
 
 
 def test_source_total_reads_the_current_policy():

@@ -59,6 +59,7 @@ def test_by_hand():
     assert r.metrics["m2po/m2_before"].item() == pytest.approx(0.9125 / 8)
     assert r.metrics["m2po/m2_after"].item() == pytest.approx(0.2625 / 5)
     assert r.metrics["m2po/masked_frac"].item() == pytest.approx(3 / 8)
+    assert r.metrics["m2po/kept_frac"].item() == pytest.approx(5 / 8) and r.metrics["m2po/capped_frac"].item() == 0
     assert r.metrics["m2po/candidate_frac"].item() == pytest.approx(3 / 8)
     assert r.weights.tolist() == [[1.0] * 4] * 2 and r.weight_level is None  # a pure mask
     # τ = 0.06: the second drop already gives 0.0504 ≤ 0.06

@@ -82,7 +82,8 @@ def test_veto_preset_metrics_and_sources():
     r = veto()(b)
     assert r.keep.tolist() == [[False, False], [True, True], [False, False]]
     assert r.weights.tolist() == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
-    assert r.metrics["veto/vetoed_seq_frac"].item() == 0.5  # 1 of 2 non-empty
+    assert r.metrics["veto/masked_seq_frac"].item() == 0.5  # 1 of 2 non-empty
+    assert r.metrics["veto/masked_frac"].item() == 0.5 and r.metrics["veto/kept_frac"].item() == 0.5  # 2 of 4 tokens
     # source="total" reads π_θ: make π_θ collapse on row 1 only
     b2 = b.replace(logp=torch.tensor([[0.0, 12.0], [-20.0, 0.0], [0.0, 0.0]]))
     assert veto(source="total")(b2).keep.tolist() == [[True, True], [False, False], [False, False]]
@@ -260,6 +261,7 @@ def test_opsm_preset_by_hand():
     assert r.keep.tolist() == [[False, False], [True, True], [True, True], [False, False]]
     metrics = {k: v.item() for k, v in r.metrics.items()}
     assert metrics["opsm/masked_seq_frac"] == pytest.approx(1 / 3)  # of the 3 non-empty sequences
+    assert metrics["opsm/masked_frac"] == pytest.approx(2 / 6) and metrics["opsm/capped_frac"] == 0.0  # of 6 tokens
     assert metrics["opsm/stat_mean"] == pytest.approx(2 / 3)
     assert metrics["opsm/mismatch_term_mean"] == pytest.approx(1 / 3)
     assert metrics["opsm/staleness_term_mean"] == pytest.approx(1 / 3)

@@ -305,7 +305,8 @@ def test_trm_preset_k_estimator_fallback_by_hand():
     r = trm(max_kl=0.05, avg_kl=0.008, source="mismatch")(b)
     assert r.keep.any(-1).tolist() == [False, True, False, False]
     m = _m(r)
-    assert m["trm/accept_rate"] == pytest.approx(1 / 3)  # of the 3 non-empty sequences
+    assert m["trm/masked_seq_frac"] == pytest.approx(2 / 3)  # of the 3 non-empty sequences (1 − the acceptance rate)
+    assert m["trm/masked_frac"] == pytest.approx(3 / 5)  # rows 0 and 2: 3 of the 5 valid tokens
     assert m["trm/max_divergence_mean"] == pytest.approx((0.02 + 0.005 + 0.125) / 3, rel=1e-5)
     k3s = [(math.exp(0.2) - 1.2) / 2, math.exp(0.1) - 1.1, math.exp(0.5) - 1.5]
     assert m["trm/avg_divergence_mean"] == pytest.approx(sum(k3s) / 3, rel=1e-4)
@@ -367,7 +368,7 @@ def test_presets_repr_and_metrics():
     )
     r = ser()(b)
     assert r.keep.tolist() == [[False, False], [True, True]]
-    assert _m(r)["ser/accept_rate"] == 0.5 and _m(r)["ser/stat_mean"] == pytest.approx(0.05, rel=1e-5)  # (0.1 + 0)/2
+    assert _m(r)["ser/masked_seq_frac"] == 0.5 and _m(r)["ser/stat_mean"] == pytest.approx(0.05, rel=1e-5)  # (0.1 + 0)/2
     r = ln_trm(eps=0.5, delta=1.0)(b)  # T = 2: w = (0.5, 0) → W/Z = 0.1 for row 0
     assert r.keep.tolist() == [[False, False], [True, True]]
     assert _m(r)["ln_trm/stat_mean"] == pytest.approx(0.05, rel=1e-5)

@@ -95,7 +95,9 @@ def test_dvp_fields_and_keep_correction_with_a_weight_correction():
     b = LogProbBatch(logp=f["logp"], rollout_logp=f["rollout_logp"], mask=mask, extras=f["extras"])
     res = chain(dvp_keep())(b)
     assert torch.equal(res.keep, f["extras"]["dvp_keep"])
-    assert "dvp/mass_min" in res.metrics and "dvp/outside_frac" in res.metrics
+    assert "dvp/mass_min" in res.metrics and "dvp/outside_frac" not in res.metrics  # dvp_keep/masked_frac says it
+    outside = (mask.bool() & ~f["extras"]["dvp_keep"]).sum() / mask.sum()
+    assert res.metrics["dvp_keep/masked_frac"].item() == pytest.approx(outside.item())
     # No key -> identity.
     assert torch.equal(dvp_keep()(LogProbBatch(logp=torch.zeros(1, 2), mask=torch.ones(1, 2))).keep, torch.ones(1, 2).bool())
 

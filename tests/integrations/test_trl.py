@@ -219,8 +219,8 @@ def test_real_grpo_trainer_two_steps(tmp_path):
     trainer.train()
     logged = [h for h in trainer.state.log_history if "offpolicy/tis/kept_frac" in h]
     assert len(logged) == 2
-    # no vLLM: μ = π_old = π_θ, so the correction is the identity
-    assert all(h["offpolicy/tis/kept_frac"] == 1.0 and h["offpolicy/loss/ratio_mean"] == 1.0 for h in logged)
+    # no vLLM: μ = π_old = π_θ, so the correction is the identity: nothing masked or capped
+    assert all(h["offpolicy/tis/kept_frac"] == 1.0 and h["offpolicy/tis/capped_frac"] == 0.0 and h["offpolicy/loss/ratio_mean"] == 1.0 for h in logged)
 
 
 @pytest.mark.slow

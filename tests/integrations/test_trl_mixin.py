@@ -98,5 +98,5 @@ def test_the_mixin_in_front_of_a_users_grpo_trainer_in_trls_train(tmp_path):
                    processing_class=tok, sampling_replay=True)
     trainer.train()
     assert trainer.batches == [4, 4]  # the user's override ran on every generation batch
-    assert logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]  # offpolicy's replay and loss ran too
+    assert logged(trainer, "offpolicy/dvp_keep/masked_frac") == [0.0, 0.0]  # offpolicy's replay and loss ran too
     assert len(logged(trainer, "offpolicy/loss/ratio_mean")) == 2

@@ -94,7 +94,7 @@ def _loss_and_grad(model, loss_fn):
 @pytest.mark.parametrize(("correction", "objective", "flag"), [
     ({"name": "m2po", "quadrants": False}, None, "m2po/masked_frac"),
     # the TV gate on |π_old(y) − μ(y)|: p ≈ 2.5e-4 on this near-uniform model, the noise moves it by ~1e-4
-    ({"name": "gated_is", "gating": "tv", "upper": 1e-4}, None, "gated_is/filter_frac"),
+    ({"name": "gated_is", "gating": "tv", "upper": 1e-4}, None, "gated_is/masked_frac"),
     (None, {"name": "ipo", "threshold": 1e-4}, "loss/ipo_masked"),
 ])
 def test_loss_and_gradient_equal_policy_loss_on_trls_batch(tmp_path, stub_vllm, stub_vllm_client, correction,

@@ -66,7 +66,7 @@ def test_dvp_with_hf_generate_samples_inside_the_trainers_safe_set(tmp_path):
     for inside, mask, mass in trainer.probes:
         assert bool(inside[mask].all())
         assert 0.0 < float(mass[mask].mean()) < 0.999
-    assert logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
+    assert logged(trainer, "offpolicy/dvp_keep/masked_frac") == [0.0, 0.0]
     assert all(m < 0.999 for m in logged(trainer, "offpolicy/dvp/mass_mean"))
     assert len(logged(trainer, "offpolicy/loss/ratio_mean")) == 2
 
@@ -86,7 +86,7 @@ def test_replay_of_top_k_top_p_and_repetition_penalty_in_trls_loop(tmp_path):
     trainer.train()
     for inside, mask, mass in trainer.probes:
         assert bool(inside[mask].all()) and float(mass[mask].max()) <= 1.0
-    assert logged(trainer, "offpolicy/dvp/outside_frac") == [0.0, 0.0]
+    assert logged(trainer, "offpolicy/dvp_keep/masked_frac") == [0.0, 0.0]
     assert all(m < 1.0 for m in logged(trainer, "offpolicy/dvp/mass_mean"))
 
 
@@ -234,10 +234,10 @@ def test_topk_trm_through_a_stub_vllm_server(tmp_path, stub_vllm, stub_vllm_clie
     assert logged(trainer, "offpolicy/trm/divergence_topk") == [1.0, 1.0]
     lower, upper = logged(trainer, "offpolicy/topk/kl_lower_mean"), logged(trainer, "offpolicy/topk/kl_upper_mean")
     assert all(0.0 <= lo <= up and math.isfinite(up) for lo, up in zip(lower, upper))
-    assert len(logged(trainer, "offpolicy/trm/accept_rate")) == 2
+    assert len(logged(trainer, "offpolicy/trm/masked_seq_frac")) == 2
     if dvp_rho is not None:  # the engine got min_p = ρ; the trainer replays it in vLLM's order
         assert trainer.vllm_generation.min_p == dvp_rho and trainer.offpolicy_order == ("min_p", "top_k", "top_p")
-        assert len(logged(trainer, "offpolicy/dvp/outside_frac")) == 2
+        assert len(logged(trainer, "offpolicy/dvp_keep/masked_frac")) == 2
 
 
 def test_a_raw_logprobs_vllm_server_is_refused(tmp_path, stub_vllm, stub_vllm_client):
@@ -301,7 +301,7 @@ def test_recent_methods_train_by_name_with_hf_generate(tmp_path, name):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and len(values) == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     if name == "calibrated_is":
-        assert values == [1.0, 1.0] and logged(trainer, "offpolicy/calibrated_is/clipped_frac") == [0.0, 0.0]
+        assert values == [1.0, 1.0] and logged(trainer, "offpolicy/calibrated_is/capped_frac") == [0.0, 0.0]
     elif name == "calibrated_clip":
         assert values == [0.0, 0.0] and logged(trainer, "offpolicy/loss/calibrated_widened_high") == [0.0, 0.0]
     else:

@@ -174,7 +174,7 @@ def test_plugin_trainer_applies_the_binary_kl_gate_by_name(trainer_base, monkeyp
     assert kept_rows.tolist() == [True, False, False, True, True, True]
     rho = torch.exp(old - rollout)
     torch.testing.assert_close(stored("rollout_is_weights"), rho * stored("response_mask"))
-    assert metrics["rollout_corr/gated_is/filter_frac"] == pytest.approx(2 / 6)
+    assert metrics["rollout_corr/gated_is/masked_seq_frac"] == pytest.approx(2 / 6)
 
 
 def _verl_algorithm(**rollout_correction):
@@ -325,7 +325,7 @@ def test_driver_trm_on_the_engines_top_k_bounds(trainer_base, monkeypatch):
                         for i, k in enumerate(keys)])
     # by hand: row maxima over valid tokens 0.01, 0.2, 0.01, 0.5, 0.049, 0.01 → rows 1 and 3 out
     torch.testing.assert_close(kept, mask * torch.tensor([1.0, 0, 1, 0, 1, 1])[:, None])
-    assert metrics["rollout_corr/trm/accept_rate"] == pytest.approx(4 / 6)
+    assert metrics["rollout_corr/trm/masked_seq_frac"] == pytest.approx(2 / 6)
     assert metrics["rollout_corr/trm/divergence_topk"] == 1.0
     # the same through the function the trainer calls
     direct = apply_driver_correction({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask,

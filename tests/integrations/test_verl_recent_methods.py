@@ -66,7 +66,7 @@ def test_the_driver_applies_them_after_verls_advantages():
     # calibrated IS: ρ = (2.5, 1, 1.11), caps (1.5, 1.5, 1.005)
     up, metrics = apply_driver_correction(b, parse_settings({"correction": "calibrated_is"}))
     torch.testing.assert_close(up["rollout_is_weights"], torch.tensor([[1.5, 1.0, 1.005]]))
-    assert metrics["rollout_corr/calibrated_is/clipped_frac"] == pytest.approx(2 / 3)
+    assert metrics["rollout_corr/calibrated_is/capped_frac"] == pytest.approx(2 / 3)
     # the delight gate: σ(A·(−log π_old)) = (σ(ln 2), σ(−ln 2), σ(−ln 0.999)) = (2/3, 1/3, ≈ ½)
     up, metrics = apply_driver_correction(b, parse_settings({"correction": "delight"}))
     torch.testing.assert_close(up["rollout_is_weights"],

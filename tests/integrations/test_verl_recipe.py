@@ -36,8 +36,10 @@ def test_alp_score_centering_and_sampling_replay_recipes():
     assert replay.sampling == SamplingRecipe(top_k=8, top_p=0.9)
     topk = parse_settings({"corrections": ["trm"], "transforms": {"topk_bounds": {"k": 4, "bound": "lower"}}})
     assert (topk.topk_logprobs, topk.topk_bound) == (4, "lower")
-    with pytest.raises(ValueError, match=r"^OFFPOLICY_VERL: score_centering cannot be combined with .* alp$"):
-        parse_settings({"recipe": str(DATA / "alp_score_centering.yaml")})
+    both = parse_settings({"recipe": str(DATA / "alp_score_centering.yaml")})  # ALP's noisy forward, centred
+    assert both.score_centering and both.alp == ALPSettings(init_std=0.03, lr=5e-4) and both.topk_logprobs == 20
+    with pytest.raises(ValueError, match=r"^OFFPOLICY_VERL: score_centering cannot be combined with sampling"):
+        parse_settings({"recipe": {"transforms": {"score_centering": {"source": "topk"}, "dvp": {}}}})
 
 
 def test_refusals_are_one_line_naming_the_key():

@@ -86,8 +86,9 @@ def test_settings_refuse_what_is_not_built():
         parse_settings({"score_centering": True})
     with pytest.raises(ValueError, match="score_centering cannot be combined with sampling"):
         parse_settings({"topk_logprobs": 4, "score_centering": True, "sampling": {"min_p": 0.1}})
-    with pytest.raises(ValueError, match="score_centering cannot be combined with sampling"):
-        parse_settings({"topk_logprobs": 4, "score_centering": True, "alp": {}})
+    # ALP composes: the centre is taken from the same noisy update forward as π_{θ,σ}
+    both = parse_settings({"topk_logprobs": 4, "score_centering": True, "alp": {}})
+    assert both.score_centering and both.alp is not None
     with pytest.raises(ValueError, match="score_centering must be true or false"):
         parse_settings({"topk_logprobs": 4, "score_centering": "yes"})
 

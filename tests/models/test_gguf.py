@@ -9,7 +9,9 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("xllamacpp")
 
-from offpolicy.models.gguf import export_gguf, read_gguf_tensor, tokenizer_metadata
+from offpolicy_testkit.gguf_read import read_gguf_tensor
+
+from offpolicy.models.gguf import export_gguf, tokenizer_metadata
 from offpolicy.rollout.http import post_json
 from offpolicy.rollout.llamacpp import LlamaCppRolloutEngine, LlamaCppServer
 from offpolicy.rollout.sampling import SamplingConfig

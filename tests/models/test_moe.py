@@ -113,8 +113,13 @@ def test_lab_moe_trains_with_the_flip_rate_logged(dtype, flips, tmp_path):
     for row in history:
         assert math.isfinite(row["loss/loss"])
         assert 0.0 <= row["routing/flip_rate"] <= 1.0
+        # one rate per MoE layer (lab-moe: 4), each a share of the same routed slots: the overall rate is their mean
+        per_layer = [row[f"routing/flip_rate/layer{i}"] for i in range(4)]
+        assert "routing/flip_rate/layer4" not in row
+        assert all(math.isfinite(r) and 0.0 <= r <= 1.0 for r in per_layer)
+        assert row["routing/flip_rate"] == pytest.approx(sum(per_layer) / 4, rel=1e-12)
         if flips is not None:  # an fp32 engine without a KV cache routes as the trainer's forward does
-            assert row["routing/flip_rate"] == flips
+            assert row["routing/flip_rate"] == flips and per_layer == [flips] * 4
             assert row["rollout_correction/k3_kl"] < 1e-9
 
 

@@ -152,6 +152,39 @@ def test_engine_routes_are_the_trainers_native_routes_in_fp32(moe):
     assert compare.flip_rate == 0.0
 
 
+def test_the_per_layer_flip_counts_are_inspects_route_flips_of_the_same_routes():
+    """replay_routes counts flips per MoE layer in its hooks; offpolicy inspect counts them from both sides' recorded
+    routes (route_flips): on the same routes the counts agree layer by layer, and the metrics are their ratios."""
+    from offpolicy.inspect.routing_flips import RoutingFlips, route_flips
+    from offpolicy.rollout.routing import flip_rate_metrics, flip_rates
+
+    model = build("qwen3_moe")
+    completions = [[20, 21, 22], [23], [24, 25]]
+    lengths = [len(p) + len(c) - 1 for p, c in zip(PROMPTS, completions)]
+    with torch.no_grad(), RouteRecorder(model, batch_size=3) as rec:
+        sequence_logprobs(model, PROMPTS, completions)
+    recorded = rec.pop_rows(lengths)
+    with torch.no_grad():  # other numerics on one side: routers moved enough to flip some routes, unevenly by layer
+        for i, router in enumerate(find_routers(model)):
+            router.weight.add_((0.05 * (i + 1)) * torch.randn_like(router.weight))
+    with torch.no_grad(), replay_routes(model, recorded, mode="compare") as compare, \
+            RouteRecorder(model, batch_size=3) as now:
+        sequence_logprobs(model, PROMPTS, completions)
+    theirs = RoutingFlips.from_rows(route_flips(recorded, now.pop_rows(lengths)), [len(p) for p in PROMPTS],
+                                    [len(c) for c in completions], width=3)
+    assert compare.flips_per_layer == theirs.flips and compare.routed_per_layer == theirs.routed == [sum(lengths)] * 2
+    assert sum(compare.flips_per_layer) > 0 and compare.flips == sum(theirs.flips)
+    metrics = flip_rate_metrics(compare.flips_per_layer, compare.routed_per_layer)
+    assert sorted(metrics) == ["routing/flip_rate", "routing/flip_rate/layer0", "routing/flip_rate/layer1"]
+    assert [metrics[f"routing/flip_rate/layer{i}"] for i in range(2)] == [f / sum(lengths) for f in theirs.flips]
+    assert metrics["routing/flip_rate"] == compare.flip_rate == sum(theirs.flips) / (2 * sum(lengths))
+    # by hand: 1 of 4 and 3 of 4 slots is 4 of 8 overall; a layer that routed nothing has rate 0, not NaN
+    assert flip_rates([1, 3], [4, 4]) == ([0.25, 0.75], 0.5) and flip_rates([0, 2], [0, 4]) == ([0.0, 0.5], 0.5)
+    assert flip_rates([], []) == ([], 0.0)
+    with pytest.raises(ValueError, match="one count per MoE layer"):
+        flip_rates([1], [4, 4])
+
+
 def test_r2_pi_theta_replays_pi_old_routes_after_an_update():
     model = build("qwen2_moe")
     completions = [[20, 21, 22], [23], [24, 25]]

@@ -77,9 +77,74 @@ def test_vllm_errors_name_the_field(edit, message):
 def test_vllm_weight_reload_calls_in_order(stub):
     url, log = stub({p: {} for p in ("/pause", "/collective_rpc", "/reset_prefix_cache", "/resume")})
     ServerRolloutEngine(url, VLLMProtocol("lab")).reload_weights("/models/lab")
-    assert [p for p, _ in log] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert [p for p, _ in log] == ["/pause", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     # the folder is named: without weights_path vLLM would reload the folder it last loaded, whatever was asked
     assert log[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": "/models/lab"}}
+    # then offpolicy's worker extension repacks a MoE model's experts (vLLM's CPU reload leaves them unpacked),
+    # before the prefix cache is reset
+    assert log[2][1] == {"method": "offpolicy_repack_cpu_experts"}
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_a_server_without_the_worker_extension_still_reloads_and_a_moe_model_is_warned_about(monkeypatch, tmp_path,
+                                                                                             moe):
+    """A vLLM server started without offpolicy's worker extension answers the repack call with vLLM's 500 ("object
+    has no attribute"): the reload goes on (prefix cache reset, resumed); a mixture-of-experts model in the folder is
+    warned about once per server, naming the flag; a dense model is not (nothing to repack)."""
+    import importlib
+    import json
+    import warnings
+
+    from offpolicy.rollout.http import ServerError
+    from offpolicy.rollout.protocols import vllm_reload_weights
+
+    home = importlib.import_module(vllm_reload_weights.__module__)
+    calls = []
+
+    def post(url, body, **kw):
+        calls.append((url.rsplit("/", 1)[1], (body or {}).get("method")))
+        if (body or {}).get("method") == "offpolicy_repack_cpu_experts":
+            raise ServerError(f"{kw['what']}: {url} answered HTTP 500: {{\"error\":{{\"message\":\"Call to "
+                              "collective_rpc method failed: Worker failed with error ''CPUWorker' object has no "
+                              "attribute 'offpolicy_repack_cpu_experts''\"}}}")
+        return {}
+
+    monkeypatch.setattr(home, "post_json", post)
+    monkeypatch.setattr(home, "_WARNED_NO_EXTENSION", set())
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 8} if moe else {"hidden_size": 8}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            vllm_reload_weights("http://s:1", str(tmp_path), timeout=5, weights_path=str(tmp_path))
+    assert [c[0] for c in calls[:5]] == ["pause", "collective_rpc", "collective_rpc", "reset_prefix_cache", "resume"]
+    notes = [str(w.message) for w in caught]
+    if moe:
+        assert len(notes) == 1 and "--worker-extension-cls offpolicy.rollout.vllm_worker.OffpolicyWorkerExtension" \
+            in notes[0]
+    else:
+        assert notes == []
+    # any other failure of the repack call stops the reload with its message
+    def broken(url, body, **kw):
+        if (body or {}).get("method") == "offpolicy_repack_cpu_experts":
+            raise ServerError("boom")
+        return {}
+
+    monkeypatch.setattr(home, "post_json", broken)
+    with pytest.raises(ServerError, match="boom"):
+        vllm_reload_weights("http://s:1", str(tmp_path), timeout=5)
+
+
+def test_the_worker_extension_repacks_the_workers_model(monkeypatch):
+    from types import SimpleNamespace
+
+    from offpolicy.rollout import vllm_worker as vllm_module
+    from offpolicy.rollout.vllm_worker import OffpolicyWorkerExtension
+
+    seen: list = []
+    worker = OffpolicyWorkerExtension()
+    worker.model_runner = SimpleNamespace(model="the model")
+    monkeypatch.setattr(vllm_module, "repack_cpu_experts", lambda model: seen.append(model) or 3)
+    assert worker.offpolicy_repack_cpu_experts() == 3 and seen == ["the model"]
 
 
 def test_sync_weights_writes_a_reload_folder_of_its_own_and_names_it(stub, tmp_path):

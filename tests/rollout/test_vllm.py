@@ -214,3 +214,39 @@ def test_without_vllm_the_platform_is_read_from_the_machine(monkeypatch):
     assert vllm_platform_is_cpu() is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert vllm_platform_is_cpu() is True
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_record_routes_is_refused_in_one_line_where_vllm_cannot_return_them(monkeypatch, tmp_path, triton):
+    """vLLM's routed experts come only from its Model Runner V2, which needs Triton: without it (vLLM's CPU build)
+    the engine refuses record_routes (R3) before vLLM starts; with it, vLLM is asked for them."""
+    started: list = []
+    fake = SimpleNamespace(LLM=lambda **kw: started.append(kw) or SimpleNamespace(get_tokenizer=lambda: None),
+                           triton_utils=SimpleNamespace(HAS_TRITON=triton))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.triton_utils", fake.triton_utils)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no CPU environment defaults to set
+    if not triton:
+        with pytest.raises(ValueError) as err:
+            VLLMRolloutEngine(tmp_path, record_routes=True)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith("record_routes (R3's engine routes) is not available")
+        assert "needs Triton" in message and "rollout.engine=hf" in message
+        assert started == []  # refused before vLLM starts
+        VLLMRolloutEngine(tmp_path)  # without routes the same vLLM starts
+        assert "enable_return_routed_experts" not in started[0]
+    else:
+        VLLMRolloutEngine(tmp_path, record_routes=True)
+        assert started[0]["enable_return_routed_experts"] is True
+
+
+def test_the_trainer_refuses_r3_on_vllm_in_one_line_naming_the_reason():
+    from offpolicy.train.config import load_config
+
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["rollout.engine=vllm", "rollout.routing_replay=r3"])
+    message = str(err.value)
+    assert "\n" not in message.split("invalid config: ", 1)[-1]
+    assert "rollout.routing_replay=r3" in message and "CPU build returns no routed experts" in message
+    assert "needs Triton" in message and "use rollout.engine=hf" in message
+    load_config(None, ["rollout.engine=hf", "rollout.routing_replay=r3"])  # the transformers engine records routes

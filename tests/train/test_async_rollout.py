@@ -162,6 +162,29 @@ def test_a_partial_rollout_switches_weights_mid_answer(tmp_path, fresh, varying_
     assert float(rollout.staleness["staleness/versions_per_answer"]) > 1.0
 
 
+def test_sequence_version_record_gives_each_answer_its_oldest_version(tmp_path, fresh, varying_task,
+                                                                       make_overrides):
+    """rollout.version_record=sequence: the same μ as per-token records, every token tagged with the answer's oldest
+    version (verl's min_global_steps), padding still −1."""
+    start = {k: t.clone() for k, t in fresh[0].state_dict().items()}
+    by_token = _state(tmp_path / "t", fresh, varying_task(), make_overrides, "partial", 2)
+    _history_of(by_token, 4)
+    fresh[0].load_state_dict(start)  # the same four versions for the second state
+    token_rollout = steps.rollout_step(by_token, seed=5)
+    by_sequence = _state(tmp_path / "s", fresh, varying_task(), make_overrides, "partial", 2,
+                         rollout__version_record="sequence")
+    _history_of(by_sequence, 4)
+    seq_rollout = steps.rollout_step(by_sequence, seed=5)
+    torch.testing.assert_close(seq_rollout.rollout_logp, token_rollout.rollout_logp, rtol=0, atol=0)
+    valid = token_rollout.versions >= 0
+    assert torch.equal(seq_rollout.versions >= 0, valid)
+    oldest = torch.where(valid, token_rollout.versions, 99).amin(dim=1)
+    for row in range(len(oldest)):
+        assert set(seq_rollout.versions[row][valid[row]].tolist()) <= {int(oldest[row])}
+    assert (token_rollout.versions != seq_rollout.versions).any()  # some answer did span two versions
+    assert float(seq_rollout.staleness["staleness/versions_per_answer"]) == 1.0
+
+
 @pytest.mark.parametrize("proximal", ["recompute", "loglinear"])
 def test_per_token_versions_reach_the_loss(tmp_path, fresh, varying_task, make_overrides, monkeypatch, proximal):
     state = _state(tmp_path, fresh, varying_task(), make_overrides, "partial", 2, algorithm__objective="decoupled",
@@ -247,10 +270,11 @@ def test_a_lagging_engine_logs_its_staleness_too(tmp_path, fresh, varying_task, 
     ({"rollout__max_staleness": 2, "rollout__sync_every": 2}, r"rollout.sync_every must be 1"),
     ({"rollout__max_staleness": 9}, r"1 <= K <= rollout.sampling.max_new_tokens=4"),
     ({"rollout__max_staleness": 2, "rollout__sync_check": "error"}, r"rollout.sync_check='error'"),
+    ({"rollout__async_mode": "none", "rollout__version_record": "sequence"}, r"rollout.version_record=sequence"),
 ])
 def test_async_configs_the_trainer_cannot_run_are_refused(tmp_path, fresh, varying_task, make_overrides, extra,
                                                           message):
     model, tok = fresh
-    ov = make_overrides(tmp_path, "naive", rollout__async_mode="partial", **extra)
+    ov = make_overrides(tmp_path, "naive", **{"rollout__async_mode": "partial", **extra})
     with pytest.raises(ValueError, match=message):
         steps.build_state(load_config(None, ov), model=model, tokenizer=tok, task=varying_task())

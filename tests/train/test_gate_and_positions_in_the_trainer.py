@@ -20,7 +20,7 @@ def test_gated_is_by_name_with_the_position_profile_under_tinkers_names(tmp_path
     assert res.steps_done == 2
     rows = read_metrics(tmp_path / "metrics.jsonl")
     for row in rows:
-        assert 0.0 <= row["gated_is/filter_frac"] <= 1.0 and "gated_is/stat_mean" in row
+        assert 0.0 <= row["gated_is/masked_frac"] <= 1.0 and "gated_is/stat_mean" in row
         assert "optim/kl_sample_train_v1" in row and row["optim/kl_sample_train_v2"] >= 0
         # the response is at most 12 tokens: bins [0, 8) and [8, 16)
         width = len(position_bin_edges(12)) - 1

@@ -42,7 +42,7 @@ def test_two_steps_every_preset(preset, tmp_path, fresh, make_overrides, varying
         assert "alp/sigma_mean" in rows[0] and res.alp is not None
         assert not torch.allclose(res.alp.sigma, torch.full_like(res.alp.sigma, 0.01))  # σ was trained
     if preset.startswith("dvp"):
-        assert 0.9 < rows[0]["dvp/mass_mean"] <= 1.0 and "dvp/outside_frac" in rows[0]
+        assert 0.9 < rows[0]["dvp/mass_mean"] <= 1.0 and "dvp_keep/masked_frac" in rows[0]
     if preset == "trm":
         assert rows[0]["trm/divergence_exact"] == 1.0 and rows[0]["mismatch/token_kl_exact_mean"] >= 0
 
@@ -331,7 +331,7 @@ def test_on_step_end_with_the_state_changes_the_corrections_and_the_learning_rat
     res = train(load_config(None, make_overrides(tmp_path, "naive", steps=2)), model=model, tokenizer=tok,
                 task=varying_task(), on_step_end=controller)
     assert seen == [(1, 1e-3), (2, 1e-6)]
-    assert "tis/clipped_frac" not in res.history[0] and "tis/clipped_frac" in res.history[1]
+    assert "tis/capped_frac" not in res.history[0] and "tis/capped_frac" in res.history[1]
     assert res.state.correction_specs == [{"name": "tis", "upper": 1.5}]
     with pytest.raises(ValueError, match="unknown correction 'nope'"):
         res.state.set_corrections(["nope"])

@@ -58,7 +58,7 @@ def test_a_user_correction_and_objective_train_by_name(user_module, tmp_path, ti
     res = run(2.0, 2, "two_steps")
     assert res.steps_done == 2 and not res.interrupted
     first = res.history[0]
-    assert first["half_weight/factor"] == 0.25 and "icepop/kept_frac" in first and "chain/kept_token_frac" in first
+    assert first["half_weight/factor"] == 0.25 and "icepop/kept_frac" in first and "chain/kept_frac" in first
     assert res.state.objective == "scaled_reinforce" and res.state.objective_params == {"scale": 2.0}
     # the objective is the user's: on the same first batch, scale 2 gives exactly twice scale 1's loss
     one = run(1.0, 1, "scale_one")

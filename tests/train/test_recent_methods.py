@@ -13,7 +13,7 @@ from offpolicy.train.config import load_config
 from offpolicy.train.loop import train
 
 BY_NAME = {
-    "calibrated_is": ("algorithm.corrections=[{name: calibrated_is}]", "calibrated_is/clipped_frac"),
+    "calibrated_is": ("algorithm.corrections=[{name: calibrated_is}]", "calibrated_is/capped_frac"),
     "delight": ("algorithm.corrections=[{name: delight, temperature: 0.5}]", "delight/suppressed_frac"),
     "calibrated_clip": ("algorithm.objective=calibrated_clip", "loss/calibrated_widened_low"),
 }

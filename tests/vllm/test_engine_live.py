@@ -55,3 +55,21 @@ def test_the_parameter_layer_names_a_layer_left_behind_below_the_noise(engine_re
     left = engine_result["layer_left"]
     assert engine_result["layer_left_checked"] > 0
     assert left["sync/ok"] == 0.0 and left["sync/params_left"] >= 1
+
+
+def test_vllms_cpu_build_cannot_return_routed_experts_and_r3_is_refused(run_vllm_script):
+    """R3 needs the engine's routes. vLLM 0.32's CPU build cannot give them: vLLM itself refuses
+    enable_return_routed_experts (only Model Runner V2 returns them, and it needs Triton, which the CPU build lacks),
+    so the engine refuses record_routes first, in one line with that reason (the trainer: rollout.routing_replay=r3
+    with rollout.engine=vllm, in its config). A vLLM CPU build that can return them fails this test: wire R3 then."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU build only")
+    proc = run_vllm_script(Path(__file__).parent / "scripts" / "vllm_routes.py", timeout=300)
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert result["reason"] is not None and "needs Triton" in result["reason"]
+    assert result["engine"] is not None and "\n" not in result["engine"]
+    assert result["engine"].startswith("record_routes (R3's engine routes) is not available on this vLLM")
+    # the installed vLLM's own answer: the reason the refusal gives is vLLM's
+    assert result["vllm"] is not None and ("Model Runner V2" in result["vllm"] or "Triton" in result["vllm"])

@@ -96,7 +96,7 @@ def test_trls_own_is_correction_is_the_baseline(bf16):
 
 def test_dvp_samples_inside_the_trainers_replayed_support(bf16):
     log = bf16["dvp"]["log"]
-    assert log["offpolicy/dvp/outside_frac"] == [0.0, 0.0]  # every token vLLM sampled is in the replayed support
+    assert log["offpolicy/dvp_keep/masked_frac"] == [0.0, 0.0]  # every token vLLM sampled is in the replayed support
     assert all(m < 0.999 for m in log["offpolicy/dvp/mass_mean"])  # and min-p (ρ = 0.1) really pruned
 
 
@@ -113,7 +113,7 @@ def test_sampler_order_is_vllms_on_the_live_engine(fp32):
 def test_trm_on_top8_is_vacuous_and_says_so(bf16):
     run = bf16["trm8"]
     log = run["log"]
-    assert log["offpolicy/trm/accept_rate"] == [0.0, 0.0]
+    assert log["offpolicy/trm/masked_seq_frac"] == [1.0, 1.0]
     assert log["offpolicy/topk/certifiable_frac"] == [0.0, 0.0]  # the slack alone rejects every sequence …
     assert all(lo < 1e-3 < up for lo, up in zip(log["offpolicy/topk/kl_lower_mean"], log["offpolicy/topk/kl_upper_mean"]))
     assert len(run["warnings"]) == 1 and "vacuous" in run["warnings"][0]  # … and the user is told, once
@@ -126,7 +126,7 @@ def test_trm_max_test_on_top20_certifies_the_live_mismatch(bf16):
     run = bf16["trm20_max"]
     log = run["log"]
     assert run["warnings"] == [] and not run["advice"]["vacuous"]
-    assert log["offpolicy/trm/accept_rate"] == [1.0, 1.0]
+    assert log["offpolicy/trm/masked_seq_frac"] == [0.0, 0.0]
     assert all(u < 0.05 for u in log["offpolicy/topk/kl_upper_max"])
     assert run["moved"]
 

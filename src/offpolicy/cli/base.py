@@ -53,6 +53,18 @@ def os_error(err: OSError) -> str:
 
 
 @contextlib.contextmanager
+def failing(console: Console) -> Iterator[None]:
+    """A ``ValueError`` (bad input, a server's :class:`~offpolicy.rollout.http.ServerError`) or an ``OSError`` (a
+    path, with :func:`os_error`) raised in the block: :func:`fail` with its one line."""
+    try:
+        yield
+    except ValueError as err:
+        fail(console, str(err))
+    except OSError as err:
+        fail(console, os_error(err))
+
+
+@contextlib.contextmanager
 def warnings_on(console: Console) -> Iterator[None]:
     """Library warnings (a replaced earlier run, a half-written metrics line, …) as one ``warning:`` line each on
     the console, instead of Python's two-line ``file:line: UserWarning`` format."""

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from offpolicy.cli.base import fail, make_console, make_dir, os_error, warnings_on
+from offpolicy.cli.base import fail, failing, make_console, make_dir, warnings_on
 from offpolicy.cli.output import check_gate, print_inspection, print_summary
 
 
@@ -32,21 +32,16 @@ def diagnose(
     if fail_above:
         fail(console, "--fail-above applies to per-token dumps, not to metrics.jsonl files")
 
-    with warnings_on(console):  # load_runs warns about half-written last lines and runs with no steps
-        try:
-            runs = load_runs(list(metrics))
-        except ValueError as err:
-            fail(console, str(err))
+    with warnings_on(console), failing(console):  # load_runs warns about half-written last lines, runs with no steps
+        runs = load_runs(list(metrics))
     if not runs:  # every file was empty: a table of dashes and blank plots would only hide that
         console.print("[yellow]warning:[/yellow] no logged steps in the given metrics file(s): no summary, no plots")
         return
     first = metrics[0] if metrics[0].is_dir() else metrics[0].parent
     plots = out or first / "plots"
     make_dir(console, plots, "--out")
-    try:
+    with failing(console):
         print_summary(console, None, runs=runs, title="offpolicy diagnose", plots=plots)
-    except OSError as err:
-        fail(console, os_error(err))
 
 
 def doctor(
@@ -67,13 +62,9 @@ def doctor(
     console = make_console()
     from offpolicy.diagnose.doctor import load_config, read_server, run_checks
     from offpolicy.diagnose.recipe_check import recipe_checks
-    from offpolicy.rollout.http import ServerError
-
     if recipe is not None:
-        try:
+        with failing(console):
             lines = recipe_checks(recipe)
-        except ValueError as err:
-            fail(console, str(err))
         console.print(f"[bold]doctor[/bold] recipe {escape(str(recipe))}", soft_wrap=True)
         for line in lines:
             console.print(escape(line), soft_wrap=True)
@@ -84,12 +75,10 @@ def doctor(
     if (trl_config is None) == (verl_config is None):
         fail(console, "give one of --trl-config or --verl-config")
     framework, path = ("trl", trl_config) if trl_config is not None else ("verl", verl_config)
-    try:
+    with failing(console):  # a ServerError is a ValueError
         cfg = load_config(path)  # type: ignore[arg-type]  # one of the two is set (checked above)
         facts = read_server(server, vllm_args=vllm_args)
         checks = run_checks(facts, cfg, framework)
-    except (ValueError, ServerError) as err:
-        fail(console, str(err))
     console.print(f"[bold]doctor[/bold] {escape(facts.url)} against {framework} config {escape(str(path))}",
                   soft_wrap=True)
     for check in checks:
@@ -111,18 +100,13 @@ def _diagnose_dumps(console: Console, paths: list[Path], out: Path | None, fail_
     from offpolicy.inspect.gate import parse_bounds
     from offpolicy.inspect.report import write_report
 
-    try:
+    with failing(console), warnings_on(console):
         bounds = parse_bounds(fail_above) if fail_above else None
-        with warnings_on(console):
-            measured = measurements_from_dumps(paths)
-    except ValueError as err:
-        fail(console, str(err))
+        measured = measurements_from_dumps(paths)
     folder = out or paths[0].parent / f"{paths[0].stem}-report"
     make_dir(console, folder, "--out")
-    try:
+    with failing(console):
         summary = write_report(measured, folder)
-    except OSError as err:
-        fail(console, os_error(err))
     console.print(f"[bold]diagnose[/bold] {len(paths)} dump(s) ({', '.join(sorted(set(measured.meta['formats'])))}): "
                   f"{summary['positions']} tokens in {summary['sequences']} sequences", soft_wrap=True)
     print_inspection(console, summary, folder, dump=False)

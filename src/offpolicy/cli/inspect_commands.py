@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from offpolicy.cli.base import fail, make_console, make_dir, os_error, warnings_on
+from offpolicy.cli.base import failing, make_console, make_dir, warnings_on
 from offpolicy.cli.output import check_gate, print_inspection
 
 
@@ -65,7 +65,7 @@ def inspect_command(
     from offpolicy.rollout.sampling import SamplingConfig
 
     console = make_console()
-    try:  # every argument checked before any work
+    with failing(console):  # every argument checked before any work
         rollouts = [parse_spec(r, "rollout") for r in (rollout or ["bf16"])]
         trainers = [parse_spec(t, "trainer") for t in (trainer or ["fp32"])]
         if len(trainers) not in (1, len(rollouts)):
@@ -79,8 +79,6 @@ def inspect_command(
             raise ValueError(f"--rollout-view must be full or topk, got {rollout_view!r}")
         if not (layer_threshold > 0 and layer_threshold < float("inf")):
             raise ValueError(f"--layer-threshold must be a finite number > 0, got {layer_threshold!r}")
-    except ValueError as err:
-        fail(console, str(err))
     if check_sync is not None:
         _check_sync(console, model, rollouts, task=task, prompts=prompts, seed=seed, tolerance=check_sync,
                     max_new_tokens=max_new_tokens)
@@ -94,17 +92,13 @@ def inspect_command(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with warnings_on(console):
+        with failing(console), warnings_on(console):
             beside_model = (("lab" if model == "lab-moe" else None) if beside is None
                             else None if beside == "none" else beside)
             summaries = _inspect_runs(console, model, out, pairs, sampling, task=task, prompts=prompts, seed=seed,
                                       beside=beside_model,
                                       ignore_eos=ignore_eos, topk=topk, layers=layers, layer_threshold=layer_threshold,
                                       rollout_view=rollout_view, budget=memory_budget_mb << 20, sampler=sampler)
-    except ValueError as err:
-        fail(console, str(err))
-    except OSError as err:
-        fail(console, os_error(err))
     finally:
         torch.set_num_threads(threads_before)
     check_gate(console, summaries, bounds)
@@ -119,7 +113,7 @@ def _check_sync(console: Console, model_path: str, rollouts, *, task: str, promp
     from offpolicy.rollout.sampling import SamplingConfig
     from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 
-    try:
+    with failing(console):
         if not tolerance > 0:
             raise ValueError(f"--check-sync must be a number of nats > 0, got {tolerance!r}")
         model, tokenizer = load_model(model_path)
@@ -133,8 +127,6 @@ def _check_sync(console: Console, model_path: str, rollouts, *, task: str, promp
             console.print(f"sync OK: {spec.describe()} holds {model_path}'s weights: mean |Δ log p| "
                           f"{metrics['sync/gap']:.3g} nats per token ≤ {tolerance:g} on "
                           f"{check.probe.n_tokens if check.probe else 0} probe tokens", soft_wrap=True)
-    except ValueError as err:
-        fail(console, str(err))
 
 
 def _inspect_runs(console: Console, model_path: str, out: Path, pairs, sampling, *, task: str, prompts: int,  # noqa: ANN001

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from offpolicy.cli.base import fail, make_console, os_error, warnings_on
+from offpolicy.cli.base import failing, make_console, warnings_on
 from offpolicy.lab.mismatch import SOURCES as LAB_SOURCES  # plain Python: the lab's help text lists them
 from offpolicy.lab.settings import SETTINGS as LAB_SETTINGS
 from offpolicy.lab.settings import VARIANTS as LAB_VARIANTS
@@ -76,29 +76,20 @@ def _lab(out: Path, setting: str, presets_: str | None, mismatch: str | None, se
     console = make_console()
     result = None
     if not report_only:
-        try:
+        with failing(console):
             runner = _lab_executor(executor, address)
             plan = plan_sweep(out, setting, presets=presets_, mismatches=mismatch, seeds=seeds, steps=steps,
                               overrides=list(overrides or []))
             t0 = time.perf_counter()
             result = run_sweep(plan, jobs=jobs, console=console, keep_checkpoints=keep_checkpoints, executor=runner)
-        except ValueError as err:
-            fail(console, str(err))
-        except OSError as err:
-            fail(console, os_error(err))
         console.print(f"sweep wall time {time.perf_counter() - t0:.0f} s")
         for f in result.failed:
             console.print(f"[red]failed:[/red] {escape(str(out / f.run.dir))}: {escape(f.error)}", soft_wrap=True)
         if not result.done:
             console.print("[yellow]warning:[/yellow] no finished run yet: no report")
             raise typer.Exit(code=130 if result.interrupted else 1)
-    with warnings_on(console):
-        try:
-            report = write_report(out)
-        except ValueError as err:
-            fail(console, str(err))
-        except OSError as err:
-            fail(console, os_error(err))
+    with warnings_on(console), failing(console):
+        report = write_report(out)
     console.print(rich_table(report.stats, title=title or f"offpolicy lab {report.stats.get('setting')!s}"))
     console.print(f"[bold]{escape(report.stats['headline'])}[/bold]", soft_wrap=True)
     if report.stats["missing"]:

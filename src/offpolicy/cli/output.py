@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from offpolicy.cli.base import fail
+from offpolicy.cli.base import failing
 
 
 def print_inspection(console: Console, summary: dict, folder: Path, *, dump: bool = True) -> None:
@@ -60,10 +60,8 @@ def check_gate(console: Console, summaries: list[dict], bounds: dict | None) -> 
         return
     failures = []
     for summary in summaries:
-        try:
+        with failing(console):
             lines = check_bounds(summary, bounds)
-        except ValueError as err:
-            fail(console, str(err))
         name = (summary.get("meta") or {}).get("rollout", {}).get("name")
         failures += [f"{name}: {line}" if len(summaries) > 1 else line for line in lines]
     for line in failures:

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from offpolicy.cli.base import fail, make_console, os_error, warnings_on
+from offpolicy.cli.base import fail, failing, make_console, warnings_on
 from offpolicy.cli.output import print_summary
 
 
@@ -23,12 +23,8 @@ def presets(
 
     console = make_console()
     if name is not None:
-        try:
+        with failing(console):
             text = named_recipe(name).dump(write)
-        except ValueError as err:
-            fail(console, str(err))
-        except OSError as err:
-            fail(console, os_error(err))
         console.print(escape(text.rstrip()), soft_wrap=True)
         return
     if write is not None:
@@ -62,20 +58,14 @@ def train(
     from offpolicy.train.loop import train as run_train
 
     console = make_console()
-    try:
+    with failing(console):
         cfg = load_config(config, list(overrides or []))
-    except ValueError as err:
-        fail(console, str(err))
     console.print(f"[bold]offpolicy train[/bold] preset={cfg.algorithm.preset} model={escape(cfg.model.path)} "
                   f"steps={cfg.run.steps} → {escape(cfg.run.out_dir)}", soft_wrap=True)
     with warnings_on(console):
-        try:
+        with failing(console):  # an OSError too: a disk that fills up or a folder that turns read-only mid-run
             result = run_train(cfg, resume=resume, overwrite=overwrite, console=console,
                                allow_changed=tuple(allow_changed or ()))
-        except ValueError as err:
-            fail(console, str(err))
-        except OSError as err:  # a disk that fills up or a folder that turns read-only mid-run
-            fail(console, os_error(err))
         print_summary(console, {cfg.algorithm.preset: Path(cfg.run.out_dir) / "metrics.jsonl"}, title="run summary")
     if result.interrupted:
         raise typer.Exit(code=130)

@@ -49,8 +49,9 @@ def calibrated_is(lam: float = LAM, kappa: float = KAPPA, source: str = "mismatc
     ``lam`` λ > 0, ``kappa`` κ in (0, 1], ``source`` as :func:`~offpolicy.tis`. Needs ``rollout_logp`` μ.
 
     Metrics (prefix ``calibrated_is/``, over valid tokens): ``raw_ratio_mean`` / ``raw_ratio_max`` (ρ before the cap,
-    where defined), ``cap_mean`` (mean c_t), ``weight_mean`` (0 where dropped), ``kept_frac``, ``clipped_frac`` (tokens
-    whose ratio the cap lowered, or that were dropped) and ``nonfinite_frac`` (dropped for a non-finite ρ_t or p_t).
+    where defined), ``cap_mean`` (mean c_t), ``weight_mean`` (0 where dropped) and ``nonfinite_frac`` (dropped for a
+    non-finite ρ_t or p_t), beside every correction's ``kept_frac`` / ``masked_frac`` / ``capped_frac`` (the tokens
+    whose ratio the cap lowered) / ``masked_seq_frac`` (:func:`~offpolicy.corrections.base.drop_metrics`).
 
     >>> b = LogProbBatch(logp=torch.log(torch.tensor([[0.5, 0.999]])), rollout_logp=torch.log(torch.tensor([[0.2, 0.9]])),
     ...                  mask=torch.ones(1, 2))
@@ -83,10 +84,8 @@ def calibrated_is(lam: float = LAM, kappa: float = KAPPA, source: str = "mismatc
             "calibrated_is/raw_ratio_min": min_where(rho, defined),
             "calibrated_is/cap_mean": keep_only(cap, defined).sum() / n_defined.clamp(min=1),
             "calibrated_is/weight_mean": weights.sum() / n,
-            "calibrated_is/kept_frac": n_defined / n,
-            "calibrated_is/clipped_frac": (n_valid - n_defined + count(moved)) / n,
             "calibrated_is/nonfinite_frac": (n_valid - n_defined) / n,
         }
-        return CorrectionResult(weights, defined, metrics, weight_level="token")
+        return CorrectionResult(weights, defined, metrics, weight_level="token", capped=moved)
 
     return Correction("calibrated_is", apply, {"lam": lam_, "kappa": kappa_, "source": source})

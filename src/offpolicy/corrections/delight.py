@@ -54,9 +54,10 @@ def delight(temperature: float = TEMPERATURE, policy: str = "old") -> Correction
     """The delight gate w_t = σ(A_t · (−log π(y_t)) / η) (arXiv 2603.20521; module docstring): ``temperature`` η > 0,
     ``policy`` ``"old"`` (π_old) or ``"current"`` (π_θ, detached). Needs no μ.
 
-    Metrics (prefix ``delight/``, over valid tokens): ``weight_mean`` (0 where dropped), ``kept_frac``,
-    ``suppressed_frac`` (tokens with negative delight, w < ½: the gated failures), ``delight_mean`` (mean χ),
-    ``surprisal_mean`` (mean ℓ) and ``nonfinite_frac`` (dropped for a non-finite surprisal or advantage).
+    Metrics (prefix ``delight/``, over valid tokens): ``weight_mean`` (0 where dropped), ``suppressed_frac`` (tokens with negative delight, w < ½: the gated failures), ``delight_mean`` (mean χ),
+    ``surprisal_mean`` (mean ℓ) and ``nonfinite_frac`` (dropped for a non-finite surprisal or advantage), beside every
+    correction's ``kept_frac`` … (:func:`~offpolicy.corrections.base.drop_metrics`: a gated token is reweighted, not
+    capped, so it counts as kept).
 
     >>> b = LogProbBatch(logp=torch.log(torch.tensor([[0.5, 0.5]])), mask=torch.ones(1, 2),
     ...                  advantages=torch.tensor([[1.0, -1.0]]))
@@ -84,7 +85,6 @@ def delight(temperature: float = TEMPERATURE, policy: str = "old") -> Correction
         n_defined = count(defined)
         metrics = {
             "delight/weight_mean": weights.sum() / n,
-            "delight/kept_frac": n_defined / n,
             "delight/suppressed_frac": count(defined & (chi < 0)) / n,
             "delight/delight_mean": chi.sum() / n_defined.clamp(min=1),
             "delight/surprisal_mean": surprisal.sum() / n_defined.clamp(min=1),

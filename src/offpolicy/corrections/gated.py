@@ -35,7 +35,7 @@ Differences from OpenRLHF 0.11.2 worth knowing (each run against its ``PolicyLos
   a finite statistic that can pass, and then the token weighs e^(b − a) = inf (an inf loss); log π_old = −inf passes
   a divergence gate with weight 0, not counted as filtered;
 * its ``is_filter_ratio`` at ``seq`` level averages over every row, an all-padding row (a 0/0 statistic) counted as
-  filtered; ``<name>/filter_frac`` here averages over non-empty sequences.
+  filtered; ``<name>/masked_seq_frac`` here averages over non-empty sequences.
 """
 
 from __future__ import annotations
@@ -240,10 +240,12 @@ def gated_is(
     ``_threshold``; module docstring). OpenRLHF's ``seq`` is ``level="geometric"``, its ``clip`` ``mode="truncate"``,
     its ``threshold [low, high]`` ``lower`` / ``upper`` (a single value: ``upper`` alone).
 
-    Metrics (prefix ``<name>/``): ``filter_frac`` — OpenRLHF's ``is_filter_ratio``: units (valid tokens, or non-empty
-    sequences) outside the band or undefined; ``kept_frac`` (valid tokens kept); ``stat_mean`` / ``stat_max`` (the
-    unit statistic over defined units: the ratio itself for ratio gating); ``weight_mean`` (over valid tokens, 0 where
-    dropped); ``nonfinite_frac`` (valid tokens with a non-finite log-ratio; dropped).
+    Metrics (prefix ``<name>/``): ``stat_mean`` / ``stat_max`` (the unit statistic over defined units: the ratio
+    itself for ratio gating); ``weight_mean`` (over valid tokens, 0 where dropped); ``nonfinite_frac`` (valid tokens
+    with a non-finite log-ratio; dropped); and every correction's ``kept_frac`` / ``masked_frac`` / ``capped_frac`` /
+    ``masked_seq_frac`` (:func:`~offpolicy.corrections.base.drop_metrics`). OpenRLHF's ``is_filter_ratio`` is
+    ``masked_frac`` at token level in mask mode, ``masked_frac + capped_frac`` in truncate mode, and
+    ``masked_seq_frac`` at the sequence levels.
 
     >>> gated_is(level="geometric", gating="binary_kl")   # FlashREINFORCE's trust region
     gated_is(level='geometric', mode='mask', gating='binary_kl', lower=None, upper=0.005, source='mismatch')
@@ -266,16 +268,15 @@ def gated_is(
                  upper=hi)
         valid = batch.bool_mask
         n = count(valid).clamp(min=1)
-        units = count(g.unit_valid).clamp(min=1)
         defined = count(g.unit_defined).clamp(min=1)
         metrics = {
-            f"{name}/filter_frac": count(g.filtered) / units,
-            f"{name}/kept_frac": count(g.keep) / n,
             f"{name}/stat_mean": zero_outside(g.statistic, g.unit_defined).sum() / defined,
             f"{name}/stat_max": max_where(zero_outside(g.statistic, g.unit_defined), g.unit_defined),
             f"{name}/weight_mean": g.weights.sum() / n,
             f"{name}/nonfinite_frac": count(valid & ~is_finite(r)) / n,
         }
-        return CorrectionResult(g.weights, g.keep, metrics, weight_level="token")
+        # truncate mode keeps every defined token: those outside the band are the ones whose ratio was clamped
+        capped = g.keep & g.filtered if mode == "truncate" else None
+        return CorrectionResult(g.weights, g.keep, metrics, weight_level="token", capped=capped)
 
     return Correction(name, apply, config)

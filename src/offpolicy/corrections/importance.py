@@ -349,23 +349,21 @@ def _importance(
         n = n_valid.clamp(min=1)
         tokens: Tensor | int
         if out.rows is None:  # token level: the raw ratio over the tokens where it is defined (finite)
-            defined, tokens, n_kept = out.finite, 1, count(out.keep)
+            defined, tokens = out.finite, 1
         else:  # sequence levels: each defined sequence's ratio, once per valid token
-            defined, tokens, n_kept = out.rows.defined, out.rows.tokens, (out.rows.tokens * out.rows.keep).sum()
+            defined, tokens = out.rows.defined, out.rows.tokens
         n_defined = (tokens * keep_only(torch.ones_like(out.ratio), defined)).sum()
         ratio_defined = keep_only(out.ratio, defined)  # > 0 where defined: a 0 never wins the max
-        # changed: dropped (masked, or undefined), or — truncation — moved by the clamp
-        n_moved = (tokens * keep_only(torch.ones_like(out.ratio), out.outside & defined)).sum()
         metrics = {
             f"{name}/raw_ratio_mean": (tokens * ratio_defined).sum() / n_defined.clamp(min=1),
             f"{name}/raw_ratio_max": ratio_defined.amax(),
             f"{name}/raw_ratio_min": min_where(out.ratio, defined),
             f"{name}/weight_mean": out.weights.sum() / n,  # weights are 0 at padding
-            f"{name}/kept_frac": n_kept / n,
-            f"{name}/clipped_frac": (n_valid - n_kept + (n_moved if mode == "truncate" else 0)) / n,
             f"{name}/nonfinite_frac": (n_valid - count(out.finite)) / n,
         }
-        return CorrectionResult(out.weights, out.keep, metrics, weight_level=level)
+        # truncation: the kept tokens (sequences) whose ratio the clamp moved; a mask truncates nothing
+        capped = broadcast_rows(out.keep, out.outside) if mode == "truncate" else None
+        return CorrectionResult(out.weights, out.keep, metrics, weight_level=level, capped=capped)
 
     return Correction(name, apply, config)
 
@@ -385,9 +383,11 @@ def importance_correction(
 
     Metrics (0-d tensors, prefixed ``<name>/``): ``raw_ratio_mean/max/min`` (ratio *before* truncation, over valid
     tokens where it is defined — TRL logs only the truncated one), ``weight_mean`` (final weight over valid tokens, 0
-    where dropped), ``kept_frac``, ``clipped_frac`` (valid tokens whose weight was changed by truncation or that were
-    masked) and ``nonfinite_frac`` (valid tokens with a non-finite log-ratio; they are dropped). The named presets
-    (:func:`tis`, :func:`mis`, :func:`geo_mask`, :func:`icepop`) log the same metrics under their own name.
+    where dropped) and ``nonfinite_frac`` (valid tokens with a non-finite log-ratio; they are dropped), beside every
+    correction's ``kept_frac`` / ``masked_frac`` / ``capped_frac`` / ``masked_seq_frac``
+    (:func:`~offpolicy.corrections.base.drop_metrics`; ``capped`` = the tokens whose ratio truncation moved). The
+    named presets (:func:`tis`, :func:`mis`, :func:`geo_mask`, :func:`icepop`) log the same metrics under their own
+    name.
 
     >>> from offpolicy.batch import LogProbBatch
     >>> b = LogProbBatch(logp=torch.zeros(1, 2), rollout_logp=torch.tensor([[0.0, -2.0]]), mask=torch.ones(1, 2))
@@ -451,7 +451,7 @@ def geo_mask(lower: float | None = 0.999, upper: float | None = 1.001, source: s
     ms-swift's ``geo_mask``).
 
     Length-invariant, unlike the product. The per-token geometric mean drifts little, so the default band is tight
-    (±0.1 % per token); widen it if the acceptance rate (``geo_mask/kept_frac``) drops.
+    (±0.1 % per token); widen it if the masked share (``geo_mask/masked_frac``) grows.
 
     >>> geo_mask(lower=0.5, upper=2.0)
     geo_mask(lower=0.5, upper=2.0, source='mismatch')

@@ -22,8 +22,8 @@ first suffix mean strictly below τ, keeping at least one token.
 That version is ``m2po(quadrants=False, source="mismatch")`` (up to ≤ vs < at exact equality and its keep-one rule).
 The default follows the paper and the issue text: r from π_θ (detached) over μ, quadrant candidates, M2 ≤ τ.
 
-Metrics: ``m2po/m2_before`` (M2 of the valid tokens), ``m2po/m2_after`` (of the kept ones), ``m2po/masked_frac``
-(dropped / valid), ``m2po/candidate_frac`` (candidates / valid).
+Metrics: ``m2po/m2_before`` (M2 of the valid tokens), ``m2po/m2_after`` (of the kept ones), ``m2po/candidate_frac``
+(candidates / valid), and every correction's ``m2po/masked_frac`` (dropped / valid) … (:func:`~offpolicy.corrections.base.drop_metrics`).
 
 >>> b = LogProbBatch(logp=torch.tensor([[0.0, 0.0, 0.0]]), rollout_logp=torch.tensor([[-1.0, -0.1, 0.1]]),
 ...                  mask=torch.ones(1, 3), advantages=torch.tensor([1.0]))
@@ -115,7 +115,6 @@ def m2po(threshold: float = DEFAULT_THRESHOLD, quadrants: bool = True, source: s
         metrics = {
             "m2po/m2_before": before,
             "m2po/m2_after": after,
-            "m2po/masked_frac": count(valid & ~keep).float() / per_valid,
             "m2po/candidate_frac": count(candidates).float() / per_valid,
         }
         return CorrectionResult(float_mask(valid), keep, metrics, weight_level=None)

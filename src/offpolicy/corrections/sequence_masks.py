@@ -81,11 +81,12 @@ def token_veto(log_ratio: Tensor, mask: Tensor, *, threshold: float = 1e-4) -> T
 def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
     """Token-veto preset on log(π_old/μ) (``source="mismatch"``) or log(π_θ/μ) (``"total"``); see :func:`token_veto`.
 
-    Metrics: ``veto/vetoed_seq_frac`` (of sequences with ≥ 1 valid token).
+    Metrics: every correction's (:func:`~offpolicy.corrections.base.drop_metrics`): ``veto/masked_seq_frac`` the
+    vetoed share of sequences with ≥ 1 valid token, ``veto/masked_frac`` their tokens' share.
 
     >>> mu = torch.tensor([[0.0, 0.0], [0.0, 12.0]])
     >>> b = LogProbBatch(logp=torch.zeros(2, 2), rollout_logp=mu, mask=torch.ones(2, 2))
-    >>> r = veto()(b); r.keep, r.metrics["veto/vetoed_seq_frac"]  # ρ = e^-12 = 6e-6 < 1e-4 vetoes row 1
+    >>> r = veto()(b); r.keep, r.metrics["veto/masked_seq_frac"]  # ρ = e^-12 = 6e-6 < 1e-4 vetoes row 1
     (tensor([[ True,  True],
             [False, False]]), tensor(0.5000))
     """
@@ -95,11 +96,7 @@ def veto(threshold: float = 1e-4, source: str = "mismatch") -> Correction:
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
         keep = token_veto(behaviour_log_ratio(batch, source, "veto"), batch.mask, threshold=t)
-        valid = batch.bool_mask
-        nonempty = count(valid, dim=-1) > 0
-        vetoed = nonempty & (count(keep, dim=-1) == 0)
-        metrics = {"veto/vetoed_seq_frac": mean_over_sequences(vetoed, nonempty)}
-        return CorrectionResult(float_mask(valid), keep, metrics, weight_level=None)
+        return CorrectionResult(float_mask(batch.bool_mask), keep, {}, weight_level=None)
 
     return Correction("veto", apply, {"threshold": t, "source": source})
 
@@ -199,9 +196,10 @@ def opsm_mask(
 def opsm(delta: float = 1e-4) -> Correction:
     """OPSM preset (see :func:`opsm_mask`): μ = ``rollout_logp``, else ``old_logp``; advantages required.
 
-    Metrics (over sequences with ≥ 1 valid token): ``opsm/masked_seq_frac``, ``opsm/stat_mean`` and its split
+    Metrics (over sequences with ≥ 1 valid token): ``opsm/stat_mean`` and its split
     ``opsm/mismatch_term_mean`` + ``opsm/staleness_term_mean`` (:func:`opsm_decomposition`; with no ``old_logp`` the
-    staleness term is 0, with no ``rollout_logp`` the mismatch term is 0).
+    staleness term is 0, with no ``rollout_logp`` the mismatch term is 0), beside every correction's
+    ``opsm/masked_seq_frac`` (the dropped share of sequences), ``opsm/masked_frac`` … (:func:`~offpolicy.corrections.base.drop_metrics`).
 
     >>> b = LogProbBatch(logp=torch.tensor([[-2.0], [-2.0]]), rollout_logp=torch.tensor([[-1.0], [-1.0]]),
     ...                  mask=torch.ones(2, 1), advantages=torch.tensor([-1.0, 1.0]))
@@ -222,7 +220,6 @@ def opsm(delta: float = 1e-4) -> Correction:
         valid = batch.bool_mask
         nonempty = count(valid, dim=-1) > 0
         metrics = {
-            "opsm/masked_seq_frac": mean_over_sequences(nonempty & (count(keep, dim=-1) == 0), nonempty),
             "opsm/stat_mean": mean_over_sequences(parts["statistic"], nonempty),
             "opsm/mismatch_term_mean": mean_over_sequences(parts["mismatch"], nonempty),
             "opsm/staleness_term_mean": mean_over_sequences(parts["staleness"], nonempty),

@@ -209,14 +209,16 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
     the rollout against the *current* policy, so policy drift over the minibatches counts too) or log(π_old/μ)
     (``"mismatch"``: the inference error alone): max test on k2(r), average test on k3(r) (needs ``rollout_logp``).
 
-    Metrics: ``trm/accept_rate`` (of sequences with ≥ 1 valid token), ``trm/max_divergence_mean`` (mean over
-    sequences of the max-test divergence), ``trm/avg_divergence_mean`` (of the avg-test divergence), and
-    ``trm/divergence_exact`` / ``trm/divergence_topk`` / ``trm/divergence_k_estimator``: one is 1, the others 0.
+    Metrics: ``trm/max_divergence_mean`` (mean over sequences of the max-test divergence), ``trm/avg_divergence_mean``
+    (of the avg-test divergence), ``trm/divergence_exact`` / ``trm/divergence_topk`` / ``trm/divergence_k_estimator``
+    (one is 1, the others 0), and every correction's (:func:`~offpolicy.corrections.base.drop_metrics`):
+    ``trm/masked_seq_frac`` of the sequences with ≥ 1 valid token (the paper's acceptance rate is 1 − it),
+    ``trm/masked_frac`` of their tokens.
 
     >>> mu = torch.tensor([[0.0, 0.1], [0.0, 0.5]])
     >>> b = LogProbBatch(logp=torch.zeros(2, 2), rollout_logp=mu, mask=torch.ones(2, 2))
     >>> r = trm(avg_kl=None)(b)  # k2 maxima: 0.5·0.1² = 0.005 and 0.5·0.5² = 0.125 vs 0.05
-    >>> r.keep, r.metrics["trm/accept_rate"], r.metrics["trm/divergence_k_estimator"]
+    >>> r.keep, r.metrics["trm/masked_seq_frac"], r.metrics["trm/divergence_k_estimator"]
     (tensor([[ True,  True],
             [False, False]]), tensor(0.5000), tensor(1.))
     """
@@ -242,7 +244,6 @@ def trm(max_kl: float | None = 0.05, avg_kl: float | None = 0.001, source: str =
             keep = broadcast_rows(keep, ~nonfinite_rows(r, m))
         nonempty = count(m, dim=-1) > 0
         metrics = {
-            "trm/accept_rate": mean_over_sequences(count(keep, dim=-1) > 0, nonempty),
             # the statistics leave non-finite divergences out (they count as 0 in the mean)
             "trm/max_divergence_mean": mean_over_sequences(per_sequence(max_divergence, m, "max"), nonempty),
             "trm/avg_divergence_mean": mean_over_sequences(per_sequence(avg_divergence, m, "mean"), nonempty),
@@ -260,7 +261,7 @@ def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, sour
 
     The defaults are not the paper's (it gives none): ε, δ from its worked example (ε = 5e-3, δ = 1e-4) and the
     threshold from SER's recommended range, since W/Z is a weighted mean of the same |ρ_t − 1|.
-    Metrics: ``ln_trm/accept_rate``, ``ln_trm/stat_mean`` (mean W/Z over sequences).
+    Metrics: ``ln_trm/stat_mean`` (mean W/Z over sequences) and every correction's (``ln_trm/masked_seq_frac`` …).
 
     >>> ln_trm()
     ln_trm(eps=0.005, delta=0.0001, threshold=0.05, source='total')
@@ -279,7 +280,8 @@ def ln_trm(eps: float = 5e-3, delta: float = 1e-4, threshold: float = 0.05, sour
 def ser(threshold: float = 0.05, source: str = "total") -> Correction:
     """Sequence-Error-Rate preset on log(π_θ/μ) (or log(π_old/μ), ``source="mismatch"``; see :func:`ser_mask`;
     recommended threshold 0.03–0.10).
-    Metrics: ``ser/accept_rate``, ``ser/stat_mean`` (mean over sequences of mean_t |ρ_t − 1|).
+    Metrics: ``ser/stat_mean`` (mean over sequences of mean_t |ρ_t − 1|) and every correction's
+    (``ser/masked_seq_frac`` …).
 
     >>> ser()
     ser(threshold=0.05, source='total')
@@ -296,7 +298,7 @@ def _row_statistic_mask(
 ) -> Correction:
     """A sequence mask that keeps a row iff ``statistic(raw log-ratio, mask) [B] <= threshold`` (LN-TRM, SER).
 
-    Metrics ``<name>/accept_rate`` and ``<name>/stat_mean``; a non-finite valid log-ratio drops its sequence.
+    Metric ``<name>/stat_mean`` (and every correction's); a non-finite valid log-ratio drops its sequence.
     """
 
     def apply(batch: LogProbBatch) -> CorrectionResult:
@@ -305,8 +307,7 @@ def _row_statistic_mask(
         stat = statistic(r, m)  # once, for the mask (as ln_trm_mask / ser_mask) and the metric
         keep = _keep_rows_at_most(stat, threshold, r, m)
         nonempty = count(m, dim=-1) > 0
-        metrics = {f"{name}/accept_rate": mean_over_sequences(count(keep, dim=-1) > 0, nonempty),
-                   f"{name}/stat_mean": mean_over_sequences(stat, nonempty)}
+        metrics = {f"{name}/stat_mean": mean_over_sequences(stat, nonempty)}
         return CorrectionResult(float_mask(m), keep, metrics, weight_level=None)
 
     return Correction(name, apply, config)
@@ -340,13 +341,14 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
     shrinks), here a dropped token keeps its place in the denominator; verl's k3 clamps log ρ at ±20 on both sides,
     ours only at +20, so a token below e^−20 is not understated (:func:`k3`).
 
-    Metrics (prefix ``name``, default ``mode``): ``<name>/rejected_frac`` (of valid tokens, or of non-empty sequences)
-    and ``<name>/stat_mean`` (mean of the statistic over the same).
+    Metrics (prefix ``name``, default ``mode``): ``<name>/stat_mean`` (mean of the statistic over valid tokens, or over
+    non-empty sequences) and every correction's: the rejected share is ``<name>/masked_frac`` of the tokens and
+    ``<name>/masked_seq_frac`` of the sequences (:func:`~offpolicy.corrections.base.drop_metrics`).
 
     >>> mu = torch.zeros(2, 2); logp = torch.tensor([[0.1, 0.1], [0.1, 0.5]])
     >>> b = LogProbBatch(logp=logp, rollout_logp=mu, mask=torch.ones(2, 2))
     >>> r = kl_rejection("seq_max_k2", upper=0.05)(b)  # row maxima ½·0.1² = 0.005 and ½·0.5² = 0.125
-    >>> r.keep, r.metrics["seq_max_k2/rejected_frac"]
+    >>> r.keep, r.metrics["seq_max_k2/masked_seq_frac"]
     (tensor([[ True,  True],
             [False, False]]), tensor(0.5000))
     """
@@ -367,15 +369,14 @@ def kl_rejection(mode: str, upper: float, source: str = "mismatch", name: str | 
         k = k_of(zero_outside(r, defined))  # 0 at padding and at an undefined r (dropped below)
         if aggregate == "token":
             keep = defined & (k <= u)
-            n = count(m).clamp(min=1)
-            rejected, stat_mean = count(m & ~keep) / n, k.sum() / n
+            stat_mean = k.sum() / count(m).clamp(min=1)
         else:
             stat = per_sequence(k, m, _SEQUENCE_REDUCE[aggregate])
             keep_row = (stat <= u) & ~nonfinite_rows(r, m)
             keep = broadcast_rows(m, keep_row)
             nonempty = count(m, dim=-1) > 0
-            rejected, stat_mean = mean_over_sequences(~keep_row, nonempty), mean_over_sequences(stat, nonempty)
-        metrics = {f"{label}/rejected_frac": rejected, f"{label}/stat_mean": stat_mean}
+            stat_mean = mean_over_sequences(stat, nonempty)
+        metrics = {f"{label}/stat_mean": stat_mean}
         return CorrectionResult(float_mask(m), keep, metrics, weight_level=None)
 
     return Correction(label, apply, {"mode": mode, "upper": u, "source": source})

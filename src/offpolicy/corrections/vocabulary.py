@@ -160,8 +160,9 @@ def dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor, *, rho: float = DE
 def dvp_keep(*, key: str = "dvp_keep") -> Correction:
     """Correction that drops tokens outside the DVP safe set (``batch.extras[key]``, from :func:`dvp_fields`).
 
-    Weights are 1; ``keep = mask & extras[key]``; metrics ``dvp/outside_frac`` (and the retained-mass metrics if
-    ``extras["dvp_mass"]`` exists). The batch has no such key → identity (nothing to drop).
+    Weights are 1; ``keep = mask & extras[key]``; metrics every correction's — ``dvp_keep/masked_frac`` is the share
+    of valid tokens outside the safe set — and ``dvp/mass_mean``, ``dvp/mass_min`` if ``extras["dvp_mass"]`` exists
+    (:func:`coverage_metrics`). The batch has no such key → identity (nothing to drop).
 
     >>> b = LogProbBatch(logp=torch.zeros(1, 3), mask=torch.ones(1, 3), extras={"dvp_keep": torch.tensor([[True, False, True]])})
     >>> dvp_keep()(b).keep
@@ -175,10 +176,7 @@ def dvp_keep(*, key: str = "dvp_keep") -> Correction:
         inside = as_mask(batch.extras[key])
         if inside.shape != batch.logp.shape:
             raise ValueError(f"extras[{key!r}] has shape {tuple(inside.shape)} but logp has {tuple(batch.logp.shape)}")
-        if "dvp_mass" in batch.extras:
-            metrics = coverage_metrics(batch.extras["dvp_mass"], batch.mask, inside)
-        else:
-            metrics = {"dvp/outside_frac": masked_mean((~inside).float(), batch.mask)}
+        metrics = coverage_metrics(batch.extras["dvp_mass"], batch.mask) if "dvp_mass" in batch.extras else {}
         return CorrectionResult(ident.weights, ident.keep & inside, metrics, weight_level=None)
 
     return Correction("dvp_keep", apply, {"key": key})

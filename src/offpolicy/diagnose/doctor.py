@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from offpolicy.integrations.versions import VERSIONS, installed_version
+from offpolicy.resume_settings import flatten
 from offpolicy.rollout.http import ServerError, post_json
 
 FRAMEWORKS = ("trl", "verl")
@@ -125,7 +126,8 @@ def read_server(url: str, *, vllm_args: str | None = None, timeout: float = 10.0
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """A YAML or JSON mapping, flattened to dotted keys (``a: {b: 1}`` and ``a.b: 1`` read the same)."""
+    """A YAML or JSON mapping, flattened to dotted keys (``a: {b: 1}`` and ``a.b: 1`` read the same; a mapping's
+    leaves stay reachable one by one, ``generation_kwargs.top_k``, and :func:`subtree` gives it back whole)."""
     import yaml
 
     from offpolicy.yaml_numbers import load_yaml
@@ -143,23 +145,6 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config: {str(p)!r} must hold a mapping, got {type(data).__name__}")
     return flatten(data)
-
-
-def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted keys; a mapping under a key whose values are all plain stays reachable as its
-    leaves (``generation_kwargs.top_k``) and :func:`subtree` gives it back whole.
-
-    >>> flatten({"a": {"b": 1}, "a.c": 2})
-    {'a.b': 1, 'a.c': 2}
-    """
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
 
 
 def subtree(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:

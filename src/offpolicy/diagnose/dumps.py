@@ -34,13 +34,12 @@ from typing import Any
 import torch
 
 from offpolicy.inspect.dump import DumpError, parse_record, read_jsonl, tokens_from_records
-from offpolicy.inspect.measurements import TokenData
+from offpolicy.inspect.measurements import TokenData, pad_time
 from offpolicy.ratios import per_sequence
 
 VERL_KEYS = {"rollout": "rollout_log_probs", "trainer": "old_log_probs", "ids": "responses", "mask": "response_mask"}
 TRL_KEYS = {"rollout": "sampling_per_token_logps", "trainer": "old_per_token_logps", "ids": "completion_ids",
             "mask": "completion_mask"}
-FORMATS = ("offpolicy", "verl", "trl")
 TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
@@ -273,17 +272,13 @@ def concat_tokens(parts: list[TokenData]) -> TokenData:
         return parts[0]
     t = max(p.mask.shape[1] for p in parts)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        extra = torch.zeros((x.shape[0], t - x.shape[1], *x.shape[2:]), dtype=x.dtype)
-        return torch.cat([x, extra], 1)
-
     def cat(name: str):
         xs = [getattr(p, name) for p in parts]
         if any(x is None for x in xs):
             return None
         if name in ("topk_ids", "rollout_topk_logp", "trainer_topk_logp") and len({x.shape[2] for x in xs}) > 1:
             return None
-        return torch.cat([pad(x) for x in xs])
+        return torch.cat([pad_time(x, t) for x in xs])
 
     kinds = {p.kl_kind for p in parts}
     kw = {name: cat(name) for name in ("completion_ids", "mask", "rollout_logp", "trainer_logp", "kl_upper",

@@ -52,8 +52,9 @@ def _trl_reads(recipe: Any) -> None:
 
     kw = trl_keywords(recipe, {"sampling_replay": False, "dvp_rho": None, "alp": None, "topk_logprobs": 0,
                                "score_centering": False})
+    _check_alp(kw["alp"])
     _check_score_centering(kw["score_centering"], kw["topk_logprobs"], kw["sampling_replay"] or kw["dvp_rho"]
-                           is not None, _check_alp(kw["alp"]))
+                           is not None)
 
 
 def _verl_reads(recipe: Any) -> None:

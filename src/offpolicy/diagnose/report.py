@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from offpolicy.lab.plots import pyplot
+from offpolicy.lab.stats import trailing_mean
 from offpolicy.train.logging import read_metrics
 
 # (metric key, plot title, y label) — the four curves the demo promises, plus σ for ALP runs.
@@ -129,26 +131,9 @@ def summary_table(rows: list[dict[str, Any]], title: str = "offpolicy summary"):
     return table
 
 
-def _moving_average(ys: list[float], k: int) -> list[float]:
-    """Trailing mean over the last ``k`` finite values (shorter at the start).
-
-    >>> _moving_average([1.0, 3.0, 5.0, float("nan")], 2)
-    [1.0, 2.0, 4.0, 5.0]
-    """
-    out = []
-    for i in range(len(ys)):
-        window = [y for y in ys[max(0, i - k + 1): i + 1] if math.isfinite(y)]
-        out.append(sum(window) / len(window) if window else math.nan)
-    return out
-
-
 def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: str | Path) -> list[Path]:
     """One PNG per metric in :data:`PLOTS` (all runs overlaid) plus ``overview.png``; returns the written paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: never open a window
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -161,7 +146,7 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: str | Path) -> lis
             for a in (ax, ax_all):
                 if len(xs) >= 20:  # noisy per-step values: faint raw curve + a 5-step moving average
                     line, = a.plot(xs, ys, alpha=0.25, linewidth=0.8)
-                    a.plot(xs, _moving_average(ys, 5), label=name, color=line.get_color())
+                    a.plot(xs, trailing_mean(ys, 5), label=name, color=line.get_color())
                 else:
                     a.plot(xs, ys, label=name, marker=".")
         for a in (ax, ax_all):

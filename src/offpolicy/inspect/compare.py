@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 import offpolicy as op
-from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats
+from offpolicy.inspect.measurements import DvpGrid, Measurements, TokenData, VocabStats, pad_time
 from offpolicy.inspect.routing_flips import RoutingFlips, recording_routes, route_flips
 from offpolicy.inspect.specs import build_inspect_engine
 from offpolicy.inspect.vocabulary import (
@@ -80,14 +80,6 @@ def _add_engine_noise(steps: list[Tensor], sigma: float, seed: int) -> list[Tens
         return steps
     gen = torch.Generator(device=steps[0].device).manual_seed(int(seed) + 7919)
     return [s + sigma * torch.randn(s.shape, generator=gen, device=s.device) for s in steps]
-
-
-def _pad_time(x: Tensor, t: int, value: float | int = 0) -> Tensor:
-    """Right-pad dim 1 of ``x`` to length ``t``."""
-    if x.shape[1] == t:
-        return x
-    pad = torch.full((x.shape[0], t - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
-    return torch.cat([x, pad], dim=1)
 
 
 def micro_batch_rows(prompt_len: int, max_new_tokens: int, vocab: int, budget: int) -> int:
@@ -203,25 +195,12 @@ def _micro_batches(roll_engine, train_engine, prompt_ids, sampling, *, view, top
                           generate_s=t1 - t0, score_s=t2 - t1, routing=routing)
 
 
-def compare_engines(
-    model: torch.nn.Module,
-    prompt_ids: list[list[int]],
-    rollout: EngineSpec,
-    trainer: EngineSpec,
-    sampling: SamplingConfig,
-    *,
-    tokenizer=None,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    topk: int = 20,
-    rollout_view: str = "full",
-    dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
-    dvp_coverage: float = DVP_COVERAGE,
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-    model_path: str | None = None,
-    engines: tuple | None = None,
-    sample_with: EngineSpec | None = None,
-) -> Measurements:
+def compare_engines(model: torch.nn.Module, prompt_ids: list[list[int]], rollout: EngineSpec, trainer: EngineSpec,
+                    sampling: SamplingConfig, *, tokenizer=None, seed: int = 0, ignore_eos: bool = False,
+                    topk: int = 20, rollout_view: str = "full", dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
+                    dvp_coverage: float = DVP_COVERAGE, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                    model_path: str | None = None, engines: tuple | None = None,
+                    sample_with: EngineSpec | None = None) -> Measurements:
     """Sample with ``rollout``, score with ``trainer``, compare at every response position (module docstring).
 
     ``prompt_ids``: token-id lists; ``sampling``: the rollout's sampling (``max_new_tokens``, temperature, truncation);
@@ -392,11 +371,11 @@ def _collect(parts: dict[str, list[Tensor]], mb: _MicroBatch, per_pos: dict[str,
             continue
         full = torch.zeros((*mask.shape, *flat.shape[1:]), dtype=flat.dtype)
         full[mask] = flat.detach().to(full.dtype)
-        parts.setdefault(name, []).append(_pad_time(full, t_max))
-    parts.setdefault("mask", []).append(_pad_time(mask, t_max, False))
-    parts.setdefault("ids", []).append(_pad_time(mb.ids, t_max))
-    parts.setdefault("rollout_logp", []).append(_pad_time(mb.out.logp, t_max))
-    parts.setdefault("trainer_logp", []).append(_pad_time(mb.trainer_logp, t_max))
+        parts.setdefault(name, []).append(pad_time(full, t_max))
+    parts.setdefault("mask", []).append(pad_time(mask, t_max, False))
+    parts.setdefault("ids", []).append(pad_time(mb.ids, t_max))
+    parts.setdefault("rollout_logp", []).append(pad_time(mb.out.logp, t_max))
+    parts.setdefault("trainer_logp", []).append(pad_time(mb.trainer_logp, t_max))
 
 
 _OPTIONAL_TOKEN_FIELDS = ("kl", "kl_upper", "kl_reverse", "tv", "topk_overlap", "eps_max", "topk_ids",
@@ -453,8 +432,3 @@ def _probe_full_distribution(engine) -> None:
         engine.reports_full_distribution = True
     except ServerError:  # the server caps K (--max-logprobs): top-k bounds instead
         engine.reports_full_distribution = False
-
-
-def _llamacpp_engine(model, spec: EngineSpec, tokenizer):
-    """llama.cpp's server on a GGUF export of ``model`` (backend=llamacpp); kept for benchmarks/engines.py."""
-    return _rollout_engine(model, spec, tokenizer, None, 1)

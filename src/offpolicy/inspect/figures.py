@@ -26,6 +26,7 @@ from offpolicy.inspect.depth import plot_depth
 from offpolicy.inspect.measurements import HEAD_P, N_P_BINS, P_BIN_EDGES, TAIL_P, Measurements
 from offpolicy.inspect.recommend import trm_divergence
 from offpolicy.inspect.summary import headline
+from offpolicy.lab.plots import pyplot
 
 FIGURES = ("overview", "envelope", "prop43_sign", "quantile_envelope", "scatter", "trm_acceptance", "layers", "depth")
 
@@ -33,15 +34,6 @@ FIGURES = ("overview", "envelope", "prop43_sign", "quantile_envelope", "scatter"
 def _bin_index(p: torch.Tensor) -> torch.Tensor:
     """Probability decade of each p (0 … N_P_BINS − 1; p < 1e-12 in the first, p = 1 in the last)."""
     return torch.floor(torch.log10(p.clamp(min=1e-300))).add(N_P_BINS).clamp(0, N_P_BINS - 1).long()
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: never open a window
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _bin_centres() -> list[float]:
@@ -294,7 +286,7 @@ def plot_layers(ax, measured: Measurements, summary: dict) -> None:
 
 def write_figures(measured: Measurements, summary: dict, out_dir: Path) -> dict[str, Path]:
     """Every figure of the module docstring as a PNG in ``out_dir``; returns ``{name: path}``."""
-    plt = _plt()
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
 

@@ -26,6 +26,14 @@ TAIL_P = 1e-3  # "tail" tokens: p < 1e-3 …
 HEAD_P = 0.5  # … against "head" tokens: p > 0.5 (the README's tail/head ratio)
 
 
+def pad_time(x: Tensor, t: int, value: float | int = 0) -> Tensor:
+    """Right-pad dim 1 (time) of ``x`` to length ``t`` with ``value``."""
+    if x.shape[1] == t:
+        return x
+    pad = torch.full((x.shape[0], t - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
 @dataclass
 class TokenData:
     """Per-token measurements, ``B`` sequences × ``T`` response positions (padding: mask False, values 0).

@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.inspect.depth import depth_rows
-from offpolicy.inspect.figures import (
-    write_figures,
-)
+from offpolicy.inspect.figures import write_figures
 from offpolicy.inspect.measurements import Measurements
 from offpolicy.inspect.summary import headline, summarize
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from offpolicy.rollout.routing import is_moe
+from offpolicy.rollout.routing import flip_rates, is_moe
 from offpolicy.rollout.spec import EngineSpec
 
 
@@ -128,10 +128,11 @@ def routing_summary(routing: RoutingFlips, mask: Tensor, kl: Tensor | None, kl_r
     if tokens.shape[1] < mask.shape[1]:
         tokens = torch.nn.functional.pad(tokens, (0, mask.shape[1] - tokens.shape[1]))
     flipped, unflipped = tokens & mask, ~tokens & mask
+    per_layer, overall = flip_rates(routing.flips, routing.routed)
     out: dict[str, Any] = {
         "layers": len(routing.flips),
-        "flip_rate_per_layer": [f / n if n else 0.0 for f, n in zip(routing.flips, routing.routed)],
-        "flip_rate": sum(routing.flips) / sum(routing.routed) if sum(routing.routed) else 0.0,
+        "flip_rate_per_layer": per_layer,
+        "flip_rate": overall,
         "routed_slots": int(sum(routing.routed)),
         "flipped_tokens": int(flipped.sum()),
         "unflipped_tokens": int(unflipped.sum()),

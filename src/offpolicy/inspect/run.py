@@ -18,6 +18,7 @@ from offpolicy.inspect.measurements import Measurements
 from offpolicy.inspect.routing_flips import recording_routes
 from offpolicy.inspect.specs import build_inspect_engine
 from offpolicy.inspect.vocabulary import DEFAULT_MEMORY_BUDGET_BYTES
+from offpolicy.objectives.base import check_positive
 from offpolicy.perturbation import find_decoder_layers
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
@@ -70,30 +71,16 @@ def _layer_rows(model: torch.nn.Module, longest: int, budget: int) -> int:
     return max(1, budget // per_row)
 
 
-def inspect_engines(
-    model: torch.nn.Module,
-    prompt_ids: list[list[int]],
-    rollout: EngineSpec,
-    trainer: EngineSpec,
-    sampling: SamplingConfig,
-    *,
-    tokenizer=None,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    topk: int = 20,
-    rollout_view: str = "full",
-    layers: bool = True,
-    layer_threshold: float = LAYER_THRESHOLD,
-    dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-    model_path: str | None = None,
-    sample_with: EngineSpec | None = None,
-) -> Measurements:
+def inspect_engines(model: torch.nn.Module, prompt_ids: list[list[int]], rollout: EngineSpec, trainer: EngineSpec,
+                    sampling: SamplingConfig, *, tokenizer=None, seed: int = 0, ignore_eos: bool = False,
+                    topk: int = 20, rollout_view: str = "full", layers: bool = True,
+                    layer_threshold: float = LAYER_THRESHOLD, dvp_rhos: tuple[float, ...] | None = DVP_RHO_GRID,
+                    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, model_path: str | None = None,
+                    sample_with: EngineSpec | None = None) -> Measurements:
     """:func:`~offpolicy.inspect.compare.compare_engines`, then (``layers``) the per-layer relative errors on the
     same sequences (:func:`~offpolicy.inspect.layers.layer_errors`; not for a vLLM rollout, whose internals are out of
     reach). Arguments as there; ``layer_threshold``: where a layer counts as divergent."""
-    if not (isinstance(layer_threshold, (int, float)) and layer_threshold > 0 and layer_threshold < float("inf")):
-        raise ValueError(f"layer_threshold must be a finite number > 0, got {layer_threshold!r}")
+    check_positive("layer_threshold", layer_threshold)
     t0 = time.perf_counter()
     roll_engine = None
     if rollout.backend == "hf":

@@ -6,12 +6,7 @@ for statistics of whole logit rows (sampling replay, score centering) mapped ove
 """
 
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
-from offpolicy.kernels.fused import (
-    TokenStats,
-    fused_logp,
-    fused_token_stats,
-    token_stats_from_logits,
-)
+from offpolicy.kernels.fused import TokenStats, fused_logp, fused_token_stats, token_stats_from_logits
 from offpolicy.kernels.fused_tiles import DIFF_OUTPUTS, IGNORE_INDEX
 from offpolicy.kernels.row_maps import head_logits, head_row_map, logits_row_map
 

@@ -40,6 +40,24 @@ def _rows(x: Tensor | None, a: int, b: int) -> Tensor | None:
     return None if x is None else x[a:b]
 
 
+def _linear_tile(h: Tensor, w: Tensor, bias: Tensor | None, v0: int, inv_t: float, scratch: _Scratch) -> Tensor:
+    """z = (h wᵀ + b) / τ of rows ``h`` and the vocabulary slice ``w`` starting at ``v0`` (both in compute dtype)."""
+    tile = scratch.new("logits", (h.shape[0], w.shape[0]), h.dtype, h.device)
+    if bias is None:
+        tile = torch.mm(h, w.t(), out=tile)
+    else:  # a −inf bias entry (masked vocabulary) must not turn 0 · z into NaN
+        tile = torch.addmm(bias[v0:v0 + w.shape[0]], h, w.t(), out=tile).clamp_(min=_NEG_LOGIT)
+    return tile.mul_(inv_t) if inv_t != 1.0 else tile
+
+
+def _logit_tile(logits: Tensor, a: int, c: int, v0: int, v1: int, dtype, inv_t: float, scratch: _Scratch) -> Tensor:
+    """z / τ of a tile of given logits, an owned copy (the chunk math works in place); −inf logits (masked
+    vocabulary) become _NEG_LOGIT so that 0 · z terms (entropy, gradients) read 0, not NaN."""
+    tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
+    tile.clamp_(min=_NEG_LOGIT)
+    return tile.mul_(inv_t) if inv_t != 1.0 else tile
+
+
 def _run_forward(get_tile, n: int, vocab: int, targets: Tensor, cfg: _Config, rollout, topk_logp, topk_ids, dtype):
     """Per-row statistics of all N rows, chunk by chunk; returns (stats, valid, target_ids)."""
     valid = targets != cfg.ignore_index
@@ -241,13 +259,8 @@ class _FusedLinearStats(torch.autograd.Function):
         inv_t = 1.0 / cfg.temperature
 
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
-            h, weight_slice = hidden[a:c].to(dtype), weight[v0:v1].to(dtype)  # a 16-bit head: this slice up-cast
-            logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, weight.device)
-            if b is None:
-                logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)
-            else:  # a −inf bias entry (masked vocabulary) must not turn 0 · z into NaN
-                logits_tile = torch.addmm(b[v0:v1], h, weight_slice.t(), out=logits_tile).clamp_(min=_NEG_LOGIT)
-            return logits_tile.mul_(inv_t) if inv_t != 1.0 else logits_tile
+            # a 16-bit head: this slice up-cast
+            return _linear_tile(hidden[a:c].to(dtype), weight[v0:v1].to(dtype), b, v0, inv_t, scratch)
 
         n, vocab = hidden.shape[0], weight.shape[0]
         stats, valid, target_ids = _run_forward(get_tile, n, vocab, targets, cfg, rollout, topk_logp, topk_ids, dtype)
@@ -283,13 +296,7 @@ class _FusedLinearStats(torch.autograd.Function):
             grads_rows = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
                 weight_slice = weight[v0:v1].to(dtype)  # a 16-bit head: this slice up-cast, no [V, H] copy
-                logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, hidden.device)
-                if b is None:
-                    logits_tile = torch.mm(h, weight_slice.t(), out=logits_tile)
-                else:
-                    logits_tile = torch.addmm(b[v0:v1], h, weight_slice.t(), out=logits_tile).clamp_(min=_NEG_LOGIT)
-                if inv_t != 1.0:
-                    logits_tile.mul_(inv_t)
+                logits_tile = _linear_tile(h, weight_slice, b, v0, inv_t, scratch)
                 grad_logits = _backward_tile(logits_tile, v0, target_ids[a:c], cfg, stats_rows, grads_rows,
                                              None if rollout is None else rollout[a:c, v0:v1], _rows(topk_logp, a, c),
                                              _rows(topk_ids, a, c), scratch)
@@ -311,11 +318,7 @@ class _LogitStats(torch.autograd.Function):
         inv_t = 1.0 / cfg.temperature
 
         def get_tile(a: int, c: int, v0: int, v1: int, scratch: _Scratch) -> Tensor:
-            # owned copy (the chunk math works in place); −inf logits (masked vocabulary) become _NEG_LOGIT so that
-            # 0 · z terms (entropy, gradients) read 0, not NaN.
-            logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
-            logits_tile.clamp_(min=_NEG_LOGIT)
-            return logits_tile.mul_(inv_t) if inv_t != 1.0 else logits_tile
+            return _logit_tile(logits, a, c, v0, v1, dtype, inv_t, scratch)
 
         n, vocab = logits.shape
         stats, valid, target_ids = _run_forward(get_tile, n, vocab, targets, cfg, rollout, topk_logp, topk_ids, dtype)
@@ -343,12 +346,8 @@ class _LogitStats(torch.autograd.Function):
             stats_rows = {k: v[a:c] for k, v in stats.items()}
             grads_rows = {k: v[a:c] for k, v in go.items()}
             for v0, v1 in col_slices:
-                logits_tile = scratch.new("logits", (c - a, v1 - v0), dtype, logits.device).copy_(logits[a:c, v0:v1])
-                logits_tile.clamp_(min=_NEG_LOGIT)
-                if inv_t != 1.0:
-                    logits_tile.mul_(inv_t)
+                logits_tile = _logit_tile(logits, a, c, v0, v1, dtype, inv_t, scratch)
                 grad[a:c, v0:v1] = _backward_tile(logits_tile, v0, target_ids[a:c], cfg, stats_rows, grads_rows,
                                                   None if rollout is None else rollout[a:c, v0:v1],
-                                                  None if topk_logp is None else topk_logp[a:c],
-                                                  None if topk_ids is None else topk_ids[a:c], scratch)
+                                                  _rows(topk_logp, a, c), _rows(topk_ids, a, c), scratch)
         return grad, None, None, None, None, None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offpolicy.lab.plots import save_figure
+from offpolicy.lab.plots import pyplot, save_figure
 
 # Bins of the sampled token's probability under μ: decades from 1e-6 up, the last one [0.1, 1].
 BIN_EDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0 + 1e-9)
@@ -136,11 +136,7 @@ def _spread(log_ratio: Tensor, where: Tensor, mask: Tensor) -> float | None:
 def plot_envelopes(results: dict[str, Any], path: str | Path) -> Path:
     """One panel per preset: the 5–95 % band of log π_θ − log μ per μ-probability bin, before the first update
     (light) and after the last (dark), with the medians; the token count per bin under the axis labels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     presets = list(results["presets"])
     labels = results["bins"]
     # only the probability bins that hold tokens (a sharp policy samples nothing below 1e-3)
@@ -205,11 +201,7 @@ def acceptance_vs_length(token_kl: Tensor, mask: Tensor, delta: float, lengths: 
 
 def plot_acceptance(rows_by_delta: Mapping[float, list[dict[str, Any]]], path: str | Path, title: str) -> Path:
     """Measured TRM-Max acceptance against length (points) beside (1 − p)^T (dashed), one colour per δ."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for (delta, rows), color in zip(rows_by_delta.items(), ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")):
         ts = [r["length"] for r in rows]

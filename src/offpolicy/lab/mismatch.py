@@ -109,6 +109,9 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
     "partial4": ({"rollout.async_mode": "partial", "rollout.max_staleness": 4},
                  "fp32 engine whose weights switch mid-answer: each answer over 4 versions, 3 to 0 updates old "
                  "(verl's fully async partial rollout)"),
+    "partial4-seq": ({"rollout.async_mode": "partial", "rollout.max_staleness": 4, "rollout.version_record": "sequence"},
+                     "partial4 whose tokens record the answer's oldest version only (verl's min_global_steps): "
+                     "log-linear π_prox from per-sequence versions"),
     "partial8": ({"rollout.async_mode": "partial", "rollout.max_staleness": 8},
                  "fp32 engine whose weights switch mid-answer: each answer over 8 versions, 7 to 0 updates old "
                  "(verl's fully async partial rollout)"),
@@ -134,9 +137,6 @@ SOURCES: dict[str, tuple[dict[str, Any], str]] = {
 
 # Sources that are a whole real engine (combined with nothing)
 REAL_ENGINES = tuple(name for name in SOURCES if name.startswith(("gguf-", "vllm-", "moe-vllm-")))
-
-# Sources a user names explicitly; no setting runs them by default (logit noise is not a real engine's numerics).
-EXTRAS = ("noise",)
 
 
 def parse_mismatch(name: str) -> tuple[str, ...]:

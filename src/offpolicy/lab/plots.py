@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.lab.mismatch import CONTROL
-from offpolicy.lab.stats import K3_FLOOR, finite, median, series
+from offpolicy.lab.stats import K3_FLOOR, finite, median, series, trailing_mean
 
 PRESET_COLORS = {"naive": "#d62728", "tis": "#ff7f0e", "mis": "#1f77b4", "geo_mask": "#17becf", "icepop": "#8c564b",
                  "opsm": "#e377c2", "trm": "#2ca02c", "dvp": "#bcbd22", "dvp_mis": "#9467bd", "alp": "#393b79",
@@ -41,6 +41,16 @@ CURVES: tuple[tuple[str, str, str, str, float | None, bool], ...] = (
 )
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the headless Agg backend (a figure is written, never shown in a window)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(plt: Any, fig: Any, path: str | Path, *, dpi: int = 90, rect: tuple | None = None) -> Path:
     """Lay out (``tight_layout``, within ``rect`` when given), write ``path`` (creating its folder) and close."""
     fig.tight_layout(**({"rect": rect} if rect is not None else {}))
@@ -57,14 +67,6 @@ def preset_colors(presets: Sequence[str]) -> dict[str, str]:
     return {p: PRESET_COLORS.get(p) or next(spare) for p in presets}
 
 
-def _trailing_mean(ys: list[float], k: int) -> list[float]:
-    out = []
-    for i in range(len(ys)):
-        window = finite(ys[max(0, i - k + 1): i + 1])
-        out.append(sum(window) / len(window) if window else math.nan)
-    return out
-
-
 def band(runs: Sequence[Sequence[dict[str, Any]]], key: str, window: int = 1,
          floor: float | None = None) -> tuple[list[int], list[float], list[float], list[float]]:
     """``(steps, mean, min, max)`` over seeds at each logged step (seeds missing a step are left out there).
@@ -74,7 +76,7 @@ def band(runs: Sequence[Sequence[dict[str, Any]]], key: str, window: int = 1,
     """
     by_step: dict[int, list[float]] = {}
     for rows in runs:
-        ys = _trailing_mean(series(rows, key), window)
+        ys = trailing_mean(series(rows, key), window)
         for r, y in zip(rows, ys):
             if math.isfinite(y):
                 by_step.setdefault(int(r["step"]), []).append(max(y, floor) if floor is not None else y)
@@ -190,11 +192,7 @@ def plot_sweep(groups: dict[tuple[str, str], list[list[dict[str, Any]]]], preset
     paired rule): ``final_reward.png`` then joins each seed's dots across the presets of a mismatch source. Returns
     the written paths, the overview first.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     presets = [p for p in presets if any((p, m) in groups for m in mismatches)]
@@ -309,7 +307,7 @@ def _variant_pairs(plt: Any, groups: dict[tuple[str, str], list[list[dict[str, A
     for ax, (variant, preset, m) in zip(flat, panels):
         for name in (preset, variant):
             for i, rows in enumerate(groups[(name, m)]):
-                ys = _trailing_mean(series(rows, "reward/mean"), window)
+                ys = trailing_mean(series(rows, "reward/mean"), window)
                 ax.plot([r["step"] for r in rows], ys, color=colors[name], linewidth=1.1, alpha=0.9,
                         label=name if i == 0 else None)
         ax.set_title(f"{variant} vs {preset} — {m}", fontsize=9)

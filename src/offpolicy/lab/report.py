@@ -27,11 +27,7 @@ from offpolicy.atomic_files import write_atomic
 from offpolicy.lab import stats as st
 from offpolicy.lab.mismatch import describe_mismatch
 from offpolicy.lab.report_html import render_html
-from offpolicy.lab.tables import (
-    definitions,
-    headline,
-    markdown_tables,
-)
+from offpolicy.lab.tables import definitions, headline, markdown_tables
 
 __all__ = [
     "LabReport",

@@ -22,6 +22,7 @@ from typing import Any
 
 from offpolicy.lab.mismatch import CONTROL, mismatch_settings
 from offpolicy.lab.stats import compare, mean, run_stats, series, spread
+from offpolicy.lab.tables import fmt_spread
 
 # per-run numbers of the table: (key, header, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -69,17 +70,6 @@ def group_numbers(rows_per_seed: Sequence[Sequence[dict[str, Any]]],
             s[key] = mean(series(rows, f"score_centering/{key}"))
         per_seed.append(s)
     return {key: spread([s[key] for s in per_seed]) for key, _, _ in COLUMNS}
-
-
-def cell(s: dict[str, Any], fmt: str) -> str:
-    """``median [min–max]`` (``–`` when there is no number).
-
-    >>> cell({"median": 0.5, "min": 0.25, "max": 0.75, "n": 3}, "{:.2f}")
-    '0.50 [0.25–0.75]'
-    """
-    if not s or s.get("n", 0) == 0:
-        return "–"
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}–{fmt.format(s['max'])}]"
 
 
 def largest_lag_within_noise(verdicts: dict[str, dict[str, Any]], *, or_higher: bool = False) -> str | None:
@@ -153,7 +143,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             entry = report["table"].get(f"{preset}|{mismatch}")
             if entry is None:
                 continue
-            cells = [cell(entry["numbers"][k], fmt) for k, _, fmt in COLUMNS]
+            cells = [fmt_spread(entry["numbers"][k], fmt) for k, _, fmt in COLUMNS]
             verdicts = [_verdict(entry.get("eval_vs_control")), _verdict(entry.get("vs_control"))]
             lines.append("| " + " | ".join([preset, lag_label(mismatch), str(entry["seeds"]), *cells, *verdicts]) + " |")
     return "\n".join(lines)
@@ -189,12 +179,9 @@ def plot_staleness(report: dict[str, Any], path: str | Path, presets: Sequence[s
     """Two panels against the lag (log axis, sync period in steps): last-quarter reward and worst drawdown, median
     over seeds with min–max bars, one line per preset (``presets``: only these, in the report's order); the control's
     range as a grey band."""
-    import matplotlib
+    from offpolicy.lab.plots import preset_colors, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from offpolicy.lab.plots import preset_colors, save_figure
+    plt = pyplot()
 
     colors = preset_colors(report["presets"])
     shown = [p for p in report["presets"] if presets is None or p in presets]

@@ -125,6 +125,19 @@ def mean(xs: Sequence[float | None]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def trailing_mean(ys: Sequence[float], k: int) -> list[float]:
+    """Trailing mean over the finite values among the last ``k`` (shorter at the start; NaN where none is finite).
+
+    >>> trailing_mean([1.0, 3.0, 5.0, float("nan")], 2)
+    [1.0, 2.0, 4.0, 5.0]
+    """
+    out = []
+    for i in range(len(ys)):
+        window = finite(ys[max(0, i - k + 1): i + 1])
+        out.append(sum(window) / len(window) if window else math.nan)
+    return out
+
+
 def quantile(xs: Sequence[float | None], p: float) -> float | None:
     """The ``p`` quantile by linear interpolation between order statistics (numpy's default, type 7).
 

@@ -78,7 +78,6 @@ class _Running:
     run: PlannedRun
     proc: Any  # subprocess.Popen or launch.ZygoteRun
     started: float
-    resumed_from: int
 
 
 def _launch(out: Path, run: PlannedRun, resume_from: int,
@@ -96,7 +95,7 @@ def _launch(out: Path, run: PlannedRun, resume_from: int,
                   f"{subprocess.list2cmdline(shown)}\n")
     start = start_run if executor is None else executor.start
     proc = start(argv, log_path, command=command is not None)
-    return _Running(run, proc, time.perf_counter(), resume_from)
+    return _Running(run, proc, time.perf_counter())
 
 
 

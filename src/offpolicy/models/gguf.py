@@ -225,15 +225,3 @@ def _add_tensors(gguf, writer, model: torch.nn.Module, arch: str, n_layers: int,
         else:
             qtype = qtypes[kind]
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)  # byte shape
-
-
-def read_gguf_tensor(path: str | os.PathLike, name: str) -> torch.Tensor:
-    """One tensor of a GGUF file, dequantised to float32 in transformers' ``[out, in]`` layout (for tests and
-    for comparing a quantiser with the simulated one)."""
-    gguf = _import_gguf()
-    reader = gguf.GGUFReader(str(path))
-    for t in reader.tensors:
-        if t.name == name:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            return torch.from_numpy(data.copy()).float().reshape([int(d) for d in reversed(t.shape.tolist())])
-    raise ValueError(f"{path}: no tensor named {name!r}")

@@ -171,16 +171,8 @@ def _train(model, tokenizer, task, recipe: WarmStartRecipe) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate_reward(
-    model: torch.nn.Module,
-    tokenizer,
-    *,
-    task=None,
-    n: int = 256,
-    seed: int = 12345,
-    cfg: SamplingConfig | None = None,
-    dtype: str = "float32",
-) -> dict[str, float]:
+def evaluate_reward(model: torch.nn.Module, tokenizer, *, task=None, n: int = 256, seed: int = 12345,
+                    cfg: SamplingConfig | None = None, dtype: str = "float32") -> dict[str, float]:
     """Mean reward and exact-answer rate of sampled completions (HF engine, temperature 1 by default).
 
     Returns ``{"reward": mean reward, "accuracy": fraction with reward 1.0}``.

@@ -29,16 +29,8 @@ sampled token's weight in the same log-prob (presets ``score_centering_tis`` / `
 ``proximal.py`` is ``decoupled``'s ``proximal="loglinear"``: π_old from the batch's policy versions (AReaL).
 """
 
-from offpolicy.objectives import (  # noqa: F401  (registers)
-    calibrated_clip,
-    cispo,
-    dppo,
-    ipo,
-    ppo,
-    reinforce,
-    sapo,
-    score_centering,
-)
+# importing the objective modules registers them
+from offpolicy.objectives import calibrated_clip, cispo, dppo, ipo, ppo, reinforce, sapo, score_centering  # noqa: F401
 from offpolicy.objectives.base import TokenInputs, TokenLoss
 
 __all__ = ["TokenInputs", "TokenLoss"]

@@ -44,28 +44,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.divergence import _check_logits
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
-
-
-def _check_float_logits(name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor) or x.dim() < 1 or not x.is_floating_point():
-        raise ValueError(f"{name} must be a float [..., V] tensor, got {getattr(x, 'shape', type(x))}")
-    return x
+from offpolicy.objectives.base import check_positive
 
 
 def _check_pair(logits: object, sampler_logits: object) -> tuple[Tensor, Tensor]:
-    z = _check_float_logits("logits", logits)
-    q = _check_float_logits("sampler_logits", sampler_logits)
+    z = _check_logits("logits", logits)
+    q = _check_logits("sampler_logits", sampler_logits)
     if z.shape != q.shape:
         raise ValueError(f"sampler_logits has shape {tuple(q.shape)} but logits has "
                          f"{tuple(z.shape)}; they must match")
     return z, q
-
-
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
 
 
 class _ScoreCenter(torch.autograd.Function):
@@ -106,7 +96,7 @@ def score_center(logits: Tensor, sampler_logits: Tensor, *, temperature: float =
     (-0.6931, tensor([ 0.2500, -0.2500]))
     """
     logits, sampler_logits = _check_pair(logits, sampler_logits)
-    t = _check_temperature(temperature)
+    t = check_positive("temperature", temperature)
     shape, vocab = logits.shape[:-1], logits.shape[-1]
     flat, flat_q = logits.reshape(-1, vocab), sampler_logits.detach().reshape(-1, vocab)
     rows = chunk_rows(flat.shape[0], vocab, buffers=3, memory_budget_bytes=memory_budget_bytes)
@@ -158,7 +148,7 @@ def score_center_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, te
     tensor([ 0.2667, -0.1333, -0.1333])
     """
     logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
-    t = _check_temperature(temperature)
+    t = check_positive("temperature", temperature)
     lp_head, q_head, reported, tail_p, tail_q = _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
     kappa = torch.where(tail_p > 0, tail_q / tail_p.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     weight = torch.where(reported, q_head - kappa * lp_head.detach().exp(), 0.0)
@@ -183,7 +173,7 @@ def topk_drift_tv(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temper
     0.3
     """
     logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
-    t = _check_temperature(temperature)
+    t = check_positive("temperature", temperature)
     lp_head, q_head, reported, tail_p, tail_q = _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
     head = torch.where(reported, (q_head - lp_head.exp()).abs(), 0.0).sum(-1)
     return 0.5 * (head + (tail_p - tail_q).abs()[..., 0])
@@ -208,7 +198,7 @@ def sampler_topk(sampler_logits: Tensor, k: int, *, temperature: float = 1.0) ->
     SGLang engine returns with ``logprobs=k``)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
-    logq = torch.log_softmax(sampler_logits.detach().float() / _check_temperature(temperature), -1)
+    logq = torch.log_softmax(sampler_logits.detach().float() / check_positive("temperature", temperature), -1)
     values, ids = logq.topk(min(k, logq.shape[-1]), dim=-1)
     return ids, values
 
@@ -227,7 +217,7 @@ def topk_tail_gap(logits: Tensor, sampler_logits: Tensor, k: int, *, temperature
     (0.2667, 0.1)
     """
     logits, sampler_logits = _check_pair(logits, sampler_logits)
-    t = _check_temperature(temperature)
+    t = check_positive("temperature", temperature)
     shape, vocab = logits.shape[:-1], logits.shape[-1]
     flat, flat_q = logits.reshape(-1, vocab), sampler_logits.reshape(-1, vocab)
     drift = flat.new_empty(flat.shape[0], dtype=torch.float32)

@@ -42,12 +42,11 @@ scale — or, for a masked token, drop — the centring term) trains on A·(w_y 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from offpolicy.objectives.score_centering import _check_head, _check_pair, _check_temperature, _head
+from offpolicy.objectives.base import check_nonnegative, check_positive
+from offpolicy.objectives.score_centering import _check_head, _check_pair, _head
 
 WEIGHTINGS = ("tis", "icepop", "none")
 TAIL_FLOOR = 1e-6  # NeMo-RL's floor on p's tail mass in ρ (verl's eps is the same 1e-6)
@@ -66,12 +65,10 @@ def check_weighting(weighting: object, lower: object, upper: object) -> tuple[st
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    for name, x in (("lower", lower), ("upper", upper)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
-    if lower > upper:  # type: ignore[operator]
+    lo, hi = check_nonnegative("lower", lower), check_nonnegative("upper", upper)
+    if lo > hi:
         raise ValueError(f"lower must be <= upper, got lower={lower!r}, upper={upper!r}")
-    return weighting, float(lower), float(upper)  # type: ignore[arg-type]
+    return weighting, lo, hi
 
 
 def is_weight(ratio: Tensor, weighting: str, lower: float, upper: float) -> Tensor:
@@ -119,7 +116,7 @@ def score_center_weighted(logits: Tensor, sampler_logits: Tensor, *, weighting: 
     tensor([ 0.1550,  0.0100,  0.0150, -0.1800])
     """
     logits, sampler_logits = _check_pair(logits, sampler_logits)
-    t = _check_temperature(temperature)
+    t = check_positive("temperature", temperature)
     weighting, lower, upper = check_weighting(weighting, lower, upper)
     lp = torch.log_softmax(logits.float() / t, -1)
     q = torch.softmax(sampler_logits.detach().float() / t, -1)
@@ -148,7 +145,7 @@ def score_center_weighted_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tens
     tensor([ 0.1550, -0.0567,  0.0150, -0.1133])
     """
     logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
-    t = _check_temperature(temperature)
+    t = check_positive("temperature", temperature)
     weighting, lower, upper = check_weighting(weighting, lower, upper)
     lp = torch.log_softmax(logits.float() / t, -1)
     lp_head, q_head, reported, tail_p, tail_q = _head(lp, topk_ids, topk_logq)
@@ -228,7 +225,7 @@ def weighted_centering(logp: Tensor, logits: Tensor, rollout_logp: Tensor, sampl
     if replay and targets is not None and isinstance(sampler, tuple):  # log p^S(y) on the sampler's support
         ids, logq = sampler
         reported = logq.detach() > float("-inf")
-        z = logits.float() / _check_temperature(temperature)
+        z = logits.float() / check_positive("temperature", temperature)
         head = torch.where(reported, z.gather(-1, torch.where(reported, ids, ids[..., :1]).long()), float("-inf"))
         replayed = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - head.logsumexp(-1)
         logp = logp.detach() + (replayed - replayed.detach()).to(logp.dtype)  # its gradient; the value stays logp's

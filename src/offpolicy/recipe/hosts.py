@@ -26,6 +26,7 @@ from typing import Any
 
 from offpolicy.recipe.schema import RECIPE_KEYS, Recipe, needs
 from offpolicy.registry import NEEDS
+from offpolicy.transforms import fetch_plan
 
 __all__ = ["HOSTS", "OLD_SPELLINGS", "Host", "OldSpelling", "check_host", "trainer_tree", "trl_keywords",
            "verl_block"]
@@ -56,10 +57,12 @@ HOSTS: dict[str, Host] = {
                     frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "exact_kl"}), plugins=True),
     # μ only from vLLM or a rollout_func, the top-K only from vLLM (the trainer adds them when it has them)
     "trl": Host("OffPolicyGRPOTrainer", frozenset({"old_logp", "sampling_recipe", "hidden_states"}),
-                frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"})),
+                frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"}),
+                plugins=True),
     "verl": Host("OFFPOLICY_VERL", frozenset({"rollout_logp", "old_logp", "engine_topk", "sampling_recipe",
                                               "hidden_states"}),
-                 frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"})),
+                 frozenset({"dvp", "sampling_replay", "score_centering", "proximal", "alp", "topk_bounds"}),
+                 plugins=True),
 }
 
 
@@ -71,7 +74,7 @@ def check_host(recipe: Recipe, host: str, supplies: frozenset[str] | set[str] | 
     for t in recipe.bound_transforms():
         if t.entry.apply is not None and not h.plugins:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is a plug-in's; this host runs no plug-in "
-                             "transforms yet (the reference trainer does)")
+                             "transforms")
         if t.entry.apply is None and t.name not in h.transforms:
             raise ValueError(f"{h.label}: recipe transform {t.name!r} is not computed by this host (it computes "
                              f"{', '.join(sorted(h.transforms))})")
@@ -120,14 +123,13 @@ def _section(r: Recipe, name: str, off: Any = MISSING) -> Any:
 
 
 def _topk(r: Recipe) -> Any:
-    k = _param(r, "topk_bounds", "k", None)
-    centering = _param(r, "score_centering", "k", None)
-    if k is MISSING:
+    """The K log-probs per token the engine reports: what the transforms' needs ask for (engine_topk)."""
+    if not _given(r, "transforms"):
         return MISSING
-    if k is not None and centering is not None and k != centering:
-        raise ValueError(f"recipe: transforms.topk_bounds.k={k} and transforms.score_centering.k={centering}: the "
-                         "engine reports one top-K; make them equal")
-    return k if k is not None else (centering if centering is not None else 0)
+    try:
+        return fetch_plan(r.bound_transforms()).topk
+    except ValueError as err:
+        raise ValueError(f"recipe: {err}") from None
 
 
 def _present(r: Recipe, transform: str, yes: Any = True, no: Any = False) -> Any:
@@ -230,6 +232,8 @@ OLD_SPELLINGS: tuple[OldSpelling, ...] = (
                 lambda r: _param(r, "topk_bounds", "bound", "upper")),
     OldSpelling("verl", "score_centering", "transforms.score_centering", False,
                 lambda r: _present(r, "score_centering")),
+    OldSpelling("verl", "plugin_transforms", "transforms (a plug-in's, with apply)", (), lambda r: _plugins(r),
+                norm=lambda v: [dict(s) for s in v or ()]),
     OldSpelling("verl", "naming", "naming", "verl", lambda r: _section(r, "naming")),
     OldSpelling("verl", "sync_check", "sync_check", "error", lambda r: _section(r, "sync_check"),
                 norm=lambda v: "off" if v is False else v),
@@ -352,7 +356,9 @@ def trainer_preset(recipe: Recipe) -> str:
     chosen = [name for name in ("dvp", "alp", "score_centering", "exact_kl") if name in t]
     if len(chosen) > 1:
         raise ValueError(f"algorithm.recipe: the reference trainer combines at most one of dvp, alp, "
-                         f"score_centering and exact_kl; the recipe has {', '.join(chosen)}")
+                         f"score_centering and exact_kl; the recipe has {', '.join(chosen)} (each is a preset of its "
+                         "own and a run has one preset; OffPolicyGRPOTrainer and OFFPOLICY_VERL combine alp with "
+                         "score_centering)")
     if not chosen:
         return "naive"
     name = chosen[0]

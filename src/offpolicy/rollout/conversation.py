@@ -93,10 +93,6 @@ class Retokenized:
     ids: list[int]
     segment: list[int]
 
-    def of(self, k: int) -> list[int]:
-        """The re-tokenized ids that lie inside segment ``k``, in order."""
-        return [i for i, s in zip(self.ids, self.segment) if s == k]
-
 
 def retokenize(conversation: Conversation, tokenizer: Any) -> Retokenized:
     """Tokenize ``conversation.text`` as one string (with the tokenizer's own special tokens, e.g. bos) and assign

@@ -169,27 +169,12 @@ class HFRolloutEngine:
     (torch.Size([1, 3]), torch.float32, True)
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        dtype: str | torch.dtype = "bfloat16",
-        kv_cache: bool = True,
-        kv_cache_bits: int | None = None,
-        weight_bits: int | None = None,
-        logit_noise: float = 0.0,
-        quantize_layers: Sequence[int] | None = None,
-        quant: str | None = None,
-        lm_head_fp32: bool = False,
-        attn_implementation: str | None = "eager",
-        tokenizer=None,
-        eos_token_id: int | None = None,
-        pad_token_id: int | None = None,
-        record_routes: bool = False,
-        fast_decode: bool = True,
-        sampler: str = "multinomial",
-        compile: bool = False,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, dtype: str | torch.dtype = "bfloat16", kv_cache: bool = True,
+                 kv_cache_bits: int | None = None, weight_bits: int | None = None, logit_noise: float = 0.0,
+                 quantize_layers: Sequence[int] | None = None, quant: str | None = None, lm_head_fp32: bool = False,
+                 attn_implementation: str | None = "eager", tokenizer=None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, record_routes: bool = False, fast_decode: bool = True,
+                 sampler: str = "multinomial", compile: bool = False) -> None:
         self.dtype = _as_dtype(dtype)
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
@@ -385,14 +370,8 @@ class HFRolloutEngine:
 
     # -- re-scoring ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def score(
-        self,
-        prompt_ids: list[list[int]],
-        completion_ids: list[list[int]],
-        cfg: SamplingConfig | None = None,
-        *,
-        return_logits: bool = False,
-    ) -> tuple[Tensor, ...]:
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], cfg: SamplingConfig | None = None, *,
+              return_logits: bool = False) -> tuple[Tensor, ...]:
         """Processed log-probs of given completions under the *engine's* numerics, one full forward (no cache).
 
         Same dtype, weight quantisation and KV quantisation as :meth:`generate`, without ``logit_noise``; this is

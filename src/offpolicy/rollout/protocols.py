@@ -27,6 +27,7 @@ What each server reports, and what the client therefore refuses:
   (SGLang's kernels need CUDA; it does not run on this project's CPU machines).
 
 Weight reload: vLLM (dev mode, ``VLLM_SERVER_DEV_MODE=1``) ``/pause`` → ``/collective_rpc`` ``reload_weights`` →
+``/collective_rpc`` of offpolicy's worker extension (a MoE model's experts repacked on vLLM's CPU backend) →
 ``/reset_prefix_cache`` → ``/resume``; SGLang ``/update_weights_from_disk``. Both read the weights from a model
 directory on the server's disk (:meth:`~offpolicy.rollout.server_engine.ServerRolloutEngine.reload_weights`).
 """
@@ -247,11 +248,6 @@ def parse_vllm_prompt_logprobs(answer: Any, ids: list[int], start: int, *, where
     return out
 
 
-def _truncation_width(cfg: SamplingConfig) -> int | None:
-    """The most tokens a top-k truncation can keep (None: no top-k)."""
-    return cfg.top_k
-
-
 def parse_vllm_completion(answer: Any, cfg: SamplingConfig, *, where: str = "request",
                           vocab_size: int | None = None) -> ServerCompletion:
     """Parse a vLLM ``/v1/completions`` answer (``choices[0].logprobs``: ``tokens`` as ``"token_id:<id>"``,
@@ -284,7 +280,7 @@ def parse_vllm_completion(answer: Any, cfg: SamplingConfig, *, where: str = "req
         if len(rows) != len(ids):
             raise ServerError(f"{w}.logprobs: {len(ids)} tokens but {len(rows)} top_logprobs entries")
         top_ids, top_logp = [], []
-        width = _truncation_width(cfg)
+        width = cfg.top_k  # the most tokens a top-k truncation keeps (None: no top-k)
         for j, row in enumerate(rows):
             wj = f"{w}.logprobs.top_logprobs[{j}]"
             if not isinstance(row, dict):
@@ -402,8 +398,9 @@ def parse_sglang_generate(answer: Any, cfg: SamplingConfig, *, where: str = "req
 # -- reload calls -------------------------------------------------------------------------------------------------
 def vllm_reload_weights(url: str, path: str, *, timeout: float, weights_path: str | None = None) -> None:
     """vLLM dev-mode reload (``VLLM_SERVER_DEV_MODE=1``): pause, ``reload_weights`` in every worker from the folder
-    ``weights_path`` (without it: from the folder the server last loaded, which vLLM reads again as it is), reset
-    the prefix cache so no KV computed with the old weights is reused, resume.
+    ``weights_path`` (without it: from the folder the server last loaded, which vLLM reads again as it is), a
+    mixture-of-experts model's experts repacked (:func:`repack_experts_after_reload`), reset the prefix cache so no
+    KV computed with the old weights is reused, resume.
 
     Every call answers 200 — also when the reload left part of the model behind: with tied embeddings a checkpoint
     stores the head once, and vLLM's CPU backend (which keeps a repacked copy of the head) then keeps the old head
@@ -414,8 +411,53 @@ def vllm_reload_weights(url: str, path: str, *, timeout: float, weights_path: st
     reload: dict[str, Any] = {"method": "reload_weights"}
     if weights_path is not None:
         reload["kwargs"] = {"weights_path": weights_path}
-    for step, body in (("/pause", {}), ("/collective_rpc", reload), ("/reset_prefix_cache", {}), ("/resume", {})):
+    for step, body in (("/pause", {}), ("/collective_rpc", reload)):
         post_json(url + step, body, timeout=timeout, what=f"vllm weight reload {step}")
+    repack_experts_after_reload(url, weights_path or path, timeout=timeout)
+    for step, body in (("/reset_prefix_cache", {}), ("/resume", {})):
+        post_json(url + step, body, timeout=timeout, what=f"vllm weight reload {step}")
+
+
+def _is_moe_folder(folder: str) -> bool:
+    """Whether the model directory ``folder`` (on this machine) holds a mixture-of-experts config."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return any(int(config.get(key) or 0) > 1 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def repack_experts_after_reload(url: str, folder: str, *, timeout: float) -> int | None:
+    """After a vLLM server's ``reload_weights``: its workers' fused-MoE experts prepacked again by offpolicy's worker
+    extension (:meth:`~offpolicy.rollout.vllm_worker.OffpolicyWorkerExtension.offpolicy_repack_cpu_experts`) — vLLM
+    0.32's CPU reload leaves them unpacked: 2.7 nats per token from a fresh load of the same weights on lab-moe, 0
+    once repacked. Returns the layers repacked (summed over workers), or None where the server was started without
+    the extension (``--worker-extension-cls``; :class:`~offpolicy.rollout.vllm_server.VLLMServer` adds it): then a
+    MoE model in ``folder`` is warned about once, the sync check measuring what that leaves."""
+    from offpolicy.rollout.vllm_worker import REPACK_METHOD, WORKER_EXTENSION
+
+    try:
+        answer = post_json(url + "/collective_rpc", {"method": REPACK_METHOD}, timeout=timeout,
+                           what=f"vllm weight reload /collective_rpc {REPACK_METHOD}")
+    except ServerError as err:
+        if f"has no attribute '{REPACK_METHOD}'" not in str(err):
+            raise
+        if _is_moe_folder(folder) and url not in _WARNED_NO_EXTENSION:
+            import warnings
+
+            _WARNED_NO_EXTENSION.add(url)
+            warnings.warn(f"the vLLM server at {url} has no offpolicy worker extension, so a mixture-of-experts "
+                          "model's experts are not repacked after its reload (vLLM's CPU backend leaves them "
+                          f"unpacked): start it with --worker-extension-cls {WORKER_EXTENSION}", stacklevel=3)
+        return None
+    results = answer.get("results") if isinstance(answer, dict) else None
+    return sum(int(r) for r in results) if isinstance(results, list) else 0
+
+
+_WARNED_NO_EXTENSION: set[str] = set()
 
 
 def sglang_reload_weights(url: str, path: str, *, timeout: float) -> None:

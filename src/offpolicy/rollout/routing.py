@@ -172,7 +172,8 @@ class replay_routes(_RouterHooks):  # noqa: N801  (a context manager used like a
 
     After (or during) the context, ``flip_rate`` is the fraction of recorded (position, layer) pairs whose native
     top-k expert *set* differs from the recorded one, and ``flips`` / ``routed`` its counts (over every forward in
-    the context; 0.0 when nothing was recorded).
+    the context; 0.0 when nothing was recorded); ``flips_per_layer`` / ``routed_per_layer`` are the same counts per
+    MoE layer (router order), what :func:`flip_rate_metrics` turns into the trainer's metrics.
     """
 
     def __init__(self, model: nn.Module, routes: list[Tensor | None],
@@ -193,18 +194,34 @@ class replay_routes(_RouterHooks):  # noqa: N801  (a context manager used like a
                 raise ValueError(f"routes[{i}] must hold integer expert ids, got {r.dtype}")
         self.routes = list(routes)
         self.mode = mode
-        self._counts: list[tuple[Tensor, Tensor]] = []  # (flipped, recorded) per router call, summed when read
+        self._counts: list[tuple[int, Tensor, Tensor]] = []  # (layer, flipped, recorded) per router call, summed later
         self._renormalises: dict[int, bool] = {}
         self._targets: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (router, tokens) → experts, has
         self._handles: list = []
 
     @property
     def flips(self) -> int:
-        return int(sum(int(f) for f, _ in self._counts))
+        return sum(self.flips_per_layer)
 
     @property
     def routed(self) -> int:
-        return int(sum(int(n) for _, n in self._counts))
+        return sum(self.routed_per_layer)
+
+    @property
+    def flips_per_layer(self) -> list[int]:
+        """Flipped (position, layer) pairs of each MoE layer, in router order."""
+        return self._per_layer(1)
+
+    @property
+    def routed_per_layer(self) -> list[int]:
+        """Recorded (position, layer) pairs of each MoE layer, in router order."""
+        return self._per_layer(2)
+
+    def _per_layer(self, column: int) -> list[int]:
+        out = [0] * len(self.routers)
+        for entry in self._counts:
+            out[entry[0]] += int(entry[column])
+        return out
 
     @property
     def flip_rate(self) -> float:
@@ -241,13 +258,41 @@ class replay_routes(_RouterHooks):  # noqa: N801  (a context manager used like a
                 self._renormalises[position] = _gate_renormalises(module, logits, weights, native)
             with torch.no_grad():  # counted on the device; read (one sync) only when flip_rate is asked for
                 differs = (native.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1) & has
-                self._counts.append((differs.sum(), has.sum()))
+                self._counts.append((position, differs.sum(), has.sum()))
             if self.mode == "compare":
                 return None
             experts = torch.where(has[:, None], target, native)
             return logits, _gate_weights(logits, experts, self._renormalises[position]).to(weights.dtype), experts
 
         return replay
+
+
+def flip_rates(flips: list[int], routed: list[int]) -> tuple[list[float], float]:
+    """The flip rate of each MoE layer, flips_ℓ / routed_ℓ, and over all layers, Σ flips / Σ routed (0.0 where
+    nothing was routed) — the counts of :class:`replay_routes` in training or of
+    :class:`~offpolicy.inspect.routing_flips.RoutingFlips` in ``offpolicy inspect``.
+
+    >>> flip_rates([1, 0, 3], [4, 4, 4])
+    ([0.25, 0.0, 0.75], 0.3333333333333333)
+    """
+    if len(flips) != len(routed):
+        raise ValueError(f"flips and routed must have one count per MoE layer, got {len(flips)} and {len(routed)}")
+    total = sum(routed)
+    return [f / n if n else 0.0 for f, n in zip(flips, routed)], (sum(flips) / total if total else 0.0)
+
+
+def flip_rate_metrics(flips: list[int], routed: list[int]) -> dict[str, float]:
+    """The trainer's routing metrics from per-layer counts (``replay_routes``' ``flips_per_layer`` /
+    ``routed_per_layer``, rates by :func:`flip_rates`): ``routing/flip_rate/layer{i}`` for each MoE layer i (router
+    order, from 0) and ``routing/flip_rate`` over all of them.
+
+    >>> flip_rate_metrics([1, 0], [4, 4])
+    {'routing/flip_rate/layer0': 0.25, 'routing/flip_rate/layer1': 0.0, 'routing/flip_rate': 0.125}
+    """
+    per_layer, overall = flip_rates(flips, routed)
+    metrics = {f"routing/flip_rate/layer{i}": rate for i, rate in enumerate(per_layer)}
+    metrics["routing/flip_rate"] = overall
+    return metrics
 
 
 def _gate_weights(logits: Tensor, experts: Tensor, renormalise: bool) -> Tensor:

@@ -19,11 +19,7 @@ from torch import Tensor
 from offpolicy.rollout.base import pad_ids
 from offpolicy.rollout.decode import cache_keyword
 from offpolicy.rollout.routing import replay_routes
-from offpolicy.rollout.sampling import (
-    SamplingConfig,
-    completion_history,
-    process_logits,
-)
+from offpolicy.rollout.sampling import SamplingConfig, completion_history, process_logits
 
 
 def _forward_context(model: torch.nn.Module, dtype: torch.dtype):
@@ -50,17 +46,9 @@ def _keeps_logits(model: torch.nn.Module) -> bool:
     return _accepts_logits_to_keep(type(model).forward)
 
 
-def score_tokens(
-    model: torch.nn.Module,
-    prompt_ids: list[list[int]],
-    completion_ids: list[list[int]],
-    cfg: SamplingConfig | None = None,
-    *,
-    dtype: torch.dtype | None = None,
-    return_logits: bool = False,
-    past_key_values_factory=None,
-    routes: list[Tensor | None] | None = None,
-) -> tuple[Tensor, ...]:
+def score_tokens(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                 cfg: SamplingConfig | None = None, *, dtype: torch.dtype | None = None, return_logits: bool = False,
+                 past_key_values_factory=None, routes: list[Tensor | None] | None = None) -> tuple[Tensor, ...]:
     """:func:`sequence_logprobs` with an optional cache factory (the engines use it to replay KV quantisation)."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but completion_ids has {len(completion_ids)}")
@@ -109,16 +97,9 @@ def score_tokens(
     return (logp, mask, logits) if return_logits else (logp, mask)
 
 
-def sequence_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: list[list[int]],
-    completion_ids: list[list[int]],
-    cfg: SamplingConfig | None = None,
-    *,
-    dtype: torch.dtype | None = None,
-    return_logits: bool = False,
-    routes: list[Tensor | None] | None = None,
-) -> tuple[Tensor, ...]:
+def sequence_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                      cfg: SamplingConfig | None = None, *, dtype: torch.dtype | None = None,
+                      return_logits: bool = False, routes: list[Tensor | None] | None = None) -> tuple[Tensor, ...]:
     """Log-probs ``[B, T]`` of ``completion_ids`` given ``prompt_ids`` under one batched full forward.
 
     Rows are right-padded (positions 0..L−1, the same positions a left-padded engine assigns with

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.objectives.base import check_nonnegative, check_positive
 from offpolicy.ratios import per_sequence
 from offpolicy.rollout.param_check import PARAMETER_MODES, ParameterCheck
 
@@ -225,10 +226,8 @@ class SyncCheck:
 
     def __init__(self, *, z: float = 6.0, floor: float = 1e-5, max_baseline: float = 0.05, max_stale: float = 0.5,
                  max_drift: float = 3.0, on_failure: str = "error", parameters: bool | str = True) -> None:
-        if not (isinstance(z, (int, float)) and math.isfinite(z) and z > 0):
-            raise ValueError(f"z must be a finite number > 0, got {z!r}")
-        if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
-            raise ValueError(f"floor must be a finite number >= 0, got {floor!r}")
+        check_positive("z", z)
+        check_nonnegative("floor", floor)
         if not (isinstance(max_baseline, (int, float)) and max_baseline > 0):
             raise ValueError(f"max_baseline must be a number > 0, got {max_baseline!r}")
         if not (isinstance(max_stale, (int, float)) and 0 < max_stale < 1):

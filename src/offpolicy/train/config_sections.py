@@ -92,10 +92,15 @@ class ServerSection(ConfigSection):
     timeout: float = Field(120.0, gt=0)
 
 
+# R3 replays the engine's routes; vLLM's CPU build has no way to return them (offpolicy.rollout.vllm.routes_unavailable)
+VLLM_R3_REFUSED = ("rollout.routing_replay=r3 replays the engine's routes, which rollout.engine=vllm cannot give: vLLM "
+                   "0.32's CPU build returns no routed experts (only its Model Runner V2 does, and that needs Triton), "
+                   "and vLLM's GPU path is not wired into the trainer; use rollout.engine=hf")
+
 # rollout fields that only the transformers engine reads: set with another rollout.engine they would be ignored
 _HF_ENGINE_ONLY = {"kv_cache_bits": None, "weight_bits": None, "quant": None, "logit_noise": 0.0,
                    "sync_every": 1, "routing_replay": "none", "compile": False, "async_mode": "none",
-                   "max_staleness": 0}
+                   "max_staleness": 0, "version_record": "token"}
 
 
 class RolloutConfig(ConfigSection):
@@ -126,6 +131,9 @@ class RolloutConfig(ConfigSection):
     # max_staleness versions, the weights switching mid-answer (verl's fully async partial rollout)
     async_mode: Literal["none", "queue", "partial"] = "none"
     max_staleness: int = Field(0, ge=0)
+    # the policy version each token records: token — its own (the weights that sampled it); sequence — the answer's
+    # oldest on every token, all a host that keeps one version span per trajectory (verl's min_global_steps) can give
+    version_record: Literal["token", "sequence"] = "token"
     # mixture-of-experts models: r3 replays the engine's routes in the π_old and π_θ forwards, r2 replays π_old's
     # routes in the π_θ forwards (offpolicy.rollout.routing)
     routing_replay: Literal["none", "r2", "r3"] = "none"
@@ -186,6 +194,8 @@ class RolloutConfig(ConfigSection):
             section = {"llamacpp": "rollout.llamacpp (weights, kv_cache_type)",
                        "vllm": "rollout.dtype and rollout.vllm (kv_cache_dtype)",
                        "server": "the server's own settings"}.get(self.engine, f"the {self.engine} backend's builder")
+            if self.engine == "vllm" and self.routing_replay == "r3":
+                raise ValueError(VLLM_R3_REFUSED)
             for key, default in _HF_ENGINE_ONLY.items():
                 if getattr(self, key) != default:
                     raise ValueError(f"rollout.{key}={getattr(self, key)!r} only applies to rollout.engine=hf; the "

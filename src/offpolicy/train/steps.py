@@ -24,14 +24,14 @@ import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
-from offpolicy.corrections.base import Correction
+from offpolicy.corrections.base import Correction, CorrectionResult, drop_metrics
 from offpolicy.metrics import NAMINGS, metrics_by_staleness, offpolicy_metrics
 from offpolicy.perturbation import LayerwisePerturbation
 from offpolicy.position import position_metrics
 from offpolicy.ratios import masked_mean
 from offpolicy.registry import build_correction
 from offpolicy.rollout.prompts import Prompt, compute_rewards, step_prompts
-from offpolicy.rollout.routing import RouteRecorder, replay_routes
+from offpolicy.rollout.routing import RouteRecorder, flip_rate_metrics, replay_routes
 from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.sync_check import SyncCheck, SyncProbe
 from offpolicy.tasks import is_multi_turn
@@ -256,6 +256,8 @@ class Scored:
     # single pass (:func:`single_pass`): π_θ's log-probs ``[B, T]`` and DVP extras *with* their autograd graph — the
     # same forward as π_old's, which the update uses instead of a second one; dropped once the update has used it
     theta: tuple[Tensor, dict[str, Tensor]] | None = None
+    # MoE: flipped and routed (position, layer) counts of each MoE layer (the per-layer ``routing/flip_rate/layer{i}``)
+    flip_counts: tuple[list[int], list[int]] | None = None
 
 
 def single_pass(state: TrainState) -> bool:
@@ -319,7 +321,8 @@ def score_step(state: TrainState, rollout: Rollout) -> Scored:
         head = (rollout.topk_ids.to(old_logp.device), rollout.topk_logp.to(old_logp.device))
     return Scored(old_logp, mask, rollout.rollout_logp.to(old_logp.device), token_divergence, extras, theta_routes,
                   routing.flip_rate if routing is not None else None,
-                  roll_logits if state.preset.score_centering else None, theta=theta, sampler_head=head)
+                  roll_logits if state.preset.score_centering else None, theta=theta, sampler_head=head,
+                  flip_counts=(routing.flips_per_layer, routing.routed_per_layer) if routing is not None else None)
 
 
 # -- 4. metrics --------------------------------------------------------------------------------------------------------
@@ -330,7 +333,8 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     """The step's metrics (tensors, synced once by the caller): the mismatch diagnostics between π_old and μ under
     ``run.metric_naming`` (with the correction chain's result at π_old), the minibatches' mean loss metrics
     (which include each correction's own), rewards, response length, TRM's exact KL, the mismatch per position bin
-    (``mismatch/by_position/…``, :func:`offpolicy.position.position_metrics`), the masked fraction, ALP's σ, MoE
+    (``mismatch/by_position/…``, :func:`offpolicy.position.position_metrics`), the whole correction's
+    :func:`~offpolicy.corrections.base.drop_metrics` under ``correction/``, ALP's σ, MoE
     routing flips and timings."""
     naming = state.cfg.run.metric_naming
     mask = scored.mask
@@ -340,7 +344,9 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
     corrected = state.correction(at_old) if state.correction is not None else None
     metrics: dict[str, Tensor | float] = dict(
         offpolicy_metrics(scored.old_logp, scored.rollout_logp, mask, corrected, naming=naming))
-    if scored.flip_rate is not None:  # the engine's routes that π_old's own router would change
+    if scored.flip_counts is not None:  # the engine's routes that π_old's own router would change, per MoE layer
+        metrics.update(flip_rate_metrics(*scored.flip_counts))
+    elif scored.flip_rate is not None:
         metrics["routing/flip_rate"] = scored.flip_rate
     for name in updates[0]:
         metrics[name] = torch.stack([u[name].float() for u in updates]).mean()
@@ -353,8 +359,9 @@ def metrics_step(state: TrainState, rollout: Rollout, scored: Scored, updates: l
                                               if scored.token_divergence is not None else torch.tensor(float("nan")))
     # the same mismatch per position bin of the response: does it grow with depth? (exact KL where TRM computed it)
     metrics.update(position_metrics(scored.old_logp, scored.rollout_logp, mask, token_kl=scored.token_divergence))
-    metrics["correction/masked_frac"] = (1.0 - masked_mean((corrected.coefficient != 0).float(), mask)
-                                         if corrected is not None else torch.zeros(()))
+    # the whole correction in every correction's vocabulary (correction/kept_frac, /masked_frac, /capped_frac, …)
+    metrics.update(drop_metrics("correction", corrected if corrected is not None else CorrectionResult.identity(at_old),
+                                mask))
     if state.alp is not None:
         metrics.update(state.alp.metrics())
     step_seconds = time.perf_counter() - started

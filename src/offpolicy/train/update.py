@@ -15,13 +15,14 @@ from offpolicy.batch import LogProbBatch
 from offpolicy.losses import policy_loss
 from offpolicy.perturbation import alp_policy_loss
 from offpolicy.ratios import masked_mean
-from offpolicy.registry import build_transform
+from offpolicy.registry import BoundTransform, build_transform
 from offpolicy.rollout.routing import replay_routes
 from offpolicy.rollout.sampling import process_logits
 from offpolicy.train.build import DTYPES, nonfinite_fields
 from offpolicy.train.presets import SCORE_CENTERING_TOPK
 from offpolicy.train.proximal import proximal_method, with_versions
 from offpolicy.train.scoring import score_policy
+from offpolicy.transforms import apply_transforms, forward_extras
 
 if TYPE_CHECKING:  # the records of offpolicy.train.steps, which imports this module
     from offpolicy.train.steps import Rollout, Scored, TrainState
@@ -106,13 +107,13 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
 def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
                     extras: dict[str, Tensor], *, rollout_logp: Tensor,
                     targets: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """π_θ's log-probs carrying the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from the
-    sampler's full logits, or its top-k head with the proportional tail), and the per-token drift ½‖q − p‖₁ and
+    """π_θ's log-probs and the centre c of the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from
+    the sampler's full logits, or its top-k head with the proportional tail) in the extras, which the batch step of
+    ``score_centering`` puts into the log-probs' gradient (:func:`_transforms`), and the per-token drift ½‖q − p‖₁ and
     top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
     of a re-score, or a server's head ``(ids, log q)`` ``[B, T, K]``: then the drift is the proportional-tail estimate
     ½‖q̂ − p‖₁ and the tail error, which needs the full q, is not logged."""
     from offpolicy.objectives.score_centering import (
-        centered_logp,
         sampler_topk,
         score_center,
         score_center_topk,
@@ -127,7 +128,7 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
         ids, logq = sampler
         center = score_center_topk(logits, ids, logq, temperature=temperature)
         drift = topk_drift_tv(logits.detach(), ids, logq, temperature=temperature)
-        return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift}
+        return logp, {**extras, **forward_extras(center=center), "score_centering/drift_tv": drift}
     sampler_logits = sampler
     if state.preset.score_centering == "topk":
         ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
@@ -135,8 +136,8 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
     else:
         center = score_center(logits, sampler_logits, temperature=temperature)
     drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
-    return centered_logp(logp, center), {**extras, "score_centering/drift_tv": drift,
-                                         "score_centering/topk_gap_tv": gap}
+    return logp, {**extras, **forward_extras(center=center), "score_centering/drift_tv": drift,
+                  "score_centering/topk_gap_tv": gap}
 
 
 def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
@@ -164,9 +165,17 @@ def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler:
     return logp, {**extras, **more}
 
 
+def _transforms(state: TrainState) -> list[BoundTransform]:
+    """The batch steps of the run's transforms: score centering's (unweighted: the IS rules put their weighted
+    centre in the log-probs themselves), then the plug-ins, in the config's order."""
+    out = []
+    if state.preset.score_centering is not None and state.preset.score_weighting is None:
+        out.append(build_transform({"name": "score_centering", "source": state.preset.score_centering}))
+    return out + [build_transform(spec) for spec in state.cfg.algorithm.transforms or ()]
+
+
 def _loss(state: TrainState, batch: LogProbBatch) -> tuple[Tensor, dict[str, Tensor]]:
-    for spec in state.cfg.algorithm.transforms or ():  # plug-in log-prob transforms, in the config's order
-        batch = build_transform(spec)(batch)
+    batch = apply_transforms(batch, _transforms(state))
     if state.preset.score_centering is not None:  # the drift term's size per position, over the valid tokens
         loss, metrics = _loss_of(state, batch)
         return loss, {**metrics, **{k: masked_mean(v, batch.mask) for k, v in batch.extras.items()

@@ -22,7 +22,7 @@ The seed methods, each one argument (``docs/frameworks/trl.md`` has the full pag
   top-p, min-p, repetition penalty; vLLM's frequency / presence penalties), in that engine's filter order (HF
   ``generate``: temperature → top-k → top-p → min-p; vLLM: penalties → temperature → min-p → top-k / top-p), in
   chunks within ``memory_budget_bytes``; a token outside the trainer's support leaves the loss; ``dvp/mass_mean``,
-  ``dvp/mass_min``, ``dvp/outside_frac`` are logged.
+  ``dvp/mass_min``, ``dvp_keep/masked_frac`` are logged.
 * ``dvp_rho=ρ`` — DVP (arXiv 2512.23087): the engine samples with ``min_p = ρ`` and the trainer replays it.
 * ``alp=True`` / ``alp={"init_std": 1e-4, "lr": 5e-4, "level": "token", ...}`` — ALP (arXiv 2603.19470): learnable
   noise on the decoder layers' inputs in the update forward only, σ in its own optimiser group, out of the model's

@@ -49,6 +49,7 @@ from offpolicy.integrations.trl.parts.scoring import ReplayScoring, _check_plain
 from offpolicy.integrations.trl.parts.sharding import head_options, model_sharding, refuse_sharded_head
 from offpolicy.integrations.trl.parts.terms import TRLTerms
 from offpolicy.integrations.trl.parts.topk import TopKGeneration, _check_score_centering
+from offpolicy.integrations.trl.parts.transforms import trl_transforms
 from offpolicy.integrations.trl.parts.vllm import VLLMWiring, _colocate_llm_kwargs
 from offpolicy.integrations.trl.patches import check_request_timeout, extra_llm_kwargs, server_sync_choice
 from offpolicy.integrations.trl.ranks import every_rank_raises
@@ -59,10 +60,10 @@ from offpolicy.integrations.versions import check_versions
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
-from offpolicy.objectives.score_centering import centered_logp
 from offpolicy.perturbation import alp_policy_loss
 from offpolicy.registry import AGGREGATIONS, CorrectionSpec, build_correction
 from offpolicy.rollout.sync_check import SyncCheck
+from offpolicy.transforms import apply_transforms, forward_extras
 
 __all__ = ["OffPolicyGRPOMixin"]
 
@@ -116,7 +117,9 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
 
     ``recipe=`` — a :class:`~offpolicy.Recipe`, a mapping or a YAML / JSON file path — sets the method in one
     schema instead of the keywords above; it is mapped onto them through one table
-    (:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`), and a keyword that says otherwise is refused naming both.
+    (:data:`offpolicy.recipe.hosts.OLD_SPELLINGS`), and a keyword that says otherwise is refused naming both. A
+    recipe's plug-in transforms (:func:`offpolicy.register_transform`) run on every loss batch after the built-ins'
+    batch steps (:func:`offpolicy.transforms.apply_transforms`); one whose input this run cannot fetch is refused.
 
     ``train(resume_from_checkpoint=...)`` refuses a checkpoint saved with other method settings (the correction,
     the objective and its clip range, the transforms), naming each; ``allow_changed=["correction.upper", …]``
@@ -179,7 +182,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             raise ValueError(f"memory_budget_bytes must be an int > 0, got {memory_budget_bytes!r}")
         alp_cfg = _check_alp(alp)
         _check_allowed(allow_changed)
-        _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None, alp_cfg)
+        _check_score_centering(score_centering, topk_logprobs, sampling_replay or dvp_rho is not None)
         if dvp_rho is not None:
             args, kwargs = _with_min_p(args, kwargs, float(dvp_rho))
         check_sync_setting(sync_check)  # refuse a bad value before TRL builds its engine
@@ -206,6 +209,8 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
             check_host(the_recipe, "trl", HOSTS["trl"].supplies | ({"rollout_logp"} if has_mu else set())
                        | ({"engine_topk"} if getattr(train_args, "use_vllm", False) else set()))
         self.offpolicy_method_recipe = the_recipe
+        self.offpolicy_transforms = trl_transforms(the_recipe, topk_logprobs=topk_logprobs, topk_bound=topk_bound,
+                                                   score_centering=score_centering)
         self.offpolicy_correction = correction
         self.offpolicy_metric_naming = metric_naming
         loss_type = getattr(train_args, "loss_type", None)
@@ -276,17 +281,14 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         if self.offpolicy_needs_rollout and inputs.get("sampling_per_token_logps") is None:
             raise ValueError("sampling_per_token_logps: TRL's batch has no vLLM log-probs μ, which "
                              f"{', '.join(self.offpolicy_needs_rollout)} read (a rollout_func without logprobs?)")
-        if custom and s.center is not None:  # score centering: same value, centred score as gradient
-            per_token_logps = centered_logp(per_token_logps, s.center)
         batch = batch_from_trl_inputs(per_token_logps, inputs, max_nonfinite_rollout=self.offpolicy_max_nonfinite_rollout)
-        extra: dict[str, Any] = {}
-        if self.offpolicy_recipe is not None:
-            extra["extras"] = {"dvp_keep": s.inside, "dvp_mass": s.mass}
-        if topk is not None and s.kl_upper is not None:
-            extra["token_divergence"] = s.kl_upper if self.offpolicy_topk_bound == "upper" else s.kl_lower
-            extra["token_divergence_kind"] = "topk"
-        if extra:
-            batch = batch.replace(**extra)
+        if custom:  # what the scoring forward computed for the transforms, finished on the batch below
+            replayed = self.offpolicy_recipe is not None
+            batch = batch.replace(extras=forward_extras(
+                keep=s.inside if replayed else None, mass=s.mass if replayed else None, center=s.center,
+                kl_lower=s.kl_lower, kl_upper=s.kl_upper))
+        batch = apply_transforms(batch, self.offpolicy_transforms)
+        per_token_logps = batch.logp  # TRL's terms below read the transformed log-probs (centred: same value)
         mode = "train" if model.training else "eval"
         mask = _loss_mask(inputs)
         args = self.args

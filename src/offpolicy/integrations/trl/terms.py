@@ -83,7 +83,8 @@ def coefficient(name: str, weights: Tensor | None = None, keep: Tensor | None = 
         k = valid if keep is None else valid & shaped(keep, batch.logp).bool()
         return CorrectionResult(w, k, {}, weight_level=weight_level)
 
-    return Correction(name, apply, {})
+    # TRL's factors do not say which weights they truncate: no <name>/kept_frac … that would count a capped one as kept
+    return Correction(name, apply, {}, logs_drops=False)
 
 
 def masked_stats(x: Tensor, mask: Tensor) -> Tensor:

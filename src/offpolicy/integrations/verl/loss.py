@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -51,11 +51,16 @@ from torch import Tensor
 
 from offpolicy.batch import LogProbBatch, nonfinite_fields, nonfinite_rollout_limit
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.integrations.verl.settings import NONFINITE_SETTING, nonfinite_limit_from_environment
+from offpolicy.integrations.verl.settings import (
+    NONFINITE_SETTING,
+    nonfinite_limit_from_environment,
+    transforms_from_environment,
+)
 from offpolicy.losses import needs_rollout_logp, policy_loss
 from offpolicy.metrics import check_naming, offpolicy_metrics
 from offpolicy.ratios import LOG_RATIO_BOUND
 from offpolicy.registry import OBJECTIVES, CorrectionSpec, build_correction, split_spec
+from offpolicy.transforms import apply_transforms
 
 # verl loss_agg_mode → the offpolicy aggregation computed before :func:`_verl_scale` rescales it to verl's agg_loss
 VERL_AGGREGATIONS: dict[str, str] = {
@@ -244,6 +249,7 @@ def verl_policy_loss_fn(
     legacy_tuple: bool = False,
     verl_version: str | None = None,
     max_nonfinite_rollout: float | None = None,
+    transforms: Sequence[Any] | None = None,
 ) -> Callable[..., Any]:
     """Build a function with verl's policy-loss signature that computes :func:`offpolicy.policy_loss`.
 
@@ -264,7 +270,8 @@ def verl_policy_loss_fn(
     sequence count since verl 0.7.1, ``token-sum`` exists since 0.9); default: the installed verl's version, or the
     newest rules known here when verl is not installed. ``max_nonfinite_rollout``: the limit on non-finite μ (None:
     ``OFFPOLICY_VERL``'s ``max_nonfinite_rollout``, else the default), named ``OFFPOLICY_VERL: max_nonfinite_rollout``
-    on a refusal.
+    on a refusal. ``transforms``: plug-in transform specs run on each micro-batch's batch before the correction
+    (:func:`offpolicy.transforms.apply_transforms`; None: ``OFFPOLICY_VERL``'s ``plugin_transforms``).
 
     >>> fn = verl_policy_loss_fn()
     >>> lp = torch.zeros(1, 2, requires_grad=True)
@@ -305,6 +312,7 @@ def verl_policy_loss_fn(
         batch = LogProbBatch(logp=log_prob, old_logp=old_log_prob, mask=response_mask, advantages=advantages,
                              rollout_logp=None if mu is None else mu.to(log_prob.device).float(),
                              **nonfinite_fields(limit, setting=NONFINITE_SETTING))
+        batch = apply_transforms(batch, transforms if transforms is not None else transforms_from_environment())
         result = correction(batch) if correction is not None else None
         if rollout_is_weights is not None:
             external = CorrectionResult(rollout_is_weights.detach().float(), batch.bool_mask, {})

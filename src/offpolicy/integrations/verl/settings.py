@@ -22,7 +22,9 @@ default 1e-4 mostly rounds away, docs/frameworks/verl.md); ``topk_logprobs`` ask
 server for K log-probs per token and, with ``trm`` in ``correction``, makes TRM's divergence the certified
 ``topk_bound: upper`` (default) or the coarse-grained ``lower`` bound on KL(μ ‖ π_old) from them;
 ``score_centering: true`` (needs ``topk_logprobs``) centres the score in the update forward on the engine's top-K
-(arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`); ``sync_check`` (``error``,
+(arXiv 2609.20807, the proportional-tail rule of :func:`offpolicy.score_center_topk`); ``plugin_transforms`` (a list
+of plug-in transform specs, ``[{name: my_transform, …}]``, registered by a module every process imports; a recipe's
+plug-in ``transforms`` map onto it) run in the workers' policy loss on each micro-batch (:func:`offpolicy.transforms.apply_transforms`); ``sync_check`` (``error``,
 the default, ``warn`` or ``off``) runs the sync check after every weight sync of the plug-in's trainer
 (:mod:`.sync_check`), each replica answering its probe within ``sync_check_timeout`` seconds (600 by default);
 ``max_nonfinite_rollout`` (a share in [0, 1]; unset: ``OFFPOLICY_MAX_NONFINITE_ROLLOUT``, else
@@ -57,7 +59,8 @@ from typing import Any
 
 from offpolicy.registry import build_correction
 
-KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "naming",
+KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "plugin_transforms",
+              "naming",
               "sync_check", "sync_check_timeout", "max_nonfinite_rollout", "allow_changed")
 SYNC_CHECK_MODES = ("error", "warn", "off")
 # seconds a rollout replica may take to answer the sync check's probe: a hang, not a slow server (on 2 shared CPU
@@ -130,6 +133,7 @@ class VerlSettings:
     sync_check_timeout: float = SYNC_CHECK_TIMEOUT
     max_nonfinite_rollout: float | None = None
     allow_changed: tuple[str, ...] = ()
+    plugin_transforms: tuple[Mapping[str, Any], ...] = ()  # plug-in transform specs, applied in the policy loss
 
     @property
     def any_engine_method(self) -> bool:
@@ -324,10 +328,10 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
         raise _refuse("score_centering", f"must be true or false, got {centering!r}")
     if centering and not k:
         raise _refuse("score_centering", "needs the engine's top-K: set topk_logprobs: K (K >= 1)")
-    if centering and (alp is not None or any(v is not None for v in (min_p, top_k, top_p))):
-        # the centre is Σ q̂ log p of the full tempered p: a recipe's truncated log-probs or ALP's noisy forward
-        # would need their own centre (not built)
-        raise _refuse("score_centering", "cannot be combined with sampling (DVP / replay) or alp")
+    if centering and any(v is not None for v in (min_p, top_k, top_p)):
+        # the centre is Σ q̂ log p of the full tempered p: a recipe's truncated log-probs would need their own centre
+        # (not built); ALP composes, its centre taken from the same noisy update forward as π_{θ,σ}
+        raise _refuse("score_centering", "cannot be combined with sampling (DVP / replay)")
     naming = _choice("naming", block.get("naming", "verl"), ("verl", "offpolicy", "trl", "swift"))
     sync_check = block.get("sync_check", "error")
     if sync_check is False:  # YAML's bare `off` reads as false
@@ -347,7 +351,41 @@ def parse_settings(block: Mapping[str, Any] | None) -> VerlSettings:
                         topk_logprobs=int(k or 0), topk_bound=bound, score_centering=centering,
                         naming=naming, sync_check=sync_check, sync_check_timeout=timeout,
                         max_nonfinite_rollout=nonfinite,
-                        allow_changed=tuple(allowed))
+                        allow_changed=tuple(allowed), plugin_transforms=_plugin_transforms(block.get("plugin_transforms")))
+
+
+def _plugin_transforms(specs: Any) -> tuple[dict[str, Any], ...]:
+    """The block's plug-in transforms, each checked (its name registered, its parameters) and with its defaults."""
+    from offpolicy.registry import build_transform
+
+    if specs is None:
+        return ()
+    if not isinstance(specs, (list, tuple)):
+        raise _refuse("plugin_transforms", f"must be a list of plug-in transform specs, got {specs!r}")
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            t = build_transform(spec)
+        except ValueError as err:
+            raise _refuse(f"plugin_transforms[{i}]:", str(err)) from None
+        if not t.plugin:
+            raise _refuse(f"plugin_transforms[{i}]:", f"{t.name!r} is a built-in transform; set it with its own key "
+                                               "(sampling, alp, topk_logprobs, score_centering) or in a recipe")
+        out.append({"name": t.name, **t.params})
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _transforms_from_text(text: str | None) -> tuple[Mapping[str, Any], ...]:
+    return settings_from_text(text).plugin_transforms
+
+
+def transforms_from_environment() -> tuple[Mapping[str, Any], ...]:
+    """The ``plugin_transforms`` of the ``OFFPOLICY_VERL`` block, read once per block text (the workers' policy
+    loss runs them on each micro-batch)."""
+    import os
+
+    return _transforms_from_text(os.environ.get(ENV_VAR))
 
 
 def settings_from_text(text: str | None) -> VerlSettings:

@@ -2,7 +2,7 @@
 the engine's sampling recipe (:mod:`.scoring`), top-k TRM and its advice (:mod:`.topk`), ALP's σ around TRL's
 optimiser and checkpoints (:mod:`.alp`), TRL's own loss terms and metrics (:mod:`.terms`), the vLLM engine's
 arguments and weight-sync check (:mod:`.vllm`), the method settings saved with checkpoints and compared on resume
-(:mod:`.resume`).
+(:mod:`.resume`), the transforms each loss batch runs through (:mod:`.transforms`).
 
 Each part is a plain class (no TRL import): its methods override TRL's ``GRPOTrainer`` methods and reach TRL's through
 ``super()``, so they take effect only once composed in front of a ``GRPOTrainer`` in the method resolution order.

@@ -23,7 +23,10 @@ from offpolicy.ratios import masked_max, masked_mean
 from offpolicy.topk_advice import TopKAdvice, doubling_ks, topk_advice
 
 
-def _check_score_centering(on: Any, topk: int, replay: bool, alp: dict[str, Any] | None) -> None:
+def _check_score_centering(on: Any, topk: int, replay: bool) -> None:
+    """Refuse score centering without vLLM's top-K or with the sampling recipe (its centre is Σ q̂ log p of the full
+    tempered p, not of the replayed support). With ALP it composes: the centre comes from the same noisy update
+    forward as π_{θ,σ}, so the value is ALP's and the gradient ALP's coefficient times the centred score."""
     if not isinstance(on, bool):
         raise ValueError(f"score_centering must be a bool, got {on!r}")
     if not on:
@@ -32,8 +35,6 @@ def _check_score_centering(on: Any, topk: int, replay: bool, alp: dict[str, Any]
         raise ValueError("score_centering: needs the sampler's top-K log-probs; set topk_logprobs=K (vLLM)")
     if replay:
         raise ValueError("score_centering: centres the full tempered π_θ; not with sampling_replay / dvp_rho")
-    if alp is not None:
-        raise ValueError("score_centering: not combined with alp (ALP's noisy forward is not centred)")
 
 
 def _trm_thresholds(correction: Correction | None) -> tuple[float | None, float | None] | None:
