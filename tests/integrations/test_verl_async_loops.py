@@ -179,7 +179,7 @@ def test_the_mixin_corrects_after_the_advantages_and_checks_each_sync(monkeypatc
     trainer._fit_collect_metrics(out)
     assert trainer._offpolicy_check.calls == [(0, 1), (1, 2)]
     assert trainer.metrics["sync/checks"] == 2.0 and trainer.metrics["verl/collected"] == 1.0
-    assert trainer.metrics["rollout_corr/tis/clipped_frac"] == pytest.approx(0.5)  # verl's names, TIS's metrics
+    assert trainer.metrics["rollout_corr/tis/capped_frac"] == pytest.approx(0.5)  # verl's names, TIS's metrics
     assert trainer.metrics["offpolicy/staleness/d1/tokens"] == 2.0  # version 1 trains data of version 0
     trainer.metrics = {}
     trainer._fit_collect_metrics(out)
