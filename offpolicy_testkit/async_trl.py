@@ -180,6 +180,18 @@ class PerturbedRolloutWorker(_QueueWorker):
         self.noise_std = noise_std
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.no_grad()
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's teacher-forced log-probs ``[B, T]`` and mask (its weights, without the sampling noise): what
+        the sync check compares with the trainer after each transfer."""
+        from offpolicy.rollout.scoring import sequence_logprobs
+
+        return sequence_logprobs(self.engine, prompt_ids, completion_ids)
+
+    def engine_parameters(self) -> tuple[Any, dict[str, list[str]]]:
+        """The engine's tensors under the checkpoint's names (the sync check's parameter layer), nothing packed."""
+        return self.engine.named_parameters(), {}
+
     def _sample_one(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
         ids = torch.tensor([prompt_ids])
         new, logps = [], []
@@ -222,6 +234,13 @@ class VLLMRolloutWorker(_QueueWorker):
         return list(done.ids), list(done.logp)
 
 
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's teacher-forced log-probs ``[B, T]`` and mask (vLLM's prompt log-probs), for the sync check."""
+        from offpolicy.rollout.server_engine import ServerRolloutEngine
+
+        return ServerRolloutEngine(self.url, self.protocol, timeout=self.timeout).score(prompt_ids, completion_ids)
+
+
 class CopyWeightTransfer:
     """A ``WeightTransferProtocol`` (TRL 1.16) on CPU: the streamed ``(name, tensor)`` pairs are copied into the
     worker's engine (TRL strips wrapper prefixes, so the names are the checkpoint's); ``pushes`` counts the syncs."""
@@ -250,3 +269,36 @@ class CopyWeightTransfer:
 
     def destroy(self) -> None:
         pass
+
+
+class TamperedTransfer:
+    """A ``WeightTransferProtocol`` around ``inner`` (:class:`CopyWeightTransfer`,
+    :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer`, …) that breaks push number ``at_push``
+    (1: the cold one): the tensor named ``drop`` is left out of the stream, the one named ``corrupt`` sent as
+    ``corrupt_value`` everywhere (a wrong tensor of the right shape). What the sync check must catch."""
+
+    def __init__(self, inner: Any, *, at_push: int, drop: str | None = None, corrupt: str | None = None,
+                 corrupt_value: float = 0.0) -> None:
+        if (drop is None) == (corrupt is None):
+            raise ValueError("TamperedTransfer: give one of drop= and corrupt=")
+        self.inner, self.at_push, self.drop, self.corrupt = inner, at_push, drop, corrupt
+        self.corrupt_value = corrupt_value
+        self.pushes = 0
+        self.tampered: list[str] = []  # the names actually dropped or corrupted
+
+    def __getattr__(self, name: str) -> Any:  # init_weight_transfer, pause, resume, destroy, bind, folder …
+        return getattr(self.inner, name)
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.pushes += 1
+        self.inner.send_weights(self._stream(iterator) if self.pushes == self.at_push else iterator)
+
+    def _stream(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iterator:
+            if name == self.drop:
+                self.tampered.append(name)
+                continue
+            if name == self.corrupt:
+                self.tampered.append(name)
+                tensor = torch.full_like(tensor, self.corrupt_value)
+            yield name, tensor
