@@ -55,6 +55,8 @@ def test_async_train_against_vllm_with_file_weight_transfer(vllm_servers, tmp_pa
     with cpu_tree_attention():
         trainer.train()
     assert transfer.pushes == 4  # the cold sync + one per step
+    # every transfer checked against the server's prompt log-probs: fp32 on both sides, round-off only
+    assert logged(trainer, "sync/ok") == [1.0, 1.0, 1.0] and max(logged(trainer, "sync/gap")) < 1e-4
     rows = [h for h in trainer.state.log_history if "offpolicy/staleness/mean" in h]
     assert [r["offpolicy/staleness/max"] for r in rows] == [0.0, 1.0, 2.0]  # 16 samples of version 1 queued
     assert rows[0]["offpolicy/staleness/d0/k3_kl"] < 1e-6  # the model the server started on: fp32 both sides
@@ -79,3 +81,47 @@ def _served_logp(url, protocol, prompt, completion):
 
     answer = post_json(url + protocol.path, protocol.score_request(prompt, completion), timeout=120, what="score")
     return protocol.parse_score(answer, prompt, completion, where="score")
+
+
+def test_a_wrong_tensor_written_to_the_reload_folder_is_caught_by_the_sync_check(vllm_servers, tmp_path):
+    # the second transfer (after step 1) writes one MLP weight as zeros: vLLM reloads it, and the check after that
+    # transfer scores the probe on the server and names the step, the version and the gap
+    import datasets
+    from offpolicy_testkit.async_trl import TamperedTransfer, VLLMRolloutWorker, cpu_constructor, cpu_tree_attention
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from offpolicy.integrations.trl import FileWeightTransfer, OffPolicyAsyncGRPOTrainer
+    from offpolicy.rollout.sync_check import SyncCheckError
+    from offpolicy.tasks import get_task
+
+    server = vllm_servers.get("tiny", "float32")
+    path = str(server.model_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [(e.prompt, e.answer) for e in get_task("arithmetic").examples(8, seed=0)]
+    worker = VLLMRolloutWorker(server.url, path, tok, prompts, _reward, num_generations=4, max_new_tokens=5,
+                               samples_per_version=8)
+    layer = "model.layers.1.mlp.down_proj.weight"
+    transfer = TamperedTransfer(FileWeightTransfer(server.url, tmp_path / "reload"), at_push=2, corrupt=layer)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=5, max_steps=3, report_to=[], use_cpu=True, bf16=False,
+                           logging_steps=1, save_strategy="no", token_budget=0, learning_rate=1e-2, seed=0)
+    with cpu_constructor():
+        trainer = OffPolicyAsyncGRPOTrainer(
+            model=path, reward_funcs=lambda **k: [0.0], args=args, processing_class=tok,
+            train_dataset=datasets.Dataset.from_list([{"prompt": p} for p, _ in prompts]),
+            rollout_worker=worker, weight_transfer=transfer, correction={"name": "tis", "upper": 2.0})
+    assert transfer.inner.aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}  # bound through the wrapper
+    try:
+        with cpu_tree_attention(), pytest.raises(SyncCheckError) as err:
+            trainer.train()
+    finally:  # the server is shared by the session: give it back the checkpoint's weights
+        start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        restore = FileWeightTransfer(server.url, tmp_path / "restore")
+        restore.bind(start)
+        restore.send_weights(iter(start.named_parameters()))
+    message = str(err.value)
+    assert transfer.tampered == [layer] and transfer.pushes == 2
+    assert message.startswith("weight transfer 2 at step 1 (model version 2): after the weight sync the engine's "
+                              "log-probs are "), message
+    assert "nats per token from the trainer's" in message and "\n" not in message
