@@ -302,3 +302,26 @@ class TamperedTransfer:
                 self.tampered.append(name)
                 tensor = torch.full_like(tensor, self.corrupt_value)
             yield name, tensor
+
+
+# the embedded tokenizers have no chat template; TRL's AsyncRolloutWorker renders every prompt through one and parses
+# every completion with a response template (it refuses a chat template it does not recognise unless one is set)
+MINIMAL_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+MINIMAL_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "fields": {"content": {"content": "text"}}}
+
+
+def with_minimal_chat_template(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` (the shipped model's is untouched) that TRL's default ``AsyncRolloutWorker`` can use:
+    a chat template that renders the messages' contents after the BOS token — the ids ``tokenizer(text)`` gives for a
+    one-message prompt — and a response template that reads the whole completion as the assistant's content."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = MINIMAL_CHAT_TEMPLATE
+    tok.response_template = MINIMAL_RESPONSE_TEMPLATE
+    return tok
+
+
+def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward TRL's worker can call in its own (spawned) process: the completion's length mod 3, so a group's
+    advantages are not all 0 (a module-level function: a lambda does not pickle)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 3) for t in texts]

@@ -125,3 +125,45 @@ def test_a_wrong_tensor_written_to_the_reload_folder_is_caught_by_the_sync_check
     assert message.startswith("weight transfer 2 at step 1 (model version 2): after the weight sync the engine's "
                               "log-probs are "), message
     assert "nats per token from the trainer's" in message and "\n" not in message
+
+
+def test_trls_own_rollout_worker_against_vllm_with_a_minimal_chat_template(vllm_servers, tmp_path):
+    # TRL's default AsyncRolloutWorker (its own process, /v1/completions) with the test kit's minimal chat template
+    # on a copy of the tiny tokenizer; the sync check scores the same server after every FileWeightTransfer
+    import datasets
+    from offpolicy_testkit.async_trl import cpu_constructor, cpu_tree_attention, length_reward, \
+        with_minimal_chat_template
+    from offpolicy_testkit.trl_toy import logged
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    from offpolicy.integrations.trl import FileWeightTransfer, OffPolicyAsyncGRPOTrainer
+    from offpolicy.integrations.trl.async_check import _ServedModel
+    from offpolicy.tasks import get_task
+
+    server = vllm_servers.get("tiny", "float32")
+    path = str(server.model_dir)
+    tok = with_minimal_chat_template(AutoTokenizer.from_pretrained(path))
+    prompts = [e.prompt for e in get_task("arithmetic").examples(8, seed=0)]
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=5, max_steps=2, report_to=[], use_cpu=True, bf16=False,
+                           logging_steps=1, save_strategy="no", token_budget=0, learning_rate=1e-2, seed=0,
+                           vllm_server_base_url=server.url, max_inflight_tasks=4, temperature=1.0)
+    transfer = FileWeightTransfer(server.url, tmp_path / "reload")
+    with cpu_constructor():
+        trainer = OffPolicyAsyncGRPOTrainer(
+            model=path, reward_funcs=[length_reward], args=args, processing_class=tok,
+            train_dataset=datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts]),
+            weight_transfer=transfer, correction={"name": "tis", "upper": 2.0})
+    assert isinstance(trainer.rollout_worker, AsyncRolloutWorker)  # TRL's own, not a stand-in
+    assert isinstance(trainer.offpolicy_sync.engine, _ServedModel)  # the check scores TRL's server
+    try:
+        with cpu_tree_attention():
+            trainer.train()
+    finally:
+        trainer.rollout_worker.stop()
+    assert trainer.state.global_step == 2 and transfer.pushes == 3  # the cold transfer + one per step
+    assert logged(trainer, "sync/ok") == [1.0, 1.0] and max(logged(trainer, "sync/gap")) < 1e-4
+    assert all(math.isfinite(v) for v in logged(trainer, "offpolicy/tis/weight_mean"))
+    assert logged(trainer, "sampling/k3_kl")[0] < 1e-4  # μ from vLLM, fp32 on both sides
