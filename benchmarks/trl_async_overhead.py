@@ -66,8 +66,12 @@ def run_arm(arm: str, model_dir: str, engine: torch.nn.Module, tok: Any, *, batc
             noise_std: float, out_dir: str) -> dict[str, float]:
     """Seconds per optimiser step of one arm, means over the ``steps`` after one warm-up step: ``{"cpu", "wall"}``."""
     import datasets
-    from offpolicy_testkit.async_trl import CopyWeightTransfer, PerturbedRolloutWorker, cpu_constructor, \
-        cpu_tree_attention
+    from offpolicy_testkit.async_trl import (
+        CopyWeightTransfer,
+        PerturbedRolloutWorker,
+        cpu_constructor,
+        cpu_tree_attention,
+    )
     from transformers import TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 

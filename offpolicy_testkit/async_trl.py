@@ -18,6 +18,11 @@ What they replace and why:
 * :class:`CopyWeightTransfer` — TRL's ``WeightTransferClient`` streams weights to vLLM over NCCL. This one copies the
   streamed ``(name, tensor)`` pairs into the worker's engine, so the engine samples with the weights of its version.
 
+* :class:`TamperedTransfer` — any of these transfers with one push broken (a tensor dropped, or written wrong): what
+  the async trainer's sync check must catch. Both workers also ``score`` given tokens (the engine the check scores).
+* :func:`with_minimal_chat_template` — a copy of an embedded tokenizer that TRL's own ``AsyncRolloutWorker`` can
+  render prompts and parse completions with (the shipped tokenizers have no chat template).
+
 The worker fills ``samples_per_version`` samples on ``start()`` and on every version bump, as TRL's own test stub does;
 with more samples per version than one optimizer step consumes, the queue holds older versions' samples and the
 trainer sees staleness 0, 1, 2, ….

@@ -131,8 +131,12 @@ def test_trls_own_rollout_worker_against_vllm_with_a_minimal_chat_template(vllm_
     # TRL's default AsyncRolloutWorker (its own process, /v1/completions) with the test kit's minimal chat template
     # on a copy of the tiny tokenizer; the sync check scores the same server after every FileWeightTransfer
     import datasets
-    from offpolicy_testkit.async_trl import cpu_constructor, cpu_tree_attention, length_reward, \
-        with_minimal_chat_template
+    from offpolicy_testkit.async_trl import (
+        cpu_constructor,
+        cpu_tree_attention,
+        length_reward,
+        with_minimal_chat_template,
+    )
     from offpolicy_testkit.trl_toy import logged
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig

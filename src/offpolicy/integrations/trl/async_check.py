@@ -77,11 +77,12 @@ class _ServedModel:
 
         self.trainer = trainer
         args = trainer.args
-        self.engine = ServerRolloutEngine(str(args.vllm_server_base_url), VLLMProtocol(served_model_name(trainer)),
+        self.protocol = VLLMProtocol(served_model_name(trainer))
+        self.engine = ServerRolloutEngine(str(args.vllm_server_base_url), self.protocol,
                                           timeout=float(getattr(args, "vllm_server_timeout", 240.0)))
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.engine.protocol.model = served_model_name(self.trainer)
+        self.protocol.model = served_model_name(self.trainer)
         return self.engine.score(prompt_ids, completion_ids)
 
 

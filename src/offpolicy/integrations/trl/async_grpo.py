@@ -22,7 +22,8 @@ How TRL 1.16's ``AsyncGRPOTrainer`` is built, and where this plugs in:
 * weight transfer and versions — every ``weight_sync_steps`` optimizer steps ``_sync_weight`` streams the weights
   (``weight_transfer=``: NCCL into vLLM by default; without CUDA
   :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer`, a reload folder vLLM reloads) and bumps ``model_version`` (rank 0's); the worker is told the new
-  version. A sample's staleness is d = v_θ − v_sample at the loss, in weight syncs (per optimizer step when
+  version; then the sync check (``sync_check=``, :mod:`~offpolicy.integrations.trl.async_check`) verifies the version
+  the worker reports and the weights the engine holds. A sample's staleness is d = v_θ − v_sample at the loss, in weight syncs (per optimizer step when
   ``weight_sync_steps=1``). TRL's own ``sample/staleness_*`` is taken when the sample leaves the queue, and the
   dataloader (accelerate's dispatcher) draws the next micro-batch before the step's sync: one version earlier.
 * the rollout worker is untouched: any ``RolloutWorkerProtocol`` whose samples carry ``model_version`` works.
@@ -95,6 +96,7 @@ from offpolicy.corrections.base import Correction  # noqa: E402
 from offpolicy.integrations.trl.async_check import AsyncTransferCheck  # noqa: E402
 from offpolicy.integrations.trl.loss import trl_objective  # noqa: E402
 from offpolicy.integrations.trl.staleness import rows_from_packed, token_staleness  # noqa: E402
+from offpolicy.integrations.trl.vllm_sync import check_sync_setting  # noqa: E402
 from offpolicy.losses import policy_loss  # noqa: E402
 from offpolicy.metrics import (  # noqa: E402
     check_naming,
@@ -102,7 +104,6 @@ from offpolicy.metrics import (  # noqa: E402
     offpolicy_metrics,
 )
 from offpolicy.objectives.proximal import approximate_proximal  # noqa: E402
-from offpolicy.integrations.trl.vllm_sync import check_sync_setting  # noqa: E402
 from offpolicy.registry import AGGREGATIONS, CorrectionSpec, build_correction  # noqa: E402
 from offpolicy.rollout.sync_check import SyncCheck  # noqa: E402
 
@@ -192,9 +193,9 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         if aggregation is not None and aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}")
         super().__init__(*args, **kwargs)
-        transfer = getattr(self, "weight_transfer", None)
-        if callable(getattr(transfer, "bind", None)):  # FileWeightTransfer: the tied names TRL's stream leaves out
-            transfer.bind(self.accelerator.unwrap_model(self.model))
+        bind = getattr(getattr(self, "weight_transfer", None), "bind", None)
+        if callable(bind):  # FileWeightTransfer: the tied names TRL's named_parameters stream leaves out
+            bind(self.accelerator.unwrap_model(self.model))
         self.offpolicy_sync = AsyncTransferCheck(self, check) if check is not None else None
         default = "bypass" if correction is None else "ppo"  # TRL's own loss; with a correction r = 1, see above
         name, params = trl_objective(self.args, default if objective is None else objective)
