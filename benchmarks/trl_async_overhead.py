@@ -10,9 +10,10 @@ its logits, so μ ≠ π_θ and every correction has something to correct; every
 and its weight copy, with the packed tree attention in SDPA (no vLLM, no GPU). So the same number of samples and
 tokens goes through every arm's step, and the sampling, which runs inside TRL's weight sync, is outside the timed
 step: the step is TRL's ``training_step`` (the packed forward, the loss and its metrics, the backward) and the
-optimiser step, timed from ``on_step_begin`` to ``on_step_end`` — the callbacks run before TRL's own weight-sync
-callback. ``sync_check`` is off in every arm but ``sync_check``, which is ``bypass`` (ours, no correction) with the
-check of every transfer on: its cost is the check's.
+optimiser step, timed from ``on_step_begin`` to ``on_step_end``, plus the weight transfer that follows it (TRL's
+``_sync_weight``: the copy into the stand-in engine, and the check where it is on) less the stand-in's sampling inside
+it. ``sync_check`` is off in every arm but ``sync_check``, which is ``bypass`` (ours, no correction) with the check of
+every transfer on: its cost over ``bypass`` is the check's.
 
 Seconds per optimiser step are the mean over ``--steps`` steps after one of warm-up, in process CPU time
 (``process_time``; one torch thread, so what the step computes, little moved by the other processes of a shared
@@ -103,12 +104,54 @@ def run_arm(arm: str, model_dir: str, engine: torch.nn.Module, tok: Any, *, batc
                       train_dataset=datasets.Dataset.from_list([{"prompt": p} for p, _ in prompts]),
                       rollout_worker=worker, weight_transfer=CopyWeightTransfer(worker), callbacks=[Steps()],
                       **extra)
+    syncs = _time_transfers(trainer, worker)
     with cpu_tree_attention(), contextlib.redirect_stdout(io.StringIO()):  # TRL prints its step logs
         trainer.train()
-    rows = times[1:]  # the first step warms up
-    if len(rows) != steps:
-        raise RuntimeError(f"{arm}: {len(times)} steps timed, expected {1 + steps}")
-    return {"cpu": sum(r[0] for r in rows) / steps, "wall": sum(r[1] for r in rows) / steps}
+    if len(times) != 1 + steps or len(syncs) != 2 + steps:
+        raise RuntimeError(f"{arm}: {len(times)} steps and {len(syncs)} transfers timed, expected {1 + steps} and "
+                           f"{2 + steps}")
+    # step i (after the warm-up step 0) and the transfer that follows it (syncs[0] is the cold one at train begin)
+    rows = [(t[0] + x[0], t[1] + x[1]) for t, x in zip(times[1:], syncs[2:])]
+    return {"cpu": sum(r[0] for r in rows) / steps, "wall": sum(r[1] for r in rows) / steps,
+            "transfer_cpu": sum(x[0] for x in syncs[2:]) / steps}
+
+
+def _time_transfers(trainer: Any, worker: Any) -> list[tuple[float, float]]:
+    """Per weight transfer, the (CPU, wall) seconds of TRL's ``_sync_weight`` — the copy into the stand-in engine and,
+    in the ``sync_check`` arm, the check — less the stand-in's sampling, which runs inside it (``update_model_version``
+    fills the queue) and is the same work in every arm. TRL's callback holds the bound ``_sync_weight``: wrapped there."""
+    out: list[tuple[float, float]] = []
+    sampling = [0.0, 0.0]
+    fill = worker.update_model_version
+
+    def timed_fill(version: int) -> None:
+        c0, w0 = time.process_time(), time.perf_counter()
+        fill(version)
+        sampling[0] += time.process_time() - c0
+        sampling[1] += time.perf_counter() - w0
+
+    worker.update_model_version = timed_fill
+    hooks = [cb for cb in trainer.callback_handler.callbacks if getattr(getattr(cb, "fn", None), "__name__", "")
+             == "_sync_weight"]
+    if len(hooks) != 1:
+        raise RuntimeError(f"TRL's weight-sync callback: found {len(hooks)}, expected 1")
+
+    def timed(sync: Any) -> Any:
+        def run() -> None:
+            s0 = list(sampling)
+            c0, w0 = time.process_time(), time.perf_counter()
+            sync()
+            out.append((time.process_time() - c0 - (sampling[0] - s0[0]),
+                        time.perf_counter() - w0 - (sampling[1] - s0[1])))
+        return run
+
+    hooks[0].fn = timed(hooks[0].fn)
+    begin = [cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "_TrainBeginCallback"]
+    if len(begin) != 1:
+        raise RuntimeError(f"TRL's train-begin callback: found {len(begin)}, expected 1")
+    cold = begin[0]._trainer._sync_weight  # the cold transfer: TRL's train-begin callback calls it on the trainer
+    begin[0]._trainer._sync_weight = timed(cold)
+    return out
 
 
 def summarise(runs: dict[str, list[dict[str, float]]], loads: list[float], clock: str = "cpu",

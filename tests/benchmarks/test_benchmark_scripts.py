@@ -104,6 +104,7 @@ def test_trl_async_overhead_runs_every_arm_and_records_ratios_to_vanilla(tmp_pat
     for arm, row in table.items():  # a ratio is the arm's step over vanilla's in the same repeat
         run, base = saved["runs"][arm][0], saved["runs"]["vanilla"][0]
         assert row["ratio"] == pytest.approx(run["cpu"] / base["cpu"]) and row["step_s"] > 0, arm
+        assert 0 < run["transfer_cpu"] < run["cpu"], arm  # each step's transfer is in its time, less the sampling
     assert result["table"] == table and "load average" in saved["table"]["uptime"][0]
     with pytest.raises(SystemExit, match="unknown arms"):
         _script("trl_async_overhead").main(["--only", "vtrace"])
