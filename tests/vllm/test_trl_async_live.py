@@ -153,7 +153,8 @@ def test_trls_own_rollout_worker_against_vllm_with_a_minimal_chat_template(vllm_
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                            max_completion_length=5, max_steps=2, report_to=[], use_cpu=True, bf16=False,
                            logging_steps=1, save_strategy="no", token_budget=0, learning_rate=1e-2, seed=0,
-                           vllm_server_base_url=server.url, max_inflight_tasks=4, temperature=1.0)
+                           vllm_server_base_url=server.url, max_inflight_tasks=4, temperature=1.0,
+                           heartbeat_stale_after_s=120)  # a worker process that died fails the test, not hangs it
     transfer = FileWeightTransfer(server.url, tmp_path / "reload")
     with cpu_constructor():
         trainer = OffPolicyAsyncGRPOTrainer(
