@@ -18,6 +18,11 @@ What they replace and why:
 * :class:`CopyWeightTransfer` — TRL's ``WeightTransferClient`` streams weights to vLLM over NCCL. This one copies the
   streamed ``(name, tensor)`` pairs into the worker's engine, so the engine samples with the weights of its version.
 
+* :class:`TamperedTransfer` — any of these transfers with one push broken (a tensor dropped, or written wrong): what
+  the async trainer's sync check must catch. Both workers also ``score`` given tokens (the engine the check scores).
+* :func:`with_minimal_chat_template` — a copy of an embedded tokenizer that TRL's own ``AsyncRolloutWorker`` can
+  render prompts and parse completions with (the shipped tokenizers have no chat template).
+
 The worker fills ``samples_per_version`` samples on ``start()`` and on every version bump, as TRL's own test stub does;
 with more samples per version than one optimizer step consumes, the queue holds older versions' samples and the
 trainer sees staleness 0, 1, 2, ….
@@ -180,6 +185,18 @@ class PerturbedRolloutWorker(_QueueWorker):
         self.noise_std = noise_std
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.no_grad()
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's teacher-forced log-probs ``[B, T]`` and mask (its weights, without the sampling noise): what
+        the sync check compares with the trainer after each transfer."""
+        from offpolicy.rollout.scoring import sequence_logprobs
+
+        return sequence_logprobs(self.engine, prompt_ids, completion_ids)
+
+    def engine_parameters(self) -> tuple[Any, dict[str, list[str]]]:
+        """The engine's tensors under the checkpoint's names (the sync check's parameter layer), nothing packed."""
+        return self.engine.named_parameters(), {}
+
     def _sample_one(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
         ids = torch.tensor([prompt_ids])
         new, logps = [], []
@@ -222,6 +239,13 @@ class VLLMRolloutWorker(_QueueWorker):
         return list(done.ids), list(done.logp)
 
 
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's teacher-forced log-probs ``[B, T]`` and mask (vLLM's prompt log-probs), for the sync check."""
+        from offpolicy.rollout.server_engine import ServerRolloutEngine
+
+        return ServerRolloutEngine(self.url, self.protocol, timeout=self.timeout).score(prompt_ids, completion_ids)
+
+
 class CopyWeightTransfer:
     """A ``WeightTransferProtocol`` (TRL 1.16) on CPU: the streamed ``(name, tensor)`` pairs are copied into the
     worker's engine (TRL strips wrapper prefixes, so the names are the checkpoint's); ``pushes`` counts the syncs."""
@@ -250,3 +274,59 @@ class CopyWeightTransfer:
 
     def destroy(self) -> None:
         pass
+
+
+class TamperedTransfer:
+    """A ``WeightTransferProtocol`` around ``inner`` (:class:`CopyWeightTransfer`,
+    :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer`, …) that breaks push number ``at_push``
+    (1: the cold one): the tensor named ``drop`` is left out of the stream, the one named ``corrupt`` sent as
+    ``corrupt_value`` everywhere (a wrong tensor of the right shape). What the sync check must catch."""
+
+    def __init__(self, inner: Any, *, at_push: int, drop: str | None = None, corrupt: str | None = None,
+                 corrupt_value: float = 0.0) -> None:
+        if (drop is None) == (corrupt is None):
+            raise ValueError("TamperedTransfer: give one of drop= and corrupt=")
+        self.inner, self.at_push, self.drop, self.corrupt = inner, at_push, drop, corrupt
+        self.corrupt_value = corrupt_value
+        self.pushes = 0
+        self.tampered: list[str] = []  # the names actually dropped or corrupted
+
+    def __getattr__(self, name: str) -> Any:  # init_weight_transfer, pause, resume, destroy, bind, folder …
+        return getattr(self.inner, name)
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.pushes += 1
+        self.inner.send_weights(self._stream(iterator) if self.pushes == self.at_push else iterator)
+
+    def _stream(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iterator:
+            if name == self.drop:
+                self.tampered.append(name)
+                continue
+            if name == self.corrupt:
+                self.tampered.append(name)
+                tensor = torch.full_like(tensor, self.corrupt_value)
+            yield name, tensor
+
+
+# the embedded tokenizers have no chat template; TRL's AsyncRolloutWorker renders every prompt through one and parses
+# every completion with a response template (it refuses a chat template it does not recognise unless one is set)
+MINIMAL_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+MINIMAL_RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "fields": {"content": {"content": "text"}}}
+
+
+def with_minimal_chat_template(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` (the shipped model's is untouched) that TRL's default ``AsyncRolloutWorker`` can use:
+    a chat template that renders the messages' contents after the BOS token — the ids ``tokenizer(text)`` gives for a
+    one-message prompt — and a response template that reads the whole completion as the assistant's content."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = MINIMAL_CHAT_TEMPLATE
+    tok.response_template = MINIMAL_RESPONSE_TEMPLATE
+    return tok
+
+
+def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward TRL's worker can call in its own (spawned) process: the completion's length mod 3, so a group's
+    advantages are not all 0 (a module-level function: a lambda does not pickle)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 3) for t in texts]

@@ -43,3 +43,28 @@ def test_each_trl_ratio_is_the_recorded_one(arm):
         assert "met" in verdict
     else:
         assert "missed" in verdict or record["low"] <= 1.0 <= record["high"], f"{arm}: {verdict!r}"
+
+
+ASYNC_ROWS = {  # arm of benchmarks/trl_async_overhead.py → the first cell of its row in the async table
+    "bypass": "ours, no correction", "tis": "TIS", "icepop": "IcePop", "decoupled_loglinear": "decoupled PPO",
+    "m2po": "M2PO", "cispo": "CISPO", "sync_check": "sync check",
+}
+
+
+def _async_table() -> dict[str, str]:
+    text = (DOCS / "benchmarks.md").read_text()
+    section = text[text.index("## What each correction costs inside TRL's async step"):]
+    section = section[: section.index("\n\n", section.index("| method |"))]
+    return {row.split("|")[1].strip(): row for row in section.splitlines() if row.startswith("| ")}
+
+
+@pytest.mark.parametrize("model", ["lab", "tiny"])
+@pytest.mark.parametrize("arm", sorted(ASYNC_ROWS))
+def test_each_async_ratio_is_the_recorded_one(model, arm):
+    record = json.loads((DOCS / "data" / "benchmarks" / f"trl_async_overhead_{model}.json").read_text())
+    row = _async_table()[next(k for k in _async_table() if k.startswith(ASYNC_ROWS[arm]))]
+    cells = [c.strip() for c in row.strip(" |").split("|")]
+    column = 1 if model == "lab" else 3  # method | lab ratio | lab s/step | tiny ratio | tiny s/step
+    got = record["table"]["cpu"][arm]
+    assert cells[column] == f"{got['ratio']:.3f} [{got['low']:.3f}–{got['high']:.3f}]", (model, arm, row)
+    assert cells[column + 1] == f"{got['step_s']:.3f}"

@@ -102,6 +102,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("sync/params_checked", "engine tensors the parameter layer can read and map to the trainer's (vLLM's CPU "
           "build repacks its linear weights out of reach)", "trainer"),
     Entry("sync/seconds", "seconds the check took (two forwards of the probe)", "trainer"),
+    Entry("sync/threshold", "the gap above which the sync fails: baseline + max(z × √2 × se, floor), within "
+          "max_drift × the first baseline", "trainer"),
+    Entry("sync/engine_motion", "how far the engine's log-probs moved on the probe since the last verified sync, over "
+          "how far the trainer's did (logged, not judged)", "trainer"),
+    Entry("sync/verified", "1 when the sync passed and resolved the staleness β (it becomes the reference the next "
+          "syncs are measured from)", "trainer"),
+    Entry("sync/push_seconds", "seconds the weight push took (TRL's sync, not the check)", "trainer"),
     # -- the loss --------------------------------------------------------------------------------------------------
     Entry("loss/loss", "the policy loss of the step", "trainer"),
     Entry("loss/grad_norm", "gradient norm before clipping (clipped at optim.max_grad_norm)", "trainer"),

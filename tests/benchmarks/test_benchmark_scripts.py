@@ -87,3 +87,24 @@ def test_an_overhead_record_is_written_whole(tmp_path):
     assert json.loads(path.read_text()) == {"args": {"repeat": 3}, "loads": [1.0, 1.2], "runs": {"vanilla": [0.9]},
                                             "table": {"vanilla": {"ratio": 1.0}}}
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # no temporary file left behind
+
+
+@pytest.mark.slow  # four short trainings of the tiny model through TRL's async train(): ≈ 40 s on 2 cores
+def test_trl_async_overhead_runs_every_arm_and_records_ratios_to_vanilla(tmp_path):
+    pytest.importorskip("trl.experimental.async_grpo")
+    out = tmp_path / "async.json"
+    result = _script("trl_async_overhead").main(["--model", "tiny", "--repeat", "1", "--steps", "1", "--batch", "8",
+                                                  "--new-tokens", "4", "--only", "tis", "decoupled_loglinear",
+                                                  "sync_check", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert set(saved["runs"]) == {"vanilla", "tis", "decoupled_loglinear", "sync_check"}
+    assert saved["args"]["model"] == "tiny" and len(saved["loads"]) == 4
+    table = saved["table"]["cpu"]
+    assert table["vanilla"] == {**table["vanilla"], "ratio": 1.0, "low": 1.0, "high": 1.0}
+    for arm, row in table.items():  # a ratio is the arm's step over vanilla's in the same repeat
+        run, base = saved["runs"][arm][0], saved["runs"]["vanilla"][0]
+        assert row["ratio"] == pytest.approx(run["cpu"] / base["cpu"]) and row["step_s"] > 0, arm
+        assert 0 < run["transfer_cpu"] < run["cpu"], arm  # each step's transfer is in its time, less the sampling
+    assert result["table"] == table and "load average" in saved["table"]["uptime"][0]
+    with pytest.raises(SystemExit, match="unknown arms"):
+        _script("trl_async_overhead").main(["--only", "vtrace"])

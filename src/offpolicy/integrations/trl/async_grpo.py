@@ -22,7 +22,8 @@ How TRL 1.16's ``AsyncGRPOTrainer`` is built, and where this plugs in:
 * weight transfer and versions — every ``weight_sync_steps`` optimizer steps ``_sync_weight`` streams the weights
   (``weight_transfer=``: NCCL into vLLM by default; without CUDA
   :class:`~offpolicy.integrations.trl.async_sync.FileWeightTransfer`, a reload folder vLLM reloads) and bumps ``model_version`` (rank 0's); the worker is told the new
-  version. A sample's staleness is d = v_θ − v_sample at the loss, in weight syncs (per optimizer step when
+  version; then the sync check (``sync_check=``, :mod:`~offpolicy.integrations.trl.async_check`) verifies the version
+  the worker reports and the weights the engine holds. A sample's staleness is d = v_θ − v_sample at the loss, in weight syncs (per optimizer step when
   ``weight_sync_steps=1``). TRL's own ``sample/staleness_*`` is taken when the sample leaves the queue, and the
   dataloader (accelerate's dispatcher) draws the next micro-batch before the step's sync: one version earlier.
 * the rollout worker is untouched: any ``RolloutWorkerProtocol`` whose samples carry ``model_version`` works.
@@ -41,6 +42,11 @@ The arguments (the same names as :class:`~offpolicy.integrations.trl.OffPolicyGR
   (``token_sum`` / tokens per rank).
 * ``clip_low=``, ``clip_high=``, ``dual_clip=`` — override TRL's ``epsilon`` / ``epsilon_high``.
 * ``metric_naming=`` — the mismatch metrics' names (``"trl"``: ``sampling/…``).
+* ``sync_check=`` — every weight transfer verified (:mod:`~offpolicy.integrations.trl.async_check`), with
+  ``OffPolicyGRPOTrainer``'s values: ``"error"`` (default: a transfer after which the engine reports another version
+  or its log-probs on a fixed probe are far from the trainer's raises ``SyncCheckError`` naming the step, the version
+  and the metric or tensor), ``"warn"`` (logged, ``sync/ok`` = 0), a ``SyncCheck``, or ``"off"`` / None. The engine
+  scored is the rollout worker when it has ``score()``, else TRL's ``AsyncRolloutWorker``'s vLLM server.
 
 Logged: TRL's ``sample/…``, ``batch/…`` and ``perf/…`` metrics as before; in place of its loss metrics (``ratio``,
 ``kl``, ``clip_ratio/…``), ``offpolicy/loss/…`` and the correction's metrics, the mismatch π_old vs μ under
@@ -87,9 +93,10 @@ from trl.trainer.utils import pad  # noqa: E402
 
 from offpolicy.batch import LogProbBatch  # noqa: E402
 from offpolicy.corrections.base import Correction  # noqa: E402
-from offpolicy.integrations.trl.async_sync import FileWeightTransfer  # noqa: E402
+from offpolicy.integrations.trl.async_check import AsyncTransferCheck  # noqa: E402
 from offpolicy.integrations.trl.loss import trl_objective  # noqa: E402
 from offpolicy.integrations.trl.staleness import rows_from_packed, token_staleness  # noqa: E402
+from offpolicy.integrations.trl.vllm_sync import check_sync_setting  # noqa: E402
 from offpolicy.losses import policy_loss  # noqa: E402
 from offpolicy.metrics import (  # noqa: E402
     check_naming,
@@ -98,6 +105,7 @@ from offpolicy.metrics import (  # noqa: E402
 )
 from offpolicy.objectives.proximal import approximate_proximal  # noqa: E402
 from offpolicy.registry import AGGREGATIONS, CorrectionSpec, build_correction  # noqa: E402
+from offpolicy.rollout.sync_check import SyncCheck  # noqa: E402
 
 __all__ = ["VERSION_KEY", "OffPolicyAsyncGRPOTrainer", "VersionedCollator", "VersionedRolloutQueueDataset",
            "check_async_trl", "versioned_pipeline"]
@@ -164,7 +172,7 @@ def versioned_pipeline() -> Iterator[None]:
 class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
     """TRL 1.16's ``AsyncGRPOTrainer`` with :func:`offpolicy.policy_loss` on its loss path (see the module
     docstring): ``correction=``, ``objective=``, ``aggregation=``, ``clip_low=``, ``clip_high=``, ``dual_clip=``,
-    ``metric_naming=``, then everything ``AsyncGRPOTrainer`` takes."""
+    ``metric_naming=``, ``sync_check=``, then everything ``AsyncGRPOTrainer`` takes."""
 
     def __init__(
         self,
@@ -176,16 +184,19 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         clip_high: float | None = None,
         dual_clip: float | None = None,
         metric_naming: str = "trl",
+        sync_check: str | SyncCheck | None = "error",
         **kwargs: Any,
     ) -> None:
         check_naming(metric_naming)
+        check = check_sync_setting(sync_check)  # refused before TRL builds anything
         correction = correction if isinstance(correction, Correction) else build_correction(correction)
         if aggregation is not None and aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}")
         super().__init__(*args, **kwargs)
-        transfer = getattr(self, "weight_transfer", None)
-        if isinstance(transfer, FileWeightTransfer):  # the tied names TRL's named_parameters stream leaves out
-            transfer.bind(self.accelerator.unwrap_model(self.model))
+        bind = getattr(getattr(self, "weight_transfer", None), "bind", None)
+        if callable(bind):  # FileWeightTransfer: the tied names TRL's named_parameters stream leaves out
+            bind(self.accelerator.unwrap_model(self.model))
+        self.offpolicy_sync = AsyncTransferCheck(self, check) if check is not None else None
         default = "bypass" if correction is None else "ppo"  # TRL's own loss; with a correction r = 1, see above
         name, params = trl_objective(self.args, default if objective is None else objective)
         if correction is not None and name == "bypass":
@@ -200,6 +211,15 @@ class OffPolicyAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._offpolicy_loglinear = params.get("proximal") == "loglinear"
         self.offpolicy_loss_kwargs: dict[str, Any] = {"objective": {"name": name, **params},
                                                       "aggregation": aggregation or "token_sum"}
+
+    # -- the weight transfer, checked --------------------------------------------------------------------------
+    def _sync_weight(self) -> None:
+        """TRL's transfer (the cold one at ``train()``'s start, then every ``weight_sync_steps``), then the sync
+        check on the version the worker reports and the weights the engine holds (:mod:`.async_check`)."""
+        if self.offpolicy_sync is None:
+            super()._sync_weight()
+        else:
+            self.offpolicy_sync(super()._sync_weight)
 
     # -- the samples' versions ---------------------------------------------------------------------------------
     def get_train_dataloader(self) -> Any:

@@ -245,18 +245,18 @@ def default_probe(tokenizer: Any) -> SyncProbe:
 
 def check_sync_setting(value: Any) -> SyncCheck | None:
     """``sync_check``: ``"error"`` / ``"warn"`` (a :class:`SyncCheck` with its defaults), a :class:`SyncCheck`, or
-    None / False (off).
+    ``"off"`` / None / False (off).
 
-    >>> check_sync_setting("warn").on_failure, check_sync_setting(None)
-    ('warn', None)
+    >>> check_sync_setting("warn").on_failure, check_sync_setting(None), check_sync_setting("off")
+    ('warn', None, None)
     """
-    if value is None or value is False:
+    if value is None or value is False or value == "off":
         return None
     if isinstance(value, SyncCheck):
         return value
     if value in SYNC_CHECK_ACTIONS:
         return SyncCheck(on_failure=value)
-    raise ValueError(f"sync_check must be one of {SYNC_CHECK_ACTIONS}, a SyncCheck, or None, got {value!r}")
+    raise ValueError(f"sync_check must be one of {SYNC_CHECK_ACTIONS}, 'off', a SyncCheck, or None, got {value!r}")
 
 
 class TRLSyncCheck:
