@@ -16,12 +16,12 @@ on CUDA a Triton kernel on the same tiles), and what ``OffPolicyGRPOTrainer`` ad
 * ``trl_head``        TRL's head (the baseline of this side)
 * ``op_logp``         offpolicy's fused log-prob kernel (``fused_logp``), for reference
 * ``op_entropy``      offpolicy's fused log-prob + entropy (``fused_token_stats``)
-* ``op_dvp``          DVP's min-p log-prob over the trainer's safe set (the adapter's ``replay_logp`` with min-p only:
+* ``op_dvp``          DVP's min-p log-prob over the trainer's safe set (``token_scores`` from hidden states, min-p only:
                       the fused kernel); the adapter runs it *instead of* TRL's head (TRL's head then scores no label)
-* ``op_replay``       sampling replay with top-k 50 / top-p 0.95 in vLLM's order (``replay_logp``: checkpointed row
+* ``op_replay``       sampling replay with top-k 50 / top-p 0.95 in vLLM's order (``token_scores``: checkpointed row
                       chunks), instead of TRL's head
-* ``op_topk_bound``   TRL's head + the top-K TRM bounds (``topk_divergence``, no gradient), as the adapter runs them
-* ``op_center``       TRL's head + score centering's top-K centre (``topk_score_center``, differentiable)
+* ``op_topk_bound``   TRL's head + the top-K TRM bounds (``token_scores(bounds=True)``, no gradient)
+* ``op_center``       TRL's head + score centering's top-K centre (``token_scores(center=True)``, differentiable)
 
 verl side — verl 0.9.1's FSDP engine without fused kernels (its default): the model's lm_head gives the logits
 [N, V] (in the parameter dtype), ``logprobs_from_logits`` (``logprobs_from_logits_v2`` without flash-attn) and, in
@@ -30,10 +30,10 @@ the old-log-prob forward, ``entropy_from_logits``; and the plug-in's engine on t
 * ``verl_update``     verl's update forward: logits → log-probs, with gradient (baseline of the update arms)
 * ``verl_old``        verl's old-log-prob forward: logits → log-probs + entropy, no gradient (baseline of the bound)
 * ``verl_fused``      verl's ``use_fused_kernels`` torch backend (``FusedLinearForPPO``, 512-row chunks), for reference
-* ``verl_dvp``        ``verl_update`` + the plug-in's DVP log-prob (``recipe_log_probs``, min-p) in its place
+* ``verl_dvp``        ``verl_update`` + the plug-in's DVP log-prob (``token_scores`` on the logits, min-p) in its place
 * ``verl_replay``     ``verl_update`` + the plug-in's sampling replay (top-k 50 / top-p 0.95)
-* ``verl_center``     ``verl_update`` + score centering's top-K centre on the logits (the engine's ``_topk_center``)
-* ``verl_topk_bound`` ``verl_old`` + the top-K TRM bounds (``topk_kl_bounds``)
+* ``verl_center``     ``verl_update`` + score centering's top-K centre on the logits (``token_scores(center=True)``)
+* ``verl_topk_bound`` ``verl_old`` + the top-K TRM bounds (``token_scores(bounds=True)`` on the logits)
 
 Memory: after the inputs are built (chunk by chunk, no transient peak) and every module is imported, the child
 resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), reads its RSS as the baseline, runs forward +
@@ -125,21 +125,18 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
         from trl.kernels import ChunkedLogProbFunction
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as TRL_VOCAB_TILE
 
-        from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp
-        from offpolicy.integrations.trl.topk import topk_divergence, topk_score_center
+        from offpolicy.forward_scores import token_scores
         from offpolicy.rollout.sampling import SamplingConfig
     else:
         from verl.utils.experimental.torch_functional import FusedLinearForPPO
         from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
         from verl.workers.engine.fsdp.transformer_impl import _scale_logits_by_temperature
 
-        from offpolicy.integrations.verl.engine import _tempered_center, recipe_log_probs
+        from offpolicy.forward_scores import token_scores
         from offpolicy.integrations.verl.settings import parse_settings
-        from offpolicy.integrations.verl.topk import topk_kl_bounds
-        from offpolicy.kernels.row_maps import logits_row_map
 
-        dvp = parse_settings({"sampling": {"min_p": MIN_P}})
-        replay = parse_settings({"sampling": {"top_k": TOP_K, "top_p": TOP_P}})
+        dvp = parse_settings({"sampling": {"min_p": MIN_P}}).sampling.config
+        replay = parse_settings({"sampling": {"top_k": TOP_K, "top_p": TOP_P}}).sampling.config
 
     def trl_head():
         logp, _entropy, *_ = ChunkedLogProbFunction.apply(hid, w, None, y, 1.0, TRL_VOCAB_TILE, None, 1.0,
@@ -160,18 +157,21 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
             s = fused_token_stats(hid, w, y, want=("logp", "entropy"), memory_budget_bytes=budget)
             return s.logp + s.entropy
         if arm == "op_dvp":
-            return replay_logp(hid, w, y, SamplingConfig(min_p=MIN_P), order=ENGINE_ORDERS["vllm"],
-                               memory_budget_bytes=budget).logp
+            return token_scores(y, hidden=hid, weight=w, recipe=SamplingConfig(min_p=MIN_P),
+                                memory_budget_bytes=budget).logp
         if arm == "op_replay":
-            return replay_logp(hid, w, y, SamplingConfig(top_k=TOP_K, top_p=TOP_P), order=ENGINE_ORDERS["vllm"],
-                               memory_budget_bytes=budget).logp
+            return token_scores(y, hidden=hid, weight=w, recipe=SamplingConfig(top_k=TOP_K, top_p=TOP_P),
+                                memory_budget_bytes=budget).logp
         if arm == "op_topk_bound":
             logp = trl_head()
-            topk_divergence(hid.detach(), w.detach(), tk_lp, tk_ids, memory_budget_bytes=budget)
+            with torch.no_grad():
+                token_scores(y, hidden=hid.detach(), weight=w.detach(), topk=(tk_lp, tk_ids), bounds=True,
+                             memory_budget_bytes=budget)
             return logp
         if arm == "op_center":
             logp = trl_head()
-            c = topk_score_center(hid, w, tk_lp, tk_ids, memory_budget_bytes=budget)
+            c = token_scores(y, hidden=hid, weight=w, topk=(tk_lp, tk_ids), center=True,
+                             memory_budget_bytes=budget).center
             return centered_logp(logp, c)
         if arm == "verl_update":
             return logprobs_from_logits(verl_logits(), y)
@@ -181,21 +181,22 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
                 entropy_from_logits(logits)
                 logprobs_from_logits(logits, y)
                 if arm == "verl_topk_bound":
-                    topk_kl_bounds(logits, temperature, tk_lp, tk_ids, memory_budget_bytes=budget)
+                    token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), bounds=True,
+                                 memory_budget_bytes=budget)
             return None
         if arm == "verl_fused":
             logp, entropy = FusedLinearForPPO(chunk_size=512)(hid, w, y)
             return logp
         if arm in ("verl_dvp", "verl_replay"):
             logits = verl_logits()
-            ours = recipe_log_probs(logits, y, temperature, dvp if arm == "verl_dvp" else replay)
+            ours = token_scores(y, logits=logits, temperature=temperature, recipe=dvp if arm == "verl_dvp" else replay,
+                                memory_budget_bytes=budget).logp
             logprobs_from_logits(logits, y)  # verl's own, computed and then replaced by the plug-in's
             return ours
         if arm == "verl_center":
             logits = verl_logits()
-            t = temperature.reshape(-1, 1)
-            (centre,) = logits_row_map(lambda z, a, b: (_tempered_center(z, t[a:b], tk_ids[a:b], tk_lp[a:b]),),
-                                       logits, buffers=4, memory_budget_bytes=budget)  # as the engine's _topk_center
+            centre = token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), center=True,
+                                  memory_budget_bytes=budget).center  # as the engine runs it
             return centered_logp(logprobs_from_logits(logits, y), centre.to(torch.float32))
         raise ValueError(f"unknown arm {arm!r}")
 

@@ -43,8 +43,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ]),
     ("corrections and objectives", [
         "offpolicy.corrections.*", "offpolicy.objectives.*", "offpolicy.losses", "offpolicy.perturbation",
-        # the built-in log-prob transforms' descriptions (registry entries, no computation)
-        "offpolicy.transforms",
+        # the built-in log-prob transforms' descriptions (registry entries, no computation), and their forward
+        # stage in one pass over the logits, which every host's scoring calls
+        "offpolicy.transforms", "offpolicy.forward_scores",
     ]),
     # the recipe schema reads the registries; every host (the trainer, the integrations) maps a recipe from it
     ("rollout, models, tasks, recipes", ["offpolicy.rollout.*", "offpolicy.models.*", "offpolicy.tasks.*",

@@ -424,3 +424,63 @@ def alp_policy_loss(
         dual_clip=dual_clip,
         aggregation=aggregation,
     )
+
+
+# -- σ across processes and in checkpoints: the one format every host writes -------------------------------------------
+
+ALP_CHECKPOINT_FILE = "offpolicy_alp.pt"
+
+
+def allreduce_sigma_grad(alp: LayerwisePerturbation, group: Any = None) -> bool:
+    """Average ``alp.log_sigma.grad`` over the processes of ``group`` (None: the default group; a list: each group
+    in turn — averaging over each dimension of a mesh averages over all of it) when torch.distributed is initialised
+    with more than one process; a process without a gradient contributes zeros (so no rank waits forever). σ lives
+    outside the model, so the host's DDP / FSDP never averages its gradient. Returns True when it communicated.
+
+    >>> alp = LayerwisePerturbation(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Identity()])))
+    >>> allreduce_sigma_grad(alp)       # not distributed: nothing to do
+    False
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    communicated = False
+    for g in group if isinstance(group, list) else [group]:
+        processes = dist.get_world_size(g)
+        if processes == 1:
+            continue
+        if alp.log_sigma.grad is None:
+            alp.log_sigma.grad = torch.zeros_like(alp.log_sigma)
+        dist.all_reduce(alp.log_sigma.grad, op=dist.ReduceOp.SUM, group=g)
+        alp.log_sigma.grad.div_(processes)
+        communicated = True
+    return communicated
+
+
+def save_alp(alp: LayerwisePerturbation, folder: Any) -> str:
+    """Write σ, the layers it perturbs and the noise generators' states to ``folder/offpolicy_alp.pt`` (tensors,
+    ints and strings only: :func:`load_alp` reads it with ``weights_only=True``); returns the path."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, ALP_CHECKPOINT_FILE)
+    torch.save({"state_dict": alp.state_dict(), "layers": list(alp.layer_indices),
+                "generators": alp.generator_states()}, path)
+    return path
+
+
+def load_alp(alp: LayerwisePerturbation, folder: Any, *, setting: str = "folder") -> None:
+    """Restore what :func:`save_alp` wrote into ``alp`` (σ in place: the optimiser keeps the same parameter). A
+    missing file, or σ of other layers, is refused in one line naming ``setting`` (the host's checkpoint option)."""
+    import os
+
+    path = os.path.join(folder, ALP_CHECKPOINT_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"{setting}: {folder} has no {ALP_CHECKPOINT_FILE} (σ of ALP); it was not written with ALP on")
+    state = torch.load(path, map_location=alp.log_sigma.device, weights_only=True)
+    if tuple(state["layers"]) != alp.layer_indices:
+        raise ValueError(f"{setting}: {path} holds σ of layers {state['layers']}, ALP here perturbs layers "
+                         f"{list(alp.layer_indices)}")
+    alp.load_state_dict(state["state_dict"])
+    alp.set_generator_states(state["generators"])

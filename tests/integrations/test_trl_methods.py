@@ -13,19 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offpolicy.divergence import token_kl
+from offpolicy.forward_scores import token_scores
 from offpolicy.integrations.trl import (
     ENGINE_ORDERS,
     OffPolicyGRPOMixin,
-    allreduce_sigma_grad,
     pad_topk,
-    replay_logp,
     sampled_token_logprobs,
-    topk_divergence,
     trl_sampling_recipe,
 )
-from offpolicy.integrations.trl.alp import load_alp, save_alp
 from offpolicy.integrations.trl.replay import ReplayHistory
-from offpolicy.perturbation import LayerwisePerturbation
+from offpolicy.perturbation import LayerwisePerturbation, allreduce_sigma_grad, load_alp, save_alp
 from offpolicy.rollout.sampling import SamplingConfig, completion_history, process_logits
 
 
@@ -61,19 +58,19 @@ def test_engine_orders_differ_by_hand():
     # vLLM (min-p, then top-p): {0, 1} renormalised (0.625, 0.375); ascending cumsum 0.375 ≤ 0.4 → {0}: token 1 out
     h, w = _as_hidden([0.5, 0.3, 0.1, 0.1])
     recipe = SamplingConfig(min_p=0.5, top_p=0.6)
-    hf = replay_logp(h, w, torch.tensor([1]), recipe, order=ENGINE_ORDERS["hf"])
-    vllm = replay_logp(h, w, torch.tensor([1]), recipe, order=ENGINE_ORDERS["vllm"])
+    hf = token_scores(torch.tensor([1]), hidden=h, weight=w, recipe=recipe, order=ENGINE_ORDERS["hf"])
+    vllm = token_scores(torch.tensor([1]), hidden=h, weight=w, recipe=recipe, order=ENGINE_ORDERS["vllm"])
     assert hf.inside.tolist() == [True] and vllm.inside.tolist() == [False]
     assert hf.logp.item() == pytest.approx(math.log(0.3 / 0.8), abs=1e-6)
     assert hf.mass.item() == pytest.approx(0.8, abs=1e-6)
     with pytest.raises(ValueError, match="order"):
-        replay_logp(h, w, torch.tensor([1]), recipe, order=("top_k", "min_p"))
+        token_scores(torch.tensor([1]), hidden=h, weight=w, recipe=recipe, order=("top_k", "min_p"))
 
 
 def test_min_p_only_is_the_fused_dvp_kernel_by_hand():
     # DVP at ρ = 0.25 on p = (0.5, 0.3, 0.1, 0.1): safe set {0, 1} (p ≥ 0.125); log π^mp(0) = log(0.5 / 0.8)
     h, w = _as_hidden([0.5, 0.3, 0.1, 0.1])
-    r = replay_logp(h.repeat(2, 1), w, torch.tensor([0, 2]), SamplingConfig(min_p=0.25))
+    r = token_scores(torch.tensor([0, 2]), hidden=h.repeat(2, 1), weight=w, recipe=SamplingConfig(min_p=0.25))
     assert r.logp[0].item() == pytest.approx(math.log(0.5 / 0.8), abs=1e-6)
     assert r.inside.tolist() == [True, False] and r.mass.tolist() == pytest.approx([0.8, 0.8], abs=1e-6)
 
@@ -99,7 +96,7 @@ def test_replay_with_penalty_equals_the_reference_recipe_and_chunking_changes_no
     history = ReplayHistory(prompts, y, torch.ones_like(y), rows)
     results = []
     for budget in (2**30, 11 * 4 * 8):  # one chunk; one row per chunk
-        got = replay_logp(h, w, y.reshape(-1), recipe, order=ENGINE_ORDERS["hf"], history=history,
+        got = token_scores(y.reshape(-1), hidden=h, weight=w, recipe=recipe, order=ENGINE_ORDERS["hf"], history=history,
                           memory_budget_bytes=budget)
         finite = torch.isfinite(want.reshape(-1))
         assert torch.equal(got.inside, finite)
@@ -109,7 +106,7 @@ def test_replay_with_penalty_equals_the_reference_recipe_and_chunking_changes_no
     for a, b in zip(results[0], results[1]):
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="history"):
-        replay_logp(h, w, y.reshape(-1), recipe)
+        token_scores(y.reshape(-1), hidden=h, weight=w, recipe=recipe)
 
 
 def test_replay_equals_hf_generates_own_processed_scores():
@@ -139,7 +136,7 @@ def test_replay_equals_hf_generates_own_processed_scores():
         hidden = model.model(input_ids=full, attention_mask=torch.cat([att, torch.ones_like(completion)], 1))
         h = hidden.last_hidden_state[:, width - 1:-1].reshape(-1, model.config.hidden_size)
         history = ReplayHistory(ids.tolist(), completion, torch.ones_like(completion), torch.arange(completion.numel()))
-        got = replay_logp(h, model.lm_head.weight, completion.reshape(-1), recipe, order=ENGINE_ORDERS["hf"],
+        got = token_scores(completion.reshape(-1), hidden=h, weight=model.lm_head.weight, recipe=recipe, order=ENGINE_ORDERS["hf"],
                           history=history)
     assert bool(got.inside.all())  # HF sampled every token from inside the replayed support
     torch.testing.assert_close(got.logp.reshape(completion.shape), hf_logp, atol=1e-5, rtol=0)  # measured 5e-7
@@ -171,7 +168,9 @@ def test_topk_bounds_bracket_the_exact_kl(seed, k, temperature):
     mu_logits = h @ w.T + 0.5 * torch.randn(3, 7, generator=g)
     mu = torch.log_softmax(mu_logits, -1)
     top_lp, top_ids = mu.topk(k, -1)
-    lower, upper = topk_divergence(h, w, top_lp, top_ids, temperature=temperature)
+    s = token_scores(torch.zeros(3, dtype=torch.long), hidden=h, weight=w, temperature=temperature,
+                     topk=(top_lp, top_ids), bounds=True)
+    lower, upper = s.kl_lower, s.kl_upper
     exact = token_kl(mu, h @ w.T, temperature=temperature)  # μ's log-probs, π at the temperature
     assert bool((lower <= exact + 1e-5).all()) and bool((exact <= upper + 1e-5).all())
 
@@ -213,7 +212,7 @@ def test_alp_checkpoint_round_trip(tmp_path):
     assert torch.equal(other._noisy(torch.zeros(2), 0), alp._noisy(torch.zeros(2), 0))  # same noise stream
     os.remove(tmp_path / "offpolicy_alp.pt")
     with pytest.raises(ValueError, match="resume_from_checkpoint"):
-        load_alp(other, tmp_path)
+        load_alp(other, tmp_path, setting="resume_from_checkpoint")
 
 
 class _StandIn:

@@ -218,9 +218,9 @@ def test_contradictions_name_both_settings(tmp_path):
 @pytest.mark.parametrize("recipe_kw", [dict(top_k=3), dict(top_p=0.8, min_p=0.05), dict(repetition_penalty=1.5)])
 def test_replay_entropy_equals_the_support_distribution_token_by_token(recipe_kw):
     # H(π_S) from the chunked kernel == −Σ_{a∈S} π_S(a) log π_S(a) with π_S(a) the replayed log-prob of every token a
-    # (replay_logp, the loss's own path), value and gradient; chunks of one row
-    from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, replay_logp
-    from offpolicy.integrations.trl.terms import replay_entropy
+    # (the loss's own path), value and gradient; chunks of one row
+    from offpolicy.forward_scores import token_scores
+    from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory
     from offpolicy.rollout.sampling import SamplingConfig
 
     g = torch.Generator().manual_seed(0)
@@ -233,12 +233,13 @@ def test_replay_entropy_equals_the_support_distribution_token_by_token(recipe_kw
         history = ReplayHistory([[1, 2], [3]], torch.tensor([[4, 4], [5, 0]]), torch.tensor([[1, 1], [1, 1]]),
                                 torch.arange(n))
     order = ENGINE_ORDERS["vllm"]
-    got = replay_entropy(hidden, weight, recipe, order=order, history=history, memory_budget_bytes=4 * vocab * 8)
+    got = token_scores(torch.zeros(n, dtype=torch.long), hidden=hidden, weight=weight, recipe=recipe, order=order,
+                       history=history, entropy=True, entropy_grad=True, memory_budget_bytes=4 * vocab * 8).entropy
     want = torch.zeros(n)
     for a in range(vocab):
         hist = None if history is None else ReplayHistory(history.prompts, history.completion_ids,
                                                           history.completion_mask, history.rows)
-        r = replay_logp(hidden, weight, torch.full((n,), a), recipe, order=order, history=hist)
+        r = token_scores(torch.full((n,), a), hidden=hidden, weight=weight, recipe=recipe, order=order, history=hist)
         want = want - torch.where(r.inside, r.logp.exp() * r.logp, 0.0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert bool((got >= 0).all()) and bool((got <= math.log(recipe.top_k or vocab) + 1e-6).all())

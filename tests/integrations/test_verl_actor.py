@@ -365,7 +365,7 @@ def test_plugin_alp_noise_only_in_the_update_forward(alp_worker, current_logp):
 def test_plugin_alp_sigma_round_trips_through_verls_checkpoint(alp_worker, tmp_path):
     from verl.trainer.config import CheckpointConfig
 
-    from offpolicy.integrations.verl.engine import ALP_CHECKPOINT
+    from offpolicy.perturbation import ALP_CHECKPOINT_FILE
 
     w = alp_worker
     alp = w.engine.alp
@@ -374,7 +374,7 @@ def test_plugin_alp_sigma_round_trips_through_verls_checkpoint(alp_worker, tmp_p
     with torch.no_grad():
         alp.log_sigma.copy_(torch.tensor([-3.0, -4.0]))
     w.engine.save_checkpoint(str(tmp_path), global_step=1)
-    assert (tmp_path / ALP_CHECKPOINT).exists()
+    assert (tmp_path / ALP_CHECKPOINT_FILE).exists()
     with torch.no_grad():
         alp.log_sigma.fill_(0.0)
     w.engine.load_checkpoint(str(tmp_path))
@@ -456,13 +456,9 @@ def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(top
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from offpolicy.divergence import token_kl
+    from offpolicy.divergence import token_kl, topk_kl_lower_bound, topk_kl_upper_bound
     from offpolicy.integrations.verl import apply_driver_correction, parse_settings
-    from offpolicy.integrations.verl.topk import (
-        KL_LOWER_FIELD,
-        KL_UPPER_FIELD,
-        topk_kl_bounds,
-    )
+    from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
 
     w = topk_worker
     mask = _inputs()[1][:, P:]
@@ -475,9 +471,9 @@ def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(top
     lower, upper = (no_padding_2_padding(tu.get(out, key), data).float() * mask for key in (KL_LOWER_FIELD,
                                                                                              KL_UPPER_FIELD))
     v = z.shape[-1]
-    exp_lower, exp_upper = (b.reshape(B, R) * mask for b in topk_kl_bounds(z.reshape(-1, v), TEMPERATURE,
-                                                                            lp.reshape(-1, TOPK),
-                                                                            ids.reshape(-1, TOPK)))
+    rows = (lp.reshape(-1, TOPK), ids.reshape(-1, TOPK), z.reshape(-1, v))
+    exp_lower, exp_upper = (bound(*rows, temperature=TEMPERATURE).reshape(B, R) * mask
+                            for bound in (topk_kl_lower_bound, topk_kl_upper_bound))
     torch.testing.assert_close(upper, exp_upper, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lower, exp_lower, rtol=1e-4, atol=1e-5)
     exact = token_kl(mu, z, temperature=TEMPERATURE) * mask  # μ is known in full here: lower ≤ exact ≤ upper
@@ -535,16 +531,12 @@ def test_plugin_engine_computes_the_top_k_bounds_in_the_old_log_prob_forward(top
 
 
 def test_plugin_engine_top_k_bounds_on_the_packed_path(model_path):
-    """``use_remove_padding=True``: the bounds of each packed row equal ``topk_kl_bounds`` of the logits that row's
+    """``use_remove_padding=True``: the bounds of each packed row equal ``topk_kl_upper_bound`` of the logits that row's
     forward produced, at the top-K the batch carries for it (prompt rows: the point mass)."""
     from verl.utils import tensordict_utils as tu
 
-    from offpolicy.integrations.verl.topk import (
-        KL_UPPER_FIELD,
-        TOPK_IDS_FIELD,
-        TOPK_LOGP_FIELD,
-        topk_kl_bounds,
-    )
+    from offpolicy.divergence import topk_kl_upper_bound
+    from offpolicy.integrations.verl.topk import KL_UPPER_FIELD, TOPK_IDS_FIELD, TOPK_LOGP_FIELD
 
     w = make_worker(model_path, {"topk_logprobs": TOPK}, remove_padding=True)
     _, lp, ids = _rollout_topk(_reference_logits(w))
@@ -561,7 +553,8 @@ def test_plugin_engine_top_k_bounds_on_the_packed_path(model_path):
         rows = range(start, start + MICRO)
         top_lp = torch.cat([data[TOPK_LOGP_FIELD][i] for i in rows])
         top_ids = torch.cat([data[TOPK_IDS_FIELD][i] for i in rows])
-        expected.append(topk_kl_bounds(logits.squeeze(0)[: top_ids.shape[0]], TEMPERATURE, top_lp, top_ids)[1])
+        expected.append(topk_kl_upper_bound(top_lp, top_ids, logits.squeeze(0)[: top_ids.shape[0]],
+                                            temperature=TEMPERATURE))
         start += MICRO
     got = torch.cat([t for t in upper.unbind()]).float()
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-4, atol=1e-5)

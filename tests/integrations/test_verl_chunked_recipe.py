@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("verl")
 
-from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp  # noqa: E402
-from offpolicy.integrations.verl.engine import VLLM_ORDER, recipe_log_probs  # noqa: E402
+from offpolicy.corrections.vocabulary import SUPPORT_ORDER, constrained_logp, replay_support_logp  # noqa: E402
+from offpolicy.forward_scores import token_scores  # noqa: E402
 from offpolicy.integrations.verl.settings import parse_settings  # noqa: E402
 
 SETTINGS = {"dvp": {"min_p": 0.05}, "replay": {"top_k": 5, "top_p": 0.9}, "both": {"min_p": 0.01, "top_k": 8}}
@@ -19,7 +19,7 @@ def _one_pass(logits, labels, t, recipe):
     if recipe.dvp_only:
         return constrained_logp(z, labels, rho=recipe.min_p).logp
     return replay_support_logp(z, labels, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                               order=VLLM_ORDER)[0]
+                               order=SUPPORT_ORDER)[0]
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -33,7 +33,8 @@ def test_chunked_recipe_log_probs_equal_one_pass(name, budget, dtype):
     t = torch.linspace(0.6, 1.2, n)  # verl's per-token temperature
     coef = torch.randn(n, generator=g)
     settings = parse_settings({"sampling": SETTINGS[name]})
-    got = recipe_log_probs(logits, labels, t, settings, memory_budget_bytes=budget)
+    recipe = settings.sampling.config  # what the engine hands token_scores
+    got = token_scores(labels, logits=logits, temperature=t, recipe=recipe, memory_budget_bytes=budget).logp
     (grad,) = torch.autograd.grad((got * coef).sum(), logits)
     ref_logits = logits.detach().clone().requires_grad_()
     want = _one_pass(ref_logits, labels, t, settings.sampling)
@@ -41,5 +42,6 @@ def test_chunked_recipe_log_probs_equal_one_pass(name, budget, dtype):
     torch.testing.assert_close(got, want)
     assert grad.dtype == dtype
     torch.testing.assert_close(grad, want_grad)
-    scalar = recipe_log_probs(logits, labels, 0.8, settings, memory_budget_bytes=budget)  # a float temperature
+    scalar = token_scores(labels, logits=logits, temperature=torch.full((n,), 0.8), recipe=recipe,
+                          memory_budget_bytes=budget).logp  # one temperature for every row
     torch.testing.assert_close(scalar, _one_pass(logits.detach(), labels, torch.full((n,), 0.8), settings.sampling))

@@ -375,27 +375,6 @@ def test_sequence_topk_layout_and_errors():
     assert out_lp.shape == (8, 2) and out_lp[5:].tolist() == [[0.0, -math.inf]] * 3
 
 
-def test_topk_kl_bounds_chunked_and_per_row_temperature():
-    """Row chunks change nothing; a per-row temperature equals the float one row by row; lower ≤ exact ≤ upper."""
-    from offpolicy.divergence import token_kl
-    from offpolicy.integrations.verl.topk import topk_kl_bounds
-
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(37, 50, generator=g)
-    mu = torch.randn(37, 50, generator=g).log_softmax(-1)
-    lp, ids = mu.topk(5, dim=-1)
-    t = torch.rand(37, generator=g) + 0.5
-    whole, chunked = topk_kl_bounds(z, t, lp, ids), topk_kl_bounds(z, t, lp, ids, memory_budget_bytes=1)
-    for a, b in zip(whole, chunked):
-        assert torch.equal(a, b)
-    row = topk_kl_bounds(z[3:4], float(t[3]), lp[3:4], ids[3:4])
-    torch.testing.assert_close(torch.stack(row).squeeze(-1), torch.stack(whole)[:, 3])
-    exact = token_kl(mu, z / t[:, None])
-    assert (whole[0] <= exact + 1e-5).all() and (exact <= whole[1] + 1e-5).all()
-    with pytest.raises(ValueError, match="topk_logp"):
-        topk_kl_bounds(z, 1.0, lp[:3], ids)
-
-
 def test_top_k_parse_errors_name_the_field():
     from offpolicy.integrations.verl.agent_loop import topk_from_prompt_logprobs
 

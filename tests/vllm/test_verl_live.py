@@ -64,7 +64,7 @@ def test_the_recorded_scoring_answer_has_the_live_answers_layout(live):
 
 
 def test_sampled_log_probs_are_the_recipes_at_the_request_temperature(live):
-    """μ from verl's server (processed log-probs) is the plug-in engine's recipe_log_probs of the same tokens — DVP /
+    """μ from verl's server (processed log-probs) is the plug-in engine's recipe log-probs (token_scores) of the same tokens — DVP /
     sampling replay's rollout side checked on live vLLM: min-p 0.05 then top-k 20 at T = 0.8, float32 on both sides."""
     at_t = live["recipe_vs_sampled_t08"]
     assert max(at_t) < 1e-4

@@ -23,7 +23,7 @@ tuple whose first entry is the differentiable result ``[b − a]`` and whose oth
 no gradient) ride along. The maps return the same tuple over all N rows. ``fn`` must be deterministic: the backward
 calls it again.
 
-:func:`head_row_map` also takes ``differentiable=d``: the first ``d`` outputs are differentiable (the backward sums
+Both maps take ``differentiable=d``: the first ``d`` outputs are differentiable (the backward sums
 their contributions into one ∂z per chunk, skipping those whose gradient is None), so several statistics of the same
 logits — a log-prob, an entropy, a centre — share one head matmul in the forward and one recompute in the backward.
 The forward calls ``fn`` under ``torch.no_grad()`` and the backward with grad enabled, where only the first ``d``
@@ -140,28 +140,41 @@ class _HeadRowMap(torch.autograd.Function):
 
 class _LogitsRowMap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, chunks, logits):
+    def forward(ctx, fn, chunks, n_diff, logits):
+        ctx.set_materialize_grads(False)  # an output the loss does not use sends None: no ∂z term for it
         parts = []
         for a, b in chunks:
             with torch.no_grad():
                 parts.append(_outputs(fn, logits[a:b].float(), a, b))
-        ctx.fn, ctx.chunks = fn, chunks
+        ctx.fn, ctx.chunks, ctx.n_diff = fn, chunks, n_diff
         ctx.save_for_backward(logits)
         outs = tuple(torch.cat(x) for x in zip(*parts))
-        ctx.mark_non_differentiable(*outs[1:])
+        if len(outs) < n_diff:
+            raise ValueError(f"fn returned {len(outs)} outputs, fewer than differentiable={n_diff}")
+        ctx.mark_non_differentiable(*outs[n_diff:])
         return outs
 
     @staticmethod
-    def backward(ctx, grad, *_):
+    def backward(ctx, *grads):
         (logits,) = ctx.saved_tensors
-        grad_z = torch.empty_like(logits)
+        wanted = [(i, g) for i, g in enumerate(grads[:ctx.n_diff]) if g is not None]
+        if not wanted:
+            return None, None, None, None
+        grad_z = torch.zeros_like(logits)
         for a, b in ctx.chunks:
             z = logits[a:b].detach().float().requires_grad_()
             with torch.enable_grad():
-                out = _outputs(ctx.fn, z, a, b)[0]
-            (gz,) = torch.autograd.grad(out, z, grad[a:b].to(out.dtype))
-            grad_z[a:b] = gz
-        return None, None, grad_z
+                outs = _outputs(ctx.fn, z, a, b)
+            used = [(outs[i], g[a:b].to(outs[i].dtype)) for i, g in wanted if outs[i].requires_grad]
+            if used:
+                (gz,) = torch.autograd.grad([o for o, _ in used], z, [g for _, g in used])
+                grad_z[a:b] = gz
+        return None, None, None, grad_z
+
+
+def _check_differentiable(differentiable: int) -> None:
+    if isinstance(differentiable, bool) or not isinstance(differentiable, int) or differentiable < 1:
+        raise ValueError(f"differentiable must be an int >= 1, got {differentiable!r}")
 
 
 def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, buffers: int,
@@ -176,8 +189,7 @@ def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None 
     >>> zmax.tolist(), torch.autograd.grad(lse.sum(), h)[0].flatten().tolist()  # ∂lse/∂h = softmax(z)·w = σ(h)
     ([1.0, 2.0, 3.0], [0.7310585975646973, 0.8807970285415649, 0.9525741338729858])
     """
-    if isinstance(differentiable, bool) or not isinstance(differentiable, int) or differentiable < 1:
-        raise ValueError(f"differentiable must be an int >= 1, got {differentiable!r}")
+    _check_differentiable(differentiable)
     n = hidden.shape[0]
     chunks = row_chunks(n, chunk_rows(n, weight.shape[0], buffers=buffers, memory_budget_bytes=memory_budget_bytes))
     chunks = chunks or [(0, 0)]  # no rows: fn once on an empty chunk gives the outputs' structure
@@ -185,10 +197,10 @@ def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None 
 
 
 def logits_row_map(fn: RowFn, logits: Tensor, *, buffers: int,
-                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, ...]:
+                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, differentiable: int = 1) -> tuple[Tensor, ...]:
     """``fn`` over row chunks of ``logits`` [N, V] (each chunk up-cast to float32), chunks sized so that ``buffers``
     float32 ``[rows, V]`` tensors fit in ``memory_budget_bytes``; differentiable w.r.t. ``logits`` through the first
-    output, the gradient written chunk by chunk into one tensor like ``logits``.
+    ``differentiable`` outputs, the gradient written chunk by chunk into one tensor like ``logits``.
 
     >>> z = torch.tensor([[0.0, 0.0], [1.0, 0.0]], requires_grad=True)
     >>> (lse,) = logits_row_map(lambda x, a, b: (x.logsumexp(-1),), z, buffers=1, memory_budget_bytes=8)
@@ -196,7 +208,8 @@ def logits_row_map(fn: RowFn, logits: Tensor, *, buffers: int,
     tensor([[0.5000, 0.5000],
             [0.7311, 0.2689]])
     """
+    _check_differentiable(differentiable)
     n = logits.shape[0]
     chunks = row_chunks(n, chunk_rows(n, logits.shape[1], buffers=buffers, memory_budget_bytes=memory_budget_bytes))
     chunks = chunks or [(0, 0)]  # no rows: fn once on an empty chunk gives the outputs' structure
-    return _LogitsRowMap.apply(fn, chunks, logits)
+    return _LogitsRowMap.apply(fn, chunks, differentiable, logits)

@@ -72,8 +72,8 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.llm_server import LLMServerManager
 
+    from offpolicy.forward_scores import token_scores
     from offpolicy.integrations.verl.agent_loop import topk_from_prompt_logprobs
-    from offpolicy.integrations.verl.engine import recipe_log_probs
     from offpolicy.integrations.verl.settings import parse_settings
     from offpolicy.integrations.verl.topk import TOPK_IDS_FIELD, TOPK_LOGP_FIELD
     from offpolicy.models import load_model, model_path
@@ -136,7 +136,8 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
     labels = torch.tensor(response)
     for name, t in (("t08", 0.8), ("t1", 1.0)):
         settings = parse_settings({"sampling": {"min_p": 0.05, "top_k": 20}})
-        ours = recipe_log_probs(z, labels, t, settings)
+        ours = token_scores(labels, logits=z, temperature=torch.full((len(labels),), t),
+                            recipe=settings.sampling.config).logp
         result[f"recipe_vs_sampled_{name}"] = (ours - torch.tensor(gen.log_probs)).abs().tolist()
     top = torch.tensor(parsed_lp)
     raw = z.log_softmax(-1).gather(-1, torch.tensor(parsed_ids))
@@ -158,8 +159,9 @@ async def main(result: dict) -> None:  # noqa: PLR0915 - one scripted session
     stored = list_of_dict_to_tensordict([output.as_dict(), output.as_dict()])
     result["loop"] = {
         "response_len": len(output.response_ids),
-        "sampled_vs_recipe": float((torch.tensor(output.response_logprobs) - recipe_log_probs(
-            z1, labels1, 1.0, settings)).abs().max()),
+        "sampled_vs_recipe": float((torch.tensor(output.response_logprobs) - token_scores(
+            labels1, logits=z1, temperature=torch.ones(len(labels1)), recipe=settings.sampling.config).logp
+        ).abs().max()),
         "topk_vs_raw": float((lps - z1.log_softmax(-1).gather(-1, ids)).abs().max()),
         "topk_ids_equal_raw": torch.equal(ids, z1.topk(k, -1).indices),
         # where the sampled token is among the top-K, its top-K log-prob (raw, prefill) against the sampled one

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from offpolicy.integrations.trl.alp import allreduce_sigma_grad
 from offpolicy.integrations.trl.async_sync import FileWeightTransfer
 from offpolicy.integrations.trl.loss import (
     TRL_LOSS_TYPES,
@@ -75,9 +74,9 @@ from offpolicy.integrations.trl.loss import (
 )
 from offpolicy.integrations.trl.mixin import OffPolicyGRPOMixin
 from offpolicy.integrations.trl.patches import extra_llm_kwargs, server_sync_choice
-from offpolicy.integrations.trl.replay import ENGINE_ORDERS, replay_logp, trl_sampling_recipe
+from offpolicy.integrations.trl.replay import ENGINE_ORDERS, trl_sampling_recipe
 from offpolicy.integrations.trl.rollout import engine_rollout, sampling_from_trl
-from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs, topk_divergence, topk_score_center
+from offpolicy.integrations.trl.topk import pad_topk, sampled_token_logprobs
 from offpolicy.integrations.trl.vllm_sync import FileSync, install_vllm_sync
 from offpolicy.losses import needs_rollout_logp
 
@@ -89,19 +88,15 @@ __all__ = [
     "OffPolicyGRPOMixin",
     "OffPolicyGRPOTrainer",
     "TRL_LOSS_TYPES",
-    "allreduce_sigma_grad",
     "batch_from_trl_inputs",
     "engine_rollout",
     "extra_llm_kwargs",
     "install_vllm_sync",
     "needs_rollout_logp",
     "pad_topk",
-    "replay_logp",
     "sampled_token_logprobs",
     "sampling_from_trl",
     "server_sync_choice",
-    "topk_divergence",
-    "topk_score_center",
     "trl_objective",
     "trl_policy_loss",
     "trl_sampling_recipe",

@@ -10,28 +10,22 @@ TRL hands the same recipe to both engines — ``temperature``, ``top_k``, ``top_
   (:data:`offpolicy.corrections.vocabulary.SUPPORT_ORDER`).
 
 The replayed log-prob of token y at a position is z_y/T − logsumexp_{a∈S} z_a/T over the support S the engine's
-filters leave (after the penalties), i.e. the engine's processed log-prob μ evaluated with the trainer's weights.
-:func:`replay_logp` computes it from hidden states and the lm_head in row chunks: without top-k / top-p / penalties
-it is the fused kernel (:func:`offpolicy.kernels.fused_token_stats`: DVP's min-p statistics, no ``[N, V]`` tensor at
-all); otherwise each chunk of rows builds its ``[rows, V]`` logits, replays the filters with
-:func:`offpolicy.corrections.vocabulary.replay_support_logp`, and is recomputed in the backward pass
-(:func:`offpolicy.kernels.row_maps.head_row_map`), so at most one chunk's ``[rows, V]`` scratch is alive at a time.
+filters leave (after the penalties), i.e. the engine's processed log-prob μ evaluated with the trainer's weights:
+:func:`offpolicy.forward_scores.token_scores` computes it from hidden states and the lm_head, given the recipe
+(:func:`trl_sampling_recipe`), the engine's filter order (:data:`ENGINE_ORDERS`) and the token history its penalties
+read (:class:`ReplayHistory`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.vocabulary import SUPPORT_ORDER, replay_support_logp, sampling_support_mask
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.kernels.fused import fused_token_stats
-from offpolicy.kernels.row_maps import head_row_map
-from offpolicy.rollout.sampling import TRUNCATION_ORDER, SamplingConfig, TokenHistory, apply_history_processors
+from offpolicy.corrections.vocabulary import SUPPORT_ORDER
+from offpolicy.rollout.sampling import TRUNCATION_ORDER, SamplingConfig, TokenHistory
 
 # the filter order of each engine TRL can generate with
 ENGINE_ORDERS: dict[str, tuple[str, ...]] = {"hf": TRUNCATION_ORDER, "vllm": SUPPORT_ORDER}
@@ -132,103 +126,3 @@ class ReplayHistory:
                           torch.full((), vocab, dtype=torch.long, device=device))
         counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
         return TokenHistory(seen[:, :vocab], counts[:, :vocab])
-
-
-class ReplayedLogProbs(NamedTuple):
-    """``logp`` [N] the replayed log-prob (a finite stand-in where the token is outside the support), ``inside`` [N]
-    the token is in the trainer's support (else its ratio is 0: drop it), ``mass`` [N] the retained mass Z of the
-    support under the (penalised, tempered) distribution."""
-
-    logp: Tensor
-    inside: Tensor
-    mass: Tensor
-
-
-def penalised(z: Tensor, recipe: SamplingConfig, history: TokenHistory | None) -> Tensor:
-    """One chunk's float32 logits ``z`` [rows, V] after the recipe's penalties (``z`` itself when it has none)."""
-    return apply_history_processors(z, recipe, history) if recipe.reads_history else z
-
-
-def support_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str]) -> tuple[Tensor, Tensor,
-                                                                                                      Tensor]:
-    """(logp, inside, mass) ``[rows]`` of one chunk's penalised float32 logits ``z`` [rows, V] (:func:`penalised`):
-    the replayed log-prob of ``targets`` on the support the recipe's filters leave in ``order``
-    (:func:`~offpolicy.corrections.vocabulary.replay_support_logp`, differentiable), whether the target is inside it,
-    and the support's retained mass Z (no gradient)."""
-    logp, inside = replay_support_logp(z, targets, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                                       temperature=recipe.temperature, order=order)
-    with torch.no_grad():  # Z = exp(logsumexp_S − logsumexp_V) = π(y) / π_S(y)
-        scaled = z.detach() / recipe.temperature
-        full = scaled.gather(-1, targets[:, None])[:, 0] - scaled.logsumexp(-1)
-        mass = torch.exp(full - logp.detach()).clamp(max=1.0)
-    return logp, inside, mass
-
-
-def support_entropy(z: Tensor, recipe: SamplingConfig, order: Sequence[str]) -> Tensor:
-    """Entropy ``[rows]`` of π_S from one chunk's penalised float32 logits ``z`` [rows, V] (:func:`penalised`):
-    tempered and renormalised on the support S the recipe's filters leave in ``order``,
-
-        H(π_S) = −Σ_{a∈S} π_S(a) log π_S(a),   π_S(a) = exp(z_a/T) / Σ_{b∈S} exp(z_b/T);
-
-    differentiable in ``z`` (the support is fixed).
-
-    >>> # z = (3, 2, 1, 0), top-k 2: π_S = softmax(3, 2) = (0.7311, 0.2689), H = 0.5822
-    >>> support_entropy(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), SamplingConfig(top_k=2), ("top_k", "top_p", "min_p"))
-    tensor([0.5822])
-    """
-    support = sampling_support_mask(z.detach(), top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                                    temperature=recipe.temperature, order=order)
-    logp = (z / recipe.temperature).masked_fill(~support, float("-inf")).log_softmax(-1)
-    inside = logp.masked_fill(~support, 0.0)  # 0 · log 0 is 0, not NaN
-    return -(inside.exp() * inside).sum(-1)
-
-
-def fused_recipe(recipe: SamplingConfig) -> bool:
-    """The recipe is temperature and min-p alone: :func:`replay_logp` scores it with the fused kernel."""
-    return recipe.top_k is None and recipe.top_p is None and not recipe.reads_history and not recipe.logit_bias \
-        and not recipe.bad_words_ids
-
-
-def _chunk_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str],
-                  history: TokenHistory | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, inside, mass) of one chunk's float32 logits ``z`` [rows, V]."""
-    return support_scores(penalised(z, recipe, history), targets, recipe, order)
-
-
-def replay_logp(hidden: Tensor, weight: Tensor, targets: Tensor, recipe: SamplingConfig, *,
-                order: Sequence[str] = TRUNCATION_ORDER, bias: Tensor | None = None,
-                history: ReplayHistory | None = None,
-                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> ReplayedLogProbs:
-    """Replayed log-probs of ``targets`` [N] from ``hidden`` [N, H] and the lm_head ``weight`` [V, H] (``bias`` [V]):
-    the engine's ``recipe`` (a :class:`~offpolicy.rollout.sampling.SamplingConfig`) in the engine's filter ``order``
-    (:data:`ENGINE_ORDERS`); ``history`` is required when the recipe has penalties. Differentiable in ``hidden``,
-    ``weight`` and ``bias``; no ``[N, V]`` tensor is kept (fused kernel for temperature / min-p, else checkpointed
-    row chunks within ``memory_budget_bytes``).
-
-    >>> # h = (1, 1, 1, 1), W = diag(3, 2, 1, 0): z = (3, 2, 1, 0); top-k 2 → support {0, 1}
-    >>> w = torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.0])); h = torch.ones(1, 4)
-    >>> r = replay_logp(h, w, torch.tensor([1]), SamplingConfig(top_k=2))
-    >>> r.logp, r.inside, r.mass   # log π(1) = 2 − log(e³ + e²) = −1.3133; Z = 27.47 / (27.47 + e + 1) = 0.8808
-    (tensor([-1.3133]), tensor([True]), tensor([0.8808]))
-    """
-    if sorted(order) != sorted(SUPPORT_ORDER):
-        raise ValueError(f"order must be a permutation of {SUPPORT_ORDER}, got {tuple(order)!r}")
-    vocab = weight.shape[0]
-    if recipe.reads_history and history is None:
-        raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
-    if fused_recipe(recipe):
-        want = ("minp_logp", "minp_mass") if recipe.min_p is not None else ("logp",)
-        s = fused_token_stats(hidden, weight, targets, bias=bias, temperature=recipe.temperature, want=want,
-                              min_p_rho=recipe.min_p, memory_budget_bytes=memory_budget_bytes)
-        if recipe.min_p is None:
-            assert s.logp is not None  # requested in want
-            return ReplayedLogProbs(s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp))
-        assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
-        return ReplayedLogProbs(s.minp_logp, s.minp_inside, s.minp_mass.detach())
-    def scores(z: Tensor, a: int, b: int) -> tuple[Tensor, Tensor, Tensor]:
-        hist = history.chunk(a, b, vocab) if recipe.reads_history else None  # type: ignore[union-attr]
-        return _chunk_scores(z, targets[a:b], recipe, order, hist)
-
-    # scratch per row: logits, z / T, support mask, sort values + indices, cumsum, and the history's two [rows, V]
-    logp, inside, mass = head_row_map(scores, hidden, weight, bias, buffers=8, memory_budget_bytes=memory_budget_bytes)
-    return ReplayedLogProbs(logp, inside, mass)

@@ -1,6 +1,6 @@
 """TRL 1.16's loss terms beside the policy objective, for ``OffPolicyGRPOTrainer``: the importance weight at TRL's
-level, the KL to the reference model, the per-step coefficient corrections (TRL's masks and loss-type weights), the
-entropy on the replayed support, and TRL's metrics computed as TRL computes them.
+level, the KL to the reference model, the per-step coefficient corrections (TRL's masks and loss-type weights) and TRL's
+metrics computed as TRL computes them.
 
 TRL's ``_compute_loss`` (1.16) builds one per-token loss [B, T]::
 
@@ -14,19 +14,12 @@ after them and aggregated the same way (:func:`kl_to_reference`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from offpolicy.batch import LogProbBatch
 from offpolicy.corrections.base import Correction, CorrectionResult
-from offpolicy.integrations.trl.replay import penalised, support_entropy
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.kernels.row_maps import head_row_map
 from offpolicy.ratios import per_sequence
-from offpolicy.rollout.sampling import SamplingConfig
 
 
 def trl_log_weight(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
@@ -127,34 +120,3 @@ def clip_fractions(log_weight: Tensor, advantages: Tensor, loss_type: str, eps_l
     low = (r < 1 - eps_low) & (advantages < 0)
     high = (r > 1 + eps_high) & (advantages > 0)
     return {"low": low, "high": high, "region": low | high}
-
-
-def replay_entropy(hidden: Tensor, weight: Tensor, recipe: SamplingConfig, *, order: Sequence[str],
-                   bias: Tensor | None = None, history: Any = None,
-                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
-    """Entropy ``[N]`` of π_S, the distribution the sampling replay scores tokens under: the logits of ``hidden``
-    [N, H] × ``weight`` [V, H]ᵀ (+ ``bias``), the recipe's penalties applied (``history``: a
-    :class:`~offpolicy.integrations.trl.replay.ReplayHistory`), tempered, and renormalised on the support S its
-    filters leave in the engine's ``order``:
-
-        H(π_S) = −Σ_{a∈S} π_S(a) log π_S(a),   π_S(a) = exp(z_a/T) / Σ_{b∈S} exp(z_b/T).
-
-    Without truncation or penalties it is the entropy of softmax(z/T), TRL's own. Differentiable in ``hidden``,
-    ``weight`` and ``bias``; row chunks within ``memory_budget_bytes``, recomputed in the backward pass.
-
-    >>> # z = (3, 2, 1, 0), top-k 2: π_S = softmax(3, 2) = (0.7311, 0.2689), H = 0.5822
-    >>> replay_entropy(torch.ones(1, 4), torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.0])), SamplingConfig(top_k=2),
-    ...                order=("top_k", "top_p", "min_p"))
-    tensor([0.5822])
-    """
-    vocab = weight.shape[0]
-    if recipe.reads_history and history is None:
-        raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
-
-    def entropy(z: Tensor, a: int, b: int) -> tuple[Tensor]:
-        hist = history.chunk(a, b, vocab) if recipe.reads_history else None
-        return (support_entropy(penalised(z, recipe, hist), recipe, order),)
-
-    # scratch per row: logits, z / T, support mask, log-probs, probabilities, the sort of top-p, the history's two
-    (h,) = head_row_map(entropy, hidden, weight, bias, buffers=8, memory_budget_bytes=memory_budget_bytes)
-    return h

@@ -4,10 +4,8 @@ Asked for ``logprobs=K``, vLLM returns per token its K most likely processed log
 sampled token's when it is not among them (K or K + 1 entries). TRL 1.16 keeps ``lp[0]`` — the top-1 token's
 log-prob, which is the sampled token's only when K = 0. :func:`sampled_token_logprobs` takes the sampled token's
 entry by id and keeps the top-K for the divergence; :func:`pad_topk` makes ``[B, T, K]`` tensors that travel in
-TRL's batch dict (shuffled and split with it); :func:`topk_divergence` gives KL(μ‖π) per token from them and the
-trainer's hidden states: the coarse-grained lower bound and the certified upper bound of
-:mod:`offpolicy.divergence`, in row chunks (no ``[N, V]`` tensor); :func:`topk_score_center` gives score centering's
-top-k centre (arXiv 2609.20807) from the same data, differentiable, in row chunks recomputed in the backward pass.
+TRL's batch dict (shuffled and split with it); the scoring forward reads TRM's KL bounds and score centering's centre
+off them (:func:`offpolicy.forward_scores.token_scores`).
 """
 
 from __future__ import annotations
@@ -18,10 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
-from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, row_chunks
-from offpolicy.kernels.row_maps import head_logits, head_row_map
-from offpolicy.objectives.score_centering import score_center_topk
+from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.topk_advice import own_topk_slack
 
 TOPK_LOGP_KEY = "offpolicy_topk_logp"
@@ -103,55 +98,6 @@ def pad_topk(top_lp: Sequence[Sequence[Sequence[float]]], top_ids: Sequence[Sequ
             ids[i, t] = torch.tensor(list(tid) + spare)
             lp[i, t] = torch.tensor(list(vals) + [-math.inf] * (k - len(vals)))
     return lp.to(device), ids.to(device)
-
-
-@torch.no_grad()
-def topk_divergence(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids: Tensor, *, bias: Tensor | None = None,
-                    temperature: float = 1.0,
-                    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, Tensor]:
-    """``(lower, upper)`` bounds on KL(μ‖π) per row ``[N]`` from the engine's top-k ``topk_logp`` / ``topk_ids``
-    [N, K] and the trainer's hidden states ``hidden`` [N, H] × lm_head ``weight`` [V, H] at ``temperature``
-    (:func:`offpolicy.topk_kl_lower_bound`, :func:`offpolicy.topk_kl_upper_bound`: "keep iff upper ≤ δ" is TRM's
-    certified test from top-k data). Row-chunked; no gradient.
-
-    >>> # π = softmax(log(¼, ¼, ½)) via h = 1, W = log p; μ = (½, ¼, ¼) with its top-1 (token 0) given
-    >>> w = torch.tensor([[0.25], [0.25], [0.5]]).log(); lo, up = topk_divergence(torch.ones(1, 1), w,
-    ...     torch.tensor([[0.5]]).log(), torch.tensor([[0]]))
-    >>> lo, up      # the doctests of topk_kl_lower_bound / topk_kl_upper_bound: 0.1438 ≤ exact 0.1733 ≤ 0.6931
-    (tensor([0.1438]), tensor([0.6931]))
-    """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    lower, upper = [], []
-    for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=8, memory_budget_bytes=memory_budget_bytes)):
-        z = head_logits(hidden[a:b], weight, bias, slice_bytes=memory_budget_bytes // 4)
-        lower.append(topk_kl_lower_bound(topk_logp[a:b], topk_ids[a:b], z, temperature=temperature))
-        upper.append(topk_kl_upper_bound(topk_logp[a:b], topk_ids[a:b], z, temperature=temperature))
-    if not lower:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(lower), torch.cat(upper)
-
-
-def topk_score_center(hidden: Tensor, weight: Tensor, topk_logp: Tensor, topk_ids: Tensor, *,
-                      bias: Tensor | None = None, temperature: float = 1.0,
-                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
-    """Score centering's centre c = Σ_{a∈H} sg(q_a − κ p_a) log p_a per row ``[N]``
-    (:func:`~offpolicy.objectives.score_centering.score_center_topk`, the proportional tail) from the engine's top-k
-    ``topk_logp`` / ``topk_ids`` [N, K] and the trainer's logits ``hidden`` [N, H] × ``weight`` [V, H] (+ ``bias``)
-    at ``temperature``; differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (logit gradient (q̂ − p)/T). Rows are
-    chunked within ``memory_budget_bytes`` and each chunk's ``[rows, V]`` logits are recomputed in the backward pass
-    (:func:`offpolicy.kernels.row_maps.head_row_map`).
-
-    >>> # W = I, so z = h = 0 and p = ⅓ each; the engine's head H = {0}, q_0 = 0.6: κ = 0.4/(2/3) = 0.6, q̂ = (0.6, 0.2, 0.2)
-    >>> h = torch.zeros(1, 3, requires_grad=True)
-    >>> c = topk_score_center(h, torch.eye(3), torch.tensor([[0.6]]).log(), torch.tensor([[0]]))
-    >>> torch.autograd.grad(c.sum(), h)[0]   # q̂ − p
-    tensor([[ 0.2667, -0.1333, -0.1333]])
-    """
-    def centre(z: Tensor, a: int, b: int) -> tuple[Tensor]:
-        return (score_center_topk(z, topk_ids[a:b], topk_logp[a:b], temperature=temperature),)
-
-    return head_row_map(centre, hidden, weight, bias, buffers=4, memory_budget_bytes=memory_budget_bytes)[0]
 
 
 @torch.no_grad()

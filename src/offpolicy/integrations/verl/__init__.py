@@ -17,7 +17,7 @@ from offpolicy.integrations.verl.loss import (
     verl_policy_loss_fn,
 )
 from offpolicy.integrations.verl.settings import VerlSettings, parse_settings
-from offpolicy.integrations.verl.topk import sequence_topk, topk_kl_bounds
+from offpolicy.integrations.verl.topk import sequence_topk
 
 __all__ = [
     "NEWEST_VERL_RULES",
@@ -30,7 +30,6 @@ __all__ = [
     "rollout_correction",
     "rollout_log_probs_in_loss",
     "sequence_topk",
-    "topk_kl_bounds",
     "verl_objective",
     "verl_policy_loss_fn",
 ]

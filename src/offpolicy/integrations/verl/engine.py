@@ -8,9 +8,8 @@ exactly as the parent class. What it changes:
 * **Sampling recipe** (``sampling: {min_p | top_k | top_p}``): ``prepare_model_outputs`` — the one function verl runs
   for the old-log-prob forward (eval, no grad) *and* the update forward (train) — returns log π^recipe(y) instead of
   log softmax(z / T)_y: with ``min_p`` only, DVP's constrained log-prob over the trainer's own min-p safe set
-  (:func:`~offpolicy.corrections.vocabulary.constrained_logp`, arXiv 2512.23087 Def 5.2, chunked over rows); with
-  ``top_k`` / ``top_p``, π_θ renormalised on the support vLLM's filters leave
-  (:func:`~offpolicy.corrections.vocabulary.replay_support_logp`, vLLM's order min-p → top-k → top-p). The
+  (arXiv 2512.23087 Def 5.2); with ``top_k`` / ``top_p``, π_θ renormalised on the support vLLM's filters leave
+  (vLLM's order min-p → top-k → top-p). The
   temperature is verl's own (``micro_batch["temperature"]``, per sample allowed). A sampled token outside the
   trainer's set gets the finite stand-in those functions return (the ratio of two stand-ins stays finite).
 * **ALP** (``alp: {...}``): a :class:`~offpolicy.perturbation.LayerwisePerturbation` on the FSDP-wrapped decoder
@@ -29,7 +28,8 @@ exactly as the parent class. What it changes:
   ``_compute_old_log_prob``; the reference forward asks for no entropy) of a batch that carries the rollout's top-K
   (:data:`~offpolicy.integrations.verl.topk.TOPK_IDS_FIELD`, put there by the agent loop), the engine adds two
   outputs laid out as ``log_probs``: the certified lower and upper bounds on KL(μ ‖ π_old) per token
-  (:func:`~offpolicy.integrations.verl.topk.topk_kl_bounds`), from the same logits at verl's temperature: π_old is
+  (:func:`offpolicy.topk_kl_lower_bound`, :func:`offpolicy.topk_kl_upper_bound`), from the same logits at verl's
+  temperature: π_old is
   the full softmax(z / T), without the recipe's truncation. From vLLM the top-K is the raw model's (prompt log-probs
   skip the sampler), so the agent loop accepts it only from a rollout at T = 1, where the two agree. verl writes
   every output of the forward to the TransferQueue; the driver reads them (:mod:`.driver`).
@@ -39,8 +39,11 @@ exactly as the parent class. What it changes:
   ``centered_logp(log_probs, score_center_topk(z / T, ids, logq))`` on every row (prompt rows hold a point mass and
   are dropped by verl like their log-probs): the value is verl's own, the gradient the centred score's
   (:mod:`offpolicy.objectives.score_centering`; the top-K's log-probs are taken as the tempered sampler's, z / T is
-  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1). Row-chunked
-  (:func:`offpolicy.kernels.row_maps.logits_row_map`), so the extra ``[N, V]`` float32 work is a chunk at a time.
+  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1).
+
+The recipe's log-probs, the bounds and the centre come from one row-chunked pass over the forward's logits
+(:func:`offpolicy.forward_scores.token_scores`, the same function TRL's scoring calls on hidden states), so the extra
+``[N, V]`` float32 work is a chunk at a time.
 
 The fused-kernel path (``use_fused_kernels``) yields no logits: a recipe or top-K with it is refused at the first
 forward. A batch flagged :data:`~offpolicy.integrations.verl.settings.PLAIN_LOG_PROBS` (the sync check's probe) gets
@@ -57,55 +60,21 @@ from torch import Tensor
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from offpolicy.corrections.vocabulary import constrained_logp, replay_support_logp
+from offpolicy.corrections.vocabulary import SUPPORT_ORDER
+from offpolicy.forward_scores import token_scores
 from offpolicy.integrations.verl.loss import rollout_log_probs_in_loss
-from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, VerlSettings, settings_from_environment
+from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, settings_from_environment
 from offpolicy.integrations.verl.topk import (
     KL_LOWER_FIELD,
     KL_UPPER_FIELD,
     TOPK_IDS_FIELD,
     TOPK_LOGP_FIELD,
     point_mass,
-    topk_kl_bounds,
     topk_rows,
 )
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.kernels.row_maps import logits_row_map
-from offpolicy.objectives.score_centering import centered_logp, score_center_topk
-from offpolicy.perturbation import LayerwisePerturbation
-
-ALP_CHECKPOINT = "offpolicy_alp.pt"
-VLLM_ORDER = ("min_p", "top_k", "top_p")
-
-
-def recipe_log_probs(logits: Tensor, labels: Tensor, temperature: Tensor | float, settings: VerlSettings, *,
-                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
-    """log π^recipe(labels) from ``logits`` [N, V] (raw, before temperature), ``labels`` [N], ``temperature`` a float
-    or [N] per token: float32 [N], differentiable w.r.t. ``logits``. Row-chunked within ``memory_budget_bytes``
-    (:func:`offpolicy.kernels.row_maps.logits_row_map`): no float32 or tempered copy of the whole logits, and the
-    gradient is the logits' own ``[N, V]``.
-
-    >>> from offpolicy.integrations.verl.settings import parse_settings
-    >>> # z = (2, 0, −30), ρ = 1e−6 prunes token 2: log π^mp(1) = −log(e² + 1) = −2.1269
-    >>> recipe_log_probs(torch.tensor([[2.0, 0.0, -30.0]]), torch.tensor([1]), 1.0,
-    ...                  parse_settings({"sampling": {"min_p": 1e-6}}))
-    tensor([-2.1269])
-    """
-    recipe = settings.sampling
-    n = logits.shape[0]
-    t = (temperature.float().clamp(min=1e-8).reshape(-1, 1).expand(n, 1) if isinstance(temperature, Tensor)
-         else torch.full((n, 1), float(temperature), device=logits.device))
-
-    def chunk(z: Tensor, a: int, b: int) -> tuple[Tensor]:
-        z = z / t[a:b]
-        if recipe.dvp_only:
-            return (constrained_logp(z, labels[a:b], rho=recipe.min_p).logp,)  # type: ignore[arg-type]
-        logp, _ = replay_support_logp(z, labels[a:b], top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                                      order=VLLM_ORDER)
-        return (logp,)
-
-    # scratch per row (replay): z / T, support mask, sort values + indices, softmax, cumsum, the masked logits
-    return logits_row_map(chunk, logits, buffers=8, memory_budget_bytes=memory_budget_bytes)[0]
+from offpolicy.objectives.score_centering import centered_logp
+from offpolicy.perturbation import ALP_CHECKPOINT_FILE, LayerwisePerturbation, allreduce_sigma_grad, load_alp, save_alp
 
 
 def rollout_log_probs(micro_batch: Any) -> Tensor | None:
@@ -114,12 +83,6 @@ def rollout_log_probs(micro_batch: Any) -> Tensor | None:
     if "rollout_log_probs" not in micro_batch.keys():  # noqa: SIM118 - TensorDict keys
         return None
     return micro_batch.select("response_mask", "rollout_log_probs").to_padded_tensor()["rollout_log_probs"]
-
-
-def _tempered_center(z: Tensor, t: Tensor, ids: Tensor, logq: Tensor) -> Tensor:
-    """Score centering's top-K centre of logit rows ``z`` [n, V] at per-row temperature ``t`` [n, 1]: the engine's
-    top-K are the tempered sampler's log-probs, so the logits go in already divided by T."""
-    return score_center_topk(z.float() / t, ids, logq, temperature=1.0)
 
 
 class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
@@ -153,12 +116,8 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             return super().forward_step(micro_batch, loss_function, forward_only)
 
     def optimizer_step(self) -> float:
-        if self.alp is not None:
-            grad = self.alp.log_sigma.grad
-            group = self.get_data_parallel_group()
-            if grad is not None and torch.distributed.is_initialized() and self.get_data_parallel_size() > 1:
-                torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM, group=group)
-                grad.div_(self.get_data_parallel_size())
+        if self.alp is not None and self.get_data_parallel_size() > 1:
+            allreduce_sigma_grad(self.alp, self.get_data_parallel_group())
         return super().optimizer_step()
 
     def alp_metrics(self) -> dict[str, float]:
@@ -168,20 +127,12 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
     def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
         super().save_checkpoint(local_path, *args, **kwargs)
         if self.alp is not None and self.get_data_parallel_rank() == 0:
-            os.makedirs(local_path, exist_ok=True)
-            torch.save({"log_sigma": self.alp.log_sigma.detach().cpu(), "layers": list(self.alp.layer_indices)},
-                       os.path.join(local_path, ALP_CHECKPOINT))
+            save_alp(self.alp, local_path)
 
     def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
         super().load_checkpoint(local_path, *args, **kwargs)
-        path = os.path.join(local_path, ALP_CHECKPOINT)
-        if self.alp is not None and os.path.exists(path):
-            saved = torch.load(path, map_location="cpu")
-            if tuple(saved["layers"]) != self.alp.layer_indices:
-                raise ValueError(f"{path}: σ of layers {saved['layers']} cannot be loaded into ALP on layers "
-                                 f"{list(self.alp.layer_indices)}")
-            with torch.no_grad():
-                self.alp.log_sigma.copy_(saved["log_sigma"])
+        if self.alp is not None and os.path.exists(os.path.join(local_path, ALP_CHECKPOINT_FILE)):
+            load_alp(self.alp, local_path, setting="trainer.resume_mode")
 
     # -- sampling recipe in every log-prob forward; top-K KL bounds in the old-log-prob forward --------------------
     def prepare_model_outputs(self, output: Any, output_args: dict, micro_batch: Any, logits_processor_func: Any):
@@ -194,27 +145,30 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
             raise ValueError("offpolicy.sampling / topk_logprobs / score_centering need the logits: set "
                              "actor_rollout_ref.model.use_fused_kernels=False")
-        # computed before the parent's, on the raw logits (the parent scales by temperature out of place)
+        # computed before the parent's, on the raw logits (the parent scales by temperature out of place): the
+        # recipe's log-probs, the top-K bounds and the centre in one row-chunked pass (offpolicy.forward_scores)
         flat, temperature, unpad = self._flat_logits(output, output_args, micro_batch)
         cu_seqlens = micro_batch["input_ids"].offsets()
-        extra: dict[str, Tensor] = {}
-        if recipe:
-            labels = output_args["input_ids_rmpad_rolled"]
-            ours = unpad(recipe_log_probs(flat, labels, temperature, self.offpolicy))
-        if topk:
-            lower, upper = self._topk_bounds(flat, temperature, micro_batch)
-            extra = {KL_LOWER_FIELD: torch.nested.nested_tensor_from_jagged(unpad(lower), cu_seqlens),
-                     KL_UPPER_FIELD: torch.nested.nested_tensor_from_jagged(unpad(upper), cu_seqlens)}
-        if center:
-            centre = unpad(self._topk_center(flat, temperature, micro_batch))
+        targets = output_args.get("input_ids_rmpad_rolled")
+        if targets is None:  # verl's padded path: the plain log-prob stays the parent's, so any target will do
+            if recipe:
+                raise ValueError("offpolicy.sampling needs verl's packed path: set use_remove_padding=True")
+            targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+        s = token_scores(targets, logits=flat, temperature=temperature,
+                         recipe=self.offpolicy.sampling.config if recipe else None, order=SUPPORT_ORDER,
+                         topk=self._topk_head(flat, micro_batch) if topk or center else None, bounds=topk,
+                         center=center, memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-        if recipe and "log_probs" in model_output:
-            model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(ours, cu_seqlens)
-        if center and "log_probs" in model_output:
-            logp = model_output["log_probs"].values()
-            model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(
-                centered_logp(logp, centre.to(logp.dtype)), cu_seqlens)
-        model_output.update(extra)
+        if "log_probs" in model_output:
+            logp = unpad(s.logp) if recipe else model_output["log_probs"].values()
+            if center:
+                assert s.center is not None  # asked for
+                logp = centered_logp(logp, unpad(s.center).to(logp.dtype))
+            model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(logp, cu_seqlens)
+        if topk:
+            assert s.kl_lower is not None and s.kl_upper is not None  # asked for
+            model_output[KL_LOWER_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.kl_lower), cu_seqlens)
+            model_output[KL_UPPER_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.kl_upper), cu_seqlens)
         return model_output
 
     def _wants_topk_bounds(self, micro_batch: Any) -> bool:
@@ -250,23 +204,6 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             filler_lp, filler_ids = point_mass(pad, ids.shape[1])
             logp, ids = torch.cat([logp, filler_lp]), torch.cat([ids, filler_ids])
         return logp.to(flat.device), ids.to(flat.device)
-
-    def _topk_bounds(self, flat: Tensor, temperature: Tensor, micro_batch: Any) -> tuple[Tensor, Tensor]:
-        """KL(μ ‖ π_old) bounds [rows of ``flat``] from the micro-batch's top-K."""
-        logp, ids = self._topk_head(flat, micro_batch)
-        return topk_kl_bounds(flat, temperature, logp, ids)
-
-    def _topk_center(self, flat: Tensor, temperature: Tensor, micro_batch: Any, *,
-                     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> Tensor:
-        """Score centering's c = Σ_{a∈H} sg(q_a − κ p_a) log p_a [rows of ``flat``], p = softmax(flat / T),
-        differentiable w.r.t. ``flat``; row chunks recomputed in the backward (no [N, V] float32 copy kept)."""
-        logq, ids = self._topk_head(flat, micro_batch)
-        t = temperature.float().clamp(min=1e-8).reshape(-1, 1)
-
-        def centre(z: Tensor, a: int, b: int) -> tuple[Tensor]:
-            return (_tempered_center(z, t[a:b], ids[a:b], logq[a:b]),)
-
-        return logits_row_map(centre, flat, buffers=4, memory_budget_bytes=memory_budget_bytes)[0]
 
     def _flat_logits(self, output: Any, output_args: dict, micro_batch: Any) -> tuple[Tensor, Tensor, Any]:
         """The forward's raw logits as rows [N (+ pad), V], the temperature per row [N (+ pad)], and the function

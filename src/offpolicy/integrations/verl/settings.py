@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offpolicy.registry import build_correction
+from offpolicy.rollout.sampling import SamplingConfig
 
 KNOWN_KEYS = ("correction", "sampling", "alp", "topk_logprobs", "topk_bound", "score_centering", "plugin_transforms",
               "naming",
@@ -93,8 +94,18 @@ class SamplingRecipe:
 
     @property
     def dvp_only(self) -> bool:
-        """Only min-p: the chunked :func:`~offpolicy.corrections.vocabulary.constrained_logp` path (no [N, V] copy)."""
+        """Only min-p: DVP's safe set (a threshold on the max logit, no sort)."""
         return self.min_p is not None and self.top_k is None and self.top_p is None
+
+    @property
+    def config(self) -> SamplingConfig:
+        """The recipe as the trainer scores it, on logits already divided by verl's temperature (T = 1 here).
+
+        >>> c = SamplingRecipe(top_k=50, top_p=0.95).config
+        >>> c.temperature, c.top_k, c.top_p, c.min_p
+        (1.0, 50, 0.95, None)
+        """
+        return SamplingConfig(temperature=1.0, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
     def sampling_params(self) -> dict[str, Any]:
         """The keys the agent loop adds to verl's ``sampling_params`` (vLLM ``SamplingParams`` names)."""

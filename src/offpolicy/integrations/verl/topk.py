@@ -27,13 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
 from offpolicy.integrations.trl.topk import pad_topk
-from offpolicy.kernels.chunking import (
-    DEFAULT_MEMORY_BUDGET_BYTES,
-    chunk_rows,
-    row_chunks,
-)
 
 TOPK_IDS_FIELD = "offpolicy_topk_ids"
 TOPK_LOGP_FIELD = "offpolicy_topk_logp"
@@ -106,35 +100,5 @@ def topk_rows(logps: Sequence[Tensor], ids: Sequence[Tensor], lengths: Sequence[
     return torch.cat(out_lp), torch.cat(out_ids)
 
 
-@torch.no_grad()
-def topk_kl_bounds(logits: Tensor, temperature: Tensor | float, topk_logp: Tensor, topk_ids: Tensor, *,
-                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, Tensor]:
-    """``(lower, upper)`` bounds [N] on KL(μ ‖ π) per row, π = softmax(``logits`` [N, V] / ``temperature``) (a float
-    or [N] per row), μ given by its top-K ``topk_logp`` / ``topk_ids`` [N, K]: float32, no gradient. In row chunks
-    (no float32 copy of the whole [N, V] logits beyond ``memory_budget_bytes``).
-
-    >>> # π = softmax(log(¼, ¼, ½)), μ = (½, ¼, ¼) with its top-1 (token 0) given: divergence.py's doctests
-    >>> topk_kl_bounds(torch.tensor([[0.25, 0.25, 0.5]]).log(), 1.0, torch.tensor([[0.5]]).log(), torch.tensor([[0]]))
-    (tensor([0.1438]), tensor([0.6931]))
-    """
-    if logits.ndim != 2 or topk_logp.shape != topk_ids.shape or topk_logp.shape[0] != logits.shape[0]:
-        raise ValueError(f"logits must be [N, V] and topk_logp / topk_ids [N, K], got {tuple(logits.shape)}, "
-                         f"{tuple(topk_logp.shape)}, {tuple(topk_ids.shape)}")
-    n, vocab = logits.shape
-    if isinstance(temperature, Tensor):
-        temperature = temperature.float().clamp(min=1e-8).reshape(-1, 1).expand(n, 1)
-    lower, upper = [], []
-    for a, b in row_chunks(n, chunk_rows(n, vocab, buffers=8, memory_budget_bytes=memory_budget_bytes)):
-        z = logits[a:b].float()
-        z = z / (temperature[a:b] if isinstance(temperature, Tensor) else float(temperature))
-        lp, ids = topk_logp[a:b].float(), topk_ids[a:b].long()
-        lower.append(topk_kl_lower_bound(lp, ids, z, memory_budget_bytes=memory_budget_bytes).float())
-        upper.append(topk_kl_upper_bound(lp, ids, z, memory_budget_bytes=memory_budget_bytes).float())
-    if not lower:
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(lower), torch.cat(upper)
-
-
 __all__ = ["KL_LOWER_FIELD", "KL_UPPER_FIELD", "TOPK_IDS_FIELD", "TOPK_LOGP_FIELD", "point_mass", "sequence_topk",
-           "topk_kl_bounds", "topk_rows"]
+           "topk_rows"]

@@ -9,10 +9,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from offpolicy.integrations.trl.alp import alp_callback, load_alp, save_alp
+from offpolicy.integrations.trl.alp import alp_callback
 from offpolicy.integrations.trl.parts import TRLBase
 from offpolicy.integrations.trl.parts.sharding import model_sharding
-from offpolicy.perturbation import DEFAULT_INIT_STD, DEFAULT_LR, LayerwisePerturbation, alp_clip_defaults
+from offpolicy.perturbation import (
+    DEFAULT_INIT_STD,
+    DEFAULT_LR,
+    LayerwisePerturbation,
+    alp_clip_defaults,
+    load_alp,
+    save_alp,
+)
 
 ALP_KEYS = ("init_std", "lr", "layers", "layers_path", "seed", "level")
 
@@ -91,4 +98,4 @@ class ALPWiring(TRLBase):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if self.offpolicy_alp is not None and checkpoint is not None:
-            load_alp(self.offpolicy_alp, checkpoint)
+            load_alp(self.offpolicy_alp, checkpoint, setting="resume_from_checkpoint")

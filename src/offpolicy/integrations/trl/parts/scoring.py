@@ -2,7 +2,7 @@
 (:mod:`offpolicy.integrations.trl.replay`), from the backbone's last hidden state with the head recomputed as
 h·Wᵀ + b; with the engine's top-k (top-k TRM, score centering) the update forward does the same, and the log-probs,
 the entropy, the top-k bounds and the centre come from one pass over the head
-(:mod:`offpolicy.integrations.trl.head_pass`).
+(:func:`offpolicy.forward_scores.token_scores`).
 
 Settings: ``sampling_replay``, ``dvp_rho`` (DVP, arXiv 2512.23087: ``min_p = ρ`` for the engine),
 ``memory_budget_bytes``. Metrics: ``offpolicy/dvp/…`` (logged by the ``dvp_keep`` correction).
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.corrections.vocabulary import dvp_keep
-from offpolicy.integrations.trl.head_pass import HeadScores, head_scores
+from offpolicy.forward_scores import TokenScores, token_scores
 from offpolicy.integrations.trl.parts import TRLBase
 from offpolicy.integrations.trl.parts.sharding import gathered_head
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory, trl_engine, trl_sampling_recipe
@@ -208,8 +208,8 @@ class ReplayScoring(TRLBase):
 
     def _offpolicy_head(self, h: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, att: Tensor,
                         targets: Tensor, valid: Tensor, rows: Tensor, start: int, batch_size: int,
-                        topk: tuple[Tensor | None, Tensor | None] | None, compute_entropy: bool) -> HeadScores:
-        """One pass over the head (:func:`~offpolicy.integrations.trl.head_pass.head_scores`) for the scored rows
+                        topk: tuple[Tensor | None, Tensor | None] | None, compute_entropy: bool) -> TokenScores:
+        """One pass over the head (:func:`~offpolicy.forward_scores.token_scores`) for the scored rows
         ``rows`` (flat positions of the ``[b, T]`` completion block ``valid``) of one model batch from ``start``:
         the (replayed) log-probs, the entropy when asked (with a gradient only when TRL's entropy bonus is on), the
         top-k bounds and score centering's centre when the batch carries the engine's top-k."""
@@ -231,12 +231,12 @@ class ReplayScoring(TRLBase):
             top = (topk[0][start:start + batch_size].reshape(n_all, -1)[rows],
                    topk[1][start:start + batch_size].reshape(n_all, -1)[rows])
         grad = torch.is_grad_enabled()
-        return head_scores(h, weight, targets.reshape(-1)[rows], bias=bias,
-                           temperature=float(getattr(self.args, "temperature", 1.0) or 1.0), recipe=recipe,
-                           order=self.offpolicy_order, history=history, entropy=compute_entropy,
-                           entropy_grad=compute_entropy and grad and self._offpolicy_entropy_grad(), topk=top,
-                           center=top is not None and self.offpolicy_score_centering,
-                           memory_budget_bytes=self.offpolicy_budget)
+        return token_scores(targets.reshape(-1)[rows], hidden=h, weight=weight, bias=bias,
+                            temperature=float(getattr(self.args, "temperature", 1.0) or 1.0), recipe=recipe,
+                            order=self.offpolicy_order, history=history, entropy=compute_entropy,
+                            entropy_grad=compute_entropy and grad and self._offpolicy_entropy_grad(), topk=top,
+                            bounds=top is not None, center=top is not None and self.offpolicy_score_centering,
+                            memory_budget_bytes=self.offpolicy_budget)
 
     def _offpolicy_entropy_grad(self) -> bool:
         """TRL's entropy bonus is on (static ``entropy_coef`` ≠ 0 or adaptive): the entropy needs its gradient."""
