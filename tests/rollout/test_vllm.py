@@ -178,13 +178,18 @@ class CPUUnquantizedExperts:
         self.log.append(layer.name)
 
 
+class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
+    """Stands for the subclass vLLM 0.32 picks on a CPU with AMX tiles (its own ISA, the same prepacking)."""
+
+
 def _moe_model(log, layers=2):
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList()
     for i in range(layers):
         experts, dense = torch.nn.Module(), torch.nn.Module()
         experts.name = f"layers.{i}.mlp.experts"
-        experts.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=CPUUnquantizedExperts(log)))
+        kernel = (CPUUnquantizedExperts, X86CPUUnquantizedExperts)[i % 2]
+        experts.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=kernel(log)))
         dense.quant_method = SimpleNamespace()  # a linear layer's method: no MoE kernel
         model.layers.append(torch.nn.ModuleList([experts, dense]))
     return model
@@ -200,7 +205,8 @@ def test_the_cpu_reload_prepacks_the_experts_again_on_the_versions_that_need_it(
     llm = _llm(log)
     llm.llm_engine.model_executor.driver_worker.worker.model_runner.model = _moe_model(log)
     assert module.push_weights(llm, iter([("lm_head.weight", torch.zeros(2))])) == "reload_weights"
-    # the reload, then each MoE layer prepacked as at load (vLLM 0.32 leaves them unpacked), then the cache reset
+    # the reload, then each MoE layer prepacked as at load (vLLM 0.32 leaves them unpacked), whichever ISA's kernel
+    # it runs (layer 1: the AMX subclass), then the cache reset
     prepacked = [f"layers.{i}.mlp.experts" for i in range(repacked)]
     assert log == [("reload_weights", ["lm_head.weight"]), *prepacked, ("reset_prefix_cache", None)]
     assert module.repack_cpu_experts(torch.nn.Linear(2, 2)) == 0  # a dense model: nothing to repack

@@ -1,5 +1,5 @@
 """VLLMRolloutEngine against live vLLM (CPU build): generation, μ, weight sync through reload_weights, and the sync
-check catching a sync that leaves the tied output head behind."""
+check catching a sync that leaves the tied output head (and its embedding) behind."""
 
 from __future__ import annotations
 

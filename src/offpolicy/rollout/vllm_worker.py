@@ -35,7 +35,7 @@ def repack_cpu_experts(model: Any) -> int:
     """Prepack every fused-MoE layer's experts again after a ``reload_weights`` on vLLM's CPU backend; returns the
     number of layers repacked (0 on a dense model, another backend or another vLLM version).
 
-    At load, vLLM 0.32's CPU experts (``CPUUnquantizedExperts``) prepack ``w13_weight`` / ``w2_weight`` into the
+    At load, vLLM 0.32's CPU experts (``CPUUnquantizedExperts`` and its per-ISA subclasses) prepack ``w13_weight`` / ``w2_weight`` into the
     layout of their grouped GEMM; its layer-wise reload writes the new weights back in the checkpoint's layout
     without that step, and the kernel reads them as packed: on lab-moe the engine's log-probs move from 0.009 to 0.19
     nats per token from the trainer's with the same weights on both sides. This runs the step the first load ran
@@ -50,7 +50,9 @@ def repack_cpu_experts(model: Any) -> int:
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__ == "CPUUnquantizedExperts":
+        # the portable kernel or its per-ISA subclasses (X86CPUUnquantizedExperts on an AMX CPU, Arm…, Power…),
+        # which share its prepacking
+        if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
             experts.process_weights_after_loading(module)
             repacked += 1
     return repacked

@@ -1,7 +1,7 @@
 """The reference trainer with vLLM as its engine (rollout.engine=vllm) on the embedded tiny model; prints JSON.
 
 ``python trainer_vllm.py OUT ok``: 3 steps, metrics.jsonl read back. ``... OUT broken``: the engine's sync drops the
-tied output head from step 2 on, 6 steps at a larger learning rate (as a reload from the checkpoint's files does on vLLM's CPU backend): the sync check
+tied output head (and the embedding it is tied to) from step 2 on, 6 steps at a larger learning rate (as a reload from the checkpoint's files does on vLLM's CPU backend): the sync check
 must stop the run, naming the step, with the last checkpoint intact. ``... OUT bf16``: the policy itself in bf16
 (``model.dtype=bfloat16``) against the bf16 engine, 3 steps. ``... OUT moe``: the mixture-of-experts lab model
 (lab-moe) on its pattern task, 3 steps; the sync of step 3 leaves every expert's down projection behind (vLLM's stacked
@@ -37,7 +37,8 @@ if __name__ == "__main__":
         def push_without_head(llm, named):
             calls.append(1)
             named = list(named)
-            real_push(llm, [(k, v) for k, v in named if k != "lm_head.weight"] if len(calls) > 1 else named)
+            tied = ("lm_head.weight", "model.embed_tokens.weight")  # the embedding too: engine_sync.py says why
+            real_push(llm, [(k, v) for k, v in named if k not in tied] if len(calls) > 1 else named)
 
         vllm_module.push_weights = push_without_head
     if mode == "moe":
