@@ -32,8 +32,9 @@ the old-log-prob forward, ``entropy_from_logits``; and the plug-in's engine on t
 * ``verl_fused``      verl's ``use_fused_kernels`` torch backend (``FusedLinearForPPO``, 512-row chunks), for reference
 * ``verl_dvp``        ``verl_update`` + the plug-in's DVP log-prob (``token_scores`` on the logits, min-p) in its place
 * ``verl_replay``     ``verl_update`` + the plug-in's sampling replay (top-k 50 / top-p 0.95)
-* ``verl_center``     ``verl_update`` + score centering's top-K centre on the logits (``token_scores(center=True)``)
-* ``verl_topk_bound`` ``verl_old`` + the top-K TRM bounds (``token_scores(bounds=True)`` on the logits)
+* ``verl_center``     ``verl_update`` + score centering's top-K centre on the logits (``token_scores(center=True,
+  logp=False)``)
+* ``verl_topk_bound`` ``verl_old`` + the top-K TRM bounds (``token_scores(bounds=True, logp=False)`` on the logits)
 
 Memory: after the inputs are built (chunk by chunk, no transient peak) and every module is imported, the child
 resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), reads its RSS as the baseline, runs forward +
@@ -182,7 +183,7 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
                 logprobs_from_logits(logits, y)
                 if arm == "verl_topk_bound":
                     token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), bounds=True,
-                                 memory_budget_bytes=budget)
+                                 logp=False, memory_budget_bytes=budget)
             return None
         if arm == "verl_fused":
             logp, entropy = FusedLinearForPPO(chunk_size=512)(hid, w, y)
@@ -196,7 +197,7 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
         if arm == "verl_center":
             logits = verl_logits()
             centre = token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), center=True,
-                                  memory_budget_bytes=budget).center  # as the engine runs it
+                                  logp=False, memory_budget_bytes=budget).center  # as the engine runs it
             return centered_logp(logprobs_from_logits(logits, y), centre.to(torch.float32))
         raise ValueError(f"unknown arm {arm!r}")
 

@@ -158,6 +158,27 @@ def test_the_logits_path_equals_the_hidden_state_path():
     torch.testing.assert_close(g_h, g_logits @ w.detach(), atol=1e-5, rtol=1e-4)  # ∂h = ∂z · W
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_without_the_logp_the_centre_and_the_bounds_are_the_same(budget):
+    """A host that keeps its own log-prob (verl's engine) asks only for the centre or the bounds: the same values and
+    gradient, and no log-prob returned."""
+    h, w, b, y, top = _problem(4)
+    logits = (h @ w.T + b).detach().requires_grad_()
+    full = token_scores(y, logits=logits, topk=top, bounds=True, center=True, entropy=True, temperature=0.8,
+                        memory_budget_bytes=budget)
+    only = token_scores(y, logits=logits, topk=top, bounds=True, center=True, entropy=True, temperature=0.8,
+                        logp=False, memory_budget_bytes=budget)
+    assert only.logp is None
+    for name in ("center", "kl_lower", "kl_upper", "entropy", "inside", "mass"):
+        torch.testing.assert_close(getattr(only, name), getattr(full, name), atol=0, rtol=0)
+    torch.testing.assert_close(_grads(only.center.sum(), (logits,)), _grads(full.center.sum(), (logits,)))
+    with torch.no_grad():  # the bounds alone: nothing differentiable
+        bounds = token_scores(y, logits=logits, topk=top, bounds=True, logp=False, temperature=0.8,
+                              memory_budget_bytes=budget)
+    assert bounds.logp is None and bounds.center is None
+    torch.testing.assert_close((bounds.kl_lower, bounds.kl_upper), (full.kl_lower, full.kl_upper), atol=0, rtol=0)
+
+
 def test_bad_combinations_are_named():
     h, w, b, y, top = _problem(0)
     with pytest.raises(ValueError, match="topk"):
@@ -166,6 +187,8 @@ def test_bad_combinations_are_named():
         token_scores(y, hidden=h, weight=w, bounds=True)
     with pytest.raises(ValueError, match="entropy_grad"):
         token_scores(y, hidden=h, weight=w, entropy_grad=True)
+    with pytest.raises(ValueError, match="logp=False with a recipe"):
+        token_scores(y, hidden=h, weight=w, recipe=SamplingConfig(top_k=3), logp=False)
     with pytest.raises(ValueError, match="logits="):
         token_scores(y, hidden=h)
     with pytest.raises(ValueError, match="logits="):

@@ -41,11 +41,11 @@ __all__ = ["TokenScores", "fused_recipe", "penalised", "support_entropy", "suppo
 
 class TokenScores(NamedTuple):
     """Per scored row ``[N]``: ``logp`` (on the recipe's support under a recipe: a finite stand-in where the target
-    is outside it), ``inside`` (the target is in the support; all True without a recipe), ``mass`` (the support's
+    is outside it; None when not asked), ``inside`` (the target is in the support; all True without a recipe), ``mass`` (the support's
     retained mass Z; 1 without a recipe), ``entropy`` (None unless asked), ``kl_lower`` / ``kl_upper`` (None unless
     asked), ``center`` (None unless asked)."""
 
-    logp: Tensor
+    logp: Tensor | None
     inside: Tensor
     mass: Tensor
     entropy: Tensor | None
@@ -125,7 +125,7 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
                  weight: Tensor | None = None, bias: Tensor | None = None, temperature: float | Tensor = 1.0,
                  recipe: SamplingConfig | None = None, order: Sequence[str] = SUPPORT_ORDER, history: Any = None,
                  entropy: bool = False, entropy_grad: bool = False, topk: tuple[Tensor, Tensor] | None = None,
-                 bounds: bool = False, center: bool = False,
+                 bounds: bool = False, center: bool = False, logp: bool = True,
                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TokenScores:
     """The forward-stage scores of ``targets`` [N] in one row-chunked pass (module docstring), from ``logits``
     [N, V] (raw, before the temperature) or from ``hidden`` [N, H] and the lm_head ``weight`` [V, H] (+ ``bias`` [V]).
@@ -136,8 +136,9 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     ``order``: the sampling recipe and the engine's filter order (vLLM's by default); ``history``: what the
     recipe's penalties read (an object with ``chunk(a, b, vocab) -> TokenHistory``). ``entropy``: return it;
     ``entropy_grad``: with its gradient. ``topk``: the engine's ``(log-probs, ids)`` [N, K], read by ``bounds``
-    (TRM's KL bounds) and ``center`` (score centering). Differentiable through ``logp``, ``center`` and (with
-    ``entropy_grad``) ``entropy``.
+    (TRM's KL bounds) and ``center`` (score centering). ``logp=False``: no log-prob of the targets (a host that keeps
+    its own and wants only the bounds or the centre; no recipe then), ``TokenScores.logp`` is None. Differentiable
+    through ``logp``, ``center`` and (with ``entropy_grad``) ``entropy``.
 
     >>> # z = (0, 0, 0): p = ⅓ each; the engine's top-1 is token 0 with q = 0.6 (κ = 0.6)
     >>> z = torch.zeros(1, 3, requires_grad=True)
@@ -154,6 +155,8 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
         raise ValueError("topk: score centering's centre and TRM's bounds need the engine's top-K (topk=(logp, ids))")
     if entropy_grad and not entropy:
         raise ValueError("entropy_grad: set entropy=True too")
+    if not logp and recipe is not None:
+        raise ValueError("logp=False with a recipe: the recipe changes only the log-prob and its support")
     if recipe is not None and recipe.reads_history and history is None:
         raise ValueError(f"history: the recipe's {recipe.reads_history[0]} reads the token history; pass history=")
     per_row = isinstance(temperature, Tensor)
@@ -178,19 +181,25 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
             z = z / t_rows[a:b]
         y = targets[a:b]
         ent: Tensor | None = None
+        lp: Tensor | None = None
         if rec is None:
-            want = ("logp", "entropy") if entropy and (entropy_grad or not recompute) else ("logp",)
-            s = token_stats_from_logits(z, y, temperature=temp, want=want, memory_budget_bytes=memory_budget_bytes)
-            assert s.logp is not None  # requested
-            logp, ent = s.logp, s.entropy
-            inside, mass = torch.ones_like(y, dtype=torch.bool), torch.ones_like(logp)
+            with_entropy = entropy and (entropy_grad or not recompute)
+            want = ("logp",) * logp + ("entropy",) * with_entropy
+            if want:
+                s = token_stats_from_logits(z, y, temperature=temp, want=want,
+                                            memory_budget_bytes=memory_budget_bytes)
+                lp, ent = s.logp, s.entropy
+            inside, mass = torch.ones_like(y, dtype=torch.bool), torch.ones(y.shape, device=z.device)
         else:
             zp = penalised(z, rec, history.chunk(a, b, vocab) if rec.reads_history else None)
-            logp, inside, maybe_mass = support_scores(zp, y, rec, order, with_mass=not recompute)
-            mass = maybe_mass if maybe_mass is not None else torch.ones_like(logp)
+            lp, inside, maybe_mass = support_scores(zp, y, rec, order, with_mass=not recompute)
+            mass = maybe_mass if maybe_mass is not None else torch.ones_like(lp)
             if entropy and (entropy_grad or not recompute):
                 ent = support_entropy(zp, rec, order)
-        diff: list[Tensor] = [logp]
+        diff: list[Tensor] = []
+        if logp:
+            assert lp is not None  # computed above
+            diff.append(lp)
         if center:
             assert lp_k is not None and id_k is not None  # checked above
             diff.append(score_center_topk(z, id_k[a:b], lp_k[a:b], temperature=temp))
@@ -209,7 +218,7 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
             ride.append(topk_kl_upper_bound(lp_k[a:b], id_k[a:b], z, temperature=temp))
         return (*diff, *ride)
 
-    n_diff = 1 + int(center) + int(entropy_grad)
+    n_diff = int(logp) + int(center) + int(entropy_grad)
     buffers = _buffers(recipe, bounds, center) + int(per_row)
     if hidden is not None:
         outs = list(head_row_map(chunk, hidden, weight, bias, buffers=buffers,  # type: ignore[arg-type]
@@ -217,14 +226,14 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     else:
         outs = list(logits_row_map(chunk, logits, buffers=buffers,  # type: ignore[arg-type]
                                    memory_budget_bytes=memory_budget_bytes, differentiable=n_diff))
-    logp = outs.pop(0)
+    logp_out = outs.pop(0) if logp else None
     centre = outs.pop(0) if center else None
     ent_out = outs.pop(0) if entropy_grad else None
     inside, mass = outs.pop(0), outs.pop(0)
     if with_entropy_out:
         ent_out = outs.pop(0)
     lower, upper = (outs.pop(0), outs.pop(0)) if bounds else (None, None)
-    return TokenScores(logp, inside, mass, ent_out, lower, upper, centre)
+    return TokenScores(logp_out, inside, mass, ent_out, lower, upper, centre)
 
 
 def _fused(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, recipe: SamplingConfig,

@@ -70,7 +70,16 @@ def test_the_recompute_may_skip_the_riders():
     torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_no_differentiable_output_reads_statistics_without_a_gradient():
+    h, w, _, _ = _problem()
+    w = w.clone().requires_grad_()
+    (zmax,) = head_row_map(lambda z, a, b: (z.max(-1).values,), h, w, buffers=1, memory_budget_bytes=3 * 11 * 4,
+                           differentiable=0)
+    torch.testing.assert_close(zmax, (h @ w.T).max(-1).values.detach())
+    assert not zmax.requires_grad  # a rider only, though w requires grad
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_differentiable_is_checked(bad):
     h, w, _, _ = _problem()
     with pytest.raises(ValueError, match="differentiable"):

@@ -23,9 +23,10 @@ tuple whose first entry is the differentiable result ``[b − a]`` and whose oth
 no gradient) ride along. The maps return the same tuple over all N rows. ``fn`` must be deterministic: the backward
 calls it again.
 
-Both maps take ``differentiable=d``: the first ``d`` outputs are differentiable (the backward sums
-their contributions into one ∂z per chunk, skipping those whose gradient is None), so several statistics of the same
-logits — a log-prob, an entropy, a centre — share one head matmul in the forward and one recompute in the backward.
+Both maps take ``differentiable=d``: the first ``d`` outputs are differentiable (the backward sums their
+contributions into one ∂z per chunk, skipping those whose gradient is None; ``d = 0``: none is), so several
+statistics of the same logits — a log-prob, an entropy, a centre — share one head matmul in the forward and one
+recompute in the backward.
 The forward calls ``fn`` under ``torch.no_grad()`` and the backward with grad enabled, where only the first ``d``
 outputs are read: ``fn`` may test ``torch.is_grad_enabled()`` to skip the ride-along outputs in the recompute (it
 must then still return at least the ``d`` differentiable ones, in the same order).
@@ -85,6 +86,32 @@ def _outputs(fn: RowFn, z: Tensor, a: int, b: int) -> tuple[Tensor, ...]:
     return out
 
 
+def _joined(ctx, parts: list[tuple[Tensor, ...]], n_diff: int) -> tuple[Tensor, ...]:
+    """The chunks' outputs over all rows; those after the first ``n_diff`` marked non-differentiable."""
+    outs = tuple(torch.cat(x) for x in zip(*parts))
+    if len(outs) < n_diff:
+        raise ValueError(f"fn returned {len(outs)} outputs, fewer than differentiable={n_diff}")
+    ctx.mark_non_differentiable(*outs[n_diff:])
+    return outs
+
+
+def _wanted(grads: tuple[Tensor | None, ...], n_diff: int) -> list[tuple[int, Tensor]]:
+    """(index, gradient) of the differentiable outputs the loss used (None: not used)."""
+    return [(i, g) for i, g in enumerate(grads[:n_diff]) if g is not None]
+
+
+def _chunk_grad(fn: RowFn, z: Tensor, a: int, b: int, wanted: list[tuple[int, Tensor]]) -> Tensor | None:
+    """∂(Σ wanted outputs · their gradients)/∂z of one chunk, ``fn`` recomputed on ``z`` (requires grad); None when
+    no wanted output depends on ``z`` in this chunk."""
+    with torch.enable_grad():
+        outs = _outputs(fn, z, a, b)
+    used = [(outs[i], g[a:b].to(outs[i].dtype)) for i, g in wanted if outs[i].requires_grad]
+    if not used:
+        return None
+    (gz,) = torch.autograd.grad([o for o, _ in used], z, [g for _, g in used])
+    return gz
+
+
 class _HeadRowMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, chunks, slice_bytes, n_diff, hidden, weight, bias):
@@ -97,17 +124,13 @@ class _HeadRowMap(torch.autograd.Function):
                 parts.append(_outputs(fn, z, a, b))
         ctx.fn, ctx.chunks, ctx.slice_bytes, ctx.n_diff = fn, chunks, slice_bytes, n_diff
         ctx.save_for_backward(hidden, weight, bias)
-        outs = tuple(torch.cat(x) for x in zip(*parts))
-        if len(outs) < n_diff:
-            raise ValueError(f"fn returned {len(outs)} outputs, fewer than differentiable={n_diff}")
-        ctx.mark_non_differentiable(*outs[n_diff:])
-        return outs
+        return _joined(ctx, parts, n_diff)
 
     @staticmethod
     def backward(ctx, *grads):
         hidden, weight, bias = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[4:7]
-        wanted = [(i, g) for i, g in enumerate(grads[:ctx.n_diff]) if g is not None]
+        wanted = _wanted(grads, ctx.n_diff)
         if not wanted:
             return None, None, None, None, None, None, None
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
@@ -118,12 +141,9 @@ class _HeadRowMap(torch.autograd.Function):
         slices = _slices(weight, ctx.slice_bytes)
         for a, b in ctx.chunks:
             z = head_logits(hidden[a:b], head, bias, slice_bytes=ctx.slice_bytes).requires_grad_()
-            with torch.enable_grad():
-                outs = _outputs(ctx.fn, z, a, b)
-            used = [(outs[i], g[a:b].to(outs[i].dtype)) for i, g in wanted if outs[i].requires_grad]
-            if not used:  # no wanted output depends on z in this chunk
+            gz = _chunk_grad(ctx.fn, z, a, b, wanted)
+            if gz is None:
                 continue
-            (gz,) = torch.autograd.grad([o for o, _ in used], z, [g for _, g in used])
             h = hidden[a:b].float()
             for v0, v1 in slices:
                 g = gz[:, v0:v1]
@@ -148,33 +168,25 @@ class _LogitsRowMap(torch.autograd.Function):
                 parts.append(_outputs(fn, logits[a:b].float(), a, b))
         ctx.fn, ctx.chunks, ctx.n_diff = fn, chunks, n_diff
         ctx.save_for_backward(logits)
-        outs = tuple(torch.cat(x) for x in zip(*parts))
-        if len(outs) < n_diff:
-            raise ValueError(f"fn returned {len(outs)} outputs, fewer than differentiable={n_diff}")
-        ctx.mark_non_differentiable(*outs[n_diff:])
-        return outs
+        return _joined(ctx, parts, n_diff)
 
     @staticmethod
     def backward(ctx, *grads):
         (logits,) = ctx.saved_tensors
-        wanted = [(i, g) for i, g in enumerate(grads[:ctx.n_diff]) if g is not None]
+        wanted = _wanted(grads, ctx.n_diff)
         if not wanted:
             return None, None, None, None
         grad_z = torch.zeros_like(logits)
         for a, b in ctx.chunks:
-            z = logits[a:b].detach().float().requires_grad_()
-            with torch.enable_grad():
-                outs = _outputs(ctx.fn, z, a, b)
-            used = [(outs[i], g[a:b].to(outs[i].dtype)) for i, g in wanted if outs[i].requires_grad]
-            if used:
-                (gz,) = torch.autograd.grad([o for o, _ in used], z, [g for _, g in used])
+            gz = _chunk_grad(ctx.fn, logits[a:b].detach().float().requires_grad_(), a, b, wanted)
+            if gz is not None:
                 grad_z[a:b] = gz
         return None, None, None, grad_z
 
 
 def _check_differentiable(differentiable: int) -> None:
-    if isinstance(differentiable, bool) or not isinstance(differentiable, int) or differentiable < 1:
-        raise ValueError(f"differentiable must be an int >= 1, got {differentiable!r}")
+    if isinstance(differentiable, bool) or not isinstance(differentiable, int) or differentiable < 0:
+        raise ValueError(f"differentiable must be an int >= 0, got {differentiable!r}")
 
 
 def head_row_map(fn: RowFn, hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, buffers: int,

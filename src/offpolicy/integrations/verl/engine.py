@@ -146,7 +146,8 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError("offpolicy.sampling / topk_logprobs / score_centering need the logits: set "
                              "actor_rollout_ref.model.use_fused_kernels=False")
         # computed before the parent's, on the raw logits (the parent scales by temperature out of place): the
-        # recipe's log-probs, the top-K bounds and the centre in one row-chunked pass (offpolicy.forward_scores)
+        # recipe's log-probs, the top-K bounds and the centre in one row-chunked pass (offpolicy.forward_scores);
+        # without a recipe the log-prob stays the parent's, so the pass computes none
         flat, temperature, unpad = self._flat_logits(output, output_args, micro_batch)
         cu_seqlens = micro_batch["input_ids"].offsets()
         targets = output_args.get("input_ids_rmpad_rolled")
@@ -157,10 +158,10 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         s = token_scores(targets, logits=flat, temperature=temperature,
                          recipe=self.offpolicy.sampling.config if recipe else None, order=SUPPORT_ORDER,
                          topk=self._topk_head(flat, micro_batch) if topk or center else None, bounds=topk,
-                         center=center, memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
+                         center=center, logp=recipe, memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if "log_probs" in model_output:
-            logp = unpad(s.logp) if recipe else model_output["log_probs"].values()
+            logp = unpad(s.logp) if s.logp is not None else model_output["log_probs"].values()
             if center:
                 assert s.center is not None  # asked for
                 logp = centered_logp(logp, unpad(s.center).to(logp.dtype))
