@@ -21,6 +21,7 @@ with no top-K, stays on the fused kernel (:func:`offpolicy.kernels.fused_token_s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -65,6 +66,36 @@ def fused_recipe(recipe: SamplingConfig) -> bool:
         and not recipe.bad_words_ids
 
 
+def _top_k_support(z: Tensor, recipe: SamplingConfig, order: Sequence[str]) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The support of a recipe whose top-k comes before any top-p, read off the k largest of z / T alone:
+    ``(vals, ids, keep)`` [rows, k] — the k largest tempered logits (differentiable; −inf where a later filter drops
+    the token), their ids and whether each survives; None where this does not apply (no top-k, top-p before it,
+    k ≥ V, a tie with the k-th value that :func:`~offpolicy.corrections.vocabulary.sampling_support_mask` keeps and
+    a top-k list cannot, a non-finite value among the k). Min-p's threshold is on the row's maximum, the first of
+    the k, wherever it comes in ``order``; top-p renormalises over the survivors, as the full-row filters do, so the
+    support is theirs without a ``[rows, V]`` mask, sort or logsumexp. The tie test reads one bool per chunk."""
+    k, p = recipe.top_k, recipe.top_p
+    with_top_p = p is not None and p < 1
+    if k is None or k <= 0 or k >= z.shape[-1] or (with_top_p and order.index("top_p") < order.index("top_k")):
+        return None
+    top = (z / recipe.temperature).topk(k + 1, dim=-1)
+    vals, ids = top.values[:, :k], top.indices[:, :k]
+    with torch.no_grad():
+        if bool((top.values[:, k] == top.values[:, k - 1]).any()) or not bool(torch.isfinite(vals).all()):
+            return None
+        keep = torch.ones_like(vals, dtype=torch.bool)
+        for step in order:
+            if step == "min_p" and recipe.min_p is not None and recipe.min_p > 0:
+                keep &= vals >= vals[:, :1] + math.log(recipe.min_p)
+            elif step == "top_p" and with_top_p:
+                ascending = vals.masked_fill(~keep, float("-inf")).flip(-1)
+                cum = ascending.softmax(-1).cumsum(-1)
+                remove = cum <= 1 - p  # type: ignore[operator]  # with_top_p: p is a float
+                remove[:, -1] = False  # the most likely token always survives
+                keep &= ~remove.flip(-1)
+    return vals.masked_fill(~keep, float("-inf")), ids, keep
+
+
 def support_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Sequence[str] = SUPPORT_ORDER, *,
                    with_mass: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logp, inside, mass) ``[rows]`` of one chunk's penalised float32 logits ``z`` [rows, V] (:func:`penalised`):
@@ -85,8 +116,14 @@ def support_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Se
             return s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp)
         assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
         return s.minp_logp, s.minp_inside, s.minp_mass.detach()
-    logp, inside = replay_support_logp(z, targets, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
-                                       temperature=recipe.temperature, order=order)
+    top = _top_k_support(z, recipe, order)
+    if top is not None:  # the support within the k largest: log π_S(y) = z_y/T − logsumexp over the survivors
+        vals, ids, keep = top
+        logp = (z.gather(-1, targets[:, None])[:, 0] / recipe.temperature) - vals.logsumexp(-1)
+        inside = ((ids == targets[:, None]) & keep).any(-1)
+    else:
+        logp, inside = replay_support_logp(z, targets, top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
+                                           temperature=recipe.temperature, order=order)
     if not with_mass:
         return logp, inside, None
     with torch.no_grad():
@@ -108,6 +145,10 @@ def support_entropy(z: Tensor, recipe: SamplingConfig, order: Sequence[str] = SU
     >>> support_entropy(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), SamplingConfig(top_k=2), ("top_k", "top_p", "min_p"))
     tensor([0.5822])
     """
+    top = _top_k_support(z, recipe, order)
+    if top is not None:  # over the k largest alone (:func:`_top_k_support`)
+        logp_k = top[0].log_softmax(-1)
+        return -(logp_k.exp() * logp_k.masked_fill(~top[2], 0.0)).sum(-1)
     support = sampling_support_mask(z.detach(), top_k=recipe.top_k, top_p=recipe.top_p, min_p=recipe.min_p,
                                     temperature=recipe.temperature, order=order)
     logp = (z / recipe.temperature).masked_fill(~support, float("-inf")).log_softmax(-1)
