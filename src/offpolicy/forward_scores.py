@@ -8,7 +8,8 @@ the step is read off them by the project's formula functions:
 
 * the log-prob of the targets and the entropy: softmax(z/T) (:func:`offpolicy.kernels.token_stats_from_logits`), or
   under a sampling recipe — DVP's min-p (arXiv 2512.23087 Def 5.2), sampling replay's top-k / top-p — on the support
-  the engine's filters leave, in the engine's order (:func:`support_scores`, :func:`support_entropy`);
+  the engine's filters leave, in the engine's order (:func:`support_scores`, :func:`support_entropy`; where top-k
+  comes before top-p, read off the k largest logits alone, without a ``[rows, V]`` mask or sort);
 * top-K TRM's bounds on KL(μ‖π) from the engine's top-K (:func:`offpolicy.topk_kl_lower_bound`,
   :func:`offpolicy.topk_kl_upper_bound`; no gradient);
 * score centering's top-K centre (:func:`offpolicy.objectives.score_centering.score_center_topk`, arXiv 2609.20807).
