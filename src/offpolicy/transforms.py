@@ -182,20 +182,26 @@ def fetch_plan(transforms: Sequence[BoundTransform | str | Mapping[str, Any]]) -
 SCORE_CENTER = "score_centering.center"  # c [B, T]: score centering's centre, differentiable
 TOPK_KL_LOWER = "topk_bounds.kl_lower"  # [B, T]: KL(μ‖π) bounds from the engine's top-K (no gradient)
 TOPK_KL_UPPER = "topk_bounds.kl_upper"
+ENGINE_TOPK_LOGP = "engine_topk.logp"  # [B, T, K]: the engine's top-K log-probs at each sampled position (engine_topk)
+ENGINE_TOPK_IDS = "engine_topk.ids"  # [B, T, K]: their token ids
 
 
 def forward_extras(*, keep: Tensor | None = None, mass: Tensor | None = None, center: Tensor | None = None,
-                   kl_lower: Tensor | None = None, kl_upper: Tensor | None = None) -> dict[str, Tensor]:
+                   kl_lower: Tensor | None = None, kl_upper: Tensor | None = None,
+                   topk: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor]:
     """The ``extras`` of a scoring forward's results, each ``[B, T]`` (None: not computed): DVP's / sampling
     replay's ``keep`` (the sampled token inside the trainer's support) and ``mass`` (the support's retained mass),
-    score centering's ``center``, top-K TRM's ``kl_lower`` / ``kl_upper``.
+    score centering's ``center``, top-K TRM's ``kl_lower`` / ``kl_upper``; and the engine's top-K
+    ``(log-probs, ids)`` ``[B, T, K]`` as fetched, for a transform that needs ``engine_topk``
+    (``extras["engine_topk.logp"]``, ``extras["engine_topk.ids"]``).
 
     >>> import torch
     >>> sorted(forward_extras(keep=torch.ones(1, 2, dtype=torch.bool), center=torch.zeros(1, 2)))
     ['dvp_keep', 'score_centering.center']
     """
     named = {"dvp_keep": keep, "dvp_mass": mass, SCORE_CENTER: center, TOPK_KL_LOWER: kl_lower,
-             TOPK_KL_UPPER: kl_upper}
+             TOPK_KL_UPPER: kl_upper, ENGINE_TOPK_LOGP: None if topk is None else topk[0],
+             ENGINE_TOPK_IDS: None if topk is None else topk[1]}
     return {k: v for k, v in named.items() if v is not None}
 
 

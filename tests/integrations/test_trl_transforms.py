@@ -42,6 +42,16 @@ def mu_as_old(batch):
     return batch.replace(old_logp=batch.rollout_logp)
 
 
+@op.register_transform("topk_probe", needs=("engine_topk",), provides="nothing",
+                       description="records the engine's top-K it is handed")
+def topk_probe(batch, k: int = 0):
+    SEEN.append((batch.extras["engine_topk.logp"], batch.extras["engine_topk.ids"], batch.mask))
+    return batch
+
+
+SEEN = []
+
+
 CALLS = []
 '''
 
@@ -51,7 +61,7 @@ def plugin_module(tmp_path, monkeypatch):
     (tmp_path / "my_trl_transforms.py").write_text(textwrap.dedent(PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield importlib.import_module("my_trl_transforms")  # what a user's `import my_trl_transforms` does
-    for name in ("tilt_old", "mu_as_old"):
+    for name in ("tilt_old", "mu_as_old", "topk_probe"):
         TRANSFORMS.unregister(name)
     sys.modules.pop("my_trl_transforms", None)
 
@@ -117,3 +127,33 @@ def test_alp_with_score_centering_keeps_alps_loss_and_centres_its_gradient(tmp_p
     alone, g_alone = loss_and_grad(trainer, trainer._compute_loss, inputs)
     torch.testing.assert_close(both, alone, rtol=1e-6, atol=1e-7)
     assert torch.isfinite(g_both).all() and ((g_both - g_alone).norm() / g_alone.norm()).item() > 1e-3
+
+
+def test_a_plugin_transform_that_needs_the_engines_topk_gets_it(plugin_module, tmp_path, stub_vllm,
+                                                                  stub_vllm_client):
+    # k=4 in the plug-in's parameters: TRL fetches vLLM's top-4 (the stub server) and the loss batch carries it,
+    # as the scoring step padded it, beside TRL's mask
+    from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
+
+    torch.manual_seed(0)
+    model, tok = build_tiny_model(seed=0)
+    stub_vllm["client"] = stub_vllm_client(model, tok)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=1, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
+                      save_strategy="no", beta=0.0, seed=0, use_vllm=True, vllm_mode="server",
+                      vllm_importance_sampling_correction=False)
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(),
+                                   processing_class=tok, sync_check=None,
+                                   recipe={"transforms": {"topk_probe": {"k": 4}}})
+    assert trainer.offpolicy_topk == 4
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 4)
+    trainer._compute_loss(trainer.model, inputs)
+    (logp, ids, mask), = plugin_module.SEEN
+    t = inputs["completion_ids"].shape[1]
+    assert logp.shape == ids.shape == (8, t, 4)
+    assert torch.equal(logp, inputs[TOPK_LOGP_KEY]) and torch.equal(ids, inputs[TOPK_IDS_KEY])
+    valid = mask.bool()
+    assert bool(valid.any()) and bool((logp[valid] <= 0).all())
+    assert bool((logp[valid].logsumexp(-1) <= 1e-5).all())  # K of the engine's probabilities: at most 1 in all
+    assert bool(((ids[valid] >= 0) & (ids[valid] < model.config.vocab_size)).all())

@@ -284,9 +284,11 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         batch = batch_from_trl_inputs(per_token_logps, inputs, max_nonfinite_rollout=self.offpolicy_max_nonfinite_rollout)
         if custom:  # what the scoring forward computed for the transforms, finished on the batch below
             replayed = self.offpolicy_recipe is not None
+            fetched = (topk[0], topk[1]) if topk is not None and topk[0] is not None and topk[1] is not None \
+                else None
             batch = batch.replace(extras=forward_extras(
                 keep=s.inside if replayed else None, mass=s.mass if replayed else None, center=s.center,
-                kl_lower=s.kl_lower, kl_upper=s.kl_upper))
+                kl_lower=s.kl_lower, kl_upper=s.kl_upper, topk=fetched))
         batch = apply_transforms(batch, self.offpolicy_transforms)
         per_token_logps = batch.logp  # TRL's terms below read the transformed log-probs (centred: same value)
         mode = "train" if model.training else "eval"
