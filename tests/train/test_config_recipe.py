@@ -90,6 +90,16 @@ def on_policy_old(batch, shift: float = 0.0):
 
 
 CALLS = []
+
+
+@op.register_transform("topk_seen", needs=("engine_topk",), provides="nothing",
+                       description="records the engine's top-K it is handed")
+def topk_seen(batch, k: int = 0):
+    SEEN.append((batch.extras["engine_topk.logp"], batch.extras["engine_topk.ids"], batch.mask, batch.logp.shape))
+    return batch
+
+
+SEEN = []
 '''
 
 
@@ -99,6 +109,7 @@ def plugin_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_transforms"
     TRANSFORMS.unregister("on_policy_old")
+    TRANSFORMS.unregister("topk_seen")
     sys.modules.pop("my_transforms", None)
 
 
@@ -125,3 +136,23 @@ def test_a_plugin_transform_named_in_a_recipe_runs_in_the_trainer(plugin_module,
     assert len(calls) == 1  # not called without the transform
     with pytest.raises(ValueError, match=r"unknown transform 'on_policy_od' \(did you mean 'on_policy_old'\?\)"):
         load_config(None, [f"plugins=[{plugin_module}]", "algorithm.recipe={transforms: {on_policy_od: {}}}"])
+
+
+def test_a_plugin_transform_that_needs_the_engines_topk_gets_it_in_the_trainer(plugin_module, tmp_path, tiny_pair,
+                                                                                 make_overrides, varying_task):
+    # k=3 in the plug-in's parameters: the engine reports its top-3 at every sampled position, and every minibatch
+    # the transform sees carries it beside its mask: K log-probs of one distribution (at most 1 in all), the sampled
+    # token among them where it is the engine's most likely
+    model, tok = tiny_pair
+    overrides = [o for o in make_overrides(tmp_path, steps=1) if not o.startswith("algorithm.preset")]
+    cfg = load_config(None, [*overrides, f"plugins=[{plugin_module}]",
+                             "algorithm.recipe={transforms: {topk_seen: {k: 3}}}"])
+    train(cfg, model=copy.deepcopy(model), tokenizer=tok, task=varying_task())
+    seen = sys.modules[plugin_module].SEEN
+    assert len(seen) == 1
+    logp, ids, mask, shape = seen[0]
+    assert logp.shape == ids.shape == (*shape, 3)
+    valid = mask.bool()
+    assert bool(valid.any()) and bool((logp[valid].logsumexp(-1) <= 1e-5).all())
+    assert bool((logp[valid][:, :-1] >= logp[valid][:, 1:]).all())  # the engine's order: most likely first
+    assert bool(((ids[valid] >= 0) & (ids[valid] < model.config.vocab_size)).all())

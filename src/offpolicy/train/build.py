@@ -19,6 +19,7 @@ from offpolicy.rollout.sampling import SamplingConfig
 from offpolicy.rollout.spec import EngineSpec
 from offpolicy.train.config import EMBEDDED_MODELS, TrainConfig
 from offpolicy.train.presets import PRESETS, SCORE_CENTERING_TOPK
+from offpolicy.transforms import fetch_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NONFINITE_SETTING = "rollout.max_nonfinite_rollout"  # what a batch refused for its non-finite μ names
@@ -121,6 +122,7 @@ def sampling_config(cfg: TrainConfig) -> SamplingConfig:
     # score_centering_topk: the engine reports q's top-K head at each sampled position (a server's logprobs=K; the
     # transformers engine takes it from the same processed log-probs it samples from, without touching the sampling)
     topk = SCORE_CENTERING_TOPK if PRESETS[cfg.algorithm.preset].score_centering == "topk" else 0
+    topk = max(topk, fetch_plan(cfg.algorithm.transforms or ()).topk)  # a plug-in transform that needs engine_topk
     if cfg.algorithm.dvp_coverage is not None:
         # entropy-adaptive safe set: top-p(1 − ε) ∩ min-p(ρ) — HF's order (top-p, then min-p) is the intersection,
         # because min-p compares p(a) / max p, which renormalising after top-p does not change

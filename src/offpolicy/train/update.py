@@ -69,7 +69,9 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
         return LogProbBatch(logp=logp[rows], mask=scored.mask[rows], old_logp=scored.old_logp[rows],
                             rollout_logp=scored.rollout_logp[rows], advantages=rollout.advantages[rows],
                             token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows],
-                            extras={k: v[rows] for k, v in extras.items()}, **nonfinite_fields(state.cfg))
+                            extras={**{k: v[rows] for k, v in extras.items()},
+                                    **_engine_topk(state, rollout, rows, logp.shape[1], logp.device)},
+                            **nonfinite_fields(state.cfg))
     ids = rows.tolist()
     routes = replay_routes(state.model, [scored.theta_routes[i] for i in ids]) if scored.theta_routes is not None \
         else contextlib.nullcontext()
@@ -99,9 +101,20 @@ def _minibatch(state: TrainState, rollout: Rollout, scored: Scored, rows: Tensor
     return LogProbBatch(
         logp=logp, mask=mask, old_logp=scored.old_logp[rows, :t], rollout_logp=scored.rollout_logp[rows, :t],
         advantages=rollout.advantages[rows],
-        token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows, :t], extras=extras,
-        **nonfinite_fields(state.cfg),
+        token_divergence=None if scored.token_divergence is None else scored.token_divergence[rows, :t],
+        extras={**extras, **_engine_topk(state, rollout, rows, t, logp.device)}, **nonfinite_fields(state.cfg),
     )
+
+
+def _engine_topk(state: TrainState, rollout: Rollout, rows: Tensor, t: int, device: torch.device
+                 ) -> dict[str, Tensor]:
+    """The engine's top-K ``[rows, t, K]`` as the batch's extras (``engine_topk.logp`` / ``.ids``), for a plug-in
+    transform that needs it (:func:`~offpolicy.train.build.sampling_config` asked the engine for its K)."""
+    if rollout.topk_ids is None or rollout.topk_logp is None or not any(
+            "engine_topk" in build_transform(spec).needs for spec in state.cfg.algorithm.transforms or ()):
+        return {}
+    picked = rows.to(rollout.topk_ids.device)
+    return forward_extras(topk=(rollout.topk_logp[picked, :t].to(device), rollout.topk_ids[picked, :t].to(device)))
 
 
 def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
