@@ -39,6 +39,16 @@ def test_the_block_and_a_recipe_name_a_plugin_transform(tilt_old):
         parse_settings({"plugin_transforms": tilt_old})
 
 
+def test_a_plugin_that_needs_the_engines_topk_is_refused_in_one_line():
+    register_transform("topk_reader_verl", needs=("engine_topk",), provides="nothing")(lambda batch, k=0: batch)
+    try:
+        with pytest.raises(ValueError, match=r"^OFFPOLICY_VERL: plugin_transforms\[0\]: 'topk_reader_verl' needs "
+                                             r"engine_topk, which verl's policy loss does not receive"):
+            parse_settings({"plugin_transforms": [{"name": "topk_reader_verl", "k": 4}]})
+    finally:
+        TRANSFORMS.unregister("topk_reader_verl")
+
+
 def test_verls_policy_loss_runs_the_blocks_plugin_on_each_micro_batch(tilt_old, monkeypatch):
     # π_old − 0.25: r = e^0.25 = 1.284 on every token, clipped at 1 + 0.2 for A = 1: L = −1.2 (without: −1)
     old = torch.full((2, 3), -1.0)

@@ -382,6 +382,10 @@ def _plugin_transforms(specs: Any) -> tuple[dict[str, Any], ...]:
         if not t.plugin:
             raise _refuse(f"plugin_transforms[{i}]:", f"{t.name!r} is a built-in transform; set it with its own key "
                                                "(sampling, alp, topk_logprobs, score_centering) or in a recipe")
+        if "engine_topk" in t.needs:  # the top-K reaches the engine's forward, not the policy loss's batch
+            raise _refuse(f"plugin_transforms[{i}]:", f"{t.name!r} needs engine_topk, which verl's policy loss "
+                                               "does not receive (the top-K feeds topk_bounds and score_centering "
+                                               "in the engine); run it in TRL or the reference trainer")
         out.append({"name": t.name, **t.params})
     return tuple(out)
 
