@@ -69,10 +69,11 @@ def test_every_objectives_metrics_are_known(name):
 
 TINY = "{num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64, num_attention_heads: 2, num_key_value_heads: 1}"
 CONTROLLERS = {"trm": ["control.trm_acceptance=0.7"], "mis": ["control.is_max_masked=0.05"],
-               "naive": ["control.lr_guard=true"], "alp": ["alp.enabled=true"]}
+               "naive": ["control.lr_guard=true"], "alp": ["alp.enabled=true"],
+               "alp_score_centering": ["alp.enabled=true"], "alp_score_centering_topk": ["alp.enabled=true"]}
 
 
-@pytest.mark.slow  # one step of each of the 14 presets on a random 2-layer model: ~25 s on 2 cores
+@pytest.mark.slow  # one step of each of the 19 presets on a random 2-layer model: ~25 s on 2 cores
 def test_every_key_the_trainer_logs_is_known():
     from offpolicy.train import load_config, train
     from offpolicy.train.presets import PRESETS

@@ -103,12 +103,15 @@ def test_every_preset_is_listed_and_builds():
     assert names == list(PRESETS)
     assert set(names) == {"naive", "tis", "mis", "geo_mask", "icepop", "opsm", "trm", "dvp", "dvp_mis", "alp", "m2po",
                           "ipo", "score_centering", "score_centering_topk", "score_centering_tis",
-                          "score_centering_icepop", "score_centering_replay"}
+                          "score_centering_icepop", "score_centering_replay", "alp_score_centering",
+                          "alp_score_centering_topk"}
     for name in names:
-        ov = [f"algorithm.preset={name}"] + (["alp.enabled=true"] if name == "alp" else [])
+        ov = [f"algorithm.preset={name}"] + (["alp.enabled=true"] if name.startswith("alp") else [])
         a = load_config(None, ov).algorithm
         c = PRESETS[name].correction(a)
-        assert (c is None) == (name in ("naive", "dvp", "alp", "ipo") or name.startswith("score_centering")), name
+        assert (c is None) == (name in ("naive", "dvp", "ipo") or "score_centering" in name or name == "alp"), name
+    with pytest.raises(ValueError, match=r"algorithm.preset='alp_score_centering' needs alp.enabled=true"):
+        load_config(None, ["algorithm.preset=alp_score_centering"])
     veto = PRESETS["naive"].correction(load_config(None, ["algorithm.veto_threshold=1e-4"]).algorithm)
     assert veto is not None and veto.name == "veto"
 

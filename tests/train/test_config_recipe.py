@@ -41,9 +41,39 @@ def test_alp_and_score_centering_recipes(tmp_path):
     assert objective_call(cfg) == ("bypass", {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 10.0})
     cfg = load_config(None, [f"algorithm.recipe={DATA / 'score_centering.yaml'}"])
     assert cfg.algorithm.preset == "score_centering_topk" and _chain(cfg) is None
+    cfg = load_config(None, [f"algorithm.recipe={DATA / 'alp_score_centering.yaml'}"])
+    assert (cfg.algorithm.preset, cfg.alp.enabled, cfg.alp.init_std) == ("alp_score_centering_topk", True, 0.03)
+    assert objective_call(cfg)[0] == "bypass"
+    with pytest.raises(ValueError, match=r"algorithm.recipe: transforms.score_centering.weighting='tis' with alp: "
+                                         r"the reference trainer combines ALP with the plain centring only"):
+        load_config(None, ["algorithm.recipe={transforms: {alp: {}, score_centering: {source: topk, weighting: tis}}}"])
     with pytest.raises(ValueError, match=r"algorithm.recipe: the reference trainer combines at most one of dvp, alp, "
-                                         r"score_centering and exact_kl; the recipe has alp, score_centering"):
-        load_config(None, [f"algorithm.recipe={DATA / 'alp_score_centering.yaml'}"])
+                                         r"score_centering and exact_kl, or alp with score_centering; the recipe has "
+                                         r"dvp, alp"):
+        load_config(None, ["algorithm.recipe={transforms: {dvp: {}, alp: {}}}"])
+
+
+def test_alp_with_score_centering_keeps_alps_loss_and_centres_its_gradient(tmp_path, tiny_pair, make_overrides,
+                                                                          varying_task):
+    # the same rollout and ALP noise (run.seed) with and without the centring: the loss of the first update is ALP's
+    # own value (the centred log-probs keep their value), its gradient is not (the score is centred on the sampler's q)
+    model, tok = tiny_pair
+
+    def first_update(recipe: str, folder: str) -> dict:
+        overrides = [o for o in make_overrides(tmp_path / folder, steps=1) if not o.startswith("algorithm.preset")]
+        cfg = load_config(None, [*overrides, f"algorithm.recipe={recipe}"])
+        return train(cfg, model=copy.deepcopy(model), tokenizer=tok, task=varying_task()).history[0]
+
+    alone = first_update("{transforms: {alp: {init_std: 0.03}}}", "alp")
+    again = first_update("{transforms: {alp: {init_std: 0.03}}}", "again")
+    both = first_update(str(DATA / "alp_score_centering.yaml"), "both")  # the recipe file TRL's and verl's tests read
+    assert again["loss/grad_norm"] == alone["loss/grad_norm"]  # a rerun is exact: a difference below is the centring
+    assert both["reward/mean"] == alone["reward/mean"]  # the same rollout
+    assert both["loss/loss"] == pytest.approx(alone["loss/loss"], rel=1e-6, abs=1e-8)
+    assert "alp/sigma_mean" in both and "score_centering/drift_tv" in both
+    # the engine here is the trainer's own fp32 model, so q ≈ π_θ and E_q[∇log π_θ] ≈ 0: the centred gradient moves
+    # only by the top-20's tail (4e-5 of the norm here), but it moves
+    assert both["loss/grad_norm"] != alone["loss/grad_norm"]
 
 
 def test_a_recipe_inline_in_the_config_file_and_by_preset_name(tmp_path):

@@ -88,6 +88,7 @@ def update_envelopes(overrides: Sequence[str], presets: Sequence[str] | Mapping[
     from offpolicy.train.build import DTYPES
     from offpolicy.train.checkpoint import load_checkpoint
     from offpolicy.train.config import load_config
+    from offpolicy.train.presets import PRESETS
     from offpolicy.train.scoring import score_policy
     from offpolicy.train.steps import build_state, rollout_step, score_step
     from offpolicy.train.update import update_step
@@ -97,7 +98,7 @@ def update_envelopes(overrides: Sequence[str], presets: Sequence[str] | Mapping[
     out_dir = Path(out_dir) if out_dir is not None else Path("offpolicy-mechanisms")
     results: dict[str, Any] = {"bins": bin_labels(), "quantiles": list(QUANTILES), "presets": {}}
     runs = dict(presets) if isinstance(presets, Mapping) else {
-        p: [f"algorithm.preset={p}", *(["alp.enabled=true"] if p == "alp" else [])] for p in presets}
+        p: [f"algorithm.preset={p}", *(["alp.enabled=true"] if p in PRESETS and PRESETS[p].alp else [])] for p in presets}
     for preset, extra in runs.items():
         cfg = load_config(None, [*overrides, *extra, "optim.minibatches=1", "optim.epochs=1",
                                  f"run.out_dir={out_dir / preset}"])

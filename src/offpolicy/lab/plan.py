@@ -15,6 +15,7 @@ from typing import Any
 
 from offpolicy.lab.mismatch import CONTROL, canonical_mismatch, describe_mismatch, engine_keys, mismatch_overrides
 from offpolicy.lab.settings import VARIANTS, get_setting, resolve_preset
+from offpolicy.train.presets import PRESETS
 
 # Config keys the sweep sets per run, with the option that sets them (a user override of these would make the
 # folder names lie).
@@ -94,7 +95,6 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
     Raises ``ValueError`` with one line naming the option, the override or the run that is wrong.
     """
     from offpolicy.train.config import load_config
-    from offpolicy.train.presets import PRESETS
 
     s = get_setting(setting)
     known = sorted([*PRESETS, *VARIANTS])
@@ -141,7 +141,7 @@ def plan_sweep(out: str | Path, setting: str = "quick", *, presets: str | Sequen
                 continue
             for seed in range(n_seeds):
                 run_overrides = (*s["overrides"], *mismatch_overrides(mismatch), f"algorithm.preset={base}",
-                                 *(["alp.enabled=true"] if base == "alp" else []), *variant, f"run.seed={seed}",
+                                 *(["alp.enabled=true"] if base in PRESETS and PRESETS[base].alp else []), *variant, f"run.seed={seed}",
                                  f"run.steps={n_steps}", *user)
                 run = PlannedRun(preset, mismatch, seed, n_steps, run_overrides)
                 runs.append(PlannedRun(preset, mismatch, seed, n_steps,

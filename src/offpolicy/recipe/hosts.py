@@ -351,25 +351,35 @@ def verl_block(block: Mapping[str, Any]) -> dict[str, Any]:
 
 def trainer_preset(recipe: Recipe) -> str:
     """The reference trainer's preset that computes the recipe's transforms (its corrections and objective go into
-    ``algorithm.corrections`` / ``algorithm.objective``); at most one of DVP, ALP, score centering and the exact KL."""
+    ``algorithm.corrections`` / ``algorithm.objective``): one of DVP, ALP, score centering and the exact KL, or ALP
+    with the plain score centering (the centre from the same noisy forward)."""
     t = recipe.transforms
     chosen = [name for name in ("dvp", "alp", "score_centering", "exact_kl") if name in t]
+    centring = recipe.transform("score_centering")
+    if chosen == ["alp", "score_centering"]:
+        assert centring is not None
+        if centring.params["weighting"] is not None:
+            raise ValueError(f"algorithm.recipe: transforms.score_centering.weighting="
+                             f"{centring.params['weighting']!r} with alp: the reference trainer combines ALP with the "
+                             "plain centring only (weighting: null)")
+        return f"alp_{_centring_preset(centring)}"
     if len(chosen) > 1:
         raise ValueError(f"algorithm.recipe: the reference trainer combines at most one of dvp, alp, "
-                         f"score_centering and exact_kl; the recipe has {', '.join(chosen)} (each is a preset of its "
-                         "own and a run has one preset; OffPolicyGRPOTrainer and OFFPOLICY_VERL combine alp with "
-                         "score_centering)")
+                         f"score_centering and exact_kl, or alp with score_centering; the recipe has "
+                         f"{', '.join(chosen)} (each is a preset of its own and a run has one preset)")
     if not chosen:
         return "naive"
     name = chosen[0]
-    if name == "dvp":
-        return "dvp"
-    if name == "alp":
-        return "alp"
+    if name in ("dvp", "alp"):
+        return name
     if name == "exact_kl":
         return "trm"
-    c = recipe.transform("score_centering")
-    assert c is not None
+    assert centring is not None
+    return _centring_preset(centring)
+
+
+def _centring_preset(c: Any) -> str:
+    """The score-centering preset of the bound transform ``c``."""
     if c.params["source"] == "exact":
         return "score_centering"
     if c.params["k"] != 20:

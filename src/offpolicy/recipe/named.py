@@ -9,7 +9,7 @@
 >>> named_recipe("tiss")
 Traceback (most recent call last):
 ...
-ValueError: unknown recipe 'tiss' (did you mean 'tis'?); named recipes: alp, dvp, dvp_mis, geo_mask, icepop, ipo, m2po, mis, naive, opsm, score_centering, score_centering_icepop, score_centering_replay, score_centering_tis, score_centering_topk, tis, trm
+ValueError: unknown recipe 'tiss' (did you mean 'tis'?); named recipes: alp, alp_score_centering, alp_score_centering_topk, dvp, dvp_mis, geo_mask, icepop, ipo, m2po, mis, naive, opsm, score_centering, score_centering_icepop, score_centering_replay, score_centering_tis, score_centering_topk, tis, trm
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ NAMED_RECIPES: dict[str, dict[str, Any]] = {
                                "transforms": {"score_centering": {**_TOPK, "weighting": "icepop"}}},
     "score_centering_replay": {"corrections": [], "objective": "ppo",
                                "transforms": {"score_centering": {**_TOPK, "weighting": "replay"}}},
+    "alp_score_centering": {"corrections": [], "objective": {"name": "bypass", "dual_clip": 10.0},
+                            "transforms": {"alp": {}, "score_centering": {"source": "exact"}}},
+    "alp_score_centering_topk": {"corrections": [], "objective": {"name": "bypass", "dual_clip": 10.0},
+                                 "transforms": {"alp": {}, "score_centering": dict(_TOPK)}},
 }
 
 

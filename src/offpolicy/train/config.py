@@ -207,10 +207,12 @@ class TrainConfig(ConfigSection):
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
         a = self.algorithm
-        if a.preset == "alp" and not self.alp.enabled:
-            raise ValueError("algorithm.preset='alp' needs alp.enabled=true (or use another preset)")
-        if self.alp.enabled and a.preset != "alp":
-            raise ValueError(f"alp.enabled=true only works with algorithm.preset='alp', not {a.preset!r}")
+        alp_preset = PRESETS[a.preset].alp if a.preset in PRESETS else False
+        if alp_preset and not self.alp.enabled:
+            raise ValueError(f"algorithm.preset={a.preset!r} needs alp.enabled=true (or use another preset)")
+        if self.alp.enabled and not alp_preset:
+            raise ValueError(f"alp.enabled=true only works with an ALP preset (alp, alp_score_centering, "
+                             f"alp_score_centering_topk), not algorithm.preset={a.preset!r}")
         if a.advantage == "rloo" and a.group_size < 2:
             raise ValueError("algorithm.group_size must be >= 2 for algorithm.advantage='rloo' (leave-one-out)")
         if a.advantage in ("grpo", "dr_grpo") and a.group_size < 2:
@@ -218,11 +220,12 @@ class TrainConfig(ConfigSection):
         batch = self.task.prompts_per_step * a.group_size
         if self.optim.minibatches > batch:
             raise ValueError(f"optim.minibatches={self.optim.minibatches} exceeds the batch of {batch} sequences")
-        if a.preset == "alp" and a.objective not in (None, "bypass"):
-            raise ValueError(f"algorithm.objective={a.objective!r} contradicts preset 'alp' (its unified ratio "
+        if alp_preset and a.objective not in (None, "bypass"):
+            raise ValueError(f"algorithm.objective={a.objective!r} contradicts preset {a.preset!r} (its unified ratio "
                              "π_{θ,σ}/μ is the bypass objective)")
-        if a.preset == "alp" and a.level is not None:
-            raise ValueError("algorithm.level does not apply to preset 'alp': set alp.level (token | geometric | sequence)")
+        if alp_preset and a.level is not None:
+            raise ValueError(f"algorithm.level does not apply to preset {a.preset!r}: set alp.level (token | geometric | "
+                             "sequence)")
         check_loglinear(self, objective_call(self)[1])  # the objective takes the keys that are set; loglinear fits
         if a.corrections is not None:
             fields = AlgorithmConfig.model_fields

@@ -173,6 +173,12 @@ PRESETS: dict[str, Preset] = {
                "coefficients on the top-20)", score_centering="topk", score_weighting="icepop"),
         Preset("score_centering_replay", "score centering on the sampler's recorded support, π_θ renormalised on "
                "it (exact, no tail)", score_centering="topk", score_weighting="replay"),
+        Preset("alp_score_centering", "ALP's unified ratio with the score centred on the sampler's full "
+               "distribution, the centre from the same noisy forward", objective="bypass", alp=True, dual_clip=10.0,
+               score_centering="exact"),
+        Preset("alp_score_centering_topk", "ALP's unified ratio with the score centred on the sampler's top-20, the "
+               "centre from the same noisy forward", objective="bypass", alp=True, dual_clip=10.0,
+               score_centering="topk"),
     )
 }
 
