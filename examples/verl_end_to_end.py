@@ -116,7 +116,7 @@ def model_copy(folder: Path, model: str = "tiny") -> Path:
 def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, samples: int, env: dict,
               ray_dir: Path, sync_check: str = "error", ranks: int = 1, dvp: float | None = None,
               precision: str = "fp32", correction: str = TIS, loss_mode: str | None = None,
-              loop: str = "main_ppo") -> list[str]:
+              loop: str = "main_ppo", recipe: Path | None = None) -> list[str]:
     """verl's config for the run: the tiny model in fp32 on both sides (``precision="fp32"``) or as verl runs by
     default (``"bf16"``: fp32 master weights, FSDP's bf16 mixed precision for the actor's forward and backward, a
     bf16 vLLM engine), 2 prompts × 2 samples, 8 new tokens,
@@ -128,7 +128,9 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     plug-in's correction after verl's advantages, as ``OFFPOLICY_VERL``'s ``correction`` value in YAML (a name such
     as ``calibrated_is``, a mapping with its parameters, or a list of either). ``loss_mode``: verl's policy loss
     (``actor_rollout_ref.actor.policy_loss.loss_mode``), e.g. one the plug-in registers (``offpolicy_calibrated_clip``);
-    None: verl's default. ``loop``: verl's loop —
+    None: verl's default. ``recipe``: a recipe file (:class:`offpolicy.Recipe`), handed to the plug-in unchanged as
+    ``OFFPOLICY_VERL: {recipe: PATH}`` in place of ``correction`` / ``sync_check`` / ``dvp`` (the agent loop is the
+    plug-in's when the recipe samples with a recipe of its own, as DVP does). ``loop``: verl's loop —
     ``main_ppo`` (synchronous, the plug-in's trainer by ``trainer.v1.trainer_mode``), ``one_step_off_policy`` or
     ``fully_async`` (the trainer and one vLLM server apart, on one more logical GPU, the weights over the test
     kit's CPU checkpoint engine: :func:`offpolicy_testkit.verl_async.loop_overrides`)."""
@@ -146,8 +148,14 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     if env.get(BREAK_ENV):
         modules += ",verl_end_to_end"
     sampling = "" if dvp is None else f", sampling: {{min_p: {dvp}}}"
-    job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules,
-               "OFFPOLICY_VERL": f"{{correction: {correction}, sync_check: {sync_check}{sampling}}}"}
+    block = f"{{correction: {correction}, sync_check: {sync_check}{sampling}}}"
+    agent_loop = dvp is not None
+    if recipe is not None:
+        from offpolicy import Recipe, fetch_plan
+
+        block = f"{{recipe: {Path(recipe).resolve()}}}"
+        agent_loop = fetch_plan(Recipe.load(Path(recipe)).bound_transforms()).sampling_recipe
+    job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules, "OFFPOLICY_VERL": block}
     out = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
         f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={prompts}",
@@ -189,7 +197,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         out += ["actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
     if loss_mode is not None:  # the plug-in's losses are registered by its external_lib in every worker
         out += [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"]
-    if dvp is not None:
+    if agent_loop:
         out += ["actor_rollout_ref.rollout.agent.default_agent_loop=offpolicy_agent",
                 "actor_rollout_ref.model.use_fused_kernels=false"]
     out += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in job_env.items()]
@@ -228,7 +236,7 @@ def parse_log(text: str) -> dict:
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
         timeout: float = 1500, log: Path | None = None, sync_check: str = "error", ranks: int = 1,
         dvp: float | None = None, precision: str = "fp32", correction: str = TIS, model: str = "tiny",
-        loss_mode: str | None = None, loop: str = "main_ppo") -> dict:
+        loss_mode: str | None = None, loop: str = "main_ppo", recipe: Path | None = None) -> dict:
     """Run ``python -m verl.trainer.main_ppo`` (``loop="main_ppo"``; another loop: through the plug-in's entry point
     ``python -m offpolicy.integrations.verl.async_loops LOOP``) in its own process group (killed at the end, with every Ray and vLLM
     process it started); returns the parsed log, its return code, the time and the log's tail."""
@@ -250,7 +258,7 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
     entry = ["verl.trainer.main_ppo"] if loop == "main_ppo" else ["offpolicy.integrations.verl.async_loops", loop]
     command = [sys.executable, "-m", *entry,
                *overrides(model_dir, train, val, steps, prompts, samples, env, folder / "ray", sync_check, ranks, dvp,
-                         precision, correction, loss_mode, loop)]
+                         precision, correction, loss_mode, loop, recipe)]
     log = log or folder / f"{loop}.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -360,10 +368,13 @@ def main() -> int:
                         help="the plug-in's correction in YAML: a name (calibrated_is, delight, …) or a mapping")
     parser.add_argument("--loss-mode", default=None,
                         help="verl's policy loss, e.g. offpolicy_calibrated_clip (default: verl's own)")
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help="a recipe file for the plug-in, in place of --correction / --sync-check / --dvp")
     args = parser.parse_args()
     result = run(args.steps, break_sync_at=args.break_sync_at, timeout=args.timeout, log=args.log,
                  sync_check=args.sync_check, ranks=args.ranks, dvp=args.dvp, precision=args.precision,
-                 correction=args.correction, model=args.model, loss_mode=args.loss_mode, loop=args.loop)
+                 correction=args.correction, model=args.model, loss_mode=args.loss_mode, loop=args.loop,
+                 recipe=args.recipe)
     if result["rc"] != 0:
         print(result["tail"])
         print(f"verl end to end: failed (exit {result['rc']}) after {result['steps']} steps in "

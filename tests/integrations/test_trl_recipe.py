@@ -50,6 +50,7 @@ def test_dvp_tis_recipe_file_trains_as_its_keywords_do(tmp_path):
     trainer.train()
     assert logged(trainer, "offpolicy/dvp_keep/masked_frac") == [0.0]  # every sampled token inside the safe set
     assert len(logged(trainer, "offpolicy/tis/weight_mean")) == 1
+    assert len(logged(trainer, "offpolicy/tis/kept_frac")) == 1  # the names the trainer and verl log for this file
     # the old keywords give the same internal settings
     torch.manual_seed(0)
     old = _trainer(tmp_path / "keywords", correction={"name": "tis", "upper": 2.0}, dvp_rho=1e-3, sync_check="warn")

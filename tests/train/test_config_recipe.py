@@ -87,6 +87,18 @@ def test_a_recipe_inline_in_the_config_file_and_by_preset_name(tmp_path):
     assert load_config(None, ["algorithm.recipe=dvp_mis"]).algorithm.preset == "dvp"
 
 
+def test_the_dvp_tis_recipe_file_trains_and_logs_the_names_trl_and_verl_log(tmp_path, tiny_pair, make_overrides,
+                                                                            varying_task):
+    # the file TRL's train() (tests/integrations/test_trl_recipe.py) and verl's main_ppo
+    # (tests/vllm/test_verl_e2e_live.py) run unchanged: the same correction metrics, under each host's prefix
+    model, tok = tiny_pair
+    overrides = [o for o in make_overrides(tmp_path, steps=1) if not o.startswith("algorithm.preset")]
+    cfg = load_config(None, [*overrides, f"algorithm.recipe={DATA / 'dvp_tis.yaml'}"])
+    first = train(cfg, model=copy.deepcopy(model), tokenizer=tok, task=varying_task()).history[0]
+    assert {"tis/weight_mean", "tis/kept_frac", "dvp_keep/masked_frac"} <= set(first)
+    assert first["dvp_keep/masked_frac"] == 0.0  # the engine sampled inside the same safe set
+
+
 def test_a_recipe_and_a_key_that_contradicts_it_are_refused_naming_both():
     with pytest.raises(ValueError, match=r"algorithm.recipe sets transforms.dvp.rho to 0.001 but "
                                          r"algorithm.dvp_rho=0.01 says otherwise; give it once"):

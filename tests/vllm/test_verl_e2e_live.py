@@ -1,6 +1,6 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` (verl 0.9.1's own trainer loop, Ray local, the FSDP2
 actor, vLLM's CPU build as verl's rollout) trains the embedded tiny model with the plug-in — weights pushed into vLLM
-after every step, TIS on, the sync check after every sync — through examples/verl_end_to_end.py; then a run with
+after every step, a recipe file's DVP + TIS, the sync check after every sync — through examples/verl_end_to_end.py; then a run with
 DVP whose harness makes the push do nothing from step 2 must fail naming that step's sync; a 3-step run with the
 delight gate and calibrated clipping, both by name. Then one run with the actor sharded
 over two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas (TP = 1), each fed by its own rank's push, and
@@ -41,11 +41,16 @@ def example():
     return _example()
 
 
+RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "dvp_tis.yaml"
+
+
 @pytest.mark.slow
 def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     """At verl's own precision defaults (FSDP's bf16 mixed precision for the actor, a bf16 vLLM engine) — what a
-    verl user runs; the two runs below keep both sides fp32."""
-    result = example.run(STEPS, log=tmp_path / "main_ppo.log", precision="bf16")
+    verl user runs; the run below keeps both sides fp32. The plug-in's settings are the recipe file the reference
+    trainer and TRL's train() run (tests/train/test_config_recipe.py, tests/integrations/test_trl_recipe.py), handed
+    over unchanged: DVP (ρ 1e-3, through the plug-in's agent loop) + token TIS + the sync check (warn)."""
+    result = example.run(STEPS, log=tmp_path / "main_ppo.log", precision="bf16", recipe=RECIPE)
     assert result["rc"] == 0, result["tail"]
     assert result["steps"] == STEPS, result["tail"]
     # the initial sync (calibration) and one per step, every one passed and logged under verl's step metrics
@@ -56,6 +61,9 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     assert "rollout_corr/" in text  # TIS ran in the driver after verl's advantages
     flat = re.sub(r"\s+", "", re.sub(r"\x1b\[\d+m\([^)]*\)\x1b\[0m", "", text))
     assert "'dtype':'bfloat16'" in flat  # verl's config dump: the rollout and the actor's mixed precision in bf16
+    assert f"'OFFPOLICY_VERL':'{{recipe:{RECIPE}}}'" in flat and "'default_agent_loop':'offpolicy_agent'" in flat
+    for step in result["metrics"]:  # the names the trainer and TRL log for the same file, under verl's prefix
+        assert {"rollout_corr/tis/weight_mean", "rollout_corr/tis/kept_frac"} <= set(step), sorted(step)
     # μ from a bf16 engine against a bf16 forward of fp32 weights: a real mismatch, not round-off
     assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] > 1e-4, result["rollout_corr"]
 
