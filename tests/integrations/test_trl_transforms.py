@@ -99,11 +99,9 @@ def test_a_plugin_transform_whose_input_trl_cannot_fetch_is_refused_naming_it(pl
         _trainer(tmp_path, recipe={"transforms": {"mu_as_old": {}}})
 
 
-def test_alp_with_score_centering_keeps_alps_loss_and_centres_its_gradient(tmp_path, stub_vllm, stub_vllm_client):
-    # one batch with vLLM's top-4 (the stub server), the same ALP noise twice: with score centering the loss is ALP's
-    # own value (the centred log-probs have the same value), the gradient is not (the score is centred on q̂)
-    from offpolicy_testkit.trl_toy import loss_and_grad
-
+def _vllm_batch(tmp_path, stub_vllm, stub_vllm_client, transforms):
+    """A trainer with the recipe's ``transforms`` on the stub vLLM server (its top-K), in train mode, and one batch of
+    8 completions it generated and scored."""
     torch.manual_seed(0)
     model, tok = build_tiny_model(seed=0)
     stub_vllm["client"] = stub_vllm_client(model, tok)
@@ -112,12 +110,19 @@ def test_alp_with_score_centering_keeps_alps_loss_and_centres_its_gradient(tmp_p
                       save_strategy="no", beta=0.0, seed=0, use_vllm=True, vllm_mode="server",
                       vllm_importance_sampling_correction=False)
     trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(),
-                                   processing_class=tok, sync_check=None,
-                                   recipe={"transforms": {"alp": {"init_std": 0.03, "seed": 0},
-                                                          "score_centering": {"source": "topk", "k": 4}}})
-    assert trainer.offpolicy_alp is not None and trainer.offpolicy_score_centering
+                                   processing_class=tok, sync_check=None, recipe={"transforms": transforms})
     trainer.model.train()
-    inputs = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 4)
+    return trainer, trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 4)
+
+
+def test_alp_with_score_centering_keeps_alps_loss_and_centres_its_gradient(tmp_path, stub_vllm, stub_vllm_client):
+    # one batch with vLLM's top-4 (the stub server), the same ALP noise twice: with score centering the loss is ALP's
+    # own value (the centred log-probs have the same value), the gradient is not (the score is centred on q̂)
+    from offpolicy_testkit.trl_toy import loss_and_grad
+
+    trainer, inputs = _vllm_batch(tmp_path, stub_vllm, stub_vllm_client, {
+        "alp": {"init_std": 0.03, "seed": 0}, "score_centering": {"source": "topk", "k": 4}})
+    assert trainer.offpolicy_alp is not None and trainer.offpolicy_score_centering
     trainer.offpolicy_alp.reseed(7)
     both, g_both = loss_and_grad(trainer, trainer._compute_loss, inputs)
     assert "offpolicy/alp/sigma_mean" in trainer._metrics["train"]
@@ -135,19 +140,8 @@ def test_a_plugin_transform_that_needs_the_engines_topk_gets_it(plugin_module, t
     # as the scoring step padded it, beside TRL's mask
     from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY
 
-    torch.manual_seed(0)
-    model, tok = build_tiny_model(seed=0)
-    stub_vllm["client"] = stub_vllm_client(model, tok)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=1, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
-                      save_strategy="no", beta=0.0, seed=0, use_vllm=True, vllm_mode="server",
-                      vllm_importance_sampling_correction=False)
-    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=toy_dataset(),
-                                   processing_class=tok, sync_check=None,
-                                   recipe={"transforms": {"topk_probe": {"k": 4}}})
+    trainer, inputs = _vllm_batch(tmp_path, stub_vllm, stub_vllm_client, {"topk_probe": {"k": 4}})
     assert trainer.offpolicy_topk == 4
-    trainer.model.train()
-    inputs = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 4)
     trainer._compute_loss(trainer.model, inputs)
     (logp, ids, mask), = plugin_module.SEEN
     t = inputs["completion_ids"].shape[1]
@@ -156,4 +150,4 @@ def test_a_plugin_transform_that_needs_the_engines_topk_gets_it(plugin_module, t
     valid = mask.bool()
     assert bool(valid.any()) and bool((logp[valid] <= 0).all())
     assert bool((logp[valid].logsumexp(-1) <= 1e-5).all())  # K of the engine's probabilities: at most 1 in all
-    assert bool(((ids[valid] >= 0) & (ids[valid] < model.config.vocab_size)).all())
+    assert bool(((ids[valid] >= 0) & (ids[valid] < trainer.model.config.vocab_size)).all())
