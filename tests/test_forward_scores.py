@@ -179,6 +179,18 @@ def test_without_the_logp_the_centre_and_the_bounds_are_the_same(budget):
     torch.testing.assert_close((bounds.kl_lower, bounds.kl_upper), (full.kl_lower, full.kl_upper), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("recipe_kw", [dict(min_p=0.05), dict(top_k=5, top_p=0.9)])
+def test_without_the_mass_the_rest_is_the_same(recipe_kw):
+    h, w, b, y, top = _problem(5)
+    logits = (h @ w.T + b).detach().requires_grad_()
+    recipe = SamplingConfig(**recipe_kw)
+    full = token_scores(y, logits=logits, recipe=recipe, temperature=torch.full((N,), 0.9))
+    lean = token_scores(y, logits=logits, recipe=recipe, temperature=torch.full((N,), 0.9), mass=False)
+    assert lean.mass is None and full.mass is not None and bool((full.mass < 1).any())
+    assert torch.equal(lean.logp, full.logp) and torch.equal(lean.inside, full.inside)
+    torch.testing.assert_close(_grads(lean.logp.sum(), (logits,)), _grads(full.logp.sum(), (logits,)), atol=0, rtol=0)
+
+
 def test_bad_combinations_are_named():
     h, w, b, y, top = _problem(0)
     with pytest.raises(ValueError, match="topk"):

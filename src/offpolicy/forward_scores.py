@@ -44,12 +44,12 @@ __all__ = ["TokenScores", "fused_recipe", "penalised", "support_entropy", "suppo
 class TokenScores(NamedTuple):
     """Per scored row ``[N]``: ``logp`` (on the recipe's support under a recipe: a finite stand-in where the target
     is outside it; None when not asked), ``inside`` (the target is in the support; all True without a recipe), ``mass`` (the support's
-    retained mass Z; 1 without a recipe), ``entropy`` (None unless asked), ``kl_lower`` / ``kl_upper`` (None unless
+    retained mass Z; 1 without a recipe, None when not asked), ``entropy`` (None unless asked), ``kl_lower`` / ``kl_upper`` (None unless
     asked), ``center`` (None unless asked)."""
 
     logp: Tensor | None
     inside: Tensor
-    mass: Tensor
+    mass: Tensor | None
     entropy: Tensor | None
     kl_lower: Tensor | None
     kl_upper: Tensor | None
@@ -110,13 +110,13 @@ def support_scores(z: Tensor, targets: Tensor, recipe: SamplingConfig, order: Se
     (tensor([-1.3133]), tensor([True]), tensor([0.8808]))
     """
     if fused_recipe(recipe):
-        want = ("minp_logp", "minp_mass") if recipe.min_p is not None else ("logp",)
+        want = (("minp_logp",) + ("minp_mass",) * with_mass) if recipe.min_p is not None else ("logp",)
         s = token_stats_from_logits(z, targets, temperature=recipe.temperature, want=want, min_p_rho=recipe.min_p)
         if recipe.min_p is None:
             assert s.logp is not None  # requested
-            return s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp)
-        assert s.minp_logp is not None and s.minp_inside is not None and s.minp_mass is not None  # requested
-        return s.minp_logp, s.minp_inside, s.minp_mass.detach()
+            return s.logp, torch.ones_like(targets, dtype=torch.bool), torch.ones_like(s.logp) if with_mass else None
+        assert s.minp_logp is not None and s.minp_inside is not None  # requested
+        return s.minp_logp, s.minp_inside, s.minp_mass.detach() if s.minp_mass is not None else None
     top = _top_k_support(z, recipe, order)
     if top is not None:  # the support within the k largest: log π_S(y) = z_y/T − logsumexp over the survivors
         vals, ids, keep = top
@@ -167,7 +167,7 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
                  weight: Tensor | None = None, bias: Tensor | None = None, temperature: float | Tensor = 1.0,
                  recipe: SamplingConfig | None = None, order: Sequence[str] = SUPPORT_ORDER, history: Any = None,
                  entropy: bool = False, entropy_grad: bool = False, topk: tuple[Tensor, Tensor] | None = None,
-                 bounds: bool = False, center: bool = False, logp: bool = True,
+                 bounds: bool = False, center: bool = False, logp: bool = True, mass: bool = True,
                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TokenScores:
     """The forward-stage scores of ``targets`` [N] in one row-chunked pass (module docstring), from ``logits``
     [N, V] (raw, before the temperature) or from ``hidden`` [N, H] and the lm_head ``weight`` [V, H] (+ ``bias`` [V]).
@@ -179,7 +179,8 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     recipe's penalties read (an object with ``chunk(a, b, vocab) -> TokenHistory``). ``entropy``: return it;
     ``entropy_grad``: with its gradient. ``topk``: the engine's ``(log-probs, ids)`` [N, K], read by ``bounds``
     (TRM's KL bounds) and ``center`` (score centering). ``logp=False``: no log-prob of the targets (a host that keeps
-    its own and wants only the bounds or the centre; no recipe then), ``TokenScores.logp`` is None. Differentiable
+    its own and wants only the bounds or the centre; no recipe then), ``TokenScores.logp`` is None; ``mass=False``:
+    no retained mass (a host that logs none), ``TokenScores.mass`` is None. Differentiable
     through ``logp``, ``center`` and (with ``entropy_grad``) ``entropy``.
 
     >>> # z = (0, 0, 0): p = ⅓ each; the engine's top-1 is token 0 with q = 0.6 (κ = 0.6)
@@ -231,11 +232,11 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
                 s = token_stats_from_logits(z, y, temperature=temp, want=want,
                                             memory_budget_bytes=memory_budget_bytes)
                 lp, ent = s.logp, s.entropy
-            inside, mass = torch.ones_like(y, dtype=torch.bool), torch.ones(y.shape, device=z.device)
+            inside, kept = torch.ones_like(y, dtype=torch.bool), torch.ones(y.shape, device=z.device)
         else:
             zp = penalised(z, rec, history.chunk(a, b, vocab) if rec.reads_history else None)
-            lp, inside, maybe_mass = support_scores(zp, y, rec, order, with_mass=not recompute)
-            mass = maybe_mass if maybe_mass is not None else torch.ones_like(lp)
+            lp, inside, maybe_mass = support_scores(zp, y, rec, order, with_mass=mass and not recompute)
+            kept = maybe_mass if maybe_mass is not None else torch.ones_like(lp)
             if entropy and (entropy_grad or not recompute):
                 ent = support_entropy(zp, rec, order)
         diff: list[Tensor] = []
@@ -250,7 +251,7 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
             diff.append(ent)
         if recompute:
             return tuple(diff)
-        ride: list[Tensor] = [inside, mass]
+        ride: list[Tensor] = [inside, kept]
         if with_entropy_out:
             assert ent is not None  # computed above
             ride.append(ent)
@@ -271,11 +272,11 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     logp_out = outs.pop(0) if logp else None
     centre = outs.pop(0) if center else None
     ent_out = outs.pop(0) if entropy_grad else None
-    inside, mass = outs.pop(0), outs.pop(0)
+    inside, kept_mass = outs.pop(0), outs.pop(0)
     if with_entropy_out:
         ent_out = outs.pop(0)
     lower, upper = (outs.pop(0), outs.pop(0)) if bounds else (None, None)
-    return TokenScores(logp_out, inside, mass, ent_out, lower, upper, centre)
+    return TokenScores(logp_out, inside, kept_mass if mass else None, ent_out, lower, upper, centre)
 
 
 def _fused(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, recipe: SamplingConfig,

@@ -158,7 +158,7 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         s = token_scores(targets, logits=flat, temperature=temperature,
                          recipe=self.offpolicy.sampling.config if recipe else None, order=SUPPORT_ORDER,
                          topk=self._topk_head(flat, micro_batch) if topk or center else None, bounds=topk,
-                         center=center, logp=recipe, memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
+                         center=center, logp=recipe, mass=False, memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if "log_probs" in model_output:
             logp = unpad(s.logp) if s.logp is not None else model_output["log_probs"].values()

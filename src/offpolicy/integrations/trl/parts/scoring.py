@@ -169,7 +169,7 @@ class ReplayScoring(TRLBase):
             if own_head:
                 r = self._offpolicy_head(h, weight, bias, ids, att, targets, valid, rows, start, batch_size,
                                          topk, compute_entropy)
-                assert r.logp is not None  # asked for (token_scores' default)
+                assert r.logp is not None and r.mass is not None  # asked for (token_scores' defaults)
                 logp, inside = _scatter(r.logp, rows, valid), _scatter(r.inside, rows, valid, True)
                 mass = _scatter(r.mass.float(), rows, valid, 1.0)
                 entropy, lower, upper, center = (None if x is None else _scatter(x, rows, valid)
