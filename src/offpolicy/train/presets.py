@@ -34,7 +34,7 @@ tune a preset's own corrections (:data:`PRESET_PARAMETERS`: ``is_upper`` is the 
 the sampled tokens outside the trainer's safe set (``dvp_keep``, first in the chain).
 
 >>> sorted(PRESETS)[:4]
-['alp', 'dvp', 'dvp_mis', 'geo_mask']
+['alp', 'alp_score_centering', 'alp_score_centering_topk', 'dvp']
 >>> PRESETS["alp"].objective, PRESETS["dvp"].minp
 ('bypass', True)
 >>> PRESETS["tis"].correction_specs(AlgorithmDefaults(is_upper=3.0))

@@ -110,11 +110,12 @@ def _engine_topk(state: TrainState, rollout: Rollout, rows: Tensor, t: int, devi
                  ) -> dict[str, Tensor]:
     """The engine's top-K ``[rows, t, K]`` as the batch's extras (``engine_topk.logp`` / ``.ids``), for a plug-in
     transform that needs it (:func:`~offpolicy.train.build.sampling_config` asked the engine for its K)."""
-    if rollout.topk_ids is None or rollout.topk_logp is None or not any(
+    ids, logp = getattr(rollout, "topk_ids", None), getattr(rollout, "topk_logp", None)
+    if ids is None or logp is None or not any(
             "engine_topk" in build_transform(spec).needs for spec in state.cfg.algorithm.transforms or ()):
         return {}
-    picked = rows.to(rollout.topk_ids.device)
-    return forward_extras(topk=(rollout.topk_logp[picked, :t].to(device), rollout.topk_ids[picked, :t].to(device)))
+    picked = rows.to(ids.device)
+    return forward_extras(topk=(logp[picked, :t].to(device), ids[picked, :t].to(device)))
 
 
 def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
