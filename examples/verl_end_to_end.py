@@ -1,7 +1,7 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` — verl 0.9.1's own trainer loop (Ray local, the FSDP2
 actor, vLLM's CPU build as verl's rollout server) — trains the embedded tiny model (a 5 M-parameter Qwen2) on the
 embedded arithmetic task with offpolicy's plug-in switched on by its config keys: a correction (TIS) after verl's
-advantages and the sync check after every weight sync (``sync/*`` in verl's console log).
+advantages and the sync check after every weight sync (``sync/*`` in verl's step metrics).
 
     python examples/verl_end_to_end.py                      # 6 steps; minutes on 2 cores
     python examples/verl_end_to_end.py --break-sync-at 3    # the push does nothing from step 3: the run fails there
@@ -178,7 +178,7 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
         "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.agent.num_workers=1",
         f"trainer.n_gpus_per_node={ranks}", "trainer.nnodes=1",
-        f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.logger=[console]",
+        f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.logger=[console,file]",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.device=cpu",
         "reward.num_workers=1", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         f"reward.custom_reward_function.path={Path(__file__).resolve()}",
@@ -204,33 +204,43 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     return out
 
 
-def parse_log(text: str) -> dict:
-    """Steps, the reward of the first and last step and the sync checks from verl's console lines
-    (``step:N - key:value - …``); ``checks_run``: the sync checks the plug-in's trainer logged having run (the fully
-    async trainer logs a step's metrics at the next sync, so its last check reaches no step line)."""
-    steps = []
-    for line in text.splitlines():
-        m = re.search(r"step:(\d+) - (.*)", line)
-        if not m or "critic/score/mean:" not in line:  # a training step's line (the fully async trainer also logs
-            continue                                    # the rollouter's timing under step numbers)
-        metrics = {}
-        for item in m.group(2).split(" - "):
-            key, _, value = item.partition(":")
-            try:
-                metrics[key.strip()] = float(value)
-            except ValueError:
-                pass
-        steps.append((int(m.group(1)), metrics))
-    rewards = [s[1].get("critic/score/mean", float("nan")) for s in steps]
+def read_records(path: Path) -> list[tuple[int, dict]]:
+    """verl's file logger's records (``trainer.logger`` has ``file``; ``VERL_FILE_LOGGER_PATH``), ``(step,
+    metrics)`` in the order logged, numbers only. The trainer's process writes each record in one unbuffered write,
+    whereas its console lines reach the log through Ray's log monitor, which can cut a long line in two. A last line
+    cut short by a killed run is left out."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        data = record.get("data", {})
+        out.append((int(record["step"]), {k: float(v) for k, v in data.items()
+                                          if isinstance(v, (int, float)) and not isinstance(v, bool)}))
+    return out
+
+
+def parse_log(text: str, records: list[tuple[int, dict]]) -> dict:
+    """Steps, the reward of the first and last step and the sync checks from verl's logged metrics
+    (:func:`read_records`): a training step's record carries ``critic/score/mean`` (the fully async trainer also logs
+    the rollouter's timing under step numbers); ``lines``: the records carrying the sync check, as ``(step,
+    metrics)``; ``checks_run``: the sync checks the plug-in's trainer logged having run in the console log (the fully
+    async trainer logs a step's metrics at the next sync, so its last check reaches no step record)."""
+    steps = [(s, m) for s, m in records if "critic/score/mean" in m]
+    rewards = [m["critic/score/mean"] for _, m in steps]
     last = steps[-1][1] if steps else {}
     return {"steps": len(steps), "reward_first": rewards[0] if rewards else float("nan"),
             "reward_last": rewards[-1] if rewards else float("nan"),
             "checks": int(last.get("sync/checks", 0)), "passed": int(last.get("sync/passed", 0)),
             "replicas": int(last.get("sync/replicas", 1)),
             "checks_run": len(re.findall(r"sync check after the weight sync of step \d+", text)),
-            "sync_ok": [s[1].get("sync/ok") for s in steps],
+            "sync_ok": [m.get("sync/ok") for _, m in steps],
+            "lines": [(s, m) for s, m in records if "sync/ok" in m],
             "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")},
-            "metrics": [s[1] for s in steps]}
+            "metrics": [m for _, m in steps]}
 
 
 def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int | None = None,
@@ -253,6 +263,8 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
     path = os.pathsep.join(p for p in (str(alias), str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**vllm_cpu_env(folder / "cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path,
            "RAY_memory_monitor_refresh_ms": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    records = folder / "metrics.jsonl"  # verl's file logger, in the trainer's process
+    env["VERL_FILE_LOGGER_PATH"] = str(records)
     if break_sync_at is not None:
         env[BREAK_ENV] = str(break_sync_at)
     entry = ["verl.trainer.main_ppo"] if loop == "main_ppo" else ["offpolicy.integrations.verl.async_loops", loop]
@@ -284,7 +296,8 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
         rc = proc.returncode if proc.returncode is not None and failed_at is None else (proc.returncode or 1)
     seconds = time.perf_counter() - start
     text = log.read_text(errors="replace")
-    return {**parse_log(text), "rc": rc, "seconds": seconds, "log": str(log), "tail": text[-6000:]}
+    return {**parse_log(text, read_records(records)), "rc": rc, "seconds": seconds, "log": str(log),
+            "tail": text[-6000:]}
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -47,25 +47,6 @@ def example():
     return module
 
 
-def _step_metrics(text: str) -> list[tuple[int, dict]]:
-    """The training steps' console lines as ``(step, metrics)`` (those carrying the sync check; the fully async
-    trainer also logs timing lines under the same step numbers)."""
-    steps = []
-    for line in text.splitlines():
-        m = re.search(r"step:(\d+) - (.*)", line)
-        if m and "sync/ok:" in line:
-            metrics = {}
-            for item in m.group(2).split(" - "):
-                key, _, value = item.partition(":")
-                value = re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip())
-                try:
-                    metrics[key.strip()] = float(value)
-                except ValueError:
-                    pass
-            steps.append((int(m.group(1)), metrics))
-    return steps
-
-
 def _check_broken_run(result: dict, steps: int, break_sync_at: int, first_line: int) -> tuple[int, list[dict]]:
     """A run whose push does nothing from sync ``break_sync_at`` (after the initial one): it failed with the sync
     check's error naming a verl step F ≥ ``break_sync_at`` (later only when a step moved no weight: GRPO's advantages
@@ -78,7 +59,7 @@ def _check_broken_run(result: dict, steps: int, break_sync_at: int, first_line: 
     assert failed, result["tail"]
     failed_step = int(failed.group(1))
     assert break_sync_at <= failed_step <= steps, result["tail"]
-    lines = _step_metrics(text)
+    lines = result["lines"]  # verl's file logger's records carrying the sync check
     assert [s for s, _ in lines] == list(range(first_line, failed_step)), result["tail"]
     assert len(lines) < steps
     # the initial sync (calibration) and each step's before the failed one ran and passed; the failed one logs none
