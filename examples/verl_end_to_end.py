@@ -1,5 +1,5 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` — verl 0.9.1's own trainer loop (Ray local, the FSDP2
-actor, vLLM's CPU build as verl's rollout server) — trains the embedded tiny model (a 5 M-parameter Qwen2) on the
+actor, vLLM's CPU build as verl's rollout server) — trains the embedded tiny model (a 1.3 M-parameter Qwen2) on the
 embedded arithmetic task with offpolicy's plug-in switched on by its config keys: a correction (TIS) after verl's
 advantages and the sync check after every weight sync (``sync/*`` in verl's step metrics).
 
@@ -130,7 +130,8 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
     (``actor_rollout_ref.actor.policy_loss.loss_mode``), e.g. one the plug-in registers (``offpolicy_calibrated_clip``);
     None: verl's default. ``recipe``: a recipe file (:class:`offpolicy.Recipe`), handed to the plug-in unchanged as
     ``OFFPOLICY_VERL: {recipe: PATH}`` in place of ``correction`` / ``sync_check`` / ``dvp`` (the agent loop is the
-    plug-in's when the recipe samples with a recipe of its own, as DVP does). ``loop``: verl's loop —
+    plug-in's when the recipe samples with a recipe of its own, as DVP does, or needs the engine's top-K, as score
+    centering does). ``loop``: verl's loop —
     ``main_ppo`` (synchronous, the plug-in's trainer by ``trainer.v1.trainer_mode``), ``one_step_off_policy`` or
     ``fully_async`` (the trainer and one vLLM server apart, on one more logical GPU, the weights over the test
     kit's CPU checkpoint engine: :func:`offpolicy_testkit.verl_async.loop_overrides`)."""
@@ -154,7 +155,8 @@ def overrides(model: Path, train: Path, val: Path, steps: int, prompts: int, sam
         from offpolicy import Recipe, fetch_plan
 
         block = f"{{recipe: {Path(recipe).resolve()}}}"
-        agent_loop = fetch_plan(Recipe.load(Path(recipe)).bound_transforms()).sampling_recipe
+        plan = fetch_plan(Recipe.load(Path(recipe)).bound_transforms())
+        agent_loop = plan.sampling_recipe or plan.topk > 0  # the loop samples with the recipe and records the top-K
     job_env = {**env, "VERL_USE_EXTERNAL_MODULES": modules, "OFFPOLICY_VERL": block}
     out = [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",

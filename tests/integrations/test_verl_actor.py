@@ -349,7 +349,7 @@ def test_plugin_alp_noise_only_in_the_update_forward(alp_worker, current_logp):
     seen: list[torch.Tensor] = []
     tensors = {"old_log_probs": current_logp, "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
     try:
-        _train(w, "vanilla", "token-mean", tensors, seen=seen)
+        metrics, _ = _train(w, "vanilla", "token-mean", tensors, seen=seen)
     finally:
         w.engine.optimizer_step = step
     mask = _inputs()[1][:, P:].bool()
@@ -360,6 +360,11 @@ def test_plugin_alp_noise_only_in_the_update_forward(alp_worker, current_logp):
     (grad,) = sigma_grads
     assert grad.abs().min() > 0  # every layer's σ gets a gradient
     assert not torch.equal(alp.log_sigma.detach(), before)  # and its own group steps it (the model's lr is 0)
+    # σ after the step reaches verl's metrics (``actor/alp/…`` in its step log), one value per rank
+    sigma = alp.log_sigma.detach().exp()
+    assert metrics["alp/sigma_mean"] == [pytest.approx(float(sigma.mean()), rel=1e-6)]
+    assert metrics["alp/sigma_min"] == [pytest.approx(float(sigma.min()), rel=1e-6)]
+    assert [metrics[f"alp/sigma/{i}"] for i in alp.layer_indices] == [[pytest.approx(float(v), rel=1e-6)] for v in sigma]
 
 
 def test_plugin_alp_sigma_round_trips_through_verls_checkpoint(alp_worker, tmp_path):

@@ -1,8 +1,8 @@
 """TRL's own ``train()`` against live vLLM (colocate mode, vLLM's CPU build, the embedded tiny model): the weight sync
 through ``reload_weights`` and its check, TRL's own IS correction as the baseline, DVP / sampling replay in vLLM's
 filter order (checked against the engine's full processed distribution), TRM on the engine's top-k with the
-certified bound and its vacuity diagnosis, M2PO, IPO, score centering — and the check stopping a sync that leaves the
-tied output head behind.
+certified bound and its vacuity diagnosis, M2PO, IPO, score centering, the ALP + score centering recipe file — and
+the check stopping a sync that leaves the tied output head behind.
 
 Two processes (tests/vllm/scripts/trl_colocate.py): the methods on a bf16 engine (the real mismatch, ≈ 80 s on two
 idle cores), the sync check's catch and the sampler order on an fp32 engine (its gap is round-off, so a head one
@@ -36,7 +36,7 @@ def _result(run_vllm_script, *args):
 
 @pytest.fixture(scope="module")
 def bf16(run_vllm_script):
-    return _result(run_vllm_script, *METHODS, *BF16_POLICY)
+    return _result(run_vllm_script, *METHODS, *BF16_POLICY, "recipe_alp_centering")
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +140,21 @@ def test_m2po_ipo_and_score_centering_act_on_the_live_mismatch(bf16):
     centering = bf16["centering"]
     assert all(0.5 < q <= 1.0 + 1e-6 for q in centering["log"]["offpolicy/score_centering/head_mass_q"])
     assert centering["moved"] and all(math.isfinite(v) for v in centering["log"]["loss"])
+
+
+def test_the_alp_score_centering_recipe_file_trains_unchanged(bf16):
+    """tests/data/recipes/alp_score_centering.yaml, the file the reference trainer (tests/train/test_config_recipe.py)
+    and verl's main_ppo (tests/vllm/test_verl_e2e_live.py) run: ALP's σ logged under the name the other two log
+    (``alp/…``; ``actor/alp/…`` in verl), the centre taken on the engine's top-20 (K from the recipe)."""
+    run = bf16["recipe_alp_centering"]
+    log = run["log"]
+    assert run["error"] is None and run["moved"]
+    assert len(log["sync/ok"]) == 2 and all(ok == 1.0 for ok in log["sync/ok"])  # one sync per step, all passed
+    assert all(g <= t for g, t in zip(log["sync/gap"], log["sync/threshold"]))
+    assert len(log["offpolicy/alp/sigma_mean"]) == 2
+    assert all(0.025 < s < 0.035 for s in log["offpolicy/alp/sigma_mean"])  # init_std 3e-2, two small steps
+    assert all(0.5 < q <= 1.0 + 1e-6 for q in log["offpolicy/score_centering/head_mass_q"])
+    assert all(math.isfinite(v) for v in log["loss"])
 
 
 def test_the_check_stops_a_sync_that_leaves_the_tied_head_behind(fp32):

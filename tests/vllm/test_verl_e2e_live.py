@@ -1,8 +1,9 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` (verl 0.9.1's own trainer loop, Ray local, the FSDP2
 actor, vLLM's CPU build as verl's rollout) trains the embedded tiny model with the plug-in — weights pushed into vLLM
 after every step, a recipe file's DVP + TIS, calibrated clipping as verl's policy loss, the sync check after every
-sync — through examples/verl_end_to_end.py; then a run with DVP, calibrated IS and the delight gate whose harness
-makes the push do nothing from step 2 must fail naming that step's sync. Then one run with the actor sharded over
+sync — through examples/verl_end_to_end.py, and the ALP + score centering recipe file; then a run with DVP,
+calibrated IS and the delight gate whose harness makes the push do nothing from step 2 must fail naming that step's
+sync. Then one run with the actor sharded over
 two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas (TP = 1), each fed by its own rank's push, and
 the check scores both; its first syncs pass and its push from step 3 does nothing (one run, not two, and 3 steps, not
 6: two vLLM servers and two trainer processes start on the same 2 cores, 16 min under a load average of 12-28).
@@ -41,6 +42,12 @@ def example():
     return _example()
 
 
+def _flat(text: str) -> str:
+    """The log without Ray's line prefixes and white space: verl pretty-prints its config to a width, wrapping a key
+    and its value onto two lines behind Ray's prefix as the run's temporary paths happen to fall."""
+    return re.sub(r"\s+", "", re.sub(r"\x1b\[\d+m\([^)]*\)\x1b\[0m", "", text))
+
+
 RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "dvp_tis.yaml"
 
 
@@ -65,7 +72,7 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     assert math.isfinite(result["reward_first"]) and math.isfinite(result["reward_last"])
     text = Path(result["log"]).read_text(errors="replace")
     assert "rollout_corr/" in text  # TIS ran in the driver after verl's advantages
-    flat = re.sub(r"\s+", "", re.sub(r"\x1b\[\d+m\([^)]*\)\x1b\[0m", "", text))
+    flat = _flat(text)
     assert "'dtype':'bfloat16'" in flat  # verl's config dump: the rollout and the actor's mixed precision in bf16
     assert f"'OFFPOLICY_VERL':'{{recipe:{RECIPE}}}'" in flat and "'default_agent_loop':'offpolicy_agent'" in flat
     assert "'loss_mode':'offpolicy_calibrated_clip'" in flat
@@ -81,6 +88,30 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
     assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] > 1e-4, result["rollout_corr"]
 
 
+ALP_RECIPE = RECIPE.parent / "alp_score_centering.yaml"
+ALP_STEPS = 3
+
+
+@pytest.mark.slow
+def test_main_ppo_runs_the_alp_score_centering_recipe_file_unchanged(example, tmp_path):
+    """The second recipe file the reference trainer and TRL's train() run (tests/train/test_config_recipe.py,
+    tests/vllm/test_trl_live.py), at verl's precision defaults: ALP on the actor's update forward, and score centering
+    on the engine's top-20, which the plug-in's agent loop records from vLLM (the engine raises at the first update
+    when a batch lacks it, so a finished run had it at every step). σ reaches verl's step metrics under the name the
+    other hosts log, behind verl's ``actor/`` prefix."""
+    result = example.run(ALP_STEPS, log=tmp_path / "alp_centering.log", precision="bf16", recipe=ALP_RECIPE)
+    assert result["rc"] == 0, result["tail"]
+    assert result["steps"] == ALP_STEPS, result["tail"]
+    assert result["checks"] == ALP_STEPS + 1 and result["passed"] == ALP_STEPS + 1, result["tail"]
+    text = Path(result["log"]).read_text(errors="replace")
+    flat = _flat(text)
+    assert f"'OFFPOLICY_VERL':'{{recipe:{ALP_RECIPE}}}'" in flat and "'default_agent_loop':'offpolicy_agent'" in flat
+    for step in result["metrics"]:
+        assert 0.025 < step["actor/alp/sigma_mean"] < 0.035, step  # init_std 3e-2, three small steps
+        assert step["actor/alp/sigma_min"] <= step["actor/alp/sigma_mean"] <= step["actor/alp/sigma_max"], step
+        assert {k for k in step if k.startswith("actor/alp/sigma/")}, sorted(step)  # one σ per perturbed layer
+
+
 @pytest.mark.slow
 def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
     """A second run, with DVP and calibrated IS (min-p 0.05: vLLM samples inside the safe set through the plug-in's agent loop, the
@@ -90,9 +121,7 @@ def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(exampl
                          correction="[calibrated_is, delight]")
     assert result["rc"] != 0, result["tail"]
     text = Path(result["log"]).read_text(errors="replace")
-    # verl pretty-prints its config to a width, wrapping a key and its value onto two lines behind Ray's prefix as the
-    # run's temporary paths happen to fall: compare without the prefixes and the white space
-    flat = re.sub(r"\s+", "", re.sub(r"\x1b\[\d+m\([^)]*\)\x1b\[0m", "", text))
+    flat = _flat(text)
     assert "'default_agent_loop':'offpolicy_agent'" in flat and "min_p: 0.05" in text
     assert result["steps"] == 1 and result["sync_ok"] == [1.0], result["tail"]  # the probe calibrated under DVP
     assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] < 1e-4, result["rollout_corr"]

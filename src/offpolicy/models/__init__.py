@@ -1,4 +1,4 @@
-"""The embedded models (Qwen2 architecture: ``tiny`` ≈1.6 M, ``lab`` ≈5 M parameters) and their locally built tokenizer."""
+"""The embedded models (Qwen2 architecture: ``tiny`` ≈1.3 M, ``lab`` ≈5 M parameters) and their locally built tokenizer."""
 
 from offpolicy.models.cache import (
     cache_root,

@@ -3,7 +3,7 @@
 =====  ==================================================  ========================================================
 name   architecture                                        warm start
 =====  ==================================================  ========================================================
-tiny   Qwen2, hidden 128, 4 layers, ≈1.6 M parameters      500 steps on arithmetic (the demo task before the lab)
+tiny   Qwen2, hidden 128, 4 layers, ≈1.3 M parameters      500 steps on arithmetic (the demo task before the lab)
 lab    Qwen2, hidden 256, 4 layers, MLP 1024, ≈5.0 M       pattern continuation: the rule learned on noisy prefixes,
                                                            then calibrated to sample it with p ≈ 0.2 (see
                                                            :mod:`offpolicy.models.warm_start`)

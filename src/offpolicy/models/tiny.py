@@ -1,6 +1,6 @@
 """The embedded tiny causal LM: a Qwen2-architecture transformers model built from a config (no download).
 
-≈1.6 M parameters (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings over the 4 099-entry tokenizer of
+≈1.3 M parameters (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings over the 4 099-entry tokenizer of
 :mod:`offpolicy.models.tokenizer`), so a warm start and a short RL run fit on two CPU cores. It is an ordinary
 ``Qwen2ForCausalLM``: everything that works on a real model (``save_pretrained``/``from_pretrained``, KV cache,
 bf16 casting) works on it — including transformers' default attention kernel (sdpa), the same one

@@ -18,7 +18,7 @@ class ConfigSection(BaseModel):
 
 class ModelConfig(ConfigSection):
     """``path``: a local HF model directory, an embedded model warm-started and cached on first use (``"tiny"``, the
-    1.6 M-parameter arithmetic model; ``"lab"``, the 5 M-parameter pattern model of the lab; ``"lab-moe"``, its
+    1.3 M-parameter arithmetic model; ``"lab"``, the 5 M-parameter pattern model of the lab; ``"lab-moe"``, its
     mixture-of-experts twin) or ``"tiny-random"``
     (the tiny architecture, random init from ``run.seed``: fast, for tests). ``tiny_config`` overrides the
     architecture of any embedded model (a larger ``lab`` is warm-started with the same recipe)."""

@@ -19,6 +19,9 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
+
+RECIPES = Path(__file__).resolve().parents[2] / "data" / "recipes"
 
 
 def _numbers(history: list[dict]) -> dict[str, list[float]]:
@@ -86,6 +89,8 @@ if __name__ == "__main__":
         "ipo": dict(objective={"name": "ipo", "threshold": 1e-4}),
         "centering": dict(topk_logprobs=8, score_centering=True, correction={"name": "tis", "upper": 2.0}),
         "trm20_max": dict(topk_logprobs=20, correction={"name": "trm", "avg_kl": None}),
+        # the recipe file the reference trainer and verl's main_ppo run: ALP, centred on the engine's top-20
+        "recipe_alp_centering": dict(recipe=str(RECIPES / "alp_score_centering.yaml")),
         # a head left behind is a few % of one Adam step on the probe: at lr 1e-3 about 0.01 nats per token, under
         # a bf16 engine's own noise (gap ≤ 1.7× its baseline: not flagged) but 10× the fp32 engine's floor; run
         # these two with --dtype=float32

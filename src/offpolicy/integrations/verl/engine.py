@@ -120,9 +120,13 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             allreduce_sigma_grad(self.alp, self.get_data_parallel_group())
         return super().optimizer_step()
 
-    def alp_metrics(self) -> dict[str, float]:
-        """σ statistics (``alp/sigma_mean`` …) as floats; empty without ALP."""
-        return {} if self.alp is None else {k: float(v) for k, v in self.alp.metrics().items()}
+    def train_batch(self, data: Any, loss_function: Any) -> Any:
+        """verl's step, then ALP's σ after it (``alp/sigma_mean`` …; ``actor/alp/…`` in verl's step metrics), each as
+        a one-micro-batch list, the form verl gathers over the data-parallel ranks (σ is the same on every rank)."""
+        outputs = super().train_batch(data, loss_function)
+        if self.alp is not None and self.is_mp_src_rank_with_outputs():
+            outputs["metrics"].update({k: [float(v)] for k, v in self.alp.metrics().items()})
+        return outputs
 
     def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
         super().save_checkpoint(local_path, *args, **kwargs)
