@@ -228,7 +228,7 @@ def read_records(path: Path) -> list[tuple[int, dict]]:
 def parse_log(text: str, records: list[tuple[int, dict]]) -> dict:
     """Steps, the reward of the first and last step and the sync checks from verl's logged metrics
     (:func:`read_records`): a training step's record carries ``critic/score/mean`` (the fully async trainer also logs
-    the rollouter's timing under step numbers); ``lines``: the records carrying the sync check, as ``(step,
+    the rollouter's timing under step numbers); ``sync_records``: the records carrying the sync check, as ``(step,
     metrics)``; ``checks_run``: the sync checks the plug-in's trainer logged having run in the console log (the fully
     async trainer logs a step's metrics at the next sync, so its last check reaches no step record)."""
     steps = [(s, m) for s, m in records if "critic/score/mean" in m]
@@ -240,7 +240,7 @@ def parse_log(text: str, records: list[tuple[int, dict]]) -> dict:
             "replicas": int(last.get("sync/replicas", 1)),
             "checks_run": len(re.findall(r"sync check after the weight sync of step \d+", text)),
             "sync_ok": [m.get("sync/ok") for _, m in steps],
-            "lines": [(s, m) for s, m in records if "sync/ok" in m],
+            "sync_records": [(s, m) for s, m in records if "sync/ok" in m],
             "rollout_corr": {k: v for k, v in last.items() if k.startswith("rollout_corr/")},
             "metrics": [m for _, m in steps]}
 

@@ -59,7 +59,7 @@ def _check_broken_run(result: dict, steps: int, break_sync_at: int, first_line: 
     assert failed, result["tail"]
     failed_step = int(failed.group(1))
     assert break_sync_at <= failed_step <= steps, result["tail"]
-    lines = result["lines"]  # verl's file logger's records carrying the sync check
+    lines = result["sync_records"]  # verl's file logger's records carrying the sync check
     assert [s for s, _ in lines] == list(range(first_line, failed_step)), result["tail"]
     assert len(lines) < steps
     # the initial sync (calibration) and each step's before the failed one ran and passed; the failed one logs none

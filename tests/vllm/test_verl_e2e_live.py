@@ -3,10 +3,10 @@ actor, vLLM's CPU build as verl's rollout) trains the embedded tiny model with t
 after every step, a recipe file's DVP + TIS, calibrated clipping as verl's policy loss, the sync check after every
 sync — through examples/verl_end_to_end.py, and the ALP + score centering recipe file; then a run with DVP,
 calibrated IS and the delight gate whose harness makes the push do nothing from step 2 must fail naming that step's
-sync. Then one run with the actor sharded over
-two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas (TP = 1), each fed by its own rank's push, and
-the check scores both; its first syncs pass and its push from step 3 does nothing (one run, not two, and 3 steps, not
-6: two vLLM servers and two trainer processes start on the same 2 cores, 16 min under a load average of 12-28).
+sync. Then one run with the actor sharded over two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas
+(TP = 1), each fed by its own rank's push, and the check scores both; its first syncs pass and its push from step 3
+does nothing (one run, not two, and 3 steps, not 6: two vLLM servers and two trainer processes start on the same 2
+cores, 16 min under a load average of 12-28).
 
 The runs are slow (minutes on 2 cores each): marked ``slow``. Skipped without verl, ``transfer_queue`` or vLLM (this
 folder's conftest skips without vLLM).
