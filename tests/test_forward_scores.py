@@ -1,5 +1,5 @@
 """The forward stage in one pass (offpolicy.forward_scores.token_scores): the log-probs, entropy, top-K bounds and
-score centering's centre it returns equal, value and gradient, the formulas applied to the whole ``[N, V]`` logits
+score centering's centre and drift it returns equal, value and gradient, the formulas applied to the whole ``[N, V]`` logits
 at once (softmax(z/T), the recipe's support, :mod:`offpolicy.divergence`'s bounds, the centre), whatever the chunking,
 from hidden states and the head (TRL) or from the logits (verl), with one temperature or one per row."""
 
@@ -10,7 +10,7 @@ from offpolicy.corrections.vocabulary import SUPPORT_ORDER
 from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
 from offpolicy.forward_scores import penalised, support_entropy, support_scores, token_scores
 from offpolicy.integrations.trl.replay import ENGINE_ORDERS, ReplayHistory
-from offpolicy.objectives.score_centering import score_center_topk
+from offpolicy.objectives.score_centering import score_center_topk, topk_drift_tv
 from offpolicy.rollout.sampling import SamplingConfig
 
 N, H, V, K = 9, 6, 23, 4
@@ -57,6 +57,36 @@ def test_one_pass_equals_the_softmax_the_bounds_and_the_centre(budget, seed, tem
     ref = _grads((c1 * ref_logp + c2 * ref_c).sum(), (h, w, b))
     for g_got, g_ref in zip(got, ref):
         torch.testing.assert_close(g_got, g_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_drift_rides_along_without_changing_the_centre_or_its_gradient(budget, temperature):
+    h, w, b, y, top = _problem(3)
+    kw = dict(hidden=h, weight=w, bias=b, temperature=temperature, topk=top, center=True, memory_budget_bytes=budget)
+    with_drift, plain = token_scores(y, drift=True, **kw), token_scores(y, **kw)
+    ref = topk_drift_tv((h @ w.T + b).detach(), top[1], top[0], temperature=temperature)
+    torch.testing.assert_close(with_drift.drift, ref, atol=1e-6, rtol=1e-5)
+    assert plain.drift is None and not with_drift.drift.requires_grad
+    assert bool((with_drift.drift >= 0).all()) and bool((with_drift.drift <= 1 + 1e-6).all())
+    torch.testing.assert_close(with_drift.center, plain.center, atol=0, rtol=0)
+    got = _grads((with_drift.logp + with_drift.center).sum(), (h, w, b))
+    want = _grads((plain.logp + plain.center).sum(), (h, w, b))
+    for g_got, g_ref in zip(got, want):
+        torch.testing.assert_close(g_got, g_ref, atol=0, rtol=0)
+    alone = token_scores(y, hidden=h, weight=w, bias=b, temperature=temperature, topk=top, drift=True,
+                         memory_budget_bytes=budget)  # the drift without the centre
+    torch.testing.assert_close(alone.drift, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_the_drift_on_the_engines_own_distribution_is_zero():
+    # q = p: the head's q equals π's there, so ½‖q̂ − p‖₁ = 0 (and the head mass is p's)
+    h, w, b, y, _ = _problem(4)
+    lp = torch.log_softmax((h @ w.T + b).detach(), -1)
+    top_lp, top_ids = lp.topk(K, -1)
+    s = token_scores(y, hidden=h.detach(), weight=w.detach(), bias=b.detach(), topk=(top_lp, top_ids), center=True,
+                     drift=True)
+    torch.testing.assert_close(s.drift, torch.zeros(N), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -197,6 +227,8 @@ def test_bad_combinations_are_named():
         token_scores(y, hidden=h, weight=w, center=True)
     with pytest.raises(ValueError, match="topk"):
         token_scores(y, hidden=h, weight=w, bounds=True)
+    with pytest.raises(ValueError, match="topk"):
+        token_scores(y, hidden=h, weight=w, drift=True)
     with pytest.raises(ValueError, match="entropy_grad"):
         token_scores(y, hidden=h, weight=w, entropy_grad=True)
     with pytest.raises(ValueError, match="logp=False with a recipe"):
@@ -217,7 +249,7 @@ def test_a_bf16_head_gives_the_float32_head_scores():
     # numbers are those of the float32 copy of the same bf16 weights, either way
     h, w, b, y, top = _problem(5)
     w16 = w.detach().bfloat16()
-    kw = dict(bias=b.detach(), entropy=True, topk=top, bounds=True, center=True)
+    kw = dict(bias=b.detach(), entropy=True, topk=top, bounds=True, center=True, drift=True)
     ref = token_scores(y, hidden=h.detach(), weight=w16.float(), **kw)
     for budget in (2**30, 4 * V * H):  # the whole float32 head fits a quarter; only a slice does
         s = token_scores(y, hidden=h.detach(), weight=w16, memory_budget_bytes=budget, **kw)

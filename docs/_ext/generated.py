@@ -180,7 +180,8 @@ def _framework_keys(entry) -> tuple[str, str]:
     trl = f"offpolicy/{entry.key}" if "TRL" in entry.logged_by else ""
     family = entry.key.split("/", 1)[0]
     verl = (f"rollout_corr/{entry.key}" if family in VERL_CORRECTION_FAMILIES else
-            entry.key if entry.key.startswith("loss/") and "TRL" in entry.logged_by else "")
+            entry.key if entry.key.startswith("loss/") and "TRL" in entry.logged_by else
+            f"actor/{entry.key}" if "verl" in entry.logged_by else "")  # the engine's, in verl's step metrics
     return trl, verl
 
 
@@ -205,7 +206,8 @@ def glossary_entries(prefix: str = "") -> str:
                 f"{', '.join(f'`{n}`' for n in KL_MODES)}; `<layer>` a layer index; `<bin>` a position bin "
                 "(`pos00008-00015`). The TRL trainer logs offpolicy's keys under `offpolicy/` "
                 "(`offpolicy/tis/capped_frac`) beside TRL's own; verl's driver logs a correction's keys under "
-                "`rollout_corr/`, and the policy loss's `loss/…` keys as the loss returns them. `report.json` keys are "
+                "`rollout_corr/`, the policy loss's `loss/…` keys as the loss returns them, and the engine's (ALP's σ, "
+                "score centering's drift) under verl's `actor/`. `report.json` keys are "
                 "written by `offpolicy inspect`. A blank \"measured here\" cell: not measured in the lab.")
     return "\n".join(rows)
 

@@ -12,7 +12,8 @@ the step is read off them by the project's formula functions:
   comes before top-p, read off the k largest logits alone, without a ``[rows, V]`` mask or sort);
 * top-K TRM's bounds on KL(μ‖π) from the engine's top-K (:func:`offpolicy.topk_kl_lower_bound`,
   :func:`offpolicy.topk_kl_upper_bound`; no gradient);
-* score centering's top-K centre (:func:`offpolicy.objectives.score_centering.score_center_topk`, arXiv 2609.20807).
+* score centering's top-K centre (:func:`offpolicy.objectives.score_centering.score_center_topk`, arXiv 2609.20807)
+  and the drift it logs (:func:`offpolicy.topk_drift_tv`, no gradient; from the centre's own log-softmax).
 
 The log-prob, the centre and (with ``entropy_grad``) the entropy are differentiable: the backward recomputes each
 chunk's z once, takes ∂/∂z of all of them together and pushes it back once, so a method's extra statistics cost
@@ -35,7 +36,7 @@ from offpolicy.divergence import topk_kl_lower_bound, topk_kl_upper_bound
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
 from offpolicy.kernels.fused import fused_token_stats, token_stats_from_logits
 from offpolicy.kernels.row_maps import head_row_map, logits_row_map
-from offpolicy.objectives.score_centering import score_center_topk
+from offpolicy.objectives.score_centering import score_center_topk, score_center_topk_with_drift, topk_drift_tv
 from offpolicy.rollout.sampling import SamplingConfig, TokenHistory, apply_history_processors
 
 __all__ = ["TokenScores", "fused_recipe", "penalised", "support_entropy", "support_scores", "token_scores"]
@@ -43,9 +44,10 @@ __all__ = ["TokenScores", "fused_recipe", "penalised", "support_entropy", "suppo
 
 class TokenScores(NamedTuple):
     """Per scored row ``[N]``: ``logp`` (on the recipe's support under a recipe: a finite stand-in where the target
-    is outside it; None when not asked), ``inside`` (the target is in the support; all True without a recipe), ``mass`` (the support's
-    retained mass Z; 1 without a recipe, None when not asked), ``entropy`` (None unless asked), ``kl_lower`` / ``kl_upper`` (None unless
-    asked), ``center`` (None unless asked)."""
+    is outside it; None when not asked), ``inside`` (the target is in the support; all True without a recipe),
+    ``mass`` (the support's retained mass Z; 1 without a recipe, None when not asked), ``entropy`` (None unless
+    asked), ``kl_lower`` / ``kl_upper`` (None unless asked), ``center`` (None unless asked), ``drift`` (score
+    centering's top-K drift ½‖q̂ − p‖₁, no gradient; None unless asked)."""
 
     logp: Tensor | None
     inside: Tensor
@@ -54,6 +56,7 @@ class TokenScores(NamedTuple):
     kl_lower: Tensor | None
     kl_upper: Tensor | None
     center: Tensor | None
+    drift: Tensor | None = None
 
 
 def penalised(z: Tensor, recipe: SamplingConfig, history: TokenHistory | None) -> Tensor:
@@ -167,8 +170,8 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
                  weight: Tensor | None = None, bias: Tensor | None = None, temperature: float | Tensor = 1.0,
                  recipe: SamplingConfig | None = None, order: Sequence[str] = SUPPORT_ORDER, history: Any = None,
                  entropy: bool = False, entropy_grad: bool = False, topk: tuple[Tensor, Tensor] | None = None,
-                 bounds: bool = False, center: bool = False, logp: bool = True, mass: bool = True,
-                 memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TokenScores:
+                 bounds: bool = False, center: bool = False, drift: bool = False, logp: bool = True,
+                 mass: bool = True, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TokenScores:
     """The forward-stage scores of ``targets`` [N] in one row-chunked pass (module docstring), from ``logits``
     [N, V] (raw, before the temperature) or from ``hidden`` [N, H] and the lm_head ``weight`` [V, H] (+ ``bias`` [V]).
 
@@ -178,7 +181,7 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     ``order``: the sampling recipe and the engine's filter order (vLLM's by default); ``history``: what the
     recipe's penalties read (an object with ``chunk(a, b, vocab) -> TokenHistory``). ``entropy``: return it;
     ``entropy_grad``: with its gradient. ``topk``: the engine's ``(log-probs, ids)`` [N, K], read by ``bounds``
-    (TRM's KL bounds) and ``center`` (score centering). ``logp=False``: no log-prob of the targets (a host that keeps
+    (TRM's KL bounds), ``center`` (score centering) and ``drift`` (its logged drift). ``logp=False``: no log-prob of the targets (a host that keeps
     its own and wants only the bounds or the centre; no recipe then), ``TokenScores.logp`` is None; ``mass=False``:
     no retained mass (a host that logs none), ``TokenScores.mass`` is None. Differentiable
     through ``logp``, ``center`` and (with ``entropy_grad``) ``entropy``.
@@ -194,8 +197,9 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     """
     if (logits is None) == (hidden is None) or (hidden is not None and weight is None):
         raise ValueError("token_scores: pass logits=, or hidden= with weight=")
-    if (center or bounds) and topk is None:
-        raise ValueError("topk: score centering's centre and TRM's bounds need the engine's top-K (topk=(logp, ids))")
+    if (center or bounds or drift) and topk is None:
+        raise ValueError("topk: score centering's centre and drift and TRM's bounds need the engine's top-K "
+                         "(topk=(logp, ids))")
     if entropy_grad and not entropy:
         raise ValueError("entropy_grad: set entropy=True too")
     if not logp and recipe is not None:
@@ -243,9 +247,16 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
         if logp:
             assert lp is not None  # computed above
             diff.append(lp)
-        if center:
+        drift_k: Tensor | None = None
+        if center or (drift and not recompute):
             assert lp_k is not None and id_k is not None  # checked above
-            diff.append(score_center_topk(z, id_k[a:b], lp_k[a:b], temperature=temp))
+            if not center:
+                drift_k = topk_drift_tv(z, id_k[a:b], lp_k[a:b], temperature=temp)
+            elif drift and not recompute:  # one log-softmax for both
+                c, drift_k = score_center_topk_with_drift(z, id_k[a:b], lp_k[a:b], temperature=temp)
+                diff.append(c)
+            else:
+                diff.append(score_center_topk(z, id_k[a:b], lp_k[a:b], temperature=temp))
         if entropy_grad:
             assert ent is not None  # computed above
             diff.append(ent)
@@ -259,10 +270,12 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
             assert lp_k is not None and id_k is not None  # checked above
             ride.append(topk_kl_lower_bound(lp_k[a:b], id_k[a:b], z, temperature=temp))
             ride.append(topk_kl_upper_bound(lp_k[a:b], id_k[a:b], z, temperature=temp))
+        if drift_k is not None:
+            ride.append(drift_k)
         return (*diff, *ride)
 
     n_diff = int(logp) + int(center) + int(entropy_grad)
-    buffers = _buffers(recipe, bounds, center) + int(per_row)
+    buffers = _buffers(recipe, bounds, center or drift) + int(per_row)
     if hidden is not None:
         outs = list(head_row_map(chunk, hidden, weight, bias, buffers=buffers,  # type: ignore[arg-type]
                                  memory_budget_bytes=memory_budget_bytes, differentiable=n_diff))
@@ -276,7 +289,8 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     if with_entropy_out:
         ent_out = outs.pop(0)
     lower, upper = (outs.pop(0), outs.pop(0)) if bounds else (None, None)
-    return TokenScores(logp_out, inside, kept_mass if mass else None, ent_out, lower, upper, centre)
+    drift_out = outs.pop(0) if drift else None
+    return TokenScores(logp_out, inside, kept_mass if mass else None, ent_out, lower, upper, centre, drift_out)
 
 
 def _fused(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, recipe: SamplingConfig,

@@ -29,6 +29,7 @@ from functools import lru_cache
 from offpolicy.metrics import METRIC_NAMES, NAMINGS
 
 TRL_PREFIX = "offpolicy/"  # the TRL trainer logs the trainer's keys under this prefix
+VERL_ACTOR_PREFIX = "actor/"  # verl logs its actor's step metrics, the engine's (ALP, score centering) among them, so
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,17 @@ ENTRIES: tuple[Entry, ...] = (
     # -- vocabulary, ALP, score centering, top-K --------------------------------------------------------------------
     Entry("dvp/mass_mean", "mean probability mass of the trainer's min-p safe set"),
     Entry("dvp/mass_min", "smallest safe-set mass (DVP's bias bound uses it)"),
-    Entry("alp/sigma_mean", "mean learnable noise scale σ over the perturbed layers"),
-    Entry("alp/sigma_min", "smallest σ"),
-    Entry("alp/sigma_max", "largest σ"),
-    Entry("alp/sigma/<layer>", "σ of one perturbed layer"),
-    Entry("score_centering/drift_tv", "½‖q − π_θ‖₁ per token: how far the sampler's distribution is from the policy",
-          "trainer"),
-    Entry("score_centering/topk_gap_tv", "½‖q − q̂‖₁: the error of the top-20 proportional-tail centring", "trainer"),
-    Entry("score_centering/head_mass_q", "how much of q the engine's top-K holds (the rest is spread ∝ π)", "TRL"),
+    Entry("alp/sigma_mean", "mean learnable noise scale σ over the perturbed layers", "trainer, TRL, verl"),
+    Entry("alp/sigma_min", "smallest σ", "trainer, TRL, verl"),
+    Entry("alp/sigma_max", "largest σ", "trainer, TRL, verl"),
+    Entry("alp/sigma/<layer>", "σ of one perturbed layer", "trainer, TRL, verl"),
+    Entry("score_centering/drift_tv", "½‖q − π_θ‖₁ per token: how far the sampler's distribution is from the policy "
+          "(from the engine's top-K: the proportional-tail estimate ½‖q̂ − π_θ‖₁, never above the exact one)",
+          "trainer, TRL, verl"),
+    Entry("score_centering/topk_gap_tv", "½‖q − q̂‖₁: the error of the top-20 proportional-tail centring (needs the "
+          "sampler's full logits: the reference trainer's re-score)", "trainer"),
+    Entry("score_centering/head_mass_q", "how much of q the top-K holds (the rest is spread ∝ π)",
+          "trainer, TRL, verl"),
     Entry("score_centering/is_weight", "mean IS weight of the sampled token in the IS-rule centring (TIS / IcePop)",
           "trainer"),
     Entry("score_centering/is_clipped", "share of tokens whose IS weight the rule clipped or masked", "trainer"),
@@ -303,7 +307,7 @@ def lookup(key: str) -> Entry | None:
     if diagnostic is not None:
         return Entry(diagnostic, DIAGNOSTICS[diagnostic], "trainer, TRL, verl")
     for candidate in (key, key[len(TRL_PREFIX):] if key.startswith(TRL_PREFIX) else None,
-                      _verl_driver_key(key)):
+                      _verl_driver_key(key), key[len(VERL_ACTOR_PREFIX):] if key.startswith(VERL_ACTOR_PREFIX) else None):
         if candidate is None:
             continue
         for pattern, entry in _compiled():

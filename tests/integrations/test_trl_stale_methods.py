@@ -173,14 +173,16 @@ def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_
     # score centering (arXiv 2609.20807) from the stub server's top-4: train() runs it and logs the head's mass; on one
     # TRL generation batch _compute_loss has the value of the uncentred loss and the gradient of a reference built from
     # the model's full logits: log p(y) − c + sg(c), c = score_center_topk(logits, top-4 ids, top-4 log q)
-    from offpolicy.objectives.score_centering import centered_logp, score_center_topk
+    from offpolicy.objectives.score_centering import centered_logp, score_center_topk, topk_drift_tv
 
     k = 4
     trainer = _trainer(tmp_path, stub_vllm, stub_vllm_client, topk_logprobs=k, score_centering=True,
                        objective="reinforce")
     trainer.train()
     head = logged(trainer, "offpolicy/score_centering/head_mass_q")
+    drift = logged(trainer, "offpolicy/score_centering/drift_tv")  # the trainer's and verl's names too
     assert len(head) == 2 and all(0.0 < h < 1.0 for h in head)
+    assert len(drift) == 2 and all(0.0 <= d < 1.0 for d in drift)
 
     out = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 2)
     t = out["completion_ids"].shape[1]
@@ -200,7 +202,13 @@ def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_
                              advantages=out["advantages"])
         return policy_loss(batch, objective="reinforce", aggregation="token_mean")[0]
 
+    trainer._metrics["train"].clear()
     ours, g_ours = _loss_and_grad(trainer.model, lambda: trainer._compute_loss(trainer.model, dict(out)))
+    with torch.no_grad():  # the logged drift: the top-4 estimate ½‖q̂ − p‖₁ over the completion tokens
+        logits = trainer.model(input_ids=ids, attention_mask=att).logits[:, -t - 1:-1].float()
+        valid = mask.bool()
+        want = topk_drift_tv(logits[valid], id_k[valid], lp_k[valid]).mean().item()
+    assert trainer._metrics["train"]["offpolicy/score_centering/drift_tv"] == [pytest.approx(want, rel=1e-4)]
     ref, g_ref = _loss_and_grad(trainer.model, lambda: reference(True))
     plain, g_plain = _loss_and_grad(trainer.model, lambda: reference(False))
     torch.testing.assert_close(ours, plain, atol=1e-6, rtol=1e-5)  # centring leaves the value alone

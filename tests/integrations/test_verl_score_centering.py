@@ -19,7 +19,7 @@ pytest.importorskip("verl")
 
 from offpolicy_testkit.verl_cpu import ActorBatch, make_worker, process_group, setup_cpu_verl, tiny_qwen2
 
-from offpolicy import centered_logp, score_center_topk  # noqa: E402
+from offpolicy import centered_logp, score_center_topk, topk_drift_tv  # noqa: E402
 from offpolicy.integrations.verl import parse_settings  # noqa: E402
 
 K = 4
@@ -110,6 +110,14 @@ def test_centring_keeps_the_loss_and_gives_the_reference_gradient(model_path, wo
     expected = _reference_grad(model_path, lp, ids, centre=True)
     torch.testing.assert_close(ours_grad, expected, rtol=1e-4, atol=1e-6)
     assert (ours_grad - plain_grad).norm() > 0.05 * plain_grad.norm()  # the centring changed the update
+    # (d) the drift and head mass under the trainer's and TRL's names (verl's trainer prefixes actor/): per
+    # micro-batch (rows 0–3, 4–7) the mean over its response tokens, as verl lists a metric per micro-batch
+    mask = SHAPE.inputs()[1][:, SHAPE.p:].bool()
+    per_token = {"drift_tv": topk_drift_tv(z, ids, lp, temperature=T), "head_mass_q": lp.exp().sum(-1)}
+    for name, values in per_token.items():
+        want = [values[rows][mask[rows]].mean().item() for rows in (slice(0, 4), slice(4, 8))]
+        assert ours_metrics[f"score_centering/{name}"] == pytest.approx(want, rel=1e-5), name
+        assert f"score_centering/{name}" not in plain_metrics
 
     # (c) on-policy: the head is π_θ itself over the whole vocabulary (K = V): q̂ = p, E_q[∇log p] = 0
     full_lp, full_ids = (z / T).log_softmax(-1).topk(z.shape[-1], dim=-1)
@@ -133,5 +141,9 @@ def test_centring_on_the_packed_path(model_path, workers):
     noise = 0.5 * torch.randn(z.shape, generator=torch.Generator().manual_seed(6))
     lp, ids = ((z + noise) / T).log_softmax(-1).topk(K, dim=-1)
     old = SHAPE.infer_logp(plain, {"temperature": T})
-    _, grad = _train(packed, lp, ids, old)
+    metrics, grad = _train(packed, lp, ids, old)
     torch.testing.assert_close(grad, _reference_grad(model_path, lp, ids, centre=True), rtol=1e-4, atol=1e-6)
+    mask = SHAPE.inputs()[1][:, SHAPE.p:].bool()  # the packed rows' drift, back in the response layout
+    drift = topk_drift_tv(z, ids, lp, temperature=T)
+    want = [drift[rows][mask[rows]].mean().item() for rows in (slice(0, 4), slice(4, 8))]
+    assert metrics["score_centering/drift_tv"] == pytest.approx(want, rel=1e-5)

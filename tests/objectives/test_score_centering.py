@@ -14,9 +14,11 @@ from offpolicy.batch import LogProbBatch
 from offpolicy.losses import policy_loss
 from offpolicy.objectives.score_centering import (
     centered_logp,
+    centering_token_metrics,
     sampler_topk,
     score_center,
     score_center_topk,
+    score_center_topk_with_drift,
     topk_drift_tv,
     topk_tail_gap,
 )
@@ -152,6 +154,24 @@ def test_head_drift_is_a_lower_bound_exact_at_k_equal_v_and_zero_on_policy(seed,
         torch.testing.assert_close(est, exact, atol=1e-6, rtol=0)
     on_policy = topk_drift_tv(zq, ids, logq, temperature=temperature)  # q = p
     assert float(on_policy.abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_centre_with_drift_is_the_two_functions_and_the_metrics_are_named_once(temperature):
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2, 5, 11, generator=g, requires_grad=True)
+    logq, ids = torch.log_softmax(torch.randn(2, 5, 11, generator=g), -1).topk(3, -1)
+    logq = logq.clone()
+    logq[0, 0, 2] = float("-inf")  # an unreported slot
+    c, d = score_center_topk_with_drift(z, ids, logq, temperature=temperature)
+    torch.testing.assert_close(c, score_center_topk(z, ids, logq, temperature=temperature), atol=0, rtol=0)
+    torch.testing.assert_close(d, topk_drift_tv(z, ids, logq, temperature=temperature), atol=0, rtol=0)
+    assert c.requires_grad and not d.requires_grad
+    m = centering_token_metrics(d, logq)
+    assert sorted(m) == ["score_centering/drift_tv", "score_centering/head_mass_q"]
+    torch.testing.assert_close(m["score_centering/head_mass_q"], torch.where(logq > float("-inf"), logq.exp(),
+                                                                             0.0).sum(-1))
+    assert m["score_centering/head_mass_q"].shape == (2, 5) and bool((m["score_centering/head_mass_q"] <= 1).all())
 
 
 def test_unreported_slots_are_not_in_the_head():

@@ -154,6 +154,10 @@ def test_the_alp_score_centering_recipe_file_trains_unchanged(bf16):
     assert len(log["offpolicy/alp/sigma_mean"]) == 2
     assert all(0.025 < s < 0.035 for s in log["offpolicy/alp/sigma_mean"])  # init_std 3e-2, two small steps
     assert all(0.5 < q <= 1.0 + 1e-6 for q in log["offpolicy/score_centering/head_mass_q"])
+    # the drift under the name the trainer and verl log; its bound catches a top-K one position off (q and π of
+    # different positions: a total variation near 1), as in tests/vllm/test_verl_e2e_live.py
+    assert len(log["offpolicy/score_centering/drift_tv"]) == 2
+    assert all(0.0 <= d < 0.5 for d in log["offpolicy/score_centering/drift_tv"])
     assert all(math.isfinite(v) for v in log["loss"])
 
 

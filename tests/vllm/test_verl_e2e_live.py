@@ -97,8 +97,8 @@ def test_main_ppo_runs_the_alp_score_centering_recipe_file_unchanged(example, tm
     """The second recipe file the reference trainer and TRL's train() run (tests/train/test_config_recipe.py,
     tests/vllm/test_trl_live.py), at verl's precision defaults: ALP on the actor's update forward, and score centering
     on the engine's top-20, which the plug-in's agent loop records from vLLM (the engine raises at the first update
-    when a batch lacks it, so a finished run had it at every step). σ reaches verl's step metrics under the name the
-    other hosts log, behind verl's ``actor/`` prefix."""
+    when a batch lacks it, so a finished run had it at every step). σ and the centring's drift and head mass reach
+    verl's step metrics under the names the other hosts log, behind verl's ``actor/`` prefix."""
     result = example.run(ALP_STEPS, log=tmp_path / "alp_centering.log", precision="bf16", recipe=ALP_RECIPE)
     assert result["rc"] == 0, result["tail"]
     assert result["steps"] == ALP_STEPS, result["tail"]
@@ -110,6 +110,12 @@ def test_main_ppo_runs_the_alp_score_centering_recipe_file_unchanged(example, tm
         assert 0.025 < step["actor/alp/sigma_mean"] < 0.035, step  # init_std 3e-2, three small steps
         assert step["actor/alp/sigma_min"] <= step["actor/alp/sigma_mean"] <= step["actor/alp/sigma_max"], step
         assert {k for k in step if k.startswith("actor/alp/sigma/")}, sorted(step)  # one σ per perturbed layer
+        # score centering's drift and head mass, the names the trainer and TRL log. The top-20 holds most of q; the
+        # bound on the drift was set after a run (0.04–0.26 over three steps of about nine response tokens each, bf16
+        # engine against ALP's noisy bf16 forward) to catch a top-K laid one position off, whose q and π are
+        # different positions' peaked distributions (a total variation near 1), not to pin the mismatch
+        assert 0.0 <= step["actor/score_centering/drift_tv"] < 0.5, step
+        assert 0.5 < step["actor/score_centering/head_mass_q"] <= 1.0 + 1e-6, step
 
 
 @pytest.mark.slow

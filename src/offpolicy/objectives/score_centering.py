@@ -147,12 +147,36 @@ def score_center_topk(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, te
     >>> torch.autograd.grad(c, z)[0]   # q̂ − p = (0.6, 0.6·⅓, 0.6·⅓) − ⅓ = (0.2667, −0.1333, −0.1333)
     tensor([ 0.2667, -0.1333, -0.1333])
     """
+    return _center_of(*_head_of(logits, topk_ids, topk_logq, temperature))
+
+
+def _head_of(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor,
+             temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_head` of log softmax(logits / T), the arguments checked."""
     logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
     t = check_positive("temperature", temperature)
-    lp_head, q_head, reported, tail_p, tail_q = _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
+    return _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
+
+
+def _center_of(lp_head: Tensor, q_head: Tensor, reported: Tensor, tail_p: Tensor, tail_q: Tensor) -> Tensor:
+    """c = Σ_{a∈H} sg(q_a − κ p_a) log p_a, κ = (1 − m_q)/(1 − m_p), from :func:`_head`'s parts."""
     kappa = torch.where(tail_p > 0, tail_q / tail_p.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     weight = torch.where(reported, q_head - kappa * lp_head.detach().exp(), 0.0)
     return (weight * lp_head).sum(-1)
+
+
+def _drift_of(lp_head: Tensor, q_head: Tensor, reported: Tensor, tail_p: Tensor, tail_q: Tensor) -> Tensor:
+    """½(Σ_{a∈H} |q_a − p_a| + |m_p − m_q|) from :func:`_head`'s parts (no gradient)."""
+    head = torch.where(reported, (q_head - lp_head.detach().exp()).abs(), 0.0).sum(-1)
+    return 0.5 * (head + (tail_p - tail_q).abs()[..., 0])
+
+
+def score_center_topk_with_drift(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *,
+                                 temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``(centre, drift)`` ``[...]``: :func:`score_center_topk` and :func:`topk_drift_tv` from one log-softmax of the
+    logits (the drift without a gradient), for a pass that logs the drift beside the centre it trains on."""
+    parts = _head_of(logits, topk_ids, topk_logq, temperature)
+    return _center_of(*parts), _drift_of(*parts).detach()
 
 
 @torch.no_grad()
@@ -172,11 +196,16 @@ def topk_drift_tv(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temper
     >>> round(topk_drift_tv(p_logits, torch.tensor([0, 1]), q[:2].log()).item(), 4)  # ½(0.25 + 0.05 + 0.3)
     0.3
     """
-    logits, topk_ids, topk_logq = _check_head(logits, topk_ids, topk_logq)
-    t = check_positive("temperature", temperature)
-    lp_head, q_head, reported, tail_p, tail_q = _head(torch.log_softmax(logits.float() / t, -1), topk_ids, topk_logq)
-    head = torch.where(reported, (q_head - lp_head.exp()).abs(), 0.0).sum(-1)
-    return 0.5 * (head + (tail_p - tail_q).abs()[..., 0])
+    return _drift_of(*_head_of(logits, topk_ids, topk_logq, temperature))
+
+
+def centering_token_metrics(drift: Tensor, topk_logq: Tensor) -> dict[str, Tensor]:
+    """Score centering's per-token numbers under the names every host logs (each averages them over its response
+    tokens): ``score_centering/drift_tv`` (``drift`` ``[...]``, ½‖q − p‖₁ or its top-K estimate
+    :func:`topk_drift_tv`) and ``score_centering/head_mass_q`` (m_q = Σ_H q ``[...]`` of the head ``topk_logq``
+    ``[..., K]``: how much of q the top-K holds; the rest is spread ∝ p)."""
+    return {"score_centering/drift_tv": drift.detach().float(),
+            "score_centering/head_mass_q": topk_logq.detach().float().exp().sum(-1)}
 
 
 def centered_logp(logp: Tensor, center: Tensor) -> Tensor:

@@ -123,15 +123,16 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
                     targets: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """π_θ's log-probs and the centre c of the centred score ∇log p(y) − E_q[∇log p] (arXiv 2609.20807; exact from
     the sampler's full logits, or its top-k head with the proportional tail) in the extras, which the batch step of
-    ``score_centering`` puts into the log-probs' gradient (:func:`_transforms`), and the per-token drift ½‖q − p‖₁ and
-    top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
+    ``score_centering`` puts into the log-probs' gradient (:func:`_transforms`), and the per-token drift ½‖q − p‖₁,
+    the top-k head's mass and the top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
     of a re-score, or a server's head ``(ids, log q)`` ``[B, T, K]``: then the drift is the proportional-tail estimate
     ½‖q̂ − p‖₁ and the tail error, which needs the full q, is not logged."""
     from offpolicy.objectives.score_centering import (
+        centering_token_metrics,
         sampler_topk,
         score_center,
         score_center_topk,
-        topk_drift_tv,
+        score_center_topk_with_drift,
         topk_tail_gap,
     )
 
@@ -140,17 +141,16 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
         return _weighted_centered(state, logp, logits, sampler, rollout_logp, extras, targets)
     if isinstance(sampler, tuple):  # the engine's own top-K, already tempered
         ids, logq = sampler
-        center = score_center_topk(logits, ids, logq, temperature=temperature)
-        drift = topk_drift_tv(logits.detach(), ids, logq, temperature=temperature)
-        return logp, {**extras, **forward_extras(center=center), "score_centering/drift_tv": drift}
+        center, drift = score_center_topk_with_drift(logits, ids, logq, temperature=temperature)
+        return logp, {**extras, **forward_extras(center=center), **centering_token_metrics(drift, logq)}
     sampler_logits = sampler
+    ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
     if state.preset.score_centering == "topk":
-        ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
         center = score_center_topk(logits, ids, logq, temperature=temperature)
     else:
         center = score_center(logits, sampler_logits, temperature=temperature)
     drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
-    return logp, {**extras, **forward_extras(center=center), "score_centering/drift_tv": drift,
+    return logp, {**extras, **forward_extras(center=center), **centering_token_metrics(drift, logq),
                   "score_centering/topk_gap_tv": gap}
 
 

@@ -39,7 +39,10 @@ exactly as the parent class. What it changes:
   ``centered_logp(log_probs, score_center_topk(z / T, ids, logq))`` on every row (prompt rows hold a point mass and
   are dropped by verl like their log-probs): the value is verl's own, the gradient the centred score's
   (:mod:`offpolicy.objectives.score_centering`; the top-K's log-probs are taken as the tempered sampler's, z / T is
-  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1).
+  verl's temperature — from vLLM they are the raw model's, which the agent loop accepts only at T = 1). Its drift
+  and head mass (:func:`~offpolicy.objectives.score_centering.centering_token_metrics`, the names the trainer and
+  TRL log) are averaged over each micro-batch's response tokens and added to verl's step metrics
+  (``actor/score_centering/drift_tv``, ``…/head_mass_q``).
 
 The recipe's log-probs, the bounds and the centre come from one row-chunked pass over the forward's logits
 (:func:`offpolicy.forward_scores.token_scores`, the same function TRL's scoring calls on hidden states), so the extra
@@ -73,7 +76,7 @@ from offpolicy.integrations.verl.topk import (
     topk_rows,
 )
 from offpolicy.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES
-from offpolicy.objectives.score_centering import centered_logp
+from offpolicy.objectives.score_centering import centered_logp, centering_token_metrics
 from offpolicy.perturbation import ALP_CHECKPOINT_FILE, LayerwisePerturbation, allreduce_sigma_grad, load_alp, save_alp
 
 
@@ -91,6 +94,7 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
     def __init__(self, model_config: Any, *args: Any, **kwargs: Any) -> None:
         self.offpolicy = settings_from_environment()
         self.alp: LayerwisePerturbation | None = None
+        self._offpolicy_metrics: dict[str, list[Tensor]] = {}  # the update forwards' (sum, count) this step
         super().__init__(model_config, *args, **kwargs)
 
     # -- ALP: σ group, noise only in the update forward, σ.grad averaged, σ in checkpoints ------------------------
@@ -121,11 +125,16 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
         return super().optimizer_step()
 
     def train_batch(self, data: Any, loss_function: Any) -> Any:
-        """verl's step, then ALP's σ after it (``alp/sigma_mean`` …; ``actor/alp/…`` in verl's step metrics), each as
-        a one-micro-batch list, the form verl gathers over the data-parallel ranks (σ is the same on every rank)."""
+        """verl's step, then the engine's metrics added to verl's step metrics (``actor/…``): score centering's per
+        micro-batch (:meth:`_record_centering`, :meth:`_step_metrics`) and ALP's σ after the step (``alp/sigma_mean`` …, a one-element
+        list: σ is the same on every rank), as lists, the form verl gathers over the data-parallel ranks."""
+        self._offpolicy_metrics = {}
         outputs = super().train_batch(data, loss_function)
-        if self.alp is not None and self.is_mp_src_rank_with_outputs():
-            outputs["metrics"].update({k: [float(v)] for k, v in self.alp.metrics().items()})
+        if self.is_mp_src_rank_with_outputs():
+            outputs["metrics"].update(self._step_metrics())
+            if self.alp is not None:
+                outputs["metrics"].update({k: [float(v)] for k, v in self.alp.metrics().items()})
+        self._offpolicy_metrics = {}
         return outputs
 
     def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
@@ -159,10 +168,14 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             if recipe:
                 raise ValueError("offpolicy.sampling needs verl's packed path: set use_remove_padding=True")
             targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+        head = self._topk_head(flat, micro_batch) if topk or center else None
         s = token_scores(targets, logits=flat, temperature=temperature,
                          recipe=self.offpolicy.sampling.config if recipe else None, order=SUPPORT_ORDER,
-                         topk=self._topk_head(flat, micro_batch) if topk or center else None, bounds=topk,
-                         center=center, logp=recipe, mass=False, memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
+                         topk=head, bounds=topk, center=center, drift=center, logp=recipe, mass=False,
+                         memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
+        if center:
+            assert s.drift is not None and head is not None  # asked for
+            self._record_centering(centering_token_metrics(s.drift, head[0]), unpad, micro_batch)
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if "log_probs" in model_output:
             logp = unpad(s.logp) if s.logp is not None else model_output["log_probs"].values()
@@ -175,6 +188,27 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             model_output[KL_LOWER_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.kl_lower), cu_seqlens)
             model_output[KL_UPPER_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.kl_upper), cu_seqlens)
         return model_output
+
+    def _record_centering(self, per_row: dict[str, Tensor], unpad: Any, micro_batch: Any) -> None:
+        """Each per-row metric ``[N (+ pad)]`` summed over the micro-batch's response tokens, taken as verl's
+        ``ppo_loss`` takes its log-probs and mask (``no_padding_2_padding``, ``response_mask`` padded; a token with
+        mask 0 left out), kept with the token count until the step ends (no host sync in the forward:
+        :meth:`_step_metrics` divides)."""
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        mask = micro_batch.select("response_mask").to_padded_tensor()["response_mask"].bool()
+        for key, value in per_row.items():
+            response = no_padding_2_padding(unpad(value), micro_batch).to(mask.device)
+            total = torch.stack([torch.where(mask, response, 0.0).sum(), mask.sum().float()])
+            self._offpolicy_metrics.setdefault(key, []).append(total.detach())
+
+    def _step_metrics(self) -> dict[str, list[float]]:
+        """The step's per-micro-batch means (micro-batches without a response token left out), as verl's lists."""
+        out = {}
+        for key, totals in self._offpolicy_metrics.items():
+            sums, counts = torch.stack(totals).cpu().unbind(-1)
+            out[key] = (sums[counts > 0] / counts[counts > 0]).tolist()
+        return {k: v for k, v in out.items() if v}
 
     def _wants_topk_bounds(self, micro_batch: Any) -> bool:
         """The old-log-prob forward of a batch that carries the rollout's top-K: verl's ``_compute_old_log_prob``

@@ -30,8 +30,8 @@ from offpolicy.integrations.trl.topk import own_slack_rows
 class Scores:
     """One forward's per-token outputs ``[B, T]``: the log-probs (replayed when the recipe is on), whether the token
     is inside the trainer's support, the retained mass, the top-k KL bounds (None without top-k), the MoE aux loss,
-    score centering's top-k centre (None unless asked), the entropy (on the replayed support under the recipe; None
-    unless asked)."""
+    score centering's top-k centre and drift (None unless asked), the entropy (on the replayed support under the
+    recipe; None unless asked)."""
 
     logp: Tensor
     inside: Tensor
@@ -42,6 +42,7 @@ class Scores:
     center: Tensor | None = None
     own_slack: Tensor | None = None  # [len(ks), b, T]: π's own top-K' slack, for the top-k advice (first batch)
     entropy: Tensor | None = None
+    drift: Tensor | None = None
 
 
 def _scatter(x: Tensor, rows: Tensor, valid: Tensor, fill: float | bool = 0) -> Tensor:
@@ -165,15 +166,16 @@ class ReplayScoring(TRLBase):
             rows = valid.reshape(-1).nonzero().squeeze(-1)
             h = captured.pop("h")[:, -t_len - 1:-1].reshape(-1, weight.shape[1])[rows]
 
-            lower = upper = center = own = entropy = None
+            lower = upper = center = own = entropy = drift = None
             if own_head:
                 r = self._offpolicy_head(h, weight, bias, ids, att, targets, valid, rows, start, batch_size,
                                          topk, compute_entropy)
                 assert r.logp is not None and r.mass is not None  # asked for (token_scores' defaults)
                 logp, inside = _scatter(r.logp, rows, valid), _scatter(r.inside, rows, valid, True)
                 mass = _scatter(r.mass.float(), rows, valid, 1.0)
-                entropy, lower, upper, center = (None if x is None else _scatter(x, rows, valid)
-                                                 for x in (r.entropy, r.kl_lower, r.kl_upper, r.center))
+                entropy, lower, upper, center, drift = (None if x is None else _scatter(x, rows, valid)
+                                                        for x in (r.entropy, r.kl_lower, r.kl_upper, r.center,
+                                                                  r.drift))
             else:
                 logp = out.log_probs[:, -t_len:]
                 inside = torch.ones_like(valid)
@@ -186,7 +188,7 @@ class ReplayScoring(TRLBase):
                                      self._offpolicy_advice_ks, bias=None if bias is None else bias.detach(),
                                      temperature=temperature, memory_budget_bytes=self.offpolicy_budget)
             parts.append(Scores(logp, inside, mass, lower, upper, getattr(out, "aux_loss", None), center,
-                                own if start == 0 and topk is not None else None, entropy))
+                                own if start == 0 and topk is not None else None, entropy, drift))
 
         def cat(name: str) -> Tensor | None:
             values = [getattr(p, name) for p in parts]
@@ -205,7 +207,7 @@ class ReplayScoring(TRLBase):
                 aux_losses.append(p.aux_loss)
             aux = torch.stack(aux_losses).mean()
         return Scores(cat_present("logp"), cat_present("inside"), cat_present("mass"), cat("kl_lower"),
-                      cat("kl_upper"), aux, cat("center"), parts[0].own_slack, cat("entropy"))
+                      cat("kl_upper"), aux, cat("center"), parts[0].own_slack, cat("entropy"), cat("drift"))
 
     def _offpolicy_head(self, h: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, att: Tensor,
                         targets: Tensor, valid: Tensor, rows: Tensor, start: int, batch_size: int,
@@ -213,7 +215,8 @@ class ReplayScoring(TRLBase):
         """One pass over the head (:func:`~offpolicy.forward_scores.token_scores`) for the scored rows
         ``rows`` (flat positions of the ``[b, T]`` completion block ``valid``) of one model batch from ``start``:
         the (replayed) log-probs, the entropy when asked (with a gradient only when TRL's entropy bonus is on), the
-        top-k bounds and score centering's centre when the batch carries the engine's top-k."""
+        top-k bounds and score centering's centre (and, in the update forward, the drift it logs) when the batch
+        carries the engine's top-k."""
         recipe = self.offpolicy_recipe
         t_len = targets.shape[1]
         history = None
@@ -237,6 +240,7 @@ class ReplayScoring(TRLBase):
                             order=self.offpolicy_order, history=history, entropy=compute_entropy,
                             entropy_grad=compute_entropy and grad and self._offpolicy_entropy_grad(), topk=top,
                             bounds=top is not None, center=top is not None and self.offpolicy_score_centering,
+                            drift=top is not None and self.offpolicy_score_centering and grad,
                             memory_budget_bytes=self.offpolicy_budget)
 
     def _offpolicy_entropy_grad(self) -> bool:

@@ -3,7 +3,8 @@ sampled token's taken by id, the top-K carried in TRL's batch; the certified bou
 (:mod:`offpolicy.topk_advice`).
 
 Settings: ``topk_logprobs``, ``topk_bound``, ``score_centering``. Metrics: ``offpolicy/topk/…``,
-``offpolicy/score_centering/head_mass_q``.
+``offpolicy/score_centering/drift_tv`` and ``…/head_mass_q``
+(:func:`~offpolicy.objectives.score_centering.centering_token_metrics`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from offpolicy.corrections.base import Correction
 from offpolicy.integrations.trl.parts import TRLBase
 from offpolicy.integrations.trl.parts.scoring import Scores
 from offpolicy.integrations.trl.topk import TOPK_IDS_KEY, TOPK_LOGP_KEY, pad_topk, sampled_token_logprobs
+from offpolicy.objectives.score_centering import centering_token_metrics
 from offpolicy.ratios import masked_max, masked_mean
 from offpolicy.topk_advice import TopKAdvice, doubling_ks, topk_advice
 
@@ -74,13 +76,14 @@ class TopKGeneration(TRLBase):
             self._check_topk(train_args)
 
     def _topk_metrics(self, s: Scores, mask: Tensor, topk_logp: Tensor | None) -> dict[str, Any]:
-        """The update forward's top-k numbers: the bounds' means and max, score centering's head mass, the advice."""
+        """The update forward's top-k numbers: the bounds' means and max, score centering's drift and head mass, the
+        advice."""
         assert s.kl_lower is not None and s.kl_upper is not None  # computed together
         metrics = {"topk/kl_lower_mean": masked_mean(s.kl_lower, mask),
                    "topk/kl_upper_mean": masked_mean(s.kl_upper, mask),
                    "topk/kl_upper_max": masked_max(s.kl_upper, mask)}
-        if s.center is not None and topk_logp is not None:  # how much of q the top-K holds (the rest: κ·p)
-            metrics["score_centering/head_mass_q"] = masked_mean(topk_logp.exp().sum(-1), mask)
+        if s.drift is not None and topk_logp is not None:
+            metrics.update({k: masked_mean(v, mask) for k, v in centering_token_metrics(s.drift, topk_logp).items()})
         if self.offpolicy_trm is not None and topk_logp is not None:
             metrics.update(self._topk_advice(s, mask, topk_logp))
         return metrics
