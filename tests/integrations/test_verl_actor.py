@@ -296,6 +296,37 @@ def test_plugin_engine_scores_both_forwards_under_the_recipe(recipe_worker, work
     torch.testing.assert_close(torch.cat(seen) * mask, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_plugin_engine_gives_the_driver_the_recipes_support_in_the_old_log_prob_forward(recipe_worker):
+    """verl's ``_compute_old_log_prob`` (no grad, entropy on): two more outputs laid out as its log_probs, whether each
+    sampled token is inside π_old's support (DVP's safe set, replay's support) and the support's retained mass —
+    what the driver's ``dvp_keep`` reads; the reference forward (no entropy) and the update forward add none."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from offpolicy.forward_scores import token_scores
+    from offpolicy.integrations.verl.settings import DVP_KEEP_FIELD, DVP_MASS_FIELD
+
+    w, _ = recipe_worker
+    mask = _inputs()[1][:, P:].bool()
+    responses = _inputs()[0][:, P:]
+    data = _batch({}, {"compute_loss": False, "calculate_entropy": True, "temperature": TEMPERATURE})
+    out = w.infer_batch(data)
+    keep, mass = (no_padding_2_padding(tu.get(out, key), data).float() for key in (DVP_KEEP_FIELD, DVP_MASS_FIELD))
+    z = _reference_logits(w)[mask]
+    want = token_scores(responses[mask], logits=z / TEMPERATURE, recipe=w.engine.offpolicy.sampling.config)
+    torch.testing.assert_close(keep[mask], want.inside.float())
+    torch.testing.assert_close(mass[mask], want.mass, rtol=1e-5, atol=1e-6)
+    assert bool((mass[mask] <= 1.0 + 1e-6).all()) and bool((mass[mask] > 0).all())
+    assert 0 < int(keep[mask].sum()) < int(mask.sum())  # this recipe leaves some sampled tokens outside
+    ref = w.infer_batch(_batch({}, {"compute_loss": False, "temperature": TEMPERATURE}))
+    assert DVP_KEEP_FIELD not in ref.keys() and DVP_MASS_FIELD not in ref.keys()  # noqa: SIM118 - TensorDict keys
+    keys: list = []
+    tensors = {"old_log_probs": infer_logp(w, {"temperature": TEMPERATURE}),
+               "advantages": ADVANTAGES[:, None].expand(B, R).contiguous()}
+    _train(w, "vanilla", "token-mean", tensors, meta={"temperature": TEMPERATURE}, output_keys=keys)
+    assert keys and all(DVP_KEEP_FIELD not in k for k in keys)
+
+
 def test_plugin_engine_scores_the_recipe_under_verls_bf16_mixed_precision(model_path, worker):
     """verl's default precision (FSDP2 computing in bf16 over fp32 weights): the plug-in's engine scores DVP's
     recipe in both forwards without refusing the dtype; the result is the fp32 one up to bf16's rounding of the

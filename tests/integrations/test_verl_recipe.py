@@ -61,3 +61,34 @@ def test_refusals_are_one_line_naming_the_key():
         parse_settings({"transforms": {"alp": {"level": "sequence"}}})
     with pytest.raises(ValueError, match=r"recipe file 'missing.yaml' does not exist"):
         parse_settings({"recipe": "missing.yaml"})
+
+
+def test_the_dvp_tis_file_drops_and_weights_in_verls_driver_as_the_reference_trainer_does():
+    # the driver, given π_old's support (the engine's old-log-prob forward), chains dvp_keep ahead of TIS as
+    # Recipe.build_correction does for the reference trainer: the same keep mask, weights and metric names (behind
+    # verl's rollout_corr/ prefix); without the support fields the correction is TIS alone
+    import torch
+
+    from offpolicy import LogProbBatch, Recipe
+    from offpolicy.integrations.verl import apply_driver_correction
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 5, generator=g)
+    mu = old + 0.8 * torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 4 + [0.0], [1.0] * 2 + [0.0] * 3])
+    inside = torch.rand(3, 5, generator=g) > 0.25
+    mass = 1 - 0.05 * torch.rand(3, 5, generator=g)
+    fields = {"old_log_probs": old, "rollout_log_probs": mu, "response_mask": mask, "advantages": torch.ones(3, 5)}
+    settings = parse_settings({"recipe": str(DATA / "dvp_tis.yaml")})
+    updates, metrics = apply_driver_correction({**fields, "dvp_keep": inside.float(), "dvp_mass": mass}, settings)
+    trainer = Recipe.load(DATA / "dvp_tis.yaml").build_correction()(
+        LogProbBatch(logp=old, old_logp=old, rollout_logp=mu, mask=mask, advantages=torch.ones(3, 5),
+                     extras={"dvp_keep": inside, "dvp_mass": mass}))
+    torch.testing.assert_close(updates["response_mask"], mask * (mask.bool() & trainer.keep))
+    torch.testing.assert_close(updates["rollout_is_weights"], trainer.weights * mask * trainer.keep)
+    assert 0 < float(metrics["rollout_corr/dvp_keep/masked_frac"]) < 1
+    for key, value in trainer.metrics.items():
+        torch.testing.assert_close(metrics[f"rollout_corr/{key}"], value, msg=key)
+    assert {"dvp_keep/masked_frac", "dvp/mass_mean", "dvp/mass_min", "tis/weight_mean"} <= set(trainer.metrics)
+    plain, plain_metrics = apply_driver_correction(fields, settings)
+    assert not any("dvp" in k for k in plain_metrics) and bool((plain["response_mask"] == mask).all())

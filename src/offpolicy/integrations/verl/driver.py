@@ -15,7 +15,10 @@ cannot honour (the plug-in's engine methods under Megatron, a sampling recipe un
 :func:`~offpolicy.integrations.verl.hosts.check_verl_host`). The metrics
 use verl's names (``rollout_corr/…``). With ``topk_logprobs``, the engine's bound on KL(μ ‖ π_old) per token (computed
 in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too and is the divergence ``trm`` tests —
-TRM on the engine's top-K (arXiv 2512.23075 §4). The actor's loss (``vanilla`` or the plug-in's) multiplies by
+TRM on the engine's top-K (arXiv 2512.23075 §4). With a sampling recipe (DVP's min-p, replay), which sampled tokens
+π_old's support holds and its retained mass (the same forward) go to :func:`~offpolicy.dvp_keep` ahead of the
+correction: a token outside the support leaves the loss and ``dvp_keep/…``, ``dvp/mass_*`` are logged, as in the
+reference trainer and TRL (not in verl's bypass mode, which runs no old-log-prob forward). The actor's loss (``vanilla`` or the plug-in's) multiplies by
 ``rollout_is_weights``, as it does for verl's own correction.
 
 Its checkpoints hold the plug-in's settings, and a resume whose settings differ is refused (:mod:`.resume`).
@@ -32,7 +35,7 @@ from torch import Tensor
 
 from offpolicy.integrations.verl.hosts import check_verl_host
 from offpolicy.integrations.verl.loss import rollout_correction
-from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
+from offpolicy.integrations.verl.settings import DVP_KEEP_FIELD, DVP_MASS_FIELD, VerlSettings, settings_from_environment
 from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
 
 REQUIRED_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask", "advantages")
@@ -44,7 +47,9 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
     ``batch`` holds ``old_log_probs``, ``rollout_log_probs``, ``response_mask``, ``advantages`` and optionally
     ``rollout_is_weights`` (weights already on the batch, multiplied in: a user's own loop; the plug-in's trainer
     refuses verl's own correction next to this one, :func:`refuse_double_correction`) and ``token_divergence`` (the engine's top-K bound on
-    KL(μ ‖ π_old), what ``trm`` then tests). ``updates`` = ``{"response_mask": mask · keep (mask's dtype),
+    KL(μ ‖ π_old), what ``trm`` then tests) and ``dvp_keep`` / ``dvp_mass`` (the sampling recipe's support at each
+    sampled token and its retained mass, from the engine's old-log-prob forward: :func:`~offpolicy.dvp_keep` then
+    runs first, as the reference trainer chains it). ``updates`` = ``{"response_mask": mask · keep (mask's dtype),
     "rollout_is_weights": weights · mask · keep (float32)}``; metrics are 0-d tensors under verl's names.
 
     >>> from offpolicy.integrations.verl.settings import parse_settings
@@ -65,10 +70,15 @@ def apply_driver_correction(batch: dict[str, Tensor], settings: VerlSettings) ->
     if settings.topk_logprobs > 0 and divergence is None:
         raise ValueError("offpolicy.topk_logprobs is set but the batch has no token_divergence (the engine's top-K "
                          "bounds): the old-log-prob forward did not run on the top-K (bypass mode?)")
+    correction, extras = settings.correction, {}
+    if "dvp_keep" in batch:  # the sampling recipe's support: a token outside it leaves the loss, as in the trainer
+        specs = correction if isinstance(correction, list) else [correction]
+        correction = [{"name": "dvp_keep"}, *specs]
+        extras = {"dvp_keep": batch["dvp_keep"].bool(), "dvp_mass": batch["dvp_mass"].float()}
     weights, keep, metrics = rollout_correction(batch["old_log_probs"].float(), batch["rollout_log_probs"].float(),
-                                                mask, settings.correction, advantages=batch["advantages"].float(),
+                                                mask, correction, advantages=batch["advantages"].float(),
                                                 naming=settings.naming, token_divergence=divergence,
-                                                max_nonfinite_rollout=settings.max_nonfinite_rollout)
+                                                max_nonfinite_rollout=settings.max_nonfinite_rollout, extras=extras)
     kept = mask.bool() & keep
     weights = weights.float() * kept
     if batch.get("rollout_is_weights") is not None:
@@ -181,11 +191,17 @@ class OffPolicyTrainerMixin:
         if settings.topk_logprobs > 0:  # the engine's bounds, laid out as its log_probs (prompt + response)
             bound = KL_UPPER_FIELD if settings.topk_bound == "upper" else KL_LOWER_FIELD
             fields.append(bound)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        support = settings.sampling.active and not _bypass(self.config)  # the old-log-prob forward wrote them
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=fields + ([DVP_KEEP_FIELD, DVP_MASS_FIELD] if support else []))
         nested_mask = data["response_mask"]
         if bound is not None:
             data["token_divergence"] = response_from_nested(data.pop(bound), nested_mask)
             fields[-1] = "token_divergence"
+        if support:  # the recipe's support and its mass, per response token: DVP's dvp_keep in the correction
+            data["dvp_keep"] = response_from_nested(data.pop(DVP_KEEP_FIELD), nested_mask)
+            data["dvp_mass"] = response_from_nested(data.pop(DVP_MASS_FIELD), nested_mask)
+            fields += ["dvp_keep", "dvp_mass"]
         padded = data.to_padded_tensor()
         tensors = {k: padded[k] for k in fields if k in padded.keys()}  # noqa: SIM118 - TensorDict keys
         updates, step_metrics = apply_driver_correction(tensors, settings)
@@ -195,6 +211,13 @@ class OffPolicyTrainerMixin:
         output = TensorDict({k: response_to_nested(v, nested_mask) for k, v in updates.items()},
                             batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
+
+
+def _bypass(config: Any) -> bool:
+    """verl's ``algorithm.rollout_correction.bypass_mode``: π_old is μ, no old-log-prob forward ran."""
+    algorithm = config.get("algorithm", None) if hasattr(config, "get") else None
+    rollout_correction = algorithm.get("rollout_correction", None) if algorithm is not None else None
+    return bool(rollout_correction.get("bypass_mode", False)) if rollout_correction is not None else False
 
 
 def make_trainer_class(base: type) -> type:

@@ -66,7 +66,12 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from offpolicy.corrections.vocabulary import SUPPORT_ORDER
 from offpolicy.forward_scores import token_scores
 from offpolicy.integrations.verl.loss import rollout_log_probs_in_loss
-from offpolicy.integrations.verl.settings import PLAIN_LOG_PROBS, settings_from_environment
+from offpolicy.integrations.verl.settings import (
+    DVP_KEEP_FIELD,
+    DVP_MASS_FIELD,
+    PLAIN_LOG_PROBS,
+    settings_from_environment,
+)
 from offpolicy.integrations.verl.topk import (
     KL_LOWER_FIELD,
     KL_UPPER_FIELD,
@@ -169,9 +174,10 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
                 raise ValueError("offpolicy.sampling needs verl's packed path: set use_remove_padding=True")
             targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
         head = self._topk_head(flat, micro_batch) if topk or center else None
+        support = recipe and self._is_old_log_prob_forward(micro_batch)  # π_old's support, for the driver
         s = token_scores(targets, logits=flat, temperature=temperature,
                          recipe=self.offpolicy.sampling.config if recipe else None, order=SUPPORT_ORDER,
-                         topk=head, bounds=topk, center=center, drift=center, logp=recipe, mass=False,
+                         topk=head, bounds=topk, center=center, drift=center, logp=recipe, mass=support,
                          memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES)
         if center:
             assert s.drift is not None and head is not None  # asked for
@@ -187,6 +193,10 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             assert s.kl_lower is not None and s.kl_upper is not None  # asked for
             model_output[KL_LOWER_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.kl_lower), cu_seqlens)
             model_output[KL_UPPER_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.kl_upper), cu_seqlens)
+        if support:  # which sampled tokens the recipe's support holds, and its mass: the driver's dvp_keep
+            assert s.mass is not None  # asked for
+            model_output[DVP_KEEP_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.inside.float()), cu_seqlens)
+            model_output[DVP_MASS_FIELD] = torch.nested.nested_tensor_from_jagged(unpad(s.mass.float()), cu_seqlens)
         return model_output
 
     def _record_centering(self, per_row: dict[str, Tensor], unpad: Any, micro_batch: Any) -> None:
@@ -210,13 +220,17 @@ class OffPolicyFSDPEngine(FSDPEngineWithLMHead):
             out[key] = (sums[counts > 0] / counts[counts > 0]).tolist()
         return {k: v for k, v in out.items() if v}
 
+    @staticmethod
+    def _is_old_log_prob_forward(micro_batch: Any) -> bool:
+        """verl's ``_compute_old_log_prob``: no grad, the entropy asked for (the reference forward asks for none; the
+        update forward runs with grad on)."""
+        return not torch.is_grad_enabled() and bool(
+            tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+
     def _wants_topk_bounds(self, micro_batch: Any) -> bool:
-        """The old-log-prob forward of a batch that carries the rollout's top-K: verl's ``_compute_old_log_prob``
-        asks for the entropy, the reference forward does not; the update forward runs with grad on."""
+        """The old-log-prob forward of a batch that carries the rollout's top-K."""
         present = TOPK_IDS_FIELD in micro_batch.keys()  # noqa: SIM118 - TensorDict keys
-        return (self.offpolicy.topk_logprobs > 0 and present
-                and not torch.is_grad_enabled()
-                and bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)))
+        return self.offpolicy.topk_logprobs > 0 and present and self._is_old_log_prob_forward(micro_batch)
 
     def _wants_score_centering(self, micro_batch: Any) -> bool:
         """The update forward (grad on) with ``score_centering``; its batch must carry the rollout's top-K."""

@@ -363,13 +363,14 @@ def rollout_correction(
     diagnostics: bool = True,
     token_divergence: Tensor | None = None,
     max_nonfinite_rollout: float | None = None,
+    extras: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Apply an offpolicy correction to verl's batch tensors: ``(weights [B,T], keep [B,T] bool, metrics)``.
 
     π_θ is π_old here (the correction runs once per rollout, before the updates), so ``source="mismatch"`` and
     ``source="total"`` agree. ``advantages`` ([B] or [B,T]) is needed by OPSM; ``token_divergence`` [B,T] (bounds
     on KL(μ ‖ π_old) from the engine's top-K, :mod:`offpolicy.integrations.verl.topk`) is the divergence ``trm``
-    tests. ``correction`` is a Correction or registered names (:func:`offpolicy.build_correction`). The metrics are the correction's, under the naming's prefix
+    tests; ``extras`` are the batch's extras (``dvp_keep`` / ``dvp_mass`` for :func:`~offpolicy.dvp_keep`). ``correction`` is a Correction or registered names (:func:`offpolicy.build_correction`). The metrics are the correction's, under the naming's prefix
     (``prefix`` replaces it), and — ``diagnostics`` — the mismatch diagnostics of :func:`offpolicy.offpolicy_metrics`
     under ``naming`` (verl's ``rollout_corr/…`` names by default), as verl's own helper returns both.
     ``max_nonfinite_rollout``: the limit on non-finite μ (``OFFPOLICY_VERL``'s; None: the default), named
@@ -394,6 +395,7 @@ def rollout_correction(
         rollout_logp=rollout_log_probs,
         mask=response_mask,
         advantages=advantages,
+        extras=dict(extras or {}),
         **nonfinite_fields(max_nonfinite_rollout, setting=NONFINITE_SETTING),
     )
     if token_divergence is not None:  # KL(μ ‖ π_old) bounds from the engine's top-K: what ``trm`` tests

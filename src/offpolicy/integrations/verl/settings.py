@@ -71,6 +71,11 @@ SYNC_CHECK_TIMEOUT = 600.0
 # without the sampling recipe, top-K bounds or centring: the sync check's probe, which the engine side scores as
 # vLLM's prompt log-probs (no sampler) — the two sides must compute the same thing
 PLAIN_LOG_PROBS = "offpolicy_plain_log_probs"
+# the sampling recipe's outputs of the old-log-prob forward (DVP's min-p safe set, replay's support), laid out as its
+# log_probs (prompt + response): whether each sampled token is inside π_old's support (1.0 / 0.0) and the support's
+# retained mass Z — the driver's ``dvp_keep`` reads them
+DVP_KEEP_FIELD = "offpolicy_dvp_keep"
+DVP_MASS_FIELD = "offpolicy_dvp_mass"
 SAMPLING_KEYS = ("min_p", "top_k", "top_p")
 ALP_KEYS = ("init_std", "lr", "layers", "seed")
 
