@@ -21,7 +21,9 @@ on CUDA a Triton kernel on the same tiles), and what ``OffPolicyGRPOTrainer`` ad
 * ``op_replay``       sampling replay with top-k 50 / top-p 0.95 in vLLM's order (``token_scores``: checkpointed row
                       chunks), instead of TRL's head
 * ``op_topk_bound``   TRL's head + the top-K TRM bounds (``token_scores(bounds=True)``, no gradient)
-* ``op_center``       TRL's head + score centering's top-K centre (``token_scores(center=True)``, differentiable)
+* ``op_center``       score centering as the adapter's update forward runs it with the engine's top-K, in place of
+                      TRL's head: one ``token_scores`` pass for the log-prob, the entropy, the top-K bounds, the
+                      centre (differentiable) and its drift
 
 verl side — verl 0.9.1's FSDP engine without fused kernels (its default): the model's lm_head gives the logits
 [N, V] (in the parameter dtype), ``logprobs_from_logits`` (``logprobs_from_logits_v2`` without flash-attn) and, in
@@ -32,8 +34,8 @@ the old-log-prob forward, ``entropy_from_logits``; and the plug-in's engine on t
 * ``verl_fused``      verl's ``use_fused_kernels`` torch backend (``FusedLinearForPPO``, 512-row chunks), for reference
 * ``verl_dvp``        ``verl_update`` + the plug-in's DVP log-prob (``token_scores`` on the logits, min-p) in its place
 * ``verl_replay``     ``verl_update`` + the plug-in's sampling replay (top-k 50 / top-p 0.95)
-* ``verl_center``     ``verl_update`` + score centering's top-K centre on the logits (``token_scores(center=True,
-  logp=False)``)
+* ``verl_center``     the plug-in's log-prob and score centering's top-K centre on the logits (``token_scores(
+  center=True, drift=True)``) in place of verl's log-prob
 * ``verl_topk_bound`` ``verl_old`` + the top-K TRM bounds (``token_scores(bounds=True, logp=False)`` on the logits)
 
 Memory: after the inputs are built (chunk by chunk, no transient peak) and every module is imported, the child
@@ -169,11 +171,10 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
                 token_scores(y, hidden=hid.detach(), weight=w.detach(), topk=(tk_lp, tk_ids), bounds=True,
                              memory_budget_bytes=budget)
             return logp
-        if arm == "op_center":
-            logp = trl_head()
-            c = token_scores(y, hidden=hid, weight=w, topk=(tk_lp, tk_ids), center=True,
-                             memory_budget_bytes=budget).center
-            return centered_logp(logp, c)
+        if arm == "op_center":  # the adapter's update forward with the engine's top-K: one pass, no TRL head
+            s = token_scores(y, hidden=hid, weight=w, entropy=True, topk=(tk_lp, tk_ids), bounds=True, center=True,
+                             drift=True, memory_budget_bytes=budget)
+            return centered_logp(s.logp, s.center)
         if arm == "verl_update":
             return logprobs_from_logits(verl_logits(), y)
         if arm in ("verl_old", "verl_topk_bound"):
@@ -194,11 +195,12 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
                                 memory_budget_bytes=budget).logp
             logprobs_from_logits(logits, y)  # verl's own, computed and then replaced by the plug-in's
             return ours
-        if arm == "verl_center":
+        if arm == "verl_center":  # as the engine runs it: its log-prob and centre in place of verl's log-prob
             logits = verl_logits()
-            centre = token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), center=True,
-                                  logp=False, memory_budget_bytes=budget).center  # as the engine runs it
-            return centered_logp(logprobs_from_logits(logits, y), centre.to(torch.float32))
+            s = token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), center=True,
+                             drift=True, memory_budget_bytes=budget)
+            logprobs_from_logits(logits, y)  # verl's own, computed and then replaced by the plug-in's
+            return centered_logp(s.logp, s.center)
         raise ValueError(f"unknown arm {arm!r}")
 
     def step():

@@ -81,7 +81,7 @@ def test_main_ppo_trains_with_every_sync_checked(example, tmp_path):
         # DVP's keep mask from π_old's safe set ahead of TIS, as the reference trainer chains it: vLLM sampled
         # inside its own min-p set, which a bf16 actor's set need not hold
         assert 0.0 <= step["rollout_corr/dvp_keep/masked_frac"] <= 1.0, sorted(step)
-        assert 0.9 < step["rollout_corr/dvp/mass_min"] <= step["rollout_corr/dvp/mass_mean"] <= 1.0 + 1e-6, step
+        assert 0.0 < step["rollout_corr/dvp/mass_min"] <= step["rollout_corr/dvp/mass_mean"] <= 1.0 + 1e-6, step
         widened = [v for k, v in step.items() if k.endswith("loss/calibrated_widened_low")]
         assert len(widened) == 1 and 0.0 <= widened[0] <= 1.0, sorted(step)
         # one minibatch, one epoch: π_θ = π_old in the update (verl's ppo_kl 0), so a loss ratio other than 1 is
