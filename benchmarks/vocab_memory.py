@@ -34,8 +34,8 @@ the old-log-prob forward, ``entropy_from_logits``; and the plug-in's engine on t
 * ``verl_fused``      verl's ``use_fused_kernels`` torch backend (``FusedLinearForPPO``, 512-row chunks), for reference
 * ``verl_dvp``        ``verl_update`` + the plug-in's DVP log-prob (``token_scores`` on the logits, min-p) in its place
 * ``verl_replay``     ``verl_update`` + the plug-in's sampling replay (top-k 50 / top-p 0.95)
-* ``verl_center``     the plug-in's log-prob and score centering's top-K centre on the logits (``token_scores(
-  center=True, drift=True)``) in place of verl's log-prob
+* ``verl_center``     ``verl_update`` + score centering's top-K centre and drift on the logits (``token_scores(
+  center=True, drift=True, logp=False)``): verl's own log-prob, centred
 * ``verl_topk_bound`` ``verl_old`` + the top-K TRM bounds (``token_scores(bounds=True, logp=False)`` on the logits)
 
 Memory: after the inputs are built (chunk by chunk, no transient peak) and every module is imported, the child
@@ -195,12 +195,11 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
                                 memory_budget_bytes=budget).logp
             logprobs_from_logits(logits, y)  # verl's own, computed and then replaced by the plug-in's
             return ours
-        if arm == "verl_center":  # as the engine runs it: its log-prob and centre in place of verl's log-prob
+        if arm == "verl_center":  # as the engine runs it: verl's own log-prob, centred
             logits = verl_logits()
-            s = token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), center=True,
-                             drift=True, memory_budget_bytes=budget)
-            logprobs_from_logits(logits, y)  # verl's own, computed and then replaced by the plug-in's
-            return centered_logp(s.logp, s.center)
+            centre = token_scores(y, logits=logits, temperature=temperature, topk=(tk_lp, tk_ids), center=True,
+                                  drift=True, logp=False, memory_budget_bytes=budget).center
+            return centered_logp(logprobs_from_logits(logits, y), centre.to(torch.float32))
         raise ValueError(f"unknown arm {arm!r}")
 
     def step():
