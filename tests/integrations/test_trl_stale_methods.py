@@ -183,6 +183,8 @@ def test_score_centering_on_vllms_top_k_in_trls_train(tmp_path, stub_vllm, stub_
     drift = logged(trainer, "offpolicy/score_centering/drift_tv")  # the trainer's and verl's names too
     assert len(head) == 2 and all(0.0 < h < 1.0 for h in head)
     assert len(drift) == 2 and all(0.0 <= d < 1.0 for d in drift)
+    # no TRM reads the certified bounds here: they are not computed (their tail sort costs more than the centre)
+    assert not trainer.offpolicy_topk_bounds and logged(trainer, "offpolicy/topk/kl_upper_mean") == []
 
     out = trainer._generate_and_score_completions([toy_dataset()[i] for i in range(2)] * 2)
     t = out["completion_ids"].shape[1]
@@ -229,3 +231,14 @@ def test_score_centering_settings_are_checked(tmp_path, kw, match):
     with pytest.raises(ValueError, match=f"score_centering.*{match}"):
         OffPolicyGRPOTrainer(model=model, reward_funcs=varied_reward, args=_args(tmp_path), train_dataset=toy_dataset(),
                              processing_class=tok, **kw)
+
+
+@pytest.mark.parametrize(("kw", "bounds"), [
+    ({"topk_logprobs": 4}, True),  # the top-K alone: its bounds are the diagnostic asked for
+    ({"topk_logprobs": 4, "correction": "trm"}, True),
+    ({"topk_logprobs": 4, "score_centering": True}, False),
+    ({"topk_logprobs": 4, "score_centering": True, "correction": ["tis", "trm"]}, True),  # a TRM in a chain reads them
+])
+def test_the_certified_bounds_are_computed_where_something_reads_them(tmp_path, stub_vllm, stub_vllm_client, kw,
+                                                                      bounds):
+    assert _trainer(tmp_path, stub_vllm, stub_vllm_client, **kw).offpolicy_topk_bounds is bounds

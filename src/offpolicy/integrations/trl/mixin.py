@@ -340,7 +340,7 @@ class OffPolicyGRPOMixin(ReplayScoring, TopKGeneration, ALPWiring, TRLTerms, VLL
         self._trl_metrics(mode, mask, entropies, per_token_kl, log_weight, advantages, phi)
         if alp is not None:
             metrics.update(alp.metrics())
-        if topk is not None and s.kl_upper is not None:
+        if topk is not None:
             metrics.update(self._topk_metrics(s, batch.bool_mask, topk[0]))
         for name, value in metrics.items():  # the logging boundary: one sync per metric per step, as TRL does
             self._metrics[mode][f"offpolicy/{name}"].append(float(value.detach()))

@@ -239,7 +239,8 @@ class ReplayScoring(TRLBase):
                             temperature=float(getattr(self.args, "temperature", 1.0) or 1.0), recipe=recipe,
                             order=self.offpolicy_order, history=history, entropy=compute_entropy,
                             entropy_grad=compute_entropy and grad and self._offpolicy_entropy_grad(), topk=top,
-                            bounds=top is not None, center=top is not None and self.offpolicy_score_centering,
+                            bounds=top is not None and self.offpolicy_topk_bounds,
+                            center=top is not None and self.offpolicy_score_centering,
                             drift=top is not None and self.offpolicy_score_centering and grad,
                             memory_budget_bytes=self.offpolicy_budget)
 

@@ -63,6 +63,10 @@ class TopKGeneration(TRLBase):
         self.offpolicy_topk = topk_logprobs
         self.offpolicy_topk_bound = topk_bound
         self.offpolicy_score_centering = score_centering
+        # the certified bounds cost more than the centre (a sort of π's tail per row): under score centering they
+        # are computed only for a TRM that reads them; the top-K alone asks for them as its diagnostic
+        self.offpolicy_topk_bounds = bool(topk_logprobs) and (
+            not score_centering or _trm_thresholds(correction) is not None)
         self._offpolicy_pending_topk: tuple | None = None
         # the certified bound's diagnostic (offpolicy.topk_advice): TRM with the upper bound on the top-K
         self.offpolicy_trm = _trm_thresholds(correction) if topk_logprobs and topk_bound == "upper" else None
@@ -76,12 +80,13 @@ class TopKGeneration(TRLBase):
             self._check_topk(train_args)
 
     def _topk_metrics(self, s: Scores, mask: Tensor, topk_logp: Tensor | None) -> dict[str, Any]:
-        """The update forward's top-k numbers: the bounds' means and max, score centering's drift and head mass, the
-        advice."""
-        assert s.kl_lower is not None and s.kl_upper is not None  # computed together
-        metrics = {"topk/kl_lower_mean": masked_mean(s.kl_lower, mask),
-                   "topk/kl_upper_mean": masked_mean(s.kl_upper, mask),
-                   "topk/kl_upper_max": masked_max(s.kl_upper, mask)}
+        """The update forward's top-k numbers: the bounds' means and max (when computed), score centering's drift and
+        head mass, the advice."""
+        metrics: dict[str, Any] = {}
+        if s.kl_lower is not None and s.kl_upper is not None:
+            metrics.update({"topk/kl_lower_mean": masked_mean(s.kl_lower, mask),
+                            "topk/kl_upper_mean": masked_mean(s.kl_upper, mask),
+                            "topk/kl_upper_max": masked_max(s.kl_upper, mask)})
         if s.drift is not None and topk_logp is not None:
             metrics.update({k: masked_mean(v, mask) for k, v in centering_token_metrics(s.drift, topk_logp).items()})
         if self.offpolicy_trm is not None and topk_logp is not None:
