@@ -21,9 +21,9 @@ on CUDA a Triton kernel on the same tiles), and what ``OffPolicyGRPOTrainer`` ad
 * ``op_replay``       sampling replay with top-k 50 / top-p 0.95 in vLLM's order (``token_scores``: checkpointed row
                       chunks), instead of TRL's head
 * ``op_topk_bound``   TRL's head + the top-K TRM bounds (``token_scores(bounds=True)``, no gradient)
-* ``op_center``       score centering as the adapter's update forward runs it with the engine's top-K, in place of
-                      TRL's head: one ``token_scores`` pass for the log-prob, the entropy, the top-K bounds, the
-                      centre (differentiable) and its drift
+* ``op_center``       score centering as the adapter's update forward runs it with the engine's top-K (no TRM), in
+                      place of TRL's head: one ``token_scores`` pass for the log-prob, the entropy, the centre
+                      (differentiable) and its drift
 
 verl side — verl 0.9.1's FSDP engine without fused kernels (its default): the model's lm_head gives the logits
 [N, V] (in the parameter dtype), ``logprobs_from_logits`` (``logprobs_from_logits_v2`` without flash-attn) and, in
@@ -172,8 +172,8 @@ def _child(arm: str, n: int, h: int, v: int, k: int, dtype_name: str, reps: int,
                              memory_budget_bytes=budget)
             return logp
         if arm == "op_center":  # the adapter's update forward with the engine's top-K: one pass, no TRL head
-            s = token_scores(y, hidden=hid, weight=w, entropy=True, topk=(tk_lp, tk_ids), bounds=True, center=True,
-                             drift=True, memory_budget_bytes=budget)
+            s = token_scores(y, hidden=hid, weight=w, entropy=True, topk=(tk_lp, tk_ids), center=True, drift=True,
+                             memory_budget_bytes=budget)
             return centered_logp(s.logp, s.center)
         if arm == "verl_update":
             return logprobs_from_logits(verl_logits(), y)
