@@ -5,9 +5,10 @@ the launcher of their two ranks."""
 from __future__ import annotations
 
 
-def scoring_part(recipe, centering: bool = False, temperature: float = 0.7):
+def scoring_part(recipe, centering: bool = False, temperature: float = 0.7, bounds: bool | None = None):
     """A ``ReplayScoring`` with the settings its forward reads: the recipe to replay (None: the engine's top-K only),
-    vLLM's filter order, score centering on or off, TRL's temperature."""
+    vLLM's filter order, score centering on or off, the top-K bounds (None: as ``_setup_topk`` decides without a TRM,
+    off under the centring), TRL's temperature."""
     from types import SimpleNamespace
 
     from offpolicy.integrations.trl.parts.scoring import ReplayScoring
@@ -17,6 +18,7 @@ def scoring_part(recipe, centering: bool = False, temperature: float = 0.7):
     s.offpolicy_recipe, s.offpolicy_order, s.offpolicy_budget = recipe, ENGINE_ORDERS["vllm"], 2**26
     s.args = SimpleNamespace(temperature=temperature)
     s.offpolicy_score_centering, s._offpolicy_advice_ks = centering, None
+    s.offpolicy_topk_bounds = not centering if bounds is None else bounds
     return s
 
 

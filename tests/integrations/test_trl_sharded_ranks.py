@@ -32,7 +32,7 @@ def _grad(weight):
 
 def _compare(rank, model, ref, ids, att, topk, recipe, centering):
     """Max |Δ| of the per-token values and of the head's gradient, sharded vs unsharded."""
-    s = scoring_part(recipe, centering)
+    s = scoring_part(recipe, centering, bounds=recipe is None)  # with the engine's top-K: the centre and a TRM's bounds
     t_len = topk[0].shape[2]
 
     def engine_topk(r):  # the engine's top-K of rank r's batch, without a recipe (top-k TRM, score centering)
