@@ -181,8 +181,9 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
     ``order``: the sampling recipe and the engine's filter order (vLLM's by default); ``history``: what the
     recipe's penalties read (an object with ``chunk(a, b, vocab) -> TokenHistory``). ``entropy``: return it;
     ``entropy_grad``: with its gradient. ``topk``: the engine's ``(log-probs, ids)`` [N, K], read by ``bounds``
-    (TRM's KL bounds), ``center`` (score centering) and ``drift`` (its logged drift). ``logp=False``: no log-prob of the targets (a host that keeps
-    its own and wants only the bounds or the centre; no recipe then), ``TokenScores.logp`` is None; ``mass=False``:
+    (TRM's KL bounds), ``center`` (score centering) and ``drift`` (its logged drift). ``logp=False``: no log-prob
+    of the targets (a host that keeps its own and wants only the bounds or the centre; no recipe then),
+    ``TokenScores.logp`` is None; ``mass=False``:
     no retained mass (a host that logs none), ``TokenScores.mass`` is None. Differentiable
     through ``logp``, ``center`` and (with ``entropy_grad``) ``entropy``.
 
@@ -247,16 +248,17 @@ def token_scores(targets: Tensor, *, logits: Tensor | None = None, hidden: Tenso
         if logp:
             assert lp is not None  # computed above
             diff.append(lp)
-        drift_k: Tensor | None = None
-        if center or (drift and not recompute):
+        drift_k: Tensor | None = None  # rides along without a gradient: not in the backward's recompute
+        if center or drift:
             assert lp_k is not None and id_k is not None  # checked above
-            if not center:
-                drift_k = topk_drift_tv(z, id_k[a:b], lp_k[a:b], temperature=temp)
-            elif drift and not recompute:  # one log-softmax for both
-                c, drift_k = score_center_topk_with_drift(z, id_k[a:b], lp_k[a:b], temperature=temp)
+            head = (z, id_k[a:b], lp_k[a:b])
+            if center and drift and not recompute:  # one log-softmax for both
+                c, drift_k = score_center_topk_with_drift(*head, temperature=temp)
                 diff.append(c)
-            else:
-                diff.append(score_center_topk(z, id_k[a:b], lp_k[a:b], temperature=temp))
+            elif center:
+                diff.append(score_center_topk(*head, temperature=temp))
+            elif not recompute:
+                drift_k = topk_drift_tv(*head, temperature=temp)
         if entropy_grad:
             assert ent is not None  # computed above
             diff.append(ent)

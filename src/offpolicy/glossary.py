@@ -29,7 +29,7 @@ from functools import lru_cache
 from offpolicy.metrics import METRIC_NAMES, NAMINGS
 
 TRL_PREFIX = "offpolicy/"  # the TRL trainer logs the trainer's keys under this prefix
-VERL_ACTOR_PREFIX = "actor/"  # verl logs its actor's step metrics, the engine's (ALP, score centering) among them, so
+VERL_ACTOR_PREFIX = "actor/"  # verl's prefix of its actor's step metrics, the engine's (ALP, score centering) among them
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from offpolicy.integrations.verl.driver import corrected, refuse_double_correction
-from offpolicy.integrations.verl.hosts import check_verl_host, config_value
+from offpolicy.integrations.verl.hosts import BYPASS_KEY, check_verl_host, config_value
 from offpolicy.integrations.verl.settings import VerlSettings, settings_from_environment
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,6 @@ LOOPS = {
     "fully_async": ("verl.experimental.fully_async_policy.fully_async_main", "FullyAsyncTaskRunner",
                     "FullyAsyncTrainer", "fully_async_ppo_trainer"),
 }
-BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
 VERSION_FIELDS = ("min_global_steps", "max_global_steps")
 
 

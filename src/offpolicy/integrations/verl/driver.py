@@ -18,8 +18,8 @@ in the old-log-prob forward from the rollout's top-K, :mod:`.topk`) is read too 
 TRM on the engine's top-K (arXiv 2512.23075 §4). With a sampling recipe (DVP's min-p, replay), which sampled tokens
 π_old's support holds and its retained mass (the same forward) go to :func:`~offpolicy.dvp_keep` ahead of the
 correction: a token outside the support leaves the loss and ``dvp_keep/…``, ``dvp/mass_*`` are logged, as in the
-reference trainer and TRL (not in verl's bypass mode, which runs no old-log-prob forward). The actor's loss (``vanilla`` or the plug-in's) multiplies by
-``rollout_is_weights``, as it does for verl's own correction.
+reference trainer and TRL (not in verl's bypass mode, which runs no old-log-prob forward). The actor's loss
+(``vanilla`` or the plug-in's) multiplies by ``rollout_is_weights``, as it does for verl's own correction.
 
 Its checkpoints hold the plug-in's settings, and a resume whose settings differ is refused (:mod:`.resume`).
 The same trainer runs the sync check after each of verl's weight syncs (``on_init_end`` calibrates, ``on_step_end``
@@ -33,7 +33,7 @@ from typing import Any
 import torch  # noqa: F401  (the doctest uses it)
 from torch import Tensor
 
-from offpolicy.integrations.verl.hosts import check_verl_host
+from offpolicy.integrations.verl.hosts import BYPASS_KEY, check_verl_host, config_value
 from offpolicy.integrations.verl.loss import rollout_correction
 from offpolicy.integrations.verl.settings import DVP_KEEP_FIELD, DVP_MASS_FIELD, VerlSettings, settings_from_environment
 from offpolicy.integrations.verl.topk import KL_LOWER_FIELD, KL_UPPER_FIELD
@@ -191,7 +191,8 @@ class OffPolicyTrainerMixin:
         if settings.topk_logprobs > 0:  # the engine's bounds, laid out as its log_probs (prompt + response)
             bound = KL_UPPER_FIELD if settings.topk_bound == "upper" else KL_LOWER_FIELD
             fields.append(bound)
-        support = settings.sampling.active and not _bypass(self.config)  # the old-log-prob forward wrote them
+        # the old-log-prob forward wrote them (none runs in bypass mode)
+        support = settings.sampling.active and not config_value(self.config, BYPASS_KEY)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=fields + ([DVP_KEEP_FIELD, DVP_MASS_FIELD] if support else []))
         nested_mask = data["response_mask"]
@@ -211,13 +212,6 @@ class OffPolicyTrainerMixin:
         output = TensorDict({k: response_to_nested(v, nested_mask) for k, v in updates.items()},
                             batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
-
-
-def _bypass(config: Any) -> bool:
-    """verl's ``algorithm.rollout_correction.bypass_mode``: π_old is μ, no old-log-prob forward ran."""
-    algorithm = config.get("algorithm", None) if hasattr(config, "get") else None
-    rollout_correction = algorithm.get("rollout_correction", None) if algorithm is not None else None
-    return bool(rollout_correction.get("bypass_mode", False)) if rollout_correction is not None else False
 
 
 def make_trainer_class(base: type) -> type:

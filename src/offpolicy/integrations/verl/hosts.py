@@ -32,6 +32,7 @@ FSDP_STRATEGIES = ("fsdp", "fsdp2")  # the backends the plug-in's engine is regi
 REPLAYED_ROLLOUTS = ("vllm",)  # rollout backends whose truncation order and reported log-probs the engine replays
 STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.name"
+BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"  # π_old is μ: verl runs no old-log-prob forward
 LOSS_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.default_agent_loop"
 AGENT_NAME = "offpolicy_agent"  # the plug-in's agent loop in verl's registry (:mod:`.agent_loop`)
