@@ -99,7 +99,7 @@ def test_on_policy_centering_changes_nothing_in_expectation_and_q_eq_p_has_zero_
     z = torch.tensor([[0.3, -1.0, 2.0]], requires_grad=True)
     c = score_center(z, z.detach())
     assert torch.autograd.grad(c.sum(), z)[0].abs().max() < 1e-7  # q = p: E_q[∇ log p] = 0
-    drift, gap = topk_tail_gap(z.detach(), z.detach(), 1)
+    drift, gap, _ = topk_tail_gap(z.detach(), z.detach(), 1)
     assert drift.item() < 1e-7 and gap.item() < 1e-7  # q = p: q̂ = p exactly
 
 
@@ -120,9 +120,12 @@ def test_gap_by_hand_and_k_equal_v_is_exact():
     q = torch.tensor([0.4, 0.1, 0.5]).log()
     # head k=1 of q: {2} (0.5); m_q = 0.5, m_p = 0.2, κ = 0.5/0.8 = 0.625: q̂ = (0.3125, 0.1875, 0.5)
     # drift ½(0.1 + 0.2 + 0.3) = 0.3; gap ½(|0.4 − 0.3125| + |0.1 − 0.1875|) = 0.0875
-    drift, gap = topk_tail_gap(p, q, 1)
+    drift, gap, head_mass = topk_tail_gap(p, q, 1)
     assert drift.item() == pytest.approx(0.3, abs=1e-6) and gap.item() == pytest.approx(0.0875, abs=1e-6)
-    assert topk_tail_gap(p, q, 3)[1].item() == pytest.approx(0.0, abs=1e-7)
+    assert head_mass.item() == pytest.approx(0.5, abs=1e-6)  # m_q of H = {2}
+    assert topk_tail_gap(p, q, 2).head_mass_q.item() == pytest.approx(0.9, abs=1e-6)  # H = {2, 0}
+    full = topk_tail_gap(p, q, 3)
+    assert full.gap.item() == pytest.approx(0.0, abs=1e-7) and full.head_mass_q.item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_head_drift_by_hand_on_four_tokens():
@@ -172,6 +175,16 @@ def test_centre_with_drift_is_the_two_functions_and_the_metrics_are_named_once(t
     torch.testing.assert_close(m["score_centering/head_mass_q"], torch.where(logq > float("-inf"), logq.exp(),
                                                                              0.0).sum(-1))
     assert m["score_centering/head_mass_q"].shape == (2, 5) and bool((m["score_centering/head_mass_q"] <= 1).all())
+    # the exact path's head mass from topk_tail_gap (the sampler's full logits) names the same metrics
+    zq = torch.randn(2, 5, 11, generator=g)
+    tail = topk_tail_gap(z.detach(), zq, 3, temperature=temperature)
+    exact = centering_token_metrics(tail.drift, head_mass_q=tail.head_mass_q)
+    head = centering_token_metrics(tail.drift, sampler_topk(zq, 3, temperature=temperature)[1])
+    assert sorted(exact) == sorted(m)
+    torch.testing.assert_close(exact["score_centering/head_mass_q"], head["score_centering/head_mass_q"])
+    for wrong in ({}, {"topk_logq": logq, "head_mass_q": tail.head_mass_q}):
+        with pytest.raises(ValueError, match="topk_logq or head_mass_q"):
+            centering_token_metrics(d, **wrong)
 
 
 def test_unreported_slots_are_not_in_the_head():

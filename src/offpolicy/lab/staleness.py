@@ -271,9 +271,8 @@ def topk_gap_table(trainer_logits: Any, sampler_logits: Any, mask: Any, ks: Sequ
     m = torch.as_tensor(mask).bool()
     out = []
     for k in ks:
-        drift, gap = topk_tail_gap(trainer_logits, sampler_logits, k, temperature=temperature)
-        q = torch.softmax(sampler_logits.float() / temperature, -1)
-        tail = 1.0 - q.topk(min(k, q.shape[-1]), -1).values.sum(-1)
+        drift, gap, head_mass = topk_tail_gap(trainer_logits, sampler_logits, k, temperature=temperature)
+        tail = 1.0 - head_mass
         d, g = drift[m], gap[m]
         row = {"drift_mean": d.mean(), "gap_mean": g.mean(), "gap_over_drift": g.sum() / d.sum().clamp(min=1e-30),
                "gap_max": g.max(), "tail_mass_mean": tail[m].clamp(min=0).mean()}

@@ -39,7 +39,7 @@ top-k / top-p truncation of two different logit sets cuts them at different toke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -199,13 +199,18 @@ def topk_drift_tv(logits: Tensor, topk_ids: Tensor, topk_logq: Tensor, *, temper
     return _drift_of(*_head_of(logits, topk_ids, topk_logq, temperature))
 
 
-def centering_token_metrics(drift: Tensor, topk_logq: Tensor) -> dict[str, Tensor]:
+def centering_token_metrics(drift: Tensor, topk_logq: Tensor | None = None, *,
+                            head_mass_q: Tensor | None = None) -> dict[str, Tensor]:
     """Score centering's per-token numbers under the names every host logs (each averages them over its response
     tokens): ``score_centering/drift_tv`` (``drift`` ``[...]``, ½‖q − p‖₁ or its top-K estimate
-    :func:`topk_drift_tv`) and ``score_centering/head_mass_q`` (m_q = Σ_H q ``[...]`` of the head ``topk_logq``
-    ``[..., K]``: how much of q the top-K holds; the rest is spread ∝ p)."""
-    return {"score_centering/drift_tv": drift.detach().float(),
-            "score_centering/head_mass_q": topk_logq.detach().float().exp().sum(-1)}
+    :func:`topk_drift_tv`) and ``score_centering/head_mass_q`` (m_q = Σ_H q ``[...]``: how much of q the top-K holds;
+    the rest is spread ∝ p), from the head's log-probs ``topk_logq`` ``[..., K]`` or given as ``head_mass_q``
+    (:func:`topk_tail_gap`'s); exactly one of the two."""
+    if (topk_logq is None) == (head_mass_q is None):
+        raise ValueError("centering_token_metrics: pass topk_logq or head_mass_q, not both or neither")
+    mass = topk_logq.detach().float().exp().sum(-1) if topk_logq is not None else head_mass_q
+    assert mass is not None  # one of the two, checked above
+    return {"score_centering/drift_tv": drift.detach().float(), "score_centering/head_mass_q": mass.detach().float()}
 
 
 def centered_logp(logp: Tensor, center: Tensor) -> Tensor:
@@ -232,32 +237,43 @@ def sampler_topk(sampler_logits: Tensor, k: int, *, temperature: float = 1.0) ->
     return ids, values
 
 
+class TailGap(NamedTuple):
+    """Per position ``[...]``: ``drift`` ½‖q − p‖₁, ``gap`` ½‖q − q̂‖₁ and ``head_mass_q`` m_q = Σ_H q (no gradient)."""
+
+    drift: Tensor
+    gap: Tensor
+    head_mass_q: Tensor
+
+
 @torch.no_grad()
 def topk_tail_gap(logits: Tensor, sampler_logits: Tensor, k: int, *, temperature: float = 1.0,
-                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[Tensor, Tensor]:
-    """``(drift, gap)`` per position ``[...]``: drift = ½‖q − p‖₁, the size of the term score centering removes (its
-    logit-space direction is q − p); gap = ½‖q − q̂‖₁, the part the top-k proportional tail gets wrong (the top-k
-    centring's logit gradient differs from the exact one by exactly q − q̂, which is 0 on the head). Row-chunked.
+                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> TailGap:
+    """``(drift, gap, head_mass_q)`` per position ``[...]``: drift = ½‖q − p‖₁, the size of the term score centering
+    removes (its logit-space direction is q − p); gap = ½‖q − q̂‖₁, the part the top-k proportional tail gets wrong
+    (the top-k centring's logit gradient differs from the exact one by exactly q − q̂, which is 0 on the head);
+    head_mass_q = Σ_H q, the mass of the sampler's top-k head H. Row-chunked: one top-k of q per chunk for all three.
 
     >>> p_logits = torch.zeros(3)                                # p = ⅓ each
     >>> q_logits = torch.tensor([0.6, 0.3, 0.1]).log()
-    >>> drift, gap = topk_tail_gap(p_logits, q_logits, 1)        # q̂ = (0.6, 0.2, 0.2), κ = 0.4/(2/3)
-    >>> round(drift.item(), 4), round(gap.item(), 4)            # ½(0.2667 + 0.0333 + 0.2333);  ½(0.1 + 0.1)
-    (0.2667, 0.1)
+    >>> drift, gap, mass = topk_tail_gap(p_logits, q_logits, 1)  # q̂ = (0.6, 0.2, 0.2), κ = 0.4/(2/3)
+    >>> round(drift.item(), 4), round(gap.item(), 4), round(mass.item(), 4)  # ½(0.2667 + 0.0333 + 0.2333); ½(0.1 + 0.1)
+    (0.2667, 0.1, 0.6)
     """
     logits, sampler_logits = _check_pair(logits, sampler_logits)
     t = check_positive("temperature", temperature)
     shape, vocab = logits.shape[:-1], logits.shape[-1]
     flat, flat_q = logits.reshape(-1, vocab), sampler_logits.reshape(-1, vocab)
     drift = flat.new_empty(flat.shape[0], dtype=torch.float32)
-    gap = torch.empty_like(drift)
+    gap, head_mass = torch.empty_like(drift), torch.empty_like(drift)
     for a, b in row_chunks(flat.shape[0], chunk_rows(flat.shape[0], vocab, buffers=4,
                                                      memory_budget_bytes=memory_budget_bytes)):
         p = torch.softmax(flat[a:b].float() / t, -1)
         q = torch.softmax(flat_q[a:b].float() / t, -1)
-        head = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(min(k, vocab), -1).indices, True)
+        top = q.topk(min(k, vocab), -1)
+        head = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top.indices, True)
         tail_q, tail_p = (q * ~head).sum(-1, keepdim=True), (p * ~head).sum(-1, keepdim=True)
         q_hat = torch.where(head, q, tail_q / tail_p.clamp(min=torch.finfo(torch.float32).tiny) * p)
         drift[a:b] = 0.5 * (q - p).abs().sum(-1)
         gap[a:b] = 0.5 * (q - q_hat).abs().sum(-1)
-    return drift.reshape(shape), gap.reshape(shape)
+        head_mass[a:b] = top.values.sum(-1)
+    return TailGap(drift.reshape(shape), gap.reshape(shape), head_mass.reshape(shape))

@@ -144,14 +144,15 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
         center, drift = score_center_topk_with_drift(logits, ids, logq, temperature=temperature)
         return logp, {**extras, **forward_extras(center=center), **centering_token_metrics(drift, logq)}
     sampler_logits = sampler
-    ids, logq = sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
     if state.preset.score_centering == "topk":
-        center = score_center_topk(logits, ids, logq, temperature=temperature)
+        center = score_center_topk(logits, *sampler_topk(sampler_logits, SCORE_CENTERING_TOPK,
+                                                         temperature=temperature), temperature=temperature)
     else:
         center = score_center(logits, sampler_logits, temperature=temperature)
-    drift, gap = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
-    return logp, {**extras, **forward_extras(center=center), **centering_token_metrics(drift, logq),
-                  "score_centering/topk_gap_tv": gap}
+    tail = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
+    return logp, {**extras, **forward_extras(center=center),
+                  **centering_token_metrics(tail.drift, head_mass_q=tail.head_mass_q),
+                  "score_centering/topk_gap_tv": tail.gap}
 
 
 def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
