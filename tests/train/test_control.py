@@ -124,7 +124,7 @@ def test_dvp_coverage_config_and_sampling():
 
 def test_adaptive_safe_set_keeps_its_mass_and_prunes_more_where_confident():
     from offpolicy.rollout.sampling import SamplingConfig, process_logits
-    from offpolicy.train.scoring import adaptive_dvp_fields
+    from offpolicy.train.scoring import dvp_scores
 
     # row 0 confident: logits (14, 0 × 49) → p₀ = e¹⁴ / (e¹⁴ + 49) = 1 − 4.0e-5 ≥ 1 − ε, so top-p(1 − 1e-3) keeps
     # token 0 alone (Z = 0.99996); row 1 flat: p = 1/50 each, 1 − ε = 0.999 needs all 50 (49 hold only 0.98)
@@ -132,12 +132,19 @@ def test_adaptive_safe_set_keeps_its_mass_and_prunes_more_where_confident():
     z[0, 0, 0] = 14.0
     cfg = SamplingConfig(top_p=1 - 1e-3, min_p=1e-9)
     targets = torch.zeros(2, 1, dtype=torch.long)
-    _, extras = adaptive_dvp_fields(z, targets, torch.ones(2, 1, dtype=torch.bool), cfg)
-    kept = torch.isfinite(process_logits(z, cfg)).sum(-1)
+    logp, inside, mass = dvp_scores(z, targets, cfg)
+    processed = process_logits(z, cfg)
+    kept = torch.isfinite(processed).sum(-1)
     assert kept.tolist() == [[1], [50]]
-    assert extras["dvp_mass"][0, 0].item() == pytest.approx(1 - 49 / (math.exp(14) + 49), rel=1e-6)
-    assert extras["dvp_keep"].all()
-    assert (extras["dvp_mass"] >= 1 - 1e-3 - 1e-6).all()  # the retained mass never drops below 1 − ε
+    assert mass[0, 0].item() == pytest.approx(1 - 49 / (math.exp(14) + 49), rel=1e-6)
+    assert inside.all()
+    assert (mass >= 1 - 1e-3 - 1e-6).all()  # the retained mass never drops below 1 − ε
+    # the log-prob is the engine's processing at the target: 0 on row 0 (alone in V_S), log 1/50 on row 1
+    torch.testing.assert_close(logp, processed.gather(-1, targets[..., None])[..., 0])
+    # a target outside V_S (row 0 keeps token 0 alone) is outside, and the mass is the set's, whatever the target
+    _, inside_1, mass_1 = dvp_scores(z, torch.ones(2, 1, dtype=torch.long), cfg)
+    assert inside_1.tolist() == [[False], [True]]
+    torch.testing.assert_close(mass_1, mass)
 
 
 def test_fp32_engine_with_the_adaptive_set_is_on_policy(tmp_path, fresh, make_overrides, varying_task):

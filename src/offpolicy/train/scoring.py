@@ -1,5 +1,6 @@
 """The trainer's log-probs of sampled tokens (π_old's scoring forward and π_θ's in the update), DVP's constrained
-variants, and the exact token KL between the engine's and the trainer's logits.
+variants (through :func:`offpolicy.forward_scores.token_scores`, the function every host's scoring calls), and the
+exact token KL between the engine's and the trainer's logits.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from offpolicy.rollout.sampling import SamplingConfig, process_logits
+from offpolicy.rollout.sampling import TRUNCATION_ORDER, SamplingConfig, process_logits
 from offpolicy.rollout.scoring import sequence_logprobs
 
 
@@ -18,54 +19,48 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
                  return_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
     """The trainer's log-probs ``[B, T]`` of the sampled tokens: ``(logp, mask, raw logits | None, extras)``.
 
-    Plain: processed exactly like the engine (temperature, top-k/p, min-p). DVP (``dvp_rho``): min-p constrained
-    log π^mp over the trainer's own safe set V_S (:func:`offpolicy.corrections.vocabulary.dvp_fields`), with
-    ``extras["dvp_keep"]`` (sampled token inside V_S, else ratio 0) and ``extras["dvp_mass"]`` (retained mass Z).
+    Plain: processed exactly like the engine (temperature, top-k/p, min-p). DVP (``dvp_rho``): log π over the
+    trainer's own safe set V_S — min-p(ρ) at the sampling temperature (arXiv 2512.23087 Def 5.2), or with
+    ``algorithm.dvp_coverage`` (``sampling`` carries top-p = 1 − ε and min-p = ρ) the entropy-adaptive
+    V_S = top-p(1 − ε) ∩ min-p(ρ) of the whole recipe — read off the forward's logits by
+    :func:`~offpolicy.forward_scores.token_scores`, as TRL's and verl's DVP are. ``extras["dvp_keep"]``: the sampled
+    token is inside V_S (DVP's ratio is 0 otherwise; its log-prob is a finite 0 there); ``extras["dvp_mass"]``: the
+    retained mass Z (Prop. 5.5 bounds the bias by R·T·(1 − Z_min)).
     """
     if dvp_rho is None:
         out = sequence_logprobs(model, prompt_ids, completions, sampling, dtype=dtype, return_logits=return_logits)
         return out[0], out[1], (out[2] if return_logits else None), {}
-    from offpolicy.corrections.vocabulary import dvp_fields
     from offpolicy.rollout.base import pad_ids
 
-    adaptive = sampling.top_p is not None  # algorithm.dvp_coverage: V_S = top-p(1 − ε) ∩ min-p(ρ)
+    adaptive = sampling.top_p is not None
+    safe_set = sampling if adaptive else SamplingConfig(temperature=sampling.temperature, min_p=dvp_rho)
     # the forward only needs the raw logits: the safe set is applied once, below (a top-p sort per position costs
     # as much as the rest of the scoring)
     plain = replace(sampling, top_p=None, min_p=None) if adaptive else replace(sampling, min_p=None)
     _, mask, logits = sequence_logprobs(model, prompt_ids, completions, plain, dtype=dtype, return_logits=True)
     targets = pad_ids(completions, 0, side="right")[0].to(logits.device)[:, : mask.shape[1]]
-    if adaptive:
-        logp, extras = adaptive_dvp_fields(logits, targets, mask, sampling)
-    else:  # the paper's fixed ρ: pruned logits get −50, not −inf
-        fields = dvp_fields(logits, targets, mask, rho=dvp_rho, temperature=sampling.temperature)
-        fixed_logp, fixed_extras = fields["logp"], fields["extras"]
-        assert isinstance(fixed_logp, Tensor) and isinstance(fixed_extras, dict)
-        logp, extras = fixed_logp, dict(fixed_extras)
-    return logp, mask, (logits if return_logits else None), extras
+    logp, keep, mass = dvp_scores(logits, targets, safe_set)
+    keep = keep & mask
+    return torch.where(keep, logp, torch.zeros_like(logp)), mask, (logits if return_logits else None), \
+        {"dvp_keep": keep, "dvp_mass": mass}
 
 
-def adaptive_dvp_fields(logits: Tensor, targets: Tensor, mask: Tensor,
-                        sampling: SamplingConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """DVP over the entropy-adaptive safe set V_S = top-p(1 − ε) ∩ min-p(ρ) of the trainer's own raw logits
-    ``[B, T, V]`` (``algorithm.dvp_coverage`` = ε; ``sampling`` carries top-p = 1 − ε and min-p = ρ): log π over V_S
-    of the ``targets`` ``[B, T]`` (processed like the engine's μ over V'_S), with a finite stand-in (0) where the
-    sampled token is outside V_S or masked, and the extras of :func:`~offpolicy.corrections.vocabulary.dvp_fields`:
-    ``dvp_keep`` (y ∈ V_S: DVP's ratio is 0 otherwise) and ``dvp_mass`` (retained mass Z ≥ 1 − ε wherever ρ does not
-    cut deeper; DVP Prop. 5.5 bounds the bias by R·T·(1 − Z_min)).
+def dvp_scores(logits: Tensor, targets: Tensor, safe_set: SamplingConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp, inside, mass)`` ``[B, T]`` of ``targets`` on DVP's safe set ``safe_set`` (a sampling recipe without
+    penalties) of raw logits ``[B, T, V]``, in the trainer's filter order (HF's: top-k, top-p, min-p): one
+    :func:`~offpolicy.forward_scores.token_scores` pass. Differentiable through ``logp``.
 
     >>> z = torch.tensor([[[3.0, 0.0, -1.0]]])                    # p = (0.9364, 0.0466, 0.0171)
-    >>> cfg = SamplingConfig(top_p=0.95, min_p=1e-6)               # top-p keeps the first two: Z = 0.9829
-    >>> logp, extras = adaptive_dvp_fields(z, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool), cfg)
-    >>> extras["dvp_keep"], round(float(extras["dvp_mass"]), 4), float(logp)
-    (tensor([[False]]), 0.9829, 0.0)
+    >>> logp, inside, mass = dvp_scores(z, torch.tensor([[2]]), SamplingConfig(top_p=0.95, min_p=1e-6))
+    >>> inside, round(float(mass), 4)                             # top-p keeps the first two: Z = 0.9829
+    (tensor([[False]]), 0.9829)
     """
-    processed = process_logits(logits, sampling)  # log π over V_S, −inf outside it
-    logp = processed.gather(-1, targets[..., None])[..., 0]
-    keep = mask & torch.isfinite(logp)
-    z = logits.detach().float() / sampling.temperature
-    kept = torch.isfinite(processed.detach())
-    mass = torch.exp(torch.logsumexp(z.masked_fill(~kept, float("-inf")), -1) - torch.logsumexp(z, -1))
-    return torch.where(keep, logp, torch.zeros_like(logp)), {"dvp_keep": keep, "dvp_mass": mass}
+    from offpolicy.forward_scores import token_scores
+
+    vocab = logits.shape[-1]
+    s = token_scores(targets.reshape(-1), logits=logits.reshape(-1, vocab), recipe=safe_set, order=TRUNCATION_ORDER)
+    assert s.logp is not None and s.mass is not None  # token_scores' defaults
+    return s.logp.reshape(targets.shape), s.inside.reshape(targets.shape), s.mass.reshape(targets.shape)
 
 
 def exact_token_kl(rollout_logits: Tensor, train_logits: Tensor, sampling: SamplingConfig) -> Tensor:
