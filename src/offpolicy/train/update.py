@@ -127,32 +127,40 @@ def _score_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Te
     the top-k head's mass and the top-k tail error ½‖q − q̂‖₁ as extras (logged as ``score_centering/*``). ``sampler``: the raw logits ``[B, T, V]``
     of a re-score, or a server's head ``(ids, log q)`` ``[B, T, K]``: then the drift is the proportional-tail estimate
     ½‖q̂ − p‖₁ and the tail error, which needs the full q, is not logged."""
-    from offpolicy.objectives.score_centering import (
-        centering_token_metrics,
-        sampler_topk,
-        score_center,
-        score_center_topk,
-        score_center_topk_with_drift,
-        topk_tail_gap,
-    )
+    from offpolicy.objectives.score_centering import centering_token_metrics, sampler_topk, score_center, topk_tail_gap
 
     temperature = state.sampling.temperature
     if state.preset.score_weighting is not None:  # the IS rule's weight and weighted centre (score_centering_is)
         return _weighted_centered(state, logp, logits, sampler, rollout_logp, extras, targets)
     if isinstance(sampler, tuple):  # the engine's own top-K, already tempered
         ids, logq = sampler
-        center, drift = score_center_topk_with_drift(logits, ids, logq, temperature=temperature)
+        center, drift = _topk_center(logits, ids, logq, temperature, drift=True)
+        assert drift is not None  # asked for
         return logp, {**extras, **forward_extras(center=center), **centering_token_metrics(drift, logq)}
     sampler_logits = sampler
     if state.preset.score_centering == "topk":
-        center = score_center_topk(logits, *sampler_topk(sampler_logits, SCORE_CENTERING_TOPK,
-                                                         temperature=temperature), temperature=temperature)
+        center = _topk_center(logits, *sampler_topk(sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature),
+                              temperature, drift=False)[0]
     else:
         center = score_center(logits, sampler_logits, temperature=temperature)
     tail = topk_tail_gap(logits.detach(), sampler_logits, SCORE_CENTERING_TOPK, temperature=temperature)
     return logp, {**extras, **forward_extras(center=center),
                   **centering_token_metrics(tail.drift, head_mass_q=tail.head_mass_q),
                   "score_centering/topk_gap_tv": tail.gap}
+
+
+def _topk_center(logits: Tensor, ids: Tensor, logq: Tensor, temperature: float, *,
+                 drift: bool) -> tuple[Tensor, Tensor | None]:
+    """Score centering's top-K centre ``[B, T]`` of raw logits ``[B, T, V]`` on q's head ``(ids, logq)`` ``[B, T, K]``
+    (and its drift when asked): one :func:`~offpolicy.forward_scores.token_scores` pass, as TRL's and verl's."""
+    from offpolicy.forward_scores import token_scores
+
+    shape, vocab, k = ids.shape[:-1], logits.shape[-1], ids.shape[-1]
+    s = token_scores(torch.zeros(shape.numel(), dtype=torch.long, device=logits.device),
+                     logits=logits.reshape(-1, vocab), temperature=temperature,
+                     topk=(logq.reshape(-1, k), ids.reshape(-1, k)), center=True, drift=drift, logp=False, mass=False)
+    assert s.center is not None  # asked for
+    return s.center.reshape(shape), (s.drift.reshape(shape) if s.drift is not None else None)
 
 
 def _weighted_centered(state: TrainState, logp: Tensor, logits: Tensor, sampler: Tensor | tuple[Tensor, Tensor],
