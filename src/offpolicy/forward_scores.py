@@ -60,8 +60,10 @@ class TokenScores(NamedTuple):
 
 
 def penalised(z: Tensor, recipe: SamplingConfig, history: TokenHistory | None) -> Tensor:
-    """One chunk's float32 logits ``z`` [rows, V] after the recipe's penalties (``z`` itself when it has none)."""
-    return apply_history_processors(z, recipe, history) if recipe.reads_history else z
+    """One chunk's float32 logits ``z`` [rows, V] after the recipe's bad words, logit bias and penalties (``z``
+    itself when it has none): the first steps of the engine's processing, which a logit bias or a one-token bad word
+    takes too without reading the history."""
+    return apply_history_processors(z, recipe, history)
 
 
 def fused_recipe(recipe: SamplingConfig) -> bool:

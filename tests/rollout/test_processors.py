@@ -228,3 +228,38 @@ def test_replay_support_logp_with_the_recipe_is_process_logits_at_the_targets(na
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="recipe carries temperature"):
         replay_support_logp(logits, targets, recipe=cfg, history=history, top_k=3)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_token_scores_in_hfs_order_is_process_logits_at_the_targets(name):
+    # TRL's and verl's scoring (token_scores, here in HF's filter order and with the completion's history) against
+    # the engine's processing: the same log-probs, the same targets outside, the same gradient into the logits
+    from offpolicy.forward_scores import token_scores
+    from offpolicy.rollout.sampling import TRUNCATION_ORDER
+
+    cfg = RECIPES[name]
+    g = torch.Generator().manual_seed(2)
+    prompts, completions = [[1, 3, 3, 9], [2, 7, 8]], [[3, 7, 8, 20, 21], [9, 9, 4]]
+    logits = (2 * torch.randn(2, 5, 32, generator=g)).requires_grad_(True)
+    history = completion_history(prompts, completions, 32, cfg) if cfg.reads_history else None
+    targets = torch.tensor([[3, 7, 8, 20, 22], [9, 9, 4, 0, 0]])
+    s = token_scores(targets.reshape(-1), logits=logits.reshape(-1, 32), recipe=cfg, order=TRUNCATION_ORDER,
+                     history=history)
+    expected = process_logits(logits, cfg, history).gather(-1, targets[..., None]).squeeze(-1).reshape(-1)
+    inside = torch.isfinite(expected)
+    assert torch.equal(s.inside & torch.isfinite(s.logp), inside)  # a banned word: inside its support, at −inf
+    torch.testing.assert_close(s.logp[inside], expected[inside])
+    (grad,) = torch.autograd.grad(s.logp[inside].sum(), logits)
+    (want,) = torch.autograd.grad(expected[inside].sum(), logits)
+    torch.testing.assert_close(grad, want)
+
+
+def test_a_history_chunk_is_the_flattened_rows_of_the_history():
+    cfg = SamplingConfig(frequency_penalty=1.0, bad_words_ids=[[3, 5]])
+    h = completion_history([[1, 3], [2]], [[3, 5, 6], [4]], V, cfg)  # [B, T] = [2, 3]; prompt_seen is [2, 1, V]
+    c = h.chunk(2, 5, V)  # rows (0, 2), (1, 0), (1, 1)
+    assert torch.equal(c.output_counts, h.output_counts.reshape(-1, V)[2:5])
+    assert torch.equal(c.prompt_seen, h.prompt_seen.expand(2, 3, V).reshape(-1, V)[2:5])
+    assert torch.equal(c.context, h.context.reshape(-1, h.context.shape[-1])[2:5])
+    with pytest.raises(ValueError, match="vocabulary of 8, the logits have 9"):
+        h.chunk(0, 1, 9)

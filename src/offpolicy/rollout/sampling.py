@@ -170,6 +170,19 @@ class TokenHistory:
                 context[i, width - len(tail):] = torch.as_tensor(tail, dtype=torch.long, device=device)
         return TokenHistory(seen, torch.zeros(b, vocab_size, device=device), context)
 
+    def chunk(self, a: int, b: int, vocab: int) -> TokenHistory:
+        """Rows ``a:b`` of this history with its leading dims flattened (``[B, T]`` → ``[B·T]``, row-major): what
+        :func:`offpolicy.forward_scores.token_scores` reads per row chunk (``vocab``: the logits' V, checked)."""
+        lead = self.output_counts.shape[:-1]
+        if self.output_counts.shape[-1] != vocab:
+            raise ValueError(f"history: built for a vocabulary of {self.output_counts.shape[-1]}, the logits have {vocab}")
+        rows = torch.arange(a, b, device=self.output_counts.device)
+        index = torch.unravel_index(rows, tuple(lead))  # a broadcast dim of prompt_seen ([B, 1, V]) reads index 0
+        seen = self.prompt_seen[tuple(i if n > 1 else torch.zeros_like(i)
+                                      for i, n in zip(index, self.prompt_seen.shape[:-1]))]
+        context = self.context.reshape(-1, self.context.shape[-1])[a:b] if self.context is not None else None
+        return TokenHistory(seen, self.output_counts.reshape(-1, vocab)[a:b], context)
+
     def advance(self, tokens: Tensor, valid: Tensor) -> None:
         """Append the sampled ``tokens`` [B] of the rows where ``valid`` [B] is True (in place)."""
         self.output_counts.scatter_add_(-1, tokens[:, None].long(), valid[:, None].float())
