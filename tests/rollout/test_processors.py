@@ -210,48 +210,50 @@ def test_config_validation_names_the_processor():
     assert SamplingConfig(logit_bias={5: 1, 2: -1.0}).logit_bias == ((2, -1.0), (5, 1.0))  # hashable, sorted
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
-def test_replay_support_logp_with_the_recipe_is_process_logits_at_the_targets(name):
+def _replayed(logits, targets, cfg, history):
+    """(logp, inside) of TRL's replay on whole logits: replay_support_logp with the recipe."""
     from offpolicy.corrections.vocabulary import replay_support_logp
 
+    return replay_support_logp(logits, targets, recipe=cfg, history=history)
+
+
+def _one_pass(logits, targets, cfg, history):
+    """(logp, inside) of every host's one-pass scoring, token_scores, in HF's filter order (a banned word is inside
+    its support at −inf: counted outside here, as process_logits's −inf is)."""
+    from offpolicy.forward_scores import token_scores
+    from offpolicy.rollout.sampling import TRUNCATION_ORDER
+
+    vocab = logits.shape[-1]
+    s = token_scores(targets.reshape(-1), logits=logits.reshape(-1, vocab), recipe=cfg, order=TRUNCATION_ORDER,
+                     history=history if cfg.reads_history else None)
+    assert s.logp is not None
+    return s.logp.reshape(targets.shape), (s.inside & torch.isfinite(s.logp)).reshape(targets.shape)
+
+
+@pytest.mark.parametrize("score", [_replayed, _one_pass], ids=["replay_support_logp", "token_scores"])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_the_replayed_recipe_is_process_logits_at_the_targets(name, score):
     cfg = RECIPES[name]
     g = torch.Generator().manual_seed(2)
     prompts, completions = [[1, 3, 3, 9], [2, 7, 8]], [[3, 7, 8, 20, 21], [9, 9, 4]]
     logits = (2 * torch.randn(2, 5, 32, generator=g)).requires_grad_(True)
     history = completion_history(prompts, completions, 32, cfg)
     targets = torch.tensor([[3, 7, 8, 20, 22], [9, 9, 4, 0, 0]])
-    logp, inside = replay_support_logp(logits, targets, recipe=cfg, history=history)
+    logp, inside = score(logits, targets, cfg, history)
     expected = process_logits(logits, cfg, history).gather(-1, targets[..., None]).squeeze(-1)
     assert torch.equal(inside, torch.isfinite(expected))
     torch.testing.assert_close(logp[inside], expected[inside])
-    logp[inside].sum().backward()  # the gradient reaches the logits through the processors
-    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    # the gradient reaches the logits through the processors, as the engine's processing would pass it
+    (grad,) = torch.autograd.grad(logp[inside].sum(), logits)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected[inside].sum(), logits)[0])
+
+
+def test_replay_support_logp_refuses_a_recipe_beside_its_own_settings():
+    from offpolicy.corrections.vocabulary import replay_support_logp
+
+    cfg = RECIPES["top_k"]
     with pytest.raises(ValueError, match="recipe carries temperature"):
-        replay_support_logp(logits, targets, recipe=cfg, history=history, top_k=3)
-
-
-@pytest.mark.parametrize("name", sorted(RECIPES))
-def test_token_scores_in_hfs_order_is_process_logits_at_the_targets(name):
-    # TRL's and verl's scoring (token_scores, here in HF's filter order and with the completion's history) against
-    # the engine's processing: the same log-probs, the same targets outside, the same gradient into the logits
-    from offpolicy.forward_scores import token_scores
-    from offpolicy.rollout.sampling import TRUNCATION_ORDER
-
-    cfg = RECIPES[name]
-    g = torch.Generator().manual_seed(2)
-    prompts, completions = [[1, 3, 3, 9], [2, 7, 8]], [[3, 7, 8, 20, 21], [9, 9, 4]]
-    logits = (2 * torch.randn(2, 5, 32, generator=g)).requires_grad_(True)
-    history = completion_history(prompts, completions, 32, cfg) if cfg.reads_history else None
-    targets = torch.tensor([[3, 7, 8, 20, 22], [9, 9, 4, 0, 0]])
-    s = token_scores(targets.reshape(-1), logits=logits.reshape(-1, 32), recipe=cfg, order=TRUNCATION_ORDER,
-                     history=history)
-    expected = process_logits(logits, cfg, history).gather(-1, targets[..., None]).squeeze(-1).reshape(-1)
-    inside = torch.isfinite(expected)
-    assert torch.equal(s.inside & torch.isfinite(s.logp), inside)  # a banned word: inside its support, at −inf
-    torch.testing.assert_close(s.logp[inside], expected[inside])
-    (grad,) = torch.autograd.grad(s.logp[inside].sum(), logits)
-    (want,) = torch.autograd.grad(expected[inside].sum(), logits)
-    torch.testing.assert_close(grad, want)
+        replay_support_logp(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long), recipe=cfg, top_k=3)
 
 
 def test_a_history_chunk_is_the_flattened_rows_of_the_history():
