@@ -34,10 +34,9 @@ def score_policy(model: torch.nn.Module, prompt_ids: list[list[int]], completion
 
     adaptive = sampling.top_p is not None
     safe_set = sampling if adaptive else SamplingConfig(temperature=sampling.temperature, min_p=dvp_rho)
-    # the forward only needs the raw logits: the safe set is applied once, below (a top-p sort per position costs
-    # as much as the rest of the scoring)
-    plain = replace(sampling, top_p=None, min_p=None) if adaptive else replace(sampling, min_p=None)
-    _, mask, logits = sequence_logprobs(model, prompt_ids, completions, plain, dtype=dtype, return_logits=True)
+    # the forward only needs the raw logits (no recipe: its processed log-probs would be thrown away); the safe set
+    # is applied once, below
+    _, mask, logits = sequence_logprobs(model, prompt_ids, completions, None, dtype=dtype, return_logits=True)
     targets = pad_ids(completions, 0, side="right")[0].to(logits.device)[:, : mask.shape[1]]
     logp, keep, mass = dvp_scores(logits, targets, safe_set)
     keep = keep & mask
