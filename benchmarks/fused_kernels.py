@@ -1,7 +1,7 @@
 """Peak memory and time of the chunked fused kernels vs the naive full-logits computation (CPU, forward + backward).
 
-    python benchmarks/kernels.py            # N=2048, H=512, V=151936, float32 (several minutes on 2 cores)
-    python benchmarks/kernels.py --quick    # N=256, H=128, V=32000
+    python benchmarks/fused_kernels.py            # N=2048, H=512, V=151936, float32 (several minutes on 2 cores)
+    python benchmarks/fused_kernels.py --quick    # N=256, H=128, V=32000
 
 Each variant runs in its own subprocess so that peak memory is honest: after the inputs are built (without
 transient peaks: the stored rollout logits are filled chunk by chunk, and the high-water mark is then reset through
