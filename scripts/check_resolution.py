@@ -13,7 +13,7 @@ in a throwaway venv, all lines at once (pip waits on the index, not the CPU) —
   would replace a user package to satisfy the line. A failure, unless the line is one of ``KNOWN_CONFLICTS``, whose
   conflict the docs explain; a known conflict that resolves is a failure too (the docs would say something false).
 
-    scripts/check_resolution.py                          # CI (.ci/run, after the docs step)
+    scripts/check_resolution.py --timeout 900            # CI (.ci/run, in the background from its start)
     scripts/check_resolution.py --user vllm==0.32.0 --user torch==2.13.0 --timeout 300
 
 Exit 0: every line has its expected verdict. Needs the package index (or its mirror); installs nothing.

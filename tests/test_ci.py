@@ -101,6 +101,9 @@ def _run_fake_ci(tmp_path: Path, pytest_status: int, **env_vars: str) -> tuple[i
     (repo / "pyproject.toml").write_text('[project.optional-dependencies]\ndocs = ["mkdocs"]\n')
     for script in ("lint.sh", "install_vllm_cpu.sh", "check_wheel.sh", "check_resolution.py"):
         (repo / "scripts" / script).write_text(f'#!/usr/bin/env bash\necho "{script}" >>"$TRACE"\n')
+    # the resolution step runs in the background from the start: it writes its own trace, failing on demand
+    (repo / "scripts" / "check_resolution.py").write_text(
+        '#!/usr/bin/env bash\necho "check_resolution.py $*" >>"$RESOLUTION_TRACE"\nexit "${FAKE_RESOLUTION_STATUS:-0}"\n')
     # the docs step's own script, as it is: its mkdocs is the fake
     (repo / "scripts" / "build_docs.sh").write_text((ROOT / "scripts" / "build_docs.sh").read_text(encoding="utf-8"))
     executables = {**{fakes / "chromium": ""}, **{venv_bin / name: text for name, text in FAKE_VENV_BIN.items()},
@@ -116,13 +119,18 @@ exec "$REAL_PYTHON" "$@"
         path.write_text("#!/usr/bin/env bash\n" + text)
     for path in [*executables, *(repo / "scripts").iterdir(), repo / ".ci" / "run"]:
         path.chmod(0o755)
-    trace = tmp_path / "trace"
+    trace, resolution_trace = tmp_path / "trace", tmp_path / "resolution-trace"
     trace.touch()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFPOLICY_")}
-    env.update(PATH=f"{fakes}:{env['PATH']}", TRACE=str(trace), REAL_PYTHON=sys.executable,
+    env.update(PATH=f"{fakes}:{env['PATH']}", TRACE=str(trace), RESOLUTION_TRACE=str(resolution_trace),
+               REAL_PYTHON=sys.executable,
                FAKE_PYTEST_STATUS=str(pytest_status), **env_vars)
     out = subprocess.run(["bash", str(repo / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=120)
-    return out.returncode, trace.read_text().splitlines()
+    lines = trace.read_text().splitlines()
+    if "FAKE_MKDOCS_STATUS" not in env_vars and lines and lines[-1].startswith("mkdocs build"):
+        # CI got to its end, where it waits for the resolution step
+        assert resolution_trace.read_text().splitlines() == ["check_resolution.py --timeout 900"]  # run once
+    return out.returncode, lines
 
 
 def test_ci_runs_the_readme_line_first_then_the_integrations_with_skips_as_failures(tmp_path):
@@ -140,18 +148,23 @@ def test_ci_runs_the_readme_line_first_then_the_integrations_with_skips_as_failu
         "pytest require=1 log= --durations=40 tests/vllm tests/integrations tests/rollout/test_vllm.py "
         "tests/corrections/test_gated_openrlhf.py tests/x.py::t",  # ... and what phase 1 skipped
         "check_wheel.sh",
-        trace[-3],  # the docs extra's requirements, from a temporary file
-        trace[-2],  # scripts/build_docs.sh: every warning counts (no --quiet, which hides them from --strict)
-        "check_resolution.py",
-    ]
-    assert trace[-3].startswith("pip install -q --upgrade -r ")
-    assert trace[-2].startswith("mkdocs build --strict --site-dir ") and "--quiet" not in trace[-2]
+        trace[-2],  # the docs extra's requirements, from a temporary file
+        trace[-1],  # scripts/build_docs.sh: every warning counts (no --quiet, which hides them from --strict)
+    ]  # then the resolution step's verdict (started at the top) is waited for
+    assert trace[-2].startswith("pip install -q --upgrade -r ")
+    assert trace[-1].startswith("mkdocs build --strict --site-dir ") and "--quiet" not in trace[-1]
+
+
+def test_ci_fails_when_the_resolution_step_fails_after_everything_else_ran(tmp_path):
+    status, trace = _run_fake_ci(tmp_path, pytest_status=0, FAKE_RESOLUTION_STATUS="1")
+    assert status != 0
+    assert trace[-1].startswith("mkdocs build --strict")
 
 
 def test_ci_fails_when_the_docs_build_fails(tmp_path):
     status, trace = _run_fake_ci(tmp_path, pytest_status=0, FAKE_MKDOCS_STATUS="1")
     assert status != 0
-    assert trace[-1].startswith("mkdocs build --strict") and "check_resolution.py" not in trace
+    assert trace[-1].startswith("mkdocs build --strict")
 
 
 def test_ci_fails_when_phase_2_targets_cannot_be_listed(tmp_path):
