@@ -283,11 +283,13 @@ def run(steps: int = 6, prompts: int = 2, samples: int = 2, break_sync_at: int |
             failed_at = None
             while proc.poll() is None and time.perf_counter() - start < timeout:
                 seen.update((pid, _cmdline(pid)) for pid in _descendants(proc.pid))
-                time.sleep(5)
-                # main_ppo has reported its error (Hydra's last line) but Ray's shutdown can hang: give it 30 s
+                time.sleep(2)
+                # main_ppo has reported its error (Hydra's last line, after the traceback; the metrics file is
+                # written as each step ends). Ray's shutdown adds nothing to the result but can hang: a few
+                # seconds for the workers' last lines to reach the log through Ray's log monitor, then end it
                 if failed_at is None and "HYDRA_FULL_ERROR" in log.read_text(errors="replace")[-400:]:
                     failed_at = time.perf_counter()
-                if failed_at is not None and time.perf_counter() - failed_at > 30:
+                if failed_at is not None and time.perf_counter() - failed_at > 5:
                     break
         finally:
             _stop(proc)

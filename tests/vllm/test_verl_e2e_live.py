@@ -1,12 +1,12 @@
 """verl end to end on a CPU: ``python -m verl.trainer.main_ppo`` (verl 0.9.1's own trainer loop, Ray local, the FSDP2
 actor, vLLM's CPU build as verl's rollout) trains the embedded tiny model with the plug-in — weights pushed into vLLM
 after every step, a recipe file's DVP + TIS, calibrated clipping as verl's policy loss, the sync check after every
-sync — through examples/verl_end_to_end.py, and the ALP + score centering recipe file; then a run with DVP,
-calibrated IS and the delight gate whose harness makes the push do nothing from step 2 must fail naming that step's
-sync. Then one run with the actor sharded over two FSDP ranks (gloo): verl's hybrid engine runs two vLLM replicas
-(TP = 1), each fed by its own rank's push, and the check scores both; its first syncs pass and its push from step 3
-does nothing (one run, not two, and 3 steps, not 6: two vLLM servers and two trainer processes start on the same 2
-cores, 16 min under a load average of 12-28).
+sync — through examples/verl_end_to_end.py, and the ALP + score centering recipe file. Then one run with the actor
+sharded over two FSDP ranks (gloo), DVP, calibrated IS and the delight gate: verl's hybrid engine runs two vLLM
+replicas (TP = 1), each fed by its own rank's push and sampling inside DVP's safe set, and the check scores both; its
+first syncs pass and its push from step 3 does nothing, which must fail the run naming that sync (one run, not one
+per feature, and 3 steps, not 6: each run's time is start-up, and two vLLM servers and two trainer processes start
+on the same 2 cores).
 
 The runs are slow (minutes on 2 cores each): marked ``slow``. Skipped without verl, ``transfer_queue`` or vLLM (this
 folder's conftest skips without vLLM).
@@ -122,30 +122,6 @@ def test_main_ppo_runs_the_alp_score_centering_recipe_file_unchanged(example, tm
         assert 0.5 < step["actor/score_centering/head_mass_q"] <= 1.0 + 1e-6, step
 
 
-@pytest.mark.slow
-def test_under_dvp_a_push_that_does_nothing_fails_the_run_naming_the_sync(example, tmp_path):
-    """A second run, with DVP and calibrated IS (min-p 0.05: vLLM samples inside the safe set through the plug-in's agent loop, the
-    actor scores over its own): the engine's μ equals the actor's π_old to round-off — a recipe applied on one side
-    only would part them by the safe set's missing mass — and the push that does nothing from step 2 stops the run."""
-    result = example.run(STEPS, break_sync_at=2, log=tmp_path / "main_ppo_broken.log", dvp=0.05,
-                         correction="[calibrated_is, delight]")
-    assert result["rc"] != 0, result["tail"]
-    text = Path(result["log"]).read_text(errors="replace")
-    flat = _flat(text)
-    assert "'default_agent_loop':'offpolicy_agent'" in flat and "min_p: 0.05" in text
-    assert result["steps"] == 1 and result["sync_ok"] == [1.0], result["tail"]  # the probe calibrated under DVP
-    assert result["rollout_corr"]["rollout_corr/logp_abs_diff_max"] < 1e-4, result["rollout_corr"]
-    # this run's correction is calibrated IS (arXiv 2609.32444) then the delight gate (arXiv 2603.20521), by name:
-    # with μ = π_old to round-off calibrated IS's cap is barely above 1 and caps nothing; delight's weights are
-    # σ(A · surprisal), never all 1 (0.49–0.52 on average, measured)
-    assert "'OFFPOLICY_VERL':'{correction:[calibrated_is,delight]," in flat
-    assert result["rollout_corr"]["rollout_corr/calibrated_is/capped_frac"] == 0.0, result["rollout_corr"]
-    assert 0.0 <= result["rollout_corr"]["rollout_corr/delight/suppressed_frac"] <= 1.0, result["rollout_corr"]
-    assert abs(result["rollout_corr"]["rollout_corr/rollout_is_mean"] - 1.0) > 1e-3, result["rollout_corr"]
-    assert "SyncCheckError" in text and "verl step 2: " in text, result["tail"]
-    assert result["steps"] <= 2  # step 1 was logged; step 2's sync stopped the run before its metrics
-
-
 def test_precision_is_fp32_on_both_sides_or_verls_defaults(example, tmp_path):
     def config(precision):
         out = example.overrides(tmp_path, tmp_path, tmp_path, 3, 2, 2, {}, tmp_path, precision=precision)
@@ -227,17 +203,33 @@ def test_ranks_set_verls_world_size_and_split_the_batch(example, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_fsdp_ranks_check_every_sync_on_both_replicas_and_catch_a_push_that_does_nothing(example, tmp_path):
-    """One two-rank run (CI's time: two trainer processes and two vLLM servers start once): the initial sync and
-    the syncs after steps 1 and 2 pass on both replicas, the push from step 3 does nothing and the run stops there."""
-    result = example.run(RANKS_STEPS, ranks=2, break_sync_at=RANKS_STEPS, log=tmp_path / "main_ppo_2ranks.log")
+def test_two_fsdp_ranks_under_dvp_check_every_sync_on_both_replicas_and_catch_a_push_that_does_nothing(
+        example, tmp_path):
+    """One two-rank run in fp32 (CI's time: two trainer processes and two vLLM servers start once), with DVP and
+    calibrated IS then the delight gate: the initial sync and the syncs after steps 1 and 2 pass on both replicas, the
+    push from step 3 does nothing and the run stops there, naming that sync and the replica.
+
+    DVP (min-p 0.05): vLLM samples inside the safe set through the plug-in's agent loop on each replica, the actor
+    scores over its own, and the engine's μ equals the actor's π_old to round-off — a recipe applied on one side only
+    would part them by the safe set's missing mass. The correction is calibrated IS (arXiv 2609.32444) then the delight
+    gate (arXiv 2603.20521), by name: with μ = π_old to round-off calibrated IS's cap is barely above 1 and caps
+    nothing; delight's weights are σ(A · surprisal), never all 1 (0.49–0.52 on average, measured)."""
+    result = example.run(RANKS_STEPS, ranks=2, break_sync_at=RANKS_STEPS, log=tmp_path / "main_ppo_2ranks.log",
+                         dvp=0.05, correction="[calibrated_is, delight]")
     assert result["rc"] != 0, result["tail"]
     text = Path(result["log"]).read_text(errors="replace")
+    flat = _flat(text)
     # verl's dispatch put the probe's actor forward on both FSDP ranks; each rank's vLLM server was scored
     assert "sync check: 2 rollout replica(s), actor data-parallel size 2" in text
     assert result["steps"] == RANKS_STEPS - 1, result["tail"]  # steps 1 and 2 logged their metrics
     assert result["checks"] == RANKS_STEPS and result["passed"] == RANKS_STEPS, result["tail"]
     assert result["sync_ok"] == [1.0] * (RANKS_STEPS - 1) and result["replicas"] == 2
-    assert "rollout_corr/" in text
+    assert "'default_agent_loop':'offpolicy_agent'" in flat and "min_p: 0.05" in text
+    assert "'OFFPOLICY_VERL':'{correction:[calibrated_is,delight]," in flat
+    corr = result["rollout_corr"]
+    assert corr["rollout_corr/logp_abs_diff_max"] < 1e-4, corr  # the probe calibrated under DVP
+    assert corr["rollout_corr/calibrated_is/capped_frac"] == 0.0, corr
+    assert 0.0 <= corr["rollout_corr/delight/suppressed_frac"] <= 1.0, corr
+    assert abs(corr["rollout_corr/rollout_is_mean"] - 1.0) > 1e-3, corr
     assert "SyncCheckError" in text, result["tail"]
     assert f"verl step {RANKS_STEPS}: weight sync into the rollout engine (replica 0 of 2): " in text
